@@ -1,0 +1,66 @@
+"""What a platform's attention backend receives and must do.
+
+Tokens of all requests in a step are flattened into one sequence (no padding
+across requests). Request ``i`` owns query rows
+``query_start_loc[i]:query_start_loc[i+1]``; those rows are the *last*
+``query_len`` positions of a context of ``seq_lens[i]`` tokens, whose K/V live
+in the paged cache at the blocks listed in ``block_table[i]``.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Built once per step by the model runner, shared by every layer."""
+
+    num_actual_tokens: int
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1], cumulative query lengths
+    seq_lens: torch.Tensor  # int32 [num_reqs], context length after this step's tokens
+    block_table: torch.Tensor  # int32 [num_reqs, max_blocks_per_req]; unused entries are 0
+    slot_mapping: torch.Tensor  # int64 [num_tokens], block_id * block_size + offset for each new token
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    # Host copies, so backends can plan without device syncs.
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    # Backend-specific extras, from AttentionBackend.prepare().
+    extra: Any = None
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+class AttentionBackend(ABC):
+    """Paged attention for one platform. Stateless apart from what prepare() caches per step."""
+
+    name: str = "abstract"
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        """Shape of one layer's KV cache tensor. Default: K and V stacked on dim 0."""
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        """Called once per step after the runner builds the metadata; may set ``metadata.extra``."""
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,  # get_kv_cache_shape(...)
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        """Write key/value into the cache at ``slot_mapping``, then return causal attention
+        of each query over its request's context: [num_tokens, num_heads, head_size]."""

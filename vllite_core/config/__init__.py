@@ -1,0 +1,194 @@
+"""Typed engine configuration.
+
+Each dataclass holds one concern; `VlliteConfig` bundles them and applies the
+cross-field rules (post-init) that vLLM applies: chunked prefill needs
+``max_num_batched_tokens >= block_size``, without chunked prefill the budget must
+hold a whole prompt, and so on. Platforms get a last word through
+``Platform.check_and_update_config``.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+logger = logging.getLogger("vllite.config")
+
+LogprobsMode = Literal["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"]
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
+SchedulerPolicy = Literal["fcfs", "priority"]
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+@dataclass
+class ModelConfig:
+    """What to load. ``model=None`` means the embedded default model."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    max_model_len: int | None = None  # None: from the model's config
+    seed: int = 0
+    logprobs_mode: LogprobsMode = "raw_logprobs"
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32", "fp16"):
+            raise ConfigError(f"dtype: unknown value {self.dtype!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ConfigError(f"logprobs_mode: must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ConfigError("max_model_len: must be positive")
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache: block geometry, how many blocks, prefix caching."""
+
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # auto (= model dtype) | fp8 variants where a platform supports them
+    num_kv_blocks: int | None = None  # override of the profiled number (alias: num_gpu_blocks_override)
+    kv_cache_memory: int | None = None  # bytes for the KV cache (overrides memory_utilization)
+    memory_utilization: float = 0.9  # fraction of device memory the engine may use (gpu_memory_utilization)
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size: must be a positive power of two, got {self.block_size}")
+        if not 0.0 < self.memory_utilization <= 1.0:
+            raise ConfigError(f"memory_utilization: must be in (0, 1], got {self.memory_utilization}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise ConfigError("num_kv_blocks: must be positive")
+
+
+@dataclass
+class SchedulerConfig:
+    """The unified token-budget scheduler."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    enable_chunked_prefill: bool = True
+    policy: SchedulerPolicy = "fcfs"
+    max_num_partial_prefills: int = 1
+    long_prefill_token_threshold: int = 0  # 0: no cap per prefill chunk
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "priority"):
+            raise ConfigError(f"scheduling_policy: must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.max_num_batched_tokens <= 0:
+            raise ConfigError("max_num_batched_tokens: must be positive")
+        if self.max_num_seqs <= 0:
+            raise ConfigError("max_num_seqs: must be positive")
+
+
+@dataclass
+class DeviceConfig:
+    """Which platform to run on; None resolves through the plugin manager."""
+
+    device: str | None = None
+    num_threads: int | None = None  # CPU platforms: torch threads (None: all cores)
+
+
+@dataclass
+class VlliteConfig:
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    enforce_eager: bool = False
+    # Filled in when the model is resolved (engine start-up): architecture facts.
+    is_encoder_decoder: bool = False
+    supports_prefix_caching: bool = True
+
+    def finalize(self, max_model_len: int) -> None:
+        """Apply the cross-field rules once the model's context length is known."""
+        mc, cc, sc = self.model_config, self.cache_config, self.scheduler_config
+        mc.max_model_len = max_model_len
+        if self.is_encoder_decoder:
+            if sc.enable_chunked_prefill or cc.enable_prefix_caching:
+                logger.warning("encoder-decoder model: chunked prefill and prefix caching are turned off")
+            sc.enable_chunked_prefill = False
+            cc.enable_prefix_caching = False
+        if not self.supports_prefix_caching and cc.enable_prefix_caching:
+            logger.warning("this model does not support prefix caching: turned off")
+            cc.enable_prefix_caching = False
+        if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < max_model_len:
+            logger.info("chunked prefill off: max_num_batched_tokens raised to max_model_len=%d", max_model_len)
+            sc.max_num_batched_tokens = max_model_len
+        if sc.max_num_batched_tokens < sc.max_num_seqs and sc.enable_chunked_prefill:
+            # One token per running request must fit in a step.
+            sc.max_num_seqs = sc.max_num_batched_tokens
+
+
+@dataclass
+class EngineArgs:
+    """Flat engine arguments with vLLM's names (CLI flags are these in kebab-case)."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    scheduling_policy: str = "fcfs"
+    max_num_partial_prefills: int = 1
+    long_prefill_token_threshold: int = 0
+    logprobs_mode: str = "raw_logprobs"
+    kv_cache_dtype: str = "auto"
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+    device: str | None = None
+    num_threads: int | None = None
+    trust_remote_code: bool = False
+
+    ALIASES = {"num_gpu_blocks_override": "num_kv_blocks", "memory_utilization": "gpu_memory_utilization"}
+    REJECTED = {
+        "swap_space": "there is no KV swapping: a preempted request is recomputed (prefix caching makes that cheap)",
+        "best_of": "best_of is removed: use n, or send several requests",
+    }
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
+        known = {f.name for f in fields(cls)}
+        out: dict[str, Any] = {}
+        for key, value in kwargs.items():
+            if key in cls.REJECTED:
+                if value in (None, 0, 1) and key == "best_of":
+                    continue
+                if key == "swap_space" and not value:
+                    continue
+                raise ConfigError(f"{key}: {cls.REJECTED[key]}")
+            key = cls.ALIASES.get(key, key)
+            if key not in known:
+                raise ConfigError(f"unknown engine argument {key!r}")
+            out[key] = value
+        return cls(**out)
+
+    def create_config(self) -> VlliteConfig:
+        return VlliteConfig(
+            model_config=ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
+                                     max_model_len=self.max_model_len, seed=self.seed,
+                                     logprobs_mode=self.logprobs_mode,  # type: ignore[arg-type]
+                                     trust_remote_code=self.trust_remote_code),
+            cache_config=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
+                                     kv_cache_dtype=self.kv_cache_dtype, num_kv_blocks=self.num_kv_blocks,
+                                     kv_cache_memory=self.kv_cache_memory,
+                                     memory_utilization=self.gpu_memory_utilization),
+            scheduler_config=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
+                                             max_num_seqs=self.max_num_seqs,
+                                             enable_chunked_prefill=self.enable_chunked_prefill,
+                                             policy=self.scheduling_policy,  # type: ignore[arg-type]
+                                             max_num_partial_prefills=self.max_num_partial_prefills,
+                                             long_prefill_token_threshold=self.long_prefill_token_threshold),
+            device_config=DeviceConfig(device=self.device, num_threads=self.num_threads),
+            enforce_eager=self.enforce_eager,
+        )

@@ -1,0 +1,120 @@
+"""The Platform contract: everything the hardware-neutral core asks of a device.
+
+A platform package implements a subclass and returns it from the
+``vllite_register_platforms`` hook. The core never imports a device module;
+it only calls these methods.
+"""
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from vllite_core.attention import AttentionBackend
+    from vllite_core.config import VlliteConfig
+
+
+@dataclass
+class Detection:
+    """Answer of ``Platform.detect()``: can this platform run here, and how much it wants to."""
+
+    available: bool
+    priority: int = 0
+    reason: str = ""
+    devices: list[str] = field(default_factory=list)
+
+
+class Platform(ABC):
+    """One kind of hardware. Subclasses set the class attributes and implement the methods."""
+
+    name: ClassVar[str] = "abstract"  # what users type: --device NAME / VLLITE_PLATFORM
+    device_type: ClassVar[str] = "cpu"  # torch device type
+    dist_backend: ClassVar[str] = "gloo"  # torch.distributed backend name
+    plugin_api: ClassVar[tuple[int, int]] = (1, 0)  # VLLITE_PLUGIN_API the platform was written for
+
+    # ---- identity and detection -------------------------------------------------
+    @classmethod
+    @abstractmethod
+    def detect(cls) -> Detection:
+        """Probe the machine cheaply (no device context). Never claim an absent device."""
+
+    def device(self, index: int = 0) -> torch.device:
+        return torch.device(self.device_type, index) if self.device_type != "cpu" else torch.device("cpu")
+
+    @abstractmethod
+    def device_name(self, index: int = 0) -> str:
+        """Human-readable device name."""
+
+    @abstractmethod
+    def total_memory(self, index: int = 0) -> int:
+        """Bytes of memory on the device."""
+
+    # ---- capabilities -----------------------------------------------------------
+    def supported_dtypes(self) -> list[torch.dtype]:
+        return [torch.float32]
+
+    def default_dtype(self) -> torch.dtype:
+        return self.supported_dtypes()[0]
+
+    def supported_kv_cache_dtypes(self) -> list[str]:
+        return ["auto"]
+
+    @abstractmethod
+    def get_attention_backend(self, config: "VlliteConfig") -> "AttentionBackend":
+        """The paged-attention backend to use for this config."""
+
+    # ---- memory -------------------------------------------------------------------
+    @abstractmethod
+    def determine_available_memory(self, config: "VlliteConfig", profile_run: Callable[[], None]) -> int:
+        """Bytes available for the KV cache after ``profile_run`` (a forward pass at the
+        largest batch) has shown the peak activation memory, within the configured
+        utilization fraction or the explicit ``kv_cache_memory``."""
+
+    # ---- graphs -------------------------------------------------------------------
+    def capture_graphs(
+        self,
+        forward: Callable[..., Any],
+        batch_sizes: list[int],
+        make_inputs: Callable[[int], dict[str, Any]],
+        config: "VlliteConfig",
+    ) -> dict[int, Callable[..., Any]]:
+        """Capture or compile ``forward`` for each decode batch size. Returns a runner per
+        captured size (the model runner pads a batch up to the next one); empty means eager.
+        Must return {} when ``config.enforce_eager``."""
+        return {}
+
+    # ---- lifecycle ----------------------------------------------------------------
+    def check_and_update_config(self, config: "VlliteConfig") -> None:
+        """Validate and adjust the config for this platform (dtype, kv dtype, block size...)."""
+
+    def init_device(self, config: "VlliteConfig") -> None:
+        """Prepare the process to use the device (threads, seeds, current device)."""
+
+    def synchronize(self) -> None:
+        """Wait for queued device work."""
+
+    def seed_everything(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    # ---- optional overrides ---------------------------------------------------------
+    worker_cls: ClassVar[str | None] = None  # "module:Class" replacing the default worker
+    model_runner_cls: ClassVar[str | None] = None  # "module:Class" replacing the default model runner
+
+    def describe(self) -> dict[str, Any]:
+        """Facts for `vllite env`."""
+        det = self.detect()
+        return {
+            "name": self.name,
+            "device_type": self.device_type,
+            "device_name": self.device_name(),
+            "total_memory": self.total_memory(),
+            "devices": det.devices,
+            "dist_backend": self.dist_backend,
+            "supported_dtypes": [str(d).replace("torch.", "") for d in self.supported_dtypes()],
+            "kv_cache_dtypes": self.supported_kv_cache_dtypes(),
+            "pid": os.getpid(),
+        }

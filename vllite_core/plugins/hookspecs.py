@@ -1,0 +1,57 @@
+"""The vllite plugin contract, version ``VLLITE_PLUGIN_API``.
+
+A plugin is a module (or object) named by an entry point in group
+``vllite.platforms`` (hardware) or ``vllite.plugins`` (everything else). It
+declares the API version it was written for as a module attribute::
+
+    VLLITE_PLUGIN_API = (1, 0)
+
+and implements any of the hooks below with ``@vllite_core.plugins.hookimpl``.
+A plugin whose major version differs from the core's, or whose minor version is
+newer than the core's, is refused with a message naming its distribution.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from model_registry.registry import ModelRegistry
+    from vllite_core.config import VlliteConfig
+    from vllite_core.platforms.interface import Platform
+
+PROJECT = "vllite"
+VLLITE_PLUGIN_API: tuple[int, int] = (1, 0)
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def vllite_register_platforms() -> "list[type[Platform]]":
+    """Return the Platform subclasses this plugin provides.
+
+    Every platform plugin answers; the core then asks each class to ``detect()``
+    and picks the available one with the highest priority (or the one named by
+    ``--device`` / ``VLLITE_PLATFORM``).
+    """
+
+
+@hookspec
+def vllite_register_models(registry: "ModelRegistry") -> None:
+    """Add model architectures: ``registry.register("LlamaForCausalLM", "pkg.mod:Class")``.
+
+    Entries are lazy import paths, so registering costs nothing until the
+    architecture is used. Built-in models are registered through this same hook.
+    """
+
+
+@hookspec
+def vllite_register_logits_processors() -> "list[Any]":
+    """Return global logits processors (objects or classes) applied to every request, batched."""
+
+
+@hookspec
+def vllite_check_config(config: "VlliteConfig") -> None:
+    """Inspect or adjust the engine config after the platform has; raise ConfigError to refuse it."""
