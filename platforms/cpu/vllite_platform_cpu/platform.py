@@ -1,0 +1,214 @@
+"""The CPU platform: always available, lowest priority, so any accelerator wins."""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import platform as pyplatform
+import resource
+import sys
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
+
+import torch
+
+from vllite_core.config import ConfigError
+from vllite_core.platforms.interface import Detection, Platform
+
+if TYPE_CHECKING:
+    from vllite_core.attention import AttentionBackend
+    from vllite_core.config import VlliteConfig
+
+logger = logging.getLogger("vllite.platforms.cpu")
+
+GiB = 1 << 30
+# Without an explicit size, the KV cache takes at most this much host memory:
+# the profiled budget on a big host would otherwise starve everything else.
+DEFAULT_KV_CACHE_CAP = 4 * GiB
+KVCACHE_SPACE_ENV = "VLLITE_CPU_KVCACHE_SPACE"  # GiB, like vLLM's VLLM_CPU_KVCACHE_SPACE
+
+
+@functools.lru_cache(maxsize=1)
+def _cpuinfo() -> dict[str, str]:
+    """First processor block of /proc/cpuinfo (empty off Linux)."""
+    out: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if not line.strip():
+                    if out:
+                        break
+                    continue
+                key, _, value = line.partition(":")
+                out.setdefault(key.strip().lower(), value.strip())
+    except OSError:
+        pass
+    return out
+
+
+def cpu_model_name() -> str:
+    info = _cpuinfo()
+    for key in ("model name", "hardware", "cpu model", "processor"):
+        value = info.get(key, "")
+        if value and not value.isdigit():
+            return value
+    return pyplatform.processor() or pyplatform.machine() or "cpu"
+
+
+def cpu_flags() -> set[str]:
+    info = _cpuinfo()
+    return set((info.get("flags") or info.get("features") or "").split())
+
+
+def has_fast_bf16(flags: set[str] | None = None) -> bool:
+    """Native bf16 math: AVX512-BF16 or AMX on x86, the bf16 extension on Arm."""
+    flags = cpu_flags() if flags is None else flags
+    if pyplatform.machine().lower() in ("aarch64", "arm64"):
+        return "bf16" in flags
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def _cgroup_limit() -> int | None:
+    """The container's memory limit, if one is set (cgroup v2, then v1)."""
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path, encoding="ascii") as f:
+                raw = f.read().strip()
+        except OSError:
+            continue
+        if raw.isdigit() and int(raw) < (1 << 60):
+            return int(raw)
+    return None
+
+
+def physical_memory() -> int:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    except ImportError:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot determine the host memory size")
+
+
+def current_rss() -> int:
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except ImportError:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss() -> int:
+    """Process high-water mark of resident memory (bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024
+
+
+def usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def kvcache_space_from_env() -> int | None:
+    raw = os.environ.get(KVCACHE_SPACE_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        gib = float(raw)
+    except ValueError:
+        raise ConfigError(f"{KVCACHE_SPACE_ENV}: expected a size in GiB, got {raw!r}") from None
+    if gib <= 0:
+        raise ConfigError(f"{KVCACHE_SPACE_ENV}: must be positive, got {raw!r}")
+    return int(gib * GiB)
+
+
+class CpuPlatform(Platform):
+    name: ClassVar[str] = "cpu"
+    device_type: ClassVar[str] = "cpu"
+    dist_backend: ClassVar[str] = "gloo"
+
+    @classmethod
+    def detect(cls) -> Detection:
+        return Detection(available=True, priority=0, reason="the host CPU is always usable (lowest priority)",
+                         devices=[cpu_model_name()])
+
+    def device_name(self, index: int = 0) -> str:
+        return cpu_model_name()
+
+    def total_memory(self, index: int = 0) -> int:
+        total = physical_memory()
+        limit = _cgroup_limit()
+        return min(total, limit) if limit else total
+
+    def supported_dtypes(self) -> list[torch.dtype]:
+        if has_fast_bf16():
+            return [torch.bfloat16, torch.float32]
+        return [torch.float32, torch.bfloat16]
+
+    def supported_kv_cache_dtypes(self) -> list[str]:
+        return ["auto"]
+
+    def get_attention_backend(self, config: "VlliteConfig") -> "AttentionBackend":
+        from vllite_platform_cpu.attention import TorchPagedAttention
+
+        return TorchPagedAttention()
+
+    def determine_available_memory(self, config: "VlliteConfig", profile_run: Callable[[], None]) -> int:
+        """Explicit size (``kv_cache_memory``, then VLLITE_CPU_KVCACHE_SPACE) if given; otherwise
+        ``memory_utilization * host memory`` minus what the process holds after a profile run,
+        capped at 4 GiB."""
+        cc = config.cache_config
+        if cc.kv_cache_memory is not None:
+            return int(cc.kv_cache_memory)
+        from_env = kvcache_space_from_env()
+        if from_env is not None:
+            return from_env
+        rss_before, peak_before = current_rss(), peak_rss()
+        profile_run()
+        rss_after, peak_after = current_rss(), peak_rss()
+        used = rss_after
+        if peak_after > peak_before:  # the activation peak happened during profiling
+            used = max(used, peak_after)
+        total = self.total_memory()
+        budget = int(cc.memory_utilization * total) - used
+        logger.info("cpu memory: total %.2f GiB, process uses %.2f GiB after profiling (grew %.2f GiB), "
+                    "budget %.2f GiB", total / GiB, used / GiB, (used - rss_before) / GiB, budget / GiB)
+        if budget <= 0:
+            raise ConfigError(
+                f"memory_utilization: {cc.memory_utilization} of {total / GiB:.2f} GiB leaves no room for the KV "
+                f"cache (the process already uses {used / GiB:.2f} GiB); raise it, or set kv_cache_memory "
+                f"or {KVCACHE_SPACE_ENV}")
+        if budget > DEFAULT_KV_CACHE_CAP:
+            logger.info("cpu KV cache capped at %d GiB; set kv_cache_memory or %s for more",
+                        DEFAULT_KV_CACHE_CAP // GiB, KVCACHE_SPACE_ENV)
+        return min(budget, DEFAULT_KV_CACHE_CAP)
+
+    def check_and_update_config(self, config: "VlliteConfig") -> None:
+        kv = config.cache_config.kv_cache_dtype
+        if kv not in self.supported_kv_cache_dtypes():
+            raise ConfigError(f"kv_cache_dtype: the cpu platform supports {self.supported_kv_cache_dtypes()}, "
+                              f"got {kv!r}")
+        threads = config.device_config.num_threads
+        if threads is not None and threads <= 0:
+            raise ConfigError(f"num_threads: must be positive, got {threads}")
+
+    def init_device(self, config: "VlliteConfig") -> None:
+        torch.set_num_threads(config.device_config.num_threads or usable_cpus())
+
+    def capture_graphs(self, forward: Callable[..., Any], batch_sizes: list[int],
+                       make_inputs: Callable[[int], dict[str, Any]], config: "VlliteConfig") -> dict[int, Callable[..., Any]]:
+        # Eager for now; torch.compile arrives with the performance work.
+        return {}
+
+    def describe(self) -> dict[str, Any]:
+        facts = super().describe()
+        facts["num_threads"] = torch.get_num_threads()
+        facts["fast_bf16"] = has_fast_bf16()
+        return facts

@@ -1,0 +1,121 @@
+"""The pool of physical KV blocks: allocation, reference counts, prefix-cache index."""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from vllite_core.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock
+
+
+class BlockPool:
+    """Owns every KV block and decides which one to evict next.
+
+    A block is in exactly one of two states: referenced (ref_cnt > 0, held by
+    running requests) or free (ref_cnt == 0, in the free queue). A free block
+    keeps its hash and stays findable by prefix lookups until it is evicted,
+    i.e. popped from the front of the free queue for a new allocation.
+
+    Block 0 is the null block: reserved so block tables can be zero-padded;
+    it is never handed out.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks: list[KVCacheBlock] = [KVCacheBlock(block_id=i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self.null_block.is_null = True
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
+        # One block per hash: a second block with the same content stays unindexed.
+        self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        """Fraction of usable blocks held by requests (free-but-cached counts as free)."""
+        return 1.0 - self.free_block_queue.num_free_blocks / self.num_usable_blocks
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self.cached_block_hash_to_block.get(block_hash)
+
+    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
+        """Take ``n`` blocks from the front of the free queue, evicting their cache entries."""
+        if n > self.free_block_queue.num_free_blocks:
+            raise ValueError(
+                f"cannot allocate {n} blocks: only {self.free_block_queue.num_free_blocks} free"
+            )
+        blocks = self.free_block_queue.popleft_n(n)
+        cache = self.cached_block_hash_to_block
+        for block in blocks:
+            if block.block_hash is not None:
+                del cache[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+        return blocks
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on each block (prefix hits); a free one leaves the free queue."""
+        queue = self.free_block_queue
+        for block in blocks:
+            if block.ref_cnt == 0 and not block.is_null:
+                queue.remove(block)
+            block.ref_cnt += 1
+
+    def cache_full_blocks(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[BlockHash],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+    ) -> None:
+        """Index ``blocks[num_cached_blocks:num_full_blocks]`` under their hashes.
+
+        ``block_hashes[i]`` is the hash of ``blocks[i]``. A block already indexed
+        (a prefix hit) is skipped; if another block already holds the hash, the
+        existing mapping wins and this block stays unindexed (it is a duplicate
+        that will simply be reused on eviction).
+        """
+        if not self.enable_caching:
+            return
+        cache = self.cached_block_hash_to_block
+        for i in range(num_cached_blocks, num_full_blocks):
+            block = blocks[i]
+            block_hash = block_hashes[i]
+            if block.block_hash is not None:
+                if block.block_hash != block_hash:
+                    raise RuntimeError(f"{block!r} is already cached under a different hash")
+                continue
+            if block_hash in cache:
+                continue
+            block.block_hash = block_hash
+            cache[block_hash] = block
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference from each block; those reaching 0 go to the queue tail.
+
+        Pass blocks in the order they should be evicted (a request's blocks in
+        reverse, so its tail goes before its shared head).
+        """
+        queue = self.free_block_queue
+        for block in ordered_blocks:
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"double free of {block!r}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0 and not block.is_null:
+                queue.append(block)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; refused (False) while any block is in use."""
+        if self.free_block_queue.num_free_blocks != self.num_usable_blocks:
+            return False
+        for block in self.cached_block_hash_to_block.values():
+            block.block_hash = None
+        self.cached_block_hash_to_block.clear()
+        return True

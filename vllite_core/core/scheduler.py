@@ -1,0 +1,249 @@
+"""The unified token-budget scheduler.
+
+Each step hands every request a number of tokens out of one budget. A running
+request needs ``num_tokens - num_computed_tokens`` (one while decoding, a chunk
+while prefilling); waiting requests are admitted while budget, sequence slots and
+KV blocks last. The scheduler only decides: blocks are tracked by the
+KVCacheManager and tensors live in the model runner.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from vllite_core.config import CacheConfig, SchedulerConfig
+from vllite_core.core.kv_cache_manager import KVCacheManager
+from vllite_core.core.request_queue import create_request_queue
+from vllite_core.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllite_core.request import Request, RequestStatus
+
+logger = logging.getLogger("vllite.scheduler")
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions_total: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 kv_cache_manager: KVCacheManager, max_model_len: int) -> None:
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        self.kv = kv_cache_manager
+        self.max_model_len = max_model_len
+        self.policy = scheduler_config.policy
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions_total = 0
+
+    # ---- intake -------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: str | list[str], status: RequestStatus) -> list[Request]:
+        """End requests from outside the step (abort, stop string): free their blocks now."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        done = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.status.finished:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.status = status
+            self._free(req)
+            done.append(req)
+        return done
+
+    def _free(self, req: Request) -> None:
+        self.kv.free(req)
+        self.finished_req_ids.add(req.request_id)
+        self.requests.pop(req.request_id, None)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.num_unfinished > 0
+
+    # ---- the step decision ------------------------------------------------------------
+    def _chunk(self, num_new: int, budget: int) -> int:
+        cap = self.config.long_prefill_token_threshold
+        if cap and num_new > 1:
+            num_new = min(num_new, cap)
+        return min(num_new, budget)
+
+    def _pick_victim(self) -> Request:
+        if self.policy == "priority":
+            return max(self.running, key=Request.sort_key)
+        return self.running[-1]
+
+    def _preempt(self, victim: Request, now: float) -> None:
+        self.running.remove(victim)
+        self.kv.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.prepend(victim)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        now = time.monotonic()
+        preempted: list[Request] = []
+        scheduled_running: list[Request] = []
+        new_block_ids: dict[str, list[int]] = {}
+        partial_prefills = 0
+
+        # 1) Running requests first, in order; preempt from the back when blocks run out.
+        idx = 0
+        while idx < len(self.running) and budget > 0:
+            req = self.running[idx]
+            num_new = req.num_tokens - req.num_computed_tokens
+            if num_new > 1:
+                if partial_prefills >= self.config.max_num_partial_prefills and self.config.max_num_partial_prefills > 1:
+                    idx += 1
+                    continue
+                partial_prefills += 1
+            num_new = self._chunk(num_new, budget)
+            if num_new <= 0:
+                idx += 1
+                continue
+            while True:
+                blocks = self.kv.allocate_slots(req, num_new)
+                if blocks is not None:
+                    break
+                victim = self._pick_victim()
+                if victim in scheduled_running:  # undo its place in this step
+                    scheduled_running.remove(victim)
+                    budget += out.num_scheduled_tokens.pop(victim.request_id)
+                    new_block_ids.pop(victim.request_id)
+                if self.running.index(victim) < idx:
+                    idx -= 1
+                self._preempt(victim, now)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if blocks is None:  # req preempted itself: nothing after it can run either
+                break
+            scheduled_running.append(req)
+            new_block_ids[req.request_id] = blocks
+            out.num_scheduled_tokens[req.request_id] = num_new
+            budget -= num_new
+            idx += 1
+
+        # 2) Admit waiting requests (never in a step that had to preempt).
+        scheduled_new: list[Request] = []
+        while (not preempted and len(self.waiting) and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            req = self.waiting.peek()
+            computed_blocks, num_computed = self.kv.get_computed_blocks(req)
+            num_new = req.num_tokens - num_computed
+            if num_new > 1 and self.config.max_num_partial_prefills > 1 \
+                    and partial_prefills >= self.config.max_num_partial_prefills:
+                break
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = self._chunk(num_new, budget)
+            blocks = self.kv.allocate_slots(req, num_new, computed_blocks, num_computed)
+            if blocks is None:
+                break
+            self.waiting.pop()
+            if num_new > 1:
+                partial_prefills += 1
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_computed
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_computed
+            if req.times.first_scheduled is None:
+                req.times.first_scheduled = now
+            self.running.append(req)
+            scheduled_new.append(req)
+            out.num_scheduled_tokens[req.request_id] = num_new
+            budget -= num_new
+
+        # 3) Describe the step for the runner.
+        for req in scheduled_new:
+            out.scheduled_new_reqs.append(NewRequestData(
+                req_id=req.request_id, token_ids=list(req.all_token_ids), num_prompt_tokens=req.num_prompt_tokens,
+                sampling_params=req.sampling_params, block_ids=list(self.kv.get_block_ids(req.request_id)),
+                num_computed_tokens=req.num_computed_tokens))
+        for req in scheduled_running:
+            out.scheduled_cached_reqs.append(CachedRequestData(
+                req_id=req.request_id, new_block_ids=new_block_ids[req.request_id],
+                num_computed_tokens=req.num_computed_tokens))
+        out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        out.preempted_req_ids = {r.request_id for r in preempted}
+        out.finished_req_ids = self.finished_req_ids
+        self.finished_req_ids = set()
+        # The tokens are as good as computed once scheduled (the runner computes them in order).
+        for rid, n in out.num_scheduled_tokens.items():
+            self.requests[rid].num_computed_tokens += n
+        return out
+
+    # ---- after the forward pass -------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Append sampled tokens, apply token-level stop rules. Returns requests that got tokens."""
+        now = time.monotonic()
+        updated: list[Request] = []
+        stopped: list[Request] = []
+        for rid, tokens in sampled.items():
+            req = self.requests.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING or not tokens:
+                continue
+            for tok in tokens:
+                req.append_output_token_ids([tok])
+                if self._check_stop(req, tok):
+                    break
+            if req.times.first_token is None:
+                req.times.first_token = now
+            req.times.last_token = now
+            updated.append(req)
+            if req.status.finished:
+                stopped.append(req)
+        for req in stopped:
+            self.running.remove(req)
+            req.times.finished = now
+            self._free(req)
+        return updated
+
+    def _check_stop(self, req: Request, tok: int) -> bool:
+        params = req.sampling_params
+        n_out = req.num_output_tokens
+        if n_out >= params.min_tokens:
+            if not params.ignore_eos and tok == req.eos_token_id:
+                req.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if tok in params.stop_token_ids:  # type: ignore[operator]
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = tok
+                return True
+        if n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def stats(self) -> SchedulerStats:
+        pcs = self.kv.prefix_cache_stats
+        return SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting),
+                              kv_cache_usage=self.kv.usage, num_preemptions_total=self.num_preemptions_total,
+                              prefix_cache_queries=pcs.queries, prefix_cache_hits=pcs.hits)

@@ -1,0 +1,157 @@
+"""EngineCore: the busy loop's body. Schedule, run the model, update requests.
+
+It knows nothing about text: it takes token-id requests and returns, per step,
+the new token ids of each request and whether it finished. Frontends (the sync
+LLMEngine, the async server engine) detokenize and shape outputs.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllite_core.config import ConfigError, VlliteConfig
+from vllite_core.core.kv_cache_manager import KVCacheManager
+from vllite_core.core.scheduler import Scheduler, SchedulerStats
+from vllite_core.request import Request, RequestStatus
+from vllite_core.worker.model_runner import SampleLogprobs
+from vllite_core.worker.worker import Worker
+
+logger = logging.getLogger("vllite.engine")
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[SampleLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass
+class StepTimes:
+    """Where a step's time went; the model's share should dominate."""
+
+    schedule: float = 0.0
+    execute: float = 0.0
+    update: float = 0.0
+    steps: int = 0
+    tokens: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        total = self.schedule + self.execute + self.update
+        return {"steps": self.steps, "tokens": self.tokens, "schedule_s": self.schedule, "execute_s": self.execute,
+                "update_s": self.update, "overhead_fraction": (self.schedule + self.update) / total if total else 0.0}
+
+
+@dataclass
+class ModelInfo:
+    source: Any
+    hf_config: Any
+    architecture: str
+    max_model_len: int
+    num_kv_blocks: int
+    extra: dict = field(default_factory=dict)
+
+
+def _derive_max_model_len(config: VlliteConfig, hf_config: Any) -> int:
+    limit = None
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length"):
+        if getattr(hf_config, key, None):
+            limit = int(getattr(hf_config, key))
+            break
+    asked = config.model_config.max_model_len
+    if asked is None:
+        if limit is None:
+            raise ConfigError("max_model_len: the model config does not say its context length; pass max_model_len")
+        return limit
+    if limit is not None and asked > limit:
+        raise ConfigError(f"max_model_len: {asked} is larger than the model's context length ({limit})")
+    return asked
+
+
+class EngineCore:
+    def __init__(self, config: VlliteConfig, platform: Any = None) -> None:
+        from model_registry.registry import build_registry
+        from model_registry.source import load_hf_config, resolve_model_source
+        from vllite_core.plugins.manager import get_plugin_manager
+        from vllite_core.platforms.resolve import resolve_platform
+
+        self.config = config
+        pm = get_plugin_manager()
+        if platform is None:
+            platform = resolve_platform(config.device_config.device).platform
+        self.platform = platform
+        platform.check_and_update_config(config)
+        pm.hook.vllite_check_config(config=config)
+
+        source = resolve_model_source(config.model_config.model)
+        hf_config = load_hf_config(source)
+        arch, model_cls = build_registry(pm).resolve_for_config(hf_config)
+        config.is_encoder_decoder = bool(getattr(model_cls, "is_encoder_decoder", False))
+        config.supports_prefix_caching = bool(getattr(model_cls, "supports_prefix_caching", True))
+        max_model_len = _derive_max_model_len(config, hf_config)
+        config.finalize(max_model_len)
+
+        self.worker = Worker(config, platform, pm)
+        self.worker.load_model(source, hf_config, arch, model_cls)
+        num_blocks = self.worker.determine_num_kv_blocks()
+        self.worker.initialize_kv_cache(num_blocks)
+        cc = config.cache_config
+        self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, max_model_len)
+        self.scheduler = Scheduler(config.scheduler_config, cc, self.kv_cache_manager, max_model_len)
+        self.model_info = ModelInfo(source, hf_config, arch, max_model_len, num_blocks)
+        self.step_times = StepTimes()
+        logger.info("engine ready: %s on %s, max_model_len=%d, %d KV blocks of %d tokens", arch, platform.name,
+                    max_model_len, num_blocks, cc.block_size)
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> None:
+        self.scheduler.finish_requests(request_id, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        t0 = time.perf_counter()
+        so = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        if so.is_empty and not so.finished_req_ids and not so.preempted_req_ids:
+            return []
+        result = self.worker.execute_model(so)
+        t2 = time.perf_counter()
+        updated = self.scheduler.update_from_output(so, result.sampled_token_ids)
+        outputs = []
+        for req in updated:
+            new = result.sampled_token_ids[req.request_id]
+            n_kept = len(new)
+            # Tokens past a stop were not appended: trim to what the request kept.
+            if req.status.finished and req.output_token_ids[-n_kept:] != new:
+                n_kept = 1
+            outputs.append(EngineCoreOutput(
+                request_id=req.request_id, new_token_ids=new[:n_kept],
+                new_logprobs=result.logprobs.get(req.request_id),
+                finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
+                num_cached_tokens=max(req.num_cached_tokens, 0), first_scheduled_time=req.times.first_scheduled,
+                num_preemptions=req.num_preemptions))
+        t3 = time.perf_counter()
+        st = self.step_times
+        st.schedule += t1 - t0
+        st.execute += t2 - t1
+        st.update += t3 - t2
+        st.steps += 1
+        st.tokens += so.total_num_scheduled_tokens
+        return outputs
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()

@@ -1,0 +1,120 @@
+"""LLMEngine: the synchronous frontend. Validates and tokenizes requests, steps the core,
+turns token ids into RequestOutputs."""
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any, Iterable
+
+from vllite_core.config import EngineArgs, VlliteConfig
+from vllite_core.engine.core import EngineCore
+from vllite_core.engine.errors import InvalidRequestError, PromptTooLongError
+from vllite_core.engine.output_processor import OutputProcessor, child_request_ids
+from vllite_core.outputs import RequestOutput
+from vllite_core.request import Request, RequestStatus
+from vllite_core.sampling_params import SamplingParams
+
+logger = logging.getLogger("vllite.engine")
+
+PromptType = str | dict[str, Any]
+
+
+class LLMEngine:
+    def __init__(self, config: VlliteConfig, platform: Any = None) -> None:
+        from model_registry.source import load_tokenizer
+
+        self.config = config
+        self.core = EngineCore(config, platform)
+        info = self.core.model_info
+        self.tokenizer = load_tokenizer(info.source, config.model_config.tokenizer)
+        self.max_model_len = info.max_model_len
+        self.vocab_size = int(getattr(info.hf_config, "vocab_size", 0) or len(self.tokenizer))
+        self.eos_token_id = self._eos_token_id(info.hf_config)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        return cls(args.create_config())
+
+    def _eos_token_id(self, hf_config: Any) -> int | None:
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(hf_config, "eos_token_id", None)
+            if isinstance(eos, (list, tuple)):
+                eos = eos[0] if eos else None
+        return eos
+
+    # ---- requests ---------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
+                    raise InvalidRequestError("prompt_token_ids", "must be a list of integers")
+                return prompt.get("prompt"), list(ids)
+            if "prompt" in prompt:
+                return self.tokenize_prompt(prompt["prompt"])
+        raise InvalidRequestError("prompt", f"must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Check a request against the model; returns its resolved max_tokens."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("prompt", "the prompt is empty")
+        if n >= self.max_model_len:
+            raise PromptTooLongError(n, self.max_model_len)
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError("prompt_token_ids", f"token id {bad[0]} is out of range [0, {self.vocab_size})")
+        room = self.max_model_len - n
+        return room if params.max_tokens is None else min(params.max_tokens, room)
+
+    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
+                    priority: int = 0, arrival_time: float | None = None) -> str:
+        params = params or SamplingParams()
+        if request_id is None:
+            request_id = str(next(self._ids))
+        if self.output_processor.has(request_id):
+            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+        if priority != 0 and self.config.scheduler_config.policy != "priority":
+            raise InvalidRequestError("priority", "priority is only supported with scheduling_policy='priority'")
+        text, ids = self.tokenize_prompt(prompt)
+        max_tokens = self.validate(ids, params)
+        child_ids = child_request_ids(request_id, params.n)
+        self.output_processor.add(request_id, text, ids, params, child_ids)
+        for i, cid in enumerate(child_ids):
+            child_params = params
+            if params.n > 1 and params.seed is not None:
+                child_params = _with_seed(params, params.seed + i)
+            kw = {} if arrival_time is None else {"arrival_time": arrival_time}
+            self.core.add_request(Request(cid, ids, child_params, eos_token_id=self.eos_token_id,
+                                          priority=priority, max_tokens=max_tokens, **kw))
+        return request_id
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            self.core.abort_requests(self.output_processor.abort(rid))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.core.scheduler.num_unfinished
+
+    def step(self, delta: bool = False) -> list[RequestOutput]:
+        core_outputs = self.core.step()
+        outputs, to_stop = self.output_processor.process(core_outputs, delta=delta)
+        for cid in to_stop:
+            self.core.finish_request(cid, RequestStatus.FINISHED_STOPPED)
+        return outputs
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    import dataclasses
+
+    return dataclasses.replace(params, seed=seed, n=1, best_of=None)

@@ -1,0 +1,168 @@
+"""Frontend side of a request: detokenize, apply stop strings, build RequestOutputs.
+
+One RequestState per engine request. A parent request with ``n > 1`` fans out
+into n engine requests (children share the prompt's KV blocks through the prefix
+cache) and is reported as one RequestOutput with n completions.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllite_core.engine.core import EngineCoreOutput
+from vllite_core.engine.detokenizer import IncrementalDetokenizer
+from vllite_core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from vllite_core.sampling_params import SamplingParams
+
+
+@dataclass
+class ChildState:
+    index: int
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    last_text_len: int = 0
+    last_num_tokens: int = 0
+
+
+@dataclass
+class RequestState:
+    """A user request (parent) and its n children, keyed by child engine ids."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: dict[str, ChildState]
+    arrival: float = field(default_factory=time.monotonic)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.children.values())
+
+
+def child_request_ids(request_id: str, n: int) -> list[str]:
+    return [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}  # parent id -> state
+        self.child_to_parent: dict[str, str] = {}
+
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+            child_ids: list[str]) -> None:
+        children = {}
+        for i, cid in enumerate(child_ids):
+            children[cid] = ChildState(index=i, detok=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
+                                       logprobs=[] if params.logprobs is not None else None,
+                                       cumulative_logprob=0.0 if params.logprobs is not None else None)
+            self.child_to_parent[cid] = request_id
+        self.states[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, children)
+
+    def has(self, request_id: str) -> bool:
+        return request_id in self.states
+
+    def child_ids(self, request_id: str) -> list[str]:
+        st = self.states.get(request_id)
+        return list(st.children) if st else []
+
+    def abort(self, request_id: str) -> list[str]:
+        st = self.states.pop(request_id, None)
+        if st is None:
+            return []
+        for cid in st.children:
+            self.child_to_parent.pop(cid, None)
+        return [cid for cid, c in st.children.items() if c.finish_reason is None]
+
+    def _decode_logprobs(self, ids: list[int], vals: list[float], rank: int) -> dict[int, Logprob]:
+        entry: dict[int, Logprob] = {}
+        for j, (tid, val) in enumerate(zip(ids, vals)):
+            if tid in entry:
+                continue
+            r = rank if j == 0 else j
+            entry[tid] = Logprob(val, r, self.tokenizer.decode([tid]))
+        return entry
+
+    def process(self, outputs: list[EngineCoreOutput], delta: bool = False
+                ) -> tuple[list[RequestOutput], list[str]]:
+        """Apply core outputs. Returns RequestOutputs for updated parents and child ids stopped
+        here by a stop string (the caller must finish them in the core)."""
+        now = time.monotonic()
+        touched: dict[str, RequestState] = {}
+        to_stop: list[str] = []
+        for out in outputs:
+            pid = self.child_to_parent.get(out.request_id)
+            if pid is None:
+                continue
+            st = self.states[pid]
+            child = st.children[out.request_id]
+            if child.finish_reason is not None:
+                continue
+            if st.first_scheduled is None:
+                st.first_scheduled = out.first_scheduled_time
+            if out.new_token_ids and st.first_token is None:
+                st.first_token = now
+            st.last_token = now
+            st.num_cached_tokens = max(st.num_cached_tokens, out.num_cached_tokens)
+            st.num_preemptions = max(st.num_preemptions, out.num_preemptions)
+            child.token_ids.extend(out.new_token_ids)
+            if out.new_logprobs and child.logprobs is not None:
+                for lp in out.new_logprobs:
+                    child.logprobs.append(self._decode_logprobs(lp.token_ids, lp.values, lp.sampled_rank))
+                    child.cumulative_logprob = (child.cumulative_logprob or 0.0) + lp.values[0]
+            child.detok.add_tokens(out.new_token_ids)
+            stop = child.detok.check_stop()
+            if stop is not None:
+                child.finish_reason, child.stop_reason = "stop", stop
+                if out.finish_reason is None:
+                    to_stop.append(out.request_id)
+            elif out.finish_reason is not None:
+                child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
+            touched[pid] = st
+        results = [self._make_output(st, delta) for st in touched.values()]
+        for st in touched.values():
+            if st.finished:
+                self.states.pop(st.request_id, None)
+                for cid in st.children:
+                    self.child_to_parent.pop(cid, None)
+        return results, to_stop
+
+    def _make_output(self, st: RequestState, delta: bool) -> RequestOutput:
+        comps = []
+        for child in st.children.values():
+            text = child.detok.output_text
+            if delta:
+                text_out = text[child.last_text_len:]
+                toks = child.token_ids[child.last_num_tokens:]
+                lps = child.logprobs[child.last_num_tokens:] if child.logprobs is not None else None
+                child.last_text_len, child.last_num_tokens = len(text), len(child.token_ids)
+            else:
+                text_out, toks, lps = text, list(child.token_ids), child.logprobs
+            comps.append(CompletionOutput(index=child.index, text=text_out, token_ids=toks,
+                                          cumulative_logprob=child.cumulative_logprob, logprobs=lps,
+                                          finish_reason=child.finish_reason, stop_reason=child.stop_reason))
+        finished = st.finished
+        m = RequestMetrics(arrival_time=st.arrival, num_prompt_tokens=len(st.prompt_token_ids),
+                           num_generation_tokens=sum(len(c.token_ids) for c in st.children.values()),
+                           num_cached_tokens=st.num_cached_tokens, num_preemptions=st.num_preemptions)
+        if st.first_scheduled is not None:
+            m.queue_time = st.first_scheduled - st.arrival
+        if st.first_token is not None:
+            m.time_to_first_token = st.first_token - st.arrival
+            m.decode_time = (st.last_token or st.first_token) - st.first_token
+        if finished:
+            m.e2e_latency = time.monotonic() - st.arrival
+        return RequestOutput(request_id=st.request_id, prompt=st.prompt, prompt_token_ids=st.prompt_token_ids,
+                             prompt_logprobs=None, outputs=comps, finished=finished, metrics=m,
+                             num_cached_tokens=st.num_cached_tokens)

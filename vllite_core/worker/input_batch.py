@@ -1,0 +1,104 @@
+"""The persistent input batch: per-request rows of host arrays kept across steps.
+
+A request keeps its row while it runs, so a step only writes what changed (new
+blocks, a sampled token) instead of rebuilding every request's inputs. Rows are
+kept dense (0..n-1) by moving the last row into a hole when a request leaves.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from vllite_core.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestState:
+    req_id: str
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    generator: torch.Generator | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.max_blocks = -(-max_model_len // block_size)
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)  # tokens known (prompt + sampled)
+        self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, self.max_blocks), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
+        self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
+        self.top_p = np.ones(max_num_reqs, dtype=np.float32)
+        self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
+        self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
+        self.states: list[RequestState | None] = [None] * max_num_reqs
+        self.index: dict[str, int] = {}
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.index)
+
+    def add(self, state: RequestState, token_ids: list[int], block_ids: list[int], num_computed: int) -> int:
+        row = self.num_reqs
+        if row >= self.max_num_reqs:
+            raise RuntimeError("input batch is full (max_num_seqs)")
+        n = len(token_ids)
+        self.token_ids[row, :n] = token_ids
+        self.num_tokens[row] = n
+        self.num_computed[row] = num_computed
+        self.block_table[row, :len(block_ids)] = block_ids
+        self.num_blocks[row] = len(block_ids)
+        p = state.sampling_params
+        self.temperature[row] = p.temperature
+        self.top_k[row] = p.top_k
+        self.top_p[row] = p.top_p
+        self.min_p[row] = p.min_p
+        self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        self.states[row] = state
+        self.index[state.req_id] = row
+        return row
+
+    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+        if block_ids:
+            start = self.num_blocks[row]
+            self.block_table[row, start:start + len(block_ids)] = block_ids
+            self.num_blocks[row] = start + len(block_ids)
+
+    def append_token(self, row: int, token: int) -> None:
+        n = self.num_tokens[row]
+        if n < self.max_model_len:
+            self.token_ids[row, n] = token
+        self.num_tokens[row] = n + 1
+
+    def remove(self, req_id: str) -> RequestState | None:
+        """Remove a request and fill its row with the last one, keeping rows dense."""
+        row = self.index.pop(req_id, None)
+        if row is None:
+            return None
+        state = self.states[row]
+        last = self.num_reqs  # index of the former last row (after pop)
+        if row != last:
+            self._move(last, row)
+        self.states[last] = None
+        return state
+
+    def _move(self, src: int, dst: int) -> None:
+        n = self.num_tokens[src]
+        self.token_ids[dst, :min(n, self.max_model_len)] = self.token_ids[src, :min(n, self.max_model_len)]
+        nb = self.num_blocks[src]
+        self.block_table[dst, :nb] = self.block_table[src, :nb]
+        for arr in (self.num_tokens, self.num_computed, self.num_blocks, self.temperature, self.top_k,
+                    self.top_p, self.min_p, self.num_logprobs):
+            arr[dst] = arr[src]
+        state = self.states[src]
+        self.states[dst] = state
+        assert state is not None
+        self.index[state.req_id] = dst

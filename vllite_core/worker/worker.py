@@ -1,0 +1,84 @@
+"""The worker: one device, one model. Loads weights, sizes the KV cache, runs steps."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllite_core.config import ConfigError, VlliteConfig
+from vllite_core.core.sched_output import SchedulerOutput
+from vllite_core.platforms.interface import Platform
+from vllite_core.worker.model_runner import ModelRunner, ModelRunnerOutput
+
+logger = logging.getLogger("vllite.worker")
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(name: str, platform: Platform) -> torch.dtype:
+    if name == "auto":
+        return platform.default_dtype()
+    dtype = _DTYPES[name]
+    if dtype not in platform.supported_dtypes():
+        raise ConfigError(f"dtype: {name} is not supported on platform {platform.name!r} "
+                          f"(supported: {[str(d).replace('torch.', '') for d in platform.supported_dtypes()]})")
+    return dtype
+
+
+@dataclass
+class LoadedModel:
+    source: Any
+    hf_config: Any
+    architecture: str
+    max_model_len: int
+
+
+class Worker:
+    def __init__(self, config: VlliteConfig, platform: Platform, plugin_manager: Any) -> None:
+        self.config = config
+        self.platform = platform
+        self.pm = plugin_manager
+        self.device = platform.device()
+        self.runner: ModelRunner | None = None
+
+    def load_model(self, source: Any, hf_config: Any, architecture: str, model_cls: type) -> None:
+        """Build the model on the device and the runner around it (config must be finalized)."""
+        from model_registry.loader import load_model
+
+        self.platform.init_device(self.config)
+        self.platform.seed_everything(self.config.model_config.seed)
+        dtype = resolve_dtype(self.config.model_config.dtype, self.platform)
+        backend = self.platform.get_attention_backend(self.config)
+        t0 = time.perf_counter()
+        model = load_model(source, hf_config, model_cls, backend, dtype, self.device)
+        model.eval()
+        logger.info("loaded %s (%s, %s) in %.1fs, attention backend %s", architecture, dtype,
+                    self.platform.name, time.perf_counter() - t0, backend.name)
+        self.runner = ModelRunner(self.config, model, backend, self.device, dtype)
+
+    def determine_num_kv_blocks(self) -> int:
+        assert self.runner is not None
+        cc = self.config.cache_config
+        if cc.num_kv_blocks is not None:
+            return cc.num_kv_blocks
+        available = self.platform.determine_available_memory(self.config, self.runner.profile_run)
+        per_block = self.runner.kv_cache_bytes_per_block()
+        num = int(available // per_block)
+        need = -(-(self.config.model_config.max_model_len or 0) // cc.block_size) + 1
+        if num < need:
+            raise ConfigError(f"kv cache: {available / 2**30:.2f} GiB holds {num} blocks, fewer than one "
+                              f"max_model_len sequence needs ({need}); lower max_model_len or raise kv_cache_memory")
+        return num
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        assert self.runner is not None
+        self.runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        assert self.runner is not None
+        return self.runner.execute_model(so)
