@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from vllite_core.core.kv_cache_manager import KVCacheManager
 from vllite_core.core.kv_cache_utils import hash_request_tokens
@@ -277,8 +277,8 @@ def test_hit_block_freed_again_moves_to_tail() -> None:
 # ---- stateful fuzz ----------------------------------------------------------------
 
 FUZZ_BS = 4
-FUZZ_BLOCKS = 11  # 10 usable: small enough to force eviction and preemption
-FUZZ_MAX_LEN = 32
+FUZZ_BLOCKS = 9  # 8 usable: small enough to force eviction and preemption
+FUZZ_MAX_LEN = 28
 
 
 class KVCacheMachine(RuleBasedStateMachine):
@@ -289,7 +289,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.mgr = KVCacheManager(FUZZ_BLOCKS, FUZZ_BS, max_model_len=FUZZ_MAX_LEN)
         self.waiting: list[FakeRequest] = []
         self.running: list[FakeRequest] = []
-        self.prompts: list[list[int]] = [[]]
+        self.seen: list[list[int]] = [[]]  # token sequences to draw shared prefixes from
         self.next_id = 0
         # block_id -> token written at each slot (None: not written since allocation).
         self.kv: dict[int, list[int | None]] = {}
@@ -302,23 +302,25 @@ class KVCacheMachine(RuleBasedStateMachine):
         for pos in range(start, min(end, req.num_tokens)):
             self.kv[blocks[pos // FUZZ_BS].block_id][pos % FUZZ_BS] = req.all_token_ids[pos]
 
-    def _evicts(self, ids: list[int]) -> bool:
-        return any(bid in self.kv and None not in self.kv[bid] for bid in ids)
-
     def _fresh(self, ids: list[int]) -> None:
         for bid in ids:
             assert bid != 0, "null block handed out"
+            if bid in self.kv and None not in self.kv[bid]:
+                event("reused a block that held a full block of KV")
             self.kv[bid] = [None] * FUZZ_BS
 
     def _after_compute(self, req: FakeRequest, token: int) -> None:
         if req.num_computed_tokens == req.num_tokens:
             req.append(token)  # prompt or decode done: sample one token
         if req.num_tokens >= FUZZ_MAX_LEN:
-            self._finish(req)
+            self._release(req)
 
-    def _finish(self, req: FakeRequest) -> None:
+    def _release(self, req: FakeRequest) -> None:
         self.mgr.free(req)
-        self.running.remove(req)
+        (self.waiting if req in self.waiting else self.running).remove(req)
+        self.seen.append(list(req.all_token_ids))
+        assert req.request_id not in self.mgr.req_to_blocks
+        assert req.request_id not in self.mgr.req_to_block_hashes
 
     def _snapshot(self) -> tuple:
         pool = self.mgr.block_pool
@@ -328,71 +330,16 @@ class KVCacheMachine(RuleBasedStateMachine):
             dict(pool.cached_block_hash_to_block),
         )
 
-    # -- rules --
-
-    @rule(
-        prefix_idx=st.integers(0, 1000),
-        prefix_frac=st.floats(0, 1),
-        suffix=st.lists(st.integers(0, 2), min_size=0, max_size=12),
-        skip=st.booleans(),
-        lora=st.sampled_from([(), (), ("lora", 1)]),
-    )
-    def add(self, prefix_idx: int, prefix_frac: float, suffix: list[int], skip: bool, lora: tuple) -> None:
-        base = self.prompts[prefix_idx % len(self.prompts)]
-        prompt = base[: int(len(base) * prefix_frac)] + suffix
-        prompt = prompt[: FUZZ_MAX_LEN - 8] or [0]
-        self.prompts.append(prompt)
-        self.waiting.append(
-            FakeRequest(
-                f"r{self.next_id}", list(prompt), skip_prefix_cache=skip, block_extra_keys=lora
-            )
-        )
-        self.next_id += 1
-
-    @rule(idx=st.integers(0, 1000), chunk=st.integers(1, 20), token=st.integers(0, 2))
-    def schedule_waiting(self, idx: int, chunk: int, token: int) -> None:
-        if not self.waiting:
-            return
-        req = self.waiting[idx % len(self.waiting)]
-        blocks, n = self.mgr.get_computed_blocks(req)
-        assert n % FUZZ_BS == 0 and n < req.num_tokens and n == len(blocks) * FUZZ_BS
-        # Every hit's KV must hold exactly this request's tokens.
-        for i, blk in enumerate(blocks):
-            assert self.kv[blk.block_id] == req.all_token_ids[i * FUZZ_BS : (i + 1) * FUZZ_BS]
-        if req.skip_prefix_cache:
-            assert n == 0
-        event(f"prefix hit blocks: {min(len(blocks), 3)}+")
-        num_new = min(chunk, req.num_tokens - n)
-        before = self._snapshot()
-        new = self.mgr.allocate_slots(req, num_new, blocks, n)
-        if new is None:
-            assert self._snapshot() == before
-            assert self.mgr.get_block_ids(req.request_id) == []
-            event("waiting request did not fit")
-            return
-        event("evicted a cached block" if self._evicts(new) else "fresh blocks only")
-        self._fresh(new)
-        self.waiting.remove(req)
-        self.running.append(req)
-        req.num_computed_tokens = n + num_new
-        self._write(req, n, n + num_new)
-        self._after_compute(req, token)
-
-    @rule(idx=st.integers(0, 1000), chunk=st.integers(1, 20), token=st.integers(0, 2))
-    def step(self, idx: int, chunk: int, token: int) -> None:
-        if not self.running:
-            return
-        req = self.running[idx % len(self.running)]
+    def _advance(self, req: FakeRequest, chunk: int, token: int) -> None:
+        """One scheduled chunk for a running request; preempt it if blocks run out."""
         num_new = min(chunk, req.num_tokens - req.num_computed_tokens)
         assert num_new > 0
         before = self._snapshot()
         new = self.mgr.allocate_slots(req, num_new)
-        event("step allocated a block" if new else "step: no new block")
         if new is None:
             assert self._snapshot() == before
-            # Preempt (recompute): release everything, back to waiting.
             event("preempted")
-            self.mgr.free(req)
+            self.mgr.free(req)  # recompute preemption: release all, back to waiting
             req.num_computed_tokens = 0
             self.running.remove(req)
             self.waiting.append(req)
@@ -403,21 +350,86 @@ class KVCacheMachine(RuleBasedStateMachine):
         self._write(req, start, req.num_computed_tokens)
         self._after_compute(req, token)
 
+    # -- rules --
+
+    @rule(
+        src=st.integers(0, 1000),
+        prefix_blocks=st.sampled_from([0, 1, 2, 3, 9, 9]),
+        suffix=st.lists(st.integers(0, 2), min_size=1, max_size=10),
+        skip=st.sampled_from([False, False, False, True]),
+        lora=st.sampled_from([(), (), (), ("lora", 1)]),
+    )
+    def add(self, src: int, prefix_blocks: int, suffix: list[int], skip: bool, lora: tuple) -> None:
+        base = self.seen[src % len(self.seen)]
+        prompt = (base[: prefix_blocks * FUZZ_BS] + suffix)[: FUZZ_MAX_LEN - 6]
+        self.waiting.append(
+            FakeRequest(f"r{self.next_id}", prompt, skip_prefix_cache=skip, block_extra_keys=lora)
+        )
+        self.next_id += 1
+
+    def _admit(self, req: FakeRequest, chunk: int, token: int) -> bool:
+        """Prefix lookup then allocation for a waiting request; False if it does not fit."""
+        blocks, n = self.mgr.get_computed_blocks(req)
+        assert n % FUZZ_BS == 0 and n < req.num_tokens and n == len(blocks) * FUZZ_BS
+        # Every hit's KV must hold exactly this request's tokens.
+        for i, blk in enumerate(blocks):
+            assert self.kv[blk.block_id] == req.all_token_ids[i * FUZZ_BS : (i + 1) * FUZZ_BS]
+        if req.skip_prefix_cache:
+            assert n == 0
+        if n:
+            event("prefix hit")
+        num_new = min(chunk, req.num_tokens - n)
+        before = self._snapshot()
+        new = self.mgr.allocate_slots(req, num_new, blocks, n)
+        if new is None:
+            assert self._snapshot() == before
+            assert self.mgr.get_block_ids(req.request_id) == []
+            event("waiting request did not fit")
+            return False
+        self._fresh(new)
+        self.waiting.remove(req)
+        self.running.append(req)
+        req.num_computed_tokens = n + num_new
+        self._write(req, n, n + num_new)
+        self._after_compute(req, token)
+        return True
+
+    @initialize(prompt=st.lists(st.integers(0, 2), min_size=9, max_size=14), n=st.integers(1, 3))
+    def seed_requests(self, prompt: list[int], n: int) -> None:
+        """Start with a family of requests sharing a prompt, so hits happen early."""
+        for i in range(n):
+            self.add(0, 0, prompt + [i], False, ())
+
+    @rule(idx=st.integers(0, 1000), chunk=st.integers(1, 20), token=st.integers(0, 2))
+    def schedule_waiting(self, idx: int, chunk: int, token: int) -> None:
+        if self.waiting:
+            self._admit(self.waiting[idx % len(self.waiting)], chunk, token)
+
+    @rule(chunk=st.integers(1, 8), token=st.integers(0, 2))
+    def tick(self, chunk: int, token: int) -> None:
+        """A scheduler step: advance every running request, then admit in FCFS order."""
+        for req in list(self.running):
+            if req in self.running:
+                self._advance(req, chunk, token)
+        for req in list(self.waiting):
+            if not self._admit(req, chunk, token):
+                break
+
+    @rule(idx=st.integers(0, 1000), chunk=st.integers(1, 20), token=st.integers(0, 2))
+    def step_one(self, idx: int, chunk: int, token: int) -> None:
+        if self.running:
+            self._advance(self.running[idx % len(self.running)], chunk, token)
+
     @rule(idx=st.integers(0, 1000))
     def finish(self, idx: int) -> None:
-        if not self.running:
-            return
-        self._finish(self.running[idx % len(self.running)])
+        if self.running:
+            self._release(self.running[idx % len(self.running)])
 
     @rule(idx=st.integers(0, 1000))
     def abort(self, idx: int) -> None:
         reqs = self.waiting + self.running
-        if not reqs:
-            return
-        req = reqs[idx % len(reqs)]
-        self.mgr.free(req)
-        (self.waiting if req in self.waiting else self.running).remove(req)
-        assert req.request_id not in self.mgr.req_to_block_hashes
+        if reqs:
+            self._release(reqs[idx % len(reqs)])
 
     # -- invariants --
 
@@ -432,7 +444,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         refs: dict[int, int] = {}
         for req in self.running:
             blocks = mgr.req_to_blocks.get(req.request_id, [])
-            assert len(blocks) * FUZZ_BS >= min(req.num_computed_tokens, FUZZ_MAX_LEN)
+            assert len(blocks) * FUZZ_BS >= req.num_computed_tokens
             for b in blocks:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
         for req in self.waiting:
@@ -447,8 +459,7 @@ class KVCacheMachine(RuleBasedStateMachine):
                 assert pool.cached_block_hash_to_block[b.block_hash] is b
         for h, b in pool.cached_block_hash_to_block.items():
             assert b.block_hash == h
-            # A cached block holds a full block of known tokens.
-            assert None not in self.kv[b.block_id]
+            assert None not in self.kv[b.block_id]  # cached blocks hold a full block of KV
 
     @invariant()
     def hashes_match_tokens(self) -> None:
@@ -459,7 +470,7 @@ class KVCacheMachine(RuleBasedStateMachine):
 
 
 KVCacheMachine.TestCase.settings = settings(
-    max_examples=80,
+    max_examples=100,
     stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

@@ -55,8 +55,7 @@ class BlockPool:
         cache = self.cached_block_hash_to_block
         for block in blocks:
             if block.block_hash is not None:
-                del cache[block.block_hash]
-                block.block_hash = None
+                pass
             block.ref_cnt = 1
         return blocks
 

@@ -19,6 +19,12 @@ class LLM:
         self.llm_engine = LLMEngine.from_engine_args(args)
         self._counter = 0
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> "LLM":
+        llm = cls.__new__(cls)
+        llm.llm_engine, llm._counter = engine, 0
+        return llm
+
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 

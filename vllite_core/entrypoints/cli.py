@@ -1,0 +1,28 @@
+"""The ``vllite`` command: a small dispatcher over subcommands.
+
+Each subcommand lives in its own module and contributes ``add_*_parser(subparsers)``
+(which sets ``func``); this file only wires them together.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from vllite_core.entrypoints.cli_plugins import add_env_parser, add_plugins_parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllite", description="vllite: plugin-based LLM inference engine")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    add_plugins_parser(subparsers)
+    add_env_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""`vllite plugins` and `vllite env`: what is installed, what loaded, which platform runs.
+
+Both print plain text by default and JSON with ``--json``. ``vllite env`` prints
+its diagnostics even when no platform can be resolved, then exits non-zero.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform as pyplatform
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from vllite_core.plugins import VLLITE_PLUGIN_API, PluginError, list_plugins
+from vllite_core.plugins.manager import get_plugin_manager, platform_plugin_failures
+from vllite_core.platforms.resolve import (
+    PlatformCandidate,
+    PlatformResolutionError,
+    ResolvedPlatform,
+    diagnose_platforms,
+    resolve_platform,
+)
+
+GiB = 1 << 30
+
+
+def add_plugins_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
+    p = subparsers.add_parser("plugins", help="list every discovered plugin: version, hooks, load status")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run_plugins)
+    return p
+
+
+def add_env_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
+    p = subparsers.add_parser("env", help="show the platform this machine resolves to, and why")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--device", default=None, metavar="NAME",
+                   help="resolve this platform explicitly (as the engine would with --device NAME)")
+    p.set_defaults(func=run_env)
+    return p
+
+
+def _versions() -> dict[str, str]:
+    import torch
+
+    try:
+        core = version("vllite")
+    except PackageNotFoundError:
+        core = "unknown"
+    return {"vllite": core, "plugin_api": "%d.%d" % VLLITE_PLUGIN_API, "torch": torch.__version__,
+            "python": pyplatform.python_version()}
+
+
+# ---- vllite plugins -------------------------------------------------------------------
+
+
+def run_plugins(args: argparse.Namespace) -> int:
+    infos = list_plugins()
+    if args.json:
+        print(json.dumps({**_versions(), "plugins": [i.to_dict() for i in infos]}, indent=2))
+        return 0
+    v = _versions()
+    print(f"vllite {v['vllite']} (plugin API {v['plugin_api']})")
+    if not infos:
+        print("no plugins found")
+        return 0
+    rows = [("NAME", "GROUP", "DISTRIBUTION", "VERSION", "HOOKS", "STATUS")]
+    for i in infos:
+        status = i.status if i.status == "loaded" else f"{i.status}: {i.reason}"
+        rows.append((i.name, i.group, i.distribution, i.version, ",".join(i.hooks) or "-", status))
+    print(_table(rows))
+    return 0
+
+
+# ---- vllite env -----------------------------------------------------------------------
+
+
+def _candidate_line(c: PlatformCandidate, chosen: bool) -> str:
+    state = "chosen" if chosen else ("available" if c.available else "unavailable")
+    detail = c.error or c.reason
+    return f"  {c.name:<10} {c.distribution} {c.version}  priority {c.priority:<4} {state}: {detail}"
+
+
+def _env_report(resolved: ResolvedPlatform | None, candidates: list[PlatformCandidate],
+                error: str | None) -> dict[str, Any]:
+    failed = [f.to_dict() for f in platform_plugin_failures(get_plugin_manager())]
+    report: dict[str, Any] = {**_versions(), "platform": None, "reason": None, "error": error,
+                              "candidates": [c.to_dict() for c in candidates], "failed_platform_plugins": failed}
+    if resolved is not None:
+        facts = resolved.platform.describe()
+        chosen = resolved.chosen
+        if chosen is not None:
+            facts["distribution"], facts["version"] = chosen.distribution, chosen.version
+        report["platform"], report["reason"] = facts, resolved.reason
+    return report
+
+
+def run_env(args: argparse.Namespace) -> int:
+    resolved: ResolvedPlatform | None = None
+    error: str | None = None
+    try:
+        resolved = resolve_platform(args.device)
+        candidates = resolved.candidates
+    except PlatformResolutionError as exc:
+        error, candidates = str(exc), exc.candidates
+    except PluginError as exc:
+        error, candidates = str(exc), diagnose_platforms()
+    report = _env_report(resolved, candidates, error)
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        _print_env(report, resolved, candidates)
+    if error is not None:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _print_env(report: dict[str, Any], resolved: ResolvedPlatform | None,
+               candidates: list[PlatformCandidate]) -> None:
+    facts = report["platform"]
+    if facts is not None:
+        print(f"platform:      {facts['name']} ({facts.get('distribution', '?')} {facts.get('version', '')})".rstrip())
+        print(f"chosen:        {report['reason']}")
+        print(f"device:        {facts['device_name']} ({facts['device_type']})")
+        print(f"devices:       {', '.join(facts['devices']) or '-'}")
+        print(f"memory:        {facts['total_memory'] / GiB:.1f} GiB")
+        print(f"dtypes:        {', '.join(facts['supported_dtypes'])}")
+        print(f"kv dtypes:     {', '.join(facts['kv_cache_dtypes'])}")
+        print(f"dist backend:  {facts['dist_backend']}")
+    else:
+        print("platform:      none resolved")
+    print(f"torch:         {report['torch']}")
+    print(f"vllite:        {report['vllite']} (plugin API {report['plugin_api']}), python {report['python']}")
+    chosen_cls = type(resolved.platform) if resolved is not None else None
+    print("candidates:")
+    if not candidates:
+        print("  (no platform plugin found)")
+    for c in candidates:
+        print(_candidate_line(c, c.cls is not None and c.cls is chosen_cls))
+    for f in report["failed_platform_plugins"]:
+        print(f"  {f['name']:<10} {f['distribution']} {f['version']}  {f['status']}: {f['reason']}")
+
+
+def _table(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows)

@@ -1,0 +1,52 @@
+"""Engine arguments as CLI flags: each EngineArgs field becomes --kebab-case, with vLLM's names."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from typing import Any
+
+from vllite_core.config import EngineArgs
+
+_HELP = {
+    "model": "model folder (config.json + safetensors) or .gguf file; default: the embedded SmolLM2-135M-Instruct",
+    "dtype": "auto | float32 | bfloat16 | float16 (auto: the platform's preferred dtype)",
+    "max_num_batched_tokens": "token budget of one step (prompt and output tokens alike)",
+    "scheduling_policy": "fcfs | priority",
+    "logprobs_mode": "raw_logprobs | processed_logprobs | raw_logits | processed_logits",
+    "num_kv_blocks": "number of KV cache blocks (overrides memory profiling; alias --num-gpu-blocks-override)",
+    "kv_cache_memory": "bytes of memory for the KV cache",
+    "device": "platform name (default: VLLITE_PLATFORM or the best available)",
+    "num_threads": "CPU threads for torch (default: all cores)",
+    "enforce_eager": "disable graph capture / compilation",
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    hints = typing.get_type_hints(EngineArgs)
+    for f in dataclasses.fields(EngineArgs):
+        flag = "--" + f.name.replace("_", "-")
+        hint = hints[f.name]
+        names = [flag]
+        if f.name == "num_kv_blocks":
+            names.append("--num-gpu-blocks-override")
+        if f.name == "gpu_memory_utilization":
+            names.append("--memory-utilization")
+        if hint is bool:
+            group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+                               help=_HELP.get(f.name))
+            continue
+        base = _base_type(hint)
+        group.add_argument(*names, dest=f.name, type=base, default=f.default, help=_HELP.get(f.name))
+
+
+def _base_type(hint: Any) -> Any:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    t = args[0] if args else hint
+    return t if t in (int, float, str) else str
+
+
+def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
+    kwargs = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs) if hasattr(ns, f.name)}
+    return EngineArgs(**kwargs)
