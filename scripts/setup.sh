@@ -17,6 +17,6 @@ if [ "${1:-}" = "--test" ]; then
   $PIP install -r requirements-test.txt
   # Packages the tests discover through real entry points.
   grep -v '^\s*#' scripts/test-packages.txt | while read -r pkg; do
-    [ -n "$pkg" ] && $PIP install --no-deps -e "$pkg"
+    if [ -n "$pkg" ]; then $PIP install --no-deps -e "$pkg"; fi
   done
 fi

@@ -55,7 +55,8 @@ class BlockPool:
         cache = self.cached_block_hash_to_block
         for block in blocks:
             if block.block_hash is not None:
-                pass
+                del cache[block.block_hash]
+                block.block_hash = None
             block.ref_cnt = 1
         return blocks
 

@@ -173,7 +173,7 @@ class KVCacheManager:
             # Touching a free cached block removes it from the free queue, so it
             # no longer counts as free for the fresh allocation.
             num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-            if num_new_blocks > pool.get_num_free_blocks() - num_evictable_hits:
+            if num_new_blocks > pool.get_num_free_blocks():
                 return None
             if req_blocks is None:
                 req_blocks = self.req_to_blocks[request_id] = []

@@ -6,8 +6,11 @@ Each subcommand lives in its own module and contributes ``add_*_parser(subparser
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 
+from vllite_core.entrypoints.cli_generate import add_chat_parser, add_generate_parser
 from vllite_core.entrypoints.cli_plugins import add_env_parser, add_plugins_parser
 
 
@@ -16,11 +19,14 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_plugins_parser(subparsers)
     add_env_parser(subparsers)
+    add_generate_parser(subparsers)
+    add_chat_parser(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    logging.basicConfig(level=os.environ.get("VLLITE_LOG_LEVEL", "INFO"), format="%(levelname)s %(name)s: %(message)s")
     return int(args.func(args) or 0)
 
 

@@ -121,7 +121,8 @@ def diagnose(discovered: list[DiscoveredPlatform]) -> list[PlatformCandidate]:
         if cand.error and not cand.reason:
             cand.reason = cand.error
         out.append(cand)
-    return out
+    # Best first: available by priority, then the unavailable ones.
+    return sorted(out, key=lambda c: (not c.available, -c.priority, c.name))
 
 
 def diagnose_platforms(pm: pluggy.PluginManager | None = None) -> list[PlatformCandidate]:
@@ -178,7 +179,8 @@ def _resolve_explicit(wanted: str, why: str, candidates: list[PlatformCandidate]
                                   hint=f"platform {wanted!r} was requested; {hint}")
         known = ", ".join(sorted({c.name for c in candidates})) or "none"
         raise PlatformResolutionError(
-            f"unknown platform {wanted!r} ({why}); known platforms: {known}{_failures_text(failed)}", candidates)
+            f"unknown platform {wanted!r} ({why}); known platforms: {known} (is its package installed? "
+            f"e.g. pip install vllite-platform-{key}){_failures_text(failed)}", candidates)
     if len(matches) > 1:
         raise PlatformResolutionError(
             f"platform name {wanted!r} is provided by several plugins: "

@@ -25,10 +25,15 @@ PRIORITY = 80
 NOT_YET = "lands with the platforms issue (#8)"
 
 
+def has_module(name: str) -> bool:
+    """Installed, without importing it."""
+    return importlib.util.find_spec(name) is not None
+
+
 def tpu_device_nodes() -> list[str]:
     """TPU chips exposed by the kernel (/dev/accel* on v2-v4, vfio on v5+)."""
     nodes = sorted(glob.glob("/dev/accel*"))
-    if not nodes and importlib.util.find_spec("libtpu") is not None:
+    if not nodes and has_module("libtpu"):
         nodes = sorted(p for p in glob.glob("/dev/vfio/*") if os.path.basename(p).isdigit())
     return nodes
 
@@ -40,7 +45,7 @@ class TpuPlatform(Platform):
 
     @classmethod
     def detect(cls) -> Detection:
-        if importlib.util.find_spec("torch_xla") is None:
+        if not has_module("torch_xla"):
             return Detection(False, PRIORITY, "torch_xla is not installed")
         pjrt = os.environ.get("PJRT_DEVICE", "").strip()
         if pjrt and pjrt.upper() != "TPU":

@@ -1,0 +1,110 @@
+"""A transformers config built from GGUF metadata.
+
+``AutoConfig.from_pretrained(folder, gguf_file=...)`` parses the whole file with
+``gguf.GGUFReader`` (seconds) and leaves ``architectures`` unset; reading the few
+keys we need from ``GGUFFile`` is instant and lets us fill in the architecture,
+the special-token ids and the tied-embedding flag ourselves.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from model_registry.gguf_file import GGUFFile
+
+logger = logging.getLogger("vllite.model_registry")
+
+# llama.cpp architecture -> (transformers model_type, architecture name).
+GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "mistral": ("mistral", "MistralForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+}
+
+
+class UnsupportedGGUFError(ValueError):
+    """The GGUF file holds an architecture vllite cannot load from GGUF."""
+
+
+def gguf_model_type(gguf: GGUFFile) -> tuple[str, str]:
+    """(model_type, architecture) for a GGUF file; llama.cpp files Mistral models under "llama"."""
+    arch = gguf.architecture
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedGGUFError(
+            f"{gguf.path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}")
+    name = str(gguf.metadata.get("general.name", "")).lower()
+    if arch == "llama" and "mistral" in name:
+        return GGUF_ARCHITECTURES["mistral"]
+    return GGUF_ARCHITECTURES[arch]
+
+
+def config_from_gguf(gguf: GGUFFile) -> Any:
+    """A ``PretrainedConfig`` (LlamaConfig, MistralConfig or Qwen2Config) for the model in ``gguf``."""
+    from transformers import AutoConfig
+
+    arch = gguf.architecture
+    model_type, architecture = gguf_model_type(gguf)
+    md = gguf.metadata
+
+    def get(key: str, default: Any = None) -> Any:
+        value = md.get(f"{arch}.{key}", default)
+        return value.item() if hasattr(value, "item") else value
+
+    n_heads = int(get("attention.head_count"))
+    n_kv = get("attention.head_count_kv", n_heads)
+    if hasattr(n_kv, "__len__"):  # per-layer list in some files
+        n_kv = max(int(x) for x in n_kv)
+    hidden = int(get("embedding_length"))
+    tokens = md.get("tokenizer.ggml.tokens")
+    vocab_size = get("vocab_size") or (len(tokens) if tokens is not None else None)
+    if vocab_size is None:
+        vocab_size = gguf.tensors["token_embd.weight"].shape[0]
+    kwargs: dict[str, Any] = dict(
+        architectures=[architecture],
+        vocab_size=int(vocab_size),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_hidden_layers=int(get("block_count")),
+        num_attention_heads=n_heads,
+        num_key_value_heads=int(n_kv),
+        max_position_embeddings=int(get("context_length", 2048)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_parameters=_rope_parameters(get),
+        tie_word_embeddings="output.weight" not in gguf.tensors,
+    )
+    head_dim = get("attention.key_length") or (get("rope.dimension_count") if model_type != "qwen2" else None)
+    if head_dim:
+        kwargs["head_dim"] = int(head_dim)
+    for key, attr in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                      ("padding_token_id", "pad_token_id")):
+        value = md.get(f"tokenizer.ggml.{key}")
+        if value is not None:
+            kwargs[attr] = int(value)
+    window = get("attention.sliding_window")
+    if window:
+        kwargs["sliding_window"] = int(window)
+        if model_type == "qwen2":
+            kwargs["use_sliding_window"] = True
+    if "rope_freqs.weight" in gguf.tensors:
+        logger.warning("%s: the rope_freqs tensor (llama3-style rope factors) is ignored, as transformers does",
+                       gguf.path)
+    if md.get("general.name"):
+        kwargs["_name_or_path"] = str(md["general.name"])
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def _rope_parameters(get: Any) -> dict[str, Any]:
+    params: dict[str, Any] = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0))}
+    scaling = get("rope.scaling.type")
+    factor = get("rope.scaling.factor") or get("rope.scale_linear")
+    if scaling in (None, "none") and factor and float(factor) != 1.0:
+        scaling = "linear"
+    if scaling in ("linear", "yarn") and factor:
+        params["rope_type"] = scaling
+        params["factor"] = float(factor)
+        original = get("rope.scaling.original_context_length")
+        if scaling == "yarn" and original:
+            params["original_max_position_embeddings"] = int(original)
+    elif scaling not in (None, "none"):
+        logger.warning("GGUF rope scaling %r is not supported; using plain RoPE", scaling)
+    return params

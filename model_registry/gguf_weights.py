@@ -1,0 +1,75 @@
+"""GGUF tensors as Hugging Face-named float tensors.
+
+Each tensor is dequantised with ``gguf.quants.dequantize`` (any type it knows:
+Q4_0/Q4_1/Q5_x/Q8_0/K-quants/F16/BF16/F32...) and renamed from llama.cpp's
+scheme to transformers'. llama.cpp's converter permutes the rows of q and k
+weights of "llama" models so its rotary kernel can rotate adjacent pairs; the
+permutation is undone here so the weights match the HF checkpoint layout.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from model_registry.gguf_file import GGUFFile
+
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+# Tensors llama.cpp adds that have no HF counterpart (precomputed rope factors).
+_SKIPPED = {"rope_freqs.weight"}
+# llama.cpp architectures whose converter permutes q/k for its rotary layout.
+_PERMUTED_ARCHS = {"llama"}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The transformers parameter name for a llama.cpp tensor name (None: no counterpart)."""
+    if gguf_name in _SKIPPED:
+        return None
+    base, _, kind = gguf_name.rpartition(".")
+    if base in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[base]}.{kind}"
+    m = _BLOCK_RE.match(gguf_name)
+    if m and m.group(2) in _BLOCK_NAMES:
+        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no known Hugging Face name")
+
+
+def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Invert llama.cpp's ``reshape(n_head, 2, d, ...).swapaxes(1, 2)`` on the rows of a q/k weight or bias."""
+    d = w.shape[0] // n_head // 2
+    return w.reshape(n_head, d, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_gguf_weights(gguf: GGUFFile, num_heads: int, num_kv_heads: int,
+                      dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every tensor of the file, dequantised to float32 and cast to ``dtype``."""
+    permute = gguf.architecture in _PERMUTED_ARCHS
+    for name in gguf.tensors:
+        target = hf_name(name)
+        if target is None:
+            continue
+        data = gguf.dequantize(name)
+        if permute and ".attn_q." in name:
+            data = unpermute_rotary(data, num_heads)
+        elif permute and ".attn_k." in name:
+            data = unpermute_rotary(data, num_kv_heads)
+        tensor = torch.from_numpy(np.ascontiguousarray(data))
+        yield target, tensor if tensor.dtype == dtype else tensor.to(dtype)

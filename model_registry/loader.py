@@ -1,0 +1,85 @@
+"""Build a model and fill it from a checkpoint (safetensors folder or GGUF file).
+
+The model is constructed directly on the target device with uninitialised
+storage, then every parameter is streamed in through ``model.load_weights``
+with Hugging Face names; a parameter left unfilled is an error, never silent
+garbage.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from model_registry.source import ModelSource, open_gguf
+from vllite_core.attention.backend import AttentionBackend
+
+logger = logging.getLogger("vllite.model_registry")
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+class WeightsNotFoundError(FileNotFoundError):
+    """The model folder holds no weights vllite can read."""
+
+
+def load_model(source: ModelSource, hf_config: Any, model_cls: type, attn_backend: AttentionBackend,
+               dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """An engine model of ``model_cls`` with the checkpoint's weights, in ``dtype`` on ``device``."""
+    device = torch.device(device)
+    with torch.device(device):
+        model = model_cls(hf_config, attn_backend, dtype)
+    if source.kind == "gguf":
+        weights = _gguf_weights(source, hf_config)
+    else:
+        weights = iter_hf_weights(source.path)
+    loaded = model.load_weights(weights)
+    missing = sorted(name for name, _ in model.named_parameters(remove_duplicate=False) if name not in loaded)
+    if missing:
+        shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+        raise ValueError(f"{source.name}: the checkpoint does not provide {len(missing)} parameter(s): {shown}")
+    return model.eval()
+
+
+def _gguf_weights(source: ModelSource, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    from model_registry.gguf_weights import iter_gguf_weights
+
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    return iter_gguf_weights(open_gguf(source), heads, kv_heads)
+
+
+def hf_weight_files(folder: str) -> list[Path]:
+    """The weight files of an HF folder: sharded or single safetensors, else PyTorch .bin files."""
+    root = Path(folder)
+    index = root / SAFETENSORS_INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [root / f for f in sorted(set(weight_map.values()))]
+    files = sorted(root.glob("*.safetensors"))
+    if files:
+        return files
+    bins = sorted(p for p in root.glob("*.bin") if p.name.startswith("pytorch_model"))
+    if bins:
+        return bins
+    raise WeightsNotFoundError(f"{folder}: no *.safetensors (or pytorch_model*.bin) weights found")
+
+
+def iter_hf_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of an HF checkpoint folder, one file at a time."""
+    from safetensors import safe_open
+
+    for path in hf_weight_files(folder):
+        if path.suffix == ".safetensors":
+            with safe_open(os.fspath(path), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            yield from state.items()
+            del state

@@ -1,0 +1,253 @@
+"""The Llama family (Llama, Mistral, Qwen2) written for the engine.
+
+Tokens of all requests arrive flattened ([T], no padding) with their positions;
+attention goes through the platform's ``AttentionBackend`` over a paged KV
+cache. q/k/v and gate/up projections are fused into one matmul each; HF
+checkpoint names are mapped onto the fused weights in ``load_weights``.
+Differences inside the family are config switches: Qwen2 has q/k/v bias (and
+optional per-layer sliding windows), Mistral may have a sliding window.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model_registry.models.rope import RotaryEmbedding
+from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
+
+
+class Linear(nn.Module):
+    """y = x W^T + b with uninitialised storage: every weight comes from the checkpoint, so no init cost."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, cast back, then scaled (transformers' order, for matching numerics)."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def _layer_windows(hf_config: Any, num_layers: int) -> list[int | None]:
+    """Sliding window per layer: Qwen2 lists layer types, Mistral applies one window to all layers."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not window:
+        return [None] * num_layers
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types:
+        return [int(window) if t == "sliding_attention" else None for t in layer_types[:num_layers]]
+    return [int(window)] * num_layers
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, hf_config: Any, rotary: RotaryEmbedding, attn_backend: AttentionBackend,
+                 dtype: torch.dtype, sliding_window: int | None) -> None:
+        super().__init__()
+        c = hf_config
+        self.num_heads = c.num_attention_heads
+        self.num_kv_heads = getattr(c, "num_key_value_heads", None) or self.num_heads
+        self.head_size = getattr(c, "head_dim", None) or c.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_size
+        self.kv_size = self.num_kv_heads * self.head_size
+        self.scale = self.head_size ** -0.5
+        self.sliding_window = sliding_window
+        is_qwen2 = getattr(c, "model_type", "") == "qwen2"
+        qkv_bias = is_qwen2 or bool(getattr(c, "attention_bias", False))
+        o_bias = not is_qwen2 and bool(getattr(c, "attention_bias", False))
+        self.qkv_proj = Linear(c.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, dtype)
+        self.o_proj = Linear(self.q_size, c.hidden_size, o_bias, dtype)
+        self.rotary = [rotary]  # shared by all layers; a list keeps it out of this module's children
+        self.attn_backend = attn_backend
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_size)
+        k = k.view(t, self.num_kv_heads, self.head_size)
+        v = v.view(t, self.num_kv_heads, self.head_size)
+        q, k = self.rotary[0](positions, q, k)
+        out = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise NotImplementedError(f"hidden_act {act!r} is not supported by the Llama implementation (silu only)")
+        bias = bool(getattr(hf_config, "mlp_bias", False))
+        self.intermediate_size = hf_config.intermediate_size
+        self.gate_up_proj = Linear(hf_config.hidden_size, 2 * self.intermediate_size, bias, dtype)
+        self.down_proj = Linear(self.intermediate_size, hf_config.hidden_size, bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, hf_config: Any, rotary: RotaryEmbedding, attn_backend: AttentionBackend,
+                 dtype: torch.dtype, sliding_window: int | None) -> None:
+        super().__init__()
+        eps = float(getattr(hf_config, "rms_norm_eps", 1e-6))
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype)
+        self.self_attn = LlamaAttention(hf_config, rotary, attn_backend, dtype, sliding_window)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype)
+        self.mlp = LlamaMLP(hf_config, dtype)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, attn_metadata)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Parameter(torch.empty(hf_config.vocab_size, hf_config.hidden_size, dtype=dtype),
+                                         requires_grad=False)
+        num_layers = hf_config.num_hidden_layers
+        head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        self.rotary_emb = RotaryEmbedding(hf_config, head_size)
+        windows = _layer_windows(hf_config, num_layers)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(hf_config, self.rotary_emb, attn_backend, dtype, windows[i]) for i in range(num_layers))
+        self.norm = RMSNorm(hf_config.hidden_size, float(getattr(hf_config, "rms_norm_eps", 1e-6)), dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        x = F.embedding(input_ids, self.embed_tokens)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(positions, x, kv_cache, attn_metadata)
+        return self.norm(x)
+
+
+# HF checkpoint name fragment -> (fused parameter fragment, shard).
+_STACKED = (
+    (".q_proj.", ".qkv_proj.", "q"),
+    (".k_proj.", ".qkv_proj.", "k"),
+    (".v_proj.", ".qkv_proj.", "v"),
+    (".gate_proj.", ".gate_up_proj.", "gate"),
+    (".up_proj.", ".gate_up_proj.", "up"),
+)
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+class LlamaForCausalLM(nn.Module):
+    """Engine model for LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM checkpoints."""
+
+    def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = hf_config
+        self.dtype = dtype
+        self.model = LlamaModel(hf_config, attn_backend, dtype)
+        attn = self.model.layers[0].self_attn
+        self.num_layers: int = hf_config.num_hidden_layers
+        self.num_heads: int = attn.num_heads
+        self.num_kv_heads: int = attn.num_kv_heads
+        self.head_size: int = attn.head_size
+        self.hidden_size: int = hf_config.hidden_size
+        self.vocab_size: int = hf_config.vocab_size
+        windows = {layer.self_attn.sliding_window for layer in self.model.layers}
+        # A window the KV cache manager may rely on only if every layer uses it.
+        self.sliding_window: int | None = windows.pop() if len(windows) == 1 else None
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = nn.Parameter(torch.empty(self.vocab_size, self.hidden_size, dtype=dtype),
+                                        requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [T, hidden_size] for the flattened tokens of every request in the step."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """float32 logits [N, vocab] for the rows the sampler needs."""
+        return F.linear(hidden_states, self.lm_head).float()
+
+    def ensure_positions(self, max_model_len: int) -> None:
+        """Grow the RoPE tables to ``max_model_len`` positions (needed only beyond max_position_embeddings
+        on accelerators; on the CPU the tables grow on demand)."""
+        self.model.rotary_emb.ensure_positions(max_model_len)
+
+    # ---- weights -------------------------------------------------------------------------------
+
+    def _shard_slice(self, fused_name: str, shard: str) -> slice:
+        if shard in ("q", "k", "v"):
+            attn = self.model.layers[0].self_attn
+            start = {"q": 0, "k": attn.q_size, "v": attn.q_size + attn.kv_size}[shard]
+            return slice(start, start + (attn.q_size if shard == "q" else attn.kv_size))
+        size = self.model.layers[0].mlp.intermediate_size
+        return slice(0, size) if shard == "gate" else slice(size, 2 * size)
+
+    @staticmethod
+    def _canonical(name: str) -> str:
+        if name.startswith(("layers.", "embed_tokens.", "norm.")):
+            name = "model." + name
+        return name.replace("model.embed_tokens.weight", "model.embed_tokens").replace("lm_head.weight", "lm_head")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into the (fused) parameters; returns the parameter names fully loaded."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        shards_needed = {".qkv_proj.": {"q", "k", "v"}, ".gate_up_proj.": {"gate", "up"}}
+        shards_seen: dict[str, set[str]] = {}
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        for hf_name, tensor in weights:
+            if hf_name.endswith(_IGNORED_SUFFIXES):
+                continue
+            name = self._canonical(hf_name)
+            if name == "lm_head" and self.tie_word_embeddings:
+                continue  # tied: the embedding is the head
+            stacked = next(((name.replace(frag, fused), fused, shard) for frag, fused, shard in _STACKED
+                            if frag in name), None)
+            target = stacked[0] if stacked else name
+            if target not in params:
+                unexpected.append(hf_name)
+                continue
+            if stacked is None:
+                _copy(params[target].data, tensor, hf_name)
+                loaded.add(target)
+                continue
+            _, fused, shard = stacked
+            _copy(params[target].data[self._shard_slice(target, shard)], tensor, hf_name)
+            seen = shards_seen.setdefault(target, set())
+            seen.add(shard)
+            if seen == shards_needed[fused]:
+                loaded.add(target)
+        if unexpected:
+            shown = ", ".join(unexpected[:8]) + (" ..." if len(unexpected) > 8 else "")
+            raise ValueError(f"checkpoint has weights this model does not know: {shown}")
+        if self.tie_word_embeddings and "model.embed_tokens" in loaded:
+            loaded.add("lm_head")
+        return loaded
+
+
+@torch.no_grad()
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"weight {name}: checkpoint shape {tuple(src.shape)} does not match the model's "
+                         f"{tuple(dst.shape)}")
+    dst.copy_(src)

@@ -1,0 +1,171 @@
+"""Rotary position embeddings with the scaling variants transformers supports for Llama.
+
+Frequencies follow transformers' rope init functions (``modeling_rope_utils``)
+so logits match Hugging Face. cos/sin are precomputed per position in float32
+(the same arithmetic as HF's per-forward computation, so bit-identical) and
+looked up by position id, which is what paged, flattened batches need.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+def rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """The RoPE parameters of a config, whichever way it stores them.
+
+    transformers 5 keeps them in ``config.rope_parameters`` (with ``rope_theta``
+    inside); older configs have ``rope_theta`` and ``rope_scaling`` attributes.
+    """
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and "full_attention" in params and isinstance(params["full_attention"], dict):
+        params = params["full_attention"]  # per-layer-type layout
+    params = dict(params or {})
+    legacy = getattr(hf_config, "rope_scaling", None)
+    if isinstance(legacy, dict):
+        for k, v in legacy.items():
+            params.setdefault(k, v)
+    if "rope_type" not in params:
+        params["rope_type"] = params.pop("type", "default") or "default"
+    if "rope_theta" not in params:
+        params["rope_theta"] = getattr(hf_config, "rope_theta", None) or 10000.0
+    if params["rope_type"] in ("llama3", "yarn"):
+        # Like transformers: a top-level original_max_position_embeddings wins, else the trained length.
+        top_level = getattr(hf_config, "original_max_position_embeddings", None)
+        if top_level:
+            params["original_max_position_embeddings"] = top_level
+        params.setdefault("original_max_position_embeddings", getattr(hf_config, "max_position_embeddings", 2048))
+    return params
+
+
+def _base_inv_freq(base: float, dim: int) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim))
+
+
+def _llama3_inv_freq(base: float, dim: int, p: dict[str, Any]) -> torch.Tensor:
+    inv_freq = _base_inv_freq(base, dim)
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old_len = p["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are divided by the factor, short ones kept, the middle band blended.
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+def _yarn_inv_freq(base: float, dim: int, p: dict[str, Any], max_pos: int) -> tuple[torch.Tensor, float]:
+    original = p.get("original_max_position_embeddings") or max_pos
+    factor = p.get("factor") or max_pos / original
+    attention_factor = p.get("attention_factor")
+    mscale, mscale_all_dim = p.get("mscale"), p.get("mscale_all_dim")
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast = p.get("beta_fast") or 32
+    beta_slow = p.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    extrapolation_weight = 1 - ramp
+    inv_freq = interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight
+    return inv_freq, float(attention_factor)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """cos/sin tables indexed by position; ``forward`` applies them to q and k ([T, heads, head_size])."""
+
+    def __init__(self, hf_config: Any, head_size: int) -> None:
+        super().__init__()
+        p = rope_parameters(hf_config)
+        self.rope_type = str(p["rope_type"])
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise NotImplementedError(
+                f"rope_type {self.rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        self.params = p
+        self.head_size = head_size
+        self.base = float(p["rope_theta"])
+        self.max_position_embeddings = int(getattr(hf_config, "max_position_embeddings", 2048) or 2048)
+        self.attention_scaling = 1.0
+        if self.rope_type in ("default", "dynamic"):
+            inv_freq = _base_inv_freq(self.base, head_size)
+        elif self.rope_type == "linear":
+            inv_freq = _base_inv_freq(self.base, head_size) / p["factor"]
+        elif self.rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(self.base, head_size, p)
+        else:
+            inv_freq, self.attention_scaling = _yarn_inv_freq(self.base, head_size, p, self.max_position_embeddings)
+        self.inv_freq = inv_freq
+        self.register_buffer("cos_cache", torch.empty(0, head_size), persistent=False)
+        self.register_buffer("sin_cache", torch.empty(0, head_size), persistent=False)
+        self.ensure_positions(self.max_position_embeddings)
+
+    def _inv_freq_beyond(self) -> torch.Tensor:
+        """dynamic (NTK) frequencies past max_position_embeddings.
+
+        transformers recomputes them per batch from the longest sequence; a paged
+        engine needs one table, so positions beyond the trained length use the
+        frequencies for the full extended length (max_position_embeddings * factor),
+        as vLLM does. Within the trained length they equal transformers' exactly.
+        """
+        factor, dim, max_pos = self.params["factor"], self.head_size, self.max_position_embeddings
+        seq_len = max_pos * factor
+        base = self.base * ((factor * seq_len / max_pos) - (factor - 1)) ** (dim / (dim - 2))
+        return _base_inv_freq(base, dim)
+
+    def _table(self, start: int, end: int, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(start, end, dtype=torch.int64, device=self.cos_cache.device).float()
+        freqs = pos[:, None] * inv_freq.to(pos.device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+
+    def ensure_positions(self, n: int) -> None:
+        """Make the tables cover positions ``0..n-1`` (grows them; never shrinks)."""
+        have = self.cos_cache.shape[0]
+        if n <= have:
+            return
+        n = max(n, 2 * have)
+        parts = []
+        split = min(max(have, self.max_position_embeddings), n) if self.rope_type == "dynamic" else n
+        if split > have:
+            parts.append(self._table(have, split, self.inv_freq))
+        if n > split:
+            parts.append(self._table(split, n, self._inv_freq_beyond()))
+        self.cos_cache = torch.cat([self.cos_cache] + [c for c, _ in parts])
+        self.sin_cache = torch.cat([self.sin_cache] + [s for _, s in parts])
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.device.type == "cpu" and positions.numel():
+            # Free on the CPU; accelerators call ensure_positions(max_model_len) up front instead (no sync).
+            self.ensure_positions(int(positions.max()) + 1)
+        cos = self.cos_cache[positions].to(q.dtype)[:, None, :]
+        sin = self.sin_cache[positions].to(q.dtype)[:, None, :]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

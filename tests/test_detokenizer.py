@@ -1,0 +1,41 @@
+"""Incremental detokenization never splits a multi-byte character; stop strings truncate."""
+from __future__ import annotations
+
+import pytest
+
+from vllite_core.engine.detokenizer import IncrementalDetokenizer
+from vllite_core.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from model_registry.source import load_tokenizer, resolve_model_source
+
+    return load_tokenizer(resolve_model_source(None))
+
+
+TEXT = "Grüße aus Köln! 世界你好 🙂🚀 naïve café — done."
+
+
+def test_deltas_are_whole_characters(tokenizer):
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    prompt = tokenizer.encode("Say:", add_special_tokens=False)
+    d = IncrementalDetokenizer(tokenizer, prompt, SamplingParams())
+    pieces = [d.add_tokens([t]) for t in ids]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == tokenizer.decode(ids) == TEXT
+    # Byte-level BPE splits the emoji over several tokens: some steps must have emitted nothing.
+    assert any(p == "" for p in pieces)
+
+
+def test_stop_string_truncates(tokenizer):
+    ids = tokenizer.encode("alpha beta gamma delta", add_special_tokens=False)
+    for include, expected in ((False, "alpha beta"), (True, "alpha beta gamma")):
+        d = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=[" gamma"], include_stop_str_in_output=include))
+        hit = None
+        for t in ids:
+            d.add_tokens([t])
+            hit = d.check_stop()
+            if hit:
+                break
+        assert hit == " gamma" and d.output_text == expected

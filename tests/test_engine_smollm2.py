@@ -1,0 +1,101 @@
+"""The engine on the real SmolLM2-135M-Instruct: greedy tokens identical to Hugging Face (fp32)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hf_reference import hf_greedy
+from vllite_core import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+LENGTHS = [5, 9, 17, 31, 48, 64, 100, 128, 150, 200, 256, 300, 400, 450, 512, 600]
+NEW_TOKENS = 64
+
+
+def random_prompts(lengths, seed=0):
+    rs = np.random.RandomState(seed)
+    return [rs.randint(17, 49152, size=n).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(LENGTHS)
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_hf, prompts):
+    return [hf_greedy(smollm2_hf, p, NEW_TOKENS) for p in prompts]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def run(llm: LLM, prompts):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("engine_kwargs", [
+    {},
+    {"max_num_batched_tokens": 64},
+    {"enable_prefix_caching": False},
+], ids=["default", "chunked-64", "no-prefix-cache"])
+def test_greedy_matches_hf(engine_kwargs, prompts, reference):
+    llm = LLM(dtype="float32", max_model_len=1024, **engine_kwargs)
+    got = run(llm, prompts)
+    for i, (g, r) in enumerate(zip(got, reference)):
+        assert g == r, f"prompt {i} (len {len(prompts[i])}) diverged at {next(j for j in range(len(r)) if g[j] != r[j])}"
+
+
+def test_shared_prefixes_hit_the_cache(smollm2_hf):
+    rs = np.random.RandomState(1)
+    prefix = rs.randint(17, 49152, size=300).tolist()
+    prompts = [prefix + rs.randint(17, 49152, size=n).tolist() for n in (3, 20, 47, 90)]
+    ref = [hf_greedy(smollm2_hf, p, 24) for p in prompts]
+    llm = LLM(dtype="float32", max_model_len=1024)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    first = llm.generate([{"prompt_token_ids": prompts[0]}], params)
+    rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params)
+    outs = first + rest
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    stats = llm.llm_engine.core.stats()
+    assert stats.prefix_cache_hits > 0 and stats.prefix_cache_hit_rate > 0
+    assert all(o.num_cached_tokens >= 288 for o in rest)  # 18 full blocks of the shared prefix
+
+
+def test_staggered_arrivals_match_running_alone(prompts, reference):
+    llm = LLM(dtype="float32", max_model_len=1024, max_num_batched_tokens=256)
+    engine = llm.llm_engine
+    picks = [0, 5, 9, 15]
+    done = {}
+    pending = list(picks)
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        if pending and step % 7 == 0:  # a new request arrives every 7 steps, while others decode
+            i = pending.pop(0)
+            engine.add_request(f"r{i}", {"prompt_token_ids": prompts[i]}, GREEDY)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        step += 1
+    for i in picks:
+        assert done[f"r{i}"] == reference[i]
+
+
+def test_chat_and_text(smollm2_hf):
+    llm = LLM(dtype="float32", max_model_len=1024)
+    tok = llm.get_tokenizer()
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    out = llm.chat(msgs, SamplingParams(temperature=0.0, max_tokens=24))[0]
+    prompt_ids = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+    if isinstance(prompt_ids, dict):
+        prompt_ids = prompt_ids["input_ids"]
+    assert out.prompt_token_ids == list(prompt_ids)
+    ref = hf_greedy(smollm2_hf, list(prompt_ids), 24)
+    n = len(out.outputs[0].token_ids)
+    assert out.outputs[0].token_ids == ref[:n]
+    assert out.outputs[0].text == tok.decode(ref[:n], skip_special_tokens=True)
+    assert "Paris" in out.outputs[0].text
+    m = out.metrics
+    assert m.time_to_first_token is not None and m.queue_time is not None and m.decode_time is not None

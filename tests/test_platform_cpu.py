@@ -1,0 +1,125 @@
+"""The CPU platform package (vllite-platform-cpu)."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+import vllite_platform_cpu.platform as cpu_mod
+from vllite_core.attention import AttentionBackend
+from vllite_core.config import CacheConfig, ConfigError, DeviceConfig, VlliteConfig
+from vllite_platform_cpu import VLLITE_PLUGIN_API, vllite_register_platforms
+from vllite_platform_cpu.platform import CpuPlatform
+
+torch.set_num_threads(1)
+GiB = 1 << 30
+
+
+@pytest.fixture
+def cpu() -> CpuPlatform:
+    return CpuPlatform()
+
+
+def test_plugin_module_contract():
+    assert VLLITE_PLUGIN_API == (1, 0)
+    assert vllite_register_platforms() == [CpuPlatform]
+
+
+def test_detect_always_available_lowest_priority():
+    det = CpuPlatform.detect()
+    assert det.available and det.priority == 0
+    assert det.devices == [cpu_mod.cpu_model_name()] and det.devices[0]
+
+
+def test_identity(cpu):
+    assert (cpu.name, cpu.device_type, cpu.dist_backend) == ("cpu", "cpu", "gloo")
+    assert cpu.device() == torch.device("cpu")
+    assert cpu.device_name() == cpu_mod.cpu_model_name()
+    assert cpu.total_memory() > 256 * (1 << 20)
+    facts = cpu.describe()
+    assert facts["name"] == "cpu" and facts["total_memory"] == cpu.total_memory()
+
+
+@pytest.mark.parametrize("flags, first", [({"avx2", "fma"}, torch.float32), ({"avx512f", "avx512_bf16"}, torch.bfloat16),
+                                          ({"amx_bf16", "amx_tile"}, torch.bfloat16)])
+def test_dtypes_follow_bf16_support(cpu, monkeypatch, flags, first):
+    monkeypatch.setattr(cpu_mod.pyplatform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(cpu_mod, "cpu_flags", lambda: flags)
+    assert cpu.supported_dtypes()[0] == first and cpu.default_dtype() == first
+    assert set(cpu.supported_dtypes()) == {torch.float32, torch.bfloat16}
+
+
+def test_this_machine_defaults_to_float32_without_avx512(cpu):
+    if cpu_mod.has_fast_bf16():
+        pytest.skip("this CPU has native bf16")
+    assert cpu.default_dtype() == torch.float32
+
+
+def test_kv_cache_dtype_check(cpu):
+    cpu.check_and_update_config(VlliteConfig())
+    with pytest.raises(ConfigError, match="kv_cache_dtype"):
+        cpu.check_and_update_config(VlliteConfig(cache_config=CacheConfig(kv_cache_dtype="fp8_e5m2")))
+    with pytest.raises(ConfigError, match="num_threads"):
+        cpu.check_and_update_config(VlliteConfig(device_config=DeviceConfig(num_threads=0)))
+
+
+def test_memory_explicit_size_skips_profiling(cpu):
+    calls = []
+    cfg = VlliteConfig(cache_config=CacheConfig(kv_cache_memory=123 << 20))
+    assert cpu.determine_available_memory(cfg, lambda: calls.append(1)) == 123 << 20
+    assert calls == []
+
+
+def test_memory_env_size(cpu, monkeypatch):
+    monkeypatch.setenv("VLLITE_CPU_KVCACHE_SPACE", "0.5")
+    assert cpu.determine_available_memory(VlliteConfig(), lambda: None) == GiB // 2
+    monkeypatch.setenv("VLLITE_CPU_KVCACHE_SPACE", "lots")
+    with pytest.raises(ConfigError, match="VLLITE_CPU_KVCACHE_SPACE"):
+        cpu.determine_available_memory(VlliteConfig(), lambda: None)
+
+
+def test_memory_profiled_budget_is_capped(cpu, monkeypatch):
+    monkeypatch.delenv("VLLITE_CPU_KVCACHE_SPACE", raising=False)
+    calls = []
+    got = cpu.determine_available_memory(VlliteConfig(), lambda: calls.append(1))
+    assert calls == [1] and 0 < got <= cpu_mod.DEFAULT_KV_CACHE_CAP
+
+
+def test_memory_profile_growth_is_subtracted(cpu, monkeypatch):
+    monkeypatch.delenv("VLLITE_CPU_KVCACHE_SPACE", raising=False)
+    rss = iter([1 * GiB, 3 * GiB])
+    monkeypatch.setattr(cpu_mod, "current_rss", lambda: next(rss))
+    peaks = iter([2 * GiB, 5 * GiB])  # peak rose during the profile run: it counts
+    monkeypatch.setattr(cpu_mod, "peak_rss", lambda: next(peaks))
+    monkeypatch.setattr(CpuPlatform, "total_memory", lambda self, index=0: 10 * GiB)
+    cfg = VlliteConfig(cache_config=CacheConfig(memory_utilization=0.8))
+    assert cpu.determine_available_memory(cfg, lambda: None) == 3 * GiB  # 8 GiB - 5 GiB peak
+
+
+def test_memory_with_no_room_is_a_clear_error(cpu, monkeypatch):
+    monkeypatch.delenv("VLLITE_CPU_KVCACHE_SPACE", raising=False)
+    cfg = VlliteConfig(cache_config=CacheConfig(memory_utilization=1e-6))
+    with pytest.raises(ConfigError, match="memory_utilization"):
+        cpu.determine_available_memory(cfg, lambda: None)
+
+
+def test_init_device_sets_threads(cpu):
+    before = torch.get_num_threads()
+    try:
+        cpu.init_device(VlliteConfig(device_config=DeviceConfig(num_threads=1)))
+        assert torch.get_num_threads() == 1
+        cpu.init_device(VlliteConfig())
+        assert torch.get_num_threads() == cpu_mod.usable_cpus()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_graphs_are_eager_for_now(cpu):
+    assert cpu.capture_graphs(lambda **kw: None, [1, 2], lambda n: {}, VlliteConfig()) == {}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllite_platform_cpu.attention") is None,
+                    reason="TorchPagedAttention not written yet")
+def test_attention_backend(cpu):
+    assert isinstance(cpu.get_attention_backend(VlliteConfig()), AttentionBackend)
