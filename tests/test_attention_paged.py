@@ -110,3 +110,15 @@ def test_bf16_cache_and_queries():
     ref = reference_paged_attention(q, k, v, ref_cache, md, 0.25)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_kv_cache(cache_dtype):
+    """K/V are stored rounded to fp8 and read back in the query dtype, exactly like the reference."""
+    q, k, v, cache, md = _case([1, 6, 1], [10, 6, 3], heads=4, kv_heads=2)
+    cache = cache.to(cache_dtype)
+    ref_cache = cache.clone()
+    out = TorchPagedAttention().forward(q, k, v, cache, md, 0.25)
+    ref = reference_paged_attention(q, k, v, ref_cache, md, 0.25)
+    assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)

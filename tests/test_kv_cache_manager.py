@@ -213,7 +213,7 @@ def test_shared_prefix_ref_counts() -> None:
     assert [blk.ref_cnt for blk in shared] == [0, 0]
     assert mgr.get_num_free_blocks() == mgr.num_usable_blocks
     mgr.free(b)  # idempotent
-    mgr.free("unknown")
+    mgr.free(FakeRequest("unknown", [1]))
 
 
 def test_usage_and_reset_prefix_cache() -> None:
@@ -226,6 +226,19 @@ def test_usage_and_reset_prefix_cache() -> None:
     assert mgr.usage == 0.0
     assert mgr.reset_prefix_cache() is True
     assert mgr.get_computed_blocks(FakeRequest("b", toks(9)))[1] == 0
+
+
+def test_preempt_before_compute_uncaches_step_blocks() -> None:
+    """Blocks cached at allocation but never computed (preempted in the same step) must not hit."""
+    mgr = KVCacheManager(num_blocks=20, block_size=4)
+    r = FakeRequest("r", toks(13))
+    assert admit(mgr, r, chunk=4) is not None  # block 0 computed and cached
+    assert mgr.allocate_slots(r, 8) is not None  # blocks 1, 2 cached for this step
+    assert len(mgr.block_pool.cached_block_hash_to_block) == 3
+    mgr.free(r)  # preempted before the forward pass: num_computed_tokens is still 4
+    r.num_computed_tokens = 0
+    assert len(mgr.block_pool.cached_block_hash_to_block) == 1
+    assert mgr.get_computed_blocks(FakeRequest("s", toks(13)))[1] == 4
 
 
 def test_stale_hit_is_detected() -> None:
@@ -296,6 +309,12 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     # -- helpers --
 
+    def _new_request(self, prompt: list[int], skip: bool, lora: tuple) -> None:
+        self.waiting.append(
+            FakeRequest(f"r{self.next_id}", prompt, skip_prefix_cache=skip, block_extra_keys=lora)
+        )
+        self.next_id += 1
+
     def _write(self, req: FakeRequest, start: int, end: int) -> None:
         """Record that tokens [start, end) of req were computed into its blocks."""
         blocks = self.mgr.req_to_blocks[req.request_id]
@@ -355,17 +374,22 @@ class KVCacheMachine(RuleBasedStateMachine):
     @rule(
         src=st.integers(0, 1000),
         prefix_blocks=st.sampled_from([0, 1, 2, 3, 9, 9]),
-        suffix=st.lists(st.integers(0, 2), min_size=1, max_size=10),
+        suffix=st.lists(st.integers(0, 2), min_size=0, max_size=10),
         skip=st.sampled_from([False, False, False, True]),
         lora=st.sampled_from([(), (), (), ("lora", 1)]),
     )
     def add(self, src: int, prefix_blocks: int, suffix: list[int], skip: bool, lora: tuple) -> None:
         base = self.seen[src % len(self.seen)]
-        prompt = (base[: prefix_blocks * FUZZ_BS] + suffix)[: FUZZ_MAX_LEN - 6]
-        self.waiting.append(
-            FakeRequest(f"r{self.next_id}", prompt, skip_prefix_cache=skip, block_extra_keys=lora)
-        )
-        self.next_id += 1
+        prompt = (base[: prefix_blocks * FUZZ_BS] + suffix)[: FUZZ_MAX_LEN - 6] or [0]
+        self._new_request(prompt, skip, lora)
+
+    @rule(src=st.integers(0, 1000))
+    def resubmit_whole_blocks(self, src: int) -> None:
+        """Re-send a finished sequence cut to whole blocks: a full prefix match."""
+        base = self.seen[src % len(self.seen)]
+        n = min(len(base), FUZZ_MAX_LEN - 8) // FUZZ_BS * FUZZ_BS
+        if n:
+            self._new_request(list(base[:n]), False, ())
 
     def _admit(self, req: FakeRequest, chunk: int, token: int) -> bool:
         """Prefix lookup then allocation for a waiting request; False if it does not fit."""
@@ -398,7 +422,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     def seed_requests(self, prompt: list[int], n: int) -> None:
         """Start with a family of requests sharing a prompt, so hits happen early."""
         for i in range(n):
-            self.add(0, 0, prompt + [i], False, ())
+            self._new_request(prompt + [i], False, ())
 
     @rule(idx=st.integers(0, 1000), chunk=st.integers(1, 20), token=st.integers(0, 2))
     def schedule_waiting(self, idx: int, chunk: int, token: int) -> None:
@@ -419,6 +443,20 @@ class KVCacheMachine(RuleBasedStateMachine):
     def step_one(self, idx: int, chunk: int, token: int) -> None:
         if self.running:
             self._advance(self.running[idx % len(self.running)], chunk, token)
+
+    @rule(idx=st.integers(0, 1000), chunk=st.integers(1, 20))
+    def preempt_after_schedule(self, idx: int, chunk: int) -> None:
+        """Schedule a chunk, then preempt the request before its KV is computed."""
+        if not self.running:
+            return
+        req = self.running[idx % len(self.running)]
+        new = self.mgr.allocate_slots(req, min(chunk, req.num_tokens - req.num_computed_tokens))
+        if new is not None:
+            self._fresh(new)  # allocated, never written
+        self.mgr.free(req)
+        req.num_computed_tokens = 0
+        self.running.remove(req)
+        self.waiting.append(req)
 
     @rule(idx=st.integers(0, 1000))
     def finish(self, idx: int) -> None:
@@ -467,6 +505,12 @@ class KVCacheMachine(RuleBasedStateMachine):
             hashes = self.mgr.req_to_block_hashes.get(req.request_id, [])
             expected = hash_request_tokens(FUZZ_BS, req.all_token_ids, req.block_extra_keys)
             assert hashes == expected[: len(hashes)]
+            # Every full block of computed, known tokens has been offered to the cache,
+            # and a block indexed in the pool is indexed under this request's hash.
+            num_full = min(req.num_computed_tokens, req.num_tokens) // FUZZ_BS
+            assert self.mgr.num_cached_block.get(req.request_id, 0) == num_full
+            for i, blk in enumerate(self.mgr.req_to_blocks[req.request_id][:num_full]):
+                assert blk.block_hash in (None, expected[i])
 
 
 KVCacheMachine.TestCase.settings = settings(

@@ -194,7 +194,8 @@ class LlamaForCausalLM(nn.Module):
 
     # ---- weights -------------------------------------------------------------------------------
 
-    def _shard_slice(self, fused_name: str, shard: str) -> slice:
+    def _shard_slice(self, shard: str) -> slice:
+        """Rows of a fused weight that hold one checkpoint tensor."""
         if shard in ("q", "k", "v"):
             attn = self.model.layers[0].self_attn
             start = {"q": 0, "k": attn.q_size, "v": attn.q_size + attn.kv_size}[shard]
@@ -232,7 +233,7 @@ class LlamaForCausalLM(nn.Module):
                 loaded.add(target)
                 continue
             _, fused, shard = stacked
-            _copy(params[target].data[self._shard_slice(target, shard)], tensor, hf_name)
+            _copy(params[target].data[self._shard_slice(shard)], tensor, hf_name)
             seen = shards_seen.setdefault(target, set())
             seen.add(shard)
             if seen == shards_needed[fused]:

@@ -160,8 +160,8 @@ class RotaryEmbedding(torch.nn.Module):
         if positions.device.type == "cpu" and positions.numel():
             # Free on the CPU; accelerators call ensure_positions(max_model_len) up front instead (no sync).
             self.ensure_positions(int(positions.max()) + 1)
-        cos = self.cos_cache[positions].to(q.dtype)[:, None, :]
-        sin = self.sin_cache[positions].to(q.dtype)[:, None, :]
+        cos = self.cos_cache.index_select(0, positions).to(q.dtype)[:, None, :]
+        sin = self.sin_cache.index_select(0, positions).to(q.dtype)[:, None, :]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

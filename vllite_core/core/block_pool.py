@@ -97,6 +97,19 @@ class BlockPool:
             block.block_hash = block_hash
             cache[block_hash] = block
 
+    def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop the cache entries of blocks whose KV will never be written.
+
+        Blocks are cached when allocated (before the forward pass); a request
+        preempted in the same step never computes them, so they must not hit.
+        """
+        cache = self.cached_block_hash_to_block
+        for block in blocks:
+            block_hash = block.block_hash
+            if block_hash is not None and cache.get(block_hash) is block:
+                del cache[block_hash]
+                block.block_hash = None
+
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block; those reaching 0 go to the queue tail.
 

@@ -173,7 +173,7 @@ class KVCacheManager:
             # Touching a free cached block removes it from the free queue, so it
             # no longer counts as free for the fresh allocation.
             num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-            if num_new_blocks > pool.get_num_free_blocks():
+            if num_new_blocks > pool.get_num_free_blocks() - num_evictable_hits:
                 return None
             if req_blocks is None:
                 req_blocks = self.req_to_blocks[request_id] = []
@@ -201,15 +201,22 @@ class KVCacheManager:
 
         return [b.block_id for b in new_blocks]
 
-    def free(self, request: KVCacheRequest | str) -> None:
+    def free(self, request: KVCacheRequest) -> None:
         """Release the request's blocks, tail first, and forget it. Idempotent.
 
         Call it on finish, abort (even for a request that never ran: its hashes
-        may be held from a prefix lookup) and preemption.
+        may be held from a prefix lookup) and preemption, BEFORE resetting
+        request.num_computed_tokens: blocks cached by allocate_slots past
+        num_computed_tokens (scheduled in this step, never computed because the
+        request is preempted before the forward pass) are uncached here.
         """
-        request_id = request if isinstance(request, str) else request.request_id
+        request_id = request.request_id
         blocks = self.req_to_blocks.pop(request_id, None)
         if blocks:
+            num_cached = self.num_cached_block.get(request_id, 0)
+            num_done = request.num_computed_tokens // self.block_size
+            if num_cached > num_done:
+                self.block_pool.uncache_blocks(blocks[num_done:num_cached])
             # Reverse: the tail is less likely to be shared, so it is evicted first.
             self.block_pool.free_blocks(reversed(blocks))
         self.req_to_block_hashes.pop(request_id, None)

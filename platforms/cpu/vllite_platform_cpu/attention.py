@@ -6,7 +6,9 @@ tail past each sequence masked, and a single SDPA call covers all of them.
 Requests with several query tokens (prefill, chunked prefill, speculative
 verification) go one by one through SDPA with a causal mask aligned to the end
 of their context. The per-step plan (which rows, which blocks, the masks) is
-built once in ``prepare`` and shared by every layer.
+built once in ``prepare`` and shared by every layer. Gathers use
+``index_select``/``index_copy_`` rather than advanced indexing, which on small
+CPU tensors can stall milliseconds waking OpenMP threads.
 """
 from __future__ import annotations
 
@@ -65,8 +67,8 @@ class TorchPagedAttention(AttentionBackend):
             idx = torch.tensor(decode_idx, dtype=torch.long, device=device)
             width = -(-max(seq_lens[i] for i in decode_idx) // bs)
             plan.decode_rows = torch.tensor([starts[i] for i in decode_idx], dtype=torch.long, device=device)
-            plan.decode_blocks = block_table[idx, :width]
-            plan.decode_seq_lens = md.seq_lens.to(device=device, dtype=torch.long)[idx]
+            plan.decode_blocks = block_table[:, :width].index_select(0, idx)
+            plan.decode_seq_lens = md.seq_lens.to(device=device, dtype=torch.long).index_select(0, idx)
         return plan
 
     def forward(
@@ -90,14 +92,17 @@ class TorchPagedAttention(AttentionBackend):
             return self._without_cache(query, key, value, metadata, out, scale, sliding_window)
         num_kv_heads, head_size = key.shape[1], key.shape[2]
         slots = metadata.slot_mapping[:n]
-        kv_cache[0].view(-1, num_kv_heads, head_size).index_copy_(0, slots, key[:n].to(kv_cache.dtype))
-        kv_cache[1].view(-1, num_kv_heads, head_size).index_copy_(0, slots, value[:n].to(kv_cache.dtype))
+        _store(kv_cache[0].view(-1, num_kv_heads, head_size), slots, key[:n])
+        _store(kv_cache[1].view(-1, num_kv_heads, head_size), slots, value[:n])
         if plan.decode_rows is not None:
-            out[plan.decode_rows] = self._decode(query, kv_cache, plan, scale, sliding_window)
+            out.index_copy_(0, plan.decode_rows, self._decode(query, kv_cache, plan, scale, sliding_window))
         for p in plan.prefills:
             q = query[p.rows]
-            k = kv_cache[0, p.blocks].flatten(0, 1)[:p.seq_len].to(q.dtype)
-            v = kv_cache[1, p.blocks].flatten(0, 1)[:p.seq_len].to(q.dtype)
+            if p.seq_len == q.shape[0] and kv_cache.dtype == q.dtype:  # no cached prefix: K/V are the new rows
+                k, v = key[p.rows], value[p.rows]
+            else:
+                k = _gather(kv_cache[0], p.blocks, q.dtype).flatten(0, 1)[:p.seq_len]
+                v = _gather(kv_cache[1], p.blocks, q.dtype).flatten(0, 1)[:p.seq_len]
             out[p.rows] = self._prefill(q, k, v, plan.masks, p.rows.start, scale, sliding_window)
         return out
 
@@ -116,10 +121,11 @@ class TorchPagedAttention(AttentionBackend):
         assert plan.decode_rows is not None and plan.decode_blocks is not None
         b, nb = plan.decode_blocks.shape
         bs, num_kv_heads, head_size = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
-        # [B, nb, bs, Hkv, D] -> [B, Hkv, L, D]
-        k = kv_cache[0, plan.decode_blocks].view(b, nb * bs, num_kv_heads, head_size).transpose(1, 2)
-        v = kv_cache[1, plan.decode_blocks].view(b, nb * bs, num_kv_heads, head_size).transpose(1, 2)
-        q = query[plan.decode_rows].unsqueeze(2)  # [B, H, 1, D]
+        # [B * nb, bs, Hkv, D] -> [B, Hkv, L, D]
+        blocks = plan.decode_blocks.reshape(-1)
+        q = query.index_select(0, plan.decode_rows).unsqueeze(2)  # [B, H, 1, D]
+        k = _gather(kv_cache[0], blocks, q.dtype).view(b, nb * bs, num_kv_heads, head_size).transpose(1, 2)
+        v = _gather(kv_cache[1], blocks, q.dtype).view(b, nb * bs, num_kv_heads, head_size).transpose(1, 2)
         mask = plan.masks.get(("decode", window))
         if mask is None:
             assert plan.decode_seq_lens is not None
@@ -129,7 +135,7 @@ class TorchPagedAttention(AttentionBackend):
             if window is not None:
                 keep &= pos[None, :] >= seq - window  # the query sits at seq - 1
             mask = plan.masks[("decode", window)] = keep[:, None, None, :]
-        out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                              enable_gqa=q.shape[1] != num_kv_heads)
         return out.squeeze(2)
 
@@ -155,3 +161,22 @@ class TorchPagedAttention(AttentionBackend):
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, is_causal=mask is None,
             scale=scale, enable_gqa=q.shape[1] != k.shape[1])
         return out.transpose(0, 1)
+
+
+def _is_fp8(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point and dtype.itemsize == 1
+
+
+def _store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """cache[slots] = x, rounding to the cache dtype (fp8 caches are copied as bytes: CPU index ops lack fp8)."""
+    x = x.to(cache.dtype)
+    if _is_fp8(cache.dtype):
+        cache, x = cache.view(torch.uint8), x.view(torch.uint8)
+    cache.index_copy_(0, slots, x)
+
+
+def _gather(cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """cache[index] in ``dtype``."""
+    if _is_fp8(cache.dtype):
+        return cache.view(torch.uint8).index_select(0, index).view(cache.dtype).to(dtype)
+    return cache.index_select(0, index).to(dtype)
