@@ -88,9 +88,8 @@ def test_chat_and_text(smollm2_hf):
     tok = llm.get_tokenizer()
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     out = llm.chat(msgs, SamplingParams(temperature=0.0, max_tokens=24))[0]
-    prompt_ids = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
-    if isinstance(prompt_ids, dict):
-        prompt_ids = prompt_ids["input_ids"]
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    prompt_ids = tok(text)["input_ids"]
     assert out.prompt_token_ids == list(prompt_ids)
     ref = hf_greedy(smollm2_hf, list(prompt_ids), 24)
     n = len(out.outputs[0].token_ids)

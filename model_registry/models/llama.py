@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_registry.models.rope import RotaryEmbedding
+from model_registry.models.rope import RotaryEmbedding, apply_rotary
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
 
 
@@ -58,8 +58,8 @@ def _layer_windows(hf_config: Any, num_layers: int) -> list[int | None]:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, hf_config: Any, rotary: RotaryEmbedding, attn_backend: AttentionBackend,
-                 dtype: torch.dtype, sliding_window: int | None) -> None:
+    def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype,
+                 sliding_window: int | None) -> None:
         super().__init__()
         c = hf_config
         self.num_heads = c.num_attention_heads
@@ -74,17 +74,16 @@ class LlamaAttention(nn.Module):
         o_bias = not is_qwen2 and bool(getattr(c, "attention_bias", False))
         self.qkv_proj = Linear(c.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, dtype)
         self.o_proj = Linear(self.q_size, c.hidden_size, o_bias, dtype)
-        self.rotary = [rotary]  # shared by all layers; a list keeps it out of this module's children
         self.attn_backend = attn_backend
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_size)
         k = k.view(t, self.num_kv_heads, self.head_size)
         v = v.view(t, self.num_kv_heads, self.head_size)
-        q, k = self.rotary[0](positions, q, k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -106,18 +105,18 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, hf_config: Any, rotary: RotaryEmbedding, attn_backend: AttentionBackend,
-                 dtype: torch.dtype, sliding_window: int | None) -> None:
+    def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype,
+                 sliding_window: int | None) -> None:
         super().__init__()
         eps = float(getattr(hf_config, "rms_norm_eps", 1e-6))
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype)
-        self.self_attn = LlamaAttention(hf_config, rotary, attn_backend, dtype, sliding_window)
+        self.self_attn = LlamaAttention(hf_config, attn_backend, dtype, sliding_window)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype)
         self.mlp = LlamaMLP(hf_config, dtype)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, attn_metadata)
+        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, attn_metadata)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -131,14 +130,15 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(hf_config, head_size)
         windows = _layer_windows(hf_config, num_layers)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, self.rotary_emb, attn_backend, dtype, windows[i]) for i in range(num_layers))
+            LlamaDecoderLayer(hf_config, attn_backend, dtype, windows[i]) for i in range(num_layers))
         self.norm = RMSNorm(hf_config.hidden_size, float(getattr(hf_config, "rms_norm_eps", 1e-6)), dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed_tokens)
+        rope = self.rotary_emb.lookup(positions, x.dtype)  # shared by every layer
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(positions, x, kv_cache, attn_metadata)
+            x = layer(rope, x, kv_cache, attn_metadata)
         return self.norm(x)
 
 
