@@ -72,18 +72,18 @@ def run_generate(ns: argparse.Namespace) -> int:
     prompts = _read_prompts(ns)
     params = _sampling_params(ns)
     llm = LLM.from_engine(LLMEngine.from_engine_args(engine_args_from_namespace(ns)))
+    shown = [p if isinstance(p, str) else p.get("prompt") for p in prompts]
     if ns.chat_template:
-        prompts = [{"prompt": llm.apply_chat_template([{"role": "user", "content": p if isinstance(p, str) else p["prompt"]}])}
-                   for p in prompts]
+        prompts = [{"prompt": llm.apply_chat_template([{"role": "user", "content": text}])} for text in shown]
     outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
     sink = open(ns.output, "w") if ns.output else None
-    for out in outputs:
+    for text, out in zip(shown, outputs):
         comp = out.outputs[0]
         if sink:
-            sink.write(json.dumps({"prompt": out.prompt, "text": comp.text, "token_ids": comp.token_ids,
+            sink.write(json.dumps({"prompt": text, "text": comp.text, "token_ids": comp.token_ids,
                                    "finish_reason": comp.finish_reason}) + "\n")
         else:
-            print(f"--- prompt: {out.prompt!r}" if out.prompt is not None else f"--- request {out.request_id}")
+            print(f"--- prompt: {text!r}" if text is not None else f"--- request {out.request_id}")
             print(comp.text)
             m = out.metrics
             if m and m.time_to_first_token is not None:
