@@ -72,8 +72,11 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
     policy: SchedulerPolicy = "fcfs"
+    # Concurrent partial prefills: a prompt with more than `long_prefill_token_threshold` tokens left is
+    # "long"; at most `max_num_partial_prefills` long prompts prefill in a step, each capped at the
+    # threshold until the other requests had their share of the budget (the leftover tops them up).
     max_num_partial_prefills: int = 1
-    long_prefill_token_threshold: int = 0  # 0: no cap per prefill chunk
+    long_prefill_token_threshold: int | None = None  # None: 4% of max_model_len; 0: no cap
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
@@ -82,6 +85,10 @@ class SchedulerConfig:
             raise ConfigError("max_num_batched_tokens: must be positive")
         if self.max_num_seqs <= 0:
             raise ConfigError("max_num_seqs: must be positive")
+        if self.max_num_partial_prefills < 1:
+            raise ConfigError("max_num_partial_prefills: must be >= 1")
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
+            raise ConfigError("long_prefill_token_threshold: must be >= 0 (0 turns the cap off)")
 
 
 @dataclass
@@ -139,7 +146,7 @@ class EngineArgs:
     max_num_seqs: int = 256
     scheduling_policy: str = "fcfs"
     max_num_partial_prefills: int = 1
-    long_prefill_token_threshold: int = 0
+    long_prefill_token_threshold: int | None = None
     logprobs_mode: str = "raw_logprobs"
     kv_cache_dtype: str = "auto"
     num_kv_blocks: int | None = None

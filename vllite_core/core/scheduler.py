@@ -85,18 +85,23 @@ class Scheduler:
         return self.num_unfinished > 0
 
     # ---- the step decision ------------------------------------------------------------
-    def _chunk(self, num_new: int, budget: int) -> int:
-        cap = self.config.long_prefill_token_threshold
-        if cap and num_new > 1:
-            num_new = min(num_new, cap)
-        return min(num_new, budget)
+    @property
+    def long_prefill_threshold(self) -> int:
+        """Prefill chunks above this are 'long': capped per step so short requests get budget too."""
+        t = self.config.long_prefill_token_threshold
+        if t is not None:
+            return t
+        if not self.config.enable_chunked_prefill:
+            return 0
+        return max(self.cache_config.block_size, int(self.max_model_len * 0.04))
 
     def _pick_victim(self) -> Request:
         if self.policy == "priority":
             return max(self.running, key=Request.sort_key)
         return self.running[-1]
 
-    def _preempt(self, victim: Request, now: float) -> None:
+    def _preempt(self, victim: Request) -> None:
+        """Recompute later: free the blocks, keep the tokens, back to the waiting queue."""
         self.running.remove(victim)
         self.kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
@@ -106,99 +111,68 @@ class Scheduler:
         self.waiting.prepend(victim)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        now = time.monotonic()
-        preempted: list[Request] = []
-        scheduled_running: list[Request] = []
-        new_block_ids: dict[str, list[int]] = {}
-        partial_prefills = 0
-
-        # 1) Running requests first, in order; preempt from the back when blocks run out.
+        step = _Step(self)
+        # 1) Running requests first, in order; preempt when blocks run out.
         idx = 0
-        while idx < len(self.running) and budget > 0:
+        while idx < len(self.running) and step.budget > 0:
             req = self.running[idx]
-            num_new = req.num_tokens - req.num_computed_tokens
-            if num_new > 1:
-                if partial_prefills >= self.config.max_num_partial_prefills and self.config.max_num_partial_prefills > 1:
-                    idx += 1
-                    continue
-                partial_prefills += 1
-            num_new = self._chunk(num_new, budget)
+            num_new = step.chunk(req, req.num_tokens - req.num_computed_tokens)
             if num_new <= 0:
                 idx += 1
                 continue
-            while True:
-                blocks = self.kv.allocate_slots(req, num_new)
-                if blocks is not None:
-                    break
+            blocks = self.kv.allocate_slots(req, num_new)
+            while blocks is None:
                 victim = self._pick_victim()
-                if victim in scheduled_running:  # undo its place in this step
-                    scheduled_running.remove(victim)
-                    budget += out.num_scheduled_tokens.pop(victim.request_id)
-                    new_block_ids.pop(victim.request_id)
                 if self.running.index(victim) < idx:
                     idx -= 1
-                self._preempt(victim, now)
-                preempted.append(victim)
+                step.preempt(victim)
                 if victim is req:
                     break
+                blocks = self.kv.allocate_slots(req, num_new)
             if blocks is None:  # req preempted itself: nothing after it can run either
                 break
-            scheduled_running.append(req)
-            new_block_ids[req.request_id] = blocks
-            out.num_scheduled_tokens[req.request_id] = num_new
-            budget -= num_new
+            step.schedule_running(req, num_new, blocks)
             idx += 1
 
-        # 2) Admit waiting requests (never in a step that had to preempt).
-        scheduled_new: list[Request] = []
-        while (not preempted and len(self.waiting) and budget > 0
+        # 2) Admit waiting requests (never in a step that preempted for lack of blocks).
+        skipped: list[Request] = []
+        while (not step.preempted and len(self.waiting) and step.budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting.peek()
             computed_blocks, num_computed = self.kv.get_computed_blocks(req)
-            num_new = req.num_tokens - num_computed
-            if num_new > 1 and self.config.max_num_partial_prefills > 1 \
-                    and partial_prefills >= self.config.max_num_partial_prefills:
+            remaining = req.num_tokens - num_computed
+            if not self.config.enable_chunked_prefill and remaining > step.budget:
                 break
-            if not self.config.enable_chunked_prefill and num_new > budget:
-                break
-            num_new = self._chunk(num_new, budget)
+            num_new = step.chunk(req, remaining)
+            if num_new <= 0:  # a long prompt waits for a long-prefill slot; later ones may go
+                skipped.append(self.waiting.pop())
+                continue
             blocks = self.kv.allocate_slots(req, num_new, computed_blocks, num_computed)
+            # Priority: a more urgent arrival may push out less urgent running requests.
+            while blocks is None and self.policy == "priority" and self.running \
+                    and self._pick_victim().sort_key() > req.sort_key():
+                step.preempt(self._pick_victim(), admitting=True)
+                computed_blocks, num_computed = self.kv.get_computed_blocks(req)
+                num_new = step.chunk(req, req.num_tokens - num_computed, recount=False)
+                blocks = self.kv.allocate_slots(req, num_new, computed_blocks, num_computed)
             if blocks is None:
+                step.release_long(req)
                 break
             self.waiting.pop()
-            if num_new > 1:
-                partial_prefills += 1
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_computed
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_computed
             if req.times.first_scheduled is None:
-                req.times.first_scheduled = now
+                req.times.first_scheduled = step.now
             self.running.append(req)
-            scheduled_new.append(req)
-            out.num_scheduled_tokens[req.request_id] = num_new
-            budget -= num_new
+            step.schedule_new(req, num_new)
+        for req in skipped:
+            self.waiting.prepend(req) if self.policy == "fcfs" else self.waiting.add(req)
 
-        # 3) Describe the step for the runner.
-        for req in scheduled_new:
-            out.scheduled_new_reqs.append(NewRequestData(
-                req_id=req.request_id, token_ids=list(req.all_token_ids), num_prompt_tokens=req.num_prompt_tokens,
-                sampling_params=req.sampling_params, block_ids=list(self.kv.get_block_ids(req.request_id)),
-                num_computed_tokens=req.num_computed_tokens))
-        for req in scheduled_running:
-            out.scheduled_cached_reqs.append(CachedRequestData(
-                req_id=req.request_id, new_block_ids=new_block_ids[req.request_id],
-                num_computed_tokens=req.num_computed_tokens))
-        out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
-        out.preempted_req_ids = {r.request_id for r in preempted}
-        out.finished_req_ids = self.finished_req_ids
-        self.finished_req_ids = set()
-        # The tokens are as good as computed once scheduled (the runner computes them in order).
-        for rid, n in out.num_scheduled_tokens.items():
-            self.requests[rid].num_computed_tokens += n
-        return out
+        # 3) Leftover budget goes back to capped long prefills, so a lone long prompt is not slowed.
+        step.top_up_long_prefills()
+        return step.finish()
 
     # ---- after the forward pass -------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
@@ -247,3 +221,103 @@ class Scheduler:
         return SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting),
                               kv_cache_usage=self.kv.usage, num_preemptions_total=self.num_preemptions_total,
                               prefix_cache_queries=pcs.queries, prefix_cache_hits=pcs.hits)
+
+
+class _Step:
+    """The decisions of one schedule() call, kept together so a preemption can undo them."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+        self.out = SchedulerOutput()
+        self.budget = sched.config.max_num_batched_tokens
+        self.now = time.monotonic()
+        self.threshold = sched.long_prefill_threshold
+        self.max_long = max(1, sched.config.max_num_partial_prefills)
+        self.long: list[Request] = []  # long prefills capped this step
+        self.preempted: list[Request] = []
+        self.running: list[Request] = []
+        self.new: list[Request] = []
+        self.new_block_ids: dict[str, list[int]] = {}
+
+    def chunk(self, req: Request, remaining: int, recount: bool = True) -> int:
+        """Tokens to give ``req`` now: its remaining tokens within the budget, long prefills capped."""
+        n = min(remaining, self.budget)
+        if self.threshold and remaining > self.threshold:
+            if recount:
+                if len(self.long) >= self.max_long:
+                    return 0
+                self.long.append(req)
+            n = min(n, self.threshold)
+        return n
+
+    def release_long(self, req: Request) -> None:
+        if req in self.long:
+            self.long.remove(req)
+
+    def schedule_running(self, req: Request, n: int, blocks: list[int]) -> None:
+        self.running.append(req)
+        self.new_block_ids[req.request_id] = blocks
+        self.out.num_scheduled_tokens[req.request_id] = n
+        self.budget -= n
+
+    def schedule_new(self, req: Request, n: int) -> None:
+        self.new.append(req)
+        self.out.num_scheduled_tokens[req.request_id] = n
+        self.budget -= n
+
+    def preempt(self, victim: Request, admitting: bool = False) -> None:
+        rid = victim.request_id
+        if rid in self.out.num_scheduled_tokens:  # undo its place in this step
+            self.budget += self.out.num_scheduled_tokens.pop(rid)
+            self.new_block_ids.pop(rid, None)
+            for lst in (self.running, self.new):
+                if victim in lst:
+                    lst.remove(victim)
+        self.release_long(victim)
+        self.sched._preempt(victim)
+        if not admitting:
+            self.preempted.append(victim)
+        else:
+            self.out.preempted_req_ids.add(rid)
+
+    def top_up_long_prefills(self) -> None:
+        kv = self.sched.kv
+        for req in list(self.long):
+            if self.budget <= 0:
+                break
+            rid = req.request_id
+            have = self.out.num_scheduled_tokens.get(rid)
+            if have is None:
+                continue
+            extra = min(req.num_tokens - req.num_computed_tokens - have, self.budget)
+            if extra <= 0:
+                continue
+            blocks = kv.allocate_slots(req, have + extra)
+            if blocks is None:
+                continue
+            if rid in self.new_block_ids:
+                self.new_block_ids[rid].extend(blocks)
+            self.out.num_scheduled_tokens[rid] = have + extra
+            self.budget -= extra
+
+    def finish(self) -> SchedulerOutput:
+        sched, out = self.sched, self.out
+        for req in self.new:
+            out.scheduled_new_reqs.append(NewRequestData(
+                req_id=req.request_id, token_ids=list(req.all_token_ids), num_prompt_tokens=req.num_prompt_tokens,
+                sampling_params=req.sampling_params, block_ids=list(sched.kv.get_block_ids(req.request_id)),
+                num_computed_tokens=req.num_computed_tokens))
+        for req in self.running:
+            out.scheduled_cached_reqs.append(CachedRequestData(
+                req_id=req.request_id, new_block_ids=self.new_block_ids[req.request_id],
+                num_computed_tokens=req.num_computed_tokens))
+        out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        out.preempted_req_ids |= {r.request_id for r in self.preempted}
+        # A request preempted and re-admitted in the same step is simply new to the runner.
+        out.preempted_req_ids -= {r.request_id for r in self.new}
+        out.finished_req_ids = sched.finished_req_ids
+        sched.finished_req_ids = set()
+        # The tokens are as good as computed once scheduled (the runner computes them in order).
+        for rid, n in out.num_scheduled_tokens.items():
+            sched.requests[rid].num_computed_tokens += n
+        return out
