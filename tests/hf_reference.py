@@ -26,3 +26,13 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
 def hf_logits(model, token_ids: list[int]) -> torch.Tensor:
     """Float32 logits at every position of ``token_ids``."""
     return model(input_ids=torch.tensor([token_ids])).logits[0].float()
+
+
+@torch.inference_mode()
+def hf_greedy_with(model, prompt_ids: list[int], max_new_tokens: int, transform) -> list[int]:
+    """Greedy decoding where ``transform(logits[V], prompt, generated) -> logits`` edits each step's logits."""
+    tokens: list[int] = []
+    for _ in range(max_new_tokens):
+        logits = model(input_ids=torch.tensor([prompt_ids + tokens])).logits[0, -1].float()
+        tokens.append(int(transform(logits.clone(), prompt_ids, tokens).argmax()))
+    return tokens

@@ -42,6 +42,10 @@ class AttentionBackend(ABC):
     """Paged attention for one platform. Stateless apart from what prepare() caches per step."""
 
     name: str = "abstract"
+    # True when forward() reads only the metadata's tensors (never its host copies or a per-step plan from
+    # prepare()) and launches work whose shapes depend on tensor shapes alone: a captured device graph
+    # replayed with new tensor contents then computes the right answer.
+    supports_graph_capture: bool = False
 
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:

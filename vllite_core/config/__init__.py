@@ -33,6 +33,8 @@ class ModelConfig:
     max_model_len: int | None = None  # None: from the model's config
     seed: int = 0
     logprobs_mode: LogprobsMode = "raw_logprobs"
+    max_logprobs: int = 20  # most top-k logprobs a request may ask for
+    logits_processors: list[str] = field(default_factory=list)  # "module:attr" global processors
     trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
@@ -148,6 +150,8 @@ class EngineArgs:
     max_num_partial_prefills: int = 1
     long_prefill_token_threshold: int | None = None
     logprobs_mode: str = "raw_logprobs"
+    max_logprobs: int = 20
+    logits_processors: list[str] = field(default_factory=list)
     kv_cache_dtype: str = "auto"
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None
@@ -185,6 +189,8 @@ class EngineArgs:
             model_config=ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
                                      max_model_len=self.max_model_len, seed=self.seed,
                                      logprobs_mode=self.logprobs_mode,  # type: ignore[arg-type]
+                                     max_logprobs=self.max_logprobs,
+                                     logits_processors=list(self.logits_processors or []),
                                      trust_remote_code=self.trust_remote_code),
             cache_config=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                                      kv_cache_dtype=self.kv_cache_dtype, num_kv_blocks=self.num_kv_blocks,

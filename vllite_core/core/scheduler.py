@@ -306,7 +306,7 @@ class _Step:
             out.scheduled_new_reqs.append(NewRequestData(
                 req_id=req.request_id, token_ids=list(req.all_token_ids), num_prompt_tokens=req.num_prompt_tokens,
                 sampling_params=req.sampling_params, block_ids=list(sched.kv.get_block_ids(req.request_id)),
-                num_computed_tokens=req.num_computed_tokens))
+                num_computed_tokens=req.num_computed_tokens, eos_token_id=req.eos_token_id))
         for req in self.running:
             out.scheduled_cached_reqs.append(CachedRequestData(
                 req_id=req.request_id, new_block_ids=self.new_block_ids[req.request_id],

@@ -26,6 +26,7 @@ class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[SampleLogprobs] | None = None
+    prompt_logprobs: list[SampleLogprobs] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
@@ -141,6 +142,7 @@ class EngineCore:
             outputs.append(EngineCoreOutput(
                 request_id=req.request_id, new_token_ids=new[:n_kept],
                 new_logprobs=result.logprobs.get(req.request_id),
+                prompt_logprobs=result.prompt_logprobs.get(req.request_id),
                 finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
                 num_cached_tokens=max(req.num_cached_tokens, 0), first_scheduled_time=req.times.first_scheduled,
                 num_preemptions=req.num_preemptions))

@@ -69,6 +69,14 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError("prompt_token_ids", f"token id {bad[0]} is out of range [0, {self.vocab_size})")
+        max_lp = self.config.model_config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > max_lp:
+                raise InvalidRequestError(name, f"{k} is more than the engine's max_logprobs={max_lp}")
+        params.check_vocab(self.vocab_size)
+        if params.bad_words and not params.bad_words_token_ids:
+            params.tokenize_bad_words(self.tokenizer, self.vocab_size)
         room = self.max_model_len - n
         return room if params.max_tokens is None else min(params.max_tokens, room)
 
@@ -117,4 +125,6 @@ class LLMEngine:
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
     import dataclasses
 
-    return dataclasses.replace(params, seed=seed, n=1, best_of=None)
+    child = dataclasses.replace(params, seed=seed, n=1, best_of=None)
+    child.bad_words_token_ids = params.bad_words_token_ids
+    return child

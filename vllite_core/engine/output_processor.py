@@ -12,7 +12,7 @@ from typing import Any
 
 from vllite_core.engine.core import EngineCoreOutput
 from vllite_core.engine.detokenizer import IncrementalDetokenizer
-from vllite_core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from vllite_core.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
 from vllite_core.sampling_params import SamplingParams
 
 
@@ -44,6 +44,8 @@ class RequestState:
     last_token: float | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -116,6 +118,9 @@ class OutputProcessor:
             st.last_token = now
             st.num_cached_tokens = max(st.num_cached_tokens, out.num_cached_tokens)
             st.num_preemptions = max(st.num_preemptions, out.num_preemptions)
+            if out.prompt_logprobs is not None and st.prompt_logprobs is None:
+                st.prompt_logprobs = [None] + [self._decode_logprobs(lp.token_ids, lp.values, lp.sampled_rank)
+                                               for lp in out.prompt_logprobs]
             child.token_ids.extend(out.new_token_ids)
             if out.new_logprobs and child.logprobs is not None:
                 for lp in out.new_logprobs:
@@ -153,6 +158,10 @@ class OutputProcessor:
                                           cumulative_logprob=child.cumulative_logprob, logprobs=lps,
                                           finish_reason=child.finish_reason, stop_reason=child.stop_reason))
         finished = st.finished
+        prompt_lps = st.prompt_logprobs
+        if delta:
+            prompt_lps = None if st.prompt_logprobs_sent else prompt_lps
+            st.prompt_logprobs_sent = st.prompt_logprobs_sent or prompt_lps is not None
         m = RequestMetrics(arrival_time=st.arrival, num_prompt_tokens=len(st.prompt_token_ids),
                            num_generation_tokens=sum(len(c.token_ids) for c in st.children.values()),
                            num_cached_tokens=st.num_cached_tokens, num_preemptions=st.num_preemptions)
@@ -164,5 +173,5 @@ class OutputProcessor:
         if finished:
             m.e2e_latency = time.monotonic() - st.arrival
         return RequestOutput(request_id=st.request_id, prompt=st.prompt, prompt_token_ids=st.prompt_token_ids,
-                             prompt_logprobs=None, outputs=comps, finished=finished, metrics=m,
+                             prompt_logprobs=prompt_lps, outputs=comps, finished=finished, metrics=m,
                              num_cached_tokens=st.num_cached_tokens)

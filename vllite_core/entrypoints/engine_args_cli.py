@@ -19,6 +19,7 @@ _HELP = {
     "device": "platform name (default: VLLITE_PLATFORM or the best available)",
     "num_threads": "CPU threads for torch (default: all cores)",
     "enforce_eager": "disable graph capture / compilation",
+    "logits_processors": "global logits processor as module:attr (repeatable)",
 }
 
 
@@ -37,6 +38,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
                                help=_HELP.get(f.name))
             continue
+        if typing.get_origin(hint) is list:
+            group.add_argument(*names, dest=f.name, action="append", default=None, help=_HELP.get(f.name))
+            continue
         base = _base_type(hint)
         group.add_argument(*names, dest=f.name, type=base, default=f.default, help=_HELP.get(f.name))
 
@@ -48,5 +52,6 @@ def _base_type(hint: Any) -> Any:
 
 
 def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
-    kwargs = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs) if hasattr(ns, f.name)}
+    kwargs = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)
+              if hasattr(ns, f.name) and getattr(ns, f.name) is not None or f.name in ("model", "tokenizer")}
     return EngineArgs(**kwargs)

@@ -18,6 +18,15 @@ if TYPE_CHECKING:
     from vllite_core.config import VlliteConfig
 
 
+# kv_cache_dtype names (vLLM's) -> torch dtypes. "auto" means the model dtype. A platform lists the names it
+# supports in supported_kv_cache_dtypes() and may map them differently (ROCm MI300: the fnuz variant).
+KV_CACHE_DTYPES: dict[str, torch.dtype] = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
 @dataclass
 class Detection:
     """Answer of ``Platform.detect()``: can this platform run here, and how much it wants to."""
@@ -63,6 +72,25 @@ class Platform(ABC):
     def supported_kv_cache_dtypes(self) -> list[str]:
         return ["auto"]
 
+    def kv_cache_torch_dtype(self, kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+        """The torch dtype of the KV cache tensors for ``cache_config.kv_cache_dtype``."""
+        if kv_cache_dtype == "auto":
+            return model_dtype
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r} (known: auto, {', '.join(KV_CACHE_DTYPES)})")
+        return KV_CACHE_DTYPES[kv_cache_dtype]
+
+    def check_kv_cache_dtype(self, config: "VlliteConfig") -> None:
+        """ConfigError unless ``cache_config.kv_cache_dtype`` is one this platform supports."""
+        from vllite_core.config import ConfigError
+
+        kv = config.cache_config.kv_cache_dtype
+        if kv == "auto":  # always supported; asks the device nothing
+            return
+        supported = self.supported_kv_cache_dtypes()
+        if kv not in supported:
+            raise ConfigError(f"kv_cache_dtype: the {self.name} platform supports {supported} here, got {kv!r}")
+
     @abstractmethod
     def get_attention_backend(self, config: "VlliteConfig") -> "AttentionBackend":
         """The paged-attention backend to use for this config."""
@@ -84,7 +112,13 @@ class Platform(ABC):
     ) -> dict[int, Callable[..., Any]]:
         """Capture or compile ``forward`` for each decode batch size. Returns a runner per
         captured size (the model runner pads a batch up to the next one); empty means eager.
-        Must return {} when ``config.enforce_eager``."""
+        Must return {} when ``config.enforce_eager``.
+
+        ``forward(**inputs)`` runs one model step; ``make_inputs(bs)`` returns the static input
+        buffers for ``bs`` decode requests (``vllite_core.platforms.graphs.decode_inputs``). A
+        runner is called with inputs of that structure (padded to its size), copies them into
+        its buffers, replays and returns the output. ``vllite_core.platforms.graphs`` has the
+        helpers (``capture_runners``, ``stream_graph_capture``) and the runner-side ones."""
         return {}
 
     # ---- lifecycle ----------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Per-step sampling parameters as tensors, so the sampler never loops over the vocabulary."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -16,3 +17,14 @@ class SamplingMetadata:
     all_random: bool
     generators: dict[int, torch.Generator]  # row -> generator for seeded rows
     max_num_logprobs: int | None  # top-k logprobs wanted by some row (None: no row wants logprobs)
+    # Applied before temperature, to greedy rows too (None: no row uses it).
+    allowed_mask: torch.Tensor | None = None  # bool [N, V], True where a token may be generated
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) set to -inf
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, token ids, values) added
+    presence: torch.Tensor | None = None  # float32 [N]
+    frequency: torch.Tensor | None = None  # float32 [N]
+    repetition: torch.Tensor | None = None  # float32 [N]
+    output_counts: torch.Tensor | None = None  # float32 [N, V]: occurrences in the generated tokens
+    seen_mask: torch.Tensor | None = None  # bool [N, V]: in the prompt or the generated tokens
+    processors: list[Any] = field(default_factory=list)  # global LogitsProcessors
+    batch_info: Any = None  # BatchInfo for the processors

@@ -1,10 +1,11 @@
 """Batched sampling with vLLM V1's logprobs semantics.
 
-Order: raw logits -> (raw logprobs/logits captured) -> temperature -> top-k ->
-top-p -> min-p -> (processed logprobs/logits captured) -> sample. Greedy rows take
-the argmax of the raw logits. Random rows use the exponential-race trick
-(argmax of p / q with q ~ Exp(1)), which lets a seeded row draw from its own
-generator while the rest of the batch shares one draw.
+Order: raw logits -> [raw_logprobs / raw_logits captured] -> allowed ids, bad
+words, min_tokens, logit bias, global processors, penalties -> greedy argmax |
+temperature, top-k, top-p, min-p -> [processed_logprobs / processed_logits
+captured] -> sample. Random rows use the exponential race (argmax of p / q with
+q ~ Exp(1)), so a seeded row draws from its own generator while the rest of the
+batch shares one draw.
 """
 from __future__ import annotations
 
@@ -14,14 +15,16 @@ import torch
 
 from vllite_core.sample.metadata import SamplingMetadata
 
+_NEG_INF = float("-inf")
+
 
 @dataclass
 class LogprobsTensors:
-    """Top-k logprob values per row; column 0 is the sampled token."""
+    """Top-k logprob values per row; column 0 is the sampled (or target) token."""
 
     token_ids: torch.Tensor  # int64 [N, 1 + k]
     values: torch.Tensor  # float32 [N, 1 + k]
-    sampled_ranks: torch.Tensor  # int64 [N], 1-based rank of the sampled token
+    ranks: torch.Tensor  # int64 [N], 1-based rank of column 0's token
 
 
 @dataclass
@@ -37,42 +40,66 @@ class Sampler:
     def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
         want = md.max_num_logprobs is not None
-        captured = None
-        if want and self.logprobs_mode.startswith("raw"):
-            captured = self._as_mode(logits)
-        greedy = logits.argmax(dim=-1) if not md.all_random else None
+        captured = self.as_mode(logits) if want and self.logprobs_mode.startswith("raw") else None
+        logits = self.apply_constraints(logits, md)
+        greedy = None if md.all_random else logits.argmax(dim=-1)
         if md.all_greedy:
-            if want and captured is None:  # processed == raw for greedy rows
-                captured = self._as_mode(logits)
+            processed = logits
             sampled = greedy
         else:
-            processed = self.process(logits, md)
-            if want and captured is None:
-                captured = self._as_mode(processed)
-            sampled = self._random_sample(processed, md)
+            processed = self.apply_sampling_params(logits, md)
+            sampled = self.random_sample(processed, md)
             if greedy is not None:
                 sampled = torch.where(md.temperature < 1e-5, greedy, sampled)
-        lp = self._gather_logprobs(captured, sampled, md.max_num_logprobs) if want else None
+        if want and captured is None:
+            if not md.all_greedy and not md.all_random:
+                # Greedy rows report the distribution they were chosen from (no temperature).
+                processed = torch.where((md.temperature < 1e-5).unsqueeze(1), logits, processed)
+            captured = self.as_mode(processed)
+        lp = gather_logprobs(captured, sampled, md.max_num_logprobs or 0) if want else None
         return SamplerOutput(sampled_token_ids=sampled, logprobs=lp)
 
-    def _as_mode(self, logits: torch.Tensor) -> torch.Tensor:
+    def as_mode(self, logits: torch.Tensor) -> torch.Tensor:
         return logits.log_softmax(dim=-1) if self.logprobs_mode.endswith("logprobs") else logits.clone()
 
     @staticmethod
-    def process(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    def apply_constraints(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """What changes the choice of every row, greedy included: bans, bias, processors, penalties."""
+        if md.allowed_mask is not None:
+            logits = logits.masked_fill(~md.allowed_mask, _NEG_INF)
+        if md.banned is not None:
+            logits = logits.index_put(md.banned, torch.tensor(_NEG_INF))
+        if md.bias is not None:
+            rows, cols, vals = md.bias
+            logits = logits.index_put((rows, cols), vals, accumulate=True)
+        for proc in md.processors:
+            logits = proc.apply(logits, md.batch_info)
+        if md.repetition is not None and md.seen_mask is not None:
+            r = md.repetition.unsqueeze(1)
+            penalised = torch.where(logits > 0, logits / r, logits * r)
+            logits = torch.where(md.seen_mask, penalised, logits)
+        if md.output_counts is not None:
+            if md.frequency is not None:
+                logits = logits - md.frequency.unsqueeze(1) * md.output_counts
+            if md.presence is not None:
+                logits = logits - md.presence.unsqueeze(1) * (md.output_counts > 0).float()
+        return logits
+
+    @staticmethod
+    def apply_sampling_params(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """Temperature, top-k, top-p, min-p on a batch; masked entries become -inf."""
         temp = torch.where(md.temperature < 1e-5, torch.ones_like(md.temperature), md.temperature)
         logits = logits / temp.unsqueeze(1)
         if md.top_k is not None or md.top_p is not None:
-            logits = _apply_top_k_top_p(logits, md.top_k, md.top_p)
+            logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
         if md.min_p is not None:
             probs = logits.softmax(dim=-1)
             thresh = probs.amax(dim=-1, keepdim=True) * md.min_p.unsqueeze(1)
-            logits = logits.masked_fill(probs < thresh, float("-inf"))
+            logits = logits.masked_fill(probs < thresh, _NEG_INF)
         return logits
 
     @staticmethod
-    def _random_sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    def random_sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         probs = logits.softmax(dim=-1)
         q = torch.empty_like(probs)
         if len(md.generators) < probs.shape[0]:
@@ -81,21 +108,19 @@ class Sampler:
             q[row].exponential_(generator=gen)
         return probs.div_(q).argmax(dim=-1)
 
-    @staticmethod
-    def _gather_logprobs(values: torch.Tensor, sampled: torch.Tensor, k: int | None) -> LogprobsTensors:
-        k = k or 0
-        sampled_vals = values.gather(1, sampled.unsqueeze(1))
-        ranks = (values > sampled_vals).sum(dim=-1) + 1
-        if k > 0:
-            top_vals, top_ids = values.topk(k, dim=-1)
-            ids = torch.cat([sampled.unsqueeze(1), top_ids], dim=1)
-            vals = torch.cat([sampled_vals, top_vals], dim=1)
-        else:
-            ids, vals = sampled.unsqueeze(1), sampled_vals
-        return LogprobsTensors(token_ids=ids, values=vals, sampled_ranks=ranks)
+
+def gather_logprobs(values: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsTensors:
+    """Values of ``token_ids`` (one per row) with their rank, plus each row's top-k."""
+    chosen = values.gather(1, token_ids.unsqueeze(1))
+    ranks = (values > chosen).sum(dim=-1) + 1
+    if k > 0:
+        top_vals, top_ids = values.topk(k, dim=-1)
+        return LogprobsTensors(torch.cat([token_ids.unsqueeze(1), top_ids], dim=1),
+                               torch.cat([chosen, top_vals], dim=1), ranks)
+    return LogprobsTensors(token_ids.unsqueeze(1), chosen, ranks)
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
     """Mask outside top-k and the top-p nucleus, with one sort for the whole batch."""
     sorted_logits, order = logits.sort(dim=-1, descending=False)
     vocab = logits.shape[-1]
@@ -103,11 +128,11 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: 
         # Keep the last k (largest) entries of each ascending row.
         kth = (vocab - top_k.clamp(1, vocab)).unsqueeze(1)
         kth_val = sorted_logits.gather(1, kth)
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_val, float("-inf"))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_val, _NEG_INF)
     if top_p is not None:
         probs = sorted_logits.softmax(dim=-1)
         cum = probs.cumsum(dim=-1)
         drop = cum <= (1 - top_p).unsqueeze(1)
         drop[:, -1] = False  # always keep the most likely token
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -21,6 +21,9 @@ class RequestState:
     sampling_params: SamplingParams
     generator: torch.Generator | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    eos_token_id: int | None = None
+    # Prompt logprobs gathered chunk by chunk until the prefill completes.
+    prompt_logprobs: list = field(default_factory=list)
 
 
 class InputBatch:
@@ -39,6 +42,13 @@ class InputBatch:
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)
         self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
+        self.num_prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
+        self.num_prompt = np.zeros(max_num_reqs, dtype=np.int64)
+        self.presence = np.zeros(max_num_reqs, dtype=np.float32)
+        self.frequency = np.zeros(max_num_reqs, dtype=np.float32)
+        self.repetition = np.ones(max_num_reqs, dtype=np.float32)
+        # Rows whose params need per-request work (bad words, bias, allowed ids, min_tokens).
+        self.has_constraints = np.zeros(max_num_reqs, dtype=bool)
         self.states: list[RequestState | None] = [None] * max_num_reqs
         self.index: dict[str, int] = {}
 
@@ -62,6 +72,13 @@ class InputBatch:
         self.top_p[row] = p.top_p
         self.min_p[row] = p.min_p
         self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        self.num_prompt_logprobs[row] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
+        self.num_prompt[row] = state.num_prompt_tokens
+        self.presence[row] = p.presence_penalty
+        self.frequency[row] = p.frequency_penalty
+        self.repetition[row] = p.repetition_penalty
+        self.has_constraints[row] = bool(p.bad_words_token_ids or p.logit_bias or p.allowed_token_ids
+                                         or p.min_tokens > 0)
         self.states[row] = state
         self.index[state.req_id] = row
         return row
@@ -96,7 +113,8 @@ class InputBatch:
         nb = self.num_blocks[src]
         self.block_table[dst, :nb] = self.block_table[src, :nb]
         for arr in (self.num_tokens, self.num_computed, self.num_blocks, self.temperature, self.top_k,
-                    self.top_p, self.min_p, self.num_logprobs):
+                    self.top_p, self.min_p, self.num_logprobs, self.num_prompt_logprobs, self.num_prompt,
+                    self.presence, self.frequency, self.repetition, self.has_constraints):
             arr[dst] = arr[src]
         state = self.states[src]
         self.states[dst] = state

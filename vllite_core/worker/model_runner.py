@@ -17,16 +17,16 @@ import torch
 from vllite_core.attention import AttentionBackend, AttentionMetadata
 from vllite_core.config import VlliteConfig
 from vllite_core.core.sched_output import SchedulerOutput
-from vllite_core.sample.metadata import SamplingMetadata
-from vllite_core.sample.sampler import Sampler
+from vllite_core.sample.sampler import Sampler, gather_logprobs
 from vllite_core.worker.input_batch import InputBatch, RequestState
+from vllite_core.worker.sampling_inputs import build_sampling_metadata
 
 logger = logging.getLogger("vllite.runner")
 
 
 @dataclass
 class SampleLogprobs:
-    """Logprobs of one sampled position: ids[0] is the sampled token, then the top-k."""
+    """Logprobs of one position: ids[0] is the sampled (or prompt) token, then the top-k."""
 
     token_ids: list[int]
     values: list[float]
@@ -37,6 +37,8 @@ class SampleLogprobs:
 class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[SampleLogprobs]] = field(default_factory=dict)
+    # Complete prompt logprobs (positions 1..n-1), sent with the request's first sampled token.
+    prompt_logprobs: dict[str, list[SampleLogprobs]] = field(default_factory=dict)
 
 
 @dataclass
@@ -46,11 +48,13 @@ class StepInputs:
     metadata: AttentionMetadata
     logits_indices: torch.Tensor
     sample_rows: np.ndarray  # batch rows that sample, in logits order
+    # Requests wanting prompt logprobs in this step: (row, first token index, num tokens, first position).
+    prompt_lp: list[tuple[int, int, int, int]]
 
 
 class ModelRunner:
     def __init__(self, config: VlliteConfig, model: torch.nn.Module, attn_backend: AttentionBackend,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, logits_processors: list[Any] | None = None) -> None:
         self.config = config
         self.model = model
         self.attn_backend = attn_backend
@@ -60,6 +64,8 @@ class ModelRunner:
         self.max_model_len = config.model_config.max_model_len or 0
         self.batch = InputBatch(config.scheduler_config.max_num_seqs, self.max_model_len, self.block_size)
         self.sampler = Sampler(config.model_config.logprobs_mode)
+        self.logits_processors = list(logits_processors or [])
+        self.vocab_size = int(getattr(model, "vocab_size", 0))
         self.kv_caches: list[torch.Tensor] = []
         # Seeded generators live until the request finishes (a preempted request keeps its stream).
         self.generators: dict[str, torch.Generator] = {}
@@ -113,7 +119,7 @@ class ModelRunner:
                 gen.manual_seed(p.seed)
                 self.generators[new.req_id] = gen
             state = RequestState(new.req_id, new.num_prompt_tokens, p, gen,
-                                 list(new.token_ids[new.num_prompt_tokens:]))
+                                 list(new.token_ids[new.num_prompt_tokens:]), new.eos_token_id)
             b.add(state, new.token_ids, new.block_ids, new.num_computed_tokens)
         for c in so.scheduled_cached_reqs:
             row = b.index[c.req_id]
@@ -156,34 +162,32 @@ class ModelRunner:
         md = self._metadata(np.concatenate(([0], cu)), seq_lens, block_table, slot_mapping,
                             int(num_sched.max()), total)
         sampling = seq_lens >= b.num_tokens[rows]
+        prompt_lp = []
+        wants = (b.num_prompt_logprobs[rows] >= 0) & (computed < b.num_prompt[rows])
+        for i in np.nonzero(wants)[0]:
+            prompt_lp.append((int(rows[i]), int(starts[i]), int(num_sched[i]), int(computed[i])))
         return StepInputs(input_ids=torch.as_tensor(input_ids, device=self.device),
                           positions=torch.as_tensor(positions, device=self.device), metadata=md,
                           logits_indices=torch.as_tensor(cu[sampling] - 1, device=self.device),
-                          sample_rows=rows[sampling])
+                          sample_rows=rows[sampling], prompt_lp=prompt_lp)
 
-    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+    def _prompt_logprobs(self, hidden: torch.Tensor, inp: StepInputs) -> None:
+        """Logprobs of each prompt token given the ones before it; raw, as prompt tokens are not sampled."""
         b = self.batch
-        temp = b.temperature[rows]
-        greedy = temp < 1e-5
-        top_k, top_p, min_p = b.top_k[rows], b.top_p[rows], b.min_p[rows]
-        vocab = None
-        gens = {}
-        for i, row in enumerate(rows):
+        for row, start, n, first_pos in inp.prompt_lp:
             st = b.states[row]
-            if st is not None and st.generator is not None and not greedy[i]:
-                gens[i] = st.generator
-        nlp = b.num_logprobs[rows]
-        dev = self.device
-        use_k = bool(((top_k > 0) & ~greedy).any())
-        if use_k:
-            vocab = np.iinfo(np.int64).max
-        return SamplingMetadata(
-            temperature=torch.as_tensor(temp, device=dev),
-            top_k=torch.as_tensor(np.where(top_k > 0, top_k, vocab or 0), device=dev) if use_k else None,
-            top_p=torch.as_tensor(top_p, device=dev) if bool((top_p < 1.0).any()) else None,
-            min_p=torch.as_tensor(min_p, device=dev) if bool((min_p > 0.0).any()) else None,
-            all_greedy=bool(greedy.all()), all_random=not bool(greedy.any()), generators=gens,
-            max_num_logprobs=int(nlp.max()) if bool((nlp >= 0).any()) else None)
+            assert st is not None
+            n_prompt = int(b.num_prompt[row])
+            # Row j predicts the token at position first_pos + j + 1; keep targets inside the prompt.
+            n_keep = min(n, n_prompt - 1 - first_pos)
+            if n_keep <= 0:
+                continue
+            logits = self.model.compute_logits(hidden[start:start + n_keep]).float()
+            values = self.sampler.as_mode(logits)
+            targets = torch.as_tensor(b.token_ids[row, first_pos + 1:first_pos + 1 + n_keep], device=self.device)
+            lp = gather_logprobs(values, targets, int(b.num_prompt_logprobs[row]))
+            for ids, vals, rank in zip(lp.token_ids.tolist(), lp.values.tolist(), lp.ranks.tolist()):
+                st.prompt_logprobs.append(SampleLogprobs(ids, vals, rank))
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -197,16 +201,18 @@ class ModelRunner:
         # Every scheduled token is now in the cache.
         for rid, n in so.num_scheduled_tokens.items():
             b.num_computed[b.index[rid]] += n
+        if inp.prompt_lp:
+            self._prompt_logprobs(hidden, inp)
         if len(inp.sample_rows) == 0:
             return out
         logits = self.model.compute_logits(hidden[inp.logits_indices])
-        md = self._sampling_metadata(inp.sample_rows)
+        md = build_sampling_metadata(b, inp.sample_rows, logits.shape[-1], self.device, self.logits_processors)
         sampled = self.sampler.forward(logits, md)
         tokens = sampled.sampled_token_ids.tolist()
         lp = sampled.logprobs
         lp_ids = lp.token_ids.tolist() if lp is not None else None
         lp_vals = lp.values.tolist() if lp is not None else None
-        lp_ranks = lp.sampled_ranks.tolist() if lp is not None else None
+        lp_ranks = lp.ranks.tolist() if lp is not None else None
         for i, row in enumerate(inp.sample_rows.tolist()):
             st = b.states[row]
             assert st is not None
@@ -217,6 +223,9 @@ class ModelRunner:
             k = int(b.num_logprobs[row])
             if lp_ids is not None and k >= 0:
                 out.logprobs[st.req_id] = [SampleLogprobs(lp_ids[i][:k + 1], lp_vals[i][:k + 1], lp_ranks[i])]
+            if b.num_prompt_logprobs[row] >= 0 and len(st.output_token_ids) == 1:
+                out.prompt_logprobs[st.req_id] = st.prompt_logprobs
+                st.prompt_logprobs = []
         return out
 
     def describe(self) -> dict[str, Any]:

@@ -59,7 +59,10 @@ class Worker:
         model.eval()
         logger.info("loaded %s (%s, %s) in %.1fs, attention backend %s", architecture, dtype,
                     self.platform.name, time.perf_counter() - t0, backend.name)
-        self.runner = ModelRunner(self.config, model, backend, self.device, dtype)
+        from vllite_core.sample.logits_processor import load_logits_processors
+
+        processors = load_logits_processors(self.config.model_config.logits_processors, self.pm)
+        self.runner = ModelRunner(self.config, model, backend, self.device, dtype, processors)
 
     def determine_num_kv_blocks(self) -> int:
         assert self.runner is not None

@@ -2,26 +2,32 @@
 
 Detection asks NVML (the driver's management library) so it creates no CUDA
 context and stays fork-safe; it falls back to ``torch.cuda.is_available()``
-when NVML is not present. Attention and memory profiling land with the
-platforms issue (#8): until then those two methods raise NotImplementedError.
+when NVML is not present. Attention is the shared Triton paged attention
+(``vllite-triton-kernels``), or torch SDPA where Triton is missing or the GPU
+is too old for it. Memory is sized from a profile run with torch.cuda's
+allocator statistics; decode steps are captured as CUDA graphs; fp8 KV caches
+follow the compute capability.
 """
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
-from typing import TYPE_CHECKING, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
 
-from vllite_core.config import ConfigError
 from vllite_core.platforms.interface import Detection, Platform
 
 if TYPE_CHECKING:
     from vllite_core.attention import AttentionBackend
     from vllite_core.config import VlliteConfig
 
+logger = logging.getLogger("vllite.platforms.cuda")
+
 PRIORITY = 100
-NOT_YET = "lands with the platforms issue (#8)"
+BACKEND_ENV = "VLLITE_ATTENTION_BACKEND"  # triton | sdpa (default: triton when usable)
+MIN_TRITON_CAPABILITY = (7, 5)  # Triton's NVIDIA backend: Turing and newer
 
 
 def nvml_gpu_names() -> tuple[list[str] | None, str]:
@@ -85,6 +91,43 @@ def apply_visible_devices(names: list[str], visible: str | None) -> list[str]:
     return kept
 
 
+def kv_cache_dtypes_for_capability(capability: tuple[int, int]) -> list[str]:
+    """KV cache dtypes the Triton kernels handle on a GPU of this compute capability.
+
+    e4m3 (``fp8``/``fp8_e4m3``) needs sm_89+ (Ada, Hopper, Blackwell) in Triton; e5m2 converts in
+    software from Turing on."""
+    if capability >= (8, 9):
+        return ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
+    if capability >= MIN_TRITON_CAPABILITY:
+        return ["auto", "fp8_e5m2"]
+    return ["auto"]
+
+
+def dtypes_for_capability(capability: tuple[int, int]) -> list[torch.dtype]:
+    if capability >= (8, 0):  # Ampere and newer: bf16
+        return [torch.bfloat16, torch.float16, torch.float32]
+    return [torch.float16, torch.float32]
+
+
+def choose_attention(capability: tuple[int, int], requested: str | None = None) -> tuple[str, str]:
+    """("triton" | "sdpa", why) for a GPU of ``capability``; ``requested`` is VLLITE_ATTENTION_BACKEND."""
+    from vllite_triton_kernels import triton_status
+
+    requested = (requested or "").strip().lower() or None
+    if requested not in (None, "triton", "sdpa"):
+        raise ValueError(f"{BACKEND_ENV}: expected 'triton' or 'sdpa', got {requested!r}")
+    if requested == "sdpa":
+        return "sdpa", f"{BACKEND_ENV}=sdpa"
+    ok, why = triton_status("nvidia")
+    if ok and capability < MIN_TRITON_CAPABILITY:
+        ok, why = False, f"compute capability {capability[0]}.{capability[1]} is below Triton's 7.5"
+    if ok:
+        return "triton", why
+    if requested == "triton":
+        raise RuntimeError(f"{BACKEND_ENV}=triton but Triton cannot be used: {why}")
+    return "sdpa", f"Triton unusable ({why}): torch SDPA fallback"
+
+
 class CudaPlatform(Platform):
     name: ClassVar[str] = "cuda"
     device_type: ClassVar[str] = "cuda"
@@ -110,6 +153,14 @@ class CudaPlatform(Platform):
         return Detection(True, PRIORITY, f"{len(names)} NVIDIA GPU(s) found by {source}; "
                                          f"torch built with CUDA {torch.version.cuda}", names)
 
+    # ---- device facts (these initialise CUDA; never called from detect) -------------------
+    def capability(self, index: int | None = None) -> tuple[int, int]:
+        return tuple(torch.cuda.get_device_capability(self._index(index)))  # type: ignore[return-value]
+
+    @staticmethod
+    def _index(index: int | None) -> int:
+        return torch.cuda.current_device() if index is None else index
+
     def device_name(self, index: int = 0) -> str:
         return torch.cuda.get_device_name(index)
 
@@ -117,27 +168,61 @@ class CudaPlatform(Platform):
         return int(torch.cuda.get_device_properties(index).total_memory)
 
     def supported_dtypes(self) -> list[torch.dtype]:
-        if torch.cuda.get_device_capability(0) >= (8, 0):  # Ampere and newer: bf16
-            return [torch.bfloat16, torch.float16, torch.float32]
-        return [torch.float16, torch.float32]
+        return dtypes_for_capability(self.capability())
 
     def supported_kv_cache_dtypes(self) -> list[str]:
-        return ["auto"]  # fp8 KV cache comes with the CUDA attention backend (#8)
+        return kv_cache_dtypes_for_capability(self.capability())
+
+    # ---- attention -----------------------------------------------------------------------
+    def attention_choice(self) -> tuple[str, str]:
+        return choose_attention(self.capability(), os.environ.get(BACKEND_ENV))
 
     def get_attention_backend(self, config: "VlliteConfig") -> "AttentionBackend":
-        raise NotImplementedError(f"CUDA attention backend {NOT_YET}")
+        kind, why = self.attention_choice()
+        logger.info("cuda attention: %s (%s)", kind, why)
+        if kind == "triton":
+            from vllite_triton_kernels import TritonPagedAttention
 
+            return TritonPagedAttention()
+        from vllite_core.attention.sdpa import SdpaPagedAttention
+
+        return SdpaPagedAttention()
+
+    # ---- memory and graphs ---------------------------------------------------------------
     def determine_available_memory(self, config: "VlliteConfig", profile_run: Callable[[], None]) -> int:
-        raise NotImplementedError(f"CUDA memory profiling {NOT_YET}")
+        from vllite_core.platforms.memory import available_kv_cache_memory
 
+        return available_kv_cache_memory(torch.cuda, config, profile_run, torch.cuda.current_device(), "GPU")
+
+    def capture_graphs(self, forward: Callable[..., Any], batch_sizes: list[int],
+                       make_inputs: Callable[[int], dict[str, Any]], config: "VlliteConfig") -> dict[int, Callable[..., Any]]:
+        if config.enforce_eager or not batch_sizes:
+            return {}
+        kind, _ = self.attention_choice()
+        if kind != "triton":  # the SDPA fallback plans each step on the host: not replayable
+            logger.info("cuda: no CUDA graphs with the SDPA attention fallback; running eagerly")
+            return {}
+        from vllite_core.platforms.graphs import capture_runners, stream_graph_capture
+
+        runners = capture_runners(forward, batch_sizes, make_inputs,
+                                  stream_graph_capture(torch.cuda, torch.cuda.CUDAGraph))
+        torch.cuda.synchronize()
+        logger.info("cuda: captured CUDA graphs for decode batch sizes %s", sorted(runners))
+        return dict(runners)
+
+    # ---- lifecycle -----------------------------------------------------------------------
     def check_and_update_config(self, config: "VlliteConfig") -> None:
-        kv = config.cache_config.kv_cache_dtype
-        if kv not in self.supported_kv_cache_dtypes():
-            raise ConfigError(f"kv_cache_dtype: the cuda platform supports {self.supported_kv_cache_dtypes()}, "
-                              f"got {kv!r}")
+        self.check_kv_cache_dtype(config)
 
     def init_device(self, config: "VlliteConfig") -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()
+
+    def describe(self) -> dict[str, Any]:
+        facts = super().describe()
+        cap = self.capability()
+        facts["compute_capability"] = f"{cap[0]}.{cap[1]}"
+        facts["attention"] = "%s (%s)" % self.attention_choice()
+        return facts

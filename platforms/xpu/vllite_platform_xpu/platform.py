@@ -1,30 +1,57 @@
 """The XPU platform (Intel GPUs through PyTorch's native ``torch.xpu``).
 
-Attention and memory profiling land with the platforms issue (#8): until then
-those two methods raise NotImplementedError.
+Memory, device facts, synchronisation and graphs (``torch.xpu.XPUGraph``) all
+come from torch itself. Attention is the shared Triton paged attention when
+the installed Triton has the Intel backend (torch's XPU wheels ship it as
+pytorch-triton-xpu), else torch SDPA. intel-extension-for-pytorch is optional:
+it is imported only when installed *and* built for this torch's major.minor
+(a mismatched IPEX fails or misbehaves on import), and nothing depends on it.
 """
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
+import logging
 import os
-from typing import TYPE_CHECKING, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
 
-from vllite_core.config import ConfigError
 from vllite_core.platforms.interface import Detection, Platform
 
 if TYPE_CHECKING:
     from vllite_core.attention import AttentionBackend
     from vllite_core.config import VlliteConfig
 
+logger = logging.getLogger("vllite.platforms.xpu")
+
 PRIORITY = 90
-NOT_YET = "lands with the platforms issue (#8)"
+BACKEND_ENV = "VLLITE_ATTENTION_BACKEND"  # triton | sdpa
+
+
+def _major_minor(version: str) -> tuple[int, ...]:
+    parts = version.split("+")[0].split(".")[:2]
+    return tuple(int("".join(ch for ch in p if ch.isdigit()) or 0) for p in parts)
+
+
+def ipex_status(torch_version: str | None = None) -> tuple[bool, str]:
+    """(usable, why) for intel-extension-for-pytorch, without importing it."""
+    if importlib.util.find_spec("intel_extension_for_pytorch") is None:
+        return False, "intel-extension-for-pytorch is not installed"
+    try:
+        ipex_version = importlib.metadata.version("intel_extension_for_pytorch")
+    except importlib.metadata.PackageNotFoundError:
+        return False, "intel-extension-for-pytorch has no distribution metadata"
+    torch_version = torch_version or torch.__version__
+    if _major_minor(ipex_version) != _major_minor(torch_version):
+        return False, f"intel-extension-for-pytorch {ipex_version} does not match torch {torch_version}"
+    return True, f"intel-extension-for-pytorch {ipex_version}"
 
 
 class XpuPlatform(Platform):
     name: ClassVar[str] = "xpu"
     device_type: ClassVar[str] = "xpu"
-    dist_backend: ClassVar[str] = "xccl"
+    dist_backend: ClassVar[str] = "xccl"  # torch.distributed's Intel GPU backend (oneCCL)
 
     @classmethod
     def detect(cls) -> Detection:
@@ -47,22 +74,73 @@ class XpuPlatform(Platform):
         return [torch.bfloat16, torch.float16, torch.float32]
 
     def supported_kv_cache_dtypes(self) -> list[str]:
-        return ["auto"]
+        return ["auto"]  # fp8 KV is not validated on Intel GPUs yet
+
+    # ---- attention -----------------------------------------------------------------------
+    def attention_choice(self) -> tuple[str, str]:
+        from vllite_triton_kernels import triton_status
+
+        requested = (os.environ.get(BACKEND_ENV) or "").strip().lower() or None
+        if requested not in (None, "triton", "sdpa"):
+            raise ValueError(f"{BACKEND_ENV}: expected 'triton' or 'sdpa', got {requested!r}")
+        if requested == "sdpa":
+            return "sdpa", f"{BACKEND_ENV}=sdpa"
+        ok, why = triton_status("intel")
+        if ok:
+            return "triton", why
+        if requested == "triton":
+            raise RuntimeError(f"{BACKEND_ENV}=triton but Triton cannot be used: {why}")
+        return "sdpa", f"Triton unusable ({why}): torch SDPA fallback"
 
     def get_attention_backend(self, config: "VlliteConfig") -> "AttentionBackend":
-        raise NotImplementedError(f"XPU attention backend {NOT_YET}")
+        kind, why = self.attention_choice()
+        logger.info("xpu attention: %s (%s)", kind, why)
+        if kind == "triton":
+            from vllite_triton_kernels import TritonPagedAttention
 
+            return TritonPagedAttention()
+        from vllite_core.attention.sdpa import SdpaPagedAttention
+
+        return SdpaPagedAttention()
+
+    # ---- memory and graphs ---------------------------------------------------------------
     def determine_available_memory(self, config: "VlliteConfig", profile_run: Callable[[], None]) -> int:
-        raise NotImplementedError(f"XPU memory profiling {NOT_YET}")
+        from vllite_core.platforms.memory import available_kv_cache_memory
 
+        return available_kv_cache_memory(torch.xpu, config, profile_run, torch.xpu.current_device(), "XPU")
+
+    def capture_graphs(self, forward: Callable[..., Any], batch_sizes: list[int],
+                       make_inputs: Callable[[int], dict[str, Any]], config: "VlliteConfig") -> dict[int, Callable[..., Any]]:
+        if config.enforce_eager or not batch_sizes or not hasattr(torch.xpu, "XPUGraph"):
+            return {}
+        if self.attention_choice()[0] != "triton":
+            return {}
+        from vllite_core.platforms.graphs import capture_runners, stream_graph_capture
+
+        runners = capture_runners(forward, batch_sizes, make_inputs,
+                                  stream_graph_capture(torch.xpu, torch.xpu.XPUGraph))
+        torch.xpu.synchronize()
+        return dict(runners)
+
+    # ---- lifecycle -----------------------------------------------------------------------
     def check_and_update_config(self, config: "VlliteConfig") -> None:
-        kv = config.cache_config.kv_cache_dtype
-        if kv not in self.supported_kv_cache_dtypes():
-            raise ConfigError(f"kv_cache_dtype: the xpu platform supports {self.supported_kv_cache_dtypes()}, "
-                              f"got {kv!r}")
+        self.check_kv_cache_dtype(config)
 
     def init_device(self, config: "VlliteConfig") -> None:
         torch.xpu.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        ok, why = ipex_status()
+        if ok:
+            import intel_extension_for_pytorch  # noqa: F401  (registers its XPU kernels with torch)
+
+            logger.info("xpu: %s loaded", why)
+        else:
+            logger.info("xpu: not using IPEX: %s", why)
 
     def synchronize(self) -> None:
         torch.xpu.synchronize()
+
+    def describe(self) -> dict[str, Any]:
+        facts = super().describe()
+        facts["attention"] = "%s (%s)" % self.attention_choice()
+        facts["ipex"] = ipex_status()[1]
+        return facts

@@ -1,0 +1,409 @@
+"""AsyncLLM: the engine behind an asyncio server.
+
+The synchronous LLMEngine runs in one dedicated thread, the *engine loop*: it
+owns the engine, drains an inbox of adds and aborts between steps, sleeps on a
+condition when there is nothing to do, and hands each step's outputs to the
+asyncio loop with one ``loop.call_soon_threadsafe``. A thread, not a process:
+torch releases the GIL inside its kernels, so the API's Python work (HTTP, JSON,
+tokenizing) overlaps the model's compute, with no IPC and no second copy of the
+weights. The price is GIL contention; ``LoopStats`` measures where the loop's
+time goes so that it can be checked (docs/serving.md has the numbers).
+
+Requests are tokenized and validated on the asyncio side, with a tokenizer copy
+of its own, so a bad request fails at once (before anything is streamed) and the
+loop never waits on API work. The loop asks the engine for cumulative outputs;
+the asyncio side turns them into deltas, holding back the tail of the text that
+could still turn out to be the start of a stop string, so streamed deltas always
+concatenate to the final text.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from vllite_core.engine.errors import InvalidRequestError
+from vllite_core.engine.llm_engine import LLMEngine, PromptType
+from vllite_core.outputs import CompletionOutput, RequestOutput
+from vllite_core.sampling_params import SamplingParams
+
+logger = logging.getLogger("vllite.async_llm")
+
+_BACKOFF_S = 0.005  # wait when the scheduler had nothing it could run (avoids a hot spin)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped on an error; no request can be served any more."""
+
+
+@dataclass
+class LoopStats:
+    """Where the engine loop's time went. ``step_s`` is model + scheduling (LLMEngine.step);
+    ``other_s`` is the loop's own work while busy (inbox, hand-off); ``idle_s`` is asleep."""
+
+    steps: int = 0
+    step_s: float = 0.0
+    other_s: float = 0.0
+    idle_s: float = 0.0
+    thread_id: int | None = None  # native id of the engine loop thread
+
+
+@dataclass
+class EngineSnapshot:
+    """Scheduler numbers copied by the loop after each step, for readers on other threads."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    num_preemptions_total: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
+@dataclass
+class FinishedRequest:
+    """What a finished (or aborted) request reports to observers such as /metrics."""
+
+    request_id: str
+    finish_reasons: list[str]
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    e2e_s: float
+    ttft_s: float | None
+    tpot_s: float | None  # mean time per output token after the first, per completion
+    queue_s: float | None
+
+
+@dataclass
+class _ChildCursor:
+    text_len: int = 0
+    num_tokens: int = 0
+    done: bool = False
+
+
+@dataclass
+class RequestStream:
+    """One request as seen from asyncio: the latest cumulative output, an event, timings."""
+
+    request_id: str
+    params: SamplingParams
+    num_prompt_tokens: int
+    arrival: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    finished: bool = False
+    latest: RequestOutput | None = None
+    error: BaseException | None = None
+    _event: asyncio.Event = field(default_factory=asyncio.Event)
+    _cursors: dict[int, _ChildCursor] = field(default_factory=dict)
+    _sent_prompt_logprobs: bool = False
+
+    def _put(self, out: RequestOutput) -> None:
+        self.latest = out
+        if self.first_token is None and any(c.token_ids for c in out.outputs):
+            self.first_token = time.monotonic()
+        if out.finished:
+            self.finished = True
+        self._event.set()
+
+    def _fail(self, exc: BaseException) -> None:
+        self.error = exc
+        self.finished = True
+        self._event.set()
+
+    async def next_output(self) -> RequestOutput:
+        """Wait for news; outputs that arrived meanwhile are coalesced (each one is cumulative)."""
+        await self._event.wait()
+        self._event.clear()
+        if self.error is not None:
+            raise self.error
+        assert self.latest is not None
+        return self.latest
+
+    def view(self, out: RequestOutput, delta: bool) -> RequestOutput | None:
+        """The output to hand the caller. Text is held back while it could still be the start of a
+        stop string. In delta mode only what is new, and only the completions that changed (None when
+        nothing did); a completion is reported finished once."""
+        hold = max(self.params.max_stop_str_len - 1, 0)
+        comps: list[CompletionOutput] = []
+        for c in out.outputs:
+            done = c.finish_reason is not None
+            shown = c.text if done or not hold else c.text[:max(len(c.text) - hold, 0)]
+            n_tok = len(c.token_ids)
+            if not delta:
+                lps = c.logprobs[:n_tok] if c.logprobs is not None else None
+                comps.append(dataclasses.replace(c, text=shown, token_ids=list(c.token_ids), logprobs=lps))
+                continue
+            cur = self._cursors.setdefault(c.index, _ChildCursor())
+            if cur.done:
+                continue
+            piece, toks = shown[cur.text_len:], c.token_ids[cur.num_tokens:n_tok]
+            if not (piece or toks or done):
+                continue
+            lps = c.logprobs[cur.num_tokens:n_tok] if c.logprobs is not None else None
+            comps.append(dataclasses.replace(c, text=piece, token_ids=toks, logprobs=lps))
+            cur.text_len, cur.num_tokens, cur.done = max(len(shown), cur.text_len), n_tok, done
+        prompt_logprobs = out.prompt_logprobs
+        if delta:
+            if self._sent_prompt_logprobs:
+                prompt_logprobs = None
+            elif prompt_logprobs is not None:
+                self._sent_prompt_logprobs = True
+            if not comps and prompt_logprobs is None:
+                return None
+        return dataclasses.replace(out, outputs=comps, prompt_logprobs=prompt_logprobs)
+
+    def report(self, out: RequestOutput | None, aborted: bool) -> FinishedRequest:
+        now = time.monotonic()
+        comps = out.outputs if out is not None else []
+        gen = sum(len(c.token_ids) for c in comps)
+        reasons = ["abort"] * max(self.params.n, 1) if aborted else [c.finish_reason or "abort" for c in comps]
+        tpot = None
+        if self.first_token is not None and comps and not aborted:
+            per_child = gen / len(comps)
+            if per_child > 1:
+                tpot = (now - self.first_token) / (per_child - 1)
+        queue = out.metrics.queue_time if out is not None and out.metrics is not None else None
+        ttft = self.first_token - self.arrival if self.first_token is not None else None
+        return FinishedRequest(self.request_id, reasons, self.num_prompt_tokens, gen, now - self.arrival, ttft, tpot,
+                               queue)
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    prompt: str | None
+    params: SamplingParams
+    priority: int
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class AsyncLLM:
+    """``generate()`` streams RequestOutputs for one request; ``abort()`` ends one early.
+
+    Call everything except ``close()`` from the asyncio loop the server runs on.
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        # The loop thread detokenizes with engine.tokenizer; this copy serves the asyncio side.
+        self.tokenizer = copy.deepcopy(engine.tokenizer)
+        self.max_model_len = engine.max_model_len
+        self.loop_stats = LoopStats()
+        self.snapshot = EngineSnapshot()
+        self.observers: list[Callable[[FinishedRequest], None]] = []
+        self.dead: BaseException | None = None
+        self._streams: dict[str, RequestStream] = {}
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        self._cond = threading.Condition()
+        self._inbox: list[_Add | _Abort] = []
+        self._stopping = False
+        self._ids = itertools.count()
+        self._take_snapshot()
+        self._thread = threading.Thread(target=self._run, name="vllite-engine-loop", daemon=True)
+        self._thread.start()
+
+    # ---- asyncio side -------------------------------------------------------------------
+    @property
+    def policy(self) -> str:
+        return self.engine.config.scheduler_config.policy
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids)
+
+    def _prepare(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenize(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
+                    raise InvalidRequestError("prompt_token_ids", "must be a list of integers")
+                return prompt.get("prompt"), list(ids)
+            if isinstance(prompt.get("prompt"), str):
+                return prompt["prompt"], self.tokenize(prompt["prompt"])
+        raise InvalidRequestError("prompt", f"must be a string or a dict with 'prompt_token_ids', got "
+                                  f"{type(prompt).__name__}")
+
+    def add_request(self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None,
+                    priority: int = 0) -> RequestStream:
+        """Validate and queue a request; errors (bad prompt, too long, bad priority) raise here."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine loop stopped: {self.dead!r}")
+        loop = asyncio.get_running_loop()
+        if self._aloop is None:
+            self._aloop = loop
+        elif self._aloop is not loop:
+            raise RuntimeError("AsyncLLM is bound to another event loop")
+        params = params or SamplingParams()
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._streams:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+        if priority != 0 and self.policy != "priority":
+            raise InvalidRequestError("priority", "priority needs the server started with --scheduling-policy "
+                                      "priority")
+        text, ids = self._prepare(prompt)
+        self.engine.validate(ids, params)  # pure: reads max_model_len and vocab size only
+        stream = RequestStream(request_id, params, len(ids))
+        self._streams[request_id] = stream
+        self._post(_Add(request_id, ids, text, params, priority))
+        return stream
+
+    async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
+                       request_id: str | None = None, priority: int = 0,
+                       delta: bool = False) -> AsyncIterator[RequestOutput]:
+        """Outputs as they are produced: cumulative, or only what is new (``delta=True``).
+        Leaving the loop early (break, cancellation, client gone) aborts the request."""
+        stream = self.add_request(prompt, params, request_id, priority)
+        async for out in self.iterate(stream, delta):
+            yield out
+
+    async def iterate(self, stream: RequestStream, delta: bool = False) -> AsyncIterator[RequestOutput]:
+        try:
+            while True:
+                out = await stream.next_output()
+                view = stream.view(out, delta)
+                if view is not None:
+                    yield view
+                if out.finished:
+                    return
+        finally:
+            if not stream.finished:
+                self.abort(stream.request_id)
+
+    def abort(self, request_id: str) -> None:
+        """End a request now: its KV blocks are freed on the loop's next turn."""
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        if not stream.finished:
+            stream.finished = True
+            self._notify(stream.report(stream.latest, aborted=True))
+        self._post(_Abort(request_id))
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def _post(self, cmd: _Add | _Abort) -> None:
+        with self._cond:
+            self._inbox.append(cmd)
+            self._cond.notify()
+
+    def _dispatch(self, outputs: list[RequestOutput], failed: list[tuple[str, BaseException]]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted meanwhile
+            stream._put(out)
+            if out.finished:
+                del self._streams[out.request_id]
+                self._notify(stream.report(out, aborted=False))
+        for rid, exc in failed:
+            stream = self._streams.pop(rid, None) if rid else None
+            targets = [stream] if stream is not None else []
+            if not rid:  # the loop died: every request fails
+                targets = list(self._streams.values())
+                self._streams.clear()
+            for s in targets:
+                s._fail(exc)
+                self._notify(s.report(s.latest, aborted=True))
+
+    def _notify(self, rec: FinishedRequest) -> None:
+        for obs in self.observers:
+            try:
+                obs(rec)
+            except Exception:  # an observer must never break serving
+                logger.exception("request observer failed")
+
+    # ---- engine loop thread ----------------------------------------------------------------
+    def _take_snapshot(self) -> None:
+        core = self.engine.core
+        s = core.stats()
+        kv = core.kv_cache_manager
+        self.snapshot = EngineSnapshot(s.num_running, s.num_waiting, s.kv_cache_usage, kv.get_num_free_blocks(),
+                                       kv.num_usable_blocks, s.num_preemptions_total, s.prefix_cache_queries,
+                                       s.prefix_cache_hits)
+
+    def _apply(self, cmds: list[_Add | _Abort]) -> list[tuple[str, BaseException]]:
+        failed = []
+        for cmd in cmds:
+            try:
+                if isinstance(cmd, _Add):
+                    self.engine.add_request(cmd.request_id, {"prompt_token_ids": cmd.prompt_token_ids,
+                                                             "prompt": cmd.prompt}, cmd.params, priority=cmd.priority)
+                else:
+                    self.engine.abort_request(cmd.request_id)
+            except Exception as e:  # validated on the asyncio side, so this is unexpected
+                logger.exception("engine refused %s", cmd)
+                if isinstance(cmd, _Add):
+                    failed.append((cmd.request_id, e))
+        return failed
+
+    def _run(self) -> None:
+        st = self.loop_stats
+        st.thread_id = threading.get_native_id()
+        engine, core = self.engine, self.engine.core
+        while True:
+            t_wait = time.perf_counter()
+            with self._cond:
+                while not self._inbox and not self._stopping and not engine.has_unfinished_requests():
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                cmds, self._inbox = self._inbox, []
+            t0 = time.perf_counter()
+            st.idle_s += t0 - t_wait
+            failed = self._apply(cmds) if cmds else []
+            outputs: list[RequestOutput] = []
+            ran = False
+            step_s = 0.0
+            if engine.has_unfinished_requests():
+                before = core.step_times.steps
+                t1 = time.perf_counter()
+                try:
+                    outputs = engine.step()
+                except Exception as e:
+                    logger.exception("engine step failed; the engine loop stops")
+                    self.dead = e
+                    failed.append(("", EngineDeadError(f"engine step failed: {e!r}")))
+                step_s = time.perf_counter() - t1
+                st.step_s += step_s
+                st.steps += 1
+                ran = core.step_times.steps != before
+            self._take_snapshot()
+            if (outputs or failed) and self._aloop is not None:
+                try:
+                    self._aloop.call_soon_threadsafe(self._dispatch, outputs, failed)
+                except RuntimeError:  # the asyncio loop is closed: shutting down
+                    return
+            st.other_s += time.perf_counter() - t0 - step_s
+            if self.dead is not None:
+                return
+            if not ran and not cmds:
+                t2 = time.perf_counter()
+                with self._cond:  # nothing could be scheduled: do not spin
+                    if not self._inbox and not self._stopping:
+                        self._cond.wait(_BACKOFF_S)
+                st.idle_s += time.perf_counter() - t2
+
+    def close(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout=10)

@@ -1,0 +1,146 @@
+"""POST /v1/chat/completions: messages -> the model's chat template -> chat.completion."""
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import Request
+from starlette.responses import Response
+
+from vllite_core.entrypoints.openai.errors import bad_request, from_exception
+from vllite_core.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_json
+from vllite_core.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from vllite_core.entrypoints.openai.sampling import to_sampling_params
+from vllite_core.entrypoints.openai.serving_common import (
+    SSE_DONE,
+    SSE_HEADERS,
+    ServerState,
+    add_streams,
+    final_outputs,
+    merged,
+    new_id,
+    sse,
+    until_disconnect,
+    usage,
+)
+from vllite_core.outputs import RequestOutput
+
+
+def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Text parts are joined with newlines: templates of text models expect a string."""
+    out = []
+    for m in messages:
+        d = m.model_dump(exclude_none=True)
+        if isinstance(m.content, list):
+            d["content"] = "\n".join(p.text for p in m.content)
+        out.append(d)
+    return out
+
+
+def render_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                continue_final_message: bool = False, chat_template: str | None = None,
+                template_kwargs: dict[str, Any] | None = None) -> str:
+    if not messages:
+        raise bad_request("messages must contain at least one message", "messages")
+    if add_generation_prompt and continue_final_message:
+        raise bad_request("add_generation_prompt and continue_final_message cannot both be true",
+                          "continue_final_message")
+    try:
+        return tokenizer.apply_chat_template(messages_to_dicts(messages), tokenize=False,
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message,
+                                             chat_template=chat_template, **(template_kwargs or {}))
+    except Exception as e:  # jinja errors, templates that raise on bad role orders, no template at all
+        raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
+
+
+class ChatServer:
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.tokenizer = state.engine.tokenizer
+
+    def _check_unsupported(self, req: ChatCompletionRequest) -> None:
+        if req.tools or (req.tool_choice not in (None, "none")):
+            raise bad_request("tool calling is not supported by this server yet", "tools", "unsupported_parameter")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise bad_request("response_format other than text (structured output) is not supported yet",
+                              "response_format", "unsupported_parameter")
+        if req.top_logprobs and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+
+    async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        st = self.state
+        st.check_model(req.model)
+        self._check_unsupported(req)
+        text = render_chat(self.tokenizer, req.messages, req.add_generation_prompt, req.continue_final_message,
+                           req.chat_template, req.chat_template_kwargs)
+        ids = st.engine.tokenize(text, add_special_tokens=False)  # the template has the special tokens
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = to_sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        rid = new_id("chatcmpl")
+        streams = add_streams(st.engine, [{"prompt_token_ids": ids, "prompt": text}], params, rid, req.priority)
+        ctx = _Ctx(self, req, rid, len(ids))
+        if req.stream:
+            return StreamingResponse(ctx.stream(merged(st.engine, streams, delta=True)),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
+        outs = await until_disconnect(raw, final_outputs(st.engine, streams))
+        return JSONResponse(ctx.full(outs[0]))
+
+
+class _Ctx:
+    def __init__(self, server: ChatServer, req: ChatCompletionRequest, rid: str, prompt_len: int) -> None:
+        self.tok = server.tokenizer
+        self.model = server.state.model_name
+        self.req = req
+        self.rid = rid
+        self.created = int(time.time())
+        self.prompt_len = prompt_len
+        self.top_k = req.top_logprobs or 0
+
+    def _logprobs(self, token_ids: list[int], entries: Any) -> dict[str, Any] | None:
+        if not self.req.logprobs:
+            return None
+        return {"content": chat_logprobs(token_ids, entries, self.tok, self.top_k)}
+
+    def full(self, out: RequestOutput) -> dict[str, Any]:
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self._logprobs(c.token_ids, c.logprobs), "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason} for c in out.outputs]
+        completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+        return {"id": self.rid, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": choices, "usage": usage(self.prompt_len, completion_tokens),
+                "prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs, self.tok)}
+
+    def _chunk(self, choices: list[dict[str, Any]], use: dict[str, int] | None = None) -> dict[str, Any]:
+        chunk: dict[str, Any] = {"id": self.rid, "object": "chat.completion.chunk", "created": self.created,
+                                 "model": self.model, "choices": choices}
+        if use is not None:
+            chunk["usage"] = use
+        return chunk
+
+    async def stream(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+        opts = self.req.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(opts and opts.continuous_usage_stats)
+        completion_tokens = 0
+        try:
+            for i in range(self.req.n):  # the role comes first, once per choice
+                first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}
+                yield sse(self._chunk([first], usage(self.prompt_len, 0) if continuous else None))
+            async for _, out in outputs:
+                for c in out.outputs:
+                    completion_tokens += len(c.token_ids)
+                    delta = {"content": c.text} if c.text else {}
+                    choice = {"index": c.index, "delta": delta, "logprobs": self._logprobs(c.token_ids, c.logprobs),
+                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                    chunk = self._chunk([choice], usage(self.prompt_len, completion_tokens) if continuous else None)
+                    if out.prompt_logprobs is not None:
+                        chunk["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs, self.tok)
+                    yield sse(chunk)
+            if include_usage:
+                yield sse(self._chunk([], usage(self.prompt_len, completion_tokens)))
+        except Exception as e:  # after the headers went out, an error can only be an event
+            yield sse(from_exception(e).body())
+        yield SSE_DONE
