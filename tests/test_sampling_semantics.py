@@ -163,7 +163,7 @@ def test_n_children_share_the_prompt_and_are_seeded(engines):
     assert len(a.outputs) == 3 and [o.index for o in a.outputs] == [0, 1, 2]
     assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
     assert len({tuple(o.token_ids) for o in a.outputs}) > 1
-    assert b.num_cached_tokens >= 32
+    assert a.num_cached_tokens >= 32  # children after the first reuse the prompt's blocks
 
 
 # ---- constraints and penalties, each against a direct greedy computation on HF logits ----

@@ -258,7 +258,9 @@ class AsyncLLM:
             raise InvalidRequestError("priority", "priority needs the server started with --scheduling-policy "
                                       "priority")
         text, ids = self._prepare(prompt)
-        self.engine.validate(ids, params)  # pure: reads max_model_len and vocab size only
+        if params.bad_words and not params.bad_words_token_ids:  # with this side's tokenizer, not the loop's
+            params.tokenize_bad_words(self.tokenizer, self.engine.vocab_size)
+        self.engine.validate(ids, params)  # reads config, vocab size and params only
         stream = RequestStream(request_id, params, len(ids))
         self._streams[request_id] = stream
         self._post(_Add(request_id, ids, text, params, priority))

@@ -111,6 +111,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
+    def get_stats(self):
+        """Scheduler counters: running/waiting, KV usage, preemptions, prefix-cache hits."""
+        return self.core.stats()
+
     def get_num_unfinished_requests(self) -> int:
         return self.core.scheduler.num_unfinished
 

@@ -1,14 +1,21 @@
 """The TPU platform (Google TPUs through PyTorch/XLA).
 
 ``torch_xla`` is imported lazily, only inside methods: importing it starts the
-PJRT runtime, which detection must not do. Attention and memory profiling land
-with the platforms issue (#8): until then those two methods raise
-NotImplementedError.
+PJRT runtime, which detection must not do. Detection looks for the TPU chips
+the kernel exposes and for PJRT's settings.
+
+XLA traces a step into a graph and compiles it per distinct set of shapes, so
+shapes must stay few: attention is the core's SDPA paged attention with its
+padded batch sizes bucketed to powers of two, and the runner pads token counts
+to ``token_bucket`` sizes. Graph capture is XLA compilation: ``capture_graphs``
+runs the decode step once per padded batch size (compiling it), and replays
+re-run the traced step, which hits XLA's compilation cache.
 """
 from __future__ import annotations
 
 import glob
 import importlib.util
+import logging
 import os
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
@@ -21,8 +28,10 @@ if TYPE_CHECKING:
     from vllite_core.attention import AttentionBackend
     from vllite_core.config import VlliteConfig
 
+logger = logging.getLogger("vllite.platforms.tpu")
+
 PRIORITY = 80
-NOT_YET = "lands with the platforms issue (#8)"
+MIN_TOKEN_BUCKET = 16
 
 
 def has_module(name: str) -> bool:
@@ -36,6 +45,39 @@ def tpu_device_nodes() -> list[str]:
     if not nodes and has_module("libtpu"):
         nodes = sorted(p for p in glob.glob("/dev/vfio/*") if os.path.basename(p).isdigit())
     return nodes
+
+
+def token_bucket(n: int, max_tokens: int | None = None) -> int:
+    """Padded token count for a step of ``n`` tokens: a power of two from 16, capped at ``max_tokens``."""
+    from vllite_core.platforms.graphs import pow2_bucket
+
+    return pow2_bucket(n, MIN_TOKEN_BUCKET, max_tokens)
+
+
+def xla_sync() -> None:
+    """Cut the traced graph here: compile (or fetch from cache) and run it."""
+    import torch_xla
+
+    if hasattr(torch_xla, "sync"):
+        torch_xla.sync()
+    else:  # torch_xla < 2.5
+        import torch_xla.core.xla_model as xm
+
+        xm.mark_step()
+
+
+def xla_capture(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """'Capture' = trace and compile ``fn`` for its (static) input shapes once; replay re-traces, which is cheap,
+    and runs the cached executable."""
+    fn()
+    xla_sync()
+
+    def replay() -> Any:
+        out = fn()
+        xla_sync()
+        return out
+
+    return replay
 
 
 class TpuPlatform(Platform):
@@ -73,10 +115,13 @@ class TpuPlatform(Platform):
         except Exception:
             return os.environ.get("TPU_ACCELERATOR_TYPE", "TPU")
 
-    def total_memory(self, index: int = 0) -> int:
+    def _memory_info(self, index: int = 0) -> dict[str, Any]:
         import torch_xla.core.xla_model as xm
 
-        info: dict[str, Any] = xm.get_memory_info(self.device(index))
+        return dict(xm.get_memory_info(self.device(index)))
+
+    def total_memory(self, index: int = 0) -> int:
+        info = self._memory_info(index)
         if "bytes_limit" in info:
             return int(info["bytes_limit"])
         return int(info["kb_total"]) * 1024  # older torch_xla
@@ -88,16 +133,48 @@ class TpuPlatform(Platform):
         return ["auto"]
 
     def get_attention_backend(self, config: "VlliteConfig") -> "AttentionBackend":
-        raise NotImplementedError(f"TPU attention backend {NOT_YET}")
+        from vllite_core.attention.sdpa import SdpaPagedAttention
+        from vllite_core.platforms.graphs import pow2_bucket
+
+        return SdpaPagedAttention(bucket=lambda n: pow2_bucket(n, 1))
 
     def determine_available_memory(self, config: "VlliteConfig", profile_run: Callable[[], None]) -> int:
-        raise NotImplementedError(f"TPU memory profiling {NOT_YET}")
+        """``memory_utilization * HBM`` minus the peak the profile run reached (weights + activations)."""
+        cc = config.cache_config
+        if cc.kv_cache_memory is not None:
+            return int(cc.kv_cache_memory)
+        profile_run()
+        xla_sync()
+        self.synchronize()
+        info = self._memory_info()
+        if "bytes_limit" in info:
+            limit = int(info["bytes_limit"])
+            used = int(info.get("peak_bytes_used", info.get("bytes_used", 0)))
+        else:  # older torch_xla reports KiB free/total
+            limit = int(info["kb_total"]) * 1024
+            used = limit - int(info["kb_free"]) * 1024
+        budget = int(limit * cc.memory_utilization) - used
+        logger.info("tpu memory: limit %.2f GiB, peak used %.2f GiB, KV budget %.2f GiB",
+                    limit / 2**30, used / 2**30, budget / 2**30)
+        if budget <= 0:
+            raise ConfigError(f"memory_utilization: {cc.memory_utilization} of {limit / 2**30:.2f} GiB HBM leaves "
+                              f"no room for the KV cache ({used / 2**30:.2f} GiB in use after profiling)")
+        return budget
+
+    def capture_graphs(self, forward: Callable[..., Any], batch_sizes: list[int],
+                       make_inputs: Callable[[int], dict[str, Any]], config: "VlliteConfig") -> dict[int, Callable[..., Any]]:
+        if config.enforce_eager or not batch_sizes:
+            return {}
+        from vllite_core.platforms.graphs import capture_runners
+
+        runners = capture_runners(forward, batch_sizes, make_inputs, xla_capture)
+        logger.info("tpu: compiled the decode step for batch sizes %s", sorted(runners))
+        return dict(runners)
 
     def check_and_update_config(self, config: "VlliteConfig") -> None:
-        kv = config.cache_config.kv_cache_dtype
-        if kv not in self.supported_kv_cache_dtypes():
-            raise ConfigError(f"kv_cache_dtype: the tpu platform supports {self.supported_kv_cache_dtypes()}, "
-                              f"got {kv!r}")
+        self.check_kv_cache_dtype(config)
+        if config.model_config.dtype in ("float16", "half", "fp16"):
+            raise ConfigError("dtype: TPUs compute in bfloat16 or float32, not float16")
 
     def synchronize(self) -> None:
         import torch_xla.core.xla_model as xm

@@ -1,16 +1,16 @@
 """Request bodies of the OpenAI API (and vLLM's extensions), as strict pydantic models.
 
 Strict, and unknown fields are refused: a typo like ``max_token`` is a 400 that
-names the field, not a silently ignored option. Responses are plain dicts built
-in the serving modules (cheaper per streamed token than model serialization).
+names the field, not a silently ignored option. Value ranges are checked once,
+by SamplingParams and the engine (max_logprobs), so the limits live in one place.
+Responses are plain dicts built in the serving modules (cheaper per streamed
+token than model serialization).
 """
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-
-MAX_LOGPROBS = 20
+from pydantic import BaseModel, ConfigDict
 
 
 class _Strict(BaseModel):
@@ -47,7 +47,9 @@ class _SamplingRequest(_Strict):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
     priority: int = 0
     logits_processors: list[Any] | None = None  # refused: processors are global
     best_of: int | None = None  # refused unless equal to n: removed in V1
@@ -56,7 +58,7 @@ class _SamplingRequest(_Strict):
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
 
@@ -80,7 +82,7 @@ class ChatCompletionRequest(_SamplingRequest):
     max_tokens: int | None = None  # deprecated by OpenAI, still accepted
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None

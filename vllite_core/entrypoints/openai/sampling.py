@@ -21,6 +21,8 @@ _OPTIONAL = {
     "frequency_penalty": ("frequency_penalty", 0.0),
     "repetition_penalty": ("repetition_penalty", 1.0),
     "logit_bias": ("logit_bias", None),
+    "bad_words": ("bad_words", None),
+    "allowed_token_ids": ("allowed_token_ids", None),
 }
 
 
@@ -39,7 +41,7 @@ def to_sampling_params(req: _SamplingRequest, max_tokens: int | None, logprobs: 
         kw["min_p"] = req.min_p
     for name, (field, off) in _OPTIONAL.items():
         value = getattr(req, name)
-        if value is None or value == off or (name == "logit_bias" and not value):
+        if value is None or value == off or (off is None and not value):
             continue
         if field not in _PARAM_FIELDS:
             raise bad_request(f"{name} is not supported by this server yet", name, "unsupported_parameter")

@@ -136,7 +136,7 @@ class _Ctx:
                     choice = {"index": c.index, "delta": delta, "logprobs": self._logprobs(c.token_ids, c.logprobs),
                               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                     chunk = self._chunk([choice], usage(self.prompt_len, completion_tokens) if continuous else None)
-                    if out.prompt_logprobs is not None:
+                    if out.prompt_logprobs is not None and c is out.outputs[0]:
                         chunk["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs, self.tok)
                     yield sse(chunk)
             if include_usage:

@@ -140,7 +140,7 @@ class _Ctx:
                     completion_tokens += len(c.token_ids)
                     choice = {"index": index, "text": text, "logprobs": piece_lp, "finish_reason": c.finish_reason,
                               "stop_reason": c.stop_reason}
-                    if out.prompt_logprobs is not None:
+                    if out.prompt_logprobs is not None and c is out.outputs[0]:
                         choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs, self.tok)
                     use = usage(sum(self.prompt_lens), completion_tokens) if continuous else None
                     yield sse(self._chunk([choice], use))
