@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllite_core.sampling_params import SamplingParams
 
@@ -48,6 +49,9 @@ class Request:
     arrival_time: float = field(default_factory=time.time)
     block_extra_keys: tuple = ()
     max_tokens: int = 16  # resolved from sampling_params and max_model_len by the engine
+    # Encoder-decoder models: what the model's encoder consumes (opaque to the core) and its length.
+    encoder_inputs: Any = None
+    num_encoder_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.status = RequestStatus.WAITING

@@ -52,6 +52,36 @@ class AttentionBackend(ABC):
         """Shape of one layer's KV cache tensor. Default: K and V stacked on dim 0."""
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """Store K/V rows at their slots (default layout). Used for encoder outputs of
+        encoder-decoder models; self-attention writes inside forward()."""
+        kv_cache[0].view(-1, *kv_cache.shape[-2:]).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+        kv_cache[1].view(-1, *kv_cache.shape[-2:]).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+    def forward_cross(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+                      scale: float) -> torch.Tensor:
+        """Cross-attention: each request's queries attend, without a causal mask, to all
+        ``metadata.seq_lens[i]`` encoder positions stored at ``metadata.block_table[i]``.
+        ``metadata.query_start_loc`` splits the query rows. A torch default for the default layout."""
+        bs = kv_cache.shape[2]
+        out = torch.empty_like(query)
+        qsl = metadata.query_start_loc_cpu
+        for i, enc_len in enumerate(metadata.seq_lens_cpu):
+            q0, q1 = qsl[i], qsl[i + 1]
+            if q1 == q0:
+                continue
+            nb = -(-enc_len // bs)
+            blocks = metadata.block_table[i, :nb].long()
+            k = kv_cache[0].index_select(0, blocks).reshape(-1, *kv_cache.shape[-2:])[:enc_len]
+            v = kv_cache[1].index_select(0, blocks).reshape(-1, *kv_cache.shape[-2:])[:enc_len]
+            q = query[q0:q1].transpose(0, 1)  # [H, Tq, D]
+            k, v = k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, scale=scale, enable_gqa=q.shape[0] != k.shape[0])
+            out[q0:q1] = o.transpose(0, 1)
+        return out
+
     def prepare(self, metadata: AttentionMetadata) -> None:
         """Called once per step after the runner builds the metadata; may set ``metadata.extra``."""
 

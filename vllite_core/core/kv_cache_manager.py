@@ -43,6 +43,7 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         max_model_len: int | None = None,
+        num_cross_blocks: int = 0,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -56,6 +57,10 @@ class KVCacheManager:
         # How many leading blocks of the request are already indexed in the pool.
         self.num_cached_block: dict[str, int] = {}
         self._stats = PrefixCacheStats()
+        # Encoder-decoder models: cross-attention K/V, written once per request from the
+        # encoder output, live in their own pool (never hashed, never shared).
+        self.cross_pool = BlockPool(num_cross_blocks, enable_caching=False) if num_cross_blocks else None
+        self.req_to_cross_blocks: dict[str, list[KVCacheBlock]] = {}
 
     # ---- queries -------------------------------------------------------------
 
@@ -80,6 +85,25 @@ class KVCacheManager:
 
     def get_num_free_blocks(self) -> int:
         return self.block_pool.get_num_free_blocks()
+
+    def allocate_cross(self, request_id: str, num_encoder_tokens: int) -> list[int] | None:
+        """Blocks for a request's encoder K/V (once per admission); None if the cross pool is short."""
+        if request_id in self.req_to_cross_blocks:
+            return [b.block_id for b in self.req_to_cross_blocks[request_id]]
+        if self.cross_pool is None:
+            raise RuntimeError("this engine has no cross-attention cache (not an encoder-decoder model)")
+        n = cdiv(num_encoder_tokens, self.block_size)
+        if n > self.cross_pool.get_num_free_blocks():
+            return None
+        blocks = self.cross_pool.get_new_blocks(n)
+        self.req_to_cross_blocks[request_id] = blocks
+        return [b.block_id for b in blocks]
+
+    def get_cross_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_cross_blocks.get(request_id, ())]
+
+    def get_num_free_cross_blocks(self) -> int:
+        return self.cross_pool.get_num_free_blocks() if self.cross_pool is not None else 0
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
@@ -211,6 +235,9 @@ class KVCacheManager:
         request is preempted before the forward pass) are uncached here.
         """
         request_id = request.request_id
+        cross = self.req_to_cross_blocks.pop(request_id, None)
+        if cross and self.cross_pool is not None:
+            self.cross_pool.free_blocks(reversed(cross))
         blocks = self.req_to_blocks.pop(request_id, None)
         if blocks:
             num_cached = self.num_cached_block.get(request_id, 0)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllite_core.sampling_params import SamplingParams
 
@@ -17,6 +18,10 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_id: int | None = None
+    # Encoder-decoder: the encoder runs in the step that admits the request.
+    encoder_inputs: Any = None
+    num_encoder_tokens: int = 0
+    cross_block_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

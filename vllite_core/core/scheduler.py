@@ -147,6 +147,9 @@ class Scheduler:
             if num_new <= 0:  # a long prompt waits for a long-prefill slot; later ones may go
                 skipped.append(self.waiting.pop())
                 continue
+            if req.num_encoder_tokens and self.kv.allocate_cross(req.request_id, req.num_encoder_tokens) is None:
+                step.release_long(req)
+                break  # the cross-attention pool is full: wait for a request to finish
             blocks = self.kv.allocate_slots(req, num_new, computed_blocks, num_computed)
             # Priority: a more urgent arrival may push out less urgent running requests.
             while blocks is None and self.policy == "priority" and self.running \
@@ -306,7 +309,9 @@ class _Step:
             out.scheduled_new_reqs.append(NewRequestData(
                 req_id=req.request_id, token_ids=list(req.all_token_ids), num_prompt_tokens=req.num_prompt_tokens,
                 sampling_params=req.sampling_params, block_ids=list(sched.kv.get_block_ids(req.request_id)),
-                num_computed_tokens=req.num_computed_tokens, eos_token_id=req.eos_token_id))
+                num_computed_tokens=req.num_computed_tokens, eos_token_id=req.eos_token_id,
+                encoder_inputs=req.encoder_inputs, num_encoder_tokens=req.num_encoder_tokens,
+                cross_block_ids=sched.kv.get_cross_block_ids(req.request_id)))
         for req in self.running:
             out.scheduled_cached_reqs.append(CachedRequestData(
                 req_id=req.request_id, new_block_ids=self.new_block_ids[req.request_id],

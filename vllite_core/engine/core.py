@@ -60,9 +60,11 @@ class ModelInfo:
     extra: dict = field(default_factory=dict)
 
 
-def _derive_max_model_len(config: VlliteConfig, hf_config: Any) -> int:
+def _derive_max_model_len(config: VlliteConfig, hf_config: Any, model_cls: Any = None) -> int:
     limit = None
-    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length"):
+    if hasattr(model_cls, "get_max_model_len"):  # e.g. a decoder whose positions differ from the encoder's
+        limit = int(model_cls.get_max_model_len(hf_config))
+    for key in () if limit else ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length"):
         if getattr(hf_config, key, None):
             limit = int(getattr(hf_config, key))
             break
@@ -96,17 +98,20 @@ class EngineCore:
         arch, model_cls = build_registry(pm).resolve_for_config(hf_config)
         config.is_encoder_decoder = bool(getattr(model_cls, "is_encoder_decoder", False))
         config.supports_prefix_caching = bool(getattr(model_cls, "supports_prefix_caching", True))
-        max_model_len = _derive_max_model_len(config, hf_config)
+        max_model_len = _derive_max_model_len(config, hf_config, model_cls)
         config.finalize(max_model_len)
 
         self.worker = Worker(config, platform, pm)
         self.worker.load_model(source, hf_config, arch, model_cls)
         num_blocks = self.worker.determine_num_kv_blocks()
-        self.worker.initialize_kv_cache(num_blocks)
+        num_cross = self.worker.num_cross_blocks()
+        self.worker.initialize_kv_cache(num_blocks, num_cross)
         cc = config.cache_config
-        self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, max_model_len)
+        self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, max_model_len,
+                                               num_cross_blocks=num_cross)
         self.scheduler = Scheduler(config.scheduler_config, cc, self.kv_cache_manager, max_model_len)
         self.model_info = ModelInfo(source, hf_config, arch, max_model_len, num_blocks)
+        self.model_cls = model_cls
         self.step_times = StepTimes()
         logger.info("engine ready: %s on %s, max_model_len=%d, %d KV blocks of %d tokens", arch, platform.name,
                     max_model_len, num_blocks, cc.block_size)

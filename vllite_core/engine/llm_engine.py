@@ -10,6 +10,7 @@ from vllite_core.config import EngineArgs, VlliteConfig
 from vllite_core.engine.core import EngineCore
 from vllite_core.engine.errors import InvalidRequestError, PromptTooLongError
 from vllite_core.engine.output_processor import OutputProcessor, child_request_ids
+from vllite_core.inputs import InputContext, ProcessedPrompt
 from vllite_core.outputs import RequestOutput
 from vllite_core.request import Request, RequestStatus
 from vllite_core.sampling_params import SamplingParams
@@ -32,6 +33,8 @@ class LLMEngine:
         self.eos_token_id = self._eos_token_id(info.hf_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self.model_cls = self.core.model_cls
+        self.input_context = InputContext(self.tokenizer, info.hf_config, info.source.path)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -46,6 +49,18 @@ class LLMEngine:
         return eos
 
     # ---- requests ---------------------------------------------------------------------
+    def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
+        """Token ids for the decoder, plus encoder inputs where the model class defines process_prompt."""
+        if hasattr(self.model_cls, "process_prompt"):
+            try:
+                return self.model_cls.process_prompt(prompt, self.input_context)
+            except (InvalidRequestError, ValueError, TypeError, KeyError) as e:
+                if isinstance(e, InvalidRequestError):
+                    raise
+                raise InvalidRequestError("prompt", str(e)) from e
+        text, ids = self.tokenize_prompt(prompt)
+        return ProcessedPrompt(prompt_token_ids=ids, prompt=text)
+
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=True))
@@ -89,7 +104,8 @@ class LLMEngine:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         if priority != 0 and self.config.scheduler_config.policy != "priority":
             raise InvalidRequestError("priority", "priority is only supported with scheduling_policy='priority'")
-        text, ids = self.tokenize_prompt(prompt)
+        processed = self.process_prompt(prompt)
+        text, ids = processed.prompt, processed.prompt_token_ids
         max_tokens = self.validate(ids, params)
         child_ids = child_request_ids(request_id, params.n)
         self.output_processor.add(request_id, text, ids, params, child_ids)
@@ -99,7 +115,9 @@ class LLMEngine:
                 child_params = _with_seed(params, params.seed + i)
             kw = {} if arrival_time is None else {"arrival_time": arrival_time}
             self.core.add_request(Request(cid, ids, child_params, eos_token_id=self.eos_token_id,
-                                          priority=priority, max_tokens=max_tokens, **kw))
+                                          priority=priority, max_tokens=max_tokens,
+                                          encoder_inputs=processed.encoder_inputs,
+                                          num_encoder_tokens=processed.num_encoder_tokens, **kw))
         return request_id
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:

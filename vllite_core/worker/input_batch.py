@@ -27,7 +27,7 @@ class RequestState:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, max_encoder_len: int = 0) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -49,6 +49,9 @@ class InputBatch:
         self.repetition = np.ones(max_num_reqs, dtype=np.float32)
         # Rows whose params need per-request work (bad words, bias, allowed ids, min_tokens).
         self.has_constraints = np.zeros(max_num_reqs, dtype=bool)
+        # Encoder-decoder models: where each request's encoder K/V lives, and its length.
+        self.cross_block_table = np.zeros((max_num_reqs, -(-max_encoder_len // block_size)), dtype=np.int32)
+        self.num_encoder_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.states: list[RequestState | None] = [None] * max_num_reqs
         self.index: dict[str, int] = {}
 
@@ -83,6 +86,10 @@ class InputBatch:
         self.index[state.req_id] = row
         return row
 
+    def set_cross(self, row: int, block_ids: list[int], num_encoder_tokens: int) -> None:
+        self.cross_block_table[row, :len(block_ids)] = block_ids
+        self.num_encoder_tokens[row] = num_encoder_tokens
+
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
         if block_ids:
             start = self.num_blocks[row]
@@ -112,9 +119,11 @@ class InputBatch:
         self.token_ids[dst, :min(n, self.max_model_len)] = self.token_ids[src, :min(n, self.max_model_len)]
         nb = self.num_blocks[src]
         self.block_table[dst, :nb] = self.block_table[src, :nb]
+        self.cross_block_table[dst] = self.cross_block_table[src]
         for arr in (self.num_tokens, self.num_computed, self.num_blocks, self.temperature, self.top_k,
                     self.top_p, self.min_p, self.num_logprobs, self.num_prompt_logprobs, self.num_prompt,
-                    self.presence, self.frequency, self.repetition, self.has_constraints):
+                    self.presence, self.frequency, self.repetition, self.has_constraints,
+                    self.num_encoder_tokens):
             arr[dst] = arr[src]
         state = self.states[src]
         self.states[dst] = state

@@ -50,6 +50,7 @@ class StepInputs:
     sample_rows: np.ndarray  # batch rows that sample, in logits order
     # Requests wanting prompt logprobs in this step: (row, first token index, num tokens, first position).
     prompt_lp: list[tuple[int, int, int, int]]
+    cross_metadata: AttentionMetadata | None = None  # encoder-decoder models
 
 
 class ModelRunner:
@@ -62,7 +63,10 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = config.cache_config.block_size
         self.max_model_len = config.model_config.max_model_len or 0
-        self.batch = InputBatch(config.scheduler_config.max_num_seqs, self.max_model_len, self.block_size)
+        self.is_encoder_decoder = bool(getattr(model, "is_encoder_decoder", False))
+        self.batch = InputBatch(config.scheduler_config.max_num_seqs, self.max_model_len, self.block_size,
+                                int(getattr(model, "max_encoder_len", 0)) if self.is_encoder_decoder else 0)
+        self.cross_kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler(config.model_config.logprobs_mode)
         self.logits_processors = list(logits_processors or [])
         self.vocab_size = int(getattr(model, "vocab_size", 0))
@@ -80,15 +84,34 @@ class ModelRunner:
     def kv_cache_dtype(self) -> torch.dtype:
         return self.dtype
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def initialize_kv_cache(self, num_blocks: int, num_cross_blocks: int = 0) -> None:
         m = self.model
         shape = self.attn_backend.get_kv_cache_shape(num_blocks, self.block_size, m.num_kv_heads, m.head_size)
         self.kv_caches = [torch.zeros(shape, dtype=self.kv_cache_dtype(), device=self.device)
                           for _ in range(m.num_layers)]
+        if num_cross_blocks:
+            shape = self.attn_backend.get_kv_cache_shape(num_cross_blocks, self.block_size, m.num_kv_heads,
+                                                         m.head_size)
+            self.cross_kv_caches = [torch.zeros(shape, dtype=self.kv_cache_dtype(), device=self.device)
+                                    for _ in range(m.num_layers)]
+
+    def _run_encoders(self, new_reqs: list[Any]) -> None:
+        """Encoder once per admitted request; its per-layer K/V go to the cross-attention blocks."""
+        hidden = self.model.encode([r.encoder_inputs for r in new_reqs])
+        for r, h in zip(new_reqs, hidden):
+            pos = np.arange(r.num_encoder_tokens)
+            blocks = np.asarray(r.cross_block_ids, dtype=np.int64)
+            slots = torch.as_tensor(blocks[pos // self.block_size] * self.block_size + pos % self.block_size,
+                                    device=self.device)
+            for layer, (k, v) in enumerate(self.model.cross_kv(h)):
+                self.attn_backend.write_kv(k, v, self.cross_kv_caches[layer], slots)
 
     @torch.inference_mode()
     def profile_run(self) -> None:
-        """One forward pass at the largest step size, into a scratch cache, to show peak memory."""
+        """One forward pass at the largest step size, into a scratch cache, to show peak memory.
+        (Encoder-decoder models skip it: their decoder needs encoder state; their memory is small.)"""
+        if self.is_encoder_decoder:
+            return
         n = min(self.config.scheduler_config.max_num_batched_tokens, self.max_model_len)
         blocks = -(-n // self.block_size) + 1
         m = self.model
@@ -121,13 +144,20 @@ class ModelRunner:
             state = RequestState(new.req_id, new.num_prompt_tokens, p, gen,
                                  list(new.token_ids[new.num_prompt_tokens:]), new.eos_token_id)
             b.add(state, new.token_ids, new.block_ids, new.num_computed_tokens)
+        if self.is_encoder_decoder:
+            fresh = [n for n in so.scheduled_new_reqs if n.num_encoder_tokens]
+            for n in fresh:
+                b.set_cross(b.index[n.req_id], n.cross_block_ids, n.num_encoder_tokens)
+            if fresh:
+                self._run_encoders(fresh)
         for c in so.scheduled_cached_reqs:
             row = b.index[c.req_id]
             b.append_blocks(row, c.new_block_ids)
             b.num_computed[row] = c.num_computed_tokens
 
     def _metadata(self, query_start_loc: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray,
-                  slot_mapping: np.ndarray, max_query_len: int, num_tokens: int) -> AttentionMetadata:
+                  slot_mapping: np.ndarray, max_query_len: int, num_tokens: int,
+                  prepare: bool = True) -> AttentionMetadata:
         dev = self.device
         md = AttentionMetadata(
             num_actual_tokens=num_tokens,
@@ -137,7 +167,8 @@ class ModelRunner:
             slot_mapping=torch.as_tensor(slot_mapping.astype(np.int64), device=dev),
             max_query_len=int(max_query_len), max_seq_len=int(seq_lens.max()), block_size=self.block_size,
             query_start_loc_cpu=query_start_loc.tolist(), seq_lens_cpu=seq_lens.tolist())
-        self.attn_backend.prepare(md)
+        if prepare:
+            self.attn_backend.prepare(md)
         return md
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
@@ -166,10 +197,16 @@ class ModelRunner:
         wants = (b.num_prompt_logprobs[rows] >= 0) & (computed < b.num_prompt[rows])
         for i in np.nonzero(wants)[0]:
             prompt_lp.append((int(rows[i]), int(starts[i]), int(num_sched[i]), int(computed[i])))
+        cross = None
+        if self.is_encoder_decoder:
+            enc_lens = b.num_encoder_tokens[rows]
+            cross = self._metadata(np.concatenate(([0], cu)), enc_lens,
+                                   b.cross_block_table[rows, :max(1, int(-(-enc_lens.max() // self.block_size)))],
+                                   np.zeros(0, dtype=np.int64), int(num_sched.max()), total, prepare=False)
         return StepInputs(input_ids=torch.as_tensor(input_ids, device=self.device),
                           positions=torch.as_tensor(positions, device=self.device), metadata=md,
                           logits_indices=torch.as_tensor(cu[sampling] - 1, device=self.device),
-                          sample_rows=rows[sampling], prompt_lp=prompt_lp)
+                          sample_rows=rows[sampling], prompt_lp=prompt_lp, cross_metadata=cross)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inp: StepInputs) -> None:
         """Logprobs of each prompt token given the ones before it; raw, as prompt tokens are not sampled."""
@@ -196,7 +233,11 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return out
         inp = self._prepare_inputs(so)
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.metadata)
+        if self.is_encoder_decoder:
+            hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.metadata,
+                                cross_kv_caches=self.cross_kv_caches, cross_metadata=inp.cross_metadata)
+        else:
+            hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.metadata)
         b = self.batch
         # Every scheduled token is now in the cache.
         for rid, n in so.num_scheduled_tokens.items():

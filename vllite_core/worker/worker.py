@@ -78,9 +78,18 @@ class Worker:
                               f"max_model_len sequence needs ({need}); lower max_model_len or raise kv_cache_memory")
         return num
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def num_cross_blocks(self) -> int:
+        """Encoder-decoder models: a cross-attention pool holding the longest encoder output of
+        up to 32 running requests (admission waits when it is full)."""
         assert self.runner is not None
-        self.runner.initialize_kv_cache(num_blocks)
+        if not self.runner.is_encoder_decoder:
+            return 0
+        per_req = -(-int(self.runner.model.max_encoder_len) // self.config.cache_config.block_size)
+        return per_req * min(self.config.scheduler_config.max_num_seqs, 32) + 1
+
+    def initialize_kv_cache(self, num_blocks: int, num_cross_blocks: int = 0) -> None:
+        assert self.runner is not None
+        self.runner.initialize_kv_cache(num_blocks, num_cross_blocks)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None

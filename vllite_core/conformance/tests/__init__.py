@@ -1,0 +1,1 @@
+"""The conformance kit's checks (collected only under ``--vllite-platform``)."""
