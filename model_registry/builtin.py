@@ -18,6 +18,8 @@ BUILTIN_MODELS: dict[str, str] = {
     "LlamaForCausalLM": _LLAMA,
     "MistralForCausalLM": _LLAMA,
     "Qwen2ForCausalLM": _LLAMA,
+    # Encoder-decoder: speech in, text out.
+    "WhisperForConditionalGeneration": "model_registry.models.whisper:WhisperForConditionalGeneration",
 }
 
 

@@ -304,7 +304,7 @@ def test_concurrent_streams_with_disconnects(server, offline):
     """64 streams of mixed lengths at once; 8 of them hang up after two chunks. The rest match
     offline greedy text, the 8 are aborted, and every KV block comes back."""
     prompts = [f"Story number {i % 8}: once upon a time, in a land far away," for i in range(64)]
-    lengths = [4 + (7 * i) % 21 for i in range(64)]
+    lengths = [2 + (5 * i) % 13 for i in range(64)]  # 2..14 tokens
     quitters = set(range(3, 64, 8))
     keep = [i for i in range(64) if i not in quitters]
     refs = offline.generate([prompts[i] for i in keep],
@@ -354,7 +354,7 @@ def test_priority_request_overtakes_under_saturation(server):
         ac = openai.AsyncOpenAI(base_url=server + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
 
         async def one(tag: str, priority: int) -> None:
-            await ac.completions.create(model=MODEL, prompt=f"Request {tag}:", max_tokens=12, temperature=0,
+            await ac.completions.create(model=MODEL, prompt=f"Request {tag}:", max_tokens=6, temperature=0,
                                         extra_body={"ignore_eos": True, "priority": priority})
             order.append(tag)
 
@@ -375,3 +375,14 @@ def test_priority_request_overtakes_under_saturation(server):
     order = asyncio.run(main())
     assert len(order) == n_low + 1
     assert order.index("urgent") < 2 * MAX_SEQS, order
+
+
+def test_non_streaming_client_that_gives_up_is_aborted(server):
+    before = wait_idle(server)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server + "/v1/completions", headers=AUTH, timeout=httpx.Timeout(60, read=1.5),
+                   json={"prompt": PROMPTS[1], "max_tokens": 900, "ignore_eos": True})
+    after = wait_idle(server)
+    abort = "vllite:request_success_total{finished_reason=abort}"
+    assert after[abort] == before[abort] + 1
+    assert after["vllite:kv_cache_free_blocks"] == before["vllite:kv_cache_free_blocks"]

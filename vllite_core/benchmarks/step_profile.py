@@ -180,4 +180,4 @@ def overhead_rows(report: dict[str, Any]) -> list[list[Any]]:
     return rows
 
 
-OVERHEAD_HEADER = ["steps", "n", "ms/step"] + [f"{p} ms" for p in PHASES] + ["overhead %"]
+OVERHEAD_HEADER = ["steps", "count", "ms/step"] + [f"{p} ms" for p in PHASES] + ["overhead %"]

@@ -9,7 +9,7 @@ KV cache out as it likes.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +48,7 @@ STANDARD_CASES: tuple[AttentionCase, ...] = (
     AttentionCase("mixed-gqa", (1, 7, 1, 4, 1), (10, 0, 1, 6, 4), num_heads=8, num_kv_heads=2),
     AttentionCase("gqa-one-kv-head", (1, 1, 6), (29, 2, 0), num_heads=6, num_kv_heads=1),
     AttentionCase("long-decode-gqa", (1, 1), (70, 33), num_heads=8, num_kv_heads=2, head_size=64),
+    AttentionCase("long-chunks-gqa", (40, 1, 25), (30, 50, 0), num_heads=8, num_kv_heads=2),
     AttentionCase("sliding-window", (1, 6, 1, 5), (11, 0, 3, 9), num_heads=4, num_kv_heads=2, sliding_window=3),
     AttentionCase("padded-decode-batch", (1, 1, 1), (4, 9, 2), padding_rows=2),
 )
@@ -72,12 +73,15 @@ class AttentionResult:
 
 def run_attention_case(backend: AttentionBackend, case: AttentionCase, device: torch.device | str,
                        dtype: torch.dtype = torch.float32, cache_dtype: torch.dtype | None = None,
-                       block_size: int = 16, num_blocks: int = 48, seed: int = 0) -> list[AttentionResult]:
+                       block_size: int = 16, num_blocks: int = 48, seed: int = 0, repeat: bool = True,
+                       write_context: Callable[..., None] | None = None) -> list[AttentionResult]:
     """Run ``case`` on ``backend`` and on the reference; returns one result per step.
 
     Step 1 prefills every request's cached context (written by the backend itself, so the cache layout
     stays the backend's business); step 2 is the case's own step. Blocks are random, non-contiguous
-    and never block 0 (the engine's null block)."""
+    and never block 0 (the engine's null block). ``repeat`` runs each step's forward a second time, as the
+    next layer would. ``write_context(key, value, cache, slot_mapping)``, when given, stores the context
+    instead of a step-1 forward (a backend's own tests can save time; step 1 is then not compared)."""
     device = torch.device(device)
     cache_dtype = cache_dtype or dtype
     rng = random.Random(seed)
@@ -107,10 +111,13 @@ def run_attention_case(backend: AttentionBackend, case: AttentionCase, device: t
         ref = reference_paged_attention(q[:n], k[:n], v[:n], ref_cache, md, scale, case.sliding_window)
         dmd = build_metadata(q_lens, s_lens, tbls, block_size, device=device)
         dmd.slot_mapping = md.slot_mapping.to(device)
-        backend.prepare(dmd)
         qd, kd, vd = q.to(device), k.to(device), v.to(device)
+        if step == "context" and write_context is not None:
+            write_context(kd, vd, cache, dmd.slot_mapping)
+            continue
+        backend.prepare(dmd)
         out = backend.forward(qd, kd, vd, cache, dmd, scale, case.sliding_window)
-        again = backend.forward(qd, kd, vd, cache, dmd, scale, case.sliding_window)
+        again = backend.forward(qd, kd, vd, cache, dmd, scale, case.sliding_window) if repeat else out
         if tuple(out.shape) != tuple(qd.shape):
             raise AssertionError(f"{step}: backend returned shape {tuple(out.shape)}, expected {tuple(qd.shape)}")
         if out.dtype != dtype:
@@ -181,15 +188,19 @@ def save_tiny_llama(path: str, seed: int = 0, **overrides: Any) -> Any:
 @torch.inference_mode()
 def hf_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Greedy tokens from transformers' own forward and cache (the reference)."""
-    out = model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
-    past, tokens = out.past_key_values, []
-    nxt = int(out.logits[0, -1].argmax())
-    while True:
-        tokens.append(nxt)
-        if len(tokens) == max_new_tokens:
-            return tokens
-        out = model(input_ids=torch.tensor([[nxt]]), past_key_values=past, use_cache=True)
-        past, nxt = out.past_key_values, int(out.logits[0, -1].argmax())
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
+        out = model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
+        past, tokens = out.past_key_values, []
+        nxt = int(out.logits[0, -1].argmax())
+        while True:
+            tokens.append(nxt)
+            if len(tokens) == max_new_tokens:
+                return tokens
+            out = model(input_ids=torch.tensor([[nxt]]), past_key_values=past, use_cache=True)
+            past, nxt = out.past_key_values, int(out.logits[0, -1].argmax())
 
 
 def build_engine_model(backend: AttentionBackend, dtype: torch.dtype, device: torch.device | str,
@@ -202,6 +213,11 @@ def build_engine_model(backend: AttentionBackend, dtype: torch.dtype, device: to
     model = cpu_model.to(device=device, dtype=dtype).eval()
     model.ensure_positions(TINY["max_position_embeddings"])
     return model
+
+
+def run_model(model: Any, inputs: dict[str, Any]) -> torch.Tensor:
+    """One engine-model forward from a ``{input_ids, positions, kv_caches, metadata}`` dict."""
+    return model(inputs["input_ids"], inputs["positions"], inputs["kv_caches"], inputs["metadata"])
 
 
 @dataclass
@@ -254,7 +270,7 @@ class StepDriver:
     def step(self, schedule: dict[str, int]) -> torch.Tensor:
         """Eager step; float32 logits of every scheduled token ([T, vocab], on the CPU)."""
         inp = self.inputs(schedule)
-        hidden = self.model(**inp)
+        hidden = run_model(self.model, inp)
         self.advance(schedule)
         return self.model.compute_logits(hidden).float().cpu()
 

@@ -30,6 +30,7 @@ from typing import Any, AsyncIterator, Callable
 
 from vllite_core.engine.errors import InvalidRequestError
 from vllite_core.engine.llm_engine import LLMEngine, PromptType
+from vllite_core.inputs import InputContext, ProcessedPrompt
 from vllite_core.outputs import CompletionOutput, RequestOutput
 from vllite_core.sampling_params import SamplingParams
 
@@ -183,6 +184,7 @@ class _Add:
     prompt: str | None
     params: SamplingParams
     priority: int
+    processed: ProcessedPrompt | None = None  # models with their own prompt processing (audio, images)
 
 
 @dataclass
@@ -200,6 +202,11 @@ class AsyncLLM:
         self.engine = engine
         # The loop thread detokenizes with engine.tokenizer; this copy serves the asyncio side.
         self.tokenizer = copy.deepcopy(engine.tokenizer)
+        # Models that process their own prompts (encoder-decoder, multimodal) do it on this side too.
+        ctx = getattr(engine, "input_context", None)
+        self.input_context = (InputContext(self.tokenizer, ctx.hf_config, ctx.model_path)
+                              if ctx is not None and hasattr(getattr(engine, "model_cls", None), "process_prompt")
+                              else None)
         self.max_model_len = engine.max_model_len
         self.loop_stats = LoopStats()
         self.snapshot = EngineSnapshot()
@@ -257,13 +264,18 @@ class AsyncLLM:
         if priority != 0 and self.policy != "priority":
             raise InvalidRequestError("priority", "priority needs the server started with --scheduling-policy "
                                       "priority")
-        text, ids = self._prepare(prompt)
+        processed = None
+        if self.input_context is not None:
+            processed = self.engine.process_prompt(prompt, self.input_context)
+            text, ids = processed.prompt, processed.prompt_token_ids
+        else:
+            text, ids = self._prepare(prompt)
         if params.bad_words and not params.bad_words_token_ids:  # with this side's tokenizer, not the loop's
             params.tokenize_bad_words(self.tokenizer, self.engine.vocab_size)
         self.engine.validate(ids, params)  # reads config, vocab size and params only
         stream = RequestStream(request_id, params, len(ids))
         self._streams[request_id] = stream
-        self._post(_Add(request_id, ids, text, params, priority))
+        self._post(_Add(request_id, ids, text, params, priority, processed))
         return stream
 
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
@@ -347,8 +359,9 @@ class AsyncLLM:
         for cmd in cmds:
             try:
                 if isinstance(cmd, _Add):
-                    self.engine.add_request(cmd.request_id, {"prompt_token_ids": cmd.prompt_token_ids,
-                                                             "prompt": cmd.prompt}, cmd.params, priority=cmd.priority)
+                    prompt = cmd.processed if cmd.processed is not None else {
+                        "prompt_token_ids": cmd.prompt_token_ids, "prompt": cmd.prompt}
+                    self.engine.add_request(cmd.request_id, prompt, cmd.params, priority=cmd.priority)
                 else:
                     self.engine.abort_request(cmd.request_id)
             except Exception as e:  # validated on the asyncio side, so this is unexpected

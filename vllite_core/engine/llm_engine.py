@@ -49,11 +49,15 @@ class LLMEngine:
         return eos
 
     # ---- requests ---------------------------------------------------------------------
-    def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
-        """Token ids for the decoder, plus encoder inputs where the model class defines process_prompt."""
+    def process_prompt(self, prompt: PromptType | ProcessedPrompt,
+                       ctx: InputContext | None = None) -> ProcessedPrompt:
+        """Token ids for the decoder, plus encoder inputs where the model class defines process_prompt.
+        An already processed prompt passes through; ``ctx`` lets another thread use its own tokenizer."""
+        if isinstance(prompt, ProcessedPrompt):
+            return prompt
         if hasattr(self.model_cls, "process_prompt"):
             try:
-                return self.model_cls.process_prompt(prompt, self.input_context)
+                return self.model_cls.process_prompt(prompt, ctx or self.input_context)
             except (InvalidRequestError, ValueError, TypeError, KeyError) as e:
                 if isinstance(e, InvalidRequestError):
                     raise

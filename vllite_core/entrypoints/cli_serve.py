@@ -30,7 +30,7 @@ def add_serve_parser(sub: Any) -> None:
 def run_serve(ns: argparse.Namespace) -> int:
     from vllite_core.engine.async_llm import AsyncLLM
     from vllite_core.engine.llm_engine import LLMEngine
-    from vllite_core.entrypoints.openai.api_server import default_model_name, serve
+    from vllite_core.entrypoints.openai.api_server import bind_socket, default_model_name, serve
     from vllite_core.entrypoints.openai.serving_common import DEFAULT_MAX_BODY_BYTES
 
     if ns.model_tag is not None:
@@ -39,7 +39,8 @@ def run_serve(ns: argparse.Namespace) -> int:
         ns.model = ns.model_tag
     api_key = ns.api_key or os.environ.get(API_KEY_ENV) or None
     names = ns.served_model_name or [default_model_name(ns.model)]
+    sock = bind_socket(ns.host, ns.port)  # a busy port fails now, not after loading the model
     engine = AsyncLLM(LLMEngine.from_engine_args(engine_args_from_namespace(ns)))
-    serve(engine, names, ns.host, ns.port, api_key, ns.max_request_body_bytes or DEFAULT_MAX_BODY_BYTES,
+    serve(engine, names, sock, api_key, ns.max_request_body_bytes or DEFAULT_MAX_BODY_BYTES,
           ns.uvicorn_log_level, not ns.disable_access_log)
     return 0

@@ -1,12 +1,15 @@
 """The offline API: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from vllite_core.config import EngineArgs
 from vllite_core.engine.llm_engine import LLMEngine, PromptType
 from vllite_core.outputs import RequestOutput
 from vllite_core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from vllite_core.entrypoints.transcription import Transcription
 
 Conversation = list[dict[str, Any]]
 
@@ -65,6 +68,43 @@ class LLM:
         tok = self.get_tokenizer()
         return tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
                                        chat_template=chat_template, **kwargs)
+
+    def transcribe(self, audio: Any, sampling_params: SamplingParams | None = None, language: str | None = "en",
+                   task: str = "transcribe", prompt: str | None = None, timestamps: bool = False,
+                   use_tqdm: bool = False) -> list["Transcription"]:
+        """Speech to text with a speech model (Whisper). ``audio``: a WAV path or bytes, ``(samples,
+        sample_rate)``, a 1-D float array at 16 kHz, or a list of these; one ``Transcription`` each
+        (``.text``, ``.language``, ``.windows``: one RequestOutput per window). Audio longer than the model's window (30 s) is split into
+        windows whose texts are joined. ``language=None`` (or "auto") detects it; ``prompt`` is earlier
+        text to condition on. Greedy by default."""
+        from vllite_core.entrypoints import transcription as tr
+
+        engine = self.llm_engine
+        tr.check_transcription_model(engine.model_cls)
+        items = list(audio) if isinstance(audio, list) else [audio]
+        ctx = engine.input_context
+        window_s = float(engine.model_cls.max_audio_seconds(ctx))
+        decoded = [tr.as_audio(a) for a in items]
+        languages: list[str | None] = [language] * len(items)
+        if language in tr.AUTO_LANGUAGE:
+            reqs = [tr.detection_request(engine.model_cls, ctx, s, sr, window_s) for s, sr in decoded]
+            asked = [i for i, r in enumerate(reqs) if r is not None]
+            if asked:
+                outs = self.generate([reqs[i][0] for i in asked], [reqs[i][1] for i in asked])
+                for i, o in zip(asked, outs):
+                    languages[i] = reqs[i][2][o.outputs[0].token_ids[0]]
+            languages = [None if lang == "auto" else lang for lang in languages]
+        prompts, owner = [], []
+        for i, ((samples, sr), lang) in enumerate(zip(decoded, languages)):
+            windows = tr.window_prompts(samples, sr, window_s, lang, task, prompt, timestamps)
+            prompts += windows
+            owner += [i] * len(windows)
+        outputs = self.generate(prompts, tr.default_params(sampling_params), use_tqdm=use_tqdm)
+        results = []
+        for i, ((samples, sr), lang) in enumerate(zip(decoded, languages)):
+            mine = [o for o, k in zip(outputs, owner) if k == i]
+            results.append(tr.Transcription(tr.join_text(mine), lang, len(samples) / sr, mine))
+        return results
 
     def _next_id(self) -> str:
         self._counter += 1

@@ -17,7 +17,7 @@ static output (valid until the next replay; the first ``n`` rows are real).
 How a platform captures is its own business; ``capture_runners`` does the
 bookkeeping given a ``capture(fn) -> replay`` function, and
 ``stream_graph_capture`` builds that function for devices with torch's
-CUDA-style graph API (``torch.cuda``, ``torch.xpu``), passed in as a module so
+CUDA-style graph API (torch's cuda and xpu modules), passed in as a module so
 the core imports no device module.
 """
 from __future__ import annotations
@@ -177,8 +177,8 @@ def eager_capture(fn: Callable[[], Any]) -> Callable[[], Any]:
 
 
 def stream_graph_capture(mod: Any, graph_factory: Callable[[], Any], warmup: int = 2) -> Capture:
-    """Capture for devices with torch's CUDA-style graph API: ``mod`` is the device module (``torch.cuda``,
-    ``torch.xpu``), ``graph_factory`` makes an empty graph (``torch.cuda.CUDAGraph``...). Warm-up runs go on
+    """Capture for devices with torch's CUDA-style graph API: ``mod`` is the device module (torch's cuda or
+    xpu module), ``graph_factory`` makes an empty graph (that module's graph class). Warm-up runs go on
     a side stream (kernel compilation and allocator growth must not be captured); all graphs share one pool."""
     pool = mod.graph_pool_handle()
 

@@ -1,6 +1,6 @@
 """KV-cache sizing from a profile run, for devices with torch's caching-allocator API.
 
-``torch.cuda`` (NVIDIA, and AMD through HIP) and ``torch.xpu`` expose the same
+torch's cuda module (NVIDIA, and AMD through HIP) and its xpu module expose the same
 functions (``mem_get_info``, ``max_memory_allocated``, ``memory_reserved``,
 ``reset_peak_memory_stats``, ``empty_cache``, ``synchronize``). A platform
 passes its device module in; this module never imports one, so the core stays
@@ -51,9 +51,11 @@ def kv_cache_budget(total: int, utilization: float, torch_peak: int, non_torch_i
 
 
 def profile_device_memory(mod: Any, config: "VlliteConfig", profile_run: Callable[[], None],
-                          index: int = 0, device_label: str = "device") -> MemoryProfile:
-    """Run ``profile_run`` on device ``index`` of torch device module ``mod`` and size the KV cache."""
+                          index: int | None = None, device_label: str = "device") -> MemoryProfile:
+    """Run ``profile_run`` on device ``index`` (default: the current one) of torch device module ``mod`` and
+    size the KV cache."""
     cc = config.cache_config
+    index = mod.current_device() if index is None else index
     mod.synchronize()
     mod.empty_cache()
     mod.reset_peak_memory_stats(index)
@@ -81,7 +83,7 @@ def profile_device_memory(mod: Any, config: "VlliteConfig", profile_run: Callabl
 
 
 def available_kv_cache_memory(mod: Any, config: "VlliteConfig", profile_run: Callable[[], None],
-                              index: int = 0, device_label: str = "device") -> int:
+                              index: int | None = None, device_label: str = "device") -> int:
     """``Platform.determine_available_memory`` for caching-allocator devices: the explicit
     ``kv_cache_memory`` when set, else the profiled budget (a ConfigError when nothing is left)."""
     cc = config.cache_config

@@ -36,6 +36,7 @@ class _Plan:
     decode_blocks: torch.Tensor | None  # long [B, nb]
     decode_seq_lens: torch.Tensor | None  # long [B]
     prefills: list[_Prefill]
+    pure_decode: bool = False  # every query row is a decode row, in order: no row gather/scatter
     masks: dict[tuple[object, int | None], torch.Tensor | None] = field(default_factory=dict)
 
 
@@ -69,6 +70,7 @@ class TorchPagedAttention(AttentionBackend):
             plan.decode_rows = torch.tensor([starts[i] for i in decode_idx], dtype=torch.long, device=device)
             plan.decode_blocks = block_table[:, :width].index_select(0, idx)
             plan.decode_seq_lens = md.seq_lens.to(device=device, dtype=torch.long).index_select(0, idx)
+            plan.pure_decode = not prefills and len(decode_idx) == len(seq_lens) and starts[-1] == len(decode_idx)
         return plan
 
     def forward(
@@ -95,7 +97,11 @@ class TorchPagedAttention(AttentionBackend):
         _store(kv_cache[0].view(-1, num_kv_heads, head_size), slots, key[:n])
         _store(kv_cache[1].view(-1, num_kv_heads, head_size), slots, value[:n])
         if plan.decode_rows is not None:
-            out.index_copy_(0, plan.decode_rows, self._decode(query, kv_cache, plan, scale, sliding_window))
+            dec = self._decode(query, kv_cache, plan, scale, sliding_window)
+            if plan.pure_decode:
+                out[:dec.shape[0]] = dec
+            else:
+                out.index_copy_(0, plan.decode_rows, dec)
         for p in plan.prefills:
             q = query[p.rows]
             if p.seq_len == q.shape[0] and kv_cache.dtype == q.dtype:  # no cached prefix: K/V are the new rows
@@ -118,26 +124,42 @@ class TorchPagedAttention(AttentionBackend):
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: _Plan, scale: float,
                 window: int | None) -> torch.Tensor:
+        """One query token per request, all requests at once, with two batched matmuls.
+
+        SDPA's CPU kernel is slow for a single query row (it splits and allocates per call:
+        milliseconds per layer at batch 1), so decode is written out: the context blocks are
+        gathered head-major, ``[Hkv, B, L, D]`` (one copy straight from the cache's
+        ``[blocks, block, Hkv, D]`` layout), the ``G = H / Hkv`` query heads sharing a KV head
+        go in one matmul row block, the tail past each sequence is masked with a bias shared
+        by every layer of the step, then softmax and the second matmul."""
         assert plan.decode_rows is not None and plan.decode_blocks is not None
         b, nb = plan.decode_blocks.shape
-        bs, num_kv_heads, head_size = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
-        # [B * nb, bs, Hkv, D] -> [B, Hkv, L, D]
+        bs, hkv, d = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
+        h = query.shape[1]
+        g = h // hkv
+        length = nb * bs
+        q = query[:b] if plan.pure_decode else query.index_select(0, plan.decode_rows)
+        work = torch.float32 if query.dtype != torch.float64 else query.dtype
+        # [B, H, D] -> [Hkv, B, G, D] -> [Hkv*B, G, D]
+        q = q.view(b, hkv, g, d).transpose(0, 1).reshape(hkv * b, g, d).to(work)
         blocks = plan.decode_blocks.reshape(-1)
-        q = query.index_select(0, plan.decode_rows).unsqueeze(2)  # [B, H, 1, D]
-        k = _gather(kv_cache[0], blocks, q.dtype).view(b, nb * bs, num_kv_heads, head_size).transpose(1, 2)
-        v = _gather(kv_cache[1], blocks, q.dtype).view(b, nb * bs, num_kv_heads, head_size).transpose(1, 2)
-        mask = plan.masks.get(("decode", window))
-        if mask is None:
+        k = _gather_heads(kv_cache[0], blocks, work).view(hkv * b, length, d)
+        v = _gather_heads(kv_cache[1], blocks, work).view(hkv * b, length, d)
+        bias = plan.masks.get(("decode", window))
+        if bias is None:
             assert plan.decode_seq_lens is not None
-            pos = torch.arange(nb * bs, device=q.device)
+            pos = torch.arange(length, device=q.device)
             seq = plan.decode_seq_lens[:, None]
             keep = pos[None, :] < seq
             if window is not None:
                 keep &= pos[None, :] >= seq - window  # the query sits at seq - 1
-            mask = plan.masks[("decode", window)] = keep[:, None, None, :]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                             enable_gqa=q.shape[1] != num_kv_heads)
-        return out.squeeze(2)
+            bias = torch.zeros(b, length, dtype=work, device=q.device).masked_fill_(~keep, float("-inf"))
+            bias = plan.masks[("decode", window)] = bias.view(1, b, 1, length)
+        scores = torch.bmm(q, k.transpose(1, 2)).view(hkv, b, g, length)
+        scores.mul_(scale).add_(bias)
+        probs = torch.softmax(scores, dim=-1).view(hkv * b, g, length)
+        out = torch.bmm(probs, v).view(hkv, b, g, d).transpose(0, 1).reshape(b, h, d)
+        return out.to(query.dtype)
 
     @staticmethod
     def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -173,6 +195,17 @@ def _store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
     if _is_fp8(cache.dtype):
         cache, x = cache.view(torch.uint8), x.view(torch.uint8)
     cache.index_copy_(0, slots, x)
+
+
+def _gather_heads(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Blocks of one cache half ``[num_blocks, bs, Hkv, D]`` gathered head-major: ``[Hkv, len(blocks) * bs, D]``
+    (one strided copy; the head-major order is what the batched matmuls want)."""
+    nblk, bs, hkv, d = cache.shape
+    src = cache.view(torch.uint8) if _is_fp8(cache.dtype) else cache
+    out = src.permute(2, 0, 1, 3).index_select(1, blocks)
+    if _is_fp8(cache.dtype):
+        out = out.view(cache.dtype)
+    return out.to(dtype).view(hkv, -1, d)
 
 
 def _gather(cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

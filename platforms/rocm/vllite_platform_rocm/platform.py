@@ -180,7 +180,7 @@ class RocmPlatform(Platform):
     def determine_available_memory(self, config: "VlliteConfig", profile_run: Callable[[], None]) -> int:
         from vllite_core.platforms.memory import available_kv_cache_memory
 
-        return available_kv_cache_memory(torch.cuda, config, profile_run, torch.cuda.current_device(), "GPU")
+        return available_kv_cache_memory(torch.cuda, config, profile_run, device_label="GPU")
 
     def capture_graphs(self, forward: Callable[..., Any], batch_sizes: list[int],
                        make_inputs: Callable[[int], dict[str, Any]], config: "VlliteConfig") -> dict[int, Callable[..., Any]]:

@@ -50,12 +50,13 @@ class TritonPagedAttention(AttentionBackend):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         num_kv_heads, head_size = key.shape[1], key.shape[2]
         extra = {} if self.num_warps is None else {"num_warps": self.num_warps}
-        store_kv_kernel[(n,)](
-            key, value, k_cache, v_cache, slot_mapping,
+        block_t = 16
+        store_kv_kernel[(-(-n // block_t),)](
+            key, value, k_cache, v_cache, slot_mapping, n,
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, HEADS_P=_pow2_at_least(num_kv_heads),
-            HEAD_P=_pow2_at_least(head_size), BLOCK_SIZE=k_cache.shape[1], **extra)
+            NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, HD_P=_pow2_at_least(num_kv_heads * head_size),
+            BLOCK_SIZE=k_cache.shape[1], BLOCK_T=block_t, **extra)
 
     def forward(
         self,

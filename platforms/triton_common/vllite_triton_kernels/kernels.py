@@ -25,35 +25,35 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def store_kv_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_tokens,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_cs, stride_ch,
-    NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEADS_P: tl.constexpr, HEAD_P: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HD_P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    """One program per new token: cache[slot] = key/value (cast to the cache dtype); slot < 0 is padding."""
-    t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    blk = slot // BLOCK_SIZE
-    off = slot % BLOCK_SIZE
-    h = tl.arange(0, HEADS_P)[:, None]
-    d = tl.arange(0, HEAD_P)[None, :]
-    # (h * 0 + slot): a tensor, not a scalar, on purpose: the interpreter mis-types scalar & tensor masks.
-    mask = (h < NUM_KV_HEADS) & (d < HEAD_SIZE) & ((h * 0 + d * 0 + slot) >= 0)
-    dst = blk * stride_cb + off * stride_cs + h * stride_ch + d
-    k = tl.load(key_ptr + t * stride_kt + h * stride_kh + d, mask=mask, other=0.0)
+    """BLOCK_T new tokens per program: cache[slot] = key/value (cast to the cache dtype); slot < 0 is padding."""
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_ok = tok < num_tokens
+    slot = tl.load(slot_ptr + tok, mask=tok_ok, other=-1).to(tl.int64)
+    idx = tl.arange(0, HD_P)  # (head, dim) flattened
+    h = idx // HEAD_SIZE
+    d = idx % HEAD_SIZE
+    mask = (slot >= 0)[:, None] & (idx < NUM_KV_HEADS * HEAD_SIZE)[None, :]
+    dst = ((slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs)[:, None] + (h * stride_ch + d)[None, :]
+    rows = tok.to(tl.int64)[:, None]
+    k = tl.load(key_ptr + rows * stride_kt + (h * stride_kh + d)[None, :], mask=mask, other=0.0)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=mask, other=0.0)
+    v = tl.load(value_ptr + rows * stride_vt + (h * stride_vh + d)[None, :], mask=mask, other=0.0)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _request_of_program(query_start_loc_ptr, num_reqs, pid, BLOCK_Q: tl.constexpr):
     """The last request r with qsl[r] // BLOCK_Q + r <= pid (binary search; may be num_reqs - 1 for spares)."""
-    lo = 0
-    hi = num_reqs
+    lo = num_reqs * 0  # int32 tensors from the start: loop-carried values keep one type
+    hi = num_reqs + 0
     while lo < hi:
         mid = (lo + hi) // 2
         first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
@@ -72,7 +72,7 @@ def _dot(a, b, IEEE: tl.constexpr):
         return tl.dot(a, b)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["scale", "num_reqs"])
 def paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
     scale, num_reqs,

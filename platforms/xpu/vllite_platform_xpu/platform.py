@@ -107,7 +107,7 @@ class XpuPlatform(Platform):
     def determine_available_memory(self, config: "VlliteConfig", profile_run: Callable[[], None]) -> int:
         from vllite_core.platforms.memory import available_kv_cache_memory
 
-        return available_kv_cache_memory(torch.xpu, config, profile_run, torch.xpu.current_device(), "XPU")
+        return available_kv_cache_memory(torch.xpu, config, profile_run, device_label="XPU")
 
     def capture_graphs(self, forward: Callable[..., Any], batch_sizes: list[int],
                        make_inputs: Callable[[int], dict[str, Any]], config: "VlliteConfig") -> dict[int, Callable[..., Any]]:

@@ -19,6 +19,14 @@ def test_identity(platform, platform_name, resolution):
     assert resolution.chosen is not None and resolution.chosen.available
 
 
+def test_selected_by_vllite_platform(platform, monkeypatch):
+    from vllite_core.platforms.resolve import resolve_platform
+
+    monkeypatch.setenv("VLLITE_PLATFORM", platform.name)
+    res = resolve_platform()
+    assert type(res.platform) is type(platform) and f"VLLITE_PLATFORM={platform.name}" in res.reason
+
+
 def test_detect_is_available_and_stable(platform):
     first, second = type(platform).detect(), type(platform).detect()
     assert isinstance(first, Detection)

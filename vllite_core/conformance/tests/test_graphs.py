@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from vllite_core.config import VlliteConfig
-from vllite_core.conformance.kit import StepDriver, build_engine_model, tolerance
+from vllite_core.conformance.kit import StepDriver, build_engine_model, run_model, tolerance
 from vllite_core.platforms.graphs import decode_inputs, pad_decode_inputs, pick_batch_size
 
 SIZES = [1, 2, 4]
@@ -41,7 +41,7 @@ def test_graphs_match_eager(platform, backend, device, model_dtype):
         assert bs is not None
         inp = drv.inputs(sched)
         with torch.inference_mode():
-            eager = model.compute_logits(model(**inp)).float().cpu()
+            eager = model.compute_logits(run_model(model, inp)).float().cpu()
             padded = pad_decode_inputs(inp["input_ids"], inp["positions"], inp["metadata"], bs)
             backend.prepare(padded["metadata"])
             hidden = runners[bs](kv_caches=drv.kv_caches, **padded)

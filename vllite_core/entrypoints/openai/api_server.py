@@ -11,7 +11,6 @@ import contextlib
 import logging
 import secrets
 import socket
-import sys
 import threading
 import time
 from typing import Any, AsyncIterator
@@ -167,6 +166,9 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
             return JSONResponse({"prompt": engine.detokenize(req.tokens)})
         return await guarded(run())
 
+    from vllite_core.entrypoints.openai.serving_transcription import router as transcription_router
+
+    app.include_router(transcription_router)  # POST /v1/audio/transcriptions (speech models)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     return app
@@ -177,13 +179,17 @@ def default_model_name(model: str | None) -> str:
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """Bind before uvicorn starts, so the printed URL has the real port (``--port 0`` picks one)."""
+    """Bind before loading the model (a busy port fails at once) and before uvicorn starts (so
+    the printed URL has the real port: ``--port 0`` picks a free one)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise SystemExit(f"vllite serve: cannot listen on {host}:{port}: {e.strerror or e}; choose another --port")
     sock.listen(2048)
-    sock.set_inheritable(True)
     return sock
 
 
@@ -194,20 +200,20 @@ def how_to_query(host: str, port: int, model: str, api_key: str | None) -> str:
     body = ('{"model": "%s", "messages": [{"role": "user", "content": "What is the capital of France?"}], '
             '"max_tokens": 32}' % model)
     return (f"vllite: serving {model!r} at {url}/v1 (OpenAI API). Try:\n"
-            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'")
+            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'\n"
+            f"or: python examples/openai_client.py --base-url {url}/v1   (Ctrl-C stops the server)")
 
 
-def serve(engine: AsyncLLM, model_names: list[str], host: str = "127.0.0.1", port: int = 8000,
-          api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "info",
-          access_log: bool = True) -> None:
+def serve(engine: AsyncLLM, model_names: list[str], sock: socket.socket, api_key: str | None = None,
+          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "info", access_log: bool = True) -> None:
+    """Serve on an already bound socket until Ctrl-C / SIGTERM, then stop the engine loop."""
     import uvicorn
 
     app = build_app(engine, model_names, api_key, max_body_bytes)
-    sock = bind_socket(host, port)
-    actual_port = sock.getsockname()[1]
-    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+    host, port = sock.getsockname()[:2]
+    if host not in ("127.0.0.1", "::1") and not api_key:
         logger.warning("listening on %s without --api-key: anyone who can reach this address can use it", host)
-    print(how_to_query(host, actual_port, model_names[0], api_key), flush=True)
+    print(how_to_query(host, port, model_names[0], api_key), flush=True)
     config = uvicorn.Config(app, log_level=log_level, access_log=access_log, timeout_graceful_shutdown=5,
                             lifespan="on")
     t0 = time.monotonic()
@@ -217,4 +223,3 @@ def serve(engine: AsyncLLM, model_names: list[str], host: str = "127.0.0.1", por
         engine.close()
         sock.close()
         logger.info("server stopped after %.0f s", time.monotonic() - t0)
-    sys.stdout.flush()
