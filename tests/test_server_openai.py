@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
 API_KEY = "test-key-6d1f"
 BODY_LIMIT = 200_000
-MAX_SEQS = 16
+MAX_SEQS = 32
 ENGINE = ["--dtype", "float32", "--max-model-len", "1024", "--num-kv-blocks", "256", "--num-threads", "2"]
 SERVER = ENGINE + ["--scheduling-policy", "priority", "--max-num-seqs", str(MAX_SEQS),
                    "--max-request-body-bytes", str(BODY_LIMIT)]
@@ -303,12 +303,14 @@ def test_metrics_parse_and_move(server, client):
 def test_concurrent_streams_with_disconnects(server, offline):
     """64 streams of mixed lengths at once; 8 of them hang up after two chunks. The rest match
     offline greedy text, the 8 are aborted, and every KV block comes back."""
+    # 8 distinct (prompt, length) pairs, each sent 8 times: the reference is 8 offline requests.
     prompts = [f"Story number {i % 8}: once upon a time, in a land far away," for i in range(64)]
-    lengths = [2 + (5 * i) % 13 for i in range(64)]  # 2..14 tokens
+    lengths = [2 + 2 * (i % 8) for i in range(64)]  # 2..16 tokens
     quitters = set(range(3, 64, 8))
     keep = [i for i in range(64) if i not in quitters]
-    refs = offline.generate([prompts[i] for i in keep],
-                            [SamplingParams(temperature=0.0, max_tokens=lengths[i], ignore_eos=True) for i in keep])
+    refs8 = offline.generate(prompts[:8], [SamplingParams(temperature=0.0, max_tokens=lengths[i], ignore_eos=True)
+                                           for i in range(8)])
+    refs = [refs8[i % 8] for i in keep]
     before = wait_idle(server)
 
     async def main() -> dict[int, str | None]:
@@ -345,9 +347,9 @@ def test_concurrent_streams_with_disconnects(server, offline):
 
 
 def test_priority_request_overtakes_under_saturation(server):
-    """48 requests of priority 0 fill the 16 slots three times over; one of priority -1 sent after
-    them must not wait for all of them (under fcfs it would finish last)."""
-    n_low = 3 * MAX_SEQS
+    """64 requests of priority 0 fill the 32 slots twice over; one of priority -1 sent after them
+    must not wait for all of them: under fcfs it would run alone, last."""
+    n_low = 2 * MAX_SEQS
 
     async def main() -> list[str]:
         order: list[str] = []

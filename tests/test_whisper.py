@@ -61,7 +61,7 @@ def test_greedy_matches_hf_with_mixed_lengths_in_one_step(tiny, llm, fe):
     prompts = [
         {"multi_modal_data": {"audio": audios[0]}},  # default: <|sot|><|en|><|transcribe|><|notimestamps|>
         {"multi_modal_data": {"audio": (audios[1], 16000)}, "language": "german", "timestamps": True},
-        {"multi_modal_data": {"audio": (audios[2], 16000)}, "prompt": "hello world the quick brown fox"},
+        {"multi_modal_data": {"audio": (audios[2], 16000)}, "prompt": "hello world"},
         {"multi_modal_data": {"audio": (audios[3], 16000)}, "task": "translate", "language": "fr"},
         {"multi_modal_data": {"audio": (audios[4], 16000)},
          "prompt_token_ids": _ids(tok, "<|startoftranscript|>", "<|ja|>", "<|transcribe|>")},

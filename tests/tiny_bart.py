@@ -52,31 +52,45 @@ def save_tiny_bart(path, seed: int = 0, std: float = 0.1, generation: dict | Non
 
 
 IMAGE_SIZE = 64  # the tiny vision tower: 64 px -> 16x16 (stride 4) -> 8x8 (stride 2) = 1 + 64 image tokens
+IMAGE_TOKENS = 65
 VISION = dict(depths=[1, 1], embed_dim=[16, 32], num_heads=[2, 4], num_groups=[2, 4], patch_size=[7, 3],
               patch_stride=[4, 2], patch_padding=[3, 1], patch_prenorm=[False, True], window_size=3,
               projection_dim=64, max_position_embeddings=16, max_temporal_embeddings=8, drop_path_rate=0.0)
 
 
 def save_tiny_florence2(path, seed: int = 0):
-    from transformers import Florence2Config, Florence2ForConditionalGeneration
+    """Tiny Florence-2 with the SmolLM2 tokenizer plus an ``<image>`` token (id 49152, as Florence-2's own
+    tokenizer has one), and Florence-2's image processor config at 64 px."""
+    from transformers import AutoTokenizer, Florence2Config, Florence2ForConditionalGeneration
 
+    _save_tokenizer(path)
+    tok = AutoTokenizer.from_pretrained(path, extra_special_tokens={"image_token": "<image>"})
+    tok.save_pretrained(path)
+    text = {**BART_TEXT, "vocab_size": len(tok)}
     # An untied LM head: with random weights a tied head keeps choosing the token it was just fed.
-    config = Florence2Config(text_config=dict(BART_TEXT), vision_config=dict(VISION), image_token_id=VOCAB - 1,
+    config = Florence2Config(text_config=text, vision_config=dict(VISION), image_token_id=tok.image_token_id,
                              tie_word_embeddings=False, architectures=["Florence2ForConditionalGeneration"])
     model = Florence2ForConditionalGeneration(config)
     _randomize(model, seed)
     model.save_pretrained(path)
-    _save_tokenizer(path)
     # Florence-2's image processor config (CLIPImageProcessor: bicubic resize to a square, ImageNet mean/std).
     (path / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": "CLIPImageProcessor", "do_resize": True, "size": {"height": IMAGE_SIZE,
         "width": IMAGE_SIZE}, "resample": 3, "do_center_crop": False, "do_rescale": True,
         "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.485, 0.456, 0.406],
-        "image_std": [0.229, 0.224, 0.225], "do_convert_rgb": True}))
+        "image_std": [0.229, 0.224, 0.225], "do_convert_rgb": True, "image_seq_length": IMAGE_TOKENS}))
     return model.eval()
 
 
-def test_image(width: int, height: int, seed: int):
+def florence2_processor(path):
+    """transformers' own Florence2Processor for the saved folder (the reference's prompt construction)."""
+    from transformers import AutoImageProcessor, AutoTokenizer, Florence2Processor
+
+    return Florence2Processor(image_processor=AutoImageProcessor.from_pretrained(path),
+                              tokenizer=AutoTokenizer.from_pretrained(path))
+
+
+def make_image(width: int, height: int, seed: int):
     """A generated RGB picture: a gradient with a few coloured rectangles."""
     import numpy as np
     from PIL import Image

@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import AsyncIterator, Callable
 
 from vllite_core.engine.errors import InvalidRequestError
 from vllite_core.engine.llm_engine import LLMEngine, PromptType
