@@ -134,26 +134,23 @@ def test_registered_only_through_the_installed_entry_point():
     assert entry.target == "vllite_plugin_bart.bart:BartForConditionalGeneration"
 
 
-def _cli(*args: str, env: dict | None = None, code: str | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-c", code] if code else [sys.executable, "-m", "vllite_core.entrypoints.cli", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=180,
-                          env={**os.environ, "VLLITE_LOG_LEVEL": "WARNING", **(env or {})})
+def test_vllite_plugins_lists_the_plugin(capsys):
+    from vllite_core.entrypoints.cli import main
 
-
-def test_vllite_plugins_lists_the_plugin():
-    proc = _cli("plugins", "--json")
-    assert proc.returncode == 0, proc.stderr
-    info = next(p for p in json.loads(proc.stdout)["plugins"] if p["distribution"] == "vllite-plugin-bart")
+    assert main(["plugins", "--json"]) == 0
+    info = next(p for p in json.loads(capsys.readouterr().out)["plugins"]
+                if p["distribution"] == "vllite-plugin-bart")
     assert info["name"] == "bart" and info["group"] == "vllite.plugins" and info["status"] == "loaded"
     assert info["hooks"] == ["vllite_register_models"] and info["version"] == "0.1.0"
 
 
+# In a fresh process with the plugin denied: `vllite plugins --json`, then loading a BART checkpoint.
 BLOCKED = """
-import json, sys
-from vllite_core import LLM
-from vllite_core.plugins.manager import list_plugins
+import sys
 from model_registry.registry import UnknownArchitectureError
-print(json.dumps([i.to_dict() for i in list_plugins() if i.distribution == "vllite-plugin-bart"]))
+from vllite_core import LLM
+from vllite_core.entrypoints.cli import main
+main(["plugins", "--json"])
 try:
     LLM(model=sys.argv[1], dtype="float32", num_kv_blocks=16)
 except UnknownArchitectureError as e:
@@ -161,12 +158,13 @@ except UnknownArchitectureError as e:
 """
 
 
-@pytest.mark.parametrize("deny", ["-bart"])
-def test_blocked_plugin_error_names_the_package(bart, deny):
+def test_blocked_plugin_error_names_the_package(bart):
     path, _, _ = bart
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLITE_PLATFORM", "VLLITE_PLUGINS")}
     proc = subprocess.run([sys.executable, "-c", BLOCKED, str(path)], capture_output=True, text=True, timeout=180,
-                          env={**os.environ, "VLLITE_LOG_LEVEL": "WARNING", "VLLITE_PLUGINS": deny})
+                          env={**env, "VLLITE_LOG_LEVEL": "WARNING", "VLLITE_PLUGINS": "-bart"})
     assert proc.returncode == 0, proc.stderr
-    listing, error = proc.stdout.splitlines()[0], proc.stdout.split("ERROR ", 1)[1]
-    assert json.loads(listing)[0]["status"] == "blocked"
+    listing, _, error = proc.stdout.partition("\nERROR ")
+    info = next(p for p in json.loads(listing)["plugins"] if p["distribution"] == "vllite-plugin-bart")
+    assert info["status"] == "blocked" and "VLLITE_PLUGINS" in info["reason"]
     assert "BartForConditionalGeneration" in error and "pip install vllite-plugin-bart" in error

@@ -102,16 +102,6 @@ class Attention(nn.Module):
         return self.k_proj(x).unflatten(-1, shape), self.v_proj(x).unflatten(-1, shape)
 
 
-class MLP(nn.Module):
-    def __init__(self, dim: int, ffn_dim: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.fc1 = Linear(dim, ffn_dim, True, dtype)
-        self.fc2 = Linear(ffn_dim, dim, True, dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
-
-
 class EncoderLayer(nn.Module):
     def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
         super().__init__()

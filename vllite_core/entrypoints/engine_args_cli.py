@@ -52,6 +52,7 @@ def _base_type(hint: Any) -> Any:
 
 
 def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
+    # An unset repeatable flag parses as None: leave the dataclass default (an empty list) in place.
     kwargs = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)
-              if hasattr(ns, f.name) and getattr(ns, f.name) is not None or f.name in ("model", "tokenizer")}
+              if hasattr(ns, f.name) and not (f.name == "logits_processors" and getattr(ns, f.name) is None)}
     return EngineArgs(**kwargs)
