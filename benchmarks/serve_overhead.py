@@ -9,7 +9,9 @@ Reported: wall time and tokens/s of each; the server's engine-loop split
 (step = LLMEngine.step, other = the loop's own inbox/hand-off work) from /metrics;
 mean step time offline vs served (a stalled loop shows up as longer or fewer
 steps); CPU seconds of the server's API (asyncio) thread per request and per
-streamed token; and the latency of a 1-token request, HTTP vs offline.
+streamed token, and the whole process's CPU seconds served vs offline (robust
+on a shared machine, where wall times are not); and the latency of a 1-token
+request, HTTP vs offline.
 
     .venv/bin/python benchmarks/serve_overhead.py [--requests 32] [--output-len 64]
 """
@@ -103,9 +105,9 @@ def main() -> None:
     llm.generate(ps, params)  # warm-up
     st = llm.llm_engine.core.step_times
     s0, e0 = st.steps, st.schedule + st.execute + st.update
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     llm.generate(ps, params)
-    offline_wall = time.perf_counter() - t0
+    offline_wall, offline_cpu = time.perf_counter() - t0, time.process_time() - c0
     off_steps, off_step_s = st.steps - s0, st.schedule + st.execute + st.update - e0
     lat_off = []
     for _ in range(a.latency_runs):
@@ -124,7 +126,8 @@ def main() -> None:
         "workload": f"{a.requests} concurrent streams x {a.output_len} tokens, SmolLM2-135M fp32, "
                     f"{a.threads} torch threads, {os.cpu_count()} cores",
         "offline": {"wall_s": round(offline_wall, 3), "tok_per_s": round(tokens / offline_wall, 1),
-                    "steps": off_steps, "mean_step_ms": round(1000 * off_step_s / max(off_steps, 1), 2)},
+                    "steps": off_steps, "mean_step_ms": round(1000 * off_step_s / max(off_steps, 1), 2),
+                    "process_cpu_s": round(offline_cpu, 2)},
         "served": {"wall_s": round(served_wall, 3), "tok_per_s": round(tokens / served_wall, 1),
                    "sse_chunks": chunks, "steps": int(steps),
                    "mean_step_ms": round(1000 * step_s / max(steps, 1), 2),
@@ -134,7 +137,9 @@ def main() -> None:
                    "api_cpu_ms_per_request": round(1000 * api_cpu / a.requests, 2),
                    "api_cpu_us_per_token": round(1e6 * api_cpu / tokens, 1),
                    "engine_thread_cpu_s": round(d("vllite:thread_cpu_seconds_total{role=engine_loop}"), 3),
-                   "other_threads_cpu_s": round(d("vllite:thread_cpu_seconds_total{role=other}"), 3)},
+                   "other_threads_cpu_s": round(d("vllite:thread_cpu_seconds_total{role=other}"), 3),
+                   "process_cpu_s": round(sum(d(f"vllite:thread_cpu_seconds_total{{role={r}}}")
+                                              for r in ("api", "engine_loop", "other")), 2)},
         "one_token_latency_ms": {"http_median": round(1000 * statistics.median(lat_http), 1),
                                  "offline_median": round(1000 * statistics.median(lat_off), 1)},
     }

@@ -61,6 +61,20 @@ def test_bart_greedy_matches_hf(bart, bart_llm):
     assert outs[0].prompt == "Hello world"
 
 
+def test_bart_preempted_requests_are_reencoded(bart):
+    """Too few KV blocks for every request's decoder: preempted requests give back their blocks, are encoded
+    again when readmitted, and still produce the same tokens."""
+    path, hf, tok = bart
+    texts = ["one two three", "The quick brown fox jumps over the lazy dog.", "x y", "Hello there, general",
+             "A somewhat longer prompt, to give the encoder more positions to attend over."]
+    n = 20  # 21 decoder positions: two blocks of 16 each, and only 7 blocks for five requests
+    ref = [hf_seq2seq_greedy(hf, n, input_ids=torch.tensor([tok.encode(t)])) for t in texts]
+    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=8)
+    outs = llm.generate(texts, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    assert llm.llm_engine.get_stats().num_preemptions_total > 0
+    assert [o.outputs[0].token_ids for o in outs] == ref
+
+
 def test_tied_bart_with_forced_bos_matches_hf(tmp_path):
     """The usual BART checkpoint: LM head and token embeddings tied, and a generation config forcing BOS
     first (vllite puts it in the decoder prompt; transformers generates it)."""

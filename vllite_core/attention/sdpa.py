@@ -75,6 +75,11 @@ class SdpaPagedAttention(AttentionBackend):
     def __init__(self, bucket: Callable[[int], int] | None = None) -> None:
         self.bucket = bucket or (lambda n: n)
 
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        store_kv(kv_cache[0], slot_mapping, key)
+        store_kv(kv_cache[1], slot_mapping, value)
+
     def prepare(self, metadata: AttentionMetadata) -> None:
         metadata.extra = self.plan(metadata)
 

@@ -58,6 +58,12 @@ class TritonPagedAttention(AttentionBackend):
             NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, HD_P=_pow2_at_least(num_kv_heads * head_size),
             BLOCK_SIZE=k_cache.shape[1], BLOCK_T=block_t, **extra)
 
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """Encoder K/V of encoder-decoder models (the contract's hook): the same store kernel."""
+        self._check_device(key)
+        self.store_kv(key, value, kv_cache, slot_mapping)
+
     def forward(
         self,
         query: torch.Tensor,

@@ -126,9 +126,7 @@ def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
         if name is None:
             continue
         if name in buffers:
-            if name in named_buffers:
-                _copy(named_buffers[name], tensor.reshape(named_buffers[name].shape)
-                      if tensor.numel() == named_buffers[name].numel() else tensor, hf_name)
+            _copy(named_buffers[name], tensor, hf_name)
             continue
         fused = next(((name.replace(frag, fused_frag), idx, n) for frag, fused_frag, idx, n in stacked
                       if frag in name), None)
