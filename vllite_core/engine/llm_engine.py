@@ -29,7 +29,9 @@ class LLMEngine:
         info = self.core.model_info
         self.tokenizer = load_tokenizer(info.source, config.model_config.tokenizer)
         self.max_model_len = info.max_model_len
-        self.vocab_size = int(getattr(info.hf_config, "vocab_size", 0) or len(self.tokenizer))
+        # What the model can emit: nested configs (Florence-2) have no top-level vocab_size.
+        self.vocab_size = int(getattr(self.core.worker.runner.model, "vocab_size", 0)
+                              or getattr(info.hf_config, "vocab_size", 0) or len(self.tokenizer))
         self.eos_token_id = self._eos_token_id(info.hf_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()

@@ -71,7 +71,8 @@ class Worker:
             return cc.num_kv_blocks
         available = self.platform.determine_available_memory(self.config, self.runner.profile_run)
         per_block = self.runner.kv_cache_bytes_per_block()
-        num = int(available // per_block)
+        # The cross-attention pool of encoder-decoder models comes out of the same budget.
+        num = int(available // per_block) - self.num_cross_blocks()
         need = -(-(self.config.model_config.max_model_len or 0) // cc.block_size) + 1
         if num < need:
             raise ConfigError(f"kv cache: {available / 2**30:.2f} GiB holds {num} blocks, fewer than one "
