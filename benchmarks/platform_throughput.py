@@ -35,11 +35,13 @@ def save_model(path: str) -> None:
     make_tokenizer(config.vocab_size).save_pretrained(path)
 
 
-def offline(path: str, device: str, dtype: str, n: int, input_len: int, output_len: int, enforce_eager: bool) -> dict:
+def offline(path: str, device: str, dtype: str, n: int, input_len: int, output_len: int, enforce_eager: bool,
+            kv_cache_gib: float) -> dict:
     from vllite_core import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(model=path, device=device, dtype=dtype, enforce_eager=enforce_eager, max_model_len=input_len + output_len + 16)
+    llm = LLM(model=path, device=device, dtype=dtype, enforce_eager=enforce_eager,
+              max_model_len=input_len + output_len + 16, kv_cache_memory=int(kv_cache_gib * 2**30))
     startup = time.perf_counter() - t0
     gen = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(0, 49000, (input_len,), generator=gen).tolist()} for _ in range(n)]
@@ -100,6 +102,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--kv-cache-gib", type=float, default=4.0)
     ap.add_argument("--attn-batch", type=int, default=32)
     ap.add_argument("--attn-context", type=int, default=1024)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
@@ -109,7 +112,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as path:
         save_model(path)
         results["offline"] = [offline(path, args.device, args.dtype, args.num_prompts, args.input_len,
-                                      args.output_len, enforce_eager=True)]
+                                      args.output_len, enforce_eager=True, kv_cache_gib=args.kv_cache_gib)]
     results["attention"] = attention_kernels(args.device, args.attn_batch, args.attn_context)
     text = json.dumps(results, indent=2)
     print(text)

@@ -9,6 +9,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Two cores shared by everything: OpenMP threads that spin while waiting starve the
 # other process and make small ops 5-10x slower. Must be set before torch loads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# No GPU here: the shared Triton kernels run in Triton's interpreter on CPU tensors
+# (tests/test_triton_*.py). Triton decides when it is first imported, so this must be
+# set before anything in the test process imports it.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

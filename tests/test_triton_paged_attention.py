@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 
-# Must precede the kernels' import: @triton.jit picks the interpreter at decoration time.
+# Must precede triton's import (tests/conftest.py sets it for the whole run): Triton wires its
+# interpreter in when it is imported, and @triton.jit picks it at decoration time.
 os.environ["TRITON_INTERPRET"] = "1"
 
 import random  # noqa: E402
@@ -30,6 +31,16 @@ from vllite_triton_kernels import TritonPagedAttention, triton_backends, triton_
 
 torch.set_num_threads(2)
 CASES = {c.name: c for c in STANDARD_CASES}
+
+
+def test_triton_runs_interpreted():
+    """Guard: if something imported triton before TRITON_INTERPRET=1, every kernel call here would fail
+    with a confusing "Cannot call @triton.jit'd outside of the scope of a kernel"."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    assert isinstance(tl.standard.zeros, InterpretedFunction), (
+        "triton was imported before TRITON_INTERPRET=1 was set in this process (see tests/conftest.py)")
 
 
 @pytest.fixture(scope="module")
@@ -135,3 +146,15 @@ def test_triton_status(monkeypatch):
 def test_bad_tile_size():
     with pytest.raises(ValueError, match="tile_n"):
         TritonPagedAttention(tile_n=24)
+
+
+def test_write_kv_hook_matches_the_default(backend):
+    """The encoder-decoder hook (cross-attention K/V) goes through the same store kernel."""
+    from vllite_core.attention.backend import AttentionBackend
+
+    k, v = torch.randn(9, 2, 16), torch.randn(9, 2, 16)
+    slots = torch.tensor([5, 6, 7, 8, 20, 21, 22, 23, 24])
+    ours, default = torch.zeros(2, 8, 4, 2, 16), torch.zeros(2, 8, 4, 2, 16)
+    backend.write_kv(k, v, ours, slots)
+    AttentionBackend.write_kv(backend, k, v, default, slots)
+    assert torch.equal(ours, default)

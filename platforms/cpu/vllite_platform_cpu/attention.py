@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
+from vllite_platform_cpu import kernels as _kernels
 
 
 @dataclass
@@ -37,6 +38,8 @@ class _Plan:
     decode_seq_lens: torch.Tensor | None  # long [B]
     prefills: list[_Prefill]
     pure_decode: bool = False  # every query row is a decode row, in order: no row gather/scatter
+    # For the C++ kernel (int32, contiguous): the decode requests and the step's index tensors.
+    kernel_args: tuple[torch.Tensor, ...] | None = None
     masks: dict[tuple[object, int | None], torch.Tensor | None] = field(default_factory=dict)
 
 
@@ -71,6 +74,10 @@ class TorchPagedAttention(AttentionBackend):
             plan.decode_blocks = block_table[:, :width].index_select(0, idx)
             plan.decode_seq_lens = md.seq_lens.to(device=device, dtype=torch.long).index_select(0, idx)
             plan.pure_decode = not prefills and len(decode_idx) == len(seq_lens) and starts[-1] == len(decode_idx)
+            if _kernels.available():
+                i32 = torch.int32
+                plan.kernel_args = (md.block_table.to(i32).contiguous(), md.seq_lens.to(i32).contiguous(),
+                                    md.query_start_loc.to(i32).contiguous(), idx.to(i32))
         return plan
 
     def forward(
@@ -96,7 +103,11 @@ class TorchPagedAttention(AttentionBackend):
         slots = metadata.slot_mapping[:n]
         _store(kv_cache[0].view(-1, num_kv_heads, head_size), slots, key[:n])
         _store(kv_cache[1].view(-1, num_kv_heads, head_size), slots, value[:n])
-        if plan.decode_rows is not None:
+        if plan.decode_rows is not None and plan.kernel_args is not None and kv_cache.dtype == query.dtype \
+                and query.stride(-1) == 1:
+            _kernels.paged_attention(out, query, kv_cache[0], kv_cache[1], *plan.kernel_args, scale,
+                                     sliding_window or 0)
+        elif plan.decode_rows is not None:
             dec = self._decode(query, kv_cache, plan, scale, sliding_window)
             if plan.pure_decode:
                 out[:dec.shape[0]] = dec

@@ -36,6 +36,11 @@ def resolution(platform_name):
 @pytest.fixture(scope="session")
 def platform(resolution):
     p = resolution.platform
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") and p.device_type != "cpu":
+        raise pytest.UsageError(
+            "TRITON_INTERPRET is set: Triton kernels would run in the CPU interpreter instead of on the "
+            f"{p.name} device. Unset it (a conftest.py of the project you run from may set it: run the kit "
+            "from another folder).")
     p.init_device(VlliteConfig())
     return p
 

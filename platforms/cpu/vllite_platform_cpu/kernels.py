@@ -1,0 +1,217 @@
+"""A small C++ kernel for paged attention on the CPU, built on first use and cached.
+
+``paged_attention`` computes attention for the query rows of selected requests
+straight from the paged KV cache: no gathered copy of the context (the torch-ops
+path copies every context block twice per layer, which dominates a decode step
+at batch 64). Work is split over (request, KV head) pairs with ``at::parallel_for``;
+the ``H / Hkv`` query heads that share a KV head read each key/value row once.
+Scores and sums are float32 whatever the cache dtype (float32, bfloat16, float16).
+
+The extension is compiled with the host compiler (``-O3 -march=native``) through
+``torch.utils.cpp_extension.load_inline`` into ``~/.cache/vllite/torch_extensions``
+(``VLLITE_CACHE_ROOT`` or ``XDG_CACHE_HOME`` move it); the build is keyed by the
+source, torch's version and the CPU's flags, so a later start only loads it.
+``VLLITE_CPU_ATTENTION_KERNEL=0`` turns it off; without a compiler the backend
+falls back to torch ops (``available()`` is False and says why in ``error()``).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import threading
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("vllite.platforms.cpu.kernels")
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+template <typename T>
+static inline float to_f(T x) { return static_cast<float>(x); }
+
+template <typename scalar_t>
+static void run(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
+                const torch::Tensor& value_cache, const torch::Tensor& block_table, const torch::Tensor& seq_lens,
+                const torch::Tensor& query_start_loc, const torch::Tensor& req_ids, double scale, int64_t window) {
+  const int64_t R = req_ids.size(0);
+  const int64_t H = query.size(1), D = query.size(2);
+  const int64_t BS = key_cache.size(1), HKV = key_cache.size(2);
+  const int64_t G = H / HKV;
+  const scalar_t* q = query.data_ptr<scalar_t>();
+  const scalar_t* kc = key_cache.data_ptr<scalar_t>();
+  const scalar_t* vc = value_cache.data_ptr<scalar_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  const int32_t* bt = block_table.data_ptr<int32_t>();
+  const int32_t* sl = seq_lens.data_ptr<int32_t>();
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* rid = req_ids.data_ptr<int32_t>();
+  const int64_t qs0 = query.stride(0), qs1 = query.stride(1);
+  const int64_t os0 = out.stride(0), os1 = out.stride(1);
+  const int64_t ks0 = key_cache.stride(0), ks1 = key_cache.stride(1), ks2 = key_cache.stride(2);
+  const int64_t vs0 = value_cache.stride(0), vs1 = value_cache.stride(1), vs2 = value_cache.stride(2);
+  const int64_t bts = block_table.stride(0);
+  const float sc = static_cast<float>(scale);
+
+  at::parallel_for(0, R * HKV, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), acc(G * D), scores, mx(G), sum(G);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = rid[item / HKV];
+      const int64_t kh = item % HKV;
+      const int64_t L = sl[r];
+      const int64_t q0 = qsl[r], q1 = qsl[r + 1];
+      const int64_t qlen = q1 - q0;
+      const int32_t* row_blocks = bt + r * bts;
+      for (int64_t i = 0; i < qlen; ++i) {
+        const int64_t p = L - qlen + i;  // position of this query row
+        const int64_t t0 = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+        const int64_t n = p - t0 + 1;
+        if (n <= 0) continue;
+        scores.resize(G * n);
+        for (int64_t g = 0; g < G; ++g) {
+          const scalar_t* qp = q + (q0 + i) * qs0 + (kh * G + g) * qs1;
+          for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f(qp[d]) * sc;
+          mx[g] = -INFINITY;
+        }
+        for (int64_t t = t0; t <= p; ++t) {
+          const scalar_t* kp = kc + row_blocks[t / BS] * ks0 + (t % BS) * ks1 + kh * ks2;
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qg = qf.data() + g * D;
+            float s = 0.f;
+#pragma omp simd reduction(+:s)
+            for (int64_t d = 0; d < D; ++d) s += qg[d] * to_f(kp[d]);
+            scores[g * n + (t - t0)] = s;
+            mx[g] = std::max(mx[g], s);
+          }
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          float total = 0.f;
+          float* sg = scores.data() + g * n;
+          for (int64_t j = 0; j < n; ++j) { sg[j] = std::exp(sg[j] - mx[g]); total += sg[j]; }
+          sum[g] = 1.f / total;
+          for (int64_t d = 0; d < D; ++d) acc[g * D + d] = 0.f;
+        }
+        for (int64_t t = t0; t <= p; ++t) {
+          const scalar_t* vp = vc + row_blocks[t / BS] * vs0 + (t % BS) * vs1 + kh * vs2;
+          for (int64_t g = 0; g < G; ++g) {
+            const float w = scores[g * n + (t - t0)];
+            float* ag = acc.data() + g * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) ag[d] += w * to_f(vp[d]);
+          }
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          scalar_t* op = o + (q0 + i) * os0 + (kh * G + g) * os1;
+          for (int64_t d = 0; d < D; ++d) op[d] = static_cast<scalar_t>(acc[g * D + d] * sum[g]);
+        }
+      }
+    }
+  });
+}
+
+void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                     torch::Tensor block_table, torch::Tensor seq_lens, torch::Tensor query_start_loc,
+                     torch::Tensor req_ids, double scale, int64_t window) {
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type()
+              && out.scalar_type() == query.scalar_type(), "paged_attention: query, cache and out must share a dtype");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
+              "paged_attention: head dimension must be contiguous");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32
+              && query_start_loc.scalar_type() == torch::kInt32 && req_ids.scalar_type() == torch::kInt32,
+              "paged_attention: index tensors must be int32");
+  TORCH_CHECK(block_table.stride(1) == 1 && seq_lens.is_contiguous() && query_start_loc.is_contiguous()
+              && req_ids.is_contiguous(), "paged_attention: index tensors must be contiguous");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, query.scalar_type(),
+                                  "paged_attention", [&] {
+    run<scalar_t>(out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, req_ids, scale, window);
+  });
+}
+"""
+
+_CPP_DECL = ("void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache, "
+             "torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor seq_lens, "
+             "torch::Tensor query_start_loc, torch::Tensor req_ids, double scale, int64_t window);")
+
+_lock = threading.Lock()
+_module: Any = None
+_error: str | None = None
+_tried = False
+
+
+def cache_root() -> str:
+    root = os.environ.get("VLLITE_CACHE_ROOT")
+    if not root:
+        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vllite")
+    return root
+
+
+def _build_name() -> str:
+    from vllite_platform_cpu.platform import cpu_flags
+
+    key = "|".join([_SOURCE, _CPP_DECL, torch.__version__, " ".join(sorted(cpu_flags())), sys.version])
+    return "vllite_cpu_paged_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def load() -> Any:
+    """The compiled module, building it on first use; None (and ``error()`` says why) when it cannot be."""
+    global _module, _error, _tried
+    if _tried:
+        return _module
+    with _lock:
+        if _tried:
+            return _module
+        _tried = True
+        if os.environ.get("VLLITE_CPU_ATTENTION_KERNEL", "1") == "0":
+            _error = "disabled by VLLITE_CPU_ATTENTION_KERNEL=0"
+            return None
+        try:
+            from torch.utils import cpp_extension
+
+            # A ninja installed in this venv (requirements.txt) is found even when the venv is not on PATH.
+            bindir = os.path.dirname(sys.executable)
+            if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+                os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+            name = _build_name()
+            build_dir = os.path.join(cache_root(), "torch_extensions", name)
+            os.makedirs(build_dir, exist_ok=True)
+            import time
+
+            t0 = time.perf_counter()
+            _module = cpp_extension.load_inline(
+                name=name, cpp_sources=[_SOURCE + "\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {"
+                                        " m.def(\"paged_attention\", &paged_attention); }\n"],
+                build_directory=build_dir, extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-DNDEBUG"],
+                verbose=False, with_cuda=False)
+            logger.info("cpu paged-attention kernel ready in %.1fs (%s)", time.perf_counter() - t0, build_dir)
+        except Exception as e:  # noqa: BLE001 - no compiler, no headers...: fall back to torch ops
+            _module = None
+            _error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+            logger.warning("cpu paged-attention kernel unavailable, using torch ops: %s", _error)
+        return _module
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def error() -> str | None:
+    load()
+    return _error
+
+
+def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                    req_ids: torch.Tensor, scale: float, window: int = 0) -> None:
+    """Write into ``out`` the attention of the query rows of requests ``req_ids`` (causal, each query row
+    at the end of its request's ``seq_lens`` context, optional sliding ``window``; 0 = none)."""
+    mod = load()
+    assert mod is not None, error()
+    mod.paged_attention(out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, req_ids,
+                        float(scale), int(window))
