@@ -89,13 +89,20 @@ def main() -> None:
     served_wall = time.perf_counter() - t0
     m1 = scrape(url)
     lat_http = []
+    m2 = scrape(url)
     with httpx.Client(timeout=60) as hc:  # one keep-alive connection: time the server, not connection setup
         for _ in range(a.latency_runs + 1):
             t = time.perf_counter()
             hc.post(url + "/v1/completions", json={"prompt": ps[0], "max_tokens": 1, "temperature": 0})
             lat_http.append(time.perf_counter() - t)
     lat_http = lat_http[1:]
+    m3 = scrape(url)
     srv.stop()
+    # Per request, alone: the server's own e2e (accepted -> finished) minus the engine steps it took.
+    n_lat = m3["vllite:e2e_request_latency_seconds_count"] - m2["vllite:e2e_request_latency_seconds_count"]
+    api_path_s = ((m3["vllite:e2e_request_latency_seconds_sum"] - m2["vllite:e2e_request_latency_seconds_sum"])
+                  - (m3["vllite:engine_loop_seconds_total{phase=step}"]
+                     - m2["vllite:engine_loop_seconds_total{phase=step}"])) / max(n_lat, 1)
 
     import torch
 
@@ -153,7 +160,8 @@ def main() -> None:
                    "process_cpu_s": round(sum(d(f"vllite:thread_cpu_seconds_total{{role={r}}}")
                                               for r in ("api", "engine_loop", "other")), 2)},
         "one_token_latency_ms": {"http_median": round(1000 * statistics.median(lat_http), 1),
-                                 "offline_median": round(1000 * statistics.median(lat_off), 1)},
+                                 "offline_median": round(1000 * statistics.median(lat_off), 1),
+                                 "server_e2e_minus_steps_mean": round(1000 * api_path_s, 2)},
     }
     report["served_over_offline_wall"] = round(served_wall / offline_wall, 3)
     print(json.dumps(report, indent=2))

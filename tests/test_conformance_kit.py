@@ -46,7 +46,6 @@ def test_cpu_and_acme_pass_the_kit(tmp_path):
         assert " passed" in last and "failed" not in last and "error" not in last, last
     # acme exercises the optional parts the CPU platform skips: graph capture and fp8 KV caches.
     assert "captures no graphs" not in outputs["acme"] and "no fp8 KV cache" not in outputs["acme"]
-    assert "captures no graphs" in outputs["cpu"]  # the CPU platform runs eagerly (said, not hidden)
 
 
 def test_plugin_adds_nothing_without_the_option(tmp_path):

@@ -39,3 +39,19 @@ def test_stop_string_truncates(tokenizer):
             if hit:
                 break
         assert hit == " gamma" and d.output_text == expected
+
+
+def test_streamed_deltas_never_show_a_stop_string(tokenizer):
+    from vllite_core.engine.core import EngineCoreOutput
+    from vllite_core.engine.output_processor import OutputProcessor
+
+    ids = tokenizer.encode("Paris.\n\nThe end", add_special_tokens=False)
+    proc = OutputProcessor(tokenizer)
+    proc.add("r", None, [1], SamplingParams(stop=["\n\n"]), ["r"])
+    streamed = ""
+    for t in ids:
+        outs, to_stop = proc.process([EngineCoreOutput("r", [t])], delta=True)
+        streamed += "".join(o.outputs[0].text for o in outs)
+        if to_stop:
+            break
+    assert streamed == "Paris."

@@ -148,6 +148,9 @@ class OutputProcessor:
         for child in st.children.values():
             text = child.detok.output_text
             if delta:
+                if child.finish_reason is None and st.params.stop:
+                    # Hold back what could still turn out to be the start of a stop string.
+                    text = text[:max(child.last_text_len, len(text) - st.params.max_stop_str_len + 1)]
                 text_out = text[child.last_text_len:]
                 toks = child.token_ids[child.last_num_tokens:]
                 lps = child.logprobs[child.last_num_tokens:] if child.logprobs is not None else None

@@ -37,12 +37,32 @@ _SOURCE = r"""
 template <typename T>
 static inline float to_f(T x) { return static_cast<float>(x); }
 
-template <typename scalar_t>
+// dot(q, k) over D floats with 8 independent partial sums: vectorises (one 8-lane FMA per step) without
+// -ffast-math, and keeps the summation order fixed.
+template <typename scalar_t, int DC>
+static inline float dot(const float* q, const scalar_t* k, int64_t D) {
+  const int64_t n = DC > 0 ? DC : D;
+  float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8)
+    for (int j = 0; j < 8; ++j) part[j] += q[d + j] * to_f(k[d + j]);
+  float s = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
+  for (; d < n; ++d) s += q[d] * to_f(k[d]);
+  return s;
+}
+
+template <typename scalar_t, int DC>
+static inline void axpy(float* acc, float w, const scalar_t* v, int64_t D) {
+  const int64_t n = DC > 0 ? DC : D;
+  for (int64_t d = 0; d < n; ++d) acc[d] += w * to_f(v[d]);
+}
+
+template <typename scalar_t, int DC>
 static void run(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                 const torch::Tensor& value_cache, const torch::Tensor& block_table, const torch::Tensor& seq_lens,
                 const torch::Tensor& query_start_loc, const torch::Tensor& req_ids, double scale, int64_t window) {
   const int64_t R = req_ids.size(0);
-  const int64_t H = query.size(1), D = query.size(2);
+  const int64_t H = query.size(1), D = DC > 0 ? DC : query.size(2);
   const int64_t BS = key_cache.size(1), HKV = key_cache.size(2);
   const int64_t G = H / HKV;
   const scalar_t* q = query.data_ptr<scalar_t>();
@@ -61,7 +81,7 @@ static void run(torch::Tensor& out, const torch::Tensor& query, const torch::Ten
   const float sc = static_cast<float>(scale);
 
   at::parallel_for(0, R * HKV, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), scores, mx(G), sum(G);
+    std::vector<float> qf(G * D), acc(G * D), scores, mx(G);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = rid[item / HKV];
       const int64_t kh = item % HKV;
@@ -80,36 +100,44 @@ static void run(torch::Tensor& out, const torch::Tensor& query, const torch::Ten
           for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f(qp[d]) * sc;
           mx[g] = -INFINITY;
         }
-        for (int64_t t = t0; t <= p; ++t) {
-          const scalar_t* kp = kc + row_blocks[t / BS] * ks0 + (t % BS) * ks1 + kh * ks2;
-          for (int64_t g = 0; g < G; ++g) {
-            const float* qg = qf.data() + g * D;
-            float s = 0.f;
-#pragma omp simd reduction(+:s)
-            for (int64_t d = 0; d < D; ++d) s += qg[d] * to_f(kp[d]);
-            scores[g * n + (t - t0)] = s;
-            mx[g] = std::max(mx[g], s);
+        // scores, block by block (no division per position)
+        for (int64_t t = t0; t <= p;) {
+          const int64_t blk = row_blocks[t / BS];
+          const int64_t off0 = t % BS;
+          const int64_t stop = std::min<int64_t>(p + 1, t - off0 + BS);
+          const scalar_t* kb = kc + blk * ks0 + kh * ks2;
+          for (; t < stop; ++t) {
+            const scalar_t* kp = kb + (t % BS) * ks1;
+            for (int64_t g = 0; g < G; ++g) {
+              const float s = dot<scalar_t, DC>(qf.data() + g * D, kp, D);
+              scores[g * n + (t - t0)] = s;
+              mx[g] = std::max(mx[g], s);
+            }
           }
         }
         for (int64_t g = 0; g < G; ++g) {
           float total = 0.f;
           float* sg = scores.data() + g * n;
-          for (int64_t j = 0; j < n; ++j) { sg[j] = std::exp(sg[j] - mx[g]); total += sg[j]; }
-          sum[g] = 1.f / total;
-          for (int64_t d = 0; d < D; ++d) acc[g * D + d] = 0.f;
+          const float m = mx[g];
+          for (int64_t j = 0; j < n; ++j) { sg[j] = std::exp(sg[j] - m); total += sg[j]; }
+          const float inv = 1.f / total;
+          for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
+          std::fill(acc.begin() + g * D, acc.begin() + (g + 1) * D, 0.f);
         }
-        for (int64_t t = t0; t <= p; ++t) {
-          const scalar_t* vp = vc + row_blocks[t / BS] * vs0 + (t % BS) * vs1 + kh * vs2;
-          for (int64_t g = 0; g < G; ++g) {
-            const float w = scores[g * n + (t - t0)];
-            float* ag = acc.data() + g * D;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) ag[d] += w * to_f(vp[d]);
+        for (int64_t t = t0; t <= p;) {
+          const int64_t blk = row_blocks[t / BS];
+          const int64_t off0 = t % BS;
+          const int64_t stop = std::min<int64_t>(p + 1, t - off0 + BS);
+          const scalar_t* vb = vc + blk * vs0 + kh * vs2;
+          for (; t < stop; ++t) {
+            const scalar_t* vp = vb + (t % BS) * vs1;
+            for (int64_t g = 0; g < G; ++g)
+              axpy<scalar_t, DC>(acc.data() + g * D, scores[g * n + (t - t0)], vp, D);
           }
         }
         for (int64_t g = 0; g < G; ++g) {
           scalar_t* op = o + (q0 + i) * os0 + (kh * G + g) * os1;
-          for (int64_t d = 0; d < D; ++d) op[d] = static_cast<scalar_t>(acc[g * D + d] * sum[g]);
+          for (int64_t d = 0; d < D; ++d) op[d] = static_cast<scalar_t>(acc[g * D + d]);
         }
       }
     }
@@ -128,9 +156,18 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_c
               "paged_attention: index tensors must be int32");
   TORCH_CHECK(block_table.stride(1) == 1 && seq_lens.is_contiguous() && query_start_loc.is_contiguous()
               && req_ids.is_contiguous(), "paged_attention: index tensors must be contiguous");
+  const int64_t D = query.size(2);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, query.scalar_type(),
                                   "paged_attention", [&] {
-    run<scalar_t>(out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, req_ids, scale, window);
+    if (D == 64)
+      run<scalar_t, 64>(out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, req_ids, scale,
+                        window);
+    else if (D == 128)
+      run<scalar_t, 128>(out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, req_ids, scale,
+                         window);
+    else
+      run<scalar_t, 0>(out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, req_ids, scale,
+                       window);
   });
 }
 """
