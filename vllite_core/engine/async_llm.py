@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from vllite_core.engine.errors import InvalidRequestError
-from vllite_core.engine.llm_engine import LLMEngine, PromptType
+from vllite_core.engine.llm_engine import LLMEngine, PromptType, parse_prompt
 from vllite_core.inputs import InputContext, ProcessedPrompt
 from vllite_core.outputs import CompletionOutput, RequestOutput
 from vllite_core.sampling_params import SamplingParams
@@ -233,20 +233,6 @@ class AsyncLLM:
     def detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)
 
-    def _prepare(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenize(prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                ids = prompt["prompt_token_ids"]
-                if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
-                    raise InvalidRequestError("prompt_token_ids", "must be a list of integers")
-                return prompt.get("prompt"), list(ids)
-            if isinstance(prompt.get("prompt"), str):
-                return prompt["prompt"], self.tokenize(prompt["prompt"])
-        raise InvalidRequestError("prompt", f"must be a string or a dict with 'prompt_token_ids', got "
-                                  f"{type(prompt).__name__}")
-
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None,
                     priority: int = 0) -> RequestStream:
         """Validate and queue a request; errors (bad prompt, too long, bad priority) raise here."""
@@ -269,7 +255,7 @@ class AsyncLLM:
             processed = self.engine.process_prompt(prompt, self.input_context)
             text, ids = processed.prompt, processed.prompt_token_ids
         else:
-            text, ids = self._prepare(prompt)
+            text, ids = parse_prompt(prompt, self.tokenizer)
         if params.bad_words and not params.bad_words_token_ids:  # with this side's tokenizer, not the loop's
             params.tokenize_bad_words(self.tokenizer, self.engine.vocab_size)
         self.engine.validate(ids, params)  # reads config, vocab size and params only

@@ -68,17 +68,7 @@ class LLMEngine:
         return ProcessedPrompt(prompt_token_ids=ids, prompt=text)
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=True))
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                ids = prompt["prompt_token_ids"]
-                if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
-                    raise InvalidRequestError("prompt_token_ids", "must be a list of integers")
-                return prompt.get("prompt"), list(ids)
-            if "prompt" in prompt:
-                return self.tokenize_prompt(prompt["prompt"])
-        raise InvalidRequestError("prompt", f"must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
+        return parse_prompt(prompt, self.tokenizer)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Check a request against the model; returns its resolved max_tokens."""
@@ -148,6 +138,22 @@ class LLMEngine:
         for cid in to_stop:
             self.core.finish_request(cid, RequestStatus.FINISHED_STOPPED)
         return outputs
+
+
+def parse_prompt(prompt: PromptType, tokenizer: Any) -> tuple[str | None, list[int]]:
+    """A text prompt, {"prompt": text} or {"prompt_token_ids": [...]} -> (text, token ids)."""
+    if isinstance(prompt, str):
+        return prompt, list(tokenizer.encode(prompt, add_special_tokens=True))
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
+                raise InvalidRequestError("prompt_token_ids", "must be a list of integers")
+            return prompt.get("prompt"), list(ids)
+        if isinstance(prompt.get("prompt"), str):
+            return prompt["prompt"], list(tokenizer.encode(prompt["prompt"], add_special_tokens=True))
+    raise InvalidRequestError("prompt", f"must be a string or a dict with 'prompt_token_ids', got "
+                              f"{type(prompt).__name__}")
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
