@@ -149,6 +149,8 @@ def start_workers(args: argparse.Namespace, model: str | None) -> dict[str, Work
     base_env = dict(os.environ)
     base_env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle workers must not spin on the shared cores
     base_env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    base_env.setdefault("HF_HUB_OFFLINE", "1")  # local folders only: no hub look-ups (they hang without network)
+    base_env.setdefault("TRANSFORMERS_OFFLINE", "1")
     base_env["PYTHONPATH"] = ROOT + os.pathsep + base_env.get("PYTHONPATH", "")
     workers: dict[str, Worker] = {}
     for name in engines:
@@ -179,12 +181,22 @@ def start_workers(args: argparse.Namespace, model: str | None) -> dict[str, Work
     return workers
 
 
+def _vocab_size(model: str | None) -> int | None:
+    """The model's vocabulary size (token ids are drawn below it; SmolLM2's 49152 is the usual bound)."""
+    try:
+        with open(os.path.join(model or "", "config.json"), encoding="utf-8") as f:
+            return int(json.load(f)["vocab_size"])
+    except (OSError, KeyError, ValueError, TypeError):
+        return None
+
+
 def main() -> int:
     args = parse()
     model = args.model
     if model is None and os.path.isdir(DEFAULT_MODELS[args.dtype]):
         model = DEFAULT_MODELS[args.dtype]
-    prompts = random_token_ids(args.num_prompts, args.input_len, args.seed)
+    vocab = _vocab_size(model)
+    prompts = random_token_ids(args.num_prompts, args.input_len, args.seed, vocab)
     workers = start_workers(args, model)
     names = list(workers)
     tput: dict[str, list[float]] = {n: [] for n in names}
@@ -194,7 +206,7 @@ def main() -> int:
     loads = []
     try:
         # warm-up: the full batch with a few tokens (compiles/caches shapes), then one prompt.
-        warm = random_token_ids(args.num_prompts, args.input_len, args.seed + 1000)
+        warm = random_token_ids(args.num_prompts, args.input_len, args.seed + 1000, vocab)
         for n in names:
             workers[n].generate(warm, 4)
             workers[n].generate(warm[:1], 4)

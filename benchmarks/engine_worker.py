@@ -32,6 +32,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--kv-space-gib", type=float, default=2.0)
     ap.add_argument("--prefix-caching", action="store_true")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--vllm-memory-utilization", type=float, default=0.3)
     return ap.parse_args()
 
 
@@ -70,7 +71,10 @@ class VllmEngine:
 
         self.SamplingParams, self.TokensPrompt = SamplingParams, TokensPrompt
         self.llm = LLM(model=a.model, dtype=a.dtype, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
-                       seed=0, enable_prefix_caching=a.prefix_caching, enforce_eager=a.enforce_eager)
+                       seed=0, enable_prefix_caching=a.prefix_caching, enforce_eager=a.enforce_eager,
+                       # On the CPU this is the share of host memory vLLM checks is free at start-up
+                       # (the KV cache itself is VLLM_CPU_KVCACHE_SPACE); other processes need the rest.
+                       gpu_memory_utilization=a.vllm_memory_utilization)
         import vllm
 
         self.info = {"vllm": vllm.__version__, "dtype": a.dtype,

@@ -73,6 +73,10 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         # Seeded generators live until the request finishes (a preempted request keeps its stream).
         self.generators: dict[str, torch.Generator] = {}
+        # Decode steps go through captured graphs when the platform made some (graph_runner.py).
+        from vllite_core.worker.graph_runner import ModelForward
+
+        self.model_forward = ModelForward(model, attn_backend)
 
     # ---- KV cache ---------------------------------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
@@ -237,7 +241,7 @@ class ModelRunner:
             hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.metadata,
                                 cross_kv_caches=self.cross_kv_caches, cross_metadata=inp.cross_metadata)
         else:
-            hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.metadata)
+            hidden = self.model_forward(inp.input_ids, inp.positions, self.kv_caches, inp.metadata)
         b = self.batch
         # Every scheduled token is now in the cache.
         for rid, n in so.num_scheduled_tokens.items():

@@ -91,6 +91,10 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int, num_cross_blocks: int = 0) -> None:
         assert self.runner is not None
         self.runner.initialize_kv_cache(num_blocks, num_cross_blocks)
+        graphs = getattr(self.runner, "model_forward", None)  # a platform's own runner may have none
+        if graphs is not None:
+            graphs.capture(self.platform, self.config, self.runner.kv_caches, self.runner.block_size,
+                           self.runner.max_model_len, self.device)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None

@@ -40,6 +40,7 @@ class _Plan:
     pure_decode: bool = False  # every query row is a decode row, in order: no row gather/scatter
     # For the C++ kernel (int32, contiguous): the decode requests and the step's index tensors.
     kernel_args: tuple[torch.Tensor, ...] | None = None
+    write_rows: torch.Tensor | None = None  # rows whose K/V are stored, when some slots are -1 (padding)
     masks: dict[tuple[object, int | None], torch.Tensor | None] = field(default_factory=dict)
 
 
@@ -66,6 +67,9 @@ class TorchPagedAttention(AttentionBackend):
             else:
                 prefills.append(_Prefill(slice(starts[i], starts[i + 1]), seq_len, block_table[i, :-(-seq_len // bs)]))
         plan = _Plan(md.num_actual_tokens, None, None, None, prefills)
+        slots = md.slot_mapping[:md.num_actual_tokens]
+        if slots.numel() and int(slots.min()) < 0:
+            plan.write_rows = torch.nonzero(slots >= 0).flatten()
         if decode_idx:
             device = md.block_table.device
             idx = torch.tensor(decode_idx, dtype=torch.long, device=device)
@@ -100,9 +104,11 @@ class TorchPagedAttention(AttentionBackend):
         if kv_cache is None or kv_cache.numel() == 0:  # no cache yet (e.g. a profile run): context = new tokens
             return self._without_cache(query, key, value, metadata, out, scale, sliding_window)
         num_kv_heads, head_size = key.shape[1], key.shape[2]
-        slots = metadata.slot_mapping[:n]
-        _store(kv_cache[0].view(-1, num_kv_heads, head_size), slots, key[:n])
-        _store(kv_cache[1].view(-1, num_kv_heads, head_size), slots, value[:n])
+        slots, new_k, new_v = metadata.slot_mapping[:n], key[:n], value[:n]
+        if plan.write_rows is not None:  # padded rows (slot -1) write nowhere
+            slots, new_k, new_v = slots[plan.write_rows], new_k[plan.write_rows], new_v[plan.write_rows]
+        _store(kv_cache[0].view(-1, num_kv_heads, head_size), slots, new_k)
+        _store(kv_cache[1].view(-1, num_kv_heads, head_size), slots, new_v)
         if plan.decode_rows is not None and plan.kernel_args is not None and kv_cache.dtype == query.dtype \
                 and query.stride(-1) == 1:
             _kernels.paged_attention(out, query, kv_cache[0], kv_cache[1], *plan.kernel_args, scale,

@@ -7,6 +7,7 @@ import os
 import platform as pyplatform
 import resource
 import sys
+import time
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
@@ -24,7 +25,8 @@ GiB = 1 << 30
 # Without an explicit size, the KV cache takes at most this much host memory:
 # the profiled budget on a big host would otherwise starve everything else.
 DEFAULT_KV_CACHE_CAP = 4 * GiB
-KVCACHE_SPACE_ENV = "VLLITE_CPU_KVCACHE_SPACE"  # GiB, like vLLM's VLLM_CPU_KVCACHE_SPACE
+KVCACHE_SPACE_ENV = "VLLITE_CPU_KVCACHE_SPACE"
+COMPILE_ENV = "VLLITE_CPU_COMPILE"  # 1: torch.compile the decode step (off by default: not faster here)  # GiB, like vLLM's VLLM_CPU_KVCACHE_SPACE
 
 
 @functools.lru_cache(maxsize=1)
@@ -204,8 +206,38 @@ class CpuPlatform(Platform):
 
     def capture_graphs(self, forward: Callable[..., Any], batch_sizes: list[int],
                        make_inputs: Callable[[int], dict[str, Any]], config: "VlliteConfig") -> dict[int, Callable[..., Any]]:
-        # Eager for now; torch.compile arrives with the performance work.
-        return {}
+        """Decode graphs through ``torch.compile`` (inductor, dynamic batch dimension), opt-in.
+
+        Off unless ``VLLITE_CPU_COMPILE=1``: measured on AVX2 hosts it was not faster than
+        eager (the step is matmul-bound and attention is a C++ kernel), and compiling
+        costs about a minute per start on a cold cache. When on, attention stays eager
+        (an opaque call inside the graph, so it keeps reading the step's real context
+        lengths), one compiled function serves every size, and each size is warmed up
+        here so compile time is paid at start-up (reported by ``vllite bench``). The
+        inductor cache lives in ``~/.cache/vllite/inductor`` unless TORCHINDUCTOR_CACHE_DIR
+        is set."""
+        if config.enforce_eager or not batch_sizes or os.environ.get(COMPILE_ENV, "0") != "1":
+            return {}
+        from vllite_core.platforms.graphs import capture_runners
+        from vllite_platform_cpu import kernels
+        from vllite_platform_cpu.attention import TorchPagedAttention
+
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(kernels.cache_root(), "inductor"))
+        if not getattr(TorchPagedAttention.forward, "_vllite_eager", False):
+            eager_forward = torch.compiler.disable(TorchPagedAttention.forward)
+            eager_forward._vllite_eager = True  # type: ignore[attr-defined]
+            TorchPagedAttention.forward = eager_forward  # type: ignore[method-assign]
+        compiled = torch.compile(forward, dynamic=True)
+        t0 = time.perf_counter()
+
+        def capture(fn: Callable[[], Any]) -> Callable[[], Any]:
+            fn()  # compile (first size) or reuse the dynamic graph, at start-up
+            return fn
+
+        runners = capture_runners(compiled, batch_sizes, make_inputs, capture)
+        logger.info("cpu: torch.compile of the decode step for %d batch sizes took %.1fs", len(runners),
+                    time.perf_counter() - t0)
+        return runners
 
     def describe(self) -> dict[str, Any]:
         facts = super().describe()

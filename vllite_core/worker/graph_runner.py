@@ -1,0 +1,92 @@
+"""Padded-batch graph dispatch for the model forward.
+
+``ModelForward`` stands where the model runner used to call ``self.model(...)``.
+After the KV cache exists, ``capture()`` asks the platform
+(``Platform.capture_graphs``) for a runner per decode batch size; from then on a
+decode-only step (one token per request) of ``n`` requests is padded up to the
+smallest captured size ``>= n`` (``vllite_core.platforms.graphs``: padded requests
+write their K/V nowhere and read the null block), run through that size's
+runner, and the first ``n`` rows of its output returned. Every other step
+(prefill, chunked prefill, mixed, larger than the largest size, encoder-decoder
+extras) runs eagerly. ``enforce_eager`` or a platform that captures nothing
+leaves it a plain pass-through.
+
+It also keeps counters (graph vs eager steps, capture time) that ``vllite bench``
+reports.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
+from vllite_core.platforms.graphs import capture_sizes, decode_inputs, pad_decode_inputs, pick_batch_size
+
+logger = logging.getLogger("vllite.graphs")
+
+
+class ModelForward:
+    def __init__(self, model: torch.nn.Module, attn_backend: AttentionBackend) -> None:
+        self.model = model
+        self.attn_backend = attn_backend
+        self.runners: dict[int, Any] = {}
+        self.sizes: list[int] = []
+        self.capture_s: float | None = None
+        self.graph_steps = 0
+        self.eager_steps = 0
+
+    # ---- set-up ------------------------------------------------------------------------------
+    def capture(self, platform: Any, config: Any, kv_caches: list[torch.Tensor], block_size: int,
+                max_model_len: int, device: torch.device) -> None:
+        """Ask the platform for decode runners (nothing under ``enforce_eager``)."""
+        if config.enforce_eager or not kv_caches or getattr(self.model, "is_encoder_decoder", False):
+            return
+        sizes = capture_sizes(config.scheduler_config.max_num_seqs)
+        max_blocks = -(-max_model_len // block_size)
+        model = self.model
+
+        def forward(input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                    metadata: AttentionMetadata) -> torch.Tensor:
+            return model(input_ids, positions, kv_caches, metadata)
+
+        t0 = time.perf_counter()
+        runners = platform.capture_graphs(
+            forward, sizes, lambda bs: decode_inputs(bs, max_blocks, kv_caches, block_size, device), config)
+        self.capture_s = time.perf_counter() - t0
+        self.runners = dict(runners or {})
+        self.sizes = sorted(self.runners)
+        if self.runners:
+            logger.info("graphs: %d decode batch sizes (%s) captured in %.1fs", len(self.sizes),
+                        _span(self.sizes), self.capture_s)
+
+    # ---- the step ----------------------------------------------------------------------------
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                 metadata: AttentionMetadata, **extra: Any) -> torch.Tensor:
+        if self.runners and not extra:
+            n = int(input_ids.shape[0])
+            if metadata.max_query_len == 1 and n == metadata.num_reqs:
+                bs = pick_batch_size(n, self.sizes)
+                if bs is not None:
+                    if bs > n:
+                        inputs = pad_decode_inputs(input_ids, positions, metadata, bs)
+                        self.attn_backend.prepare(inputs["metadata"])
+                    else:
+                        inputs = {"input_ids": input_ids, "positions": positions, "metadata": metadata}
+                    hidden = self.runners[bs](kv_caches=kv_caches, **inputs)
+                    self.graph_steps += 1
+                    return hidden[:n]
+        self.eager_steps += 1
+        return self.model(input_ids, positions, kv_caches, metadata, **extra)
+
+    def describe(self) -> dict[str, Any]:
+        return {"captured_sizes": _span(self.sizes) if self.sizes else "none (eager)",
+                "capture_s": self.capture_s, "graph_steps": self.graph_steps, "eager_steps": self.eager_steps}
+
+
+def _span(sizes: list[int]) -> str:
+    if len(sizes) <= 6:
+        return ",".join(map(str, sizes))
+    return f"{sizes[0]},{sizes[1]},{sizes[2]},...,{sizes[-1]}"
