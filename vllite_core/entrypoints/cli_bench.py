@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import sys
 from typing import Any
 
@@ -160,6 +161,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     from vllite_core.benchmarks.report import format_table, plot_xy
     from vllite_core.benchmarks.serve import run_serve as serve
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     reqs = _requests(ns, ns.tokenizer_vocab_size)
     results = []
     for conc in ns.max_concurrency:
