@@ -145,3 +145,36 @@ def test_abort_waiting_preempted_request_returns_blocks():
     s.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
     drain(s)
     assert s.kv.get_num_free_blocks() == free0
+
+
+def test_long_prefill_cap_never_leaves_budget_unused():
+    # 64 prompts of 128 tokens with max_model_len 512 are all "long" (threshold 20): the cap must
+    # only reorder work, so a 2048-token budget still prefills 16 of them per step, in arrival order.
+    s = make("fcfs", max_len=512, budget=2048)
+    for i in range(64):
+        s.add_request(req(f"r{i}", 128, max_tokens=4))
+    out = s.schedule()
+    assert out.total_num_scheduled_tokens == 2048
+    assert sorted(out.num_scheduled_tokens, key=lambda r: int(r[1:])) == [f"r{i}" for i in range(16)]
+    assert set(out.num_scheduled_tokens.values()) == {128}
+    assert s.waiting.peek().request_id == "r16"
+
+
+def test_leftover_budget_reaches_long_prefills_without_a_slot():
+    s = make("fcfs", max_len=16384, budget=512, threshold=64)
+    s.config.max_num_partial_prefills = 3  # three long prefills start together...
+    for rid, n in (("A", 100), ("B", 448), ("C", 1000), ("D", 1000)):
+        s.add_request(req(rid, n, max_tokens=1))
+    first = s.schedule()
+    assert first.num_scheduled_tokens == {"A": 100, "B": 348, "C": 64}  # capped at 64, A and B topped up
+    s.update_from_output(first, {})
+    s.config.max_num_partial_prefills = 1  # ...then one slot: B holds it (capped, topped up to its 100 left)
+    second = s.schedule()
+    # the leftover goes to C (running) and would go on to D (waiting): nothing is left unused
+    assert second.num_scheduled_tokens == {"B": 100, "C": 412}
+    s.update_from_output(second, {})
+    third = s.schedule()
+    assert third.num_scheduled_tokens == {"C": 512}
+    s.update_from_output(third, {})
+    fourth = s.schedule()
+    assert fourth.num_scheduled_tokens == {"C": 12, "D": 500}

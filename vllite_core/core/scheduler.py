@@ -135,6 +135,20 @@ class Scheduler:
             idx += 1
 
         # 2) Admit waiting requests (never in a step that preempted for lack of blocks).
+        self._admit_waiting(step)
+
+        # 3) Leftover budget goes back to capped long prefills, so a lone long prompt is not slowed,
+        # then to the long prompts that found no long-prefill slot: the cap only reorders work,
+        # it never leaves budget unused (64 prompts of 128 tokens still prefill 16 to a step).
+        step.top_up_long_prefills()
+        if step.passed_over and step.budget > 0:
+            step.threshold = 0
+            self._fill_running(step)
+            self._admit_waiting(step)
+        return step.finish()
+
+    def _admit_waiting(self, step: _Step) -> None:
+        """Admit waiting requests in queue order (long prompts without a long-prefill slot wait)."""
         skipped: list[Request] = []
         while (not step.preempted and len(self.waiting) and step.budget > 0
                and len(self.running) < self.config.max_num_seqs):
@@ -170,12 +184,26 @@ class Scheduler:
                 req.times.first_scheduled = step.now
             self.running.append(req)
             step.schedule_new(req, num_new)
-        for req in skipped:
-            self.waiting.prepend(req) if self.policy == "fcfs" else self.waiting.add(req)
+        if self.policy == "fcfs":
+            for req in reversed(skipped):  # back at the front, in their order
+                self.waiting.prepend(req)
+        else:
+            for req in skipped:
+                self.waiting.add(req)
 
-        # 3) Leftover budget goes back to capped long prefills, so a lone long prompt is not slowed.
-        step.top_up_long_prefills()
-        return step.finish()
+    def _fill_running(self, step: _Step) -> None:
+        """Give leftover budget to running prefills the long-prefill cap passed over (no preemption)."""
+        for req in self.running:
+            if step.budget <= 0:
+                break
+            if req.request_id in step.out.num_scheduled_tokens:
+                continue
+            num_new = step.chunk(req, req.num_tokens - req.num_computed_tokens)
+            if num_new <= 0:
+                continue
+            blocks = self.kv.allocate_slots(req, num_new)
+            if blocks is not None:
+                step.schedule_running(req, num_new, blocks)
 
     # ---- after the forward pass -------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
@@ -237,6 +265,7 @@ class _Step:
         self.threshold = sched.long_prefill_threshold
         self.max_long = max(1, sched.config.max_num_partial_prefills)
         self.long: list[Request] = []  # long prefills capped this step
+        self.passed_over = False  # a long prefill got nothing for want of a slot
         self.preempted: list[Request] = []
         self.running: list[Request] = []
         self.new: list[Request] = []
@@ -248,6 +277,7 @@ class _Step:
         if self.threshold and remaining > self.threshold:
             if recount:
                 if len(self.long) >= self.max_long:
+                    self.passed_over = True
                     return 0
                 self.long.append(req)
             n = min(n, self.threshold)
