@@ -50,7 +50,7 @@ def test_tables_grow_on_demand():
     rope = RotaryEmbedding(_config(VARIANTS[0]), 64)
     assert rope.cos_cache.shape[0] == 256
     cos, _ = rope.lookup(torch.tensor([3, 300]), torch.float32)
-    assert cos.shape == (2, 1, 64)
+    assert cos.shape == (2, 64)
     assert rope.cos_cache.shape[0] >= 301
     fresh = RotaryEmbedding(_config(VARIANTS[0]), 64)
     fresh.ensure_positions(1024)

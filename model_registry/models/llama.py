@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_registry.models.rope import RotaryEmbedding, apply_rotary
+from model_registry.models.rope import RotaryEmbedding
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
+from vllite_core.model_ops import current_model_ops
 
 
 class Linear(nn.Module):
@@ -27,9 +28,11 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self._ops = current_model_ops()
+        self._state: dict = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._ops.linear(x, self.weight, self.bias, self._state)
 
 
 class RMSNorm(nn.Module):
@@ -39,11 +42,14 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype), requires_grad=False)
         self.eps = eps
+        self._ops = current_model_ops()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return self._ops.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + x), residual + x)``; may reuse both inputs' storage."""
+        return self._ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def _layer_windows(hf_config: Any, num_layers: int) -> list[int | None]:
@@ -75,6 +81,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(c.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, dtype)
         self.o_proj = Linear(self.q_size, c.hidden_size, o_bias, dtype)
         self.attn_backend = attn_backend
+        self._ops = current_model_ops()
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -83,7 +90,7 @@ class LlamaAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_size)
         k = k.view(t, self.num_kv_heads, self.head_size)
         v = v.view(t, self.num_kv_heads, self.head_size)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        q, k = self._ops.rotary(q, k, *rope)
         out = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -98,10 +105,10 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = hf_config.intermediate_size
         self.gate_up_proj = Linear(hf_config.hidden_size, 2 * self.intermediate_size, bias, dtype)
         self.down_proj = Linear(self.intermediate_size, hf_config.hidden_size, bias, dtype)
+        self._ops = current_model_ops()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self._ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -114,10 +121,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype)
         self.mlp = LlamaMLP(hf_config, dtype)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, attn_metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer on (layer input, residual stream): the residual add is fused into the next norm.
+        ``residual`` None means ``x`` is the embedding itself (the first layer)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(rope, h, kv_cache, attn_metadata)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -137,9 +151,10 @@ class LlamaModel(nn.Module):
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed_tokens)
         rope = self.rotary_emb.lookup(positions, x.dtype)  # shared by every layer
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(rope, x, kv_cache, attn_metadata)
-        return self.norm(x)
+            x, residual = layer(rope, x, residual, kv_cache, attn_metadata)
+        return self.norm(x) if residual is None else self.norm.add_forward(x, residual)[0]
 
 
 # HF checkpoint name fragment -> (fused parameter fragment, shard).
@@ -172,6 +187,8 @@ class LlamaForCausalLM(nn.Module):
         # A window the KV cache manager may rely on only if every layer uses it.
         self.sliding_window: int | None = windows.pop() if len(windows) == 1 else None
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self._ops = current_model_ops()
+        self._head_state: dict = {}
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
@@ -185,7 +202,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the rows the sampler needs."""
-        return F.linear(hidden_states, self.lm_head).float()
+        return self._ops.linear(hidden_states, self.lm_head, None, self._head_state).float()
 
     def ensure_positions(self, max_model_len: int) -> None:
         """Grow the RoPE tables to ``max_model_len`` positions (needed only beyond max_position_embeddings

@@ -95,7 +95,7 @@ def _yarn_inv_freq(base: float, dim: int, p: dict[str, Any], max_pos: int) -> tu
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """cos/sin tables indexed by position; ``lookup`` once per step, ``apply_rotary`` in every layer."""
+    """cos/sin tables indexed by position; ``lookup`` once per step, ``ModelOps.rotary`` in every layer."""
 
     def __init__(self, hf_config: Any, head_size: int) -> None:
         super().__init__()
@@ -157,17 +157,9 @@ class RotaryEmbedding(torch.nn.Module):
         self.sin_cache = torch.cat([self.sin_cache] + [s for _, s in parts])
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for each position, shaped [T, 1, head_size] to broadcast over heads (once per step)."""
+        """cos and sin for each position, [T, head_size] (once per step, shared by every layer)."""
         if positions.device.type == "cpu" and positions.numel():
             # Free on the CPU; accelerators call ensure_positions(max_model_len) up front instead (no sync).
             self.ensure_positions(int(positions.max()) + 1)
-        cos = self.cos_cache.index_select(0, positions).to(dtype)[:, None, :]
-        sin = self.sin_cache.index_select(0, positions).to(dtype)[:, None, :]
-        return cos, sin
+        return self.cos_cache.index_select(0, positions).to(dtype), self.sin_cache.index_select(0, positions).to(dtype)
 
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the two halves of each head (the HF/NeoX layout): x * cos + rotate_half(x) * sin."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin

@@ -16,6 +16,7 @@ import torch
 if TYPE_CHECKING:
     from vllite_core.attention import AttentionBackend
     from vllite_core.config import VlliteConfig
+    from vllite_core.model_ops import ModelOps
 
 
 # kv_cache_dtype names (vLLM's) -> torch dtypes. "auto" means the model dtype. A platform lists the names it
@@ -94,6 +95,13 @@ class Platform(ABC):
     @abstractmethod
     def get_attention_backend(self, config: "VlliteConfig") -> "AttentionBackend":
         """The paged-attention backend to use for this config."""
+
+    def model_ops(self, config: "VlliteConfig") -> "ModelOps":
+        """The pointwise ops (linear, RMSNorm, SiLU-and-mul, rotary) models build their layers with;
+        return a ``vllite_core.model_ops.ModelOps`` subclass to fuse them. Default: plain torch."""
+        from vllite_core.model_ops import ModelOps
+
+        return ModelOps()
 
     # ---- memory -------------------------------------------------------------------
     @abstractmethod

@@ -49,13 +49,15 @@ class Worker:
     def load_model(self, source: Any, hf_config: Any, architecture: str, model_cls: type) -> None:
         """Build the model on the device and the runner around it (config must be finalized)."""
         from model_registry.loader import load_model
+        from vllite_core.model_ops import use_model_ops
 
         self.platform.init_device(self.config)
         self.platform.seed_everything(self.config.model_config.seed)
         dtype = resolve_dtype(self.config.model_config.dtype, self.platform)
         backend = self.platform.get_attention_backend(self.config)
         t0 = time.perf_counter()
-        model = load_model(source, hf_config, model_cls, backend, dtype, self.device)
+        with use_model_ops(self.platform.model_ops(self.config)):
+            model = load_model(source, hf_config, model_cls, backend, dtype, self.device)
         model.eval()
         logger.info("loaded %s (%s, %s) in %.1fs, attention backend %s", architecture, dtype,
                     self.platform.name, time.perf_counter() - t0, backend.name)

@@ -18,6 +18,7 @@ from vllite_core.platforms.interface import Detection, Platform
 if TYPE_CHECKING:
     from vllite_core.attention import AttentionBackend
     from vllite_core.config import VlliteConfig
+    from vllite_core.model_ops import ModelOps
 
 logger = logging.getLogger("vllite.platforms.cpu")
 
@@ -26,6 +27,8 @@ GiB = 1 << 30
 # the profiled budget on a big host would otherwise starve everything else.
 DEFAULT_KV_CACHE_CAP = 4 * GiB
 KVCACHE_SPACE_ENV = "VLLITE_CPU_KVCACHE_SPACE"
+FUSED_OPS_ENV = "VLLITE_CPU_FUSED_OPS"  # 0: torch pointwise ops instead of the C++ kernels
+ONEDNN_ENV = "VLLITE_CPU_ONEDNN"  # 0: F.linear instead of oneDNN-prepacked weights
 COMPILE_ENV = "VLLITE_CPU_COMPILE"  # 1: torch.compile the decode step (off by default: not faster here)  # GiB, like vLLM's VLLM_CPU_KVCACHE_SPACE
 
 
@@ -161,6 +164,20 @@ class CpuPlatform(Platform):
         from vllite_platform_cpu.attention import TorchPagedAttention
 
         return TorchPagedAttention()
+
+    def model_ops(self, config: "VlliteConfig") -> "ModelOps":
+        """Fused C++ pointwise kernels and oneDNN-packed float32 linears (``VLLITE_CPU_FUSED_OPS=0`` and
+        ``VLLITE_CPU_ONEDNN=0`` turn them off). Under ``VLLITE_CPU_COMPILE=1`` the torch ops stay, for
+        inductor to fuse."""
+        from vllite_core.model_ops import ModelOps
+        from vllite_platform_cpu import kernels
+        from vllite_platform_cpu.model_ops import CpuModelOps, onednn_linear_available
+
+        if os.environ.get(COMPILE_ENV, "0") == "1" and not config.enforce_eager:
+            return ModelOps()
+        fused = os.environ.get(FUSED_OPS_ENV, "1") != "0" and kernels.available()
+        packed = os.environ.get(ONEDNN_ENV, "1") != "0" and onednn_linear_available()
+        return CpuModelOps(fused=fused, packed_linear=packed)
 
     def determine_available_memory(self, config: "VlliteConfig", profile_run: Callable[[], None]) -> int:
         """Explicit size (``kv_cache_memory``, then VLLITE_CPU_KVCACHE_SPACE) if given; otherwise
