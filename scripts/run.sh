@@ -7,5 +7,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 exec .venv/bin/vllite serve "$@"

@@ -1,6 +1,10 @@
-"""Paged attention for the CPU platform, in plain PyTorch.
+"""Paged attention for the CPU platform: the C++ kernel (``kernels.py``) when it is built, else PyTorch.
 
-Decode-only requests (one query token each) run as one batch: their context
+With the kernel, every query row of the step (decode, prefill, chunked prefill) is computed straight
+from the paged cache in one call per layer: measured against SDPA for one prompt (SmolLM2's 9/3 heads,
+one layer) it took 1.2 vs 2.6 ms at 128 tokens, 36 vs 81 ms at 1024 (SDPA's flash path, K/V heads
+repeated) and 0.6 vs 1.4 s at 4096. Without it:
+decode-only requests (one query token each) run as one batch: their context
 blocks are gathered through the block table into a padded [B, L] tensor, the
 tail past each sequence masked, and a single SDPA call covers all of them.
 Requests with several query tokens (prefill, chunked prefill, speculative
@@ -38,7 +42,7 @@ class _Plan:
     decode_seq_lens: torch.Tensor | None  # long [B]
     prefills: list[_Prefill]
     pure_decode: bool = False  # every query row is a decode row, in order: no row gather/scatter
-    # For the C++ kernel (int32, contiguous): the decode requests and the step's index tensors.
+    # For the C++ kernel (int32, contiguous): the step's index tensors and every request with query rows.
     kernel_args: tuple[torch.Tensor, ...] | None = None
     write_rows: torch.Tensor | None = None  # rows whose K/V are stored, when some slots are -1 (padding)
     masks: dict[tuple[object, int | None], torch.Tensor | None] = field(default_factory=dict)
@@ -56,6 +60,7 @@ class TorchPagedAttention(AttentionBackend):
         bs = md.block_size
         starts, seq_lens = md.query_start_loc_cpu, md.seq_lens_cpu
         decode_idx: list[int] = []
+        prefill_idx: list[int] = []
         prefills: list[_Prefill] = []
         block_table = md.block_table.long()
         for i, seq_len in enumerate(seq_lens):
@@ -65,11 +70,17 @@ class TorchPagedAttention(AttentionBackend):
             if q_len == 1:
                 decode_idx.append(i)
             else:
+                prefill_idx.append(i)
                 prefills.append(_Prefill(slice(starts[i], starts[i + 1]), seq_len, block_table[i, :-(-seq_len // bs)]))
         plan = _Plan(md.num_actual_tokens, None, None, None, prefills)
         slots = md.slot_mapping[:md.num_actual_tokens]
         if slots.numel() and int(slots.min()) < 0:
             plan.write_rows = torch.nonzero(slots >= 0).flatten()
+        if _kernels.available() and (decode_idx or prefill_idx):
+            i32 = torch.int32
+            plan.kernel_args = (md.block_table.to(i32).contiguous(), md.seq_lens.to(i32).contiguous(),
+                                md.query_start_loc.to(i32).contiguous(),
+                                torch.tensor(decode_idx + prefill_idx, dtype=i32, device=md.block_table.device))
         if decode_idx:
             device = md.block_table.device
             idx = torch.tensor(decode_idx, dtype=torch.long, device=device)
@@ -78,10 +89,6 @@ class TorchPagedAttention(AttentionBackend):
             plan.decode_blocks = block_table[:, :width].index_select(0, idx)
             plan.decode_seq_lens = md.seq_lens.to(device=device, dtype=torch.long).index_select(0, idx)
             plan.pure_decode = not prefills and len(decode_idx) == len(seq_lens) and starts[-1] == len(decode_idx)
-            if _kernels.available():
-                i32 = torch.int32
-                plan.kernel_args = (md.block_table.to(i32).contiguous(), md.seq_lens.to(i32).contiguous(),
-                                    md.query_start_loc.to(i32).contiguous(), idx.to(i32))
         return plan
 
     def forward(
@@ -109,11 +116,11 @@ class TorchPagedAttention(AttentionBackend):
             slots, new_k, new_v = slots[plan.write_rows], new_k[plan.write_rows], new_v[plan.write_rows]
         _store(kv_cache[0].view(-1, num_kv_heads, head_size), slots, new_k)
         _store(kv_cache[1].view(-1, num_kv_heads, head_size), slots, new_v)
-        if plan.decode_rows is not None and plan.kernel_args is not None and kv_cache.dtype == query.dtype \
-                and query.stride(-1) == 1:
+        if plan.kernel_args is not None and kv_cache.dtype == query.dtype and query.stride(-1) == 1:
             _kernels.paged_attention(out, query, kv_cache[0], kv_cache[1], *plan.kernel_args, scale,
                                      sliding_window or 0)
-        elif plan.decode_rows is not None:
+            return out
+        if plan.decode_rows is not None:
             dec = self._decode(query, kv_cache, plan, scale, sliding_window)
             if plan.pure_decode:
                 out[:dec.shape[0]] = dec

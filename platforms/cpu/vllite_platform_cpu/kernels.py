@@ -95,16 +95,30 @@ static void run(torch::Tensor& out, const torch::Tensor& query, const torch::Ten
   const int64_t bts = block_table.stride(0);
   const float sc = static_cast<float>(scale);
 
-  at::parallel_for(0, R * HKV, 1, [&](int64_t begin, int64_t end) {
+  // Tasks: (request, KV head, block of up to 16 query rows), so a prefill spreads over the threads too.
+  constexpr int64_t ROWS = 16;
+  std::vector<int64_t> task_item, task_row;
+  int64_t work = 0;  // query rows x keys x heads: a batch-1 decode is not worth waking a second thread
+  for (int64_t j = 0; j < R; ++j) {
+    const int64_t r = rid[j];
+    const int64_t qlen = qsl[r + 1] - qsl[r];
+    work += qlen * sl[r] * H;
+    for (int64_t kh = 0; kh < HKV; ++kh)
+      for (int64_t i0 = 0; i0 < qlen; i0 += ROWS) { task_item.push_back(j * HKV + kh); task_row.push_back(i0); }
+  }
+  const int64_t ntasks = static_cast<int64_t>(task_item.size());
+  at::parallel_for(0, ntasks, work < 32768 ? std::max<int64_t>(ntasks, 1) : 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), scores, mx(G);
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t item = task_item[task];
       const int64_t r = rid[item / HKV];
       const int64_t kh = item % HKV;
       const int64_t L = sl[r];
       const int64_t q0 = qsl[r], q1 = qsl[r + 1];
       const int64_t qlen = q1 - q0;
       const int32_t* row_blocks = bt + r * bts;
-      for (int64_t i = 0; i < qlen; ++i) {
+      const int64_t i_end = std::min<int64_t>(qlen, task_row[task] + ROWS);
+      for (int64_t i = task_row[task]; i < i_end; ++i) {
         const int64_t p = L - qlen + i;  // position of this query row
         const int64_t t0 = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
         const int64_t n = p - t0 + 1;
@@ -251,7 +265,10 @@ def load() -> Any:
                                         " m.def(\"paged_attention\", &paged_attention); "
                                         + pointwise_src.BINDINGS + " }\n"],
                 build_directory=build_dir,
-                extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-DNDEBUG", *_vec_flags()],
+                # -fopenmp: at::parallel_for is OpenMP inline code; without it every kernel ran on one
+                # thread. libgomp resolves to the copy torch already loaded (same soname).
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-DNDEBUG", *_vec_flags()],
+                extra_ldflags=["-fopenmp"],
                 verbose=False, with_cuda=False)
             logger.info("cpu paged-attention kernel ready in %.1fs (%s)", time.perf_counter() - t0, build_dir)
         except Exception as e:  # noqa: BLE001 - no compiler, no headers...: fall back to torch ops
@@ -297,3 +314,8 @@ def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """In place on ``q`` and ``k`` ([T, heads, D], rows may be strided); ``cos``/``sin`` are [T, D]."""
     load().rotary(q, k, cos, sin)
+
+
+def small_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """float32 ``out = x @ weight.T + bias`` for a few rows, streaming the weight once."""
+    load().small_linear(out, x, weight, bias)

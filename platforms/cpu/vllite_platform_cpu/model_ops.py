@@ -10,8 +10,8 @@ import torch
 from vllite_core.model_ops import ModelOps
 from vllite_platform_cpu import kernels
 
-# One row (a batch-1 decode) is a matrix-vector product: plain F.linear (MKL GEMV) is faster there.
-ONEDNN_MIN_ROWS = 2
+# Up to this many rows the weight-streaming C++ kernel beats a GEMM (memory-bound, few FLOPs per byte).
+SMALL_LINEAR_MAX_ROWS = 4
 
 
 def onednn_linear_available() -> bool:
@@ -31,9 +31,16 @@ class CpuModelOps(ModelOps):
         """oneDNN's blocked weight layout made this model's linear layers 1.1-1.3x faster than F.linear
         (MKL) at 64-2048 rows and the LM head 2x at 64 rows on an AVX2 host. The packed copy is made on
         first use and remade when the weight changes (an in-place load bumps its version). float32 only:
-        oneDNN's bf16 path needs native bf16 math."""
-        if (not self.packed_linear or x.dim() != 2 or x.shape[0] < ONEDNN_MIN_ROWS or x.dtype != torch.float32
-                or weight.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled()):
+        oneDNN's bf16 path needs native bf16 math. A few rows go to the C++ matrix-vector kernel."""
+        if (x.dim() != 2 or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu"
+                or torch.is_grad_enabled()):
+            return super().linear(x, weight, bias, state)
+        if self.fused and x.shape[0] <= SMALL_LINEAR_MAX_ROWS and weight.is_contiguous() \
+                and (bias is None or bias.dtype == torch.float32):
+            out = x.new_empty(x.shape[0], weight.shape[0])
+            kernels.small_linear(out, x.contiguous(), weight, bias)
+            return out
+        if not self.packed_linear:
             return super().linear(x, weight, bias, state)
         key = (weight.data_ptr(), weight._version)
         if state.get("key") != key:
