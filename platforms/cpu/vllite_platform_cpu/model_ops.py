@@ -6,12 +6,14 @@ defaults (``vllite_core.model_ops.ModelOps``), so a model never depends on the k
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from vllite_core.model_ops import ModelOps
 from vllite_platform_cpu import kernels
 
 # Up to this many rows the weight-streaming C++ kernel beats a GEMM (memory-bound, few FLOPs per byte).
 SMALL_LINEAR_MAX_ROWS = 4
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def onednn_linear_available() -> bool:
@@ -20,33 +22,49 @@ def onednn_linear_available() -> bool:
 
 
 class CpuModelOps(ModelOps):
-    """Fused kernels when ``fused`` (the C++ extension built), prepacked weights when ``packed_linear``."""
+    """Fused kernels when ``fused`` (the C++ extension built), prepacked weights when ``packed_linear``,
+    16-bit layers computed through float32 when ``widen_16bit`` (no native bf16/fp16 math)."""
 
-    def __init__(self, fused: bool, packed_linear: bool) -> None:
+    def __init__(self, fused: bool, packed_linear: bool, widen_16bit: bool = False) -> None:
         self.fused = fused
         self.packed_linear = packed_linear
+        self.widen_16bit = widen_16bit
         self.name = "+".join(n for n, on in (("cpu-fused", fused), ("onednn-linear", packed_linear)) if on) or "torch"
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: dict) -> torch.Tensor:
-        """oneDNN's blocked weight layout made this model's linear layers 1.1-1.3x faster than F.linear
-        (MKL) at 64-2048 rows and the LM head 2x at 64 rows on an AVX2 host. The packed copy is made on
-        first use and remade when the weight changes (an in-place load bumps its version). float32 only:
-        oneDNN's bf16 path needs native bf16 math. A few rows go to the C++ matrix-vector kernel."""
-        if (x.dim() != 2 or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu"
-                or torch.is_grad_enabled()):
+        """Up to SMALL_LINEAR_MAX_ROWS rows: the C++ kernel streams the weight as stored (a 16-bit weight
+        is widened in registers). More rows: oneDNN's blocked layout, which made this model's linear
+        layers 1.1-1.3x faster than F.linear (MKL) at 64-2048 rows and the LM head 2x at 64 rows on an
+        AVX2 host; its copy is made on first use and remade when the weight changes (an in-place load
+        bumps its version). On a CPU without native 16-bit math (``widen_16bit``) a bfloat16/float16
+        layer multiplies a float32 copy of its weight with the widened input and rounds the result:
+        every product of two 16-bit floats is exact in float32, so this is the 16-bit matmul's own
+        arithmetic (float32 accumulation), at float32 speed instead of torch's emulated 16-bit GEMM
+        (6x slower on AVX2). That copy costs float32 memory beside the 16-bit weight."""
+        dt = x.dtype
+        if (x.dim() != 2 or dt != weight.dtype or dt not in _KERNEL_DTYPES or x.device.type != "cpu"
+                or torch.is_grad_enabled() or (bias is not None and bias.dtype != dt)):
             return super().linear(x, weight, bias, state)
-        if self.fused and x.shape[0] <= SMALL_LINEAR_MAX_ROWS and weight.is_contiguous() \
-                and (bias is None or bias.dtype == torch.float32):
-            out = x.new_empty(x.shape[0], weight.shape[0])
-            kernels.small_linear(out, x.contiguous(), weight, bias)
-            return out
-        if not self.packed_linear:
+        if self.fused and x.shape[0] <= SMALL_LINEAR_MAX_ROWS and weight.is_contiguous():
+            out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+            kernels.small_linear(out, x.float().contiguous(), weight, None if bias is None else bias.float())
+            return out if dt == torch.float32 else out.to(dt)
+        if dt != torch.float32 and not self.widen_16bit:
             return super().linear(x, weight, bias, state)
-        key = (weight.data_ptr(), weight._version)
+        if dt == torch.float32 and not self.packed_linear:
+            return super().linear(x, weight, bias, state)
+        key = (weight.data_ptr(), weight._version, None if bias is None else (bias.data_ptr(), bias._version))
         if state.get("key") != key:
-            state["packed"] = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+            w32 = weight.detach().float()
+            state["packed"] = torch.ops.mkldnn._reorder_linear_weight(w32, None) if self.packed_linear else w32
+            state["bias"] = None if bias is None else bias.float()
             state["key"] = key
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), state["packed"], bias, "none", [], "")
+        if self.packed_linear:
+            out = torch.ops.mkldnn._linear_pointwise(x.float().contiguous(), state["packed"], state["bias"],
+                                                     "none", [], "")
+        else:
+            out = F.linear(x.float(), state["packed"], state["bias"])
+        return out if dt == torch.float32 else out.to(dt)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if not (self._rows_ok(x) and weight.dtype == x.dtype):

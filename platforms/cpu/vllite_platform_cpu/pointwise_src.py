@@ -13,6 +13,7 @@ Numerics follow the torch code they replace: float32 math, ``exp`` from ATen's v
 
 SOURCE = r"""
 #include <ATen/cpu/vec/vec.h>
+#include <ATen/cpu/vec/functional.h>
 
 // No fused multiply-add contraction here: torch rounds each product of these formulas separately.
 #if defined(__clang__)
@@ -148,8 +149,12 @@ SOURCE += r"""
 // out[M, N] = x[M, K] @ w[N, K]^T (+ bias) for a few rows (a decode of one or a few requests). The weight
 // is streamed once, four rows at a time, each row block reused for every x row while it sits in L1: the
 // product is bound by memory bandwidth, where MKL's GEMV reached half of what a plain read gets here.
-template <int R>
-static inline void dot_rows(float* out, int64_t out_stride, const float* x, int64_t M, const float* w, int64_t K,
+static inline fVec load_f(const float* p) { return fVec::loadu(p); }
+static inline fVec load_f(const c10::BFloat16* p) { fVec v; at::vec::load_to_float(p, v); return v; }
+static inline fVec load_f(const c10::Half* p) { fVec v; at::vec::load_to_float(p, v); return v; }
+
+template <int R, typename W>
+static inline void dot_rows(float* out, int64_t out_stride, const float* x, int64_t M, const W* w, int64_t K,
                             const float* bias) {
   constexpr int64_t V = fVec::size();
   for (int64_t m = 0; m < M; ++m) {
@@ -159,24 +164,26 @@ static inline void dot_rows(float* out, int64_t out_stride, const float* x, int6
     int64_t k = 0;
     for (; k + V <= K; k += V) {
       const fVec xv = fVec::loadu(xm + k);
-      for (int r = 0; r < R; ++r) acc[r] = at::vec::fmadd(fVec::loadu(w + r * K + k), xv, acc[r]);
+      for (int r = 0; r < R; ++r) acc[r] = at::vec::fmadd(load_f(w + r * K + k), xv, acc[r]);
     }
     for (int r = 0; r < R; ++r) {
       float lanes[V];
       acc[r].store(lanes);
       float s = 0.f;
       for (int64_t j = 0; j < V; ++j) s += lanes[j];
-      for (int64_t kk = k; kk < K; ++kk) s += xm[kk] * w[r * K + kk];
+      for (int64_t kk = k; kk < K; ++kk) s += xm[kk] * static_cast<float>(w[r * K + kk]);
       out[m * out_stride + r] = bias ? s + bias[r] : s;
     }
   }
 }
 
+// x and out float32; the weight float32, bfloat16 or float16 (read as stored, widened in registers:
+// a 16-bit weight streams half the bytes, and its products with float32 are exact).
 void small_linear(torch::Tensor out, torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2 && x.size(1) == w.size(1) && out.size(0) == x.size(0)
               && out.size(1) == w.size(0) && x.is_contiguous() && w.is_contiguous() && out.is_contiguous()
-              && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
-              "small_linear: float32 contiguous x [M, K], w [N, K], out [M, N]");
+              && x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "small_linear: float32 contiguous x [M, K] and out [M, N], contiguous w [N, K]");
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == w.size(0) && bias->scalar_type() == at::kFloat,
@@ -184,18 +191,26 @@ void small_linear(torch::Tensor out, torch::Tensor x, torch::Tensor w, c10::opti
     bp = bias->data_ptr<float>();
   }
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  const float* xp = x.data_ptr<float>(); const float* wp = w.data_ptr<float>(); float* op = out.data_ptr<float>();
+  const float* xp = x.data_ptr<float>(); float* op = out.data_ptr<float>();
   const int64_t blocks = (N + 3) / 4;
-  at::parallel_for(0, blocks, std::max<int64_t>(1, 16384 / (4 * K)), [&](int64_t b, int64_t e) {
-    for (int64_t blk = b; blk < e; ++blk) {
-      const int64_t n0 = blk * 4;
-      if (n0 + 4 <= N) {
-        dot_rows<4>(op + n0, N, xp, M, wp + n0 * K, K, bp ? bp + n0 : nullptr);
-      } else {
-        for (int64_t n = n0; n < N; ++n) dot_rows<1>(op + n, N, xp, M, wp + n * K, K, bp ? bp + n : nullptr);
+  auto run = [&](auto* wp) {
+    at::parallel_for(0, blocks, std::max<int64_t>(1, 16384 / (4 * K)), [&](int64_t b, int64_t e) {
+      for (int64_t blk = b; blk < e; ++blk) {
+        const int64_t n0 = blk * 4;
+        if (n0 + 4 <= N) {
+          dot_rows<4>(op + n0, N, xp, M, wp + n0 * K, K, bp ? bp + n0 : nullptr);
+        } else {
+          for (int64_t n = n0; n < N; ++n) dot_rows<1>(op + n, N, xp, M, wp + n * K, K, bp ? bp + n : nullptr);
+        }
       }
-    }
-  });
+    });
+  };
+  switch (w.scalar_type()) {
+    case at::kFloat: run(w.data_ptr<float>()); break;
+    case at::kBFloat16: run(w.data_ptr<c10::BFloat16>()); break;
+    case at::kHalf: run(w.data_ptr<c10::Half>()); break;
+    default: TORCH_CHECK(false, "small_linear: weight must be float32, bfloat16 or float16");
+  }
 }
 """
 

@@ -1,0 +1,124 @@
+"""The CPU platform's fused model ops against the torch formulas they replace (ModelOps defaults).
+
+The references are plain torch expressions written here, not the C++ kernels: RMSNorm in float32 then
+rounded and scaled (transformers' order), SiLU * up, NeoX rotary, F.linear.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vllite_core.model_ops import ModelOps
+
+kernels = pytest.importorskip("vllite_platform_cpu.kernels")
+if not kernels.available():
+    pytest.skip(f"CPU kernels not built here: {kernels.error()}", allow_module_level=True)
+
+from vllite_platform_cpu.model_ops import SMALL_LINEAR_MAX_ROWS, CpuModelOps  # noqa: E402
+
+FAST = CpuModelOps(fused=True, packed_linear=True)
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def ref_rms(x, w, eps):
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+def close(a, b, dtype):
+    tol = 2e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_rms_norm_and_fused_residual(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=g).to(dtype)
+    r = torch.randn(rows, 576, generator=g).to(dtype)
+    w = torch.randn(576, generator=g).to(dtype)
+    with torch.inference_mode():
+        close(FAST.rms_norm(x, w, 1e-5), ref_rms(x, w, 1e-5), dtype)
+        h, res = FAST.add_rms_norm(x.clone(), r.clone(), w, 1e-5)
+        assert torch.equal(res, r + x)  # the residual add rounds exactly like torch's
+        close(h, ref_rms(r + x, w, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 64])
+def test_silu_and_mul_is_torchs(dtype, rows):
+    x = torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(1)).to(dtype) * 4
+    gate, up = x.chunk(2, dim=-1)
+    with torch.inference_mode():
+        assert torch.equal(FAST.silu_and_mul(x), F.silu(gate) * up)  # same vectorised exp, same rounding
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_on_strided_qkv_views(dtype):
+    t, h, hkv, d = 37, 9, 3, 64
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(t, (h + 2 * hkv) * d, generator=g).to(dtype)
+    cos, sin = torch.randn(t, d, generator=g).to(dtype), torch.randn(t, d, generator=g).to(dtype)
+    q, k, _ = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
+    q, k = q.view(t, h, d), k.view(t, hkv, d)
+
+    def neox(x):
+        x1, x2 = x[..., : d // 2], x[..., d // 2:]
+        return x * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
+
+    want_q, want_k = neox(q), neox(k)
+    v_before = qkv[:, (h + hkv) * d:].clone()
+    with torch.inference_mode():
+        got_q, got_k = FAST.rotary(q, k, cos, sin)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    assert got_q.data_ptr() == q.data_ptr()  # in place, inside the fused qkv output
+    assert torch.equal(qkv[:, (h + hkv) * d:], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("rows", [1, 2, SMALL_LINEAR_MAX_ROWS, SMALL_LINEAR_MAX_ROWS + 1, 64])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1539, 576), (576, 1536), (7, 13)])
+def test_linear_paths_match_f_linear(rows, bias, shape):
+    n, k = shape
+    g = torch.Generator().manual_seed(rows * 7 + n)
+    x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    state: dict = {}
+    with torch.inference_mode():
+        got = FAST.linear(x, w, b, state)
+        torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+        if rows > SMALL_LINEAR_MAX_ROWS:
+            assert "packed" in state  # the oneDNN copy was made...
+            w.add_(1.0)  # ...and an in-place change of the weight is seen
+            torch.testing.assert_close(FAST.linear(x, w, b, state), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_16bit_linear_widened_is_the_16bit_matmul(dtype, rows):
+    # Without native 16-bit math the layer runs in float32 on exact widenings of the 16-bit values and
+    # rounds once: the reference is that arithmetic written in torch (float64 products, then rounded).
+    g = torch.Generator().manual_seed(rows)
+    x, w, b = (torch.randn(*s, generator=g).to(dtype) for s in ((rows, 576), (1000, 576), (1000,)))
+    ops = CpuModelOps(fused=True, packed_linear=True, widen_16bit=True)
+    with torch.inference_mode():
+        got = ops.linear(x, w, b, {})
+        exact = (x.double() @ w.double().T + b.double()).to(dtype)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), exact.float(), rtol=1e-2, atol=1e-2)
+    # and within rounding of torch's own 16-bit linear
+    torch.testing.assert_close(got.float(), F.linear(x, w, b).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_unsupported_inputs_fall_back_to_torch():
+    x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(8, dtype=torch.float64)
+    out = FAST.rms_norm(x, w, 1e-6)  # grad mode: the torch formula, differentiable
+    out.sum().backward()
+    assert x.grad is not None
+    base = ModelOps()
+    y = torch.randn(6, 5).t()  # last dimension not contiguous: the torch path
+    with torch.inference_mode():
+        assert torch.equal(FAST.silu_and_mul(y), base.silu_and_mul(y))
