@@ -56,11 +56,12 @@ class Worker:
         dtype = resolve_dtype(self.config.model_config.dtype, self.platform)
         backend = self.platform.get_attention_backend(self.config)
         t0 = time.perf_counter()
-        with use_model_ops(self.platform.model_ops(self.config)):
+        ops = self.platform.model_ops(self.config)
+        with use_model_ops(ops):
             model = load_model(source, hf_config, model_cls, backend, dtype, self.device)
         model.eval()
-        logger.info("loaded %s (%s, %s) in %.1fs, attention backend %s", architecture, dtype,
-                    self.platform.name, time.perf_counter() - t0, backend.name)
+        logger.info("loaded %s (%s, %s) in %.1fs, attention backend %s, model ops %s", architecture, dtype,
+                    self.platform.name, time.perf_counter() - t0, backend.name, ops.name)
         from vllite_core.sample.logits_processor import load_logits_processors
 
         processors = load_logits_processors(self.config.model_config.logits_processors, self.pm)

@@ -26,10 +26,10 @@ GiB = 1 << 30
 # Without an explicit size, the KV cache takes at most this much host memory:
 # the profiled budget on a big host would otherwise starve everything else.
 DEFAULT_KV_CACHE_CAP = 4 * GiB
-KVCACHE_SPACE_ENV = "VLLITE_CPU_KVCACHE_SPACE"
+KVCACHE_SPACE_ENV = "VLLITE_CPU_KVCACHE_SPACE"  # GiB, like vLLM's VLLM_CPU_KVCACHE_SPACE
 FUSED_OPS_ENV = "VLLITE_CPU_FUSED_OPS"  # 0: torch pointwise ops instead of the C++ kernels
 ONEDNN_ENV = "VLLITE_CPU_ONEDNN"  # 0: F.linear instead of oneDNN-prepacked weights
-COMPILE_ENV = "VLLITE_CPU_COMPILE"  # 1: torch.compile the decode step (off by default: not faster here)  # GiB, like vLLM's VLLM_CPU_KVCACHE_SPACE
+COMPILE_ENV = "VLLITE_CPU_COMPILE"  # 1: torch.compile the decode step (off by default: not faster here)
 
 
 @functools.lru_cache(maxsize=1)
