@@ -94,7 +94,14 @@ void silu_and_mul(torch::Tensor out, torch::Tensor x) {
       const fVec one(1.f);
       for (int64_t r = b; r < e; ++r) {
         const scalar_t* gr = xp + r * xs; const scalar_t* ur = gr + n; scalar_t* orow = op + r * os;
-        for (int64_t d = 0; d < n; d += V) {
+        int64_t d = 0;
+        if constexpr (std::is_same_v<scalar_t, float>) {  // whole vectors straight from memory
+          for (; d + V <= n; d += V) {
+            const fVec gv = fVec::loadu(gr + d);
+            ((gv / (one + gv.neg().exp())) * fVec::loadu(ur + d)).store(orow + d);
+          }
+        }
+        for (; d < n; d += V) {
           const int64_t m = std::min<int64_t>(V, n - d);
           for (int64_t j = 0; j < m; ++j) { g[j] = static_cast<float>(gr[d + j]); u[j] = static_cast<float>(ur[d + j]); }
           const fVec gv = fVec::loadu(g, m);
