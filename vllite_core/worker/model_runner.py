@@ -18,6 +18,7 @@ from vllite_core.attention import AttentionBackend, AttentionMetadata
 from vllite_core.config import VlliteConfig
 from vllite_core.core.sched_output import SchedulerOutput
 from vllite_core.sample.sampler import Sampler, gather_logprobs
+from vllite_core.worker.graph_runner import ModelForward
 from vllite_core.worker.input_batch import InputBatch, RequestState
 from vllite_core.worker.sampling_inputs import build_sampling_metadata
 
@@ -74,8 +75,6 @@ class ModelRunner:
         # Seeded generators live until the request finishes (a preempted request keeps its stream).
         self.generators: dict[str, torch.Generator] = {}
         # Decode steps go through captured graphs when the platform made some (graph_runner.py).
-        from vllite_core.worker.graph_runner import ModelForward
-
         self.model_forward = ModelForward(model, attn_backend)
 
     # ---- KV cache ---------------------------------------------------------------------

@@ -129,21 +129,21 @@ static void run(torch::Tensor& out, const torch::Tensor& query, const torch::Ten
           for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f(qp[d]) * sc;
           mx[g] = -INFINITY;
         }
-        // scores, block by block (no division per position)
-        for (int64_t t = t0; t <= p;) {
-          const int64_t blk = row_blocks[t / BS];
-          const int64_t off0 = t % BS;
-          const int64_t stop = std::min<int64_t>(p + 1, t - off0 + BS);
-          const scalar_t* kb = kc + blk * ks0 + kh * ks2;
-          for (; t < stop; ++t) {
-            const scalar_t* kp = kb + (t % BS) * ks1;
-            for (int64_t g = 0; g < G; ++g) {
-              const float s = dot<scalar_t, DC>(qf.data() + g * D, kp, D);
-              scores[g * n + (t - t0)] = s;
-              mx[g] = std::max(mx[g], s);
-            }
+        // Context rows t0..p of this KV head, block by block (no division per position).
+        auto for_each_row = [&](const scalar_t* cache, int64_t s0, int64_t s1, int64_t s2, auto&& fn) {
+          for (int64_t t = t0; t <= p;) {
+            const int64_t stop = std::min<int64_t>(p + 1, t - t % BS + BS);
+            const scalar_t* base = cache + row_blocks[t / BS] * s0 + kh * s2;
+            for (; t < stop; ++t) fn(t - t0, base + (t % BS) * s1);
           }
-        }
+        };
+        for_each_row(kc, ks0, ks1, ks2, [&](int64_t j, const scalar_t* kp) {
+          for (int64_t g = 0; g < G; ++g) {
+            const float s = dot<scalar_t, DC>(qf.data() + g * D, kp, D);
+            scores[g * n + j] = s;
+            mx[g] = std::max(mx[g], s);
+          }
+        });
         for (int64_t g = 0; g < G; ++g) {
           float total = 0.f;
           float* sg = scores.data() + g * n;
@@ -154,17 +154,9 @@ static void run(torch::Tensor& out, const torch::Tensor& query, const torch::Ten
           for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
           std::fill(acc.begin() + g * D, acc.begin() + (g + 1) * D, 0.f);
         }
-        for (int64_t t = t0; t <= p;) {
-          const int64_t blk = row_blocks[t / BS];
-          const int64_t off0 = t % BS;
-          const int64_t stop = std::min<int64_t>(p + 1, t - off0 + BS);
-          const scalar_t* vb = vc + blk * vs0 + kh * vs2;
-          for (; t < stop; ++t) {
-            const scalar_t* vp = vb + (t % BS) * vs1;
-            for (int64_t g = 0; g < G; ++g)
-              axpy<scalar_t, DC>(acc.data() + g * D, scores[g * n + (t - t0)], vp, D);
-          }
-        }
+        for_each_row(vc, vs0, vs1, vs2, [&](int64_t j, const scalar_t* vp) {
+          for (int64_t g = 0; g < G; ++g) axpy<scalar_t, DC>(acc.data() + g * D, scores[g * n + j], vp, D);
+        });
         for (int64_t g = 0; g < G; ++g) {
           scalar_t* op = o + (q0 + i) * os0 + (kh * G + g) * os1;
           for (int64_t d = 0; d < D; ++d) op[d] = static_cast<scalar_t>(acc[g * D + d]);

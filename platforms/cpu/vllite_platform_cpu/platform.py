@@ -32,6 +32,11 @@ ONEDNN_ENV = "VLLITE_CPU_ONEDNN"  # 0: F.linear instead of oneDNN-prepacked weig
 COMPILE_ENV = "VLLITE_CPU_COMPILE"  # 1: torch.compile the decode step (off by default: not faster here)
 
 
+def _compile_on(config: "VlliteConfig") -> bool:
+    """torch.compile of the decode step: opt-in (VLLITE_CPU_COMPILE=1), never with enforce_eager."""
+    return os.environ.get(COMPILE_ENV, "0") == "1" and not config.enforce_eager
+
+
 @functools.lru_cache(maxsize=1)
 def _cpuinfo() -> dict[str, str]:
     """First processor block of /proc/cpuinfo (empty off Linux)."""
@@ -173,7 +178,7 @@ class CpuPlatform(Platform):
         from vllite_platform_cpu import kernels
         from vllite_platform_cpu.model_ops import CpuModelOps, onednn_linear_available
 
-        if os.environ.get(COMPILE_ENV, "0") == "1" and not config.enforce_eager:
+        if _compile_on(config):
             return ModelOps()
         fused = os.environ.get(FUSED_OPS_ENV, "1") != "0" and kernels.available()
         packed = os.environ.get(ONEDNN_ENV, "1") != "0" and onednn_linear_available()
@@ -233,7 +238,7 @@ class CpuPlatform(Platform):
         here so compile time is paid at start-up (reported by ``vllite bench``). The
         inductor cache lives in ``~/.cache/vllite/inductor`` unless TORCHINDUCTOR_CACHE_DIR
         is set."""
-        if config.enforce_eager or not batch_sizes or os.environ.get(COMPILE_ENV, "0") != "1":
+        if not batch_sizes or not _compile_on(config):
             return {}
         from vllite_core.platforms.graphs import capture_runners
         from vllite_platform_cpu import kernels
