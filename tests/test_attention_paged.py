@@ -15,16 +15,17 @@ BLOCK = 4
 NUM_BLOCKS = 64
 
 
-def _case(query_lens, seq_lens, heads, kv_heads, head_size=16, seed=0, dtype=torch.float32):
+def _case(query_lens, seq_lens, heads, kv_heads, head_size=16, seed=0, dtype=torch.float32, block=BLOCK,
+          num_blocks=NUM_BLOCKS):
     """Random q/k/v for the new tokens, a cache pre-filled with random context, random non-contiguous blocks."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    free = list(range(1, NUM_BLOCKS))
+    free = list(range(1, num_blocks))
     rng.shuffle(free)
-    tables = [[free.pop() for _ in range(-(-s // BLOCK))] for s in seq_lens]
-    md = build_metadata(query_lens, seq_lens, tables, BLOCK)
+    tables = [[free.pop() for _ in range(-(-s // block))] for s in seq_lens]
+    md = build_metadata(query_lens, seq_lens, tables, block)
     n = md.num_actual_tokens
-    shape = TorchPagedAttention.get_kv_cache_shape(NUM_BLOCKS, BLOCK, kv_heads, head_size)
+    shape = TorchPagedAttention.get_kv_cache_shape(num_blocks, block, kv_heads, head_size)
     cache = torch.randn(shape, generator=gen).to(dtype)  # old context (and garbage in unused slots)
     q = torch.randn(n, heads, head_size, generator=gen).to(dtype)
     k = torch.randn(n, kv_heads, head_size, generator=gen).to(dtype)
@@ -122,3 +123,30 @@ def test_fp8_kv_cache(cache_dtype):
     ref = reference_paged_attention(q, k, v, ref_cache, md, 0.25)
     assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+# The C++ kernel's own paths: vector head sizes (64, 128) and a scalar one (80); contexts longer than a
+# key chunk (online softmax across chunks); many tiles (one task spans all KV heads) and few (a task per
+# KV head); query tiles of 16 rows with causal edges and a sliding window.
+@pytest.mark.parametrize("head_size,heads,kv_heads,q_lens,s_lens,window,dtype", [
+    (64, 9, 3, [1] * 12 + [40], [300] * 12 + [340], None, torch.float32),
+    (64, 9, 3, [1] * 12 + [40], [300] * 12 + [340], 100, torch.float32),
+    (128, 8, 2, [1, 33], [700, 33], None, torch.float32),
+    (128, 8, 2, [1, 33], [700, 60], 50, torch.float32),
+    (80, 4, 2, [3, 20], [200, 20], None, torch.float32),
+    (64, 9, 3, [1] * 9 + [17], [400] * 9 + [300], None, torch.bfloat16),
+])
+def test_cpu_kernel_paths(head_size, heads, kv_heads, q_lens, s_lens, window, dtype):
+    from vllite_platform_cpu import kernels
+
+    if not kernels.available():
+        pytest.skip(f"CPU kernels not built here: {kernels.error()}")
+    q, k, v, cache, md = _case(q_lens, s_lens, heads, kv_heads, head_size=head_size, dtype=dtype, block=16,
+                               num_blocks=sum(-(-s // 16) for s in s_lens) + 4)
+    ref_cache = cache.clone()
+    backend = TorchPagedAttention()
+    backend.prepare(md)
+    out = backend.forward(q, k, v, cache, md, 0.125, window)
+    ref = reference_paged_attention(q.float(), k.float(), v.float(), ref_cache.float(), md, 0.125, window)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)

@@ -4,9 +4,12 @@
 ``paged_attention`` computes attention for the query rows of selected requests
 straight from the paged KV cache: no gathered copy of the context (the torch-ops
 path copies every context block twice per layer, which dominates a decode step
-at batch 64). Work is split over (request, KV head) pairs with ``at::parallel_for``;
-the ``H / Hkv`` query heads that share a KV head read each key/value row once.
-Scores and sums are float32 whatever the cache dtype (float32, bfloat16, float16).
+at batch 64). Work is split over (request, 16-row query tile) tasks, each with
+all KV heads (whole cache rows are read contiguously) or, when there are too few
+tiles to busy the threads, one KV head each; the ``H / Hkv`` query heads that
+share a KV head read each key/value row once, widened to float32 in a chunk
+buffer. Scores and sums are float32 whatever the cache dtype (float32, bfloat16,
+float16); softmax is online across key chunks.
 
 The extension is compiled with the host compiler (``-O3 -march=native``) through
 ``torch.utils.cpp_extension.load_inline`` into ``~/.cache/vllite/torch_extensions``
@@ -34,6 +37,7 @@ _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
+#include <ATen/cpu/vec/functional.h>
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -41,37 +45,93 @@ _SOURCE = r"""
 template <typename T>
 static inline float to_f(T x) { return static_cast<float>(x); }
 
-// dot(q, k) over D floats with 8 independent partial sums: vectorises (one 8-lane FMA per step) without
-// -ffast-math, and keeps the summation order fixed.
-template <typename scalar_t, int DC>
-static inline float dot(const float* q, const scalar_t* k, int64_t D) {
-  const int64_t n = DC > 0 ? DC : D;
-  float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  int64_t d = 0;
-  for (; d + 8 <= n; d += 8)
-    for (int j = 0; j < 8; ++j) part[j] += q[d + j] * to_f(k[d + j]);
-  float s = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
-  for (; d < n; ++d) s += q[d] * to_f(k[d]);
-  return s;
-}
+using AVec = at::vec::Vectorized<float>;
+constexpr int64_t VL = AVec::size();  // 16 float lanes with AVX-512, 8 with AVX2
 
-template <typename scalar_t, int DC>
-static inline void axpy(float* acc, float w, const scalar_t* v, int64_t D) {
-  const int64_t n = DC > 0 ? DC : D;
-  for (int64_t d = 0; d < n; ++d) acc[d] += w * to_f(v[d]);
-}
+// Head sizes that are whole vectors take the vector path; others (and float64) the scalar loops.
+template <typename T, int DC>
+constexpr bool kVecHead = DC > 0 && DC % VL == 0 && !std::is_same_v<T, double>;
 
-// sg[j] = exp(sg[j] - m), eight or sixteen lanes at a time (ATen's vectorised exp; scalar exp took a
-// fifth of a batch-64 decode step).
-static inline void softmax_exp(float* sg, int64_t n, float m) {
-  using fVec = at::vec::Vectorized<float>;
-  const fVec mv(m);
-  for (int64_t j = 0; j < n; j += fVec::size()) {
-    const int64_t c = std::min<int64_t>(fVec::size(), n - j);
-    (fVec::loadu(sg + j, c) - mv).exp().store(sg + j, c);
+template <typename T>
+static inline AVec avec_load(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return AVec::loadu(p);
+  } else {
+    AVec v;
+    at::vec::load_to_float(p, v);
+    return v;
   }
 }
 
+static inline float hsum(const AVec& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_reduce_add_ps(v);
+#else
+  float lanes[VL];
+  v.store(lanes);
+  float s = 0.f;
+  for (int64_t j = 0; j < VL; ++j) s += lanes[j];
+  return s;
+#endif
+}
+
+// dot(q, k) over n floats with 8 independent partial sums (the scalar path: head sizes that are not
+// whole vectors).
+static inline float dot_scalar(const float* q, const float* k, int64_t n) {
+  float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8)
+    for (int j = 0; j < 8; ++j) part[j] += q[d + j] * k[d + j];
+  float s = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
+  for (; d < n; ++d) s += q[d] * k[d];
+  return s;
+}
+
+// out[k] = dot(q, kb[k]) for 16 consecutive float32 key rows of DC floats. With AVX-512 the 16 lane
+// sums are reduced together by a transpose-and-add (about 3 shuffles/adds per key instead of a full
+// horizontal sum each).
+template <int DC>
+static inline void dots16(const float* kb, const float* qv, float* out) {
+  constexpr int64_t NV = DC / VL;
+  AVec qr[NV];
+  for (int64_t v = 0; v < NV; ++v) qr[v] = AVec::loadu(qv + v * VL);
+  AVec a[16];
+  for (int k = 0; k < 16; ++k) {
+    const float* kr = kb + k * DC;
+    AVec s = AVec::loadu(kr) * qr[0];
+    for (int64_t v = 1; v < NV; ++v) s = at::vec::fmadd(AVec::loadu(kr + v * VL), qr[v], s);
+    a[k] = s;
+  }
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [k0, k1, k0, k1] partial sums of the pair
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int j = 0; j < 4; ++j)  // per 128-bit lane: keys 4j..4j+3
+    c[j] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * j], b[2 * j + 1], 0x44), _mm512_shuffle_ps(b[2 * j], b[2 * j + 1], 0xEE));
+  const __m512 e0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+  const __m512 e1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+  _mm512_storeu_ps(out, _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, 0x88), _mm512_shuffle_f32x4(e0, e1, 0xDD)));
+#else
+  for (int k = 0; k < 16; ++k) out[k] = hsum(a[k]);
+#endif
+}
+
+// sg[j] = exp(sg[j] - m), a vector at a time (ATen's vectorised exp; scalar exp took a fifth of a
+// batch-64 decode step).
+static inline void softmax_exp(float* sg, int64_t n, float m) {
+  const AVec mv(m);
+  for (int64_t j = 0; j < n; j += VL) {
+    const int64_t c = std::min<int64_t>(VL, n - j);
+    (AVec::loadu(sg + j, c) - mv).exp().store(sg + j, c);
+  }
+}
+
+// One task = one request, a group of its KV heads, a tile of up to ROWS query rows. Keys go in chunks:
+// the chunk's K and V rows of every head of the group are widened once into float32 buffers (L2-
+// resident) and serve every query row of the tile and every query head sharing a KV head. Reading
+// whole cache rows (all heads of the group, contiguous) instead of one head's strided slice lets the
+// hardware prefetcher stream the scattered blocks. Softmax is online across chunks (running max and
+// sum, the accumulator rescaled when the max grows), so the buffers stay small for long contexts.
 template <typename scalar_t, int DC>
 static void run(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                 const torch::Tensor& value_cache, const torch::Tensor& block_table, const torch::Tensor& seq_lens,
@@ -95,73 +155,167 @@ static void run(torch::Tensor& out, const torch::Tensor& query, const torch::Ten
   const int64_t bts = block_table.stride(0);
   const float sc = static_cast<float>(scale);
 
-  // Tasks: (request, KV head, block of up to 16 query rows), so a prefill spreads over the threads too.
   constexpr int64_t ROWS = 16;
-  std::vector<int64_t> task_item, task_row;
-  int64_t work = 0;  // query rows x keys x heads: a batch-1 decode is not worth waking a second thread
+  int64_t work = 0, tiles = 0;  // work: query rows x keys x heads (a batch-1 decode stays on one thread)
   for (int64_t j = 0; j < R; ++j) {
     const int64_t r = rid[j];
     const int64_t qlen = qsl[r + 1] - qsl[r];
     work += qlen * sl[r] * H;
-    for (int64_t kh = 0; kh < HKV; ++kh)
-      for (int64_t i0 = 0; i0 < qlen; i0 += ROWS) { task_item.push_back(j * HKV + kh); task_row.push_back(i0); }
+    tiles += (qlen + ROWS - 1) / ROWS;
+  }
+  // All KV heads in one task when there are tiles enough to keep the threads busy; else one head each.
+  const int64_t HG = tiles >= 4 * at::get_num_threads() ? HKV : 1;
+  // Keys per chunk: a multiple of 16 (dots16), the K and V buffers ~128 KB each.
+  const int64_t KC = std::max<int64_t>(16, std::min<int64_t>(256, 32768 / (HG * D)) / 16 * 16);
+  std::vector<int64_t> task_item, task_row;
+  for (int64_t j = 0; j < R; ++j) {
+    const int64_t r = rid[j];
+    const int64_t qlen = qsl[r + 1] - qsl[r];
+    for (int64_t h0 = 0; h0 < HKV; h0 += HG)
+      for (int64_t i0 = 0; i0 < qlen; i0 += ROWS) { task_item.push_back(j * HKV + h0); task_row.push_back(i0); }
   }
   const int64_t ntasks = static_cast<int64_t>(task_item.size());
   at::parallel_for(0, ntasks, work < 32768 ? std::max<int64_t>(ntasks, 1) : 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), scores, mx(G);
+    std::vector<float> qf, acc, mx, total, scores, kbuf(KC * HG * D), vbuf(KC * HG * D);
+    // Cache rows ta..tb-1 of KV heads h0..h0+HG-1 of a request (contiguous within a row).
+    struct Span { const int32_t* blocks; int64_t h0, ta, tb; };
+    auto first_chunk = [&](int64_t tk) {
+      const int64_t item = task_item[tk], rq = rid[item / HKV];
+      const int64_t len = qsl[rq + 1] - qsl[rq];
+      const int64_t first = sl[rq] - len + task_row[tk], last = std::min<int64_t>(sl[rq] - 1, first + ROWS - 1);
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
+      return Span{bt + rq * bts, item % HKV, lo, std::min<int64_t>(last + 1, lo + KC)};
+    };
+    const int64_t span_bytes = HG * D * static_cast<int64_t>(sizeof(scalar_t));
+    auto prefetch_row = [&](const Span& sp, int64_t t) {
+      const int64_t blk = sp.blocks[t / BS];
+      const char* kp = reinterpret_cast<const char*>(kc + blk * ks0 + (t % BS) * ks1 + sp.h0 * ks2);
+      const char* vp = reinterpret_cast<const char*>(vc + blk * vs0 + (t % BS) * vs1 + sp.h0 * vs2);
+      for (int64_t b = 0; b < span_bytes; b += 64) {
+        __builtin_prefetch(kp + b, 0, 2);
+        __builtin_prefetch(vp + b, 0, 2);
+      }
+    };
     for (int64_t task = begin; task < end; ++task) {
       const int64_t item = task_item[task];
       const int64_t r = rid[item / HKV];
-      const int64_t kh = item % HKV;
+      const int64_t h0 = item % HKV;  // first KV head of the group
       const int64_t L = sl[r];
-      const int64_t q0 = qsl[r], q1 = qsl[r + 1];
-      const int64_t qlen = q1 - q0;
+      const int64_t q0 = qsl[r], qlen = qsl[r + 1] - q0;
       const int32_t* row_blocks = bt + r * bts;
-      const int64_t i_end = std::min<int64_t>(qlen, task_row[task] + ROWS);
-      for (int64_t i = task_row[task]; i < i_end; ++i) {
-        const int64_t p = L - qlen + i;  // position of this query row
-        const int64_t t0 = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
-        const int64_t n = p - t0 + 1;
-        if (n <= 0) continue;
-        scores.resize(G * n);
-        for (int64_t g = 0; g < G; ++g) {
-          const scalar_t* qp = q + (q0 + i) * qs0 + (kh * G + g) * qs1;
-          for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f(qp[d]) * sc;
-          mx[g] = -INFINITY;
-        }
-        // Context rows t0..p of this KV head, block by block (no division per position).
-        auto for_each_row = [&](const scalar_t* cache, int64_t s0, int64_t s1, int64_t s2, auto&& fn) {
-          for (int64_t t = t0; t <= p;) {
-            const int64_t stop = std::min<int64_t>(p + 1, t - t % BS + BS);
-            const scalar_t* base = cache + row_blocks[t / BS] * s0 + kh * s2;
-            for (; t < stop; ++t) fn(t - t0, base + (t % BS) * s1);
-          }
-        };
-        for_each_row(kc, ks0, ks1, ks2, [&](int64_t j, const scalar_t* kp) {
+      const int64_t ia = task_row[task], nr = std::min<int64_t>(qlen, ia + ROWS) - ia;
+      const int64_t p_first = L - qlen + ia, p_last = p_first + nr - 1;  // positions of the tile's rows
+      const int64_t RG = nr * G;  // per KV head: (row, query head) pairs, row-major
+      const int64_t N = HG * RG;  // state index: h * RG + rg
+      qf.resize(N * D);
+      acc.assign(N * D, 0.f);
+      mx.assign(N, -INFINITY);
+      total.assign(N, 0.f);
+      scores.resize(KC);
+      for (int64_t h = 0; h < HG; ++h)
+        for (int64_t rr = 0; rr < nr; ++rr)
           for (int64_t g = 0; g < G; ++g) {
-            const float s = dot<scalar_t, DC>(qf.data() + g * D, kp, D);
-            scores[g * n + j] = s;
-            mx[g] = std::max(mx[g], s);
+            const scalar_t* qp = q + (q0 + ia + rr) * qs0 + ((h0 + h) * G + g) * qs1;
+            float* dst = qf.data() + (h * RG + rr * G + g) * D;
+            for (int64_t d = 0; d < D; ++d) dst[d] = to_f(qp[d]) * sc;
           }
-        });
-        for (int64_t g = 0; g < G; ++g) {
-          float total = 0.f;
-          float* sg = scores.data() + g * n;
-          const float m = mx[g];
-          softmax_exp(sg, n, m);
-          for (int64_t j = 0; j < n; ++j) total += sg[j];
-          const float inv = 1.f / total;
-          for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
-          std::fill(acc.begin() + g * D, acc.begin() + (g + 1) * D, 0.f);
+      auto widen_row = [&](const scalar_t* src, float* dst) {
+        if constexpr (kVecHead<scalar_t, DC>) {
+          for (int64_t v = 0; v < DC / VL; ++v) avec_load(src + v * VL).store(dst + v * VL);
+        } else {
+          for (int64_t d = 0; d < D; ++d) dst[d] = to_f(src[d]);
         }
-        for_each_row(vc, vs0, vs1, vs2, [&](int64_t j, const scalar_t* vp) {
-          for (int64_t g = 0; g < G; ++g) axpy<scalar_t, DC>(acc.data() + g * D, scores[g * n + j], vp, D);
-        });
-        for (int64_t g = 0; g < G; ++g) {
-          scalar_t* op = o + (q0 + i) * os0 + (kh * G + g) * os1;
-          for (int64_t d = 0; d < D; ++d) op[d] = static_cast<scalar_t>(acc[g * D + d]);
+      };
+      // Context rows ta..tb-1 widened into kb/vb ([head][row][D]), block by block (no division per
+      // position).
+      auto widen_rows = [&](int64_t ta, int64_t tb, int64_t rows_per_head) {
+        for (int64_t t = ta; t < tb;) {
+          const int64_t stop = std::min<int64_t>(tb, t - t % BS + BS);
+          const int64_t blk = row_blocks[t / BS];
+          for (; t < stop; ++t)
+            for (int64_t h = 0; h < HG; ++h) {
+              const int64_t off = (h * rows_per_head + (t - ta)) * D;
+              widen_row(kc + blk * ks0 + (t % BS) * ks1 + (h0 + h) * ks2, kbuf.data() + off);
+              widen_row(vc + blk * vs0 + (t % BS) * vs1 + (h0 + h) * vs2, vbuf.data() + off);
+            }
+        }
+      };
+      const int64_t t_lo = window > 0 ? std::max<int64_t>(0, p_first - window + 1) : 0;
+      for (int64_t c0 = t_lo; c0 <= p_last; c0 += KC) {
+        const int64_t c1 = std::min<int64_t>(p_last + 1, c0 + KC), nc = c1 - c0;
+        const int64_t ncp = (nc + 15) / 16 * 16;
+        widen_rows(c0, c1, ncp);
+        // While this chunk computes, bring the next one (of this task or of the thread's next task) into
+        // L2, a slice per (head, row) pair: widening then finds it in cache instead of stalling.
+        Span next{nullptr, 0, 0, 0};
+        if (c0 + KC <= p_last) next = Span{row_blocks, h0, c0 + KC, std::min<int64_t>(p_last + 1, c0 + 2 * KC)};
+        else if (task + 1 < end) next = first_chunk(task + 1);
+        const int64_t pf_rows = 0 * (next.tb - next.ta), slices = HG * RG;
+        int64_t pf_done = 0, slice = 0;
+        auto prefetch_some = [&]() {
+          const int64_t upto = pf_rows * (++slice) / slices;
+          for (; pf_done < upto; ++pf_done) prefetch_row(next, next.ta + pf_done);
+        };
+        for (int64_t h = 0; h < HG; ++h) {
+          float* kb = kbuf.data() + h * ncp * D;
+          const float* vb = vbuf.data() + h * ncp * D;
+          std::fill(kb + nc * D, kb + ncp * D, 0.f);
+          for (int64_t rg = 0; rg < RG; ++rg) {
+            const int64_t p = p_first + rg / G;  // this row sees keys [max(c0, p - window + 1), min(c1 - 1, p)]
+            const int64_t jlo = window > 0 ? std::max<int64_t>(0, p - window + 1 - c0) : 0;
+            const int64_t jhi = std::min<int64_t>(nc - 1, p - c0);
+            prefetch_some();
+            if (jlo > jhi) continue;
+            const int64_t st = h * RG + rg;
+            float* sg = scores.data();
+            const float* qv = qf.data() + st * D;
+            if constexpr (kVecHead<scalar_t, DC>) {
+              for (int64_t j = jlo / 16 * 16; j <= jhi; j += 16) dots16<DC>(kb + j * D, qv, sg + j);
+            } else {
+              for (int64_t j = jlo; j <= jhi; ++j) sg[j] = dot_scalar(qv, kb + j * D, D);
+            }
+            const int64_t n = jhi - jlo + 1;
+            float* sv = sg + jlo;
+            float cm = -INFINITY;
+            for (int64_t j = 0; j < n; ++j) cm = std::max(cm, sv[j]);
+            const float m_new = std::max(mx[st], cm);
+            softmax_exp(sv, n, m_new);
+            float s = 0.f;
+            for (int64_t j = 0; j < n; ++j) s += sv[j];
+            float* ap = acc.data() + st * D;
+            const float f = m_new == mx[st] ? 1.f : std::exp(mx[st] - m_new);  // 0 on the first chunk
+            total[st] = total[st] * f + s;
+            mx[st] = m_new;
+            if constexpr (kVecHead<scalar_t, DC>) {
+              constexpr int64_t NV = DC / VL;
+              AVec a[NV];
+              const AVec fv(f);
+              for (int64_t v = 0; v < NV; ++v) a[v] = AVec::loadu(ap + v * VL) * fv;
+              for (int64_t j = 0; j < n; ++j) {
+                const AVec w(sv[j]);
+                const float* vr = vb + (jlo + j) * DC;
+                for (int64_t v = 0; v < NV; ++v) a[v] = at::vec::fmadd(w, AVec::loadu(vr + v * VL), a[v]);
+              }
+              for (int64_t v = 0; v < NV; ++v) a[v].store(ap + v * VL);
+            } else {
+              for (int64_t d = 0; d < D; ++d) ap[d] *= f;
+              for (int64_t j = 0; j < n; ++j) {
+                const float w = sv[j];
+                const float* vr = vb + (jlo + j) * D;
+                for (int64_t d = 0; d < D; ++d) ap[d] += w * vr[d];
+              }
+            }
+          }
         }
       }
+      for (int64_t h = 0; h < HG; ++h)
+        for (int64_t rr = 0; rr < nr; ++rr)
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t st = h * RG + rr * G + g;
+            const float inv = 1.f / total[st];
+            scalar_t* op = o + (q0 + ia + rr) * os0 + ((h0 + h) * G + g) * os1;
+            for (int64_t d = 0; d < D; ++d) op[d] = static_cast<scalar_t>(acc[st * D + d] * inv);
+          }
     }
   });
 }

@@ -49,22 +49,28 @@ class CpuModelOps(ModelOps):
             out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
             kernels.small_linear(out, x.float().contiguous(), weight, None if bias is None else bias.float())
             return out if dt == torch.float32 else out.to(dt)
-        if dt != torch.float32 and not self.widen_16bit:
+        # The dtype the GEMM runs in: float32, or bfloat16 where the CPU has native bf16 math (oneDNN's
+        # AVX512-BF16/AMX kernels); a 16-bit layer without native math is widened to float32.
+        if dt == torch.float32 or self.widen_16bit:
+            gemm_dt = torch.float32
+        elif dt == torch.bfloat16:
+            gemm_dt = dt
+        else:
             return super().linear(x, weight, bias, state)
-        if dt == torch.float32 and not self.packed_linear:
+        if not self.packed_linear and dt == gemm_dt:
             return super().linear(x, weight, bias, state)
         key = (weight.data_ptr(), weight._version, None if bias is None else (bias.data_ptr(), bias._version))
         if state.get("key") != key:
-            w32 = weight.detach().float()
-            state["packed"] = torch.ops.mkldnn._reorder_linear_weight(w32, None) if self.packed_linear else w32
-            state["bias"] = None if bias is None else bias.float()
+            w = weight.detach().to(gemm_dt)
+            state["packed"] = torch.ops.mkldnn._reorder_linear_weight(w, None) if self.packed_linear else w
+            state["bias"] = None if bias is None else bias.to(gemm_dt)
             state["key"] = key
+        xg = x.to(gemm_dt).contiguous()
         if self.packed_linear:
-            out = torch.ops.mkldnn._linear_pointwise(x.float().contiguous(), state["packed"], state["bias"],
-                                                     "none", [], "")
+            out = torch.ops.mkldnn._linear_pointwise(xg, state["packed"], state["bias"], "none", [], "")
         else:
-            out = F.linear(x.float(), state["packed"], state["bias"])
-        return out if dt == torch.float32 else out.to(dt)
+            out = F.linear(xg, state["packed"], state["bias"])
+        return out if dt == gemm_dt else out.to(dt)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if not (self._rows_ok(x) and weight.dtype == x.dtype):

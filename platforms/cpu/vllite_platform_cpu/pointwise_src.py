@@ -81,6 +81,24 @@ void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
   });
 }
 
+// silu(g).to(T) * u over whole 16-bit vectors (two float vectors each); returns how many were done.
+template <typename T>
+static inline int64_t silu_mul_16bit(const T* gr, const T* ur, T* orow, int64_t n) {
+  int64_t d = 0;
+  if constexpr (at::vec::is_reduced_floating_point_v<T>) {
+    using hVec = Vectorized<T>;
+    const fVec one(1.f);
+    for (; d + hVec::size() <= n; d += hVec::size()) {
+      auto [g0, g1] = at::vec::convert_to_float<T>(hVec::loadu(gr + d));
+      auto [u0, u1] = at::vec::convert_to_float<T>(hVec::loadu(ur + d));
+      auto [s0, s1] = at::vec::convert_to_float<T>(
+          at::vec::convert_from_float<T>(g0 / (one + g0.neg().exp()), g1 / (one + g1.neg().exp())));
+      at::vec::convert_from_float<T>(s0 * u0, s1 * u1).store(orow + d);
+    }
+  }
+  return d;
+}
+
 // out[:, :I] = silu(x[:, :I]).to(T) * x[:, I:]
 void silu_and_mul(torch::Tensor out, torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.size(1) == 2 * out.size(1) && x.size(0) == out.size(0)
@@ -100,6 +118,8 @@ void silu_and_mul(torch::Tensor out, torch::Tensor x) {
             const fVec gv = fVec::loadu(gr + d);
             ((gv / (one + gv.neg().exp())) * fVec::loadu(ur + d)).store(orow + d);
           }
+        } else {
+          d = silu_mul_16bit(gr, ur, orow, n);
         }
         for (; d < n; d += V) {
           const int64_t m = std::min<int64_t>(V, n - d);
