@@ -5,11 +5,11 @@
 straight from the paged KV cache: no gathered copy of the context (the torch-ops
 path copies every context block twice per layer, which dominates a decode step
 at batch 64). Work is split over (request, 16-row query tile) tasks, each with
-all KV heads (whole cache rows are read contiguously) or, when there are too few
-tiles to busy the threads, one KV head each; the ``H / Hkv`` query heads that
-share a KV head read each key/value row once, widened to float32 in a chunk
-buffer. Scores and sums are float32 whatever the cache dtype (float32, bfloat16,
-float16); softmax is online across key chunks.
+all KV heads (whole cache rows) or, when there are too few tiles to busy the
+threads, one KV head each; the ``H / Hkv`` query heads that share a KV head read
+each key/value row once per tile, as stored (bfloat16 keys go through AVX512-BF16
+dot products where the CPU has them). Scores and sums are float32 whatever the
+cache dtype (float32, bfloat16, float16); softmax is online across key chunks.
 
 The extension is compiled with the host compiler (``-O3 -march=native``) through
 ``torch.utils.cpp_extension.load_inline`` into ``~/.cache/vllite/torch_extensions``
@@ -75,33 +75,22 @@ static inline float hsum(const AVec& v) {
 #endif
 }
 
-// dot(q, k) over n floats with 8 independent partial sums (the scalar path: head sizes that are not
+// dot(q, k) over n elements with 8 independent partial sums (the scalar path: head sizes that are not
 // whole vectors).
-static inline float dot_scalar(const float* q, const float* k, int64_t n) {
+template <typename T>
+static inline float dot_scalar(const float* q, const T* k, int64_t n) {
   float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   int64_t d = 0;
   for (; d + 8 <= n; d += 8)
-    for (int j = 0; j < 8; ++j) part[j] += q[d + j] * k[d + j];
+    for (int j = 0; j < 8; ++j) part[j] += q[d + j] * to_f(k[d + j]);
   float s = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
-  for (; d < n; ++d) s += q[d] * k[d];
+  for (; d < n; ++d) s += q[d] * to_f(k[d]);
   return s;
 }
 
-// out[k] = dot(q, kb[k]) for 16 consecutive float32 key rows of DC floats. With AVX-512 the 16 lane
-// sums are reduced together by a transpose-and-add (about 3 shuffles/adds per key instead of a full
-// horizontal sum each).
-template <int DC>
-static inline void dots16(const float* kb, const float* qv, float* out) {
-  constexpr int64_t NV = DC / VL;
-  AVec qr[NV];
-  for (int64_t v = 0; v < NV; ++v) qr[v] = AVec::loadu(qv + v * VL);
-  AVec a[16];
-  for (int k = 0; k < 16; ++k) {
-    const float* kr = kb + k * DC;
-    AVec s = AVec::loadu(kr) * qr[0];
-    for (int64_t v = 1; v < NV; ++v) s = at::vec::fmadd(AVec::loadu(kr + v * VL), qr[v], s);
-    a[k] = s;
-  }
+// out[k] = sum of the lanes of a[k], k < 16. With AVX-512 the 16 are reduced together by a
+// transpose-and-add (about 3 shuffles/adds per key instead of a full horizontal sum each).
+static inline void reduce16(AVec* a, float* out) {
 #if defined(CPU_CAPABILITY_AVX512)
   __m512 b[8], c[4];
   for (int i = 0; i < 8; ++i)  // per 128-bit lane: [k0, k1, k0, k1] partial sums of the pair
@@ -114,6 +103,39 @@ static inline void dots16(const float* kb, const float* qv, float* out) {
 #else
   for (int k = 0; k < 16; ++k) out[k] = hsum(a[k]);
 #endif
+}
+
+// out[k] = dot(q, rows[k]) * scale for 16 cache rows of DC elements, read as stored. bfloat16 rows on a
+// CPU with AVX512-BF16 multiply the query's own bfloat16 values pairwise (vdpbf16ps, float32 sums);
+// otherwise rows are widened in registers and multiplied with the float32 query.
+template <typename T, int DC>
+static inline void dots16(const T* const* rows, const float* qv, const T* qraw, float scale, float* out) {
+  AVec a[16];
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, c10::BFloat16> && DC % 32 == 0) {
+    constexpr int64_t NB = DC / 32;
+    __m512bh qb[NB];
+    for (int64_t v = 0; v < NB; ++v) qb[v] = (__m512bh)_mm512_loadu_si512(qraw + v * 32);
+    for (int k = 0; k < 16; ++k) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t v = 0; v < NB; ++v) acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(rows[k] + v * 32), qb[v]);
+      a[k] = acc;
+    }
+    reduce16(a, out);
+    const AVec sv(scale);
+    (AVec::loadu(out) * sv).store(out);
+    return;
+  }
+#endif
+  constexpr int64_t NV = DC / VL;
+  AVec qr[NV];
+  for (int64_t v = 0; v < NV; ++v) qr[v] = AVec::loadu(qv + v * VL);
+  for (int k = 0; k < 16; ++k) {
+    AVec s = avec_load(rows[k]) * qr[0];
+    for (int64_t v = 1; v < NV; ++v) s = at::vec::fmadd(avec_load(rows[k] + v * VL), qr[v], s);
+    a[k] = s;
+  }
+  reduce16(a, out);
 }
 
 // sg[j] = exp(sg[j] - m), a vector at a time (ATen's vectorised exp; scalar exp took a fifth of a
@@ -176,7 +198,9 @@ static void run(torch::Tensor& out, const torch::Tensor& query, const torch::Ten
   }
   const int64_t ntasks = static_cast<int64_t>(task_item.size());
   at::parallel_for(0, ntasks, work < 32768 ? std::max<int64_t>(ntasks, 1) : 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, acc, mx, total, scores, kbuf(KC * HG * D), vbuf(KC * HG * D);
+    std::vector<float> qf, acc, mx, total, scores;
+    std::vector<const scalar_t*> krow(KC * HG), vrow(KC * HG);  // [head][key] -> cache row
+    const std::vector<scalar_t> zero_row(D, static_cast<scalar_t>(0.f));  // pads a 16-key group
     // Cache rows ta..tb-1 of KV heads h0..h0+HG-1 of a request (contiguous within a row).
     struct Span { const int32_t* blocks; int64_t h0, ta, tb; };
     auto first_chunk = [&](int64_t tk) {
@@ -219,60 +243,60 @@ static void run(torch::Tensor& out, const torch::Tensor& query, const torch::Ten
             float* dst = qf.data() + (h * RG + rr * G + g) * D;
             for (int64_t d = 0; d < D; ++d) dst[d] = to_f(qp[d]) * sc;
           }
-      auto widen_row = [&](const scalar_t* src, float* dst) {
-        if constexpr (kVecHead<scalar_t, DC>) {
-          for (int64_t v = 0; v < DC / VL; ++v) avec_load(src + v * VL).store(dst + v * VL);
-        } else {
-          for (int64_t d = 0; d < D; ++d) dst[d] = to_f(src[d]);
-        }
-      };
-      // Context rows ta..tb-1 widened into kb/vb ([head][row][D]), block by block (no division per
-      // position).
-      auto widen_rows = [&](int64_t ta, int64_t tb, int64_t rows_per_head) {
+      // Where context rows ta..tb-1 of each head of the group lie, block by block (no division per
+      // position); rows up to the next multiple of 16 point at zeros.
+      auto collect_rows = [&](int64_t ta, int64_t tb, int64_t padded) {
         for (int64_t t = ta; t < tb;) {
           const int64_t stop = std::min<int64_t>(tb, t - t % BS + BS);
           const int64_t blk = row_blocks[t / BS];
           for (; t < stop; ++t)
             for (int64_t h = 0; h < HG; ++h) {
-              const int64_t off = (h * rows_per_head + (t - ta)) * D;
-              widen_row(kc + blk * ks0 + (t % BS) * ks1 + (h0 + h) * ks2, kbuf.data() + off);
-              widen_row(vc + blk * vs0 + (t % BS) * vs1 + (h0 + h) * vs2, vbuf.data() + off);
+              krow[h * KC + (t - ta)] = kc + blk * ks0 + (t % BS) * ks1 + (h0 + h) * ks2;
+              vrow[h * KC + (t - ta)] = vc + blk * vs0 + (t % BS) * vs1 + (h0 + h) * vs2;
             }
         }
+        for (int64_t h = 0; h < HG; ++h)
+          for (int64_t j = tb - ta; j < padded; ++j) krow[h * KC + j] = zero_row.data();
       };
       const int64_t t_lo = window > 0 ? std::max<int64_t>(0, p_first - window + 1) : 0;
       for (int64_t c0 = t_lo; c0 <= p_last; c0 += KC) {
         const int64_t c1 = std::min<int64_t>(p_last + 1, c0 + KC), nc = c1 - c0;
         const int64_t ncp = (nc + 15) / 16 * 16;
-        widen_rows(c0, c1, ncp);
-        // While this chunk computes, bring the next one (of this task or of the thread's next task) into
-        // L2, a slice per (head, row) pair: widening then finds it in cache instead of stalling.
+        collect_rows(c0, c1, ncp);
+        // While this chunk computes, the next one (of this task, or the thread's next task) is brought
+        // into L2 a row or two per 16 keys of work, so memory and compute overlap (measured apart,
+        // widening and computing took about half a decode step's attention each, and added up).
         Span next{nullptr, 0, 0, 0};
         if (c0 + KC <= p_last) next = Span{row_blocks, h0, c0 + KC, std::min<int64_t>(p_last + 1, c0 + 2 * KC)};
         else if (task + 1 < end) next = first_chunk(task + 1);
-        const int64_t pf_rows = 0 * (next.tb - next.ta), slices = HG * RG;
-        int64_t pf_done = 0, slice = 0;
+        const int64_t pf_rows = next.tb - next.ta, units = std::max<int64_t>(1, HG * RG * (ncp / 16));
+        int64_t pf_done = 0, unit = 0;
         auto prefetch_some = [&]() {
-          const int64_t upto = pf_rows * (++slice) / slices;
+          const int64_t upto = std::min<int64_t>(pf_rows, pf_rows * (++unit) / units);
           for (; pf_done < upto; ++pf_done) prefetch_row(next, next.ta + pf_done);
         };
         for (int64_t h = 0; h < HG; ++h) {
-          float* kb = kbuf.data() + h * ncp * D;
-          const float* vb = vbuf.data() + h * ncp * D;
-          std::fill(kb + nc * D, kb + ncp * D, 0.f);
+          const scalar_t* const* kr = krow.data() + h * KC;
+          const scalar_t* const* vr_rows = vrow.data() + h * KC;
           for (int64_t rg = 0; rg < RG; ++rg) {
             const int64_t p = p_first + rg / G;  // this row sees keys [max(c0, p - window + 1), min(c1 - 1, p)]
             const int64_t jlo = window > 0 ? std::max<int64_t>(0, p - window + 1 - c0) : 0;
             const int64_t jhi = std::min<int64_t>(nc - 1, p - c0);
-            prefetch_some();
             if (jlo > jhi) continue;
             const int64_t st = h * RG + rg;
             float* sg = scores.data();
             const float* qv = qf.data() + st * D;
             if constexpr (kVecHead<scalar_t, DC>) {
-              for (int64_t j = jlo / 16 * 16; j <= jhi; j += 16) dots16<DC>(kb + j * D, qv, sg + j);
+              for (int64_t j = jlo / 16 * 16; j <= jhi; j += 16) {
+                dots16<scalar_t, DC>(kr + j, qv, q + (q0 + ia + rg / G) * qs0 + ((h0 + h) * G + rg % G) * qs1, sc,
+                                     sg + j);
+                prefetch_some();
+              }
             } else {
-              for (int64_t j = jlo; j <= jhi; ++j) sg[j] = dot_scalar(qv, kb + j * D, D);
+              for (int64_t j = jlo; j <= jhi; ++j) {
+                sg[j] = dot_scalar(qv, kr[j], D);
+                if (j % 16 == 15) prefetch_some();
+              }
             }
             const int64_t n = jhi - jlo + 1;
             float* sv = sg + jlo;
@@ -293,20 +317,21 @@ static void run(torch::Tensor& out, const torch::Tensor& query, const torch::Ten
               for (int64_t v = 0; v < NV; ++v) a[v] = AVec::loadu(ap + v * VL) * fv;
               for (int64_t j = 0; j < n; ++j) {
                 const AVec w(sv[j]);
-                const float* vr = vb + (jlo + j) * DC;
-                for (int64_t v = 0; v < NV; ++v) a[v] = at::vec::fmadd(w, AVec::loadu(vr + v * VL), a[v]);
+                const scalar_t* vr = vr_rows[jlo + j];
+                for (int64_t v = 0; v < NV; ++v) a[v] = at::vec::fmadd(w, avec_load(vr + v * VL), a[v]);
               }
               for (int64_t v = 0; v < NV; ++v) a[v].store(ap + v * VL);
             } else {
               for (int64_t d = 0; d < D; ++d) ap[d] *= f;
               for (int64_t j = 0; j < n; ++j) {
                 const float w = sv[j];
-                const float* vr = vb + (jlo + j) * D;
-                for (int64_t d = 0; d < D; ++d) ap[d] += w * vr[d];
+                const scalar_t* vr = vr_rows[jlo + j];
+                for (int64_t d = 0; d < D; ++d) ap[d] += w * to_f(vr[d]);
               }
             }
           }
         }
+        for (; pf_done < pf_rows; ++pf_done) prefetch_row(next, next.ta + pf_done);
       }
       for (int64_t h = 0; h < HG; ++h)
         for (int64_t rr = 0; rr < nr; ++rr)
