@@ -112,6 +112,28 @@ def test_16bit_linear_widened_is_the_16bit_matmul(dtype, rows):
     torch.testing.assert_close(got.float(), F.linear(x, w, b).float(), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_bf16_linear_native_runs_onednn_packed_bf16(rows):
+    # With native bf16 math every row count runs oneDNN's packed bf16 kernel: bf16 products, float32
+    # sums, one rounding. Reference: float64 arithmetic on the same bf16 values.
+    from vllite_platform_cpu.platform import has_fast_bf16
+
+    if not has_fast_bf16():
+        pytest.skip("no native bf16 math on this CPU")
+    g = torch.Generator().manual_seed(rows)
+    x, w, b = (torch.randn(*s, generator=g).bfloat16() for s in ((rows, 576), (1000, 576), (1000,)))
+    ops = CpuModelOps(fused=True, packed_linear=True, widen_16bit=False)
+    state: dict = {}
+    with torch.inference_mode():
+        got = ops.linear(x, w, b, state)
+        assert got.dtype == torch.bfloat16 and state["packed"].dtype == torch.bfloat16
+        exact = (x.double() @ w.double().T + b.double()).to(torch.bfloat16)
+        torch.testing.assert_close(got.float(), exact.float(), rtol=1e-2, atol=1e-2)
+        w.mul_(-1.0)  # an in-place change of the weight is seen
+        exact = (x.double() @ w.double().T + b.double()).to(torch.bfloat16)
+        torch.testing.assert_close(ops.linear(x, w, b, state).float(), exact.float(), rtol=1e-2, atol=1e-2)
+
+
 def test_unsupported_inputs_fall_back_to_torch():
     x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
     w = torch.randn(8, dtype=torch.float64)

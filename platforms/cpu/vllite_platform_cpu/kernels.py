@@ -187,7 +187,8 @@ static void run(torch::Tensor& out, const torch::Tensor& query, const torch::Ten
   }
   // All KV heads in one task when there are tiles enough to keep the threads busy; else one head each.
   const int64_t HG = tiles >= 4 * at::get_num_threads() ? HKV : 1;
-  // Keys per chunk: a multiple of 16 (dots16), the K and V buffers ~128 KB each.
+  // Keys per chunk: a multiple of 16 (dots16), at most ~32K elements of K (and of V) over the task's
+  // heads, so a chunk stays in L2 while every query row of the tile reads it.
   const int64_t KC = std::max<int64_t>(16, std::min<int64_t>(256, 32768 / (HG * D)) / 16 * 16);
   std::vector<int64_t> task_item, task_row;
   for (int64_t j = 0; j < R; ++j) {
@@ -264,8 +265,8 @@ static void run(torch::Tensor& out, const torch::Tensor& query, const torch::Ten
         const int64_t ncp = (nc + 15) / 16 * 16;
         collect_rows(c0, c1, ncp);
         // While this chunk computes, the next one (of this task, or the thread's next task) is brought
-        // into L2 a row or two per 16 keys of work, so memory and compute overlap (measured apart,
-        // widening and computing took about half a decode step's attention each, and added up).
+        // into L2 a row or two per 16 keys of work, so that memory and compute may overlap (measured
+        // apart, reading the blocks and computing took about half a decode step's attention each).
         Span next{nullptr, 0, 0, 0};
         if (c0 + KC <= p_last) next = Span{row_blocks, h0, c0 + KC, std::min<int64_t>(p_last + 1, c0 + 2 * KC)};
         else if (task + 1 < end) next = first_chunk(task + 1);
