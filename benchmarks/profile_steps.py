@@ -17,8 +17,6 @@ import os
 import pstats
 import time
 
-import numpy as np
-
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
@@ -35,13 +33,13 @@ def main() -> None:
     a = ap.parse_args()
     logging.disable(logging.WARNING)
     from vllite_core import LLM, SamplingParams
+    from vllite_core.benchmarks.datasets import random_token_ids
 
     kw = {"model": a.model} if a.model else {}
     llm = LLM(**kw, dtype=a.dtype, max_model_len=a.input_len + a.output_len + 16, max_num_seqs=a.batch,
               enable_prefix_caching=False)
     engine = llm.llm_engine
-    rs = np.random.RandomState(0)
-    prompts = [rs.randint(17, 49152, size=a.input_len).tolist() for _ in range(a.batch)]
+    prompts = random_token_ids(a.batch, a.input_len)
     params = SamplingParams(max_tokens=a.output_len, ignore_eos=True, temperature=0)
     prefill_steps = -(-a.batch * a.input_len // engine.config.scheduler_config.max_num_batched_tokens) + 1
     for rnd in range(2):

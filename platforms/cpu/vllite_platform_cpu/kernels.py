@@ -148,12 +148,10 @@ static inline void softmax_exp(float* sg, int64_t n, float m) {
   }
 }
 
-// One task = one request, a group of its KV heads, a tile of up to ROWS query rows. Keys go in chunks:
-// the chunk's K and V rows of every head of the group are widened once into float32 buffers (L2-
-// resident) and serve every query row of the tile and every query head sharing a KV head. Reading
-// whole cache rows (all heads of the group, contiguous) instead of one head's strided slice lets the
-// hardware prefetcher stream the scattered blocks. Softmax is online across chunks (running max and
-// sum, the accumulator rescaled when the max grows), so the buffers stay small for long contexts.
+// One task = one request, a group of its KV heads, a tile of up to ROWS query rows. Keys go in chunks
+// whose rows are read in place (as stored; one chunk of a head stays in L2) by every query row of the
+// tile and every query head sharing the KV head. Softmax is online across chunks (running max and sum,
+// the accumulator rescaled when the max grows), so nothing grows with the context length.
 template <typename scalar_t, int DC>
 static void run(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                 const torch::Tensor& value_cache, const torch::Tensor& block_table, const torch::Tensor& seq_lens,
@@ -202,25 +200,6 @@ static void run(torch::Tensor& out, const torch::Tensor& query, const torch::Ten
     std::vector<float> qf, acc, mx, total, scores;
     std::vector<const scalar_t*> krow(KC * HG), vrow(KC * HG);  // [head][key] -> cache row
     const std::vector<scalar_t> zero_row(D, static_cast<scalar_t>(0.f));  // pads a 16-key group
-    // Cache rows ta..tb-1 of KV heads h0..h0+HG-1 of a request (contiguous within a row).
-    struct Span { const int32_t* blocks; int64_t h0, ta, tb; };
-    auto first_chunk = [&](int64_t tk) {
-      const int64_t item = task_item[tk], rq = rid[item / HKV];
-      const int64_t len = qsl[rq + 1] - qsl[rq];
-      const int64_t first = sl[rq] - len + task_row[tk], last = std::min<int64_t>(sl[rq] - 1, first + ROWS - 1);
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
-      return Span{bt + rq * bts, item % HKV, lo, std::min<int64_t>(last + 1, lo + KC)};
-    };
-    const int64_t span_bytes = HG * D * static_cast<int64_t>(sizeof(scalar_t));
-    auto prefetch_row = [&](const Span& sp, int64_t t) {
-      const int64_t blk = sp.blocks[t / BS];
-      const char* kp = reinterpret_cast<const char*>(kc + blk * ks0 + (t % BS) * ks1 + sp.h0 * ks2);
-      const char* vp = reinterpret_cast<const char*>(vc + blk * vs0 + (t % BS) * vs1 + sp.h0 * vs2);
-      for (int64_t b = 0; b < span_bytes; b += 64) {
-        __builtin_prefetch(kp + b, 0, 2);
-        __builtin_prefetch(vp + b, 0, 2);
-      }
-    };
     for (int64_t task = begin; task < end; ++task) {
       const int64_t item = task_item[task];
       const int64_t r = rid[item / HKV];
@@ -264,18 +243,6 @@ static void run(torch::Tensor& out, const torch::Tensor& query, const torch::Ten
         const int64_t c1 = std::min<int64_t>(p_last + 1, c0 + KC), nc = c1 - c0;
         const int64_t ncp = (nc + 15) / 16 * 16;
         collect_rows(c0, c1, ncp);
-        // While this chunk computes, the next one (of this task, or the thread's next task) is brought
-        // into L2 a row or two per 16 keys of work, so that memory and compute may overlap (measured
-        // apart, reading the blocks and computing took about half a decode step's attention each).
-        Span next{nullptr, 0, 0, 0};
-        if (c0 + KC <= p_last) next = Span{row_blocks, h0, c0 + KC, std::min<int64_t>(p_last + 1, c0 + 2 * KC)};
-        else if (task + 1 < end) next = first_chunk(task + 1);
-        const int64_t pf_rows = next.tb - next.ta, units = std::max<int64_t>(1, HG * RG * (ncp / 16));
-        int64_t pf_done = 0, unit = 0;
-        auto prefetch_some = [&]() {
-          const int64_t upto = std::min<int64_t>(pf_rows, pf_rows * (++unit) / units);
-          for (; pf_done < upto; ++pf_done) prefetch_row(next, next.ta + pf_done);
-        };
         for (int64_t h = 0; h < HG; ++h) {
           const scalar_t* const* kr = krow.data() + h * KC;
           const scalar_t* const* vr_rows = vrow.data() + h * KC;
@@ -288,16 +255,11 @@ static void run(torch::Tensor& out, const torch::Tensor& query, const torch::Ten
             float* sg = scores.data();
             const float* qv = qf.data() + st * D;
             if constexpr (kVecHead<scalar_t, DC>) {
-              for (int64_t j = jlo / 16 * 16; j <= jhi; j += 16) {
+              for (int64_t j = jlo / 16 * 16; j <= jhi; j += 16)
                 dots16<scalar_t, DC>(kr + j, qv, q + (q0 + ia + rg / G) * qs0 + ((h0 + h) * G + rg % G) * qs1, sc,
                                      sg + j);
-                prefetch_some();
-              }
             } else {
-              for (int64_t j = jlo; j <= jhi; ++j) {
-                sg[j] = dot_scalar(qv, kr[j], D);
-                if (j % 16 == 15) prefetch_some();
-              }
+              for (int64_t j = jlo; j <= jhi; ++j) sg[j] = dot_scalar(qv, kr[j], D);
             }
             const int64_t n = jhi - jlo + 1;
             float* sv = sg + jlo;
@@ -332,7 +294,6 @@ static void run(torch::Tensor& out, const torch::Tensor& query, const torch::Ten
             }
           }
         }
-        for (; pf_done < pf_rows; ++pf_done) prefetch_row(next, next.ta + pf_done);
       }
       for (int64_t h = 0; h < HG; ++h)
         for (int64_t rr = 0; rr < nr; ++rr)

@@ -176,9 +176,7 @@ SOURCE += r"""
 // out[M, N] = x[M, K] @ w[N, K]^T (+ bias) for a few rows (a decode of one or a few requests). The weight
 // is streamed once, four rows at a time, each row block reused for every x row while it sits in L1: the
 // product is bound by memory bandwidth, where MKL's GEMV reached half of what a plain read gets here.
-static inline fVec load_f(const float* p) { return fVec::loadu(p); }
-static inline fVec load_f(const c10::BFloat16* p) { fVec v; at::vec::load_to_float(p, v); return v; }
-static inline fVec load_f(const c10::Half* p) { fVec v; at::vec::load_to_float(p, v); return v; }
+// (avec_load, a float32/bf16/fp16 vector widened to float32: the attention source, same unit.)
 
 template <int R, typename W>
 static inline void dot_rows(float* out, int64_t out_stride, const float* x, int64_t M, const W* w, int64_t K,
@@ -191,7 +189,7 @@ static inline void dot_rows(float* out, int64_t out_stride, const float* x, int6
     int64_t k = 0;
     for (; k + V <= K; k += V) {
       const fVec xv = fVec::loadu(xm + k);
-      for (int r = 0; r < R; ++r) acc[r] = at::vec::fmadd(load_f(w + r * K + k), xv, acc[r]);
+      for (int r = 0; r < R; ++r) acc[r] = at::vec::fmadd(avec_load(w + r * K + k), xv, acc[r]);
     }
     for (int r = 0; r < R; ++r) {
       float lanes[V];
