@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from vllite_platform_cpu import pointwise_src
+from vllite_platform_cpu import gemm_src, pointwise_src
 
 logger = logging.getLogger("vllite.platforms.cpu.kernels")
 
@@ -351,7 +351,8 @@ def cache_root() -> str:
 def _build_name() -> str:
     from vllite_platform_cpu.platform import cpu_flags
 
-    key = "|".join([_SOURCE, pointwise_src.SOURCE, pointwise_src.BINDINGS, torch.__version__, " ".join(sorted(cpu_flags())), sys.version])
+    key = "|".join([_SOURCE, gemm_src.SOURCE, gemm_src.BINDINGS, pointwise_src.SOURCE, pointwise_src.BINDINGS,
+                    torch.__version__, " ".join(sorted(cpu_flags())), sys.version])
     return "vllite_cpu_paged_" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
@@ -393,10 +394,10 @@ def load() -> Any:
 
             t0 = time.perf_counter()
             _module = cpp_extension.load_inline(
-                name=name, cpp_sources=[_SOURCE + pointwise_src.SOURCE
+                name=name, cpp_sources=[_SOURCE + gemm_src.SOURCE + pointwise_src.SOURCE
                                         + "\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {"
                                         " m.def(\"paged_attention\", &paged_attention); "
-                                        + pointwise_src.BINDINGS + " }\n"],
+                                        + gemm_src.BINDINGS + pointwise_src.BINDINGS + " }\n"],
                 build_directory=build_dir,
                 # -fopenmp: at::parallel_for is OpenMP inline code; without it every kernel ran on one
                 # thread. libgomp resolves to the copy torch already loaded (same soname).
@@ -452,3 +453,19 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 def small_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     """float32 ``out = x @ weight.T + bias`` for a few rows, streaming the weight once."""
     load().small_linear(out, x, weight, bias)
+
+
+def avx2_gemm_available() -> bool:
+    """The AVX2/FMA float32 GEMM was compiled in (the host compiler targets a CPU with both)."""
+    mod = load()
+    return mod is not None and bool(mod.avx2_gemm_available())
+
+
+def avx2_gemm_pack(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 weight [N, K] as the GEMM's panels [ceil(N / 16), K, 16]."""
+    return load().avx2_gemm_pack(weight)
+
+
+def avx2_gemm(out: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """float32 ``out = x @ weight.T + bias`` with the weight packed by ``avx2_gemm_pack``."""
+    load().avx2_gemm(out, x, packed, bias)

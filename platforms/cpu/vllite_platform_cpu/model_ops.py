@@ -22,25 +22,34 @@ def onednn_linear_available() -> bool:
 
 
 class CpuModelOps(ModelOps):
-    """Fused kernels when ``fused`` (the C++ extension built), prepacked weights when ``packed_linear``,
-    16-bit layers computed through float32 when ``widen_16bit`` (no native bf16/fp16 math)."""
+    """Fused kernels when ``fused`` (the C++ extension built), prepacked weights when ``packed_linear``
+    (oneDNN's layout, or the AVX2 GEMM's panels when ``avx2_gemm``), 16-bit layers computed through
+    float32 when ``widen_16bit`` (no native bf16/fp16 math)."""
 
-    def __init__(self, fused: bool, packed_linear: bool, widen_16bit: bool = False) -> None:
+    def __init__(self, fused: bool, packed_linear: bool, widen_16bit: bool = False, avx2_gemm: bool = False) -> None:
         self.fused = fused
         self.packed_linear = packed_linear
         self.widen_16bit = widen_16bit
-        self.name = "+".join(n for n, on in (("cpu-fused", fused), ("onednn-linear", packed_linear)) if on) or "torch"
+        self.avx2_gemm = avx2_gemm and fused
+        parts = (("cpu-fused", fused), ("avx2-gemm", self.avx2_gemm),
+                 ("onednn-linear", packed_linear and not self.avx2_gemm))
+        self.name = "+".join(n for n, on in parts if on) or "torch"
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: dict) -> torch.Tensor:
-        """Up to SMALL_LINEAR_MAX_ROWS rows: the C++ kernel streams the weight as stored (a 16-bit weight
-        is widened in registers). More rows: oneDNN's blocked layout, which made this model's linear
-        layers 1.1-1.3x faster than F.linear (MKL) at 64-2048 rows and the LM head 2x at 64 rows on an
-        AVX2 host; its copy is made on first use and remade when the weight changes (an in-place load
-        bumps its version). On a CPU without native 16-bit math (``widen_16bit``) a bfloat16/float16
-        layer multiplies a float32 copy of its weight with the widened input and rounds the result:
-        every product of two 16-bit floats is exact in float32, so this is the 16-bit matmul's own
-        arithmetic (float32 accumulation), at float32 speed instead of torch's emulated 16-bit GEMM
-        (6x slower on AVX2). That copy costs float32 memory beside the 16-bit weight."""
+        """Where the AVX2 GEMM is built (AVX2 hosts without AVX-512) every float32 GEMM goes to it, at
+        any row count: its packed panels stream the weight from memory faster than oneDNN's kernel and,
+        at 1-4 rows, than the weight-streaming kernel on the plain weight. Otherwise up to
+        SMALL_LINEAR_MAX_ROWS rows go to that C++ kernel, which streams the weight as stored (a 16-bit
+        weight is widened in registers: half the bytes of a float32 copy, so it also keeps 16-bit
+        layers at 1-4 rows on an AVX2 host), and more rows to oneDNN's blocked layout, which made this
+        model's linear layers 1.1-1.3x faster than F.linear (MKL) at 64-2048 rows and the LM head 2x at
+        64 rows. A packed copy is made on first use and remade when the weight changes (an in-place
+        load bumps its version). On a CPU without native 16-bit math (``widen_16bit``) a
+        bfloat16/float16 layer multiplies a float32 copy of its weight with the widened input and
+        rounds the result: every product of two 16-bit floats is exact in float32, so this is the
+        16-bit matmul's own arithmetic (float32 accumulation), at float32 speed instead of torch's
+        emulated 16-bit GEMM (6x slower on AVX2). That copy costs float32 memory beside the 16-bit
+        weight."""
         dt = x.dtype
         if (x.dim() != 2 or dt != weight.dtype or dt not in _KERNEL_DTYPES or x.device.type != "cpu"
                 or torch.is_grad_enabled() or (bias is not None and bias.dtype != dt)):
@@ -48,8 +57,9 @@ class CpuModelOps(ModelOps):
         # With native bf16 math oneDNN's packed bf16 kernel streams the weight as fast as ours at one row
         # (and 1.5-2x faster at four rows, 2x on the LM head), so there it takes every row count.
         native_16bit = dt == torch.bfloat16 and not self.widen_16bit and self.packed_linear
+        avx2 = self.avx2_gemm and (dt == torch.float32 or self.widen_16bit)
         if (self.fused and x.shape[0] <= SMALL_LINEAR_MAX_ROWS and weight.is_contiguous()
-                and not native_16bit):
+                and not native_16bit and not (avx2 and dt == torch.float32)):
             out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
             kernels.small_linear(out, x.float().contiguous(), weight, None if bias is None else bias.float())
             return out if dt == torch.float32 else out.to(dt)
@@ -61,16 +71,22 @@ class CpuModelOps(ModelOps):
             gemm_dt = dt
         else:
             return super().linear(x, weight, bias, state)
-        if not self.packed_linear and dt == gemm_dt:
+        if not (self.packed_linear or avx2) and dt == gemm_dt:
             return super().linear(x, weight, bias, state)
         key = (weight.data_ptr(), weight._version, None if bias is None else (bias.data_ptr(), bias._version))
         if state.get("key") != key:
             w = weight.detach().to(gemm_dt)
-            state["packed"] = torch.ops.mkldnn._reorder_linear_weight(w, None) if self.packed_linear else w
-            state["bias"] = None if bias is None else bias.to(gemm_dt)
+            if avx2:
+                state["packed"] = kernels.avx2_gemm_pack(w)
+            else:
+                state["packed"] = torch.ops.mkldnn._reorder_linear_weight(w, None) if self.packed_linear else w
+            state["bias"] = None if bias is None else bias.to(gemm_dt).contiguous()
             state["key"] = key
         xg = x.to(gemm_dt).contiguous()
-        if self.packed_linear:
+        if avx2:
+            out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+            kernels.avx2_gemm(out, xg, state["packed"], state["bias"])
+        elif self.packed_linear:
             out = torch.ops.mkldnn._linear_pointwise(xg, state["packed"], state["bias"], "none", [], "")
         else:
             out = F.linear(xg, state["packed"], state["bias"])

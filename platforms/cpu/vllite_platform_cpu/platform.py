@@ -29,6 +29,7 @@ DEFAULT_KV_CACHE_CAP = 4 * GiB
 KVCACHE_SPACE_ENV = "VLLITE_CPU_KVCACHE_SPACE"  # GiB, like vLLM's VLLM_CPU_KVCACHE_SPACE
 FUSED_OPS_ENV = "VLLITE_CPU_FUSED_OPS"  # 0: torch pointwise ops instead of the C++ kernels
 ONEDNN_ENV = "VLLITE_CPU_ONEDNN"  # 0: F.linear instead of oneDNN-prepacked weights
+AVX2_GEMM_ENV = "VLLITE_CPU_AVX2_GEMM"  # 0: oneDNN instead of the AVX2 GEMM on AVX2 hosts
 COMPILE_ENV = "VLLITE_CPU_COMPILE"  # 1: torch.compile the decode step (off by default: not faster here)
 
 
@@ -75,6 +76,17 @@ def has_fast_bf16(flags: set[str] | None = None) -> bool:
     if pyplatform.machine().lower() in ("aarch64", "arm64"):
         return "bf16" in flags
     return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def use_avx2_gemm(flags: set[str] | None = None) -> bool:
+    """The AVX2 float32 GEMM serves the linear layers on AVX2/FMA hosts without AVX-512, where it beat
+    oneDNN (on AVX-512 hosts oneDNN's wider kernels stay); ``VLLITE_CPU_AVX2_GEMM=0`` turns it off."""
+    from vllite_platform_cpu import kernels
+
+    flags = cpu_flags() if flags is None else flags
+    if os.environ.get(AVX2_GEMM_ENV, "1") == "0" or "avx512f" in flags or not {"avx2", "fma"} <= flags:
+        return False
+    return kernels.avx2_gemm_available()
 
 
 def _cgroup_limit() -> int | None:
@@ -171,8 +183,9 @@ class CpuPlatform(Platform):
         return TorchPagedAttention()
 
     def model_ops(self, config: "VlliteConfig") -> "ModelOps":
-        """Fused C++ pointwise kernels and oneDNN-packed float32 linears (``VLLITE_CPU_FUSED_OPS=0`` and
-        ``VLLITE_CPU_ONEDNN=0`` turn them off). Under ``VLLITE_CPU_COMPILE=1`` the torch ops stay, for
+        """Fused C++ pointwise kernels and packed float32 linears: the AVX2 GEMM on AVX2 hosts, oneDNN's
+        elsewhere (``VLLITE_CPU_FUSED_OPS=0``, ``VLLITE_CPU_AVX2_GEMM=0`` and ``VLLITE_CPU_ONEDNN=0``
+        turn them off). Under ``VLLITE_CPU_COMPILE=1`` the torch ops stay, for
         inductor to fuse."""
         from vllite_core.model_ops import ModelOps
         from vllite_platform_cpu import kernels
@@ -182,7 +195,8 @@ class CpuPlatform(Platform):
             return ModelOps()
         fused = os.environ.get(FUSED_OPS_ENV, "1") != "0" and kernels.available()
         packed = os.environ.get(ONEDNN_ENV, "1") != "0" and onednn_linear_available()
-        return CpuModelOps(fused=fused, packed_linear=packed, widen_16bit=not has_fast_bf16())
+        return CpuModelOps(fused=fused, packed_linear=packed, widen_16bit=not has_fast_bf16(),
+                           avx2_gemm=fused and use_avx2_gemm())
 
     def determine_available_memory(self, config: "VlliteConfig", profile_run: Callable[[], None]) -> int:
         """Explicit size (``kv_cache_memory``, then VLLITE_CPU_KVCACHE_SPACE) if given; otherwise
