@@ -144,3 +144,59 @@ def test_unsupported_inputs_fall_back_to_torch():
     y = torch.randn(6, 5).t()  # last dimension not contiguous: the torch path
     with torch.inference_mode():
         assert torch.equal(FAST.silu_and_mul(y), base.silu_and_mul(y))
+
+
+needs_avx2_gemm = pytest.mark.skipif(not kernels.avx2_gemm_available(), reason="AVX2 GEMM not built on this CPU")
+AVX2 = CpuModelOps(fused=True, packed_linear=True, avx2_gemm=True)
+
+
+@needs_avx2_gemm
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 64, 97, 200])
+@pytest.mark.parametrize("shape", [(960, 576), (49, 1536), (16, 3), (1, 7)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_avx2_gemm_matches_float64(rows, shape, bias):
+    # Every row count and every column remainder of the 6 x 16 tiles (rows past a 96-row block, columns
+    # past a 16-column panel); the reference is float64 arithmetic on the same float32 values.
+    n, k = shape
+    g = torch.Generator().manual_seed(rows * 31 + n)
+    x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    state: dict = {}
+
+    def exact():
+        return F.linear(x.double(), w.double(), None if b is None else b.double()).float()
+
+    with torch.inference_mode():
+        got = AVX2.linear(x, w, b, state)
+        assert state["packed"].shape == (-(-n // 16), k, 16)  # the GEMM's panels, not oneDNN's copy
+        torch.testing.assert_close(got, exact(), rtol=1e-5, atol=1e-5 * k ** 0.5)
+        w.mul_(-0.5)  # an in-place change of the weight is repacked
+        torch.testing.assert_close(AVX2.linear(x, w, b, state), exact(), rtol=1e-5, atol=1e-5 * k ** 0.5)
+
+
+@needs_avx2_gemm
+@pytest.mark.parametrize("rows", [1, 64])
+def test_avx2_gemm_widened_16bit(rows):
+    # bf16 without native math at 64 rows: the widened float32 copy through the AVX2 GEMM, rounded once;
+    # at 1 row the small-row kernel still reads the bf16 weight itself (half the bytes).
+    g = torch.Generator().manual_seed(rows)
+    x, w, b = (torch.randn(*s, generator=g).bfloat16() for s in ((rows, 576), (1000, 576), (1000,)))
+    ops = CpuModelOps(fused=True, packed_linear=True, widen_16bit=True, avx2_gemm=True)
+    state: dict = {}
+    with torch.inference_mode():
+        got = ops.linear(x, w, b, state)
+    exact = (x.double() @ w.double().T + b.double()).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert ("packed" in state) == (rows > SMALL_LINEAR_MAX_ROWS)
+    torch.testing.assert_close(got.float(), exact.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_avx2_gemm_chosen_only_on_avx2_hosts_without_avx512(monkeypatch):
+    from vllite_platform_cpu import platform as cpu_platform
+
+    monkeypatch.setattr(kernels, "avx2_gemm_available", lambda: True)
+    assert cpu_platform.use_avx2_gemm({"avx2", "fma"})
+    assert not cpu_platform.use_avx2_gemm({"avx2", "fma", "avx512f"})  # oneDNN's AVX-512 kernels stay
+    assert not cpu_platform.use_avx2_gemm({"avx", "sse4_2"})
+    monkeypatch.setenv(cpu_platform.AVX2_GEMM_ENV, "0")
+    assert not cpu_platform.use_avx2_gemm({"avx2", "fma"})
