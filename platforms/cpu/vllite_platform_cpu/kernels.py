@@ -100,6 +100,18 @@ static inline void reduce16(AVec* a, float* out) {
   const __m512 e0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
   const __m512 e1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
   _mm512_storeu_ps(out, _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, 0x88), _mm512_shuffle_f32x4(e0, e1, 0xDD)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  // 8 keys at a time: two rounds of pairwise horizontal adds leave each 128-bit half holding 4 keys'
+  // partial sums; the halves of two such vectors are then added (7 shuffles/adds per 8 keys instead
+  // of a store and 7 scalar adds per key).
+  for (int g = 0; g < 2; ++g) {
+    __m256 v[8];
+    for (int i = 0; i < 8; ++i) v[i] = a[8 * g + i];
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    _mm256_storeu_ps(out + 8 * g, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                                                _mm256_permute2f128_ps(u0, u1, 0x31)));
+  }
 #else
   for (int k = 0; k < 16; ++k) out[k] = hsum(a[k]);
 #endif
