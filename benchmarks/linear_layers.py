@@ -1,0 +1,63 @@
+"""The linear layers of one SmolLM2-135M decode step, timed per CPU GEMM path, weights streamed from memory.
+
+    .venv/bin/python benchmarks/linear_layers.py --rows 1 5 64
+
+30 layers of (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536) plus the 49152x576 LM head,
+float32, each weight its own tensor (540 MB in all, so every step reads them from DRAM as the engine
+does). The paths run in turns, one step each, and the median and best of --rounds are printed:
+``onednn`` (torch's mkldnn packed linear), ``avx2`` (the CPU platform's AVX2 GEMM, where built),
+``small`` (the weight-streaming kernel, up to 4 rows).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 5, 64])
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--threads", type=int, default=None)
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    from vllite_platform_cpu import kernels
+
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=g) * 0.05 for _ in range(30) for n, k in SHAPES]
+    weights.append(torch.randn(49152, 576, generator=g) * 0.05)
+    flops_per_row = sum(2 * w.numel() for w in weights)
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
+    avx2 = [kernels.avx2_gemm_pack(w) for w in weights] if kernels.avx2_gemm_available() else None
+    print(f"threads {torch.get_num_threads()}, weights {sum(w.numel() for w in weights) * 4 / 1e6:.0f} MB")
+    for m in a.rows:
+        xs = {k: torch.randn(m, k, generator=g) for k in (576, 1536)}
+        outs = {n: torch.empty(m, n) for n in (960, 576, 3072, 49152)}
+        paths = {"onednn": lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+                                    for w, p in zip(weights, onednn)]}
+        if avx2 is not None:
+            paths["avx2"] = lambda: [kernels.avx2_gemm(outs[w.shape[0]], xs[w.shape[1]], p, None)
+                                     for w, p in zip(weights, avx2)]
+        if m <= 4:
+            paths["small"] = lambda: [kernels.small_linear(outs[w.shape[0]], xs[w.shape[1]], w, None) for w in weights]
+        times: dict[str, list[float]] = {name: [] for name in paths}
+        for _ in range(a.rounds + 1):  # the first round warms up
+            for name, run in paths.items():
+                t0 = time.perf_counter()
+                run()
+                times[name].append(time.perf_counter() - t0)
+        cells = []
+        for name, ts in times.items():
+            ts = sorted(ts[1:])
+            med = ts[len(ts) // 2]
+            cells.append(f"{name} {med * 1e3:6.1f} ms (best {ts[0] * 1e3:.1f}, {flops_per_row * m / med / 1e9:.0f} GFLOPS)")
+        print(f"rows {m:4d}: " + "   ".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
