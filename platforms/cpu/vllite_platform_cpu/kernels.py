@@ -1,5 +1,5 @@
-"""Small C++ kernels for the CPU (paged attention, and the fused pointwise ops of
-``pointwise_src.py``), built on first use and cached.
+"""Small C++ kernels for the CPU (paged attention, the AVX2 float32 GEMM of ``gemm_src.py`` and the
+fused pointwise ops of ``pointwise_src.py``), built on first use and cached.
 
 ``paged_attention`` computes attention for the query rows of selected requests
 straight from the paged KV cache: no gathered copy of the context (the torch-ops
