@@ -55,7 +55,8 @@ def main() -> None:
         for name, ts in times.items():
             ts = sorted(ts[1:])
             med = ts[len(ts) // 2]
-            cells.append(f"{name} {med * 1e3:6.1f} ms (best {ts[0] * 1e3:.1f}, {flops_per_row * m / med / 1e9:.0f} GFLOPS)")
+            gflops = flops_per_row * m / med / 1e9
+            cells.append(f"{name} {med * 1e3:6.1f} ms (best {ts[0] * 1e3:.1f}, {gflops:.0f} GFLOPS)")
         print(f"rows {m:4d}: " + "   ".join(cells), flush=True)
 
 
