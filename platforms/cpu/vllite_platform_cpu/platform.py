@@ -196,7 +196,7 @@ class CpuPlatform(Platform):
         fused = os.environ.get(FUSED_OPS_ENV, "1") != "0" and kernels.available()
         packed = os.environ.get(ONEDNN_ENV, "1") != "0" and onednn_linear_available()
         return CpuModelOps(fused=fused, packed_linear=packed, widen_16bit=not has_fast_bf16(),
-                           avx2_gemm=fused and use_avx2_gemm())
+                           avx2_gemm=use_avx2_gemm())
 
     def determine_available_memory(self, config: "VlliteConfig", profile_run: Callable[[], None]) -> int:
         """Explicit size (``kv_cache_memory``, then VLLITE_CPU_KVCACHE_SPACE) if given; otherwise
