@@ -127,24 +127,28 @@ def test_fp8_kv_cache(cache_dtype):
 
 # The C++ kernel's own paths: vector head sizes (64, 128) and a scalar one (80); contexts longer than a
 # key chunk (online softmax across chunks); many tiles (one task spans all KV heads) and few (a task per
-# KV head); query tiles of 16 rows with causal edges and a sliding window.
-@pytest.mark.parametrize("head_size,heads,kv_heads,q_lens,s_lens,window,dtype", [
-    (64, 9, 3, [1] * 12 + [40], [300] * 12 + [340], None, torch.float32),
-    (64, 9, 3, [1] * 12 + [40], [300] * 12 + [340], 100, torch.float32),
-    (128, 8, 2, [1, 33], [700, 33], None, torch.float32),
-    (128, 8, 2, [1, 33], [700, 60], 50, torch.float32),
-    (80, 4, 2, [3, 20], [200, 20], None, torch.float32),
-    (64, 9, 3, [1] * 9 + [17], [400] * 9 + [300], None, torch.bfloat16),
-    (128, 8, 2, [1, 20], [300, 20], None, torch.bfloat16),
-    (64, 9, 3, [1, 17], [200, 40], 30, torch.float16),
+# KV head); query tiles of 16 rows with causal edges and a sliding window. Decode rows (one query row) take
+# their own streaming path: blocks of 4 and 16, contexts that end mid-block, 1-4 query heads per KV head.
+@pytest.mark.parametrize("head_size,heads,kv_heads,q_lens,s_lens,window,dtype,block", [
+    (64, 9, 3, [1] * 12 + [40], [300] * 12 + [340], None, torch.float32, 16),
+    (64, 8, 2, [1, 1, 1], [77, 5, 130], None, torch.float32, 4),
+    (64, 4, 4, [1] * 10, [19 + 23 * i for i in range(10)], 40, torch.float32, 4),
+    (128, 12, 3, [1] * 9, [513] * 9, None, torch.float32, 16),
+    (64, 9, 3, [1] * 12 + [40], [300] * 12 + [340], 100, torch.float32, 16),
+    (128, 8, 2, [1, 33], [700, 33], None, torch.float32, 16),
+    (128, 8, 2, [1, 33], [700, 60], 50, torch.float32, 16),
+    (80, 4, 2, [3, 20], [200, 20], None, torch.float32, 16),
+    (64, 9, 3, [1] * 9 + [17], [400] * 9 + [300], None, torch.bfloat16, 16),
+    (128, 8, 2, [1, 20], [300, 20], None, torch.bfloat16, 16),
+    (64, 9, 3, [1, 17], [200, 40], 30, torch.float16, 16),
 ])
-def test_cpu_kernel_paths(head_size, heads, kv_heads, q_lens, s_lens, window, dtype):
+def test_cpu_kernel_paths(head_size, heads, kv_heads, q_lens, s_lens, window, dtype, block):
     from vllite_platform_cpu import kernels
 
     if not kernels.available():
         pytest.skip(f"CPU kernels not built here: {kernels.error()}")
-    q, k, v, cache, md = _case(q_lens, s_lens, heads, kv_heads, head_size=head_size, dtype=dtype, block=16,
-                               num_blocks=sum(-(-s // 16) for s in s_lens) + 4)
+    q, k, v, cache, md = _case(q_lens, s_lens, heads, kv_heads, head_size=head_size, dtype=dtype, block=block,
+                               num_blocks=sum(-(-s // block) for s in s_lens) + 4)
     ref_cache = cache.clone()
     backend = TorchPagedAttention()
     backend.prepare(md)

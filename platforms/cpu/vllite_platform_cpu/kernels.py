@@ -160,6 +160,188 @@ static inline void softmax_exp(float* sg, int64_t n, float m) {
   }
 }
 
+// The cache rows of one request, position by position, without a division per position.
+template <typename T>
+struct RowWalk {
+  const T* base;
+  const int32_t* blocks;
+  int64_t bs, s0, s1, b, off;
+  RowWalk(const T* base_, const int32_t* blocks_, int64_t bs_, int64_t s0_, int64_t s1_, int64_t t)
+      : base(base_), blocks(blocks_), bs(bs_), s0(s0_), s1(s1_), b(t / bs_), off(t % bs_) {}
+  const T* row() const { return base + blocks[b] * s0 + off * s1; }
+  void next() { if (++off == bs) { off = 0; ++b; } }
+};
+
+// Fetch HG head rows of D elements (s2 apart) into the cache: locality 3 (all levels) for rows read
+// next, 2 (L2 and out) for later; __builtin_prefetch is portable (x86's T0 / T1, AArch64's PRFM).
+template <typename T, int LOCALITY>
+static inline void prefetch_rows(const T* row, int64_t HG, int64_t s2, int64_t D) {
+  const int64_t bytes = D * static_cast<int64_t>(sizeof(T));
+  for (int64_t h = 0; h < HG; ++h) {
+    const char* p = reinterpret_cast<const char*>(row + h * s2);
+    for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(p + c, 0, LOCALITY);
+  }
+}
+
+static inline float vmax(const float* x, int64_t n) {
+  int64_t j = 0;
+  float m = -INFINITY;
+  if (n >= VL) {
+    AVec mv = AVec::loadu(x);
+    for (j = VL; j + VL <= n; j += VL) mv = at::vec::maximum(mv, AVec::loadu(x + j));
+    float lanes[VL];
+    mv.store(lanes);
+    for (int64_t i = 0; i < VL; ++i) m = std::max(m, lanes[i]);
+  }
+  for (; j < n; ++j) m = std::max(m, x[j]);
+  return m;
+}
+
+static inline float vsum(const float* x, int64_t n) {
+  AVec sv(0.f);
+  int64_t j = 0;
+  for (; j + VL <= n; j += VL) sv = sv + AVec::loadu(x + j);
+  float s = hsum(sv);
+  for (; j < n; ++j) s += x[j];
+  return s;
+}
+
+// The partial-sum vectors of NQ query heads (qv, D floats apart) against one key row in registers (kv),
+// each as two interleaved FMA chains: 2 * NQ independent chains hide the FMA latency that one 8-deep
+// chain per head exposed. Stored 16 vectors apart (dst: [head][16 positions][VL]).
+template <int NQ, int64_t NV>
+static inline void dots_g(const AVec* kv, const float* qv, int64_t D, float* dst) {
+  AVec s0[NQ], s1[NQ];
+  for (int i = 0; i < NQ; ++i) {
+    s0[i] = kv[0] * AVec::loadu(qv + i * D);
+    s1[i] = NV > 1 ? kv[1] * AVec::loadu(qv + i * D + VL) : AVec(0.f);
+  }
+  for (int64_t v = 2; v < NV; v += 2)
+    for (int i = 0; i < NQ; ++i) {
+      s0[i] = at::vec::fmadd(kv[v], AVec::loadu(qv + i * D + v * VL), s0[i]);
+      if (v + 1 < NV) s1[i] = at::vec::fmadd(kv[v + 1], AVec::loadu(qv + i * D + (v + 1) * VL), s1[i]);
+    }
+  for (int i = 0; i < NQ; ++i) (s0[i] + s1[i]).store(dst + i * 16 * VL);
+}
+
+// Per-thread buffers of decode_row, kept across its tasks.
+struct DecodeScratch {
+  std::vector<float> qf, acc, mx, total, scores, part;
+};
+
+// Attention of one query row (a decode step's token) over positions [t_lo, t_hi] of its request, for
+// KV heads h0 .. h0 + HG - 1 and the G query heads of each. Why not the tile path: a decode step is
+// bound by reading the cache, and that path walks one head's rows at a time (768-byte strides, the
+// same rows again per query head). Here each position's rows of the group's heads are read once, in
+// order, for all G query heads, and the rows PD positions ahead are prefetched (K into L1, V into L2 for
+// the pass over V that follows each chunk), so the reads stream like a plain copy.
+template <typename T, int DC>
+static void decode_row(const T* qrow, int64_t qs1, T* orow, int64_t os1, const T* kc, const T* vc,
+                       int64_t ks0, int64_t ks1, int64_t ks2, int64_t vs0, int64_t vs1, int64_t vs2,
+                       const int32_t* row_blocks, int64_t BS, int64_t h0, int64_t HG, int64_t G, int64_t t_lo,
+                       int64_t t_hi, float sc, DecodeScratch& w) {
+  constexpr int64_t D = DC, NV = DC / VL, KC = 256, PD = 16;
+  const int64_t N = HG * G;  // states, st = h * G + g (query head (h0 + h) * G + g)
+  w.qf.resize(N * D);
+  w.acc.assign(N * D, 0.f);
+  w.mx.assign(N, -INFINITY);
+  w.total.assign(N, 0.f);
+  w.scores.resize(N * KC + 16);
+  w.part.resize(N * 16 * VL);
+  for (int64_t st = 0; st < N; ++st) {
+    const T* qp = qrow + (h0 * G + st) * qs1;
+    for (int64_t d = 0; d < D; ++d) w.qf[st * D + d] = to_f(qp[d]) * sc;
+  }
+  const T* kbase = kc + h0 * ks2;
+  const T* vbase = vc + h0 * vs2;
+  RowWalk<T> kw(kbase, row_blocks, BS, ks0, ks1, t_lo), vw(vbase, row_blocks, BS, vs0, vs1, t_lo);
+  RowWalk<T> kpf = kw;  // PD positions ahead of kw
+  int64_t t_pf = t_lo;
+  for (int64_t i = 0; i < PD && t_pf <= t_hi; ++i, ++t_pf, kpf.next()) prefetch_rows<T, 3>(kpf.row(), HG, ks2, D);
+  for (int64_t c0 = t_lo; c0 <= t_hi; c0 += KC) {
+    const int64_t n = std::min<int64_t>(t_hi + 1, c0 + KC) - c0;
+    RowWalk<T> vpf = vw;  // this chunk's V rows go to L2 while K is read
+    // Scores: 16 positions at a time, one vector of partial sums per (state, position), then reduced.
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+      const int64_t m = std::min<int64_t>(16, n - j0);
+      for (int64_t k = 0; k < m; ++k) {
+        if (t_pf <= t_hi) { prefetch_rows<T, 3>(kpf.row(), HG, ks2, D); kpf.next(); ++t_pf; }
+        prefetch_rows<T, 2>(vpf.row(), HG, vs2, D);
+        vpf.next();
+        const T* kr = kw.row();
+        for (int64_t h = 0; h < HG; ++h) {
+          AVec kv[NV];
+          for (int64_t v = 0; v < NV; ++v) kv[v] = avec_load(kr + h * ks2 + v * VL);
+          for (int64_t g = 0; g < G; g += 4) {
+            const float* qv = w.qf.data() + (h * G + g) * D;
+            float* dst = w.part.data() + ((h * G + g) * 16 + k) * VL;
+            switch (std::min<int64_t>(4, G - g)) {
+              case 4: dots_g<4, NV>(kv, qv, D, dst); break;
+              case 3: dots_g<3, NV>(kv, qv, D, dst); break;
+              case 2: dots_g<2, NV>(kv, qv, D, dst); break;
+              default: dots_g<1, NV>(kv, qv, D, dst); break;
+            }
+          }
+        }
+        kw.next();
+      }
+      for (int64_t st = 0; st < N; ++st) {
+        AVec a[16];
+        for (int64_t k = 0; k < 16; ++k) a[k] = k < m ? AVec::loadu(w.part.data() + (st * 16 + k) * VL) : AVec(0.f);
+        reduce16(a, w.scores.data() + st * KC + j0);  // scores has 16 floats of slack past KC
+      }
+    }
+    // Online softmax over the chunk, per state.
+    for (int64_t st = 0; st < N; ++st) {
+      float* sv = w.scores.data() + st * KC;
+      const float m_new = std::max(w.mx[st], vmax(sv, n));
+      softmax_exp(sv, n, m_new);
+      const float f = m_new == w.mx[st] ? 1.f : std::exp(w.mx[st] - m_new);  // 0 on the first chunk
+      w.total[st] = w.total[st] * f + vsum(sv, n);
+      w.mx[st] = m_new;
+      if (f != 1.f) {
+        const AVec fv(f);
+        for (int64_t v = 0; v < NV; ++v) (AVec::loadu(w.acc.data() + st * D + v * VL) * fv).store(w.acc.data() + st * D + v * VL);
+      }
+    }
+    // Values: 16 positions at a time per state, the accumulator in registers, the rows from L1.
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+      const int64_t m = std::min<int64_t>(16, n - j0);
+      const T* vrows[16];
+      for (int64_t k = 0; k < m; ++k) { vrows[k] = vw.row(); vw.next(); }
+      for (int64_t h = 0; h < HG; ++h)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t st = h * G + g;
+          float* ap = w.acc.data() + st * D;
+          const float* p = w.scores.data() + st * KC + j0;
+          AVec a[NV];
+          for (int64_t v = 0; v < NV; ++v) a[v] = AVec::loadu(ap + v * VL);
+          for (int64_t k = 0; k < m; ++k) {
+            const AVec wt(p[k]);
+            const T* vr = vrows[k] + h * vs2;
+            for (int64_t v = 0; v < NV; ++v) a[v] = at::vec::fmadd(wt, avec_load(vr + v * VL), a[v]);
+          }
+          for (int64_t v = 0; v < NV; ++v) a[v].store(ap + v * VL);
+        }
+    }
+  }
+  for (int64_t st = 0; st < N; ++st) {
+    const float inv = 1.f / w.total[st];
+    T* op = orow + (h0 * G + st) * os1;
+    for (int64_t d = 0; d < D; ++d) op[d] = static_cast<T>(w.acc[st * D + d] * inv);
+  }
+}
+
+// bfloat16 caches on a CPU with AVX512-BF16 keep decoding through the tile path's vdpbf16ps dot products
+// (measured there; the streaming path widens each row and was not measured on such a CPU).
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+template <typename T>
+constexpr bool kStreamDecode = !std::is_same_v<T, c10::BFloat16>;
+#else
+template <typename T>
+constexpr bool kStreamDecode = true;
+#endif
+
 // One task = one request, a group of its KV heads, a tile of up to ROWS query rows. Keys go in chunks
 // whose rows are read in place (as stored; one chunk of a head stays in L2) by every query row of the
 // tile and every query head sharing the KV head. Softmax is online across chunks (running max and sum,
@@ -210,6 +392,7 @@ static void run(torch::Tensor& out, const torch::Tensor& query, const torch::Ten
   const int64_t ntasks = static_cast<int64_t>(task_item.size());
   at::parallel_for(0, ntasks, work < 32768 ? std::max<int64_t>(ntasks, 1) : 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf, acc, mx, total, scores;
+    DecodeScratch dscratch;
     std::vector<const scalar_t*> krow(KC * HG), vrow(KC * HG);  // [head][key] -> cache row
     const std::vector<scalar_t> zero_row(D, static_cast<scalar_t>(0.f));  // pads a 16-key group
     for (int64_t task = begin; task < end; ++task) {
@@ -221,6 +404,14 @@ static void run(torch::Tensor& out, const torch::Tensor& query, const torch::Ten
       const int32_t* row_blocks = bt + r * bts;
       const int64_t ia = task_row[task], nr = std::min<int64_t>(qlen, ia + ROWS) - ia;
       const int64_t p_first = L - qlen + ia, p_last = p_first + nr - 1;  // positions of the tile's rows
+      if constexpr (kVecHead<scalar_t, DC> && kStreamDecode<scalar_t>) {
+        if (nr == 1) {  // a decode row (or a one-row tile): the streaming path
+          const int64_t t_lo = window > 0 ? std::max<int64_t>(0, p_first - window + 1) : 0;
+          decode_row<scalar_t, DC>(q + (q0 + ia) * qs0, qs1, o + (q0 + ia) * os0, os1, kc, vc, ks0, ks1, ks2, vs0,
+                                   vs1, vs2, row_blocks, BS, h0, HG, G, t_lo, p_first, sc, dscratch);
+          continue;
+        }
+      }
       const int64_t RG = nr * G;  // per KV head: (row, query head) pairs, row-major
       const int64_t N = HG * RG;  // state index: h * RG + rg
       qf.resize(N * D);
