@@ -8,7 +8,9 @@ at batch 64). Work is split over (request, 16-row query tile) tasks, each with
 all KV heads (whole cache rows) or, when there are too few tiles to busy the
 threads, one KV head each; the ``H / Hkv`` query heads that share a KV head read
 each key/value row once per tile, as stored (bfloat16 keys go through AVX512-BF16
-dot products where the CPU has them). Scores and sums are float32 whatever the
+dot products where the CPU has them). A one-row tile (a decode token) takes a
+streaming path instead: positions in order, each one's rows of the task's KV heads
+read once for all their query heads, rows ahead prefetched. Scores and sums are float32 whatever the
 cache dtype (float32, bfloat16, float16); softmax is online across key chunks.
 
 The extension is compiled with the host compiler (``-O3 -march=native``) through
@@ -230,11 +232,12 @@ struct DecodeScratch {
 };
 
 // Attention of one query row (a decode step's token) over positions [t_lo, t_hi] of its request, for
-// KV heads h0 .. h0 + HG - 1 and the G query heads of each. Why not the tile path: a decode step is
-// bound by reading the cache, and that path walks one head's rows at a time (768-byte strides, the
-// same rows again per query head). Here each position's rows of the group's heads are read once, in
-// order, for all G query heads, and the rows PD positions ahead are prefetched (K into L1, V into L2 for
-// the pass over V that follows each chunk), so the reads stream like a plain copy.
+// KV heads h0 .. h0 + HG - 1 and the G query heads of each. Why not the tile path: that one walks one
+// head's rows at a time (768-byte strides for SmolLM2, the same rows again per query head). Here each
+// position's rows of the group's heads are read once, in order, for all G query heads, and the rows PD
+// positions ahead are prefetched (K into L1, V into L2 for the pass over V that follows each chunk).
+// With the cache in L2 or L3 that made a batch-64 step 1.15x / 1.4x faster on the AVX2 host; from
+// DRAM both paths take about a plain read of the blocks plus the compute (docs/benchmarks.md, 16).
 template <typename T, int DC>
 static void decode_row(const T* qrow, int64_t qs1, T* orow, int64_t os1, const T* kc, const T* vc,
                        int64_t ks0, int64_t ks1, int64_t ks2, int64_t vs0, int64_t vs1, int64_t vs2,
