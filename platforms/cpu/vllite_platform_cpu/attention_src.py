@@ -1,0 +1,510 @@
+"""C++ source of the paged-attention kernel, compiled into the CPU extension (``kernels.py`` builds it).
+
+Tasks are (request, 16-row query tile) with all KV heads, or one KV head each when there are too few
+tiles to busy the threads; a one-row tile (a decode token) takes the streaming ``decode_row`` path.
+Scores and sums are float32 whatever the cache dtype; softmax is online across key chunks.
+"""
+
+SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/cpu/vec/functional.h>
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+template <typename T>
+static inline float to_f(T x) { return static_cast<float>(x); }
+
+using AVec = at::vec::Vectorized<float>;
+constexpr int64_t VL = AVec::size();  // 16 float lanes with AVX-512, 8 with AVX2
+
+// Head sizes that are whole vectors take the vector path; others (and float64) the scalar loops.
+template <typename T, int DC>
+constexpr bool kVecHead = DC > 0 && DC % VL == 0 && !std::is_same_v<T, double>;
+
+template <typename T>
+static inline AVec avec_load(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return AVec::loadu(p);
+  } else {
+    AVec v;
+    at::vec::load_to_float(p, v);
+    return v;
+  }
+}
+
+static inline float hsum(const AVec& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_reduce_add_ps(v);
+#else
+  float lanes[VL];
+  v.store(lanes);
+  float s = 0.f;
+  for (int64_t j = 0; j < VL; ++j) s += lanes[j];
+  return s;
+#endif
+}
+
+// dot(q, k) over n elements with 8 independent partial sums (the scalar path: head sizes that are not
+// whole vectors).
+template <typename T>
+static inline float dot_scalar(const float* q, const T* k, int64_t n) {
+  float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8)
+    for (int j = 0; j < 8; ++j) part[j] += q[d + j] * to_f(k[d + j]);
+  float s = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
+  for (; d < n; ++d) s += q[d] * to_f(k[d]);
+  return s;
+}
+
+// out[k] = sum of the lanes of a[k], k < 16. With AVX-512 the 16 are reduced together by a
+// transpose-and-add (about 3 shuffles/adds per key instead of a full horizontal sum each).
+static inline void reduce16(AVec* a, float* out) {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [k0, k1, k0, k1] partial sums of the pair
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int j = 0; j < 4; ++j)  // per 128-bit lane: keys 4j..4j+3
+    c[j] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * j], b[2 * j + 1], 0x44), _mm512_shuffle_ps(b[2 * j], b[2 * j + 1], 0xEE));
+  const __m512 e0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+  const __m512 e1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+  _mm512_storeu_ps(out, _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, 0x88), _mm512_shuffle_f32x4(e0, e1, 0xDD)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  // 8 keys at a time: two rounds of pairwise horizontal adds leave each 128-bit half holding 4 keys'
+  // partial sums; the halves of two such vectors are then added (7 shuffles/adds per 8 keys instead
+  // of a store and 7 scalar adds per key).
+  for (int g = 0; g < 2; ++g) {
+    __m256 v[8];
+    for (int i = 0; i < 8; ++i) v[i] = a[8 * g + i];
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    _mm256_storeu_ps(out + 8 * g, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                                                _mm256_permute2f128_ps(u0, u1, 0x31)));
+  }
+#else
+  for (int k = 0; k < 16; ++k) out[k] = hsum(a[k]);
+#endif
+}
+
+// out[k] = dot(q, rows[k]) * scale for 16 cache rows of DC elements, read as stored. bfloat16 rows on a
+// CPU with AVX512-BF16 multiply the query's own bfloat16 values pairwise (vdpbf16ps, float32 sums);
+// otherwise rows are widened in registers and multiplied with the float32 query.
+template <typename T, int DC>
+static inline void dots16(const T* const* rows, const float* qv, const T* qraw, float scale, float* out) {
+  AVec a[16];
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, c10::BFloat16> && DC % 32 == 0) {
+    constexpr int64_t NB = DC / 32;
+    __m512bh qb[NB];
+    for (int64_t v = 0; v < NB; ++v) qb[v] = (__m512bh)_mm512_loadu_si512(qraw + v * 32);
+    for (int k = 0; k < 16; ++k) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t v = 0; v < NB; ++v) acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(rows[k] + v * 32), qb[v]);
+      a[k] = acc;
+    }
+    reduce16(a, out);
+    const AVec sv(scale);
+    (AVec::loadu(out) * sv).store(out);
+    return;
+  }
+#endif
+  constexpr int64_t NV = DC / VL;
+  AVec qr[NV];
+  for (int64_t v = 0; v < NV; ++v) qr[v] = AVec::loadu(qv + v * VL);
+  for (int k = 0; k < 16; ++k) {
+    AVec s = avec_load(rows[k]) * qr[0];
+    for (int64_t v = 1; v < NV; ++v) s = at::vec::fmadd(avec_load(rows[k] + v * VL), qr[v], s);
+    a[k] = s;
+  }
+  reduce16(a, out);
+}
+
+// sg[j] = exp(sg[j] - m), a vector at a time (ATen's vectorised exp; scalar exp took a fifth of a
+// batch-64 decode step).
+static inline void softmax_exp(float* sg, int64_t n, float m) {
+  const AVec mv(m);
+  for (int64_t j = 0; j < n; j += VL) {
+    const int64_t c = std::min<int64_t>(VL, n - j);
+    (AVec::loadu(sg + j, c) - mv).exp().store(sg + j, c);
+  }
+}
+
+// The cache rows of one request, position by position, without a division per position.
+template <typename T>
+struct RowWalk {
+  const T* base;
+  const int32_t* blocks;
+  int64_t bs, s0, s1, b, off;
+  RowWalk(const T* base_, const int32_t* blocks_, int64_t bs_, int64_t s0_, int64_t s1_, int64_t t)
+      : base(base_), blocks(blocks_), bs(bs_), s0(s0_), s1(s1_), b(t / bs_), off(t % bs_) {}
+  const T* row() const { return base + blocks[b] * s0 + off * s1; }
+  void next() { if (++off == bs) { off = 0; ++b; } }
+};
+
+// Fetch HG head rows of D elements (s2 apart) into the cache: locality 3 (all levels) for rows read
+// next, 2 (L2 and out) for later; __builtin_prefetch is portable (x86's T0 / T1, AArch64's PRFM).
+template <typename T, int LOCALITY>
+static inline void prefetch_rows(const T* row, int64_t HG, int64_t s2, int64_t D) {
+  const int64_t bytes = D * static_cast<int64_t>(sizeof(T));
+  for (int64_t h = 0; h < HG; ++h) {
+    const char* p = reinterpret_cast<const char*>(row + h * s2);
+    for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(p + c, 0, LOCALITY);
+  }
+}
+
+static inline float vmax(const float* x, int64_t n) {
+  int64_t j = 0;
+  float m = -INFINITY;
+  if (n >= VL) {
+    AVec mv = AVec::loadu(x);
+    for (j = VL; j + VL <= n; j += VL) mv = at::vec::maximum(mv, AVec::loadu(x + j));
+    float lanes[VL];
+    mv.store(lanes);
+    for (int64_t i = 0; i < VL; ++i) m = std::max(m, lanes[i]);
+  }
+  for (; j < n; ++j) m = std::max(m, x[j]);
+  return m;
+}
+
+static inline float vsum(const float* x, int64_t n) {
+  AVec sv(0.f);
+  int64_t j = 0;
+  for (; j + VL <= n; j += VL) sv = sv + AVec::loadu(x + j);
+  float s = hsum(sv);
+  for (; j < n; ++j) s += x[j];
+  return s;
+}
+
+// The partial-sum vectors of NQ query heads (qv, D floats apart) against one key row in registers (kv),
+// each as two interleaved FMA chains: 2 * NQ independent chains hide the FMA latency that one 8-deep
+// chain per head exposed. Stored 16 vectors apart (dst: [head][16 positions][VL]).
+template <int NQ, int64_t NV>
+static inline void dots_g(const AVec* kv, const float* qv, int64_t D, float* dst) {
+  AVec s0[NQ], s1[NQ];
+  for (int i = 0; i < NQ; ++i) {
+    s0[i] = kv[0] * AVec::loadu(qv + i * D);
+    s1[i] = NV > 1 ? kv[1] * AVec::loadu(qv + i * D + VL) : AVec(0.f);
+  }
+  for (int64_t v = 2; v < NV; v += 2)
+    for (int i = 0; i < NQ; ++i) {
+      s0[i] = at::vec::fmadd(kv[v], AVec::loadu(qv + i * D + v * VL), s0[i]);
+      if (v + 1 < NV) s1[i] = at::vec::fmadd(kv[v + 1], AVec::loadu(qv + i * D + (v + 1) * VL), s1[i]);
+    }
+  for (int i = 0; i < NQ; ++i) (s0[i] + s1[i]).store(dst + i * 16 * VL);
+}
+
+// One chunk's step of the online softmax: sv[0:n] becomes exp(sv - max so far), the running max and sum
+// are updated, and the factor the accumulator must be scaled by is returned (0 on the first chunk).
+static inline float online_softmax(float* sv, int64_t n, float& mx, float& total) {
+  const float m_new = std::max(mx, vmax(sv, n));
+  softmax_exp(sv, n, m_new);
+  const float f = m_new == mx ? 1.f : std::exp(mx - m_new);
+  total = total * f + vsum(sv, n);
+  mx = m_new;
+  return f;
+}
+
+// Per-thread buffers of decode_row, kept across its tasks.
+struct DecodeScratch {
+  std::vector<float> qf, acc, mx, total, scores, part;
+};
+
+// Attention of one query row (a decode step's token) over positions [t_lo, t_hi] of its request, for
+// KV heads h0 .. h0 + HG - 1 and the G query heads of each. Why not the tile path: that one walks one
+// head's rows at a time (768-byte strides for SmolLM2, the same rows again per query head). Here each
+// position's rows of the group's heads are read once, in order, for all G query heads, and the rows PD
+// positions ahead are prefetched (K into L1, V into L2 for the pass over V that follows each chunk).
+// With the cache in L2 or L3 that made a batch-64 step 1.15x / 1.4x faster on the AVX2 host; from
+// DRAM both paths take about a plain read of the blocks plus the compute (docs/benchmarks.md, 16).
+template <typename T, int DC>
+static void decode_row(const T* qrow, int64_t qs1, T* orow, int64_t os1, const T* kc, const T* vc,
+                       int64_t ks0, int64_t ks1, int64_t ks2, int64_t vs0, int64_t vs1, int64_t vs2,
+                       const int32_t* row_blocks, int64_t BS, int64_t h0, int64_t HG, int64_t G, int64_t t_lo,
+                       int64_t t_hi, float sc, DecodeScratch& w) {
+  constexpr int64_t D = DC, NV = DC / VL, KC = 256, PD = 16;
+  const int64_t N = HG * G;  // states, st = h * G + g (query head (h0 + h) * G + g)
+  w.qf.resize(N * D);
+  w.acc.assign(N * D, 0.f);
+  w.mx.assign(N, -INFINITY);
+  w.total.assign(N, 0.f);
+  w.scores.resize(N * KC + 16);
+  w.part.resize(N * 16 * VL);
+  for (int64_t st = 0; st < N; ++st) {
+    const T* qp = qrow + (h0 * G + st) * qs1;
+    for (int64_t d = 0; d < D; ++d) w.qf[st * D + d] = to_f(qp[d]) * sc;
+  }
+  const T* kbase = kc + h0 * ks2;
+  const T* vbase = vc + h0 * vs2;
+  RowWalk<T> kw(kbase, row_blocks, BS, ks0, ks1, t_lo), vw(vbase, row_blocks, BS, vs0, vs1, t_lo);
+  RowWalk<T> kpf = kw;  // PD positions ahead of kw
+  int64_t t_pf = t_lo;
+  for (int64_t i = 0; i < PD && t_pf <= t_hi; ++i, ++t_pf, kpf.next()) prefetch_rows<T, 3>(kpf.row(), HG, ks2, D);
+  for (int64_t c0 = t_lo; c0 <= t_hi; c0 += KC) {
+    const int64_t n = std::min<int64_t>(t_hi + 1, c0 + KC) - c0;
+    RowWalk<T> vpf = vw;  // this chunk's V rows go to L2 while K is read
+    // Scores: 16 positions at a time, one vector of partial sums per (state, position), then reduced.
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+      const int64_t m = std::min<int64_t>(16, n - j0);
+      for (int64_t k = 0; k < m; ++k) {
+        if (t_pf <= t_hi) { prefetch_rows<T, 3>(kpf.row(), HG, ks2, D); kpf.next(); ++t_pf; }
+        prefetch_rows<T, 2>(vpf.row(), HG, vs2, D);
+        vpf.next();
+        const T* kr = kw.row();
+        for (int64_t h = 0; h < HG; ++h) {
+          AVec kv[NV];
+          for (int64_t v = 0; v < NV; ++v) kv[v] = avec_load(kr + h * ks2 + v * VL);
+          for (int64_t g = 0; g < G; g += 4) {
+            const float* qv = w.qf.data() + (h * G + g) * D;
+            float* dst = w.part.data() + ((h * G + g) * 16 + k) * VL;
+            switch (std::min<int64_t>(4, G - g)) {
+              case 4: dots_g<4, NV>(kv, qv, D, dst); break;
+              case 3: dots_g<3, NV>(kv, qv, D, dst); break;
+              case 2: dots_g<2, NV>(kv, qv, D, dst); break;
+              default: dots_g<1, NV>(kv, qv, D, dst); break;
+            }
+          }
+        }
+        kw.next();
+      }
+      for (int64_t st = 0; st < N; ++st) {
+        AVec a[16];
+        for (int64_t k = 0; k < 16; ++k) a[k] = k < m ? AVec::loadu(w.part.data() + (st * 16 + k) * VL) : AVec(0.f);
+        reduce16(a, w.scores.data() + st * KC + j0);  // scores has 16 floats of slack past KC
+      }
+    }
+    // Online softmax over the chunk, per state.
+    for (int64_t st = 0; st < N; ++st) {
+      const float f = online_softmax(w.scores.data() + st * KC, n, w.mx[st], w.total[st]);
+      if (f != 1.f) {
+        const AVec fv(f);
+        for (int64_t v = 0; v < NV; ++v) (AVec::loadu(w.acc.data() + st * D + v * VL) * fv).store(w.acc.data() + st * D + v * VL);
+      }
+    }
+    // Values: 16 positions at a time per state, the accumulator in registers, the rows from L1.
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+      const int64_t m = std::min<int64_t>(16, n - j0);
+      const T* vrows[16];
+      for (int64_t k = 0; k < m; ++k) { vrows[k] = vw.row(); vw.next(); }
+      for (int64_t h = 0; h < HG; ++h)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t st = h * G + g;
+          float* ap = w.acc.data() + st * D;
+          const float* p = w.scores.data() + st * KC + j0;
+          AVec a[NV];
+          for (int64_t v = 0; v < NV; ++v) a[v] = AVec::loadu(ap + v * VL);
+          for (int64_t k = 0; k < m; ++k) {
+            const AVec wt(p[k]);
+            const T* vr = vrows[k] + h * vs2;
+            for (int64_t v = 0; v < NV; ++v) a[v] = at::vec::fmadd(wt, avec_load(vr + v * VL), a[v]);
+          }
+          for (int64_t v = 0; v < NV; ++v) a[v].store(ap + v * VL);
+        }
+    }
+  }
+  for (int64_t st = 0; st < N; ++st) {
+    const float inv = 1.f / w.total[st];
+    T* op = orow + (h0 * G + st) * os1;
+    for (int64_t d = 0; d < D; ++d) op[d] = static_cast<T>(w.acc[st * D + d] * inv);
+  }
+}
+
+// bfloat16 caches on a CPU with AVX512-BF16 keep decoding through the tile path's vdpbf16ps dot products
+// (measured there; the streaming path widens each row and was not measured on such a CPU).
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+template <typename T>
+constexpr bool kStreamDecode = !std::is_same_v<T, c10::BFloat16>;
+#else
+template <typename T>
+constexpr bool kStreamDecode = true;
+#endif
+
+// One task = one request, a group of its KV heads, a tile of up to ROWS query rows. Keys go in chunks
+// whose rows are read in place (as stored; one chunk of a head stays in L2) by every query row of the
+// tile and every query head sharing the KV head. Softmax is online across chunks (running max and sum,
+// the accumulator rescaled when the max grows), so nothing grows with the context length.
+template <typename scalar_t, int DC>
+static void run(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
+                const torch::Tensor& value_cache, const torch::Tensor& block_table, const torch::Tensor& seq_lens,
+                const torch::Tensor& query_start_loc, const torch::Tensor& req_ids, double scale, int64_t window) {
+  const int64_t R = req_ids.size(0);
+  const int64_t H = query.size(1), D = DC > 0 ? DC : query.size(2);
+  const int64_t BS = key_cache.size(1), HKV = key_cache.size(2);
+  const int64_t G = H / HKV;
+  const scalar_t* q = query.data_ptr<scalar_t>();
+  const scalar_t* kc = key_cache.data_ptr<scalar_t>();
+  const scalar_t* vc = value_cache.data_ptr<scalar_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  const int32_t* bt = block_table.data_ptr<int32_t>();
+  const int32_t* sl = seq_lens.data_ptr<int32_t>();
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* rid = req_ids.data_ptr<int32_t>();
+  const int64_t qs0 = query.stride(0), qs1 = query.stride(1);
+  const int64_t os0 = out.stride(0), os1 = out.stride(1);
+  const int64_t ks0 = key_cache.stride(0), ks1 = key_cache.stride(1), ks2 = key_cache.stride(2);
+  const int64_t vs0 = value_cache.stride(0), vs1 = value_cache.stride(1), vs2 = value_cache.stride(2);
+  const int64_t bts = block_table.stride(0);
+  const float sc = static_cast<float>(scale);
+
+  constexpr int64_t ROWS = 16;
+  int64_t work = 0, tiles = 0;  // work: query rows x keys x heads (a batch-1 decode stays on one thread)
+  for (int64_t j = 0; j < R; ++j) {
+    const int64_t r = rid[j];
+    const int64_t qlen = qsl[r + 1] - qsl[r];
+    work += qlen * sl[r] * H;
+    tiles += (qlen + ROWS - 1) / ROWS;
+  }
+  // All KV heads in one task when there are tiles enough to keep the threads busy; else one head each.
+  const int64_t HG = tiles >= 4 * at::get_num_threads() ? HKV : 1;
+  // Keys per chunk: a multiple of 16 (dots16), at most ~32K elements of K (and of V) over the task's
+  // heads, so a chunk stays in L2 while every query row of the tile reads it.
+  const int64_t KC = std::max<int64_t>(16, std::min<int64_t>(256, 32768 / (HG * D)) / 16 * 16);
+  std::vector<int64_t> task_item, task_row;
+  for (int64_t j = 0; j < R; ++j) {
+    const int64_t r = rid[j];
+    const int64_t qlen = qsl[r + 1] - qsl[r];
+    for (int64_t h0 = 0; h0 < HKV; h0 += HG)
+      for (int64_t i0 = 0; i0 < qlen; i0 += ROWS) { task_item.push_back(j * HKV + h0); task_row.push_back(i0); }
+  }
+  const int64_t ntasks = static_cast<int64_t>(task_item.size());
+  at::parallel_for(0, ntasks, work < 32768 ? std::max<int64_t>(ntasks, 1) : 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf, acc, mx, total, scores;
+    DecodeScratch dscratch;
+    std::vector<const scalar_t*> krow(KC * HG), vrow(KC * HG);  // [head][key] -> cache row
+    const std::vector<scalar_t> zero_row(D, static_cast<scalar_t>(0.f));  // pads a 16-key group
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t item = task_item[task];
+      const int64_t r = rid[item / HKV];
+      const int64_t h0 = item % HKV;  // first KV head of the group
+      const int64_t L = sl[r];
+      const int64_t q0 = qsl[r], qlen = qsl[r + 1] - q0;
+      const int32_t* row_blocks = bt + r * bts;
+      const int64_t ia = task_row[task], nr = std::min<int64_t>(qlen, ia + ROWS) - ia;
+      const int64_t p_first = L - qlen + ia, p_last = p_first + nr - 1;  // positions of the tile's rows
+      if constexpr (kVecHead<scalar_t, DC> && kStreamDecode<scalar_t>) {
+        if (nr == 1) {  // a decode row (or a one-row tile): the streaming path
+          const int64_t t_lo = window > 0 ? std::max<int64_t>(0, p_first - window + 1) : 0;
+          decode_row<scalar_t, DC>(q + (q0 + ia) * qs0, qs1, o + (q0 + ia) * os0, os1, kc, vc, ks0, ks1, ks2, vs0,
+                                   vs1, vs2, row_blocks, BS, h0, HG, G, t_lo, p_first, sc, dscratch);
+          continue;
+        }
+      }
+      const int64_t RG = nr * G;  // per KV head: (row, query head) pairs, row-major
+      const int64_t N = HG * RG;  // state index: h * RG + rg
+      qf.resize(N * D);
+      acc.assign(N * D, 0.f);
+      mx.assign(N, -INFINITY);
+      total.assign(N, 0.f);
+      scores.resize(KC);
+      for (int64_t h = 0; h < HG; ++h)
+        for (int64_t rr = 0; rr < nr; ++rr)
+          for (int64_t g = 0; g < G; ++g) {
+            const scalar_t* qp = q + (q0 + ia + rr) * qs0 + ((h0 + h) * G + g) * qs1;
+            float* dst = qf.data() + (h * RG + rr * G + g) * D;
+            for (int64_t d = 0; d < D; ++d) dst[d] = to_f(qp[d]) * sc;
+          }
+      // Where context rows ta..tb-1 of each head of the group lie, block by block (no division per
+      // position); rows up to the next multiple of 16 point at zeros.
+      auto collect_rows = [&](int64_t ta, int64_t tb, int64_t padded) {
+        for (int64_t t = ta; t < tb;) {
+          const int64_t stop = std::min<int64_t>(tb, t - t % BS + BS);
+          const int64_t blk = row_blocks[t / BS];
+          for (; t < stop; ++t)
+            for (int64_t h = 0; h < HG; ++h) {
+              krow[h * KC + (t - ta)] = kc + blk * ks0 + (t % BS) * ks1 + (h0 + h) * ks2;
+              vrow[h * KC + (t - ta)] = vc + blk * vs0 + (t % BS) * vs1 + (h0 + h) * vs2;
+            }
+        }
+        for (int64_t h = 0; h < HG; ++h)
+          for (int64_t j = tb - ta; j < padded; ++j) krow[h * KC + j] = zero_row.data();
+      };
+      const int64_t t_lo = window > 0 ? std::max<int64_t>(0, p_first - window + 1) : 0;
+      for (int64_t c0 = t_lo; c0 <= p_last; c0 += KC) {
+        const int64_t c1 = std::min<int64_t>(p_last + 1, c0 + KC), nc = c1 - c0;
+        const int64_t ncp = (nc + 15) / 16 * 16;
+        collect_rows(c0, c1, ncp);
+        for (int64_t h = 0; h < HG; ++h) {
+          const scalar_t* const* kr = krow.data() + h * KC;
+          const scalar_t* const* vr_rows = vrow.data() + h * KC;
+          for (int64_t rg = 0; rg < RG; ++rg) {
+            const int64_t p = p_first + rg / G;  // this row sees keys [max(c0, p - window + 1), min(c1 - 1, p)]
+            const int64_t jlo = window > 0 ? std::max<int64_t>(0, p - window + 1 - c0) : 0;
+            const int64_t jhi = std::min<int64_t>(nc - 1, p - c0);
+            if (jlo > jhi) continue;
+            const int64_t st = h * RG + rg;
+            float* sg = scores.data();
+            const float* qv = qf.data() + st * D;
+            if constexpr (kVecHead<scalar_t, DC>) {
+              for (int64_t j = jlo / 16 * 16; j <= jhi; j += 16)
+                dots16<scalar_t, DC>(kr + j, qv, q + (q0 + ia + rg / G) * qs0 + ((h0 + h) * G + rg % G) * qs1, sc,
+                                     sg + j);
+            } else {
+              for (int64_t j = jlo; j <= jhi; ++j) sg[j] = dot_scalar(qv, kr[j], D);
+            }
+            const int64_t n = jhi - jlo + 1;
+            float* sv = sg + jlo;
+            const float f = online_softmax(sv, n, mx[st], total[st]);
+            float* ap = acc.data() + st * D;
+            if constexpr (kVecHead<scalar_t, DC>) {
+              constexpr int64_t NV = DC / VL;
+              AVec a[NV];
+              const AVec fv(f);
+              for (int64_t v = 0; v < NV; ++v) a[v] = AVec::loadu(ap + v * VL) * fv;
+              for (int64_t j = 0; j < n; ++j) {
+                const AVec w(sv[j]);
+                const scalar_t* vr = vr_rows[jlo + j];
+                for (int64_t v = 0; v < NV; ++v) a[v] = at::vec::fmadd(w, avec_load(vr + v * VL), a[v]);
+              }
+              for (int64_t v = 0; v < NV; ++v) a[v].store(ap + v * VL);
+            } else {
+              for (int64_t d = 0; d < D; ++d) ap[d] *= f;
+              for (int64_t j = 0; j < n; ++j) {
+                const float w = sv[j];
+                const scalar_t* vr = vr_rows[jlo + j];
+                for (int64_t d = 0; d < D; ++d) ap[d] += w * to_f(vr[d]);
+              }
+            }
+          }
+        }
+      }
+      for (int64_t h = 0; h < HG; ++h)
+        for (int64_t rr = 0; rr < nr; ++rr)
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t st = h * RG + rr * G + g;
+            const float inv = 1.f / total[st];
+            scalar_t* op = o + (q0 + ia + rr) * os0 + ((h0 + h) * G + g) * os1;
+            for (int64_t d = 0; d < D; ++d) op[d] = static_cast<scalar_t>(acc[st * D + d] * inv);
+          }
+    }
+  });
+}
+
+void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                     torch::Tensor block_table, torch::Tensor seq_lens, torch::Tensor query_start_loc,
+                     torch::Tensor req_ids, double scale, int64_t window) {
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type()
+              && out.scalar_type() == query.scalar_type(), "paged_attention: query, cache and out must share a dtype");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
+              "paged_attention: head dimension must be contiguous");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32
+              && query_start_loc.scalar_type() == torch::kInt32 && req_ids.scalar_type() == torch::kInt32,
+              "paged_attention: index tensors must be int32");
+  TORCH_CHECK(block_table.stride(1) == 1 && seq_lens.is_contiguous() && query_start_loc.is_contiguous()
+              && req_ids.is_contiguous(), "paged_attention: index tensors must be contiguous");
+  const int64_t D = query.size(2);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, query.scalar_type(),
+                                  "paged_attention", [&] {
+    if (D == 64)
+      run<scalar_t, 64>(out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, req_ids, scale,
+                        window);
+    else if (D == 128)
+      run<scalar_t, 128>(out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, req_ids, scale,
+                         window);
+    else
+      run<scalar_t, 0>(out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, req_ids, scale,
+                       window);
+  });
+}
+"""
