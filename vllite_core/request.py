@@ -52,6 +52,8 @@ class Request:
     # Encoder-decoder models: what the model's encoder consumes (opaque to the core) and its length.
     encoder_inputs: Any = None
     num_encoder_tokens: int = 0
+    # Mixed into the first block's hash: requests with different salts never share cached blocks.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         self.status = RequestStatus.WAITING
