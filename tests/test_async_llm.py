@@ -121,3 +121,135 @@ def test_delta_view_reports_finish_once_and_skips_empty_news():
     last = s.view(_out("ab", [5, 6], "length"), delta=True)
     assert last.outputs[0].text == "b" and last.outputs[0].token_ids == [6]
     assert s.view(_out("ab", [5, 6], "length"), delta=True) is None
+
+
+def _record_salts(engine: LLMEngine) -> dict[str, str | None]:
+    """request id -> the cache_salt of the Request the scheduler was given."""
+    seen: dict[str, str | None] = {}
+    sched = engine.core.scheduler
+    add = sched.add_request
+
+    def recording(request):
+        seen[request.request_id] = request.cache_salt
+        add(request)
+
+    sched.add_request = recording
+    return seen
+
+
+BAD_SALTS = ["", 5, ["a"]]
+
+
+def test_cache_salt_reaches_the_request_offline(tiny_path):
+    llm = LLM(model=tiny_path, **ENGINE)
+    seen = _record_salts(llm.llm_engine)
+    sp = SamplingParams(max_tokens=2, ignore_eos=True)
+    llm.generate([{"prompt": "in the", "cache_salt": "tenant-a"},  # the tiny model's vocabulary: 512 tokens
+                  {"prompt_token_ids": [5, 6, 7], "cache_salt": "tenant-b"},
+                  {"prompt_token_ids": [5, 6, 7], "cache_salt": None}, "th"], sp)
+    assert list(seen.values()) == ["tenant-a", "tenant-b", None, None]
+    seen.clear()
+    llm.generate({"prompt_token_ids": [5, 6, 7], "cache_salt": "s"}, SamplingParams(n=2, max_tokens=2))
+    assert list(seen.values()) == ["s", "s"]  # every child of n > 1
+    for bad in BAD_SALTS:
+        with pytest.raises(InvalidRequestError) as e:
+            llm.llm_engine.add_request(None, {"prompt": "in the", "cache_salt": bad}, sp)
+        assert e.value.param == "cache_salt"
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_cache_salt_after_a_models_own_prompt_processing():
+    from types import SimpleNamespace
+
+    from vllite_core.inputs import ProcessedPrompt
+
+    class OwnProcessing:  # like Whisper or BART: the model class turns the prompt into ids itself
+        @classmethod
+        def process_prompt(cls, prompt, ctx):
+            return ProcessedPrompt(prompt_token_ids=[1, 2], prompt=prompt["prompt"], encoder_inputs=[3])
+
+    fake = SimpleNamespace(model_cls=OwnProcessing, input_context=None)
+    got = LLMEngine.process_prompt(fake, {"prompt": "x", "cache_salt": "s"})
+    assert got.cache_salt == "s" and got.encoder_inputs == [3]
+    assert LLMEngine.process_prompt(fake, {"prompt": "x"}).cache_salt is None
+    with pytest.raises(InvalidRequestError) as e:
+        LLMEngine.process_prompt(fake, {"prompt": "x", "cache_salt": 3})
+    assert e.value.param == "cache_salt"
+
+
+def test_cache_salt_through_async_llm(allm):
+    seen = _record_salts(allm.engine)
+
+    async def main() -> None:
+        for bad in BAD_SALTS:
+            with pytest.raises(InvalidRequestError) as e:
+                allm.add_request({"prompt_token_ids": [1, 2], "cache_salt": bad}, SamplingParams())
+            assert e.value.param == "cache_salt"
+        async for _ in allm.generate({"prompt_token_ids": [3, 4, 5], "cache_salt": "async"},
+                                     SamplingParams(max_tokens=2, ignore_eos=True), "a1"):
+            pass
+
+    asyncio.run(main())
+    assert seen == {"a1": "async"} and allm.num_in_flight == 0
+
+
+def test_cache_salt_through_the_server(allm):
+    from fastapi.testclient import TestClient
+
+    from vllite_core.entrypoints.openai.api_server import build_app
+
+    seen = _record_salts(allm.engine)
+    with TestClient(build_app(allm, ["tiny"])) as client:
+        chat = [{"role": "user", "content": "in the"}]
+        template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # ids within the tiny vocabulary
+        bodies = [("/v1/completions", {"prompt": "in the", "max_tokens": 2, "cache_salt": "c1"}),
+                  ("/v1/completions", {"prompt": [[3, 4], [5, 6]], "max_tokens": 2, "cache_salt": "c2"}),
+                  ("/v1/completions", {"prompt": "in the", "max_tokens": 2, "cache_salt": "c3", "stream": True}),
+                  ("/v1/chat/completions", {"messages": chat, "max_tokens": 2, "cache_salt": "c4",
+                                            "chat_template": template}),
+                  ("/v1/completions", {"prompt": "in the", "max_tokens": 2})]
+        for path, body in bodies:
+            r = client.post(path, json=body)
+            assert r.status_code == 200, r.text
+        assert sorted(seen.values(), key=str) == [None, "c1", "c2", "c2", "c3", "c4"]
+        for path, body in bodies[:4]:
+            for bad in BAD_SALTS:
+                r = client.post(path, json={**body, "cache_salt": bad})
+                assert r.status_code == 400, r.text
+                assert r.json()["error"]["param"] == "cache_salt"
+    assert allm.num_in_flight == 0
+
+
+def test_sync_delta_stream_matches_the_final_output(tiny_path):
+    """LLMEngine.step(delta=True) streams through the same DeltaCursor: with n > 1 and a stop string,
+    each completion's deltas concatenate to its final text and it is reported finished once."""
+    engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(model=tiny_path, **ENGINE))
+    ref = LLM.from_engine(engine)
+    sp = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True, logprobs=1,
+                        prompt_logprobs=1)
+    final = ref.generate({"prompt_token_ids": [5, 6, 7, 8]}, sp)[0]
+    # A stop string that really occurs: a piece of completion 1's text.
+    text1 = final.outputs[1].text
+    stop = text1[len(text1) // 2:len(text1) // 2 + 3] if len(text1) >= 6 else "\u2603\u2603"
+    sp = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True, logprobs=1,
+                        prompt_logprobs=1, stop=[stop])
+    final = ref.generate({"prompt_token_ids": [5, 6, 7, 8]}, sp)[0]
+    engine.add_request("d", {"prompt_token_ids": [5, 6, 7, 8]}, sp)
+    texts, toks, lps, finishes, prompt_lps = {}, {}, {}, {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step(delta=True):
+            assert out.outputs or out.prompt_logprobs is not None
+            prompt_lps += out.prompt_logprobs is not None
+            for c in out.outputs:
+                assert c.text or c.token_ids or c.finish_reason
+                texts[c.index] = texts.get(c.index, "") + c.text
+                toks[c.index] = toks.get(c.index, []) + c.token_ids
+                lps[c.index] = lps.get(c.index, []) + c.logprobs
+                if c.finish_reason is not None:
+                    finishes[c.index] = finishes.get(c.index, 0) + 1
+                if stop:
+                    assert stop not in texts[c.index]
+    assert prompt_lps == 1 and finishes == {0: 1, 1: 1, 2: 1}
+    for c in final.outputs:
+        assert texts[c.index] == c.text and toks[c.index] == c.token_ids and lps[c.index] == c.logprobs
+    assert final.outputs[1].finish_reason == "stop" or len(text1) < 6

@@ -188,7 +188,8 @@ def test_n_with_seed_is_reproducible(client, offline):
 
 def test_priority_and_vllm_extensions_accepted(client):
     resp = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=5, temperature=0,
-                                     extra_body={"priority": -3, "top_k": 5, "ignore_eos": True, "min_tokens": 5})
+                                     extra_body={"priority": -3, "top_k": 5, "ignore_eos": True, "min_tokens": 5,
+                                                 "cache_salt": "tenant-1"})
     assert resp.choices[0].finish_reason == "length" and resp.usage.completion_tokens == 5
 
 
@@ -226,6 +227,8 @@ BAD = [  # (path, json body or raw bytes, status, param)
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "stream": True, "priority": "high"}, 400, "priority"),
+    ("/v1/completions", {"prompt": "hi", "cache_salt": ""}, 400, "cache_salt"),
+    ("/v1/chat/completions", {"messages": CHAT, "stream": True, "cache_salt": 5}, 400, "cache_salt"),
 ]
 
 
@@ -233,7 +236,7 @@ BAD = [  # (path, json body or raw bytes, status, param)
     "malformed-json", "wrong-type", "unknown-field", "negative-max-tokens", "negative-temperature", "n-zero",
     "best-of", "per-request-logits-processor", "too-many-logprobs", "prompt-too-long", "empty-prompt",
     "unknown-model", "huge-body", "empty-messages", "content-wrong-type", "bad-role", "tools", "top-logprobs-alone",
-    "priority-wrong-type"])
+    "priority-wrong-type", "cache-salt-empty", "cache-salt-wrong-type"])
 def test_bad_input_is_refused_in_openai_shape(server, path, body, status, param):
     r = post(server, path, content=body) if isinstance(body, bytes) else post(server, path, body)
     assert r.status_code == status, r.text

@@ -9,10 +9,13 @@ tokenizing) overlaps the model's compute, with no IPC and no second copy of the
 weights. The price is GIL contention; ``LoopStats`` measures where the loop's
 time goes so that it can be checked (docs/serving.md has the numbers).
 
-Requests are tokenized and validated on the asyncio side, with a tokenizer copy
-of its own, so a bad request fails at once (before anything is streamed) and the
-loop never waits on API work. The loop asks the engine for cumulative outputs;
-the asyncio side turns them into deltas, holding back the tail of the text that
+Requests are tokenized and validated on the asyncio side (``LLMEngine.prepare_request``
+with a tokenizer copy of its own), so a bad request fails at once (before anything
+is streamed) and the loop never waits on API work; the loop queues the prepared
+request as it is (``add_prepared_request``), without validating it again. The loop
+asks the engine for cumulative outputs; the asyncio side turns them into what the
+caller sees with the request's DeltaCursor (engine/delta.py, the same code as the
+sync engine's ``step(delta=True)``), which holds back the tail of the text that
 could still turn out to be the start of a stop string, so streamed deltas always
 concatenate to the final text.
 """
@@ -20,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import dataclasses
 import itertools
 import logging
 import threading
@@ -28,10 +30,11 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
+from vllite_core.engine.delta import DeltaCursor
 from vllite_core.engine.errors import InvalidRequestError
-from vllite_core.engine.llm_engine import LLMEngine, PromptType, parse_prompt
+from vllite_core.engine.llm_engine import LLMEngine, PromptType
 from vllite_core.inputs import InputContext, ProcessedPrompt
-from vllite_core.outputs import CompletionOutput, RequestOutput
+from vllite_core.outputs import RequestOutput
 from vllite_core.sampling_params import SamplingParams
 
 logger = logging.getLogger("vllite.async_llm")
@@ -84,13 +87,6 @@ class FinishedRequest:
 
 
 @dataclass
-class _ChildCursor:
-    text_len: int = 0
-    num_tokens: int = 0
-    done: bool = False
-
-
-@dataclass
 class RequestStream:
     """One request as seen from asyncio: the latest cumulative output, an event, timings."""
 
@@ -103,8 +99,10 @@ class RequestStream:
     latest: RequestOutput | None = None
     error: BaseException | None = None
     _event: asyncio.Event = field(default_factory=asyncio.Event)
-    _cursors: dict[int, _ChildCursor] = field(default_factory=dict)
-    _sent_prompt_logprobs: bool = False
+    _cursor: DeltaCursor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._cursor = DeltaCursor(self.params.max_stop_str_len)
 
     def _put(self, out: RequestOutput) -> None:
         self.latest = out
@@ -129,37 +127,9 @@ class RequestStream:
         return self.latest
 
     def view(self, out: RequestOutput, delta: bool) -> RequestOutput | None:
-        """The output to hand the caller. Text is held back while it could still be the start of a
-        stop string. In delta mode only what is new, and only the completions that changed (None when
-        nothing did); a completion is reported finished once."""
-        hold = max(self.params.max_stop_str_len - 1, 0)
-        comps: list[CompletionOutput] = []
-        for c in out.outputs:
-            done = c.finish_reason is not None
-            shown = c.text if done or not hold else c.text[:max(len(c.text) - hold, 0)]
-            n_tok = len(c.token_ids)
-            if not delta:
-                lps = c.logprobs[:n_tok] if c.logprobs is not None else None
-                comps.append(dataclasses.replace(c, text=shown, token_ids=list(c.token_ids), logprobs=lps))
-                continue
-            cur = self._cursors.setdefault(c.index, _ChildCursor())
-            if cur.done:
-                continue
-            piece, toks = shown[cur.text_len:], c.token_ids[cur.num_tokens:n_tok]
-            if not (piece or toks or done):
-                continue
-            lps = c.logprobs[cur.num_tokens:n_tok] if c.logprobs is not None else None
-            comps.append(dataclasses.replace(c, text=piece, token_ids=toks, logprobs=lps))
-            cur.text_len, cur.num_tokens, cur.done = max(len(shown), cur.text_len), n_tok, done
-        prompt_logprobs = out.prompt_logprobs
-        if delta:
-            if self._sent_prompt_logprobs:
-                prompt_logprobs = None
-            elif prompt_logprobs is not None:
-                self._sent_prompt_logprobs = True
-            if not comps and prompt_logprobs is None:
-                return None
-        return dataclasses.replace(out, outputs=comps, prompt_logprobs=prompt_logprobs)
+        """The output to hand the caller (see DeltaCursor): text is held back while it could still be
+        the start of a stop string; in delta mode only what is new (None when nothing is)."""
+        return self._cursor.view(out, delta)
 
     def report(self, out: RequestOutput | None, aborted: bool) -> FinishedRequest:
         now = time.monotonic()
@@ -179,12 +149,13 @@ class RequestStream:
 
 @dataclass
 class _Add:
+    """A request prepared (processed and validated) on the asyncio side."""
+
     request_id: str
-    prompt_token_ids: list[int]
-    prompt: str | None
+    processed: ProcessedPrompt
     params: SamplingParams
+    max_tokens: int
     priority: int
-    processed: ProcessedPrompt | None = None  # models with their own prompt processing (audio, images)
 
 
 @dataclass
@@ -202,11 +173,11 @@ class AsyncLLM:
         self.engine = engine
         # The loop thread detokenizes with engine.tokenizer; this copy serves the asyncio side.
         self.tokenizer = copy.deepcopy(engine.tokenizer)
-        # Models that process their own prompts (encoder-decoder, multimodal) do it on this side too.
-        ctx = getattr(engine, "input_context", None)
-        self.input_context = (InputContext(self.tokenizer, ctx.hf_config, ctx.model_path)
-                              if ctx is not None and hasattr(getattr(engine, "model_cls", None), "process_prompt")
-                              else None)
+        # Prompts are processed on this side, with this tokenizer (models that process their own
+        # prompts, encoder-decoder and multimodal, too).
+        ctx = engine.input_context
+        self._ctx = InputContext(self.tokenizer, ctx.hf_config, ctx.model_path)
+        self.input_context = self._ctx if hasattr(engine.model_cls, "process_prompt") else None
         self.max_model_len = engine.max_model_len
         self.loop_stats = LoopStats()
         self.snapshot = EngineSnapshot()
@@ -250,18 +221,11 @@ class AsyncLLM:
         if priority != 0 and self.policy != "priority":
             raise InvalidRequestError("priority", "priority needs the server started with --scheduling-policy "
                                       "priority")
-        processed = None
-        if self.input_context is not None:
-            processed = self.engine.process_prompt(prompt, self.input_context)
-            text, ids = processed.prompt, processed.prompt_token_ids
-        else:
-            text, ids = parse_prompt(prompt, self.tokenizer)
-        if params.bad_words and not params.bad_words_token_ids:  # with this side's tokenizer, not the loop's
-            params.tokenize_bad_words(self.tokenizer, self.engine.vocab_size)
-        self.engine.validate(ids, params)  # reads config, vocab size and params only
-        stream = RequestStream(request_id, params, len(ids))
+        # Reads config, vocab size, params and this side's tokenizer only: safe off the loop thread.
+        processed, max_tokens = self.engine.prepare_request(prompt, params, self._ctx)
+        stream = RequestStream(request_id, params, len(processed.prompt_token_ids))
         self._streams[request_id] = stream
-        self._post(_Add(request_id, ids, text, params, priority, processed))
+        self._post(_Add(request_id, processed, params, max_tokens, priority))
         return stream
 
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
@@ -345,12 +309,11 @@ class AsyncLLM:
         for cmd in cmds:
             try:
                 if isinstance(cmd, _Add):
-                    prompt = cmd.processed if cmd.processed is not None else {
-                        "prompt_token_ids": cmd.prompt_token_ids, "prompt": cmd.prompt}
-                    self.engine.add_request(cmd.request_id, prompt, cmd.params, priority=cmd.priority)
+                    self.engine.add_prepared_request(cmd.request_id, cmd.processed, cmd.params, cmd.max_tokens,
+                                                     cmd.priority)
                 else:
                     self.engine.abort_request(cmd.request_id)
-            except Exception as e:  # validated on the asyncio side, so this is unexpected
+            except Exception as e:  # prepared on the asyncio side, so this is unexpected
                 logger.exception("engine refused %s", cmd)
                 if isinstance(cmd, _Add):
                     failed.append((cmd.request_id, e))

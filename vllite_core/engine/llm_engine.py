@@ -53,25 +53,33 @@ class LLMEngine:
     # ---- requests ---------------------------------------------------------------------
     def process_prompt(self, prompt: PromptType | ProcessedPrompt,
                        ctx: InputContext | None = None) -> ProcessedPrompt:
-        """Token ids for the decoder, plus encoder inputs where the model class defines process_prompt.
-        An already processed prompt passes through; ``ctx`` lets another thread use its own tokenizer."""
+        """Token ids for the decoder, plus encoder inputs where the model class defines process_prompt,
+        plus a prompt dict's ``cache_salt``. An already processed prompt passes through; ``ctx`` lets
+        another thread use its own tokenizer."""
         if isinstance(prompt, ProcessedPrompt):
             return prompt
+        ctx = ctx or self.input_context
+        salt = parse_cache_salt(prompt)
         if hasattr(self.model_cls, "process_prompt"):
             try:
-                return self.model_cls.process_prompt(prompt, ctx or self.input_context)
+                processed = self.model_cls.process_prompt(prompt, ctx)
             except (InvalidRequestError, ValueError, TypeError, KeyError) as e:
                 if isinstance(e, InvalidRequestError):
                     raise
                 raise InvalidRequestError("prompt", str(e)) from e
-        text, ids = self.tokenize_prompt(prompt)
-        return ProcessedPrompt(prompt_token_ids=ids, prompt=text)
+        else:
+            text, ids = parse_prompt(prompt, ctx.tokenizer)
+            processed = ProcessedPrompt(prompt_token_ids=ids, prompt=text)
+        if salt is not None:
+            processed.cache_salt = salt
+        return processed
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         return parse_prompt(prompt, self.tokenizer)
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Check a request against the model; returns its resolved max_tokens."""
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, tokenizer: Any = None) -> int:
+        """Check a request against the model; returns its resolved max_tokens. Reads config, vocab size
+        and params only (bad words are tokenized with ``tokenizer``, by default the engine's)."""
         n = len(prompt_token_ids)
         if n == 0:
             raise InvalidRequestError("prompt", "the prompt is empty")
@@ -87,12 +95,21 @@ class LLMEngine:
                 raise InvalidRequestError(name, f"{k} is more than the engine's max_logprobs={max_lp}")
         params.check_vocab(self.vocab_size)
         if params.bad_words and not params.bad_words_token_ids:
-            params.tokenize_bad_words(self.tokenizer, self.vocab_size)
+            params.tokenize_bad_words(tokenizer or self.tokenizer, self.vocab_size)
         room = self.max_model_len - n
         return room if params.max_tokens is None else min(params.max_tokens, room)
 
+    def prepare_request(self, prompt: PromptType | ProcessedPrompt, params: SamplingParams,
+                        ctx: InputContext | None = None) -> tuple[ProcessedPrompt, int]:
+        """Process and validate a prompt: (processed prompt, resolved max_tokens), or a typed request
+        error. Uses ``ctx``'s tokenizer (default: the engine's), so another thread may call it."""
+        processed = self.process_prompt(prompt, ctx)
+        max_tokens = self.validate(processed.prompt_token_ids, params, ctx.tokenizer if ctx is not None else None)
+        return processed, max_tokens
+
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None) -> str:
+        """Check, process and validate a request, then queue it (``add_prepared_request``)."""
         params = params or SamplingParams()
         if request_id is None:
             request_id = str(next(self._ids))
@@ -100,9 +117,14 @@ class LLMEngine:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         if priority != 0 and self.config.scheduler_config.policy != "priority":
             raise InvalidRequestError("priority", "priority is only supported with scheduling_policy='priority'")
-        processed = self.process_prompt(prompt)
+        processed, max_tokens = self.prepare_request(prompt, params)
+        return self.add_prepared_request(request_id, processed, params, max_tokens, priority, arrival_time)
+
+    def add_prepared_request(self, request_id: str, processed: ProcessedPrompt, params: SamplingParams,
+                             max_tokens: int, priority: int = 0, arrival_time: float | None = None) -> str:
+        """Queue a request that ``prepare_request`` accepted (nothing is validated again): the caller has
+        checked that ``request_id`` is new and ``priority`` allowed. ``n > 1`` fans out into n children."""
         text, ids = processed.prompt, processed.prompt_token_ids
-        max_tokens = self.validate(ids, params)
         child_ids = child_request_ids(request_id, params.n)
         self.output_processor.add(request_id, text, ids, params, child_ids)
         for i, cid in enumerate(child_ids):
@@ -113,7 +135,8 @@ class LLMEngine:
             self.core.add_request(Request(cid, ids, child_params, eos_token_id=self.eos_token_id,
                                           priority=priority, max_tokens=max_tokens,
                                           encoder_inputs=processed.encoder_inputs,
-                                          num_encoder_tokens=processed.num_encoder_tokens, **kw))
+                                          num_encoder_tokens=processed.num_encoder_tokens,
+                                          cache_salt=processed.cache_salt, **kw))
         return request_id
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
@@ -154,6 +177,16 @@ def parse_prompt(prompt: PromptType, tokenizer: Any) -> tuple[str | None, list[i
             return prompt["prompt"], list(tokenizer.encode(prompt["prompt"], add_special_tokens=True))
     raise InvalidRequestError("prompt", f"must be a string or a dict with 'prompt_token_ids', got "
                               f"{type(prompt).__name__}")
+
+
+def parse_cache_salt(prompt: Any) -> str | None:
+    """A prompt dict's ``cache_salt``: a non-empty string (None or absent: no salt)."""
+    if not isinstance(prompt, dict) or prompt.get("cache_salt") is None:
+        return None
+    salt = prompt["cache_salt"]
+    if not isinstance(salt, str) or not salt:
+        raise InvalidRequestError("cache_salt", f"must be a non-empty string, got {salt!r}")
+    return salt
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:

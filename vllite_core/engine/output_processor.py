@@ -1,8 +1,11 @@
 """Frontend side of a request: detokenize, apply stop strings, build RequestOutputs.
 
-One RequestState per engine request. A parent request with ``n > 1`` fans out
-into n engine requests (children share the prompt's KV blocks through the prefix
-cache) and is reported as one RequestOutput with n completions.
+One RequestOutputState per user request, holding one CompletionState per engine
+request. A request with ``n > 1`` fans out into n engine requests (children
+share the prompt's KV blocks through the prefix cache) and is reported as one
+RequestOutput with n completions. Outputs are built cumulative; ``delta=True``
+passes them through the request's DeltaCursor (engine/delta.py), the same code
+the async front streams with.
 """
 from __future__ import annotations
 
@@ -11,13 +14,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllite_core.engine.core import EngineCoreOutput
+from vllite_core.engine.delta import DeltaCursor
 from vllite_core.engine.detokenizer import IncrementalDetokenizer
 from vllite_core.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
 from vllite_core.sampling_params import SamplingParams
 
 
 @dataclass
-class ChildState:
+class CompletionState:
+    """One completion (one engine request): its detokenizer, tokens, logprobs, finish."""
+
     index: int
     detok: IncrementalDetokenizer
     token_ids: list[int] = field(default_factory=list)
@@ -25,19 +31,19 @@ class ChildState:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    last_text_len: int = 0
-    last_num_tokens: int = 0
 
 
 @dataclass
-class RequestState:
-    """A user request (parent) and its n children, keyed by child engine ids."""
+class RequestOutputState:
+    """What one user request's RequestOutput is built from: prompt, params, timings and its
+    n completions, keyed by their engine request ids."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    children: dict[str, ChildState]
+    children: dict[str, CompletionState]
+    cursor: DeltaCursor
     arrival: float = field(default_factory=time.monotonic)
     first_scheduled: float | None = None
     first_token: float | None = None
@@ -45,7 +51,6 @@ class RequestState:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     prompt_logprobs: PromptLogprobs | None = None
-    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -59,25 +64,23 @@ def child_request_ids(request_id: str, n: int) -> list[str]:
 class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self.states: dict[str, RequestState] = {}  # parent id -> state
+        self.states: dict[str, RequestOutputState] = {}  # parent id -> state
         self.child_to_parent: dict[str, str] = {}
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
             child_ids: list[str]) -> None:
         children = {}
         for i, cid in enumerate(child_ids):
-            children[cid] = ChildState(index=i, detok=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
-                                       logprobs=[] if params.logprobs is not None else None,
-                                       cumulative_logprob=0.0 if params.logprobs is not None else None)
+            children[cid] = CompletionState(
+                index=i, detok=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
+                logprobs=[] if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if params.logprobs is not None else None)
             self.child_to_parent[cid] = request_id
-        self.states[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, children)
+        self.states[request_id] = RequestOutputState(request_id, prompt, prompt_token_ids, params, children,
+                                                     DeltaCursor(params.max_stop_str_len))
 
     def has(self, request_id: str) -> bool:
         return request_id in self.states
-
-    def child_ids(self, request_id: str) -> list[str]:
-        st = self.states.get(request_id)
-        return list(st.children) if st else []
 
     def abort(self, request_id: str) -> list[str]:
         st = self.states.pop(request_id, None)
@@ -98,10 +101,11 @@ class OutputProcessor:
 
     def process(self, outputs: list[EngineCoreOutput], delta: bool = False
                 ) -> tuple[list[RequestOutput], list[str]]:
-        """Apply core outputs. Returns RequestOutputs for updated parents and child ids stopped
-        here by a stop string (the caller must finish them in the core)."""
+        """Apply core outputs. Returns RequestOutputs for updated requests (with ``delta``, only what
+        is new, and only those with news) and the child ids stopped here by a stop string (the caller
+        must finish them in the core)."""
         now = time.monotonic()
-        touched: dict[str, RequestState] = {}
+        touched: dict[str, RequestOutputState] = {}
         to_stop: list[str] = []
         for out in outputs:
             pid = self.child_to_parent.get(out.request_id)
@@ -135,7 +139,11 @@ class OutputProcessor:
             elif out.finish_reason is not None:
                 child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
             touched[pid] = st
-        results = [self._make_output(st, delta) for st in touched.values()]
+        if delta:  # the cursor reads the live lists at once, so they need no copy
+            views = (st.cursor.delta(self._make_output(st, copy=False)) for st in touched.values())
+            results = [v for v in views if v is not None]
+        else:
+            results = [self._make_output(st) for st in touched.values()]
         for st in touched.values():
             if st.finished:
                 self.states.pop(st.request_id, None)
@@ -143,28 +151,14 @@ class OutputProcessor:
                     self.child_to_parent.pop(cid, None)
         return results, to_stop
 
-    def _make_output(self, st: RequestState, delta: bool) -> RequestOutput:
-        comps = []
-        for child in st.children.values():
-            text = child.detok.output_text
-            if delta:
-                if child.finish_reason is None and st.params.stop:
-                    # Hold back what could still turn out to be the start of a stop string.
-                    text = text[:max(child.last_text_len, len(text) - st.params.max_stop_str_len + 1)]
-                text_out = text[child.last_text_len:]
-                toks = child.token_ids[child.last_num_tokens:]
-                lps = child.logprobs[child.last_num_tokens:] if child.logprobs is not None else None
-                child.last_text_len, child.last_num_tokens = len(text), len(child.token_ids)
-            else:
-                text_out, toks, lps = text, list(child.token_ids), child.logprobs
-            comps.append(CompletionOutput(index=child.index, text=text_out, token_ids=toks,
-                                          cumulative_logprob=child.cumulative_logprob, logprobs=lps,
-                                          finish_reason=child.finish_reason, stop_reason=child.stop_reason))
+    def _make_output(self, st: RequestOutputState, copy: bool = True) -> RequestOutput:
+        """The cumulative output (all text and tokens so far)."""
+        comps = [CompletionOutput(index=c.index, text=c.detok.output_text,
+                                  token_ids=list(c.token_ids) if copy else c.token_ids,
+                                  cumulative_logprob=c.cumulative_logprob, logprobs=c.logprobs,
+                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                 for c in st.children.values()]
         finished = st.finished
-        prompt_lps = st.prompt_logprobs
-        if delta:
-            prompt_lps = None if st.prompt_logprobs_sent else prompt_lps
-            st.prompt_logprobs_sent = st.prompt_logprobs_sent or prompt_lps is not None
         m = RequestMetrics(arrival_time=st.arrival, num_prompt_tokens=len(st.prompt_token_ids),
                            num_generation_tokens=sum(len(c.token_ids) for c in st.children.values()),
                            num_cached_tokens=st.num_cached_tokens, num_preemptions=st.num_preemptions)
@@ -176,5 +170,5 @@ class OutputProcessor:
         if finished:
             m.e2e_latency = time.monotonic() - st.arrival
         return RequestOutput(request_id=st.request_id, prompt=st.prompt, prompt_token_ids=st.prompt_token_ids,
-                             prompt_logprobs=prompt_lps, outputs=comps, finished=finished, metrics=m,
+                             prompt_logprobs=st.prompt_logprobs, outputs=comps, finished=finished, metrics=m,
                              num_cached_tokens=st.num_cached_tokens)

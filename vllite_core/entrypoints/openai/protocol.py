@@ -51,6 +51,7 @@ class _SamplingRequest(_Strict):
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
     priority: int = 0
+    cache_salt: str | None = None  # a non-empty string: prefix-cache blocks are shared only with the same salt
     logits_processors: list[Any] | None = None  # refused: processors are global
     best_of: int | None = None  # refused unless equal to n: removed in V1
 

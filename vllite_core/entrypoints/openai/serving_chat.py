@@ -79,7 +79,8 @@ class ChatServer:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = to_sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
         rid = new_id("chatcmpl")
-        streams = add_streams(st.engine, [{"prompt_token_ids": ids, "prompt": text}], params, rid, req.priority)
+        streams = add_streams(st.engine, [{"prompt_token_ids": ids, "prompt": text}], params, rid, req.priority,
+                              req.cache_salt)
         ctx = _Ctx(self, req, rid, len(ids))
         if req.stream:
             return StreamingResponse(ctx.stream(merged(st.engine, streams, delta=True)),

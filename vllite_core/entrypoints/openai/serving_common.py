@@ -90,14 +90,22 @@ async def read_body(request: Request, model: type[M], limit: int) -> M:
         raise bad_request(f"{where}{err['msg']}", param) from None
 
 
+def with_cache_salt(prompt: PromptType, salt: str | None) -> PromptType:
+    """The prompt as a dict carrying the request's ``cache_salt`` (the engine checks it is a
+    non-empty string and refuses anything else, naming the field)."""
+    if salt is None:
+        return prompt
+    return {"prompt": prompt, "cache_salt": salt} if isinstance(prompt, str) else {**prompt, "cache_salt": salt}
+
+
 def add_streams(engine: AsyncLLM, prompts: list[PromptType], params: SamplingParams, base_id: str,
-                priority: int) -> list[RequestStream]:
-    """One engine request per prompt; all or nothing."""
+                priority: int, cache_salt: str | None = None) -> list[RequestStream]:
+    """One engine request per prompt (each carrying ``cache_salt``); all or nothing."""
     streams: list[RequestStream] = []
     try:
         for i, p in enumerate(prompts):
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-            streams.append(engine.add_request(p, params, rid, priority))
+            streams.append(engine.add_request(with_cache_salt(p, cache_salt), params, rid, priority))
     except BaseException:
         for s in streams:
             engine.abort(s.request_id)
