@@ -54,7 +54,7 @@ class PagedHarness:
             tables.append(r.blocks)
         md = build_metadata(q_lens, s_lens, tables, self.block_size)
         self.backend.prepare(md)
-        hidden = self.model(torch.tensor(ids), torch.tensor(pos), self.kv_caches, md)
+        hidden = self.model(torch.tensor(ids), torch.tensor(pos), self.kv_caches, [md] * len(self.kv_caches))
         logits = self.model.compute_logits(hidden)
         out, row = {}, 0
         for rid, n in schedule.items():

@@ -66,14 +66,17 @@ def test_qwen2_sliding_window_layers(tmp_path):
                          max_window_layers=1)
     model = _check(tmp_path, config)
     assert [layer.self_attn.sliding_window for layer in model.model.layers] == [None, 5]
-    assert model.sliding_window is None  # not every layer slides: the cache must keep everything
+    # Two cache groups: the full layer keeps everything, the sliding one only its window.
+    kinds = [spec.kind for spec in model.get_kv_cache_specs(4, torch.float32)]
+    assert kinds == ["full_attention", "sliding_window"]
 
 
 def test_mistral_sliding_window(tmp_path):
     from transformers import MistralConfig
 
     model = _check(tmp_path, MistralConfig(**TINY, architectures=["MistralForCausalLM"], sliding_window=6))
-    assert model.sliding_window == 6
+    specs = model.get_kv_cache_specs(4, torch.float32)
+    assert {(s.kind, s.sliding_window) for s in specs} == {("sliding_window", 6)}
 
 
 @pytest.mark.parametrize("rope", [

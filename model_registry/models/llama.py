@@ -18,6 +18,7 @@ from torch import nn
 
 from model_registry.models.rope import RotaryEmbedding
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
+from vllite_core.core.kv_cache_spec import KVCacheSpec, attention_specs
 from vllite_core.model_ops import current_model_ops
 
 
@@ -148,12 +149,12 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(hf_config.hidden_size, float(getattr(hf_config, "rms_norm_eps", 1e-6)), dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
+                attn_metadata: list[AttentionMetadata]) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed_tokens)
         rope = self.rotary_emb.lookup(positions, x.dtype)  # shared by every layer
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(rope, x, residual, kv_cache, attn_metadata)
+        for layer, kv_cache, md in zip(self.layers, kv_caches, attn_metadata, strict=True):
+            x, residual = layer(rope, x, residual, kv_cache, md)
         return self.norm(x) if residual is None else self.norm.add_forward(x, residual)[0]
 
 
@@ -183,9 +184,6 @@ class LlamaForCausalLM(nn.Module):
         self.head_size: int = attn.head_size
         self.hidden_size: int = hf_config.hidden_size
         self.vocab_size: int = hf_config.vocab_size
-        windows = {layer.self_attn.sliding_window for layer in self.model.layers}
-        # A window the KV cache manager may rely on only if every layer uses it.
-        self.sliding_window: int | None = windows.pop() if len(windows) == 1 else None
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self._ops = current_model_ops()
         self._head_state: dict = {}
@@ -195,8 +193,14 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Parameter(torch.empty(self.vocab_size, self.hidden_size, dtype=dtype),
                                         requires_grad=False)
 
+    def get_kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> list[KVCacheSpec]:
+        """One self-attention cache per layer: sliding-window layers get their own group, whose blocks
+        out of the window are released."""
+        windows = [layer.self_attn.sliding_window for layer in self.model.layers]
+        return attention_specs(self.num_layers, block_size, self.num_kv_heads, self.head_size, dtype, windows)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
+                attn_metadata: list[AttentionMetadata]) -> torch.Tensor:
         """Hidden states [T, hidden_size] for the flattened tokens of every request in the step."""
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 

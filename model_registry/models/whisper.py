@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllite_core.core.kv_cache_spec import CrossAttentionSpec, FullAttentionSpec, KVCacheSpec
+from vllite_core.model_interfaces import SupportsEncoderDecoder, SupportsTranscription
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
 from vllite_core.inputs import InputContext, ProcessedPrompt
 
@@ -197,9 +199,7 @@ class WhisperDecoder(nn.Module):
 
 
 # ---- the model --------------------------------------------------------------------------
-class WhisperForConditionalGeneration(nn.Module):
-    is_encoder_decoder = True
-    supports_prefix_caching = False
+class WhisperForConditionalGeneration(nn.Module, SupportsEncoderDecoder, SupportsTranscription):
 
     def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
@@ -235,8 +235,6 @@ class WhisperForConditionalGeneration(nn.Module):
         return process_whisper_prompt(prompt, ctx)
 
     # ---- transcription contract (LLM.transcribe, /v1/audio/transcriptions) ------------------
-    supports_transcription = True
-
     @classmethod
     def max_audio_seconds(cls, ctx: InputContext) -> float:
         """Audio one request takes; longer audio is split into windows of this length."""
@@ -274,15 +272,20 @@ class WhisperForConditionalGeneration(nn.Module):
         """Each decoder layer's cross-attention K/V ([S, H, D] each) from one encoder output."""
         return [layer.encoder_attn.key_value(encoder_hidden) for layer in self.model.decoder.layers]
 
+    def get_kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> list[KVCacheSpec]:
+        """Decoder self-attention caches (layers 0..L-1), then the cross-attention caches (L..2L-1)."""
+        full = FullAttentionSpec(block_size, self.num_kv_heads, self.head_size, dtype)
+        cross = CrossAttentionSpec(block_size, self.num_kv_heads, self.head_size, dtype,
+                                   max_encoder_len=self.max_encoder_len)
+        return [full] * self.num_layers + [cross] * self.num_layers
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: AttentionMetadata, cross_kv_caches: list[torch.Tensor] | None = None,
-                cross_metadata: AttentionMetadata | None = None) -> torch.Tensor:
-        if cross_kv_caches is None or cross_metadata is None:
-            raise ValueError("Whisper's decoder needs the cross-attention caches and metadata")
+                attn_metadata: list[AttentionMetadata]) -> torch.Tensor:
         dec = self.model.decoder
+        n = self.num_layers
         h = dec.embed_tokens(input_ids) + dec.embed_positions(positions)
         for i, layer in enumerate(dec.layers):
-            h = layer(h, kv_caches[i], attn_metadata, cross_kv_caches[i], cross_metadata)
+            h = layer(h, kv_caches[i], attn_metadata[i], kv_caches[n + i], attn_metadata[n + i])
         return dec.layer_norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,8 @@ import logging
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from vllite_core.model_interfaces import ModelCapabilities
+
 logger = logging.getLogger("vllite.config")
 
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"]
@@ -36,6 +38,8 @@ class ModelConfig:
     max_logprobs: int = 20  # most top-k logprobs a request may ask for
     logits_processors: list[str] = field(default_factory=list)  # "module:attr" global processors
     trust_remote_code: bool = False
+    # What the resolved model class declares (vllite_core.model_interfaces); set when the engine starts.
+    capabilities: ModelCapabilities = field(default_factory=ModelCapabilities)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32", "fp16"):
@@ -108,21 +112,19 @@ class VlliteConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     enforce_eager: bool = False
-    # Filled in when the model is resolved (engine start-up): architecture facts.
-    is_encoder_decoder: bool = False
-    supports_prefix_caching: bool = True
 
     def finalize(self, max_model_len: int) -> None:
         """Apply the cross-field rules once the model's context length is known."""
         mc, cc, sc = self.model_config, self.cache_config, self.scheduler_config
         mc.max_model_len = max_model_len
-        if self.is_encoder_decoder:
+        caps = mc.capabilities
+        if caps.is_encoder_decoder:
             if sc.enable_chunked_prefill or cc.enable_prefix_caching:
                 logger.warning("encoder-decoder model: chunked prefill and prefix caching are turned off")
             sc.enable_chunked_prefill = False
             cc.enable_prefix_caching = False
-        if not self.supports_prefix_caching and cc.enable_prefix_caching:
-            logger.warning("this model does not support prefix caching: turned off")
+        if caps.is_stateful and cc.enable_prefix_caching:
+            logger.warning("a model with recurrent state cannot be prefix-cached: prefix caching is turned off")
             cc.enable_prefix_caching = False
         if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < max_model_len:
             logger.info("chunked prefill off: max_num_batched_tokens raised to max_model_len=%d", max_model_len)

@@ -216,8 +216,10 @@ def build_engine_model(backend: AttentionBackend, dtype: torch.dtype, device: to
 
 
 def run_model(model: Any, inputs: dict[str, Any]) -> torch.Tensor:
-    """One engine-model forward from a ``{input_ids, positions, kv_caches, metadata}`` dict."""
-    return model(inputs["input_ids"], inputs["positions"], inputs["kv_caches"], inputs["metadata"])
+    """One engine-model forward from a ``{input_ids, positions, kv_caches, metadata}`` dict (one cache group:
+    every layer reads the same metadata)."""
+    caches = inputs["kv_caches"]
+    return model(inputs["input_ids"], inputs["positions"], caches, [inputs["metadata"]] * len(caches))
 
 
 @dataclass

@@ -1,41 +1,43 @@
-"""Per-request view of the paged KV cache: prefix lookups, slot allocation, freeing.
+"""The paged KV cache seen from the scheduler: prefix lookups, slot allocation, freeing, over every cache group.
+
+A model's layers form cache groups (``kv_cache_spec.py``); each group has a manager
+(``kv_cache_groups.py``) and all of them draw from one ``BlockPool``. This class
+coordinates them: a prefix hit is the prefix every prefix-cacheable group found,
+and an allocation succeeds in every group or changes nothing. What a request holds
+lives on the request (``kv_blocks``, ``num_cached_blocks``, ``block_hashes``).
 
 The scheduler calls this every step for every running request, so the hot path
-(allocate_slots for a decode) does O(1) work apart from the blocks it actually
-allocates or caches: block hashes are computed once, incrementally, as blocks fill.
+(allocate_slots for a decode) does O(1) work per group apart from the blocks it
+actually allocates or caches: block hashes are computed once, as blocks fill.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterable
 
 from vllite_core.core.block_pool import BlockPool
-from vllite_core.core.kv_cache_utils import (
-    BlockHash,
-    KVCacheBlock,
-    PrefixCacheStats,
-    hash_block_tokens,
-)
+from vllite_core.core.kv_cache_groups import make_group_manager
+from vllite_core.core.kv_cache_spec import FullAttentionSpec, KVCacheGroup
+from vllite_core.core.kv_cache_utils import KVCacheBlock, PrefixCacheStats, make_block_hasher
+
+logger = logging.getLogger("vllite.kv_cache")
 
 
-class KVCacheRequest(Protocol):
-    """What the manager reads from a request (the engine's Request provides it)."""
+@dataclass
+class PrefixHit:
+    """A prefix-cache hit: the blocks of each group, as ``get_computed_blocks`` found them."""
 
-    request_id: str
-    all_token_ids: Sequence[int]  # prompt then outputs so far; append-only
-    num_tokens: int
-    num_prompt_tokens: int
-    num_computed_tokens: int  # tokens whose KV is already in the request's blocks
-    block_extra_keys: tuple  # mixed into every block hash (e.g. a LoRA id)
-    skip_prefix_cache: bool  # prompt logprobs: never read the cache (still writes)
+    blocks: list[list[KVCacheBlock]]
 
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks[0]) if self.blocks else 0
 
 
 class KVCacheManager:
-    """Maps requests to KV blocks and reuses full blocks across requests by content hash."""
+    """Maps requests to KV blocks in every cache group and reuses full blocks across requests by content hash."""
 
     def __init__(
         self,
@@ -43,24 +45,27 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         max_model_len: int | None = None,
-        num_cross_blocks: int = 0,
+        groups: list[KVCacheGroup] | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if groups is None:  # one full-attention group (the geometry does not matter to the bookkeeping)
+            groups = [KVCacheGroup(FullAttentionSpec(block_size, 1, 1, _ONE_BYTE), (0,))]
+        if any(g.spec.block_size != block_size for g in groups):
+            raise ValueError(f"every cache group must use block_size={block_size}")
+        uncacheable = sorted({g.spec.kind for g in groups if not g.spec.cacheable})
+        if enable_caching and uncacheable:
+            logger.warning("prefix caching is off: %s caches cannot be prefix-cached", ", ".join(uncacheable))
+            enable_caching = False
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.max_model_len = max_model_len
+        self.groups = groups
         self.block_pool = BlockPool(num_blocks, enable_caching)
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        # Hashes of the request's full blocks computed so far (a prefix of its blocks).
-        self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
-        # How many leading blocks of the request are already indexed in the pool.
-        self.num_cached_block: dict[str, int] = {}
+        self.managers = [make_group_manager(i, g.spec, self.block_pool, enable_caching) for i, g in enumerate(groups)]
+        self._hashed = [m for m in self.managers if m.enable_caching]
+        self._hasher = make_block_hasher(block_size) if enable_caching else None
         self._stats = PrefixCacheStats()
-        # Encoder-decoder models: cross-attention K/V, written once per request from the
-        # encoder output, live in their own pool (never hashed, never shared).
-        self.cross_pool = BlockPool(num_cross_blocks, enable_caching=False) if num_cross_blocks else None
-        self.req_to_cross_blocks: dict[str, list[KVCacheBlock]] = {}
 
     # ---- queries -------------------------------------------------------------
 
@@ -86,169 +91,131 @@ class KVCacheManager:
     def get_num_free_blocks(self) -> int:
         return self.block_pool.get_num_free_blocks()
 
-    def allocate_cross(self, request_id: str, num_encoder_tokens: int) -> list[int] | None:
-        """Blocks for a request's encoder K/V (once per admission); None if the cross pool is short."""
-        if request_id in self.req_to_cross_blocks:
-            return [b.block_id for b in self.req_to_cross_blocks[request_id]]
-        if self.cross_pool is None:
-            raise RuntimeError("this engine has no cross-attention cache (not an encoder-decoder model)")
-        n = cdiv(num_encoder_tokens, self.block_size)
-        if n > self.cross_pool.get_num_free_blocks():
-            return None
-        blocks = self.cross_pool.get_new_blocks(n)
-        self.req_to_cross_blocks[request_id] = blocks
-        return [b.block_id for b in blocks]
-
-    def get_cross_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_cross_blocks.get(request_id, ())]
-
-    def get_num_free_cross_blocks(self) -> int:
-        return self.cross_pool.get_num_free_blocks() if self.cross_pool is not None else 0
-
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
-
-    def num_blocks_needed(self, num_tokens: int) -> int:
-        return cdiv(num_tokens, self.block_size)
-
-    # ---- hashing -------------------------------------------------------------
-
-    def _block_hashes(self, request: KVCacheRequest, num_blocks: int) -> list[BlockHash]:
-        """The request's hash list, extended (never recomputed) to ``num_blocks`` entries."""
-        hashes = self.req_to_block_hashes.get(request.request_id)
-        if hashes is None:
-            hashes = self.req_to_block_hashes[request.request_id] = []
-        n = len(hashes)
-        if n < num_blocks:
-            bs = self.block_size
-            tokens = request.all_token_ids
-            extra = request.block_extra_keys
-            parent = hashes[-1] if n else None
-            for i in range(n, num_blocks):
-                parent = hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], extra)
-                hashes.append(parent)
-        return hashes
+    def get_block_ids(self, request: Any) -> list[list[int]]:
+        """The request's block table in each group."""
+        return [[b.block_id for b in blocks] for blocks in request.kv_blocks] or [[] for _ in self.groups]
 
     # ---- scheduling API ------------------------------------------------------
 
-    def get_computed_blocks(self, request: KVCacheRequest) -> tuple[list[KVCacheBlock], int]:
-        """Longest cached prefix of full blocks, leaving at least one token to compute.
+    def _attach(self, request: Any) -> None:
+        """First sight of a request (or after a free): one block list per group, and its hasher."""
+        if len(request.kv_blocks) != len(self.managers):
+            request.kv_blocks = [[] for _ in self.managers]
+            request.num_cached_blocks = [0] * len(self.managers)
+        if self._hasher is not None and request.block_hasher is None:
+            request.set_block_hasher(self._hasher)
+
+    def get_computed_blocks(self, request: Any) -> tuple[PrefixHit, int]:
+        """Longest prefix of full blocks cached in every group, leaving at least one token to compute.
 
         Takes no references: pass the result straight to allocate_slots, with no
         other allocation in between (that could evict the blocks found here).
         """
+        self._attach(request)
+        empty = PrefixHit([[] for _ in self.managers])
         if not self.enable_caching or request.skip_prefix_cache:
-            return [], 0
+            return empty, 0
         num_tokens = request.num_tokens
         # Cap so the last token is always computed (the model must produce logits).
         max_hit_blocks = (num_tokens - 1) // self.block_size if num_tokens > 0 else 0
-        hashes = self._block_hashes(request, max_hit_blocks)
-        get_cached = self.block_pool.get_cached_block
-        computed: list[KVCacheBlock] = []
-        for i in range(max_hit_blocks):
-            block = get_cached(hashes[i])
-            if block is None:
-                break
-            computed.append(block)
-        num_computed_tokens = len(computed) * self.block_size
+        found = {m.group_id: m.find_cached_prefix(request.block_hashes, max_hit_blocks) for m in self._hashed}
+        num_hit = min(len(h) for h in found.values())
+        hit = PrefixHit([self.managers[g].trim_hits(found[g], num_hit) if g in found else []
+                         for g in range(len(self.managers))])
+        num_computed_tokens = num_hit * self.block_size
         self._stats.record(num_tokens, num_computed_tokens)
-        return computed, num_computed_tokens
+        return (hit, num_computed_tokens) if num_hit else (empty, 0)
 
     def allocate_slots(
         self,
-        request: KVCacheRequest,
+        request: Any,
         num_new_tokens: int,
-        new_computed_blocks: list[KVCacheBlock] | None = None,
+        new_computed: PrefixHit | None = None,
         num_new_computed_tokens: int = 0,
-    ) -> list[int] | None:
-        """Make room for the request's next ``num_new_tokens`` tokens.
+    ) -> list[list[int]] | None:
+        """Make room for the request's next ``num_new_tokens`` tokens in every group.
 
-        Returns the ids of freshly allocated blocks (possibly empty; prefix hits
-        are not included, use get_block_ids for the whole table), or None with no
-        side effects when the pool is short: the caller preempts or waits.
+        Returns, per group, the ids of freshly allocated blocks (possibly empty; prefix
+        hits are not included, use get_block_ids for the whole table), or None with no
+        side effects on what the request holds when the pool is short: the caller
+        preempts or waits. (Sliding-window blocks that no query can read any more are
+        released first, whatever the outcome.)
         """
-        request_id = request.request_id
-        new_computed_blocks = new_computed_blocks or []
-        req_blocks = self.req_to_blocks.get(request_id)
-        num_held = len(req_blocks) if req_blocks is not None else 0
-        pool = self.block_pool
-
-        if new_computed_blocks:
+        self._attach(request)
+        hits = new_computed.blocks if new_computed is not None else [[] for _ in self.managers]
+        if any(hits):
             if not self.enable_caching:
-                raise ValueError("new_computed_blocks given while prefix caching is off")
-            hashes = self._block_hashes(request, num_held + len(new_computed_blocks))
-            for i, block in enumerate(new_computed_blocks, start=num_held):
-                if block.block_hash is None or block.block_hash != hashes[i]:
-                    raise RuntimeError(
-                        f"stale prefix hit for {request_id}: {block!r} was evicted between "
-                        "get_computed_blocks and allocate_slots"
-                    )
-
+                raise ValueError("prefix hits given while prefix caching is off")
+            self._check_fresh(request, hits)
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_slots = num_computed + num_new_tokens
         if self.max_model_len is not None and num_slots > self.max_model_len:
             num_slots = self.max_model_len
-        num_required = cdiv(num_slots, self.block_size)
-        num_new_blocks = num_required - num_held - len(new_computed_blocks)
-        if num_new_blocks < 0:
-            num_new_blocks = 0
-
-        if new_computed_blocks or num_new_blocks:
+        for m in self.managers:
+            m.release_unneeded(request, num_computed)
+        need = [m.num_new_blocks(request, num_slots, len(hits[m.group_id])) for m in self.managers]
+        total = sum(need)
+        if total or any(hits):
             # Touching a free cached block removes it from the free queue, so it
             # no longer counts as free for the fresh allocation.
-            num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-            if num_new_blocks > pool.get_num_free_blocks() - num_evictable_hits:
+            num_evictable_hits = sum(1 for h in hits for b in h if b.ref_cnt == 0 and not b.is_null)
+            if total > self.block_pool.get_num_free_blocks() - num_evictable_hits:
                 return None
-            if req_blocks is None:
-                req_blocks = self.req_to_blocks[request_id] = []
-            if new_computed_blocks:
-                pool.touch(new_computed_blocks)
-                req_blocks.extend(new_computed_blocks)
-                # Hits are indexed already: count them as cached.
-                if self.num_cached_block.get(request_id, 0) < len(req_blocks):
-                    self.num_cached_block[request_id] = len(req_blocks)
-            new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
-            req_blocks.extend(new_blocks)
-        else:
-            new_blocks = []
-            if req_blocks is None:
-                req_blocks = self.req_to_blocks[request_id] = []
+        new_ids = [[b.block_id for b in m.take(request, hits[m.group_id], need[m.group_id])] for m in self.managers]
+        num_known = min(num_slots, request.num_tokens)
+        for m in self._hashed:
+            m.cache_blocks(request, num_known)
+        return new_ids
 
-        if self.enable_caching:
-            num_known = min(num_slots, request.num_tokens)
-            num_full = min(num_known // self.block_size, len(req_blocks))
-            num_cached = self.num_cached_block.get(request_id, 0)
-            if num_full > num_cached:
-                hashes = self._block_hashes(request, num_full)
-                pool.cache_full_blocks(req_blocks, hashes, num_cached, num_full)
-                self.num_cached_block[request_id] = num_full
+    def _check_fresh(self, request: Any, hits: list[list[KVCacheBlock]]) -> None:
+        for g, blocks in enumerate(hits):
+            start = len(request.kv_blocks[g])
+            for i, block in enumerate(blocks, start=start):
+                if block.is_null:
+                    continue
+                if block.block_hash is None or block.block_hash != request.block_hashes[i] or block.group != g:
+                    raise RuntimeError(
+                        f"stale prefix hit for {request.request_id}: {block!r} was evicted between "
+                        "get_computed_blocks and allocate_slots"
+                    )
 
-        return [b.block_id for b in new_blocks]
+    def free(self, request: Any) -> None:
+        """Release the request's blocks in every group, tail first, and forget them. Idempotent.
 
-    def free(self, request: KVCacheRequest) -> None:
-        """Release the request's blocks, tail first, and forget it. Idempotent.
-
-        Call it on finish, abort (even for a request that never ran: its hashes
-        may be held from a prefix lookup) and preemption, BEFORE resetting
+        Call it on finish, abort and preemption, BEFORE resetting
         request.num_computed_tokens: blocks cached by allocate_slots past
         num_computed_tokens (scheduled in this step, never computed because the
         request is preempted before the forward pass) are uncached here.
         """
-        request_id = request.request_id
-        cross = self.req_to_cross_blocks.pop(request_id, None)
-        if cross and self.cross_pool is not None:
-            self.cross_pool.free_blocks(reversed(cross))
-        blocks = self.req_to_blocks.pop(request_id, None)
-        if blocks:
-            num_cached = self.num_cached_block.get(request_id, 0)
-            num_done = request.num_computed_tokens // self.block_size
-            if num_cached > num_done:
-                self.block_pool.uncache_blocks(blocks[num_done:num_cached])
-            # Reverse: the tail is less likely to be shared, so it is evicted first.
-            self.block_pool.free_blocks(reversed(blocks))
-        self.req_to_block_hashes.pop(request_id, None)
-        self.num_cached_block.pop(request_id, None)
+        if len(request.kv_blocks) == len(self.managers):
+            for m in self.managers:
+                m.free(request)
+        request.kv_blocks = []
+        request.num_cached_blocks = []
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block hash; False (nothing done) while blocks are in use."""
         return self.block_pool.reset_prefix_cache()
+
+    def check_integrity(self, requests: Iterable[Any]) -> None:
+        """AssertionError unless the pool agrees with what ``requests`` (all that hold blocks) hold: reference
+        counts, free + referenced = usable, every index entry on its own block, every indexed block of a
+        request under that request's hash. For tests and for idle-time checks."""
+        refs: dict[int, int] = {}
+        for req in requests:
+            for g, blocks in enumerate(req.kv_blocks):
+                for i, b in enumerate(blocks):
+                    if b.is_null:
+                        continue
+                    refs[b.block_id] = refs.get(b.block_id, 0) + 1
+                    if b.block_hash is not None and i < len(req.block_hashes) and self.managers[g].enable_caching:
+                        assert (b.block_hash, b.group) == (req.block_hashes[i], g), \
+                            f"{req.request_id}: block {i} of group {g} is indexed under another hash"
+        self.block_pool.check_integrity(refs)
+
+
+class _OneByte:
+    itemsize = 1
+
+
+_ONE_BYTE = _OneByte()

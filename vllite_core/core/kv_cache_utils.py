@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 # A block hash is the sha256 digest of (parent hash, token ids, extra keys).
 # It is chained (each block's hash covers its whole prefix), and deterministic
@@ -72,6 +72,33 @@ def hash_block_tokens(
     return h.digest()
 
 
+def block_extra_keys(request: Any, block_index: int) -> tuple:
+    """The extra hash keys of one block of a request: the cache salt on the first block (the chain carries
+    it to every later block), the request's per-block keys (a LoRA identity) on every block."""
+    keys = tuple(request.block_extra_keys)
+    if block_index == 0 and request.cache_salt is not None:
+        keys = (("cache_salt", request.cache_salt),) + keys
+    return keys
+
+
+def make_block_hasher(block_size: int) -> Callable[[Any], list[BlockHash]]:
+    """A request's block hasher: the hashes of the blocks that filled since its last call."""
+
+    def hash_new_blocks(request: Any) -> list[BlockHash]:
+        hashes = request.block_hashes
+        start, end = len(hashes), request.num_tokens // block_size
+        parent = hashes[-1] if start else None
+        tokens = request.all_token_ids
+        new: list[BlockHash] = []
+        for i in range(start, end):
+            parent = hash_block_tokens(parent, tokens[i * block_size:(i + 1) * block_size],
+                                       block_extra_keys(request, i))
+            new.append(parent)
+        return new
+
+    return hash_new_blocks
+
+
 def hash_request_tokens(
     block_size: int,
     token_ids: Sequence[int],
@@ -94,8 +121,9 @@ class KVCacheBlock:
 
     block_id: int
     ref_cnt: int = 0
-    # Set iff this block is the one indexed under this hash in the pool's map.
+    # Set iff this block is the one indexed under (this hash, group) in the pool's map.
     block_hash: BlockHash | None = None
+    group: int = 0  # the cache group whose index holds the hash
     # Links of the doubly linked free list; both are set iff the block is in it.
     prev_free: KVCacheBlock | None = None
     next_free: KVCacheBlock | None = None

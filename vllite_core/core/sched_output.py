@@ -15,13 +15,12 @@ class NewRequestData:
     token_ids: list[int]  # prompt + outputs so far (a resumed request re-prefills its outputs)
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: list[list[int]]  # the block table of each cache group
     num_computed_tokens: int
     eos_token_id: int | None = None
     # Encoder-decoder: the encoder runs in the step that admits the request.
     encoder_inputs: Any = None
     num_encoder_tokens: int = 0
-    cross_block_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -29,7 +28,7 @@ class CachedRequestData:
     """A request already in the runner's batch: only what changed."""
 
     req_id: str
-    new_block_ids: list[int]
+    new_block_ids: list[list[int]]  # blocks appended to each cache group's table
     num_computed_tokens: int
 
 

@@ -161,9 +161,6 @@ class Scheduler:
             if num_new <= 0:  # a long prompt waits for a long-prefill slot; later ones may go
                 skipped.append(self.waiting.pop())
                 continue
-            if req.num_encoder_tokens and self.kv.allocate_cross(req.request_id, req.num_encoder_tokens) is None:
-                step.release_long(req)
-                break  # the cross-attention pool is full: wait for a request to finish
             blocks = self.kv.allocate_slots(req, num_new, computed_blocks, num_computed)
             # Priority: a more urgent arrival may push out less urgent running requests.
             while blocks is None and self.policy == "priority" and self.running \
@@ -180,8 +177,8 @@ class Scheduler:
             req.num_computed_tokens = num_computed
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_computed
-            if req.times.first_scheduled is None:
-                req.times.first_scheduled = step.now
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = step.now
             self.running.append(req)
             step.schedule_new(req, num_new)
         if self.policy == "fcfs":
@@ -208,7 +205,6 @@ class Scheduler:
     # ---- after the forward pass -------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
         """Append sampled tokens, apply token-level stop rules. Returns requests that got tokens."""
-        now = time.monotonic()
         updated: list[Request] = []
         stopped: list[Request] = []
         for rid, tokens in sampled.items():
@@ -216,18 +212,14 @@ class Scheduler:
             if req is None or req.status != RequestStatus.RUNNING or not tokens:
                 continue
             for tok in tokens:
-                req.append_output_token_ids([tok])
+                req.append_output_token_ids(tok)
                 if self._check_stop(req, tok):
                     break
-            if req.times.first_token is None:
-                req.times.first_token = now
-            req.times.last_token = now
             updated.append(req)
             if req.status.finished:
                 stopped.append(req)
         for req in stopped:
             self.running.remove(req)
-            req.times.finished = now
             self._free(req)
         return updated
 
@@ -269,7 +261,7 @@ class _Step:
         self.preempted: list[Request] = []
         self.running: list[Request] = []
         self.new: list[Request] = []
-        self.new_block_ids: dict[str, list[int]] = {}
+        self.new_block_ids: dict[str, list[list[int]]] = {}  # per request, per cache group
 
     def chunk(self, req: Request, remaining: int, recount: bool = True) -> int:
         """Tokens to give ``req`` now: its remaining tokens within the budget, long prefills capped."""
@@ -287,7 +279,7 @@ class _Step:
         if req in self.long:
             self.long.remove(req)
 
-    def schedule_running(self, req: Request, n: int, blocks: list[int]) -> None:
+    def schedule_running(self, req: Request, n: int, blocks: list[list[int]]) -> None:
         self.running.append(req)
         self.new_block_ids[req.request_id] = blocks
         self.out.num_scheduled_tokens[req.request_id] = n
@@ -329,7 +321,8 @@ class _Step:
             if blocks is None:
                 continue
             if rid in self.new_block_ids:
-                self.new_block_ids[rid].extend(blocks)
+                for have_ids, ids in zip(self.new_block_ids[rid], blocks):
+                    have_ids.extend(ids)
             self.out.num_scheduled_tokens[rid] = have + extra
             self.budget -= extra
 
@@ -338,10 +331,9 @@ class _Step:
         for req in self.new:
             out.scheduled_new_reqs.append(NewRequestData(
                 req_id=req.request_id, token_ids=list(req.all_token_ids), num_prompt_tokens=req.num_prompt_tokens,
-                sampling_params=req.sampling_params, block_ids=list(sched.kv.get_block_ids(req.request_id)),
+                sampling_params=req.sampling_params, block_ids=sched.kv.get_block_ids(req),
                 num_computed_tokens=req.num_computed_tokens, eos_token_id=req.eos_token_id,
-                encoder_inputs=req.encoder_inputs, num_encoder_tokens=req.num_encoder_tokens,
-                cross_block_ids=sched.kv.get_cross_block_ids(req.request_id)))
+                encoder_inputs=req.encoder_inputs, num_encoder_tokens=req.num_encoder_tokens))
         for req in self.running:
             out.scheduled_cached_reqs.append(CachedRequestData(
                 req_id=req.request_id, new_block_ids=self.new_block_ids[req.request_id],

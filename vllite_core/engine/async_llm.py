@@ -177,7 +177,7 @@ class AsyncLLM:
         # prompts, encoder-decoder and multimodal, too).
         ctx = engine.input_context
         self._ctx = InputContext(self.tokenizer, ctx.hf_config, ctx.model_path)
-        self.input_context = self._ctx if hasattr(engine.model_cls, "process_prompt") else None
+        self.input_context = self._ctx if engine.config.model_config.capabilities.processes_prompts else None
         self.max_model_len = engine.max_model_len
         self.loop_stats = LoopStats()
         self.snapshot = EngineSnapshot()

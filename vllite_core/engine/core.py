@@ -14,6 +14,7 @@ from typing import Any
 from vllite_core.config import ConfigError, VlliteConfig
 from vllite_core.core.kv_cache_manager import KVCacheManager
 from vllite_core.core.scheduler import Scheduler, SchedulerStats
+from vllite_core.model_interfaces import model_capabilities
 from vllite_core.request import Request, RequestStatus
 from vllite_core.worker.model_runner import SampleLogprobs
 from vllite_core.worker.worker import Worker
@@ -62,7 +63,7 @@ class ModelInfo:
 
 def _derive_max_model_len(config: VlliteConfig, hf_config: Any, model_cls: Any = None) -> int:
     limit = None
-    if hasattr(model_cls, "get_max_model_len"):  # e.g. a decoder whose positions differ from the encoder's
+    if config.model_config.capabilities.is_encoder_decoder:  # the decoder's positions differ from the encoder's
         limit = int(model_cls.get_max_model_len(hf_config))
     for key in () if limit else ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length"):
         if getattr(hf_config, key, None):
@@ -96,25 +97,27 @@ class EngineCore:
         source = resolve_model_source(config.model_config.model)
         hf_config = load_hf_config(source)
         arch, model_cls = build_registry(pm).resolve_for_config(hf_config)
-        config.is_encoder_decoder = bool(getattr(model_cls, "is_encoder_decoder", False))
-        config.supports_prefix_caching = bool(getattr(model_cls, "supports_prefix_caching", True))
+        config.model_config.capabilities = model_capabilities(model_cls)
         max_model_len = _derive_max_model_len(config, hf_config, model_cls)
         config.finalize(max_model_len)
 
         self.worker = Worker(config, platform, pm)
         self.worker.load_model(source, hf_config, arch, model_cls)
         num_blocks = self.worker.determine_num_kv_blocks()
-        num_cross = self.worker.num_cross_blocks()
-        self.worker.initialize_kv_cache(num_blocks, num_cross)
+        self.worker.initialize_kv_cache(num_blocks)
         cc = config.cache_config
+        groups = self.worker.runner.kv_cache_groups
         self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, max_model_len,
-                                               num_cross_blocks=num_cross)
+                                               groups=groups)
+        cc.enable_prefix_caching = self.kv_cache_manager.enable_caching
         self.scheduler = Scheduler(config.scheduler_config, cc, self.kv_cache_manager, max_model_len)
         self.model_info = ModelInfo(source, hf_config, arch, max_model_len, num_blocks)
         self.model_cls = model_cls
         self.step_times = StepTimes()
-        logger.info("engine ready: %s on %s, max_model_len=%d, %d KV blocks of %d tokens", arch, platform.name,
-                    max_model_len, num_blocks, cc.block_size)
+        kinds = ", ".join(f"{g.spec.kind} x{len(g.layers)}" for g in groups)
+        logger.info("engine ready: %s on %s, max_model_len=%d, %d KV blocks of %d tokens (%d tokens), cache "
+                    "groups: %s", arch, platform.name, max_model_len, num_blocks, cc.block_size,
+                    num_blocks * cc.block_size, kinds)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -149,7 +152,7 @@ class EngineCore:
                 new_logprobs=result.logprobs.get(req.request_id),
                 prompt_logprobs=result.prompt_logprobs.get(req.request_id),
                 finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
-                num_cached_tokens=max(req.num_cached_tokens, 0), first_scheduled_time=req.times.first_scheduled,
+                num_cached_tokens=max(req.num_cached_tokens, 0), first_scheduled_time=req.first_scheduled_time,
                 num_preemptions=req.num_preemptions))
         t3 = time.perf_counter()
         st = self.step_times

@@ -29,9 +29,9 @@ class LLMEngine:
         info = self.core.model_info
         self.tokenizer = load_tokenizer(info.source, config.model_config.tokenizer)
         self.max_model_len = info.max_model_len
-        # What the model can emit: nested configs (Florence-2) have no top-level vocab_size.
-        self.vocab_size = int(getattr(self.core.worker.runner.model, "vocab_size", 0)
-                              or getattr(info.hf_config, "vocab_size", 0) or len(self.tokenizer))
+        # What the model can emit (part of every engine model's contract: nested configs such as
+        # Florence-2's have no top-level vocab_size).
+        self.vocab_size = int(self.core.worker.runner.model.vocab_size)
         self.eos_token_id = self._eos_token_id(info.hf_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -60,7 +60,7 @@ class LLMEngine:
             return prompt
         ctx = ctx or self.input_context
         salt = parse_cache_salt(prompt)
-        if hasattr(self.model_cls, "process_prompt"):
+        if self.config.model_config.capabilities.processes_prompts:
             try:
                 processed = self.model_cls.process_prompt(prompt, ctx)
             except (InvalidRequestError, ValueError, TypeError, KeyError) as e:

@@ -80,7 +80,7 @@ class LLM:
         from vllite_core.entrypoints import transcription as tr
 
         engine = self.llm_engine
-        tr.check_transcription_model(engine.model_cls)
+        tr.check_transcription_model(engine)
         items = list(audio) if isinstance(audio, list) else [audio]
         ctx = engine.input_context
         window_s = float(engine.model_cls.max_audio_seconds(ctx))

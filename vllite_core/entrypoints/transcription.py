@@ -31,9 +31,10 @@ class Transcription:
     windows: list[RequestOutput] = field(default_factory=list)  # one request per window of audio, in order
 
 
-def check_transcription_model(model_cls: Any) -> None:
-    if not getattr(model_cls, "supports_transcription", False):
-        raise ValueError(f"{getattr(model_cls, '__name__', model_cls)} does not transcribe audio; "
+def check_transcription_model(engine: Any) -> None:
+    """ValueError unless the engine's model declares SupportsTranscription."""
+    if not engine.config.model_config.capabilities.supports_transcription:
+        raise ValueError(f"{engine.model_cls.__name__} does not transcribe audio; "
                          f"load a speech model such as Whisper")
 
 

@@ -142,10 +142,6 @@ class Platform(ABC):
     def seed_everything(self, seed: int) -> None:
         torch.manual_seed(seed)
 
-    # ---- optional overrides ---------------------------------------------------------
-    worker_cls: ClassVar[str | None] = None  # "module:Class" replacing the default worker
-    model_runner_cls: ClassVar[str | None] = None  # "module:Class" replacing the default model runner
-
     def describe(self) -> dict[str, Any]:
         """Facts for `vllite env`."""
         det = self.detect()

@@ -7,8 +7,10 @@ decode-only step (one token per request) of ``n`` requests is padded up to the
 smallest captured size ``>= n`` (``vllite_core.platforms.graphs``: padded requests
 write their K/V nowhere and read the null block), run through that size's
 runner, and the first ``n`` rows of its output returned. Every other step
-(prefill, chunked prefill, mixed, larger than the largest size, encoder-decoder
-extras) runs eagerly. ``enforce_eager`` or a platform that captures nothing
+(prefill, chunked prefill, mixed, larger than the largest size) runs eagerly, and
+so does every step of a model with more than one cache group (sliding window
+beside full attention, cross attention): the platform contract captures one
+metadata for all layers. ``enforce_eager`` or a platform that captures nothing
 leaves it a plain pass-through.
 
 It also keeps counters (graph vs eager steps, capture time) that ``vllite bench``
@@ -29,9 +31,10 @@ logger = logging.getLogger("vllite.graphs")
 
 
 class ModelForward:
-    def __init__(self, model: torch.nn.Module, attn_backend: AttentionBackend) -> None:
+    def __init__(self, model: torch.nn.Module, attn_backend: AttentionBackend, num_layers: int) -> None:
         self.model = model
         self.attn_backend = attn_backend
+        self.num_layers = num_layers
         self.runners: dict[int, Any] = {}
         self.sizes: list[int] = []
         self.capture_s: float | None = None
@@ -39,18 +42,18 @@ class ModelForward:
         self.eager_steps = 0
 
     # ---- set-up ------------------------------------------------------------------------------
-    def capture(self, platform: Any, config: Any, kv_caches: list[torch.Tensor], block_size: int,
+    def capture(self, platform: Any, config: Any, kv_caches: list[torch.Tensor], num_groups: int, block_size: int,
                 max_model_len: int, device: torch.device) -> None:
-        """Ask the platform for decode runners (nothing under ``enforce_eager``)."""
-        if config.enforce_eager or not kv_caches or getattr(self.model, "is_encoder_decoder", False):
+        """Ask the platform for decode runners (nothing under ``enforce_eager`` or with several cache groups)."""
+        if config.enforce_eager or not kv_caches or num_groups != 1:
             return
         sizes = capture_sizes(config.scheduler_config.max_num_seqs)
         max_blocks = -(-max_model_len // block_size)
-        model = self.model
+        model, num_layers = self.model, self.num_layers
 
         def forward(input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                     metadata: AttentionMetadata) -> torch.Tensor:
-            return model(input_ids, positions, kv_caches, metadata)
+            return model(input_ids, positions, kv_caches, [metadata] * num_layers)
 
         t0 = time.perf_counter()
         runners = platform.capture_graphs(
@@ -64,8 +67,9 @@ class ModelForward:
 
     # ---- the step ----------------------------------------------------------------------------
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                 metadata: AttentionMetadata, **extra: Any) -> torch.Tensor:
-        if self.runners and not extra:
+                 layer_metadata: list[AttentionMetadata]) -> torch.Tensor:
+        if self.runners:  # one cache group: every layer has the same metadata
+            metadata = layer_metadata[0]
             n = int(input_ids.shape[0])
             if metadata.max_query_len == 1 and n == metadata.num_reqs:
                 bs = pick_batch_size(n, self.sizes)
@@ -79,7 +83,7 @@ class ModelForward:
                     self.graph_steps += 1
                     return hidden[:n]
         self.eager_steps += 1
-        return self.model(input_ids, positions, kv_caches, metadata, **extra)
+        return self.model(input_ids, positions, kv_caches, layer_metadata)
 
     def describe(self) -> dict[str, Any]:
         return {"captured_sizes": _span(self.sizes) if self.sizes else "none (eager)",

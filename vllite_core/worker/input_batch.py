@@ -15,7 +15,9 @@ from vllite_core.sampling_params import SamplingParams
 
 
 @dataclass
-class RequestState:
+class RowState:
+    """What the runner keeps for a request beside its batch row (Python objects, not arrays)."""
+
     req_id: str
     num_prompt_tokens: int
     sampling_params: SamplingParams
@@ -27,16 +29,16 @@ class RequestState:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, max_encoder_len: int = 0) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, table_widths: list[int]) -> None:
+        """``table_widths``: the most blocks a request holds in each cache group (one block table per group)."""
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.block_size = block_size
-        self.max_blocks = -(-max_model_len // block_size)
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)  # tokens known (prompt + sampled)
         self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)
-        self.block_table = np.zeros((max_num_reqs, self.max_blocks), dtype=np.int32)
-        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_tables = [np.zeros((max_num_reqs, w), dtype=np.int32) for w in table_widths]
+        self.num_blocks = np.zeros((len(table_widths), max_num_reqs), dtype=np.int64)
         self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
         self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)
@@ -49,17 +51,17 @@ class InputBatch:
         self.repetition = np.ones(max_num_reqs, dtype=np.float32)
         # Rows whose params need per-request work (bad words, bias, allowed ids, min_tokens).
         self.has_constraints = np.zeros(max_num_reqs, dtype=bool)
-        # Encoder-decoder models: where each request's encoder K/V lives, and its length.
-        self.cross_block_table = np.zeros((max_num_reqs, -(-max_encoder_len // block_size)), dtype=np.int32)
+        # Encoder-decoder models: the encoder output's length (the cross-attention context).
         self.num_encoder_tokens = np.zeros(max_num_reqs, dtype=np.int64)
-        self.states: list[RequestState | None] = [None] * max_num_reqs
+        self.states: list[RowState | None] = [None] * max_num_reqs
         self.index: dict[str, int] = {}
 
     @property
     def num_reqs(self) -> int:
         return len(self.index)
 
-    def add(self, state: RequestState, token_ids: list[int], block_ids: list[int], num_computed: int) -> int:
+    def add(self, state: RowState, token_ids: list[int], block_ids: list[list[int]], num_computed: int,
+            num_encoder_tokens: int = 0) -> int:
         row = self.num_reqs
         if row >= self.max_num_reqs:
             raise RuntimeError("input batch is full (max_num_seqs)")
@@ -67,8 +69,10 @@ class InputBatch:
         self.token_ids[row, :n] = token_ids
         self.num_tokens[row] = n
         self.num_computed[row] = num_computed
-        self.block_table[row, :len(block_ids)] = block_ids
-        self.num_blocks[row] = len(block_ids)
+        for g, ids in enumerate(block_ids):
+            self.block_tables[g][row, :len(ids)] = ids
+            self.num_blocks[g, row] = len(ids)
+        self.num_encoder_tokens[row] = num_encoder_tokens
         p = state.sampling_params
         self.temperature[row] = p.temperature
         self.top_k[row] = p.top_k
@@ -86,15 +90,12 @@ class InputBatch:
         self.index[state.req_id] = row
         return row
 
-    def set_cross(self, row: int, block_ids: list[int], num_encoder_tokens: int) -> None:
-        self.cross_block_table[row, :len(block_ids)] = block_ids
-        self.num_encoder_tokens[row] = num_encoder_tokens
-
-    def append_blocks(self, row: int, block_ids: list[int]) -> None:
-        if block_ids:
-            start = self.num_blocks[row]
-            self.block_table[row, start:start + len(block_ids)] = block_ids
-            self.num_blocks[row] = start + len(block_ids)
+    def append_blocks(self, row: int, block_ids: list[list[int]]) -> None:
+        for g, ids in enumerate(block_ids):
+            if ids:
+                start = self.num_blocks[g, row]
+                self.block_tables[g][row, start:start + len(ids)] = ids
+                self.num_blocks[g, row] = start + len(ids)
 
     def append_token(self, row: int, token: int) -> None:
         n = self.num_tokens[row]
@@ -102,7 +103,7 @@ class InputBatch:
             self.token_ids[row, n] = token
         self.num_tokens[row] = n + 1
 
-    def remove(self, req_id: str) -> RequestState | None:
+    def remove(self, req_id: str) -> RowState | None:
         """Remove a request and fill its row with the last one, keeping rows dense."""
         row = self.index.pop(req_id, None)
         if row is None:
@@ -117,10 +118,11 @@ class InputBatch:
     def _move(self, src: int, dst: int) -> None:
         n = self.num_tokens[src]
         self.token_ids[dst, :min(n, self.max_model_len)] = self.token_ids[src, :min(n, self.max_model_len)]
-        nb = self.num_blocks[src]
-        self.block_table[dst, :nb] = self.block_table[src, :nb]
-        self.cross_block_table[dst] = self.cross_block_table[src]
-        for arr in (self.num_tokens, self.num_computed, self.num_blocks, self.temperature, self.top_k,
+        for g, table in enumerate(self.block_tables):
+            nb = self.num_blocks[g, src]
+            table[dst, :nb] = table[src, :nb]
+        self.num_blocks[:, dst] = self.num_blocks[:, src]
+        for arr in (self.num_tokens, self.num_computed, self.temperature, self.top_k,
                     self.top_p, self.min_p, self.num_logprobs, self.num_prompt_logprobs, self.num_prompt,
                     self.presence, self.frequency, self.repetition, self.has_constraints,
                     self.num_encoder_tokens):

@@ -15,11 +15,20 @@ import numpy as np
 import torch
 
 from vllite_core.attention import AttentionBackend, AttentionMetadata
-from vllite_core.config import VlliteConfig
+from vllite_core.config import ConfigError, VlliteConfig
+from vllite_core.core.kv_cache_spec import (
+    CrossAttentionSpec,
+    KVCacheSpec,
+    SlidingWindowSpec,
+    StateSpec,
+    cdiv,
+    group_layers,
+    plan_kv_tensors,
+)
 from vllite_core.core.sched_output import SchedulerOutput
 from vllite_core.sample.sampler import Sampler, gather_logprobs
 from vllite_core.worker.graph_runner import ModelForward
-from vllite_core.worker.input_batch import InputBatch, RequestState
+from vllite_core.worker.input_batch import InputBatch, RowState
 from vllite_core.worker.sampling_inputs import build_sampling_metadata
 
 logger = logging.getLogger("vllite.runner")
@@ -46,86 +55,97 @@ class ModelRunnerOutput:
 class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    metadata: AttentionMetadata
+    layer_metadata: list[AttentionMetadata]  # one per cache layer; the layers of a group share one object
     logits_indices: torch.Tensor
     sample_rows: np.ndarray  # batch rows that sample, in logits order
     # Requests wanting prompt logprobs in this step: (row, first token index, num tokens, first position).
     prompt_lp: list[tuple[int, int, int, int]]
-    cross_metadata: AttentionMetadata | None = None  # encoder-decoder models
 
 
 class ModelRunner:
     def __init__(self, config: VlliteConfig, model: torch.nn.Module, attn_backend: AttentionBackend,
-                 device: torch.device, dtype: torch.dtype, logits_processors: list[Any] | None = None) -> None:
+                 device: torch.device, dtype: torch.dtype, kv_cache_dtype: torch.dtype | None = None,
+                 logits_processors: list[Any] | None = None) -> None:
         self.config = config
         self.model = model
         self.attn_backend = attn_backend
         self.device = device
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype or dtype
         self.block_size = config.cache_config.block_size
         self.max_model_len = config.model_config.max_model_len or 0
-        self.is_encoder_decoder = bool(getattr(model, "is_encoder_decoder", False))
+        self.capabilities = config.model_config.capabilities
+        # The cache layout: one spec per cache layer, grouped; layers of different groups share tensors.
+        self.kv_cache_specs = model.get_kv_cache_specs(self.block_size, self.kv_cache_dtype)
+        self.kv_cache_groups = group_layers(self.kv_cache_specs)
+        self.group_of_layer = [0] * len(self.kv_cache_specs)
+        for g, group in enumerate(self.kv_cache_groups):
+            for layer in group.layers:
+                self.group_of_layer[layer] = g
+            if isinstance(group.spec, StateSpec):
+                raise ConfigError(f"{type(model).__name__}: state caches ({group.spec.kind}) have no runner "
+                                  "support yet")
+        self.tensor_plan = plan_kv_tensors(self.kv_cache_groups, len(self.kv_cache_specs))
+        self.cross_layers = [i for i, s in enumerate(self.kv_cache_specs) if isinstance(s, CrossAttentionSpec)]
         self.batch = InputBatch(config.scheduler_config.max_num_seqs, self.max_model_len, self.block_size,
-                                int(getattr(model, "max_encoder_len", 0)) if self.is_encoder_decoder else 0)
-        self.cross_kv_caches: list[torch.Tensor] = []
+                                [self._table_width(g.spec) for g in self.kv_cache_groups])
         self.sampler = Sampler(config.model_config.logprobs_mode)
         self.logits_processors = list(logits_processors or [])
-        self.vocab_size = int(getattr(model, "vocab_size", 0))
         self.kv_caches: list[torch.Tensor] = []
         # Seeded generators live until the request finishes (a preempted request keeps its stream).
         self.generators: dict[str, torch.Generator] = {}
         # Decode steps go through captured graphs when the platform made some (graph_runner.py).
-        self.model_forward = ModelForward(model, attn_backend)
+        self.model_forward = ModelForward(model, attn_backend, len(self.kv_cache_specs))
+
+    def _table_width(self, spec: KVCacheSpec) -> int:
+        """Block-table columns a group needs: sliding-window tables keep dead slots (as the null block)."""
+        if isinstance(spec, SlidingWindowSpec):
+            return cdiv(self.max_model_len, self.block_size)
+        return spec.max_blocks_per_request(self.max_model_len)
 
     # ---- KV cache ---------------------------------------------------------------------
+    def _tensor_shape(self, spec: KVCacheSpec, num_blocks: int) -> tuple[int, ...]:
+        return self.attn_backend.get_kv_cache_shape(num_blocks, self.block_size, spec.num_kv_heads, spec.head_size)
+
     def kv_cache_bytes_per_block(self) -> int:
-        m = self.model
-        shape = self.attn_backend.get_kv_cache_shape(1, self.block_size, m.num_kv_heads, m.head_size)
-        elems = int(np.prod(shape))
-        return elems * m.num_layers * torch.empty((), dtype=self.kv_cache_dtype()).element_size()
+        """Memory one block id costs in every cache tensor (in the backend's layout)."""
+        return sum(int(np.prod(self._tensor_shape(spec, 1))) * spec.dtype.itemsize
+                   for spec in self.tensor_plan.tensor_specs)
 
-    def kv_cache_dtype(self) -> torch.dtype:
-        return self.dtype
+    def _allocate_caches(self, num_blocks: int) -> list[torch.Tensor]:
+        tensors = [torch.zeros(self._tensor_shape(spec, num_blocks), dtype=spec.dtype, device=self.device)
+                   for spec in self.tensor_plan.tensor_specs]
+        return [tensors[t] for t in self.tensor_plan.tensor_of_layer]
 
-    def initialize_kv_cache(self, num_blocks: int, num_cross_blocks: int = 0) -> None:
-        m = self.model
-        shape = self.attn_backend.get_kv_cache_shape(num_blocks, self.block_size, m.num_kv_heads, m.head_size)
-        self.kv_caches = [torch.zeros(shape, dtype=self.kv_cache_dtype(), device=self.device)
-                          for _ in range(m.num_layers)]
-        if num_cross_blocks:
-            shape = self.attn_backend.get_kv_cache_shape(num_cross_blocks, self.block_size, m.num_kv_heads,
-                                                         m.head_size)
-            self.cross_kv_caches = [torch.zeros(shape, dtype=self.kv_cache_dtype(), device=self.device)
-                                    for _ in range(m.num_layers)]
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = self._allocate_caches(num_blocks)
 
     def _run_encoders(self, new_reqs: list[Any]) -> None:
-        """Encoder once per admitted request; its per-layer K/V go to the cross-attention blocks."""
+        """Encoder once per admitted request; its per-layer K/V go to the request's cross-attention blocks."""
         hidden = self.model.encode([r.encoder_inputs for r in new_reqs])
         for r, h in zip(new_reqs, hidden):
             pos = np.arange(r.num_encoder_tokens)
-            blocks = np.asarray(r.cross_block_ids, dtype=np.int64)
-            slots = torch.as_tensor(blocks[pos // self.block_size] * self.block_size + pos % self.block_size,
-                                    device=self.device)
-            for layer, (k, v) in enumerate(self.model.cross_kv(h)):
-                self.attn_backend.write_kv(k, v, self.cross_kv_caches[layer], slots)
+            for layer, (k, v) in zip(self.cross_layers, self.model.cross_kv(h), strict=True):
+                blocks = np.asarray(r.block_ids[self.group_of_layer[layer]], dtype=np.int64)
+                slots = torch.as_tensor(blocks[pos // self.block_size] * self.block_size + pos % self.block_size,
+                                        device=self.device)
+                self.attn_backend.write_kv(k, v, self.kv_caches[layer], slots)
 
     @torch.inference_mode()
     def profile_run(self) -> None:
         """One forward pass at the largest step size, into a scratch cache, to show peak memory.
         (Encoder-decoder models skip it: their decoder needs encoder state; their memory is small.)"""
-        if self.is_encoder_decoder:
+        if self.capabilities.is_encoder_decoder:
             return
         n = min(self.config.scheduler_config.max_num_batched_tokens, self.max_model_len)
-        blocks = -(-n // self.block_size) + 1
-        m = self.model
-        shape = self.attn_backend.get_kv_cache_shape(blocks, self.block_size, m.num_kv_heads, m.head_size)
-        caches = [torch.zeros(shape, dtype=self.kv_cache_dtype(), device=self.device) for _ in range(m.num_layers)]
+        blocks = cdiv(n, self.block_size) + 1
+        caches = self._allocate_caches(blocks)
         pos = np.arange(n)
         md = self._metadata(np.array([0, n]), np.array([n]), np.arange(1, blocks, dtype=np.int32)[None, :],
                             (pos // self.block_size + 1) * self.block_size + pos % self.block_size, n, n)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        hidden = m(ids, torch.as_tensor(pos, device=self.device), caches, md)
-        m.compute_logits(hidden[-1:])
+        hidden = self.model(ids, torch.as_tensor(pos, device=self.device), caches, [md] * len(caches))
+        self.model.compute_logits(hidden[-1:])
         del caches, hidden
 
     # ---- the step ---------------------------------------------------------------------
@@ -144,13 +164,11 @@ class ModelRunner:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(p.seed)
                 self.generators[new.req_id] = gen
-            state = RequestState(new.req_id, new.num_prompt_tokens, p, gen,
-                                 list(new.token_ids[new.num_prompt_tokens:]), new.eos_token_id)
-            b.add(state, new.token_ids, new.block_ids, new.num_computed_tokens)
-        if self.is_encoder_decoder:
+            state = RowState(new.req_id, new.num_prompt_tokens, p, gen,
+                             list(new.token_ids[new.num_prompt_tokens:]), new.eos_token_id)
+            b.add(state, new.token_ids, new.block_ids, new.num_computed_tokens, new.num_encoder_tokens)
+        if self.cross_layers:
             fresh = [n for n in so.scheduled_new_reqs if n.num_encoder_tokens]
-            for n in fresh:
-                b.set_cross(b.index[n.req_id], n.cross_block_ids, n.num_encoder_tokens)
             if fresh:
                 self._run_encoders(fresh)
         for c in so.scheduled_cached_reqs:
@@ -176,6 +194,7 @@ class ModelRunner:
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         b = self.batch
+        bs = self.block_size
         rows = np.fromiter((b.index[rid] for rid in so.num_scheduled_tokens), dtype=np.int64,
                            count=len(so.num_scheduled_tokens))
         num_sched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(rows))
@@ -183,33 +202,37 @@ class ModelRunner:
         rows, num_sched = rows[order], num_sched[order]
         total = int(num_sched.sum())
         cu = np.cumsum(num_sched)
+        query_start_loc = np.concatenate(([0], cu))
         starts = cu - num_sched
         req_idx = np.repeat(np.arange(len(rows)), num_sched)
         computed = b.num_computed[rows]
         positions = computed[req_idx] + np.arange(total) - starts[req_idx]
         input_ids = b.token_ids[rows[req_idx], positions]
         seq_lens = computed + num_sched
-        max_blocks = int(-(-seq_lens.max() // self.block_size))
-        block_table = b.block_table[rows, :max_blocks]
-        slot_mapping = block_table[req_idx, positions // self.block_size].astype(np.int64) * self.block_size \
-            + positions % self.block_size
-        md = self._metadata(np.concatenate(([0], cu)), seq_lens, block_table, slot_mapping,
-                            int(num_sched.max()), total)
+        max_query_len = int(num_sched.max())
+        group_metadata = []
+        for g, group in enumerate(self.kv_cache_groups):
+            if isinstance(group.spec, CrossAttentionSpec):
+                # Queries attend to the whole encoder output, written at admission: nothing to store.
+                enc_lens = b.num_encoder_tokens[rows]
+                table = b.block_tables[g][rows, :max(1, cdiv(int(enc_lens.max()), bs))]
+                group_metadata.append(self._metadata(query_start_loc, enc_lens, table, np.zeros(0, dtype=np.int64),
+                                                     max_query_len, total, prepare=False))
+                continue
+            table = b.block_tables[g][rows, :cdiv(int(seq_lens.max()), bs)]
+            slot_mapping = table[req_idx, positions // bs].astype(np.int64) * bs + positions % bs
+            group_metadata.append(self._metadata(query_start_loc, seq_lens, table, slot_mapping, max_query_len,
+                                                 total))
         sampling = seq_lens >= b.num_tokens[rows]
         prompt_lp = []
         wants = (b.num_prompt_logprobs[rows] >= 0) & (computed < b.num_prompt[rows])
         for i in np.nonzero(wants)[0]:
             prompt_lp.append((int(rows[i]), int(starts[i]), int(num_sched[i]), int(computed[i])))
-        cross = None
-        if self.is_encoder_decoder:
-            enc_lens = b.num_encoder_tokens[rows]
-            cross = self._metadata(np.concatenate(([0], cu)), enc_lens,
-                                   b.cross_block_table[rows, :max(1, int(-(-enc_lens.max() // self.block_size)))],
-                                   np.zeros(0, dtype=np.int64), int(num_sched.max()), total, prepare=False)
         return StepInputs(input_ids=torch.as_tensor(input_ids, device=self.device),
-                          positions=torch.as_tensor(positions, device=self.device), metadata=md,
+                          positions=torch.as_tensor(positions, device=self.device),
+                          layer_metadata=[group_metadata[g] for g in self.group_of_layer],
                           logits_indices=torch.as_tensor(cu[sampling] - 1, device=self.device),
-                          sample_rows=rows[sampling], prompt_lp=prompt_lp, cross_metadata=cross)
+                          sample_rows=rows[sampling], prompt_lp=prompt_lp)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inp: StepInputs) -> None:
         """Logprobs of each prompt token given the ones before it; raw, as prompt tokens are not sampled."""
@@ -236,11 +259,7 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return out
         inp = self._prepare_inputs(so)
-        if self.is_encoder_decoder:
-            hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.metadata,
-                                cross_kv_caches=self.cross_kv_caches, cross_metadata=inp.cross_metadata)
-        else:
-            hidden = self.model_forward(inp.input_ids, inp.positions, self.kv_caches, inp.metadata)
+        hidden = self.model_forward(inp.input_ids, inp.positions, self.kv_caches, inp.layer_metadata)
         b = self.batch
         # Every scheduled token is now in the cache.
         for rid, n in so.num_scheduled_tokens.items():
@@ -271,6 +290,3 @@ class ModelRunner:
                 out.prompt_logprobs[st.req_id] = st.prompt_logprobs
                 st.prompt_logprobs = []
         return out
-
-    def describe(self) -> dict[str, Any]:
-        return {"num_reqs": self.batch.num_reqs}

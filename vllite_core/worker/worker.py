@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,14 +27,6 @@ def resolve_dtype(name: str, platform: Platform) -> torch.dtype:
         raise ConfigError(f"dtype: {name} is not supported on platform {platform.name!r} "
                           f"(supported: {[str(d).replace('torch.', '') for d in platform.supported_dtypes()]})")
     return dtype
-
-
-@dataclass
-class LoadedModel:
-    source: Any
-    hf_config: Any
-    architecture: str
-    max_model_len: int
 
 
 class Worker:
@@ -65,7 +56,9 @@ class Worker:
         from vllite_core.sample.logits_processor import load_logits_processors
 
         processors = load_logits_processors(self.config.model_config.logits_processors, self.pm)
-        self.runner = ModelRunner(self.config, model, backend, self.device, dtype, processors)
+        # The one place the cache dtype is decided: the platform maps kv_cache_dtype for the model dtype.
+        kv_dtype = self.platform.kv_cache_torch_dtype(self.config.cache_config.kv_cache_dtype, dtype)
+        self.runner = ModelRunner(self.config, model, backend, self.device, dtype, kv_dtype, processors)
 
     def determine_num_kv_blocks(self) -> int:
         assert self.runner is not None
@@ -74,30 +67,21 @@ class Worker:
             return cc.num_kv_blocks
         available = self.platform.determine_available_memory(self.config, self.runner.profile_run)
         per_block = self.runner.kv_cache_bytes_per_block()
-        # The cross-attention pool of encoder-decoder models comes out of the same budget.
-        num = int(available // per_block) - self.num_cross_blocks()
-        need = -(-(self.config.model_config.max_model_len or 0) // cc.block_size) + 1
+        num = int(available // per_block)
+        # Every group of one request at max_model_len (and the null block) must fit.
+        max_len = self.config.model_config.max_model_len or 0
+        need = sum(g.spec.max_blocks_per_request(max_len) for g in self.runner.kv_cache_groups) + 1
         if num < need:
             raise ConfigError(f"kv cache: {available / 2**30:.2f} GiB holds {num} blocks, fewer than one "
                               f"max_model_len sequence needs ({need}); lower max_model_len or raise kv_cache_memory")
         return num
 
-    def num_cross_blocks(self) -> int:
-        """Encoder-decoder models: a cross-attention pool holding the longest encoder output of
-        up to 32 running requests (admission waits when it is full)."""
+    def initialize_kv_cache(self, num_blocks: int) -> None:
         assert self.runner is not None
-        if not self.runner.is_encoder_decoder:
-            return 0
-        per_req = -(-int(self.runner.model.max_encoder_len) // self.config.cache_config.block_size)
-        return per_req * min(self.config.scheduler_config.max_num_seqs, 32) + 1
-
-    def initialize_kv_cache(self, num_blocks: int, num_cross_blocks: int = 0) -> None:
-        assert self.runner is not None
-        self.runner.initialize_kv_cache(num_blocks, num_cross_blocks)
-        graphs = getattr(self.runner, "model_forward", None)  # a platform's own runner may have none
-        if graphs is not None:
-            graphs.capture(self.platform, self.config, self.runner.kv_caches, self.runner.block_size,
-                           self.runner.max_model_len, self.device)
+        self.runner.initialize_kv_cache(num_blocks)
+        self.runner.model_forward.capture(self.platform, self.config, self.runner.kv_caches,
+                                          len(self.runner.kv_cache_groups), self.runner.block_size,
+                                          self.runner.max_model_len, self.device)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None

@@ -22,7 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
+from vllite_core.core.kv_cache_spec import CrossAttentionSpec, FullAttentionSpec, KVCacheSpec
 from vllite_core.engine.errors import InvalidRequestError
+from vllite_core.model_interfaces import SupportsEncoderDecoder
 from vllite_core.inputs import InputContext, ProcessedPrompt
 from vllite_plugin_bart.layers import (Embedding, LayerNorm, Linear, activation, cfg, load_hf_weights,
                                        model_device)
@@ -172,6 +174,7 @@ class BartModel(nn.Module):
 
     def __init__(self, c: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
+        self.config = c
         self.embed_scale = float(c.d_model) ** 0.5 if cfg(c, "scale_embedding", False) else 1.0
         self.shared = Embedding(c.vocab_size, c.d_model, dtype)
         self.encoder = BartEncoder(c, dtype)
@@ -183,15 +186,24 @@ class BartModel(nn.Module):
     def embed_encoder_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return self.encoder.embed_tokens(ids) * self.embed_scale
 
+    def kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> list[KVCacheSpec]:
+        """Decoder self-attention caches (layers 0..L-1), then cross-attention caches (L..2L-1)."""
+        c = self.config
+        heads, head_size = c.decoder_attention_heads, c.d_model // c.decoder_attention_heads
+        full = FullAttentionSpec(block_size, heads, head_size, dtype)
+        cross = CrossAttentionSpec(block_size, heads, head_size, dtype, max_encoder_len=c.max_position_embeddings)
+        return [full] * c.decoder_layers + [cross] * c.decoder_layers
+
     def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-               md: AttentionMetadata, cross_kv_caches: list[torch.Tensor],
-               cross_md: AttentionMetadata) -> torch.Tensor:
+               attn_metadata: list[AttentionMetadata]) -> torch.Tensor:
+        """The decoder over ``kv_caches`` / ``attn_metadata`` laid out as ``kv_cache_specs`` says."""
         dec = self.decoder
+        n = len(dec.layers)
         x = dec.embed_tokens(input_ids) * self.embed_scale + F.embedding(positions + POSITION_OFFSET,
                                                                          dec.embed_positions.weight)
         x = dec.layernorm_embedding(x)
-        for layer, kv_cache, cross_cache in zip(dec.layers, kv_caches, cross_kv_caches, strict=True):
-            x = layer(x, kv_cache, md, cross_cache, cross_md)
+        for i, layer in enumerate(dec.layers):
+            x = layer(x, kv_caches[i], attn_metadata[i], kv_caches[n + i], attn_metadata[n + i])
         return x
 
     def cross_kv(self, encoder_hidden: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -272,11 +284,8 @@ def check_encoder_ids(ids: list[int], vocab_size: int, max_len: int, field: str 
 
 # ---- the engine model ----------------------------------------------------------------------------
 
-class BartForConditionalGeneration(nn.Module):
+class BartForConditionalGeneration(nn.Module, SupportsEncoderDecoder):
     """Engine model for BartForConditionalGeneration checkpoints (text in, text out)."""
-
-    is_encoder_decoder = True
-    supports_prefix_caching = False
 
     def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
@@ -325,12 +334,12 @@ class BartForConditionalGeneration(nn.Module):
     def cross_kv(self, encoder_hidden: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return self.model.cross_kv(encoder_hidden)
 
+    def get_kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> list[KVCacheSpec]:
+        return self.model.kv_cache_specs(block_size, dtype)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: AttentionMetadata, cross_kv_caches: list[torch.Tensor] | None = None,
-                cross_metadata: AttentionMetadata | None = None) -> torch.Tensor:
-        if cross_kv_caches is None or cross_metadata is None:
-            raise RuntimeError("BART's decoder needs the encoder's cross-attention cache and metadata")
-        return self.model.decode(input_ids, positions, kv_caches, attn_metadata, cross_kv_caches, cross_metadata)
+                attn_metadata: list[AttentionMetadata]) -> torch.Tensor:
+        return self.model.decode(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden_states, self.lm_head.weight).float() + self.final_logits_bias

@@ -22,7 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
+from vllite_core.core.kv_cache_spec import KVCacheSpec
 from vllite_core.engine.errors import InvalidRequestError
+from vllite_core.model_interfaces import SupportsEncoderDecoder, SupportsMultiModal
 from vllite_core.inputs import InputContext, ProcessedPrompt
 from vllite_plugin_bart.bart import STACKED, BartModel, check_encoder_ids, decoder_prompt_ids, text_or_ids
 from vllite_plugin_bart.layers import (Conv2d, Embedding, LayerNorm, Linear, activation, cfg, load_hf_weights,
@@ -264,11 +266,8 @@ class Florence2Model(nn.Module):
 
 # ---- the engine model ----------------------------------------------------------------------------
 
-class Florence2ForConditionalGeneration(nn.Module):
+class Florence2ForConditionalGeneration(nn.Module, SupportsEncoderDecoder, SupportsMultiModal):
     """Engine model for Florence2ForConditionalGeneration checkpoints (image + task prompt in, text out)."""
-
-    is_encoder_decoder = True
-    supports_prefix_caching = False
 
     def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
@@ -376,13 +375,12 @@ class Florence2ForConditionalGeneration(nn.Module):
     def cross_kv(self, encoder_hidden: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return self.model.language_model.cross_kv(encoder_hidden)
 
+    def get_kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> list[KVCacheSpec]:
+        return self.model.language_model.kv_cache_specs(block_size, dtype)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: AttentionMetadata, cross_kv_caches: list[torch.Tensor] | None = None,
-                cross_metadata: AttentionMetadata | None = None) -> torch.Tensor:
-        if cross_kv_caches is None or cross_metadata is None:
-            raise RuntimeError("Florence-2's decoder needs the encoder's cross-attention cache and metadata")
-        return self.model.language_model.decode(input_ids, positions, kv_caches, attn_metadata, cross_kv_caches,
-                                                cross_metadata)
+                attn_metadata: list[AttentionMetadata]) -> torch.Tensor:
+        return self.model.language_model.decode(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden_states, self.lm_head.weight).float()

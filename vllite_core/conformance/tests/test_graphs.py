@@ -13,7 +13,7 @@ SIZES = [1, 2, 4]
 
 def _forward(model):
     def forward(input_ids, positions, kv_caches, metadata):
-        return model(input_ids, positions, kv_caches, metadata)
+        return model(input_ids, positions, kv_caches, [metadata] * len(kv_caches))
 
     return forward
 

@@ -51,9 +51,9 @@ async def create_transcription(request: Request) -> Response:
 
 async def _transcribe(state: ServerState, request: Request) -> Response:
     engine = state.engine
-    model_cls = getattr(engine.engine, "model_cls", None)
+    model_cls = engine.engine.model_cls
     try:
-        tr.check_transcription_model(model_cls)
+        tr.check_transcription_model(engine.engine)
     except ValueError as e:
         raise bad_request(str(e), "model", "model_not_supported") from None
     declared = request.headers.get("content-length")

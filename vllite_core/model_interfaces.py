@@ -1,0 +1,143 @@
+"""What a model class is, declared by the classes it inherits, checked once when it is resolved.
+
+Every engine model is a ``CausalModel`` (the decoder contract the runner drives).
+Extra capabilities are small Protocols a model class inherits explicitly
+(``class WhisperForConditionalGeneration(nn.Module, SupportsEncoderDecoder)``):
+declared, not probed. ``model_capabilities(cls)`` checks the declarations against
+the members each one needs (a clear error names a missing one) and returns a
+``ModelCapabilities`` record that the engine keeps in ``ModelConfig.capabilities``;
+components read that record, never the model object.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from vllite_core.attention.backend import AttentionMetadata
+    from vllite_core.core.kv_cache_spec import KVCacheSpec
+    from vllite_core.inputs import InputContext, ProcessedPrompt
+
+
+class CausalModel(Protocol):
+    """The contract of every generative engine model (``model_registry`` builds it as
+    ``cls(hf_config, attn_backend, dtype)``)."""
+
+    vocab_size: int
+
+    def get_kv_cache_specs(self, block_size: int, dtype: "torch.dtype") -> "list[KVCacheSpec]":
+        """One spec per cache-holding layer, in the order of ``forward``'s ``kv_caches``."""
+
+    def forward(self, input_ids: "torch.Tensor", positions: "torch.Tensor", kv_caches: "list[torch.Tensor]",
+                attn_metadata: "list[AttentionMetadata]") -> "torch.Tensor":
+        """Hidden states for the step's flattened tokens; ``kv_caches[i]`` and ``attn_metadata[i]`` belong
+        to layer ``i`` of ``get_kv_cache_specs`` (layers of one cache group share a metadata object)."""
+
+    def compute_logits(self, hidden_states: "torch.Tensor") -> "torch.Tensor": ...
+
+    def load_weights(self, weights: Any) -> set[str]: ...
+
+
+class ProcessesPrompts(Protocol):
+    """Turns a user prompt into decoder ids plus what its encoder consumes (``vllite_core.inputs``)."""
+
+    @classmethod
+    def process_prompt(cls, prompt: Any, ctx: "InputContext") -> "ProcessedPrompt": ...
+
+
+class SupportsEncoderDecoder(ProcessesPrompts, Protocol):
+    """An encoder runs once per request; decoder layers cross-attend to its output (``CrossAttentionSpec``
+    layers). The engine turns chunked prefill and prefix caching off for such models."""
+
+
+    @classmethod
+    def get_max_model_len(cls, hf_config: Any) -> int:
+        """The decoder's positions (the encoder's window is separate)."""
+
+    def encode(self, encoder_inputs: list[Any]) -> "list[torch.Tensor]": ...
+
+    def cross_kv(self, encoder_hidden: "torch.Tensor") -> "list[tuple[torch.Tensor, torch.Tensor]]":
+        """Per cross-attention layer (in spec order), its (K, V) from one encoder output."""
+
+
+class SupportsMultiModal(ProcessesPrompts, Protocol):
+    """Takes images (or other media) in its prompts."""
+
+
+class SupportsTranscription(Protocol):
+    """Serves ``LLM.transcribe`` and ``/v1/audio/transcriptions``."""
+
+
+    @classmethod
+    def max_audio_seconds(cls, ctx: "InputContext") -> float: ...
+
+    @classmethod
+    def language_detection_prompt(cls, ctx: "InputContext") -> tuple[list[int], dict[int, str]]: ...
+
+
+class SupportsLoRA(Protocol):
+    """Its linear layers take per-row LoRA adapters."""
+
+
+class IsStateful(Protocol):
+    """Keeps a recurrent state per request (Mamba and hybrids, ``StateSpec`` layers): no prefix caching."""
+
+
+class IsPooling(Protocol):
+    """Produces embeddings or scores instead of next-token logits."""
+
+
+@dataclass(frozen=True)
+class ModelCapabilities:
+    """The answers, recorded once per engine in ``ModelConfig.capabilities``."""
+
+    processes_prompts: bool = False
+    is_encoder_decoder: bool = False
+    supports_multimodal: bool = False
+    supports_transcription: bool = False
+    supports_lora: bool = False
+    is_stateful: bool = False
+    is_pooling: bool = False
+
+
+_DECLARATIONS: dict[str, tuple[type, tuple[str, ...]]] = {
+    "processes_prompts": (ProcessesPrompts, ("process_prompt",)),
+    "is_encoder_decoder": (SupportsEncoderDecoder, ("process_prompt", "get_max_model_len", "encode", "cross_kv")),
+    "supports_multimodal": (SupportsMultiModal, ("process_prompt",)),
+    "supports_transcription": (SupportsTranscription, ("max_audio_seconds", "language_detection_prompt")),
+    "supports_lora": (SupportsLoRA, ()),
+    "is_stateful": (IsStateful, ()),
+    "is_pooling": (IsPooling, ()),
+}
+_REQUIRED = ("get_kv_cache_specs", "forward", "compute_logits", "load_weights")
+
+
+def _declares(model_cls: type, proto: type) -> bool:
+    return proto in getattr(model_cls, "__mro__", ())
+
+
+def _defined(model_cls: type, name: str) -> bool:
+    """Defined by the model (or a base of its own), not only as a Protocol's empty stub."""
+    for klass in model_cls.__mro__:
+        if name in vars(klass):
+            return not vars(klass).get("_is_protocol", False)
+    return False
+
+
+def model_capabilities(model_cls: type) -> ModelCapabilities:
+    """Check ``model_cls``'s declarations; TypeError naming the class and the missing member otherwise."""
+    name = getattr(model_cls, "__qualname__", repr(model_cls))
+    for member in _REQUIRED:
+        if not _defined(model_cls, member):
+            raise TypeError(f"model class {name} does not define {member}(), which every engine model needs")
+    found: dict[str, bool] = {}
+    for field, (proto, members) in _DECLARATIONS.items():
+        found[field] = _declares(model_cls, proto)
+        if found[field]:
+            missing = [m for m in members if not _defined(model_cls, m)]
+            if missing:
+                raise TypeError(f"model class {name} declares {proto.__name__} but does not define "
+                                f"{', '.join(missing)}")
+    return ModelCapabilities(**found)
