@@ -67,9 +67,10 @@ def test_bart_preempted_requests_are_reencoded(bart):
     path, hf, tok = bart
     texts = ["one two three", "The quick brown fox jumps over the lazy dog.", "x y", "Hello there, general",
              "A somewhat longer prompt, to give the encoder more positions to attend over."]
-    n = 20  # 21 decoder positions: two blocks of 16 each, and only 7 blocks for five requests
+    n = 20  # 21 decoder positions: two blocks of 16 each, and only 7 blocks for five requests' decoders
+    # (besides one cross-attention block per request: their encoder prompts are shorter than a block)
     ref = [hf_seq2seq_greedy(hf, n, input_ids=torch.tensor([tok.encode(t)])) for t in texts]
-    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=8)
+    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=8 + len(texts))
     outs = llm.generate(texts, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
     assert llm.llm_engine.get_stats().num_preemptions_total > 0
     assert [o.outputs[0].token_ids for o in outs] == ref
@@ -129,7 +130,7 @@ def test_config_turns_off_chunked_prefill_and_prefix_caching(bart, caplog):
         llm = LLM(model=str(path), dtype="float32", num_kv_blocks=16, enable_chunked_prefill=True,
                   enable_prefix_caching=True)
     config = llm.llm_engine.config
-    assert config.is_encoder_decoder
+    assert config.model_config.capabilities.is_encoder_decoder
     assert not config.scheduler_config.enable_chunked_prefill and not config.cache_config.enable_prefix_caching
     assert any(r.name == "vllite.config" and "chunked prefill and prefix caching are turned off" in r.getMessage()
                for r in caplog.records)

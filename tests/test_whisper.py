@@ -14,6 +14,10 @@ from tiny_whisper import save_tiny_whisper, tone, wav_bytes
 from vllite_core import LLM, SamplingParams
 from vllite_core.audio import AudioDecodeError, load_wav, resample
 
+# One request's cross-attention blocks (the tiny model's 1500 encoder positions, blocks of 16): they come
+# out of the same pool as the decoder's blocks.
+CROSS_BLOCKS = -(-1500 // 16)
+
 MAX_NEW = 12
 
 
@@ -26,7 +30,7 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(tiny):
-    return LLM(tiny[0], dtype="float32", num_kv_blocks=64, max_num_seqs=8)
+    return LLM(tiny[0], dtype="float32", num_kv_blocks=64 + 8 * CROSS_BLOCKS, max_num_seqs=8)
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +112,7 @@ def test_preemption_recomputes_encoder_and_decoder(tiny, llm):
     prompts = [{"multi_modal_data": {"audio": tone(1.0 + 2 * i, 200 + 150 * i)}} for i in range(5)]
     sp = SamplingParams(temperature=0.0, max_tokens=26, ignore_eos=True)
     ref = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
-    small = LLM(tiny[0], dtype="float32", num_kv_blocks=4, max_num_seqs=3)
+    small = LLM(tiny[0], dtype="float32", num_kv_blocks=4 + 3 * CROSS_BLOCKS, max_num_seqs=3)
     outs = small.generate(prompts, sp)
     assert small.llm_engine.get_stats().num_preemptions_total > 0
     assert [o.outputs[0].token_ids for o in outs] == ref
@@ -116,12 +120,12 @@ def test_preemption_recomputes_encoder_and_decoder(tiny, llm):
 
 def test_encoder_decoder_config_rules(tiny, caplog):
     with caplog.at_level(logging.WARNING, logger="vllite"):
-        llm = LLM(tiny[0], dtype="float32", num_kv_blocks=32, max_num_seqs=2, enable_chunked_prefill=True,
+        llm = LLM(tiny[0], dtype="float32", num_kv_blocks=32 + 2 * CROSS_BLOCKS, max_num_seqs=2, enable_chunked_prefill=True,
                   enable_prefix_caching=True)
     cfg = llm.llm_engine.config
     assert not cfg.scheduler_config.enable_chunked_prefill
     assert not cfg.cache_config.enable_prefix_caching
-    assert cfg.is_encoder_decoder
+    assert cfg.model_config.capabilities.is_encoder_decoder
     assert "chunked prefill and prefix caching are turned off" in caplog.text
     assert llm.llm_engine.max_model_len == 32  # the decoder's max_target_positions, not the encoder's 1500
 

@@ -63,14 +63,20 @@ class Worker:
     def determine_num_kv_blocks(self) -> int:
         assert self.runner is not None
         cc = self.config.cache_config
-        if cc.num_kv_blocks is not None:
-            return cc.num_kv_blocks
-        available = self.platform.determine_available_memory(self.config, self.runner.profile_run)
-        per_block = self.runner.kv_cache_bytes_per_block()
-        num = int(available // per_block)
-        # Every group of one request at max_model_len (and the null block) must fit.
+        # Every group of one request at max_model_len (and the null block) must fit, or it would wait forever.
         max_len = self.config.model_config.max_model_len or 0
         need = sum(g.spec.max_blocks_per_request(max_len) for g in self.runner.kv_cache_groups) + 1
+        if cc.num_kv_blocks is not None:
+            # An override is trusted for the growing groups, but a request's fixed blocks (cross attention,
+            # state) and one block of every other group must fit.
+            fixed = sum(g.spec.max_blocks_per_request(max_len) if not g.spec.cacheable else 1
+                        for g in self.runner.kv_cache_groups) + 1
+            if cc.num_kv_blocks < fixed:
+                raise ConfigError(f"num_kv_blocks: {cc.num_kv_blocks} blocks cannot hold one request: its fixed "
+                                  f"cache blocks (cross attention, state) need {fixed}, the null block included")
+            return cc.num_kv_blocks
+        available = self.platform.determine_available_memory(self.config, self.runner.profile_run)
+        num = int(available // self.runner.kv_cache_bytes_per_block())
         if num < need:
             raise ConfigError(f"kv cache: {available / 2**30:.2f} GiB holds {num} blocks, fewer than one "
                               f"max_model_len sequence needs ({need}); lower max_model_len or raise kv_cache_memory")
