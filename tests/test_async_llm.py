@@ -158,17 +158,39 @@ def test_cache_salt_reaches_the_request_offline(tiny_path):
     assert not llm.llm_engine.has_unfinished_requests()
 
 
+def test_cache_salt_isolates_the_prefix_cache_offline(tiny_path):
+    """Same prompt, other salt: no hit; same salt: hits (and the engine's prefix-cache counters agree)."""
+    llm = LLM(model=tiny_path, **ENGINE)
+    prompt = list(range(1, 50))  # three full blocks of 16 tokens
+    sp = SamplingParams(max_tokens=1, ignore_eos=True)
+
+    def hits(salt: str | None) -> tuple[int, int]:
+        before = llm.llm_engine.get_stats().prefix_cache_hits
+        out = llm.generate({"prompt_token_ids": prompt, "cache_salt": salt}, sp)[0]
+        return out.num_cached_tokens, llm.llm_engine.get_stats().prefix_cache_hits - before
+
+    assert hits("tenant-a") == (0, 0)
+    assert hits("tenant-a") == (48, 48)
+    assert hits("tenant-b") == (0, 0)
+    assert hits(None) == (0, 0)
+    assert hits(None) == (48, 48)
+    assert hits("tenant-b") == (48, 48)
+
+
 def test_cache_salt_after_a_models_own_prompt_processing():
     from types import SimpleNamespace
 
     from vllite_core.inputs import ProcessedPrompt
+    from vllite_core.model_interfaces import ModelCapabilities
 
     class OwnProcessing:  # like Whisper or BART: the model class turns the prompt into ids itself
         @classmethod
         def process_prompt(cls, prompt, ctx):
             return ProcessedPrompt(prompt_token_ids=[1, 2], prompt=prompt["prompt"], encoder_inputs=[3])
 
-    fake = SimpleNamespace(model_cls=OwnProcessing, input_context=None)
+    caps = ModelCapabilities(processes_prompts=True)
+    fake = SimpleNamespace(model_cls=OwnProcessing, input_context=None,
+                           config=SimpleNamespace(model_config=SimpleNamespace(capabilities=caps)))
     got = LLMEngine.process_prompt(fake, {"prompt": "x", "cache_salt": "s"})
     assert got.cache_salt == "s" and got.encoder_inputs == [3]
     assert LLMEngine.process_prompt(fake, {"prompt": "x"}).cache_salt is None

@@ -391,3 +391,21 @@ def test_non_streaming_client_that_gives_up_is_aborted(server):
     abort = "vllite:request_success_total{finished_reason=abort}"
     assert after[abort] == before[abort] + 1
     assert after["vllite:kv_cache_free_blocks"] == before["vllite:kv_cache_free_blocks"]
+
+
+def test_cache_salt_isolates_tenants(server, client):
+    """The real openai client, vLLM's `cache_salt` in the body: the same prompt under another salt hits nothing
+    in the prefix cache (the server's counters), under the same salt it hits."""
+    prompt = "Tenant data: " + " ".join(f"item{i}" for i in range(40))
+
+    def hits(salt: str | None) -> float:
+        before = wait_idle(server)["vllite:prefix_cache_hits_total"]
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=1,
+                                  extra_body={"cache_salt": salt} if salt else None)
+        return wait_idle(server)["vllite:prefix_cache_hits_total"] - before
+
+    assert hits("tenant-a") == 0
+    assert hits("tenant-a") >= 32  # at least two full blocks of 16 tokens
+    assert hits("tenant-b") == 0
+    assert hits(None) == 0
+    assert hits("tenant-b") >= 32
