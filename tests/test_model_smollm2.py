@@ -68,7 +68,8 @@ def test_loaded_model_holds_the_same_weights(model, smollm2_hf):
         gate_up = torch.cat([ref[p + "mlp.gate_proj.weight"], ref[p + "mlp.up_proj.weight"]])
         assert torch.equal(layer.mlp.gate_up_proj.weight, gate_up)
     assert model.lm_head is model.model.embed_tokens
-    assert (model.num_layers, model.num_kv_heads, model.head_size, model.sliding_window) == (30, 3, 64, None)
+    assert (model.num_layers, model.num_kv_heads, model.head_size) == (30, 3, 64)
+    assert {s.kind for s in model.get_kv_cache_specs(16, torch.float32)} == {"full_attention"}
 
 
 def test_logits_match_transformers(model, smollm2_hf, source):
