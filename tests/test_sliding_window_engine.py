@@ -8,7 +8,8 @@ import torch
 from hf_reference import hf_greedy
 from tiny_models import TINY, save_tiny
 from vllite_core import LLM, SamplingParams
-from vllite_core.core.kv_cache_spec import SlidingWindowSpec, cdiv
+from vllite_core.core.kv_cache_spec import SlidingWindowSpec
+from vllite_core.utils import cdiv
 
 WINDOW = 64
 BS = 16

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-_GREEDY_EPS = 1e-5
+GREEDY_EPS = 1e-5  # temperatures below this are greedy (argmax)
 
 
 class SamplingParamsError(ValueError):
@@ -135,7 +135,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < _GREEDY_EPS
+        return self.temperature < GREEDY_EPS
 
     @property
     def max_stop_str_len(self) -> int:

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from vllite_core.utils import cdiv
+
 
 @dataclass
 class AttentionMetadata:
@@ -71,7 +73,7 @@ class AttentionBackend(ABC):
             q0, q1 = qsl[i], qsl[i + 1]
             if q1 == q0:
                 continue
-            nb = -(-enc_len // bs)
+            nb = cdiv(enc_len, bs)
             blocks = metadata.block_table[i, :nb].long()
             k = kv_cache[0].index_select(0, blocks).reshape(-1, *kv_cache.shape[-2:])[:enc_len]
             v = kv_cache[1].index_select(0, blocks).reshape(-1, *kv_cache.shape[-2:])[:enc_len]

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
+from vllite_core.utils import cdiv
 
 
 def _is_fp8(dtype: torch.dtype) -> bool:
@@ -90,7 +91,7 @@ class SdpaPagedAttention(AttentionBackend):
         q_lens = [starts[i + 1] - starts[i] for i in range(num_reqs)]
         r_pad = max(1, self.bucket(max(num_reqs, 1)))
         q_pad = max(1, self.bucket(max(q_lens, default=1)))
-        nb = -(-max(seq_lens, default=1) // md.block_size)
+        nb = cdiv(max(seq_lens, default=1), md.block_size)
         nb_pad = max(1, self.bucket(max(nb, 1)))
         if r_pad < num_reqs or q_pad < max(q_lens, default=0) or nb_pad < nb:
             raise ValueError("bucket() must round sizes up, never down")

@@ -17,6 +17,7 @@ import torch
 
 from vllite_core.attention.backend import AttentionBackend
 from vllite_core.attention.reference import build_metadata, reference_paged_attention
+from vllite_core.utils import cdiv
 
 # ---------------------------------------------------------------------------------------------
 # Attention against the reference
@@ -88,7 +89,7 @@ def run_attention_case(backend: AttentionBackend, case: AttentionCase, device: t
     gen = torch.Generator().manual_seed(seed)
     free = list(range(1, num_blocks))
     rng.shuffle(free)
-    tables = [[free.pop() for _ in range(-(-s // block_size))] for s in case.seq_lens]
+    tables = [[free.pop() for _ in range(cdiv(s, block_size))] for s in case.seq_lens]
     h, hkv, d = case.num_heads, case.num_kv_heads, case.head_size
     cache = torch.zeros(backend.get_kv_cache_shape(num_blocks, block_size, hkv, d), dtype=cache_dtype, device=device)
     ref_cache = torch.zeros(2, num_blocks, block_size, hkv, d, dtype=cache_dtype)

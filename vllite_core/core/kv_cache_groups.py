@@ -12,8 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from vllite_core.core.block_pool import BlockPool
-from vllite_core.core.kv_cache_spec import CrossAttentionSpec, KVCacheSpec, SlidingWindowSpec, StateSpec, cdiv
+from vllite_core.core.kv_cache_spec import CrossAttentionSpec, KVCacheSpec, SlidingWindowSpec, StateSpec
 from vllite_core.core.kv_cache_utils import BlockHash, KVCacheBlock
+from vllite_core.utils import cdiv
 
 
 class FullAttentionManager:

@@ -15,10 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division (blocks for a number of tokens)."""
-    return -(-a // b)
+from vllite_core.utils import cdiv
 
 
 @dataclass(frozen=True)

@@ -204,17 +204,16 @@ class Scheduler:
 
     # ---- after the forward pass -------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
-        """Append sampled tokens, apply token-level stop rules. Returns requests that got tokens."""
+        """Append each request's sampled token, apply token-level stop rules. Returns requests that got one."""
         updated: list[Request] = []
         stopped: list[Request] = []
         for rid, tokens in sampled.items():
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING or not tokens:
                 continue
-            for tok in tokens:
-                req.append_output_token_ids(tok)
-                if self._check_stop(req, tok):
-                    break
+            (tok,) = tokens  # one token per request and step (speculative decoding will bring several)
+            req.append_output_token_ids(tok)
+            self._check_stop(req, tok)
             updated.append(req)
             if req.status.finished:
                 stopped.append(req)

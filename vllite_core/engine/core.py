@@ -142,13 +142,8 @@ class EngineCore:
         updated = self.scheduler.update_from_output(so, result.sampled_token_ids)
         outputs = []
         for req in updated:
-            new = result.sampled_token_ids[req.request_id]
-            n_kept = len(new)
-            # Tokens past a stop were not appended: trim to what the request kept.
-            if req.status.finished and req.output_token_ids[-n_kept:] != new:
-                n_kept = 1
             outputs.append(EngineCoreOutput(
-                request_id=req.request_id, new_token_ids=new[:n_kept],
+                request_id=req.request_id, new_token_ids=result.sampled_token_ids[req.request_id],
                 new_logprobs=result.logprobs.get(req.request_id),
                 prompt_logprobs=result.prompt_logprobs.get(req.request_id),
                 finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,

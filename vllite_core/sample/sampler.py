@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from vllite_core.sample.metadata import SamplingMetadata
+from vllite_core.sampling_params import GREEDY_EPS
 
 _NEG_INF = float("-inf")
 
@@ -50,11 +51,11 @@ class Sampler:
             processed = self.apply_sampling_params(logits, md)
             sampled = self.random_sample(processed, md)
             if greedy is not None:
-                sampled = torch.where(md.temperature < 1e-5, greedy, sampled)
+                sampled = torch.where(md.temperature < GREEDY_EPS, greedy, sampled)
         if want and captured is None:
             if not md.all_greedy and not md.all_random:
                 # Greedy rows report the distribution they were chosen from (no temperature).
-                processed = torch.where((md.temperature < 1e-5).unsqueeze(1), logits, processed)
+                processed = torch.where((md.temperature < GREEDY_EPS).unsqueeze(1), logits, processed)
             captured = self.as_mode(processed)
         lp = gather_logprobs(captured, sampled, md.max_num_logprobs or 0) if want else None
         return SamplerOutput(sampled_token_ids=sampled, logprobs=lp)
@@ -88,7 +89,7 @@ class Sampler:
     @staticmethod
     def apply_sampling_params(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """Temperature, top-k, top-p, min-p on a batch; masked entries become -inf."""
-        temp = torch.where(md.temperature < 1e-5, torch.ones_like(md.temperature), md.temperature)
+        temp = torch.where(md.temperature < GREEDY_EPS, torch.ones_like(md.temperature), md.temperature)
         logits = logits / temp.unsqueeze(1)
         if md.top_k is not None or md.top_p is not None:
             logits = apply_top_k_top_p(logits, md.top_k, md.top_p)

@@ -26,6 +26,7 @@ import torch
 
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
 from vllite_core.platforms.graphs import capture_sizes, decode_inputs, pad_decode_inputs, pick_batch_size
+from vllite_core.utils import cdiv
 
 logger = logging.getLogger("vllite.graphs")
 
@@ -48,7 +49,7 @@ class ModelForward:
         if config.enforce_eager or not kv_caches or num_groups != 1:
             return
         sizes = capture_sizes(config.scheduler_config.max_num_seqs)
-        max_blocks = -(-max_model_len // block_size)
+        max_blocks = cdiv(max_model_len, block_size)
         model, num_layers = self.model, self.num_layers
 
         def forward(input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],

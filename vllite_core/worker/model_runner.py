@@ -21,12 +21,12 @@ from vllite_core.core.kv_cache_spec import (
     KVCacheSpec,
     SlidingWindowSpec,
     StateSpec,
-    cdiv,
     group_layers,
     plan_kv_tensors,
 )
 from vllite_core.core.sched_output import SchedulerOutput
 from vllite_core.sample.sampler import Sampler, gather_logprobs
+from vllite_core.utils import cdiv
 from vllite_core.worker.graph_runner import ModelForward
 from vllite_core.worker.input_batch import InputBatch, RowState
 from vllite_core.worker.sampling_inputs import build_sampling_metadata

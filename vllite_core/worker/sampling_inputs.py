@@ -13,6 +13,7 @@ import torch
 
 from vllite_core.sample.logits_processor import BatchInfo
 from vllite_core.sample.metadata import SamplingMetadata
+from vllite_core.sampling_params import GREEDY_EPS
 from vllite_core.worker.input_batch import InputBatch
 
 
@@ -34,7 +35,7 @@ def _counts(lists: list[list[int]], vocab: int) -> torch.Tensor:
 def build_sampling_metadata(b: InputBatch, rows: np.ndarray, vocab: int, device: torch.device,
                             processors: list[Any]) -> SamplingMetadata:
     temp = b.temperature[rows]
-    greedy = temp < 1e-5
+    greedy = temp < GREEDY_EPS
     top_k, top_p, min_p = b.top_k[rows], b.top_p[rows], b.min_p[rows]
     states = [b.states[r] for r in rows]
     gens = {i: st.generator for i, st in enumerate(states)
