@@ -31,7 +31,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import httpx  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-
 from server_harness import ServerProcess  # noqa: E402
 
 

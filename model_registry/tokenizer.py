@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from model_registry.source import ModelSource, ModelNotFoundError, open_gguf, resolve_model_source
+from model_registry.source import ModelNotFoundError, ModelSource, open_gguf, resolve_model_source
 
 logger = logging.getLogger("vllite.model_registry")
 

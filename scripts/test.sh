@@ -4,5 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# The linter first (ruff, configured in pyproject.toml): the tree must pass it.
+.venv/bin/ruff check .
 # pytest exits 5 when it collects nothing: that must fail, and it does (set -e).
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

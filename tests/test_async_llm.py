@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from tiny_models import TINY, save_tiny
+
 from vllite_core import LLM, SamplingParams
 from vllite_core.config import EngineArgs
 from vllite_core.engine.async_llm import AsyncLLM, RequestStream

@@ -5,9 +5,9 @@ import random
 
 import pytest
 import torch
+from vllite_platform_cpu.attention import TorchPagedAttention
 
 from vllite_core.attention.reference import build_metadata, reference_paged_attention
-from vllite_platform_cpu.attention import TorchPagedAttention
 
 torch.set_num_threads(2)
 

@@ -15,8 +15,8 @@ from importlib.metadata import entry_points
 
 import pytest
 import torch
-
 from tiny_bart import EOS, hf_seq2seq_greedy, save_tiny_bart
+
 from vllite_core import LLM, SamplingParams
 from vllite_core.engine.errors import InvalidRequestError
 
@@ -106,9 +106,9 @@ def test_bart_prompt_errors(bart, bart_llm):
 def test_default_decoder_prompt_follows_generation_config(tmp_path, bart):
     """Without a forced BOS the decoder starts from decoder_start_token_id alone."""
     from transformers import BartConfig
+    from vllite_plugin_bart.bart import BartForConditionalGeneration
 
     from vllite_core.inputs import InputContext
-    from vllite_plugin_bart.bart import BartForConditionalGeneration
 
     path, hf, tok = bart
     config = BartConfig(**{**hf.config.to_dict(), "decoder_start_token_id": 7})

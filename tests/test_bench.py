@@ -12,9 +12,9 @@ import sys
 import threading
 
 import pytest
+from tiny_models import TINY, save_tiny
 from transformers import LlamaConfig
 
-from tiny_models import TINY, save_tiny
 from vllite_core.benchmarks.datasets import load_dataset, random_token_ids
 from vllite_core.benchmarks.report import format_table, percentiles
 from vllite_core.entrypoints.cli import main
@@ -123,7 +123,8 @@ class FakeOpenAI:
                     continue
                 req = json.loads(body)
                 self.requests.append(req)
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                             b"transfer-encoding: chunked\r\n\r\n")
                 n = int(req["max_tokens"])
 
                 async def send(obj) -> None:

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from hf_reference import hf_greedy
 
 pytestmark = pytest.mark.slow

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 import torch
-
 from plugin_fakes import REPO, fresh_plugins  # noqa: F401
+
 from vllite_core.attention.reference import ReferenceAttention
 from vllite_core.conformance.kit import STANDARD_CASES, assert_attention_matches, run_attention_case
 from vllite_core.conformance.pytest_plugin import KIT_DIR

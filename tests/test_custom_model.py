@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import torch
-
 from hf_reference import hf_greedy
 from tiny_models import TINY, save_tiny
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from hf_reference import hf_greedy
 from tiny_models import TINY, save_tiny
+
 from vllite_core import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -57,7 +57,8 @@ def test_aborts_free_blocks_and_spare_the_others(tiny):
             break
         for r in list(sched.requests.values()):
             rid = r.request_id
-            if "prefill" not in aborted.values() and r.status.name == "RUNNING" and 0 < r.num_computed_tokens < r.num_prompt_tokens:
+            mid_prefill = r.status.name == "RUNNING" and 0 < r.num_computed_tokens < r.num_prompt_tokens
+            if "prefill" not in aborted.values() and mid_prefill:
                 aborted[rid] = "prefill"
             elif "decode" not in aborted.values() and r.status.name == "RUNNING" and r.num_output_tokens >= 3:
                 aborted[rid] = "decode"

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from hf_reference import hf_greedy
+
 from vllite_core import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -45,7 +45,8 @@ def test_greedy_matches_hf(engine_kwargs, prompts, reference):
     llm = LLM(dtype="float32", max_model_len=1024, **engine_kwargs)
     got = run(llm, prompts)
     for i, (g, r) in enumerate(zip(got, reference)):
-        assert g == r, f"prompt {i} (len {len(prompts[i])}) diverged at {next(j for j in range(len(r)) if g[j] != r[j])}"
+        assert g == r, (f"prompt {i} (len {len(prompts[i])}) diverged at "
+                        f"{next(j for j in range(len(r)) if g[j] != r[j])}")
 
 
 def test_shared_prefixes_hit_the_cache(smollm2_hf):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from hf_reference import hf_greedy
 from tiny_models import TINY, save_tiny
+
 from vllite_core import LLM, SamplingParams
 
 

@@ -10,8 +10,8 @@ import logging
 
 import pytest
 import torch
+from tiny_bart import EOS, IMAGE_TOKENS, florence2_processor, hf_seq2seq_greedy, make_image, save_tiny_florence2
 
-from tiny_bart import EOS, IMAGE_TOKENS, florence2_processor, hf_seq2seq_greedy, save_tiny_florence2, make_image
 from vllite_core import LLM, SamplingParams
 from vllite_core.engine.errors import InvalidRequestError
 
@@ -53,8 +53,9 @@ def test_florence2_greedy_matches_hf(florence, florence_llm):
 
 def test_florence2_prompt_processing(florence):
     path, hf, processor = florence
-    from vllite_core.inputs import InputContext
     from vllite_plugin_bart.florence2 import Florence2ForConditionalGeneration as F2
+
+    from vllite_core.inputs import InputContext
 
     ctx = InputContext(processor.tokenizer, hf.config, str(path))
     image = make_image(50, 70, 4)

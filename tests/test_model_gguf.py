@@ -8,14 +8,14 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize, quantize
+from paged_harness import PagedHarness, assert_matches_hf, run_standard_schedule
+from vllite_platform_cpu.attention import TorchPagedAttention
 
 from model_registry.gguf_file import GGUFFile, GGUFFormatError
 from model_registry.gguf_weights import hf_name, unpermute_rotary
 from model_registry.loader import load_model
 from model_registry.models.llama import LlamaForCausalLM
 from model_registry.source import load_hf_config, resolve_model_source
-from paged_harness import PagedHarness, assert_matches_hf, run_standard_schedule
-from vllite_platform_cpu.attention import TorchPagedAttention
 
 torch.set_num_threads(2)
 

@@ -5,12 +5,12 @@ import os
 
 import pytest
 import torch
+from paged_harness import PagedHarness, assert_matches_hf, run_standard_schedule
+from vllite_platform_cpu.attention import TorchPagedAttention
 
 from model_registry.loader import hf_weight_files, load_model
 from model_registry.models.llama import LlamaForCausalLM
 from model_registry.source import load_hf_config, resolve_model_source
-from paged_harness import PagedHarness, assert_matches_hf, run_standard_schedule
-from vllite_platform_cpu.attention import TorchPagedAttention
 
 torch.set_num_threads(2)
 

@@ -12,8 +12,8 @@ import types
 
 import pytest
 import torch
-
 from plugin_fakes import PLATFORM_SRC
+
 from vllite_core.attention.sdpa import SdpaPagedAttention
 from vllite_core.config import CacheConfig, ConfigError, ModelConfig, VlliteConfig
 

@@ -5,12 +5,12 @@ import importlib.util
 
 import pytest
 import torch
-
 import vllite_platform_cpu.platform as cpu_mod
-from vllite_core.attention import AttentionBackend
-from vllite_core.config import CacheConfig, ConfigError, DeviceConfig, VlliteConfig
 from vllite_platform_cpu import VLLITE_PLUGIN_API, vllite_register_platforms
 from vllite_platform_cpu.platform import CpuPlatform
+
+from vllite_core.attention import AttentionBackend
+from vllite_core.config import CacheConfig, ConfigError, DeviceConfig, VlliteConfig
 
 torch.set_num_threads(1)
 GiB = 1 << 30
@@ -41,7 +41,8 @@ def test_identity(cpu):
     assert facts["name"] == "cpu" and facts["total_memory"] == cpu.total_memory()
 
 
-@pytest.mark.parametrize("flags, first", [({"avx2", "fma"}, torch.float32), ({"avx512f", "avx512_bf16"}, torch.bfloat16),
+@pytest.mark.parametrize("flags, first", [({"avx2", "fma"}, torch.float32),
+                                          ({"avx512f", "avx512_bf16"}, torch.bfloat16),
                                           ({"amx_bf16", "amx_tile"}, torch.bfloat16)])
 def test_dtypes_follow_bf16_support(cpu, monkeypatch, flags, first):
     monkeypatch.setattr(cpu_mod.pyplatform, "machine", lambda: "x86_64")

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import importlib
 import re
+
 import pluggy
 import pytest
 import torch
-
 from plugin_fakes import PLATFORM_SRC, REPO, fresh_plugins, platform_module, unique  # noqa: F401
+
 from vllite_core.platforms.resolve import (
     PlatformResolutionError,
     current_platform,

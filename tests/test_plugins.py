@@ -6,8 +6,8 @@ import sys
 
 import pytest
 import torch
-
 from plugin_fakes import fresh_plugins, unique  # noqa: F401  (fixture)
+
 from vllite_core.plugins import (
     PLATFORMS_GROUP,
     PLUGINS_GROUP,
@@ -99,7 +99,8 @@ def test_api_version_check(fresh_plugins, api, ok):
 
 def test_missing_api_version(fresh_plugins):
     mod = unique("noapi")
-    source = "from vllite_core.plugins import hookimpl\n@hookimpl\ndef vllite_register_logits_processors():\n    return []\n"
+    source = ("from vllite_core.plugins import hookimpl\n@hookimpl\n"
+              "def vllite_register_logits_processors():\n    return []\n")
     fresh_plugins("noapi-dist", {PLUGINS_GROUP: {"noapi": mod}}, {mod: source})
     info = by_name("noapi")
     assert info.status == "failed" and "does not declare VLLITE_PLUGIN_API" in info.reason

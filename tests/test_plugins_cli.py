@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from plugin_fakes import REPO, fresh_plugins, platform_module, unique  # noqa: F401
+
 from vllite_core.entrypoints.cli import main
 from vllite_core.plugins import PLATFORMS_GROUP
 

@@ -5,9 +5,9 @@ import math
 
 import pytest
 import torch
-
 from hf_reference import hf_greedy, hf_greedy_with, hf_logits
 from tiny_models import TINY, save_tiny
+
 from vllite_core import LLM, SamplingParams
 from vllite_core.engine.errors import InvalidRequestError
 from vllite_core.sampling_params import SamplingParamsError
@@ -170,7 +170,8 @@ def test_n_children_share_the_prompt_and_are_seeded(engines):
 
 def _check_greedy(tiny, engines, params_kw, transform, n=8, prompt=PROMPT):
     path, hf = tiny
-    comp = one(engines(), prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **params_kw)).outputs[0]
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **params_kw)
+    comp = one(engines(), prompt, params).outputs[0]
     assert comp.token_ids == hf_greedy_with(hf, prompt, n, transform)
     assert comp.token_ids != hf_greedy(hf, prompt, n), "the constraint did not change the output"
     return comp
@@ -258,7 +259,8 @@ def test_global_logits_processor_from_engine_argument(tiny):
 def test_rejections_name_the_field(engines):
     for kw, field in [({"best_of": 2}, "best_of"), ({"logits_processors": [print]}, "logits_processors"),
                       ({"top_p": 0.0}, "top_p"), ({"temperature": -1.0}, "temperature"), ({"n": 0}, "n"),
-                      ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"presence_penalty": 3.0}, "presence_penalty")]:
+                      ({"repetition_penalty": 0.0}, "repetition_penalty"),
+                      ({"presence_penalty": 3.0}, "presence_penalty")]:
         with pytest.raises(SamplingParamsError) as e:
             SamplingParams(**kw)
         assert e.value.param == field and field in str(e.value)
@@ -272,8 +274,8 @@ def test_rejections_name_the_field(engines):
 
 def test_logits_processors_from_the_plugin_hook():
     import pluggy
-
     from lp_fixtures import BanToken
+
     from vllite_core.plugins import hookimpl, hookspecs
     from vllite_core.sample.logits_processor import LogitsProcessorError, load_logits_processors
 

@@ -10,8 +10,8 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-
 from server_harness import ServerProcess
+
 from vllite_core import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from hf_reference import hf_greedy
 from tiny_models import TINY, save_tiny
+
 from vllite_core import LLM, SamplingParams
 from vllite_core.core.kv_cache_spec import SlidingWindowSpec
 from vllite_core.utils import cdiv

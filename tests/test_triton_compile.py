@@ -14,7 +14,6 @@ import subprocess
 import sys
 
 import pytest
-
 from plugin_fakes import PLATFORM_SRC
 
 # Not importorskip: importing triton here, before the interpreter tests set TRITON_INTERPRET, would break them.

@@ -20,6 +20,8 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -r requirements-test.txt)")
 
+from vllite_triton_kernels import TritonPagedAttention, triton_backends, triton_status  # noqa: E402
+
 from vllite_core.attention.reference import build_metadata, reference_paged_attention  # noqa: E402
 from vllite_core.conformance.kit import (  # noqa: E402
     STANDARD_CASES,
@@ -27,7 +29,6 @@ from vllite_core.conformance.kit import (  # noqa: E402
     assert_attention_matches,
     run_attention_case,
 )
-from vllite_triton_kernels import TritonPagedAttention, triton_backends, triton_status  # noqa: E402
 
 torch.set_num_threads(2)
 CASES = {c.name: c for c in STANDARD_CASES}

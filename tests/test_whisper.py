@@ -9,8 +9,8 @@ import logging
 import numpy as np
 import pytest
 import torch
-
 from tiny_whisper import save_tiny_whisper, tone, wav_bytes
+
 from vllite_core import LLM, SamplingParams
 from vllite_core.audio import AudioDecodeError, load_wav, resample
 
@@ -120,8 +120,8 @@ def test_preemption_recomputes_encoder_and_decoder(tiny, llm):
 
 def test_encoder_decoder_config_rules(tiny, caplog):
     with caplog.at_level(logging.WARNING, logger="vllite"):
-        llm = LLM(tiny[0], dtype="float32", num_kv_blocks=32 + 2 * CROSS_BLOCKS, max_num_seqs=2, enable_chunked_prefill=True,
-                  enable_prefix_caching=True)
+        llm = LLM(tiny[0], dtype="float32", num_kv_blocks=32 + 2 * CROSS_BLOCKS, max_num_seqs=2,
+                  enable_chunked_prefill=True, enable_prefix_caching=True)
     cfg = llm.llm_engine.config
     assert not cfg.scheduler_config.enable_chunked_prefill
     assert not cfg.cache_config.enable_prefix_caching
@@ -158,7 +158,8 @@ def test_transcribe(llm):
         assert all(o.outputs[0].finish_reason in ("stop", "length") for o in r.windows)
     # The same as generate() on the same audio with the default prompt.
     ref, = llm.generate({"multi_modal_data": {"audio": short}}, SamplingParams(temperature=0.0, max_tokens=None))
-    assert res[0].windows[0].outputs[0].token_ids == ref.outputs[0].token_ids and res[0].text == ref.outputs[0].text.strip()
+    assert res[0].windows[0].outputs[0].token_ids == ref.outputs[0].token_ids
+    assert res[0].text == ref.outputs[0].text.strip()
     # Each window of the long audio is the request for that slice.
     second, = llm.generate({"multi_modal_data": {"audio": long[30 * 16000:]}},
                            SamplingParams(temperature=0.0, max_tokens=None))

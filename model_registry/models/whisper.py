@@ -30,10 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllite_core.core.kv_cache_spec import CrossAttentionSpec, FullAttentionSpec, KVCacheSpec
-from vllite_core.model_interfaces import SupportsEncoderDecoder, SupportsTranscription
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
+from vllite_core.core.kv_cache_spec import CrossAttentionSpec, FullAttentionSpec, KVCacheSpec
 from vllite_core.inputs import InputContext, ProcessedPrompt
+from vllite_core.model_interfaces import SupportsEncoderDecoder, SupportsTranscription
 
 logger = logging.getLogger("vllite.model_registry")
 

@@ -83,8 +83,8 @@ class EngineCore:
     def __init__(self, config: VlliteConfig, platform: Any = None) -> None:
         from model_registry.registry import build_registry
         from model_registry.source import load_hf_config, resolve_model_source
-        from vllite_core.plugins.manager import get_plugin_manager
         from vllite_core.platforms.resolve import resolve_platform
+        from vllite_core.plugins.manager import get_plugin_manager
 
         self.config = config
         pm = get_plugin_manager()

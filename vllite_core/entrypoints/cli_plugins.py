@@ -12,8 +12,6 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from vllite_core.plugins import VLLITE_PLUGIN_API, PluginError, list_plugins
-from vllite_core.plugins.manager import get_plugin_manager, platform_plugin_failures
 from vllite_core.platforms.resolve import (
     PlatformCandidate,
     PlatformResolutionError,
@@ -21,6 +19,8 @@ from vllite_core.platforms.resolve import (
     diagnose_platforms,
     resolve_platform,
 )
+from vllite_core.plugins import VLLITE_PLUGIN_API, PluginError, list_plugins
+from vllite_core.plugins.manager import get_plugin_manager, platform_plugin_failures
 
 GiB = 1 << 30
 

@@ -39,7 +39,8 @@ class LLM:
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        many = isinstance(sampling_params, (list, tuple))
+        params = list(sampling_params) if many else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError("sampling_params: the list must be as long as prompts")
         if priority is not None and len(priority) != len(prompts):
@@ -74,9 +75,9 @@ class LLM:
                    use_tqdm: bool = False) -> list["Transcription"]:
         """Speech to text with a speech model (Whisper). ``audio``: a WAV path or bytes, ``(samples,
         sample_rate)``, a 1-D float array at 16 kHz, or a list of these; one ``Transcription`` each
-        (``.text``, ``.language``, ``.windows``: one RequestOutput per window). Audio longer than the model's window (30 s) is split into
-        windows whose texts are joined. ``language=None`` (or "auto") detects it; ``prompt`` is earlier
-        text to condition on. Greedy by default."""
+        (``.text``, ``.language``, ``.windows``: one RequestOutput per window). Audio longer than the
+        model's window (30 s) is split into windows whose texts are joined. ``language=None`` (or
+        "auto") detects it; ``prompt`` is earlier text to condition on. Greedy by default."""
         from vllite_core.entrypoints import transcription as tr
 
         engine = self.llm_engine

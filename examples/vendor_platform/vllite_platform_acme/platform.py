@@ -77,7 +77,8 @@ class AcmePlatform(Platform):
         return budget
 
     def capture_graphs(self, forward: Callable[..., Any], batch_sizes: list[int],
-                       make_inputs: Callable[[int], dict[str, Any]], config: "VlliteConfig") -> dict[int, Callable[..., Any]]:
+                       make_inputs: Callable[[int], dict[str, Any]],
+                       config: "VlliteConfig") -> dict[int, Callable[..., Any]]:
         if config.enforce_eager:
             return {}
         # A vendor passes its own capture function (record the step on the device, return a replay);

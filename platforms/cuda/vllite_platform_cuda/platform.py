@@ -195,7 +195,8 @@ class CudaPlatform(Platform):
         return available_kv_cache_memory(torch.cuda, config, profile_run, device_label="GPU")
 
     def capture_graphs(self, forward: Callable[..., Any], batch_sizes: list[int],
-                       make_inputs: Callable[[int], dict[str, Any]], config: "VlliteConfig") -> dict[int, Callable[..., Any]]:
+                       make_inputs: Callable[[int], dict[str, Any]],
+                       config: "VlliteConfig") -> dict[int, Callable[..., Any]]:
         if config.enforce_eager or not batch_sizes:
             return {}
         kind, _ = self.attention_choice()

@@ -183,7 +183,8 @@ class RocmPlatform(Platform):
         return available_kv_cache_memory(torch.cuda, config, profile_run, device_label="GPU")
 
     def capture_graphs(self, forward: Callable[..., Any], batch_sizes: list[int],
-                       make_inputs: Callable[[int], dict[str, Any]], config: "VlliteConfig") -> dict[int, Callable[..., Any]]:
+                       make_inputs: Callable[[int], dict[str, Any]],
+                       config: "VlliteConfig") -> dict[int, Callable[..., Any]]:
         if config.enforce_eager or not batch_sizes or self.attention_choice()[0] != "triton":
             return {}
         from vllite_core.platforms.graphs import capture_runners, stream_graph_capture

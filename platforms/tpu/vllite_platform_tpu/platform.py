@@ -162,7 +162,8 @@ class TpuPlatform(Platform):
         return budget
 
     def capture_graphs(self, forward: Callable[..., Any], batch_sizes: list[int],
-                       make_inputs: Callable[[int], dict[str, Any]], config: "VlliteConfig") -> dict[int, Callable[..., Any]]:
+                       make_inputs: Callable[[int], dict[str, Any]],
+                       config: "VlliteConfig") -> dict[int, Callable[..., Any]]:
         if config.enforce_eager or not batch_sizes:
             return {}
         from vllite_core.platforms.graphs import capture_runners

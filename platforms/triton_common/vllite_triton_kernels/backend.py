@@ -78,7 +78,8 @@ class TritonPagedAttention(AttentionBackend):
 
         self._check_device(query)
         if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-            raise ValueError(f"expected a (2, blocks, block_size, kv_heads, head_size) cache, got {tuple(kv_cache.shape)}")
+            raise ValueError("expected a (2, blocks, block_size, kv_heads, head_size) cache, got "
+                             f"{tuple(kv_cache.shape)}")
         self.store_kv(key, value, kv_cache, metadata.slot_mapping)
         query = _last_dim_contiguous(query)
         num_tokens, num_heads, head_size = query.shape

@@ -110,7 +110,8 @@ class XpuPlatform(Platform):
         return available_kv_cache_memory(torch.xpu, config, profile_run, device_label="XPU")
 
     def capture_graphs(self, forward: Callable[..., Any], batch_sizes: list[int],
-                       make_inputs: Callable[[int], dict[str, Any]], config: "VlliteConfig") -> dict[int, Callable[..., Any]]:
+                       make_inputs: Callable[[int], dict[str, Any]],
+                       config: "VlliteConfig") -> dict[int, Callable[..., Any]]:
         if config.enforce_eager or not batch_sizes or not hasattr(torch.xpu, "XPUGraph"):
             return {}
         if self.attention_choice()[0] != "triton":

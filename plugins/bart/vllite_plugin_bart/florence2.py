@@ -24,11 +24,20 @@ from torch import nn
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
 from vllite_core.core.kv_cache_spec import KVCacheSpec
 from vllite_core.engine.errors import InvalidRequestError
-from vllite_core.model_interfaces import SupportsEncoderDecoder, SupportsMultiModal
 from vllite_core.inputs import InputContext, ProcessedPrompt
+from vllite_core.model_interfaces import SupportsEncoderDecoder, SupportsMultiModal
 from vllite_plugin_bart.bart import STACKED, BartModel, check_encoder_ids, decoder_prompt_ids, text_or_ids
-from vllite_plugin_bart.layers import (Conv2d, Embedding, LayerNorm, Linear, activation, cfg, load_hf_weights,
-                                       model_device, sinusoid_table)
+from vllite_plugin_bart.layers import (
+    Conv2d,
+    Embedding,
+    LayerNorm,
+    Linear,
+    activation,
+    cfg,
+    load_hf_weights,
+    model_device,
+    sinusoid_table,
+)
 
 # Florence-2's task tokens and the prompts they stand for (transformers' Florence2Processor).
 TASK_PROMPTS = {
