@@ -103,13 +103,14 @@ class ModelCapabilities:
 
 
 _DECLARATIONS: dict[str, tuple[type, tuple[str, ...]]] = {
-    "processes_prompts": (ProcessesPrompts, ("process_prompt",)),
     "is_encoder_decoder": (SupportsEncoderDecoder, ("process_prompt", "get_max_model_len", "encode", "cross_kv")),
     "supports_multimodal": (SupportsMultiModal, ("process_prompt",)),
     "supports_transcription": (SupportsTranscription, ("max_audio_seconds", "language_detection_prompt")),
     "supports_lora": (SupportsLoRA, ()),
     "is_stateful": (IsStateful, ()),
     "is_pooling": (IsPooling, ()),
+    # Last: the Protocols above that build on it name themselves in the error.
+    "processes_prompts": (ProcessesPrompts, ("process_prompt",)),
 }
 _REQUIRED = ("get_kv_cache_specs", "forward", "compute_logits", "load_weights")
 
