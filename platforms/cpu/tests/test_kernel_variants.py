@@ -1,0 +1,307 @@
+"""Every ISA variant of the CPU kernels that this CPU runs, against torch references.
+
+The engine takes the highest variant (``kernels.load()``); these tests force each one
+(``kernels.load_variant``), so an AVX-512 host also checks its ``avx2`` and ``default`` builds, and check
+how the variant is chosen (``VLLITE_CPU_ISA``), the first-use build's key, and that no variant's
+instructions leaked into code the others share. The platform's own tests: ``pytest platforms/cpu/tests``
+(``-m "not slow"`` leaves out the first-use build, about a minute).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from vllite_platform_cpu import isa, kernels
+
+if not kernels.available():
+    pytest.skip(f"CPU kernels not built here: {kernels.error()}", allow_module_level=True)
+
+# From the installed module every variant the CPU runs is at hand; a first-use build makes one per
+# variant (a minute each), so then only the one load() chose is tested.
+RUNNABLE = kernels.host_variants() if kernels.origin() == "installed" else [kernels.variant()]
+VARIANTS = [pytest.param(n, marks=pytest.mark.skipif(n not in RUNNABLE, reason=f"{n}: not runnable or not built here"))
+            for n in isa.NAMES]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def close(a, b, dtype, tol32=2e-6, tol16=1e-2):
+    tol = tol32 if dtype == torch.float32 else tol16
+    torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+
+
+def ref_rms(x, w, eps):
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """kernels.py as before its first load(), restored afterwards."""
+    for name, value in (("_tried", False), ("_module", None), ("_error", None), ("_variant", None),
+                        ("_origin", None), ("_variant_modules", {})):
+        monkeypatch.setattr(kernels, name, value)
+    return kernels
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_variant_module(name):
+    mod = kernels.load_variant(name)
+    assert mod.name == name
+    # The AVX2 GEMM is in every variant compiled with AVX2 and FMA.
+    assert bool(mod.avx2_gemm_available()) == (name != "default")
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_rms_norm_and_fused_residual(name, dtype, rows):
+    mod = kernels.load_variant(name)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=g).to(dtype)
+    r = torch.randn(rows, 576, generator=g).to(dtype)
+    w = torch.randn(576, generator=g).to(dtype)
+    out = torch.empty_like(x)
+    mod.rms_norm(out, x, w, 1e-5)
+    close(out, ref_rms(x, w, 1e-5), dtype)
+    h, res = x.clone(), r.clone()
+    mod.add_rms_norm(h, res, w, 1e-5)
+    assert torch.equal(res, r + x)  # the residual add rounds exactly like torch's
+    close(h, ref_rms(r + x, w, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n", [(1, 1536), (64, 1536), (64, 1539)])
+def test_silu_and_mul(name, dtype, rows, n):
+    mod = kernels.load_variant(name)
+    x = torch.randn(rows, 2 * n, generator=torch.Generator().manual_seed(1)).to(dtype) * 4
+    gate, up = x.chunk(2, dim=-1)
+    out = x.new_empty(rows, n)
+    mod.silu_and_mul(out, x)
+    want = F.silu(gate) * up
+    # Whole vectors: the same vectorised exp as torch's silu (SLEEF's, 8 or 16 lanes), the same rounding.
+    # Not so ATen's DEFAULT vectors (std::exp), nor a row's last partial vector (torch: scalar std::exp).
+    if name == "default" or n % 16:
+        close(out, want, dtype, tol32=1e-5)
+    else:
+        assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_on_strided_views(name, dtype):
+    mod = kernels.load_variant(name)
+    t, h, hkv, d = 37, 9, 3, 64
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(t, (h + 2 * hkv) * d, generator=g).to(dtype)
+    cos, sin = torch.randn(t, d, generator=g).to(dtype), torch.randn(t, d, generator=g).to(dtype)
+    q, k, _ = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
+    q, k = q.view(t, h, d), k.view(t, hkv, d)
+
+    def neox(x):
+        x1, x2 = x[..., : d // 2], x[..., d // 2:]
+        return x * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
+
+    want_q, want_k = neox(q), neox(k)
+    v_before = qkv[:, (h + hkv) * d:].clone()
+    mod.rotary(q, k, cos, sin)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)  # scalar code, no contraction: exact everywhere
+    assert torch.equal(qkv[:, (h + hkv) * d:], v_before)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("wdtype", DTYPES)
+@pytest.mark.parametrize("m,k,n", [(1, 576, 1536), (3, 576, 49), (4, 100, 7)])
+def test_small_linear(name, wdtype, m, k, n):
+    mod = kernels.load_variant(name)
+    g = torch.Generator().manual_seed(m * n)
+    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g).to(wdtype), torch.randn(n, generator=g)
+    out = torch.empty(m, n)
+    mod.small_linear(out, x, w, b)
+    torch.testing.assert_close(out, F.linear(x, w.float(), b), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("m,k,n", [(1, 576, 1536), (5, 576, 49), (64, 100, 7), (200, 64, 33)])
+def test_avx2_gemm(name, m, k, n):
+    mod = kernels.load_variant(name)
+    if not mod.avx2_gemm_available():
+        pytest.skip(f"{name}: no AVX2 GEMM")
+    g = torch.Generator().manual_seed(m + n)
+    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    out = torch.empty(m, n)
+    mod.avx2_gemm(out, x, mod.avx2_gemm_pack(w), b)
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+
+
+def _paged_case(head_size, heads, kv_heads, q_lens, s_lens, dtype, block=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    nb = sum(-(-s // block) for s in s_lens) + 2
+    kc = torch.randn(nb, block, kv_heads, head_size, generator=g).to(dtype)
+    vc = torch.randn(nb, block, kv_heads, head_size, generator=g).to(dtype)
+    q = torch.randn(sum(q_lens), heads, head_size, generator=g).to(dtype)
+    perm = torch.randperm(nb, generator=g).int()  # blocks scattered through the cache
+    table = torch.zeros(len(s_lens), max(-(-s // block) for s in s_lens), dtype=torch.int32)
+    used = 0
+    for i, s in enumerate(s_lens):
+        count = -(-s // block)
+        table[i, :count] = perm[used:used + count]
+        used += count
+    seq = torch.tensor(s_lens, dtype=torch.int32)
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return q, kc, vc, table, seq, starts
+
+
+def _ref_paged(q, kc, vc, table, seq, starts, scale, window):
+    """Causal attention of each request's query rows (the last of its context) in float32."""
+    heads, d = q.shape[1:]
+    block, kv_heads = kc.shape[1], kc.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for r in range(len(seq)):
+        L, q0, q1 = int(seq[r]), int(starts[r]), int(starts[r + 1])
+        blocks = table[r, :-(-L // block)].long()
+        k = kc[blocks].reshape(-1, kv_heads, d)[:L].float().repeat_interleave(heads // kv_heads, dim=1)
+        v = vc[blocks].reshape(-1, kv_heads, d)[:L].float().repeat_interleave(heads // kv_heads, dim=1)
+        qpos = torch.arange(L - (q1 - q0), L)
+        kpos = torch.arange(L)
+        mask = kpos[None, :] <= qpos[:, None]
+        if window:
+            mask &= kpos[None, :] > qpos[:, None] - window
+        scores = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k) * scale
+        p = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", p, v)
+    return out
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size,heads,kv_heads,q_lens,s_lens,window", [
+    (64, 9, 3, [1, 1, 1, 17], [200, 40, 513, 300], 0),  # decode rows (streaming path) and a prefill tile
+    (128, 8, 2, [1, 20], [300, 20], 0),
+    (80, 4, 2, [3, 20], [200, 20], 0),  # head size off the vector paths
+    (64, 9, 3, [1, 17], [200, 40], 30),  # sliding window
+    (64, 9, 3, [1] * 40, [100] * 40, 0),  # many tiles: all KV heads per task
+])
+def test_paged_attention(name, dtype, head_size, heads, kv_heads, q_lens, s_lens, window):
+    mod = kernels.load_variant(name)
+    q, kc, vc, table, seq, starts = _paged_case(head_size, heads, kv_heads, q_lens, s_lens, dtype)
+    out = torch.empty_like(q)
+    mod.paged_attention(out, q, kc, vc, table, seq, starts, torch.arange(len(s_lens), dtype=torch.int32), 0.125,
+                        window)
+    ref = _ref_paged(q, kc, vc, table, seq, starts, 0.125, window)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+def test_load_takes_the_highest_runnable_variant(fresh, monkeypatch):
+    monkeypatch.delenv(kernels.ISA_ENV, raising=False)
+    assert fresh.load() is not None
+    assert fresh.variant() == fresh.host_variants()[-1]
+    assert fresh.variant() != "avx512_bf16" or "avx512_bf16" in fresh.host_features()
+
+
+@pytest.mark.parametrize("cap", isa.NAMES)
+def test_isa_env_caps_the_variant(fresh, monkeypatch, cap):
+    monkeypatch.setenv(kernels.ISA_ENV, cap)
+    want = [n for n in fresh.host_variants() if isa.rank(n) <= isa.rank(cap)][-1]
+    assert fresh.load() is not None and fresh.variant() == want
+    assert fresh.load().name == want
+
+
+def test_isa_env_unknown_value_is_ignored(fresh, monkeypatch):
+    monkeypatch.setenv(kernels.ISA_ENV, "sse9")
+    assert fresh.variant() == fresh.host_variants()[-1]
+
+
+def test_kernel_env_still_turns_the_kernels_off(fresh, monkeypatch):
+    monkeypatch.setenv(kernels.KERNEL_ENV, "0")
+    assert not fresh.available()
+    assert fresh.error() == f"disabled by {kernels.KERNEL_ENV}=0"
+
+
+def test_load_variant_refuses_what_the_cpu_lacks(fresh, monkeypatch):
+    monkeypatch.setattr(fresh, "host_features", lambda: set())
+    assert fresh.load_variant("default").name == "default"
+    with pytest.raises(ValueError, match="lacks avx2"):
+        fresh.load_variant("avx2")
+    with pytest.raises(ValueError, match="unknown CPU kernel variant"):
+        fresh.load_variant("avx1024")
+
+
+def test_variant_table():
+    assert [v.name for v in isa.X86_VARIANTS] == list(isa.NAMES)
+    for lower, higher in zip(isa.X86_VARIANTS, isa.X86_VARIANTS[1:]):  # each needs what the ones below need
+        assert set(lower.requires) <= set(higher.requires)
+    assert all("-march=native" not in f for v in isa.X86_VARIANTS for f in isa.variant_flags(v))
+    assert [v.name for v in isa.variants("aarch64")] == ["default"]
+
+
+def test_sources_ship_in_the_package():
+    files = set(os.listdir(kernels.csrc_dir()))
+    assert {isa.BINDINGS_SOURCE, *isa.KERNEL_SOURCES, "common.h", "kernels.h"} <= files
+
+
+def test_first_use_build_is_keyed_by_the_environment(monkeypatch):
+    v = isa.get("default")
+    here = kernels._build_name(v)
+    assert here == kernels._build_name(v) and here.startswith("vllite_cpu_default_")
+    assert kernels._build_name(isa.get("avx2")) != here
+    monkeypatch.setattr(sys, "prefix", sys.prefix + "-another-venv")
+    assert kernels._build_name(v) != here
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump")
+def test_no_variant_instructions_in_shared_code():
+    """The linked module keeps one copy of each inline function several variants emit (the standard
+    library's, c10's): it must be one without AVX registers, or the default variant could run AVX2 or
+    AVX-512 code on a CPU without them. (Local clones, e.g. ``.constprop``, stay with their variant.)"""
+    mod, why = kernels._installed()
+    if mod is None:
+        pytest.skip(f"no installed module: {why}")
+    so = mod.__file__
+    nm = subprocess.run(["nm", "-C", "--defined-only", so], capture_output=True, text=True, check=True).stdout
+    shared = {line[19:] for line in nm.splitlines() if line[17:18] in ("T", "W", "V", "u", "i")}
+    dis = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", so], capture_output=True, text=True,
+                         check=True).stdout
+    variant_code = re.compile(r"vllite_cpu::isa_(avx2|avx512|avx512_bf16)::|at::vec::AVX2::|at::vec::AVX512::")
+    leaks, fn = {}, None
+    for line in dis.splitlines():
+        m = re.match(r"^[0-9a-f]+ <(.*)>:$", line)
+        if m:
+            fn = m.group(1)
+        elif fn in shared and not variant_code.search(fn) and re.search(r"%[yz]mm\d", line):
+            leaks.setdefault(fn, line.strip())
+    assert not leaks, leaks
+
+
+@pytest.mark.slow
+def test_first_use_build_matches_the_installed_variant(fresh, monkeypatch, tmp_path):
+    """Without the installed module, load() compiles the chosen variant from the package's sources, with
+    the same flags: the same results, bit for bit."""
+    installed, _ = kernels._installed()
+    if installed is None:
+        pytest.skip("no installed module to compare with")
+    monkeypatch.setattr(fresh, "_installed_state", (None, "ImportError: hidden by the test"))
+    monkeypatch.setenv("VLLITE_CACHE_ROOT", str(tmp_path))
+    monkeypatch.setenv(kernels.ISA_ENV, "default")
+    jit = fresh.load()
+    assert jit is not None and fresh.origin() == "jit" and fresh.variant() == "default"
+    assert os.listdir(tmp_path / "torch_extensions")[0].startswith("vllite_cpu_default_")
+    q, kc, vc, table, seq, starts = _paged_case(64, 9, 3, [1, 1, 17], [200, 40, 300], torch.bfloat16)
+    rid = torch.arange(3, dtype=torch.int32)
+    outs = []
+    for mod in (jit, installed.default):
+        out = torch.empty_like(q)
+        mod.paged_attention(out, q, kc, vc, table, seq, starts, rid, 0.125, 0)
+        x = torch.randn(5, 2 * 576, generator=torch.Generator().manual_seed(3))
+        s = x.new_empty(5, 576)
+        mod.silu_and_mul(s, x)
+        outs.append((out, s))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])

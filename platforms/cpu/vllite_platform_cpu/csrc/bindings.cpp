@@ -1,0 +1,91 @@
+// The Python module of the CPU kernels: one submodule per ISA variant compiled in (default, avx2, avx512,
+// avx512_bf16), each with the same functions, and cpu_features() for kernels.py to choose among them.
+//
+// The build defines VLLITE_CPU_WITH_<namespace> for each variant it compiled (setup.py: all of them on
+// x86-64, compiled with the baseline flags; the first-use build of kernels.py: one, with its flags).
+// Nothing here runs a variant's code: kernels.py picks the one the CPU can run.
+#include <torch/extension.h>
+#if __has_include(<torch/headeronly/version.h>)
+#include <torch/headeronly/version.h>
+#endif
+
+#include <string>
+#include <vector>
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
+#define VLLITE_CPU_X86_CPUID 1
+#endif
+
+#include "kernels.h"
+
+namespace {
+
+// The CPU's (and the OS's: the vector registers' state must be saved) features that the variants need,
+// spelled as in /proc/cpuinfo.
+std::vector<std::string> cpu_features() {
+  std::vector<std::string> out;
+#ifdef VLLITE_CPU_X86_CPUID
+  __builtin_cpu_init();
+#define VLLITE_CPU_FEATURE(builtin, name) \
+  if (__builtin_cpu_supports(builtin)) out.emplace_back(name);
+  VLLITE_CPU_FEATURE("avx2", "avx2")
+  VLLITE_CPU_FEATURE("fma", "fma")
+  VLLITE_CPU_FEATURE("f16c", "f16c")
+  VLLITE_CPU_FEATURE("bmi", "bmi1")
+  VLLITE_CPU_FEATURE("bmi2", "bmi2")
+  VLLITE_CPU_FEATURE("avx512f", "avx512f")
+  VLLITE_CPU_FEATURE("avx512bw", "avx512bw")
+  VLLITE_CPU_FEATURE("avx512vl", "avx512vl")
+  VLLITE_CPU_FEATURE("avx512dq", "avx512dq")
+#undef VLLITE_CPU_FEATURE
+  // AVX512-BF16 straight from CPUID (leaf 7, subleaf 1, EAX bit 5): older compilers' __builtin_cpu_supports
+  // does not know it. The OS check is the one avx512f passed (the same register state).
+  unsigned int a = 0, b = 0, c = 0, d = 0;
+  if (__builtin_cpu_supports("avx512f") && __get_cpuid_max(0, nullptr) >= 7 && __get_cpuid_count(7, 1, &a, &b, &c, &d)
+      && (a & (1u << 5)))
+    out.emplace_back("avx512_bf16");
+#endif
+  return out;
+}
+
+}  // namespace
+
+#define VLLITE_CPU_BIND(m, variants, name, ns)                                           \
+  do {                                                                                   \
+    auto s = m.def_submodule(name, "CPU kernels compiled for the " name " ISA variant"); \
+    s.def("paged_attention", &vllite_cpu::ns::paged_attention);                          \
+    s.def("avx2_gemm_available", &vllite_cpu::ns::avx2_gemm_available);                  \
+    s.def("avx2_gemm_pack", &vllite_cpu::ns::avx2_gemm_pack);                            \
+    s.def("avx2_gemm", &vllite_cpu::ns::avx2_gemm);                                      \
+    s.def("small_linear", &vllite_cpu::ns::small_linear);                                \
+    s.def("rms_norm", &vllite_cpu::ns::rms_norm);                                        \
+    s.def("add_rms_norm", &vllite_cpu::ns::add_rms_norm);                                \
+    s.def("silu_and_mul", &vllite_cpu::ns::silu_and_mul);                                \
+    s.def("rotary", &vllite_cpu::ns::rotary);                                            \
+    s.attr("name") = name;                                                               \
+    variants.append(name);                                                               \
+  } while (0)
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::list variants;  // lowest first
+#ifdef VLLITE_CPU_WITH_isa_default
+  VLLITE_CPU_BIND(m, variants, "default", isa_default);
+#endif
+#ifdef VLLITE_CPU_WITH_isa_avx2
+  VLLITE_CPU_BIND(m, variants, "avx2", isa_avx2);
+#endif
+#ifdef VLLITE_CPU_WITH_isa_avx512
+  VLLITE_CPU_BIND(m, variants, "avx512", isa_avx512);
+#endif
+#ifdef VLLITE_CPU_WITH_isa_avx512_bf16
+  VLLITE_CPU_BIND(m, variants, "avx512_bf16", isa_avx512_bf16);
+#endif
+  m.attr("variants") = pybind11::tuple(variants);
+#ifdef TORCH_VERSION_MAJOR
+  // The torch this was compiled against (kernels.py builds its own instead when another one runs).
+  m.attr("torch_version") = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "."
+                            + std::to_string(TORCH_VERSION_PATCH);
+#endif
+  m.def("cpu_features", &cpu_features, "The CPU features the ISA variants need that this CPU and OS support");
+}

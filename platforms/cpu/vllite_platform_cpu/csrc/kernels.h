@@ -1,0 +1,38 @@
+// The entry points of every ISA variant of the kernels, as bindings.cpp registers them.
+//
+// attention.cpp, gemm.cpp and pointwise.cpp define them inside vllite_cpu::VLLITE_CPU_ISA; the build
+// compiles those files once per variant (vllite_platform_cpu/isa.py), each into its own namespace.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+// One variant's functions, declared in the enclosing namespace.
+#define VLLITE_CPU_DECLARE_KERNELS                                                                                  \
+  void paged_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,              \
+                       at::Tensor block_table, at::Tensor seq_lens, at::Tensor query_start_loc, at::Tensor req_ids, \
+                       double scale, int64_t window);                                                               \
+  bool avx2_gemm_available();                                                                                       \
+  at::Tensor avx2_gemm_pack(at::Tensor w);                                                                          \
+  void avx2_gemm(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at::Tensor> bias);                  \
+  void small_linear(at::Tensor out, at::Tensor x, at::Tensor w, std::optional<at::Tensor> bias);                    \
+  void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);                                       \
+  void add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);                              \
+  void silu_and_mul(at::Tensor out, at::Tensor x);                                                                  \
+  void rotary(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin);
+
+namespace vllite_cpu {
+namespace isa_default {
+VLLITE_CPU_DECLARE_KERNELS
+}  // namespace isa_default
+namespace isa_avx2 {
+VLLITE_CPU_DECLARE_KERNELS
+}  // namespace isa_avx2
+namespace isa_avx512 {
+VLLITE_CPU_DECLARE_KERNELS
+}  // namespace isa_avx512
+namespace isa_avx512_bf16 {
+VLLITE_CPU_DECLARE_KERNELS
+}  // namespace isa_avx512_bf16
+}  // namespace vllite_cpu
