@@ -241,7 +241,8 @@ class CpuPlatform(Platform):
         torch.set_num_threads(config.device_config.num_threads or usable_cpus())
 
     def capture_graphs(self, forward: Callable[..., Any], batch_sizes: list[int],
-                       make_inputs: Callable[[int], dict[str, Any]], config: "VlliteConfig") -> dict[int, Callable[..., Any]]:
+                       make_inputs: Callable[[int], dict[str, Any]],
+                       config: "VlliteConfig") -> dict[int, Callable[..., Any]]:
         """Decode graphs through ``torch.compile`` (inductor, dynamic batch dimension), opt-in.
 
         Off unless ``VLLITE_CPU_COMPILE=1``: measured on AVX2 hosts it was not faster than
