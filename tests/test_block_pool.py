@@ -192,3 +192,76 @@ def test_prefix_cache_stats() -> None:
     assert s.hit_rate == pytest.approx(0.24)
     s.reset()
     assert (s.requests, s.queries, s.hits) == (0, 0, 0)
+
+
+# ---- cache groups, the null block, integrity ------------------------------------------
+
+
+def test_pool_index_is_keyed_by_group() -> None:
+    pool = BlockPool(6, enable_caching=True)
+    a, b = pool.get_new_blocks(2)
+    h = hash_block_tokens(None, [1, 2])
+    pool.cache_full_blocks([a], [h], 0, 1, group=0)
+    pool.cache_full_blocks([b], [h], 0, 1, group=1)  # equal tokens in another group: another entry
+    assert pool.get_cached_block(h) is a and pool.get_cached_block(h, 0) is a
+    assert pool.get_cached_block(h, 1) is b and pool.get_cached_block(h, 2) is None
+    assert (a.group, b.group) == (0, 1) and len(pool.cached_block_hash_to_block) == 2
+    # Re-offering an indexed block under its own key is a no-op; under another group it is an error.
+    pool.cache_full_blocks([a], [h], 0, 1, group=0)
+    with pytest.raises(RuntimeError, match="different hash"):
+        pool.cache_full_blocks([a], [h], 0, 1, group=1)
+    pool.check_integrity({a.block_id: 1, b.block_id: 1})
+    # Eviction drops the entry of the block's own group only.
+    pool.free_blocks([b])
+    rest = pool.get_new_blocks(4)
+    assert b in rest and b.block_hash is None
+    assert pool.get_cached_block(h, 1) is None and pool.get_cached_block(h, 0) is a
+    pool.check_integrity({blk.block_id: 1 for blk in [a, *rest]})
+
+
+def test_pool_null_block_is_never_counted_or_indexed() -> None:
+    pool = BlockPool(4, enable_caching=True)
+    null = pool.null_block
+    assert null.block_id == 0 and null.is_null
+    (blk,) = pool.get_new_blocks(1)
+    hashes = hash_request_tokens(1, [5, 6])
+    pool.cache_full_blocks([null, blk], hashes, 0, 2, group=1)  # a sliding-window table with a dead slot
+    assert null.block_hash is None and blk.block_hash == hashes[1]
+    assert pool.get_cached_block(hashes[0], 1) is None and pool.get_cached_block(hashes[1], 1) is blk
+    pool.touch([null])
+    pool.free_blocks([null])
+    assert null.ref_cnt == 0 and pool.get_num_free_blocks() == 2
+    pool.check_integrity({blk.block_id: 1})
+
+
+def test_pool_uncache_drops_only_the_blocks_own_entry() -> None:
+    pool = BlockPool(5, enable_caching=True)
+    a, dup = pool.get_new_blocks(2)
+    h = hash_block_tokens(None, [3])
+    pool.cache_full_blocks([a], [h], 0, 1)
+    pool.cache_full_blocks([dup], [h], 0, 1)  # stays unindexed
+    pool.uncache_blocks([dup])
+    assert pool.get_cached_block(h) is a
+    pool.uncache_blocks([a])
+    assert pool.get_cached_block(h) is None and a.block_hash is None
+    pool.check_integrity({a.block_id: 1, dup.block_id: 1})
+
+
+def test_pool_check_integrity_catches_disagreements() -> None:
+    pool = BlockPool(5, enable_caching=True)
+    a, b = pool.get_new_blocks(2)
+    pool.check_integrity({a.block_id: 1, b.block_id: 1})
+    pool.check_integrity()  # without holders: only the pool's own consistency
+    with pytest.raises(AssertionError, match="holders count"):
+        pool.check_integrity({a.block_id: 1})
+    with pytest.raises(AssertionError, match="holders count"):
+        pool.check_integrity({a.block_id: 2, b.block_id: 1})
+    a.ref_cnt = 0  # a referenced-looking state out of step with the free queue
+    with pytest.raises(AssertionError, match="free state"):
+        pool.check_integrity()
+    a.ref_cnt = 1
+    h = hash_block_tokens(None, [1])
+    pool.cache_full_blocks([a], [h], 0, 1)
+    a.block_hash = hash_block_tokens(None, [2])  # the index entry no longer matches its block
+    with pytest.raises(AssertionError, match="index entry"):
+        pool.check_integrity()
