@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, event, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -326,17 +326,10 @@ def test_failed_allocation_still_releases_dead_sliding_blocks() -> None:
     mgr.check_integrity([r])
 
 
-# Core bug: KVCacheManager.allocate_slots (kv_cache_manager.py, the ``m.take(...)`` loop) lets each group take
-# its hits and its fresh blocks in turn, so group 0's fresh allocation pops from the free queue a free cached
-# block that is group 1's prefix hit (not touched yet); group 1 then touches it as its hit too. One block id
-# ends up in two groups' tables (and, as equal-geometry groups share cache tensors, the two groups' K/V
-# overwrite each other). check_integrity does not notice: both holders count the block's 2 references.
-# The fix: touch every group's hits before any group allocates fresh blocks.
-HIT_EVICTED_BY_EARLIER_GROUP = ("allocate_slots: an earlier group's fresh blocks can evict a later group's "
-                                "free cached prefix hit, so one block is held by two groups")
-
-
-@pytest.mark.xfail(strict=True, reason=HIT_EVICTED_BY_EARLIER_GROUP)
+# Regression: allocate_slots once let each group take its hits and its fresh blocks in turn, so group 0's fresh
+# allocation could pop from the free queue a free cached block that was group 1's prefix hit (not touched yet);
+# one block id then sat in two groups' tables (and, as equal-geometry groups share cache tensors, their K/V
+# overwrote each other). Now every group's hits are touched before any group allocates.
 def test_fresh_blocks_never_take_another_groups_hit() -> None:
     mgr = manager(7, full(), sliding(5))  # 6 usable
     a = make_request("a", list(range(9)))
@@ -767,11 +760,5 @@ _FUZZ_SETTINGS = settings(max_examples=300, stateful_step_count=50, deadline=Non
 CrossGroupsMachine.TestCase.settings = _FUZZ_SETTINGS
 test_cross_groups_state_machine = CrossGroupsMachine.TestCase
 
-# While HIT_EVICTED_BY_EARLIER_GROUP stands, this machine finds it (30 runs of 30 with fresh seeds), failing with
-# "groups 0 and 1 hold a block at once" or a wrong key read in group 1. Shrinking that failure takes minutes,
-# so it is skipped meanwhile. Once allocate_slots is fixed, drop the xfail and the ``phases`` line together
-# (with the fix applied, the machine passes its 300 examples in about 5 s).
-CachedGroupsMachine.TestCase.settings = settings(
-    _FUZZ_SETTINGS, phases=[Phase.explicit, Phase.reuse, Phase.generate])
-test_cached_groups_state_machine = pytest.mark.xfail(strict=True, reason=HIT_EVICTED_BY_EARLIER_GROUP)(
-    CachedGroupsMachine.TestCase)
+CachedGroupsMachine.TestCase.settings = _FUZZ_SETTINGS
+test_cached_groups_state_machine = CachedGroupsMachine.TestCase

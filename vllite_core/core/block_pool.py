@@ -2,7 +2,7 @@
 
 One pool serves every cache group of a model (full attention, sliding window, cross
 attention...): a block belongs to one group at a time, and the prefix-cache index is
-keyed by (group, block hash) so equal tokens in two groups are two entries."""
+keyed by (block hash, group) so equal tokens in two groups are two entries."""
 
 from __future__ import annotations
 

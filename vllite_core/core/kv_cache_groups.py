@@ -49,17 +49,19 @@ class FullAttentionManager:
         held = len(request.kv_blocks[self.group_id])
         return max(0, cdiv(num_slots, self.block_size) - held - num_hits)
 
-    def take(self, request: Any, hits: list[KVCacheBlock], num_new: int) -> list[KVCacheBlock]:
-        """Append the prefix hits (taking references) and ``num_new`` fresh blocks; returns the fresh ones."""
-        g = self.group_id
-        blocks = request.kv_blocks[g]
+    def add_hits(self, request: Any, hits: list[KVCacheBlock]) -> None:
+        """Append the prefix hits, taking references (so no group's fresh allocation can evict them)."""
         if hits:
+            g = self.group_id
             self.pool.touch(hits)
-            blocks.extend(hits)
+            request.kv_blocks[g].extend(hits)
             # Hits are indexed already: count them as cached.
-            request.num_cached_blocks[g] = max(request.num_cached_blocks[g], len(blocks))
+            request.num_cached_blocks[g] = max(request.num_cached_blocks[g], len(request.kv_blocks[g]))
+
+    def add_new(self, request: Any, num_new: int) -> list[KVCacheBlock]:
+        """Append ``num_new`` fresh blocks from the front of the free queue; returns them."""
         new = self.pool.get_new_blocks(num_new) if num_new else []
-        blocks.extend(new)
+        request.kv_blocks[self.group_id].extend(new)
         return new
 
     def cache_blocks(self, request: Any, num_known_tokens: int) -> None:

@@ -161,7 +161,11 @@ class KVCacheManager:
             num_evictable_hits = sum(1 for h in hits for b in h if b.ref_cnt == 0 and not b.is_null)
             if total > self.block_pool.get_num_free_blocks() - num_evictable_hits:
                 return None
-        new_ids = [[b.block_id for b in m.take(request, hits[m.group_id], need[m.group_id])] for m in self.managers]
+        # Every group's hits are referenced before any group takes fresh blocks: a free cached block that is
+        # one group's hit must not be evicted for another group's allocation.
+        for m in self.managers:
+            m.add_hits(request, hits[m.group_id])
+        new_ids = [[b.block_id for b in m.add_new(request, need[m.group_id])] for m in self.managers]
         num_known = min(num_slots, request.num_tokens)
         for m in self._hashed:
             m.cache_blocks(request, num_known)
@@ -202,12 +206,15 @@ class KVCacheManager:
         counts, free + referenced = usable, every index entry on its own block, every indexed block of a
         request under that request's hash. For tests and for idle-time checks."""
         refs: dict[int, int] = {}
+        group_of: dict[int, int] = {}
         for req in requests:
             for g, blocks in enumerate(req.kv_blocks):
                 for i, b in enumerate(blocks):
                     if b.is_null:
                         continue
                     refs[b.block_id] = refs.get(b.block_id, 0) + 1
+                    assert group_of.setdefault(b.block_id, g) == g, \
+                        f"block {b.block_id} is held by groups {group_of[b.block_id]} and {g} at once"
                     if b.block_hash is not None and i < len(req.block_hashes) and self.managers[g].enable_caching:
                         assert (b.block_hash, b.group) == (req.block_hashes[i], g), \
                             f"{req.request_id}: block {i} of group {g} is indexed under another hash"
