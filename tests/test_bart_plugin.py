@@ -183,3 +183,13 @@ def test_blocked_plugin_error_names_the_package(bart):
     info = next(p for p in json.loads(listing)["plugins"] if p["distribution"] == "vllite-plugin-bart")
     assert info["status"] == "blocked" and "VLLITE_PLUGINS" in info["reason"]
     assert "BartForConditionalGeneration" in error and "pip install vllite-plugin-bart" in error
+
+
+def test_a_pool_too_small_for_one_requests_cross_blocks_is_refused(bart):
+    """The cross-attention blocks come out of the one pool: an override that cannot hold one request's
+    (160 encoder positions: 10 blocks, plus a decoder block and the null block) fails at start, not by waiting."""
+    from vllite_core.config import ConfigError
+
+    path, _, _ = bart
+    with pytest.raises(ConfigError, match="num_kv_blocks: 11 blocks cannot hold one request.*need 12"):
+        LLM(model=str(path), dtype="float32", num_kv_blocks=11)
