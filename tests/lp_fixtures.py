@@ -13,3 +13,33 @@ class BanToken:
             if tid is not None:
                 logits[i, tid] = float("-inf")
         return logits
+
+
+# Fault injection (tests/test_fault_isolation.py): a prompt starting with one of these token ids
+# triggers the fault in its own row only.
+FAIL_TOKEN, NAN_TOKEN, BREAK_TOKEN = 497, 498, 496
+
+
+class FailFor:
+    """Raises for the rows whose prompt starts with FAIL_TOKEN; writes NaN into rows starting with NAN_TOKEN."""
+
+    def apply(self, logits: torch.Tensor, batch) -> torch.Tensor:
+        for i, prompt in enumerate(batch.prompt_token_ids):
+            if prompt[0] == FAIL_TOKEN:
+                raise ValueError(f"FailFor refuses request {batch.req_ids[i]}")
+            if prompt[0] == NAN_TOKEN:
+                logits[i, 5] = float("nan")
+        return logits
+
+
+class BreakOnce:
+    """Raises once, on the first batch holding a prompt that starts with BREAK_TOKEN, and never again
+    (not even for that row alone): a fault that belongs to no request."""
+
+    broken = False
+
+    def apply(self, logits: torch.Tensor, batch) -> torch.Tensor:
+        if not BreakOnce.broken and any(p[0] == BREAK_TOKEN for p in batch.prompt_token_ids):
+            BreakOnce.broken = True
+            raise RuntimeError("BreakOnce: injected fault outside any request")
+        return logits

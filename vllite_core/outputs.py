@@ -22,8 +22,9 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: SampleLogprobs | None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    error: str | None = None  # finish_reason "error": why this completion failed (the others are unaffected)
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -203,10 +203,20 @@ class Scheduler:
                 step.schedule_running(req, num_new, blocks)
 
     # ---- after the forward pass -------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
-        """Append each request's sampled token, apply token-level stop rules. Returns requests that got one."""
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]],
+                           failed: dict[str, str] | None = None) -> list[Request]:
+        """Append each request's sampled token, apply token-level stop rules; requests that failed in the
+        step (``failed``: id -> reason) finish with FINISHED_ERROR and free their blocks. Returns the
+        requests that got a token or failed."""
         updated: list[Request] = []
         stopped: list[Request] = []
+        for rid in failed or ():
+            req = self.requests.get(rid)
+            if req is None or req.status.finished:
+                continue
+            req.status = RequestStatus.FINISHED_ERROR
+            updated.append(req)
+            stopped.append(req)
         for rid, tokens in sampled.items():
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING or not tokens:
@@ -218,7 +228,10 @@ class Scheduler:
             if req.status.finished:
                 stopped.append(req)
         for req in stopped:
-            self.running.remove(req)
+            if req in self.running:
+                self.running.remove(req)
+            else:  # failed while waiting (preempted in the same step)
+                self.waiting.remove(req)
             self._free(req)
         return updated
 

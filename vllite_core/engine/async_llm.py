@@ -18,6 +18,13 @@ caller sees with the request's DeltaCursor (engine/delta.py, the same code as th
 sync engine's ``step(delta=True)``), which holds back the tail of the text that
 could still turn out to be the start of a stop string, so streamed deltas always
 concatenate to the final text.
+
+Faults (docs/serving.md): a request that fails alone (``finish_reason="error"``
+from the engine) makes its stream raise ``RequestFailedError`` naming the cause,
+and its other completions (``n > 1``) are aborted; the other requests go on. An
+error in a step that belongs to no request stops the loop: ``dead`` is set, every
+open stream raises ``EngineDeadError`` naming the cause, new requests are refused
+with it, and the ``on_dead`` callbacks run (the server uses one to exit).
 """
 from __future__ import annotations
 
@@ -31,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from vllite_core.engine.delta import DeltaCursor
-from vllite_core.engine.errors import InvalidRequestError
+from vllite_core.engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from vllite_core.engine.llm_engine import LLMEngine, PromptType
 from vllite_core.inputs import InputContext, ProcessedPrompt
 from vllite_core.outputs import RequestOutput
@@ -42,8 +49,7 @@ logger = logging.getLogger("vllite.async_llm")
 _BACKOFF_S = 0.005  # wait when the scheduler had nothing it could run (avoids a hot spin)
 
 
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped on an error; no request can be served any more."""
+__all__ = ["AsyncLLM", "EngineDeadError", "RequestFailedError", "RequestStream"]
 
 
 @dataclass
@@ -183,6 +189,8 @@ class AsyncLLM:
         self.snapshot = EngineSnapshot()
         self.observers: list[Callable[[FinishedRequest], None]] = []
         self.dead: BaseException | None = None
+        # Called on the asyncio loop, once, with the cause when the engine loop dies.
+        self.on_dead: list[Callable[[BaseException], None]] = []
         self._streams: dict[str, RequestStream] = {}
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._cond = threading.Condition()
@@ -274,6 +282,14 @@ class AsyncLLM:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue  # aborted meanwhile
+            errors = [c.error or "failed" for c in out.outputs if c.finish_reason == "error"]
+            if errors:  # this request failed alone: its stream raises, its other completions stop
+                del self._streams[out.request_id]
+                stream._fail(RequestFailedError(out.request_id, errors[0]))
+                self._notify(stream.report(out, aborted=False))
+                if not out.finished:
+                    self._post(_Abort(out.request_id))
+                continue
             stream._put(out)
             if out.finished:
                 del self._streams[out.request_id]
@@ -287,6 +303,12 @@ class AsyncLLM:
             for s in targets:
                 s._fail(exc)
                 self._notify(s.report(s.latest, aborted=True))
+            if not rid:
+                for cb in self.on_dead:
+                    try:
+                        cb(self.dead or exc)
+                    except Exception:  # a callback must not stop the others
+                        logger.exception("on_dead callback failed")
 
     def _notify(self, rec: FinishedRequest) -> None:
         for obs in self.observers:
@@ -343,9 +365,9 @@ class AsyncLLM:
                 try:
                     outputs = engine.step()
                 except Exception as e:
-                    logger.exception("engine step failed; the engine loop stops")
+                    logger.exception("engine step failed (a fault of no single request); the engine is dead")
                     self.dead = e
-                    failed.append(("", EngineDeadError(f"engine step failed: {e!r}")))
+                    failed.append(("", EngineDeadError(f"the engine died: a step failed with {e!r}")))
                 step_s = time.perf_counter() - t1
                 st.step_s += step_s
                 st.steps += 1

@@ -33,6 +33,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
     num_preemptions: int = 0
+    error: str | None = None  # finish_reason "error": what went wrong (this request alone failed)
 
 
 @dataclass
@@ -139,16 +140,16 @@ class EngineCore:
             return []
         result = self.worker.execute_model(so)
         t2 = time.perf_counter()
-        updated = self.scheduler.update_from_output(so, result.sampled_token_ids)
+        updated = self.scheduler.update_from_output(so, result.sampled_token_ids, result.failed)
         outputs = []
         for req in updated:
             outputs.append(EngineCoreOutput(
-                request_id=req.request_id, new_token_ids=result.sampled_token_ids[req.request_id],
+                request_id=req.request_id, new_token_ids=result.sampled_token_ids.get(req.request_id, []),
                 new_logprobs=result.logprobs.get(req.request_id),
                 prompt_logprobs=result.prompt_logprobs.get(req.request_id),
                 finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
                 num_cached_tokens=max(req.num_cached_tokens, 0), first_scheduled_time=req.first_scheduled_time,
-                num_preemptions=req.num_preemptions))
+                num_preemptions=req.num_preemptions, error=result.failed.get(req.request_id)))
         t3 = time.perf_counter()
         st = self.step_times
         st.schedule += t1 - t0

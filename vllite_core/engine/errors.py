@@ -16,3 +16,19 @@ class PromptTooLongError(InvalidRequestError):
                          "leaves room for (at least one output token is needed)")
         self.num_tokens = num_tokens
         self.max_model_len = max_model_len
+
+
+class EngineDeadError(RuntimeError):
+    """The engine hit an error that belongs to no request (the model's forward pass raising, say):
+    every open request fails with this, naming the cause, and no request can be served any more."""
+
+
+class RequestFailedError(RuntimeError):
+    """One request failed inside the engine (its logits processor input, a non-finite logits row...):
+    that request ends with ``finish_reason="error"``, every other request carries on. AsyncLLM's
+    stream for the request raises this; the server answers 500 with the message."""
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(f"request {request_id!r} failed: {message}")
+        self.request_id = request_id
+        self.message = message

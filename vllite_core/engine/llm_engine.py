@@ -8,7 +8,7 @@ from typing import Any, Iterable
 
 from vllite_core.config import EngineArgs, VlliteConfig
 from vllite_core.engine.core import EngineCore
-from vllite_core.engine.errors import InvalidRequestError, PromptTooLongError
+from vllite_core.engine.errors import EngineDeadError, InvalidRequestError, PromptTooLongError
 from vllite_core.engine.output_processor import OutputProcessor, child_request_ids
 from vllite_core.inputs import InputContext, ProcessedPrompt
 from vllite_core.outputs import RequestOutput
@@ -37,6 +37,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.model_cls = self.core.model_cls
         self.input_context = InputContext(self.tokenizer, info.hf_config, info.source.path)
+        self.dead: BaseException | None = None  # set when a step failed with a fault of no single request
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -156,7 +157,16 @@ class LLMEngine:
         return self.core.scheduler.num_unfinished
 
     def step(self, delta: bool = False) -> list[RequestOutput]:
-        core_outputs = self.core.step()
+        """One engine step. A request that fails alone comes back finished with ``finish_reason="error"``
+        and ``error`` set on its completion; an exception here belongs to no request: it goes up, and
+        the engine is dead (every later step raises EngineDeadError naming it)."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine died: a step failed with {self.dead!r}")
+        try:
+            core_outputs = self.core.step()
+        except Exception as e:
+            self.dead = e
+            raise
         outputs, to_stop = self.output_processor.process(core_outputs, delta=delta)
         for cid in to_stop:
             self.core.finish_request(cid, RequestStatus.FINISHED_STOPPED)

@@ -31,6 +31,7 @@ class CompletionState:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None
 
 
 @dataclass
@@ -138,6 +139,7 @@ class OutputProcessor:
                     to_stop.append(out.request_id)
             elif out.finish_reason is not None:
                 child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
+                child.error = out.error
             touched[pid] = st
         if delta:  # the cursor reads the live lists at once, so they need no copy
             views = (st.cursor.delta(self._make_output(st, copy=False)) for st in touched.values())
@@ -156,7 +158,7 @@ class OutputProcessor:
         comps = [CompletionOutput(index=c.index, text=c.detok.output_text,
                                   token_ids=list(c.token_ids) if copy else c.token_ids,
                                   cumulative_logprob=c.cumulative_logprob, logprobs=c.logprobs,
-                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason, error=c.error)
                  for c in st.children.values()]
         finished = st.finished
         m = RequestMetrics(arrival_time=st.arrival, num_prompt_tokens=len(st.prompt_token_ids),

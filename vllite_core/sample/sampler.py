@@ -6,6 +6,12 @@ temperature, top-k, top-p, min-p -> [processed_logprobs / processed_logits
 captured] -> sample. Random rows use the exponential race (argmax of p / q with
 q ~ Exp(1)), so a seeded row draws from its own generator while the rest of the
 batch shares one draw.
+
+Faults of one row: a global processor that raises is re-run on each row alone to find
+the rows it fails on, and a row whose constrained logits have no finite maximum (a NaN,
+a +inf, or every token banned) is caught with one ``amax`` per step. Either way
+``RowFaults`` names the rows before anything is sampled (no generator has drawn), so the
+runner can drop them and sample the rest unchanged.
 """
 from __future__ import annotations
 
@@ -13,10 +19,62 @@ from dataclasses import dataclass
 
 import torch
 
+from vllite_core.sample.logits_processor import BatchInfo
 from vllite_core.sample.metadata import SamplingMetadata
 from vllite_core.sampling_params import GREEDY_EPS
 
 _NEG_INF = float("-inf")
+
+
+class RowFaults(Exception):
+    """Rows of the batch that cannot be sampled, each with the reason (row index -> message)."""
+
+    def __init__(self, rows: dict[int, str]) -> None:
+        super().__init__("; ".join(f"row {r}: {m}" for r, m in sorted(rows.items())))
+        self.rows = rows
+
+
+def _processor_name(proc: object) -> str:
+    return getattr(proc, "name", None) or type(proc).__qualname__
+
+
+def _batch_row(batch: BatchInfo, i: int) -> BatchInfo:
+    return BatchInfo(req_ids=batch.req_ids[i:i + 1], params=batch.params[i:i + 1],
+                     prompt_token_ids=batch.prompt_token_ids[i:i + 1],
+                     output_token_ids=batch.output_token_ids[i:i + 1])
+
+
+def _find_failing_rows(proc: object, logits: torch.Tensor, batch: BatchInfo, exc: BaseException) -> RowFaults:
+    """The batched call raised: call the processor on each row alone. Rows that raise on their own are
+    the culprits; when none does, the failure belongs to no request and ``exc`` goes on up."""
+    name = _processor_name(proc)
+    rows: dict[int, str] = {}
+    for i in range(logits.shape[0]):
+        try:
+            proc.apply(logits[i:i + 1].clone(), _batch_row(batch, i))  # type: ignore[attr-defined]
+        except Exception as e:  # noqa: BLE001 - a processor may raise anything; it is reported per request
+            rows[i] = f"logits processor {name} raised {type(e).__name__}: {e}"
+    if not rows:
+        raise exc
+    return RowFaults(rows)
+
+
+def check_finite_rows(logits: torch.Tensor) -> None:
+    """One reduction per step: a row whose maximum is not finite holds a NaN or +inf, or bans every token."""
+    top = logits.amax(dim=-1)
+    bad = ~torch.isfinite(top)
+    if bool(bad.any()):
+        rows = {}
+        for i in bad.nonzero().flatten().tolist():
+            row = logits[i]
+            if bool(row.isnan().any()):
+                what = "NaN"
+            elif bool((row == float("inf")).any()):
+                what = "+inf"
+            else:
+                what = "every token banned (-inf)"
+            rows[i] = f"the logits row holds no samplable value ({what}) after the logits processors"
+        raise RowFaults(rows)
 
 
 @dataclass
@@ -43,6 +101,7 @@ class Sampler:
         want = md.max_num_logprobs is not None
         captured = self.as_mode(logits) if want and self.logprobs_mode.startswith("raw") else None
         logits = self.apply_constraints(logits, md)
+        check_finite_rows(logits)
         greedy = None if md.all_random else logits.argmax(dim=-1)
         if md.all_greedy:
             processed = logits
@@ -74,7 +133,11 @@ class Sampler:
             rows, cols, vals = md.bias
             logits = logits.index_put((rows, cols), vals, accumulate=True)
         for proc in md.processors:
-            logits = proc.apply(logits, md.batch_info)
+            before = logits
+            try:
+                logits = proc.apply(logits, md.batch_info)
+            except Exception as e:  # noqa: BLE001 - find the rows it belongs to (or re-raise)
+                raise _find_failing_rows(proc, before, md.batch_info, e) from e
         if md.repetition is not None and md.seen_mask is not None:
             r = md.repetition.unsqueeze(1)
             penalised = torch.where(logits > 0, logits / r, logits * r)

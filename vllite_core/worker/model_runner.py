@@ -4,6 +4,12 @@ Inputs are flattened (no padding across requests) and built with vectorised
 numpy over the persistent batch. Logits are computed only for rows that finish
 their known tokens this step (a prefill chunk in the middle of a prompt samples
 nothing).
+
+A fault of one request (``RowFaults`` from the sampler: a logits processor raising
+for its row, a non-finite logits row) fails that request alone: its id and the reason
+go in ``ModelRunnerOutput.failed``, no token is sampled for it, and the other rows
+are sampled again from the same logits, unchanged. Anything else raised here belongs
+to no request and goes up (the engine is then dead).
 """
 from __future__ import annotations
 
@@ -25,7 +31,7 @@ from vllite_core.core.kv_cache_spec import (
     plan_kv_tensors,
 )
 from vllite_core.core.sched_output import SchedulerOutput
-from vllite_core.sample.sampler import Sampler, gather_logprobs
+from vllite_core.sample.sampler import RowFaults, Sampler, SamplerOutput, gather_logprobs
 from vllite_core.utils import cdiv
 from vllite_core.worker.graph_runner import ModelForward
 from vllite_core.worker.input_batch import InputBatch, RowState
@@ -49,6 +55,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[SampleLogprobs]] = field(default_factory=dict)
     # Complete prompt logprobs (positions 1..n-1), sent with the request's first sampled token.
     prompt_logprobs: dict[str, list[SampleLogprobs]] = field(default_factory=dict)
+    # Requests that failed in this step, alone (request id -> what went wrong); they sampled nothing.
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -252,6 +260,33 @@ class ModelRunner:
             for ids, vals, rank in zip(lp.token_ids.tolist(), lp.values.tolist(), lp.ranks.tolist()):
                 st.prompt_logprobs.append(SampleLogprobs(ids, vals, rank))
 
+    def _sample(self, hidden: torch.Tensor, inp: StepInputs, out: ModelRunnerOutput
+                ) -> tuple[np.ndarray, SamplerOutput | None]:
+        """Sample the step's rows; rows the sampler reports as faulty fail (``out.failed``) and the rest
+        are sampled again from logits computed afresh for them (a processor may have written into the
+        first ones), as if the faulty rows had never been there. Returns (rows sampled, output)."""
+        b = self.batch
+        alive = np.ones(len(inp.sample_rows), dtype=bool)  # over inp.sample_rows
+        rows = inp.sample_rows
+        logits = self.model.compute_logits(hidden[inp.logits_indices])
+        while True:
+            md = build_sampling_metadata(b, rows, logits.shape[-1], self.device, self.logits_processors)
+            try:
+                return rows, self.sampler.forward(logits, md)
+            except RowFaults as f:
+                where = np.nonzero(alive)[0]
+                for i, msg in f.rows.items():
+                    st = b.states[rows[i]]
+                    assert st is not None
+                    out.failed[st.req_id] = msg
+                    alive[where[i]] = False
+                    logger.warning("request %s failed: %s", st.req_id, msg)
+                rows = inp.sample_rows[alive]
+                if len(rows) == 0:
+                    return rows, None
+                keep = torch.as_tensor(np.nonzero(alive)[0], device=inp.logits_indices.device)
+                logits = self.model.compute_logits(hidden[inp.logits_indices[keep]])
+
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
@@ -268,15 +303,15 @@ class ModelRunner:
             self._prompt_logprobs(hidden, inp)
         if len(inp.sample_rows) == 0:
             return out
-        logits = self.model.compute_logits(hidden[inp.logits_indices])
-        md = build_sampling_metadata(b, inp.sample_rows, logits.shape[-1], self.device, self.logits_processors)
-        sampled = self.sampler.forward(logits, md)
+        sample_rows, sampled = self._sample(hidden, inp, out)
+        if sampled is None:
+            return out
         tokens = sampled.sampled_token_ids.tolist()
         lp = sampled.logprobs
         lp_ids = lp.token_ids.tolist() if lp is not None else None
         lp_vals = lp.values.tolist() if lp is not None else None
         lp_ranks = lp.ranks.tolist() if lp is not None else None
-        for i, row in enumerate(inp.sample_rows.tolist()):
+        for i, row in enumerate(sample_rows.tolist()):
             st = b.states[row]
             assert st is not None
             tok = tokens[i]
