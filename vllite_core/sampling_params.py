@@ -5,10 +5,31 @@ construction, so a bad request fails before it reaches the engine.
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (argmax)
+
+# Edge limits (docs/serving.md, "Request limits"). Every integer is an int64 (what torch and numpy
+# hold; torch.Generator.manual_seed takes any int64 seed), every float finite; lists are bounded so
+# that what the engine does per request and per step stays small. One place for all of them.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_N = 128  # completions per request (vLLM has no limit)
+MAX_STOP_STRINGS = 128  # entries of ``stop``
+MAX_STOP_STR_LEN = 1024  # characters of one stop string (streams hold back len - 1 characters)
+MAX_STOP_TOKEN_IDS = 1024
+MAX_BAD_WORDS = 1024
+MAX_BAD_WORD_LEN = 1024  # characters of one bad word
+MAX_LOGIT_BIAS = 4096  # entries of ``logit_bias``
+MAX_ALLOWED_TOKEN_IDS = 1 << 17  # entries of ``allowed_token_ids`` (a vocabulary-sized list fits)
+MAX_TEMPERATURE = 100.0  # far past uniform sampling already
+MAX_REPETITION_PENALTY = 100.0
+MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI's documented range: [-100, 100]
+
+_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "best_of")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 class SamplingParamsError(ValueError):
@@ -50,21 +71,53 @@ class SamplingParams:
     extra_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self._check_numbers()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        self.bad_words = list(self.bad_words or [])
+        self.stop = _bounded_list("stop", self.stop, MAX_STOP_STRINGS, str, MAX_STOP_STR_LEN)
+        self.stop_token_ids = _token_ids("stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS)
+        self.bad_words = _bounded_list("bad_words", self.bad_words, MAX_BAD_WORDS, str, MAX_BAD_WORD_LEN)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _token_ids("allowed_token_ids", self.allowed_token_ids, MAX_ALLOWED_TOKEN_IDS)
         if self.logit_bias:
+            if not isinstance(self.logit_bias, dict):
+                raise SamplingParamsError("logit_bias", "must be a mapping of token id -> bias")
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise SamplingParamsError("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):
                 raise SamplingParamsError("logit_bias", "keys must be token ids and values numbers") from None
+            for k, v in self.logit_bias.items():
+                if not INT64_MIN <= k <= INT64_MAX:
+                    raise SamplingParamsError("logit_bias", f"token id {k} is out of the int64 range")
+                if not -MAX_LOGIT_BIAS_VALUE <= v <= MAX_LOGIT_BIAS_VALUE:  # NaN fails this too
+                    raise SamplingParamsError("logit_bias", f"bias values must be finite numbers in "
+                                              f"[-{MAX_LOGIT_BIAS_VALUE:g}, {MAX_LOGIT_BIAS_VALUE:g}], got {v} for {k}")
         # Token sequences of bad_words, filled by the engine with its tokenizer.
         self.bad_words_token_ids: list[list[int]] = []
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
+
+    def _check_numbers(self) -> None:
+        """Integers are int64, floats finite numbers: nothing else reaches torch."""
+        for name in _INT_FIELDS:
+            v = getattr(self, name)
+            if v is None and name in ("seed", "max_tokens", "logprobs", "prompt_logprobs", "best_of"):
+                continue
+            if not isinstance(v, numbers.Integral):
+                raise SamplingParamsError(name, f"must be an integer, got {v!r}")
+            if not INT64_MIN <= v <= INT64_MAX:
+                raise SamplingParamsError(name, f"{v} is out of the int64 range [{INT64_MIN}, {INT64_MAX}]")
+            setattr(self, name, int(v))
+        for name in _FLOAT_FIELDS:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                raise SamplingParamsError(name, f"must be a number, got {v!r}")
+            if not math.isfinite(v):
+                raise SamplingParamsError(name, f"must be a finite number, got {v}")
+            setattr(self, name, float(v))
 
     def _validate(self) -> None:
         def bad(param: str, msg: str) -> None:
@@ -76,10 +129,10 @@ class SamplingParams:
         if self.logits_processors:
             bad("logits_processors", "per-request logits processors are not supported: register a global one "
                 "through the vllite_register_logits_processors plugin hook or the --logits-processors engine argument")
-        if not isinstance(self.n, int) or self.n < 1:
-            bad("n", f"must be an integer >= 1, got {self.n!r}")
-        if self.temperature < 0.0:
-            bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            bad("n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            bad("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", f"must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
@@ -90,8 +143,8 @@ class SamplingParams:
             bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
-        if not self.repetition_penalty > 0.0:
-            bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            bad("repetition_penalty", f"must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             bad("allowed_token_ids", "must not be empty")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
@@ -108,6 +161,8 @@ class SamplingParams:
             bad("stop", "stop strings must be non-empty")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and self.seed + self.n - 1 > INT64_MAX:  # n > 1: completion i uses seed + i
+            bad("seed", f"seed + n - 1 must be <= {INT64_MAX}, got seed={self.seed}, n={self.n}")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids named by the request must exist in the model's vocabulary."""
@@ -122,10 +177,13 @@ class SamplingParams:
         """Each bad word bans its token sequence, with and without a leading space. Sequences with
         ids the model cannot produce (tokenizer larger than the vocabulary) can never occur: dropped."""
         seqs: list[list[int]] = []
+        seen: set[tuple[int, ...]] = set()  # linear in the number of words (a list scan was quadratic)
         for word in self.bad_words or []:
             for variant in (word, " " + word.lstrip()):
                 ids = list(tokenizer.encode(variant, add_special_tokens=False))
-                if ids and ids not in seqs and all(0 <= t < vocab_size for t in ids):
+                key = tuple(ids)
+                if ids and key not in seen and all(0 <= t < vocab_size for t in ids):
+                    seen.add(key)
                     seqs.append(ids)
         self.bad_words_token_ids = seqs
 
@@ -140,3 +198,27 @@ class SamplingParams:
     @property
     def max_stop_str_len(self) -> int:
         return max((len(s) for s in self.stop), default=0)  # type: ignore[union-attr]
+
+
+def _bounded_list(name: str, values: Any, max_len: int, item_type: type, max_item_len: int) -> list:
+    values = list(values or [])
+    if len(values) > max_len:
+        raise SamplingParamsError(name, f"at most {max_len} entries, got {len(values)}")
+    for v in values:
+        if not isinstance(v, item_type):
+            raise SamplingParamsError(name, f"entries must be {item_type.__name__}, got {v!r}")
+        if len(v) > max_item_len:
+            raise SamplingParamsError(name, f"an entry is {len(v)} long, more than {max_item_len}")
+    return values
+
+
+def _token_ids(name: str, values: Any, max_len: int) -> list[int]:
+    values = list(values or [])
+    if len(values) > max_len:
+        raise SamplingParamsError(name, f"at most {max_len} entries, got {len(values)}")
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise SamplingParamsError(name, f"entries must be integer token ids, got {v!r}")
+        if not INT64_MIN <= v <= INT64_MAX:
+            raise SamplingParamsError(name, f"token id {v} is out of the int64 range")
+    return [int(v) for v in values]

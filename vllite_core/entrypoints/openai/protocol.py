@@ -2,19 +2,25 @@
 
 Strict, and unknown fields are refused: a typo like ``max_token`` is a 400 that
 names the field, not a silently ignored option. Value ranges are checked once,
-by SamplingParams and the engine (max_logprobs), so the limits live in one place.
+by SamplingParams and the engine (max_logprobs), so the limits live in one place; here
+every integer is an int64 (``Int``) and every float finite (``allow_inf_nan=False``: the
+``NaN`` / ``Infinity`` literals are refused), so nothing out of range reaches torch.
 Responses are plain dicts built in the serving modules (cheaper per streamed
 token than model serialization).
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
+
+from vllite_core.sampling_params import INT64_MAX, INT64_MIN
+
+Int = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -26,11 +32,11 @@ class _SamplingRequest(_Strict):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: int = 1
+    n: Int = 1
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
@@ -38,28 +44,28 @@ class _SamplingRequest(_Strict):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM extensions
-    top_k: int | None = None
+    top_k: Int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Int = 0
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    prompt_logprobs: int | None = None
+    prompt_logprobs: Int | None = None
     bad_words: list[str] | None = None
-    allowed_token_ids: list[int] | None = None
-    priority: int = 0
+    allowed_token_ids: list[Int] | None = None
+    priority: Int = 0
     cache_salt: str | None = None  # a non-empty string: prefix-cache blocks are shared only with the same salt
     logits_processors: list[Any] | None = None  # refused: processors are global
-    best_of: int | None = None  # refused unless equal to n: removed in V1
+    best_of: Int | None = None  # refused unless equal to n: removed in V1
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: str | list[str] | list[Int] | list[list[Int]]
+    max_tokens: Int | None = 16
+    logprobs: Int | None = None
     echo: bool = False
     suffix: str | None = None
 
@@ -80,10 +86,10 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage]
-    max_tokens: int | None = None  # deprecated by OpenAI, still accepted
-    max_completion_tokens: int | None = None
+    max_tokens: Int | None = None  # deprecated by OpenAI, still accepted
+    max_completion_tokens: Int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -93,6 +99,8 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vllite: special-token text typed in message content is plain text unless this is true
+    allow_special_tokens_in_content: bool = False
 
 
 class TokenizeRequest(_Strict):
@@ -105,4 +113,4 @@ class TokenizeRequest(_Strict):
 
 class DetokenizeRequest(_Strict):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int]

@@ -1,6 +1,8 @@
 """POST /v1/chat/completions: messages -> the model's chat template -> chat.completion."""
 from __future__ import annotations
 
+import re
+import secrets
 import time
 from typing import Any, AsyncIterator
 
@@ -55,6 +57,67 @@ def render_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prom
         raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
 
 
+def _special_tokens(tokenizer: Any) -> dict[str, int]:
+    """Special added tokens (the ones a tokenizer parses out of text) -> id."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return {t.content: i for i, t in added.items() if getattr(t, "special", False) and t.content}
+
+
+def _encode_plain(tokenizer: Any, text: str) -> list[int]:
+    """``text`` tokenized with no special-token parsing: ``<|im_start|>`` typed in it stays text."""
+    if not text:
+        return []
+    return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+
+
+def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage], text: str, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, chat_template: str | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """The token ids of ``text`` (``render_chat`` of these messages), where only the template's own
+    special tokens are control tokens: special-token text inside message content is tokenized as
+    plain text, so a user cannot forge a turn. When no content holds special-token text this is the
+    ordinary tokenization. Otherwise the messages are rendered again with a random placeholder per
+    such content; the template's text around the placeholders has its special tokens parsed, the
+    contents do not. A template that changes content (so the placeholders cannot be mapped back onto
+    ``text``) makes such a request a 400 rather than a guess."""
+    specials = _special_tokens(tokenizer)
+    dicts = messages_to_dicts(messages)
+    marked = [i for i, d in enumerate(dicts) if isinstance(d.get("content"), str)
+              and any(tok in d["content"] for tok in specials)]
+    if not marked:
+        return list(tokenizer.encode(text, add_special_tokens=False))  # the template has the special tokens
+    nonce = secrets.token_hex(8)
+    holders = {f"\u27e6{nonce}:{i}\u27e7": dicts[i]["content"] for i in marked}
+    for holder, i in zip(holders, marked):
+        dicts[i] = {**dicts[i], "content": holder}
+    try:
+        shaped = tokenizer.apply_chat_template(dicts, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                               continue_final_message=continue_final_message,
+                                               chat_template=chat_template, **(template_kwargs or {}))
+    except Exception as e:
+        raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
+    pieces = re.split("(" + "|".join(re.escape(h) for h in holders) + ")", shaped)
+    if (sorted(p for p in pieces[1::2]) != sorted(holders)
+            or "".join(holders.get(p, p) for p in pieces) != text):
+        raise bad_request("a message's content holds special-token text and the chat template changes message "
+                          "content, so the two cannot be told apart: remove the special-token text", "messages")
+    special_re = re.compile("(" + "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)) + ")")
+    ids: list[int] = []
+    plain = ""  # text since the last template special token (content included), tokenized in one piece
+    for j, piece in enumerate(pieces):
+        if j % 2:  # a content
+            plain += holders[piece]
+            continue
+        for k, part in enumerate(special_re.split(piece)):
+            if k % 2:  # one of the template's own special tokens
+                ids += _encode_plain(tokenizer, plain)
+                plain = ""
+                ids.append(specials[part])
+            else:
+                plain += part
+    return ids + _encode_plain(tokenizer, plain)
+
+
 class ChatServer:
     def __init__(self, state: ServerState) -> None:
         self.state = state
@@ -75,7 +138,11 @@ class ChatServer:
         self._check_unsupported(req)
         text = render_chat(self.tokenizer, req.messages, req.add_generation_prompt, req.continue_final_message,
                            req.chat_template, req.chat_template_kwargs)
-        ids = st.engine.tokenize(text, add_special_tokens=False)  # the template has the special tokens
+        if req.allow_special_tokens_in_content:  # opt-out: special-token text in content is parsed
+            ids = st.engine.tokenize(text, add_special_tokens=False)  # the template has the special tokens
+        else:
+            ids = chat_prompt_ids(st.engine.tokenizer, req.messages, text, req.add_generation_prompt,
+                                  req.continue_final_message, req.chat_template, req.chat_template_kwargs)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = to_sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
         rid = new_id("chatcmpl")

@@ -27,6 +27,9 @@ from vllite_core.entrypoints.openai.serving_common import (
 )
 from vllite_core.outputs import RequestOutput
 
+# Completions one request may ask for: len(prompt list) x n (each is an engine request).
+MAX_COMPLETIONS_PER_REQUEST = 1024
+
 
 def _prompts(req: CompletionRequest) -> list[PromptType]:
     p = req.prompt
@@ -36,6 +39,9 @@ def _prompts(req: CompletionRequest) -> list[PromptType]:
         raise bad_request("prompt must not be empty", "prompt")
     if isinstance(p[0], int):
         return [{"prompt_token_ids": list(p)}]  # type: ignore[arg-type]
+    if len(p) * max(req.n, 1) > MAX_COMPLETIONS_PER_REQUEST:
+        raise bad_request(f"{len(p)} prompts x n={req.n} is more than the {MAX_COMPLETIONS_PER_REQUEST} completions "
+                          "one request may ask for", "prompt")
     if isinstance(p[0], str):
         return list(p)  # type: ignore[arg-type]
     return [{"prompt_token_ids": list(ids)} for ids in p]  # type: ignore[union-attr]
