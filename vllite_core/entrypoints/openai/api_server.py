@@ -206,7 +206,9 @@ def how_to_query(host: str, port: int, model: str, api_key: str | None) -> str:
 
 def serve(engine: AsyncLLM, model_names: list[str], sock: socket.socket, api_key: str | None = None,
           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "info", access_log: bool = True) -> None:
-    """Serve on an already bound socket until Ctrl-C / SIGTERM, then stop the engine loop."""
+    """Serve on an already bound socket until Ctrl-C / SIGTERM, then stop the engine loop. When the
+    engine dies (a fault of no single request), the server stops within seconds and this raises
+    SystemExit naming the cause (exit status 1)."""
     import uvicorn
 
     app = build_app(engine, model_names, api_key, max_body_bytes)
@@ -217,9 +219,18 @@ def serve(engine: AsyncLLM, model_names: list[str], sock: socket.socket, api_key
     config = uvicorn.Config(app, log_level=log_level, access_log=access_log, timeout_graceful_shutdown=5,
                             lifespan="on")
     t0 = time.monotonic()
+    server = uvicorn.Server(config)
+
+    def _engine_died(exc: BaseException) -> None:  # every stream has failed already; a supervisor restarts us
+        logger.error("the engine died (%r): the server stops", exc)
+        server.should_exit = True
+
+    engine.on_dead.append(_engine_died)
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        server.run(sockets=[sock])
     finally:
         engine.close()
         sock.close()
         logger.info("server stopped after %.0f s", time.monotonic() - t0)
+    if engine.dead is not None:  # exit status 1, naming the cause
+        raise SystemExit(f"vllite serve: the engine died: {engine.dead!r}")
