@@ -54,6 +54,8 @@ def client(server):
 
 
 def post(server: str, path: str, body=None, content: bytes | None = None, headers=AUTH) -> httpx.Response:
+    if content is not None:  # raw bytes: still declared JSON (the server refuses other types with 415)
+        headers = {**headers, "Content-Type": "application/json"}
     return httpx.post(server + path, json=body, content=content, headers=headers, timeout=180)
 
 

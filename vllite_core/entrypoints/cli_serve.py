@@ -17,12 +17,31 @@ def add_serve_parser(sub: Any) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     g.add_argument("--port", type=int, default=8000, help="port (0: pick a free one; the start-up line says which)")
     g.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer KEY' on every /v1 route (default: ${API_KEY_ENV})")
+                   help="require 'Authorization: Bearer KEY' on every route but /health, /version, /metrics and "
+                   f"the OpenAPI docs (default: ${API_KEY_ENV})")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use for the model (default: the model path, or SmolLM2-135M-Instruct)")
     g.add_argument("--max-request-body-bytes", type=int, default=None, help="larger bodies get 413 (default 4 MiB)")
     g.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     g.add_argument("--disable-access-log", action="store_true", help="no log line per HTTP request")
+    g.add_argument("--allowed-origins", nargs="+", default=None,
+                   help="CORS: origins web pages may call from (e.g. http://localhost:3000, or '*'); default: CORS off")
+    g.add_argument("--allowed-methods", nargs="+", default=None, help="CORS methods (default: all)")
+    g.add_argument("--allowed-headers", nargs="+", default=None, help="CORS request headers (default: all)")
+    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    g.add_argument("--allowed-hosts", nargs="+", default=None,
+                   help="Host header values accepted (any port); default on a loopback bind: 127.0.0.1 localhost "
+                   "::1 (DNS rebinding), otherwise any")
+    g.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="with this many requests accepted but not started, new ones get 503 + Retry-After")
+    g.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a generation request may take from arrival; then it is aborted (504, or an "
+                   "error event in a stream); default: none")
+    g.add_argument("--body-read-timeout", type=float, default=30.0, help="seconds to receive a request body (408)")
+    g.add_argument("--timeout-keep-alive", type=int, default=5, help="seconds an idle keep-alive connection stays open")
+    g.add_argument("--shutdown-timeout", type=float, default=20.0,
+                   help="on SIGTERM / Ctrl-C, seconds in-flight requests may finish before they are ended")
+    g.add_argument("--disable-fastapi-docs", action="store_true", help="no /openapi.json and /docs")
     add_engine_args(p)
     p.set_defaults(func=run_serve)
 
@@ -39,8 +58,22 @@ def run_serve(ns: argparse.Namespace) -> int:
         ns.model = ns.model_tag
     api_key = ns.api_key or os.environ.get(API_KEY_ENV) or None
     names = ns.served_model_name or [default_model_name(ns.model)]
+    for flag, least in (("max_waiting_requests", 1), ("request_timeout", 1e-3), ("body_read_timeout", 0),
+                        ("shutdown_timeout", 0)):
+        if getattr(ns, flag) is not None and getattr(ns, flag) < least:
+            raise SystemExit(f"vllite serve: --{flag.replace('_', '-')} must be at least {least:g}")
     sock = bind_socket(ns.host, ns.port)  # a busy port fails now, not after loading the model
-    engine = AsyncLLM(LLMEngine.from_engine_args(engine_args_from_namespace(ns)))
+    try:
+        engine = AsyncLLM(LLMEngine.from_engine_args(engine_args_from_namespace(ns)))
+    except KeyboardInterrupt:
+        sock.close()
+        print("vllite: stopped while loading the model", flush=True)
+        return 130
     serve(engine, names, sock, api_key, ns.max_request_body_bytes or DEFAULT_MAX_BODY_BYTES,
-          ns.uvicorn_log_level, not ns.disable_access_log)
+          ns.uvicorn_log_level, not ns.disable_access_log, shutdown_timeout=ns.shutdown_timeout,
+          timeout_keep_alive=ns.timeout_keep_alive, allowed_origins=ns.allowed_origins,
+          allowed_methods=ns.allowed_methods, allowed_headers=ns.allowed_headers,
+          allow_credentials=ns.allow_credentials, allowed_hosts=ns.allowed_hosts,
+          max_waiting_requests=ns.max_waiting_requests, request_timeout=ns.request_timeout,
+          body_read_timeout=ns.body_read_timeout or None, enable_docs=not ns.disable_fastapi_docs)
     return 0

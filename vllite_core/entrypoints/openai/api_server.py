@@ -1,15 +1,21 @@
 """The FastAPI app and its routes, the API-key gate, and running it under uvicorn.
 
 Routes: GET /health /version /metrics /v1/models; POST /v1/completions
-/v1/chat/completions /tokenize /detokenize. Every /v1 route needs
-``Authorization: Bearer KEY`` when the server has a key. Every error leaves in
-OpenAI's shape (errors.py) and the server keeps serving.
+/v1/chat/completions /tokenize /detokenize. When the server has a key, every route
+except ``OPEN_PATHS`` (health, version, metrics, the OpenAPI schema and docs) needs
+``Authorization: Bearer KEY``. CORS is off unless origins are given; a server bound
+to loopback refuses other Host headers (DNS rebinding). Every error leaves in
+OpenAI's shape (errors.py) and the server keeps serving. SIGTERM / Ctrl-C drain the
+in-flight requests (``serve``).
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import ipaddress
 import logging
 import secrets
+import signal
 import socket
 import threading
 import time
@@ -33,21 +39,35 @@ from vllite_core.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from vllite_core.entrypoints.openai.serving_chat import ChatServer, render_chat
-from vllite_core.entrypoints.openai.serving_common import DEFAULT_MAX_BODY_BYTES, ServerState, read_body
+from vllite_core.entrypoints.openai.serving_common import (
+    DEFAULT_BODY_READ_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    ServerState,
+    read_body,
+)
 from vllite_core.entrypoints.openai.serving_completions import CompletionServer
 
 logger = logging.getLogger("vllite.server")
 
+# Routes that stay open when the server has an API key: they run no model and reveal no input.
+OPEN_PATHS = frozenset({"/health", "/version", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect",
+                        "/redoc"})
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+DEFAULT_SHUTDOWN_TIMEOUT_S = 20.0
+DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5
+
 
 class APIKeyMiddleware:
-    """Pure ASGI (no response buffering, so streaming and disconnects pass straight through)."""
+    """Pure ASGI (no response buffering, so streaming and disconnects pass straight through).
+    The key is read from the Authorization header only (never a query parameter, which would
+    land in access logs) and compared in constant time."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope.get("method") != "OPTIONS":
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and scope.get("method") != "OPTIONS":
             got = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(got, self.expected):
                 msg = "missing API key" if not got else "incorrect API key"
@@ -57,9 +77,95 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+def host_name(host_header: str) -> str:
+    """The name in a Host header, without the port: ``[::1]:8000`` -> ``::1``."""
+    h = host_header.strip().lower()
+    if h.startswith("["):
+        return h[1:h.find("]")] if "]" in h else h
+    return h.rsplit(":", 1)[0] if h.count(":") == 1 else h
+
+
+class HostCheckMiddleware:
+    """Refuse requests whose Host is not one of ``hosts`` (any port): a page on a rebound DNS
+    name that resolves to 127.0.0.1 sends its own name, so it cannot reach a loopback server."""
+
+    def __init__(self, app: ASGIApp, hosts: list[str]) -> None:
+        self.app = app
+        self.hosts = {h.lower().strip("[]") for h in hosts}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            got = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
+            if host_name(got) not in self.hosts:
+                if scope["type"] == "websocket":
+                    await send({"type": "websocket.close", "code": 1008})
+                    return
+                err = APIError(400, f"Host header {got!r} is not allowed on this server (it accepts "
+                               f"{', '.join(sorted(self.hosts))})", code="invalid_host")
+                await err.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class OriginCheckMiddleware:
+    """Refuse a browser's cross-origin POST (it carries an ``Origin`` header; API clients send
+    none) unless CORS allows that origin or it is this server's own (its /docs page): a page
+    elsewhere cannot drive the model even through the "simple" requests CORS does not stop
+    (a multipart upload to /v1/audio/transcriptions)."""
+
+    def __init__(self, app: ASGIApp, allowed_origins: list[str] | None) -> None:
+        self.app = app
+        self.allowed = {o.rstrip("/").lower() for o in allowed_origins or []}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        safe = scope.get("method") in ("GET", "HEAD", "OPTIONS")
+        if scope["type"] == "http" and not safe and "*" not in self.allowed:
+            headers = dict(scope["headers"])
+            origin = headers.get(b"origin", b"").decode("latin-1").rstrip("/").lower()
+            own = headers.get(b"host", b"").decode("latin-1").lower()
+            if origin and origin not in self.allowed and origin.split("://", 1)[-1] != own:
+                err = APIError(403, f"cross-origin request from {origin!r} refused (see --allowed-origins)",
+                               code="origin_not_allowed")
+                await err.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class _NoQueryString(logging.Filter):
+    """uvicorn's access log lines without query strings (where secrets get pasted)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str) and "?" in args[2]:
+            record.args = (*args[:2], args[2].split("?", 1)[0] + "?<query omitted>", *args[3:])
+        return True
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _openapi_body(model: Any) -> dict[str, Any]:
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
 def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    state = ServerState(engine, model_names, max_body_bytes, api_key)
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, *, allowed_origins: list[str] | None = None,
+              allowed_methods: list[str] | None = None, allowed_headers: list[str] | None = None,
+              allow_credentials: bool = False, allowed_hosts: list[str] | None = None,
+              max_waiting_requests: int | None = None, request_timeout: float | None = None,
+              body_read_timeout: float | None = DEFAULT_BODY_READ_TIMEOUT_S, enable_docs: bool = True) -> FastAPI:
+    """``allowed_origins``: CORS on for these (off when None); ``allowed_hosts``: the Host
+    header must name one of these (no check when None; ``serve`` passes LOOPBACK_HOSTS on a
+    loopback bind)."""
+    state = ServerState(engine, model_names, max_body_bytes, api_key, max_waiting_requests=max_waiting_requests,
+                        request_timeout=request_timeout, body_read_timeout=body_read_timeout)
     metrics = state.metrics = ServerMetrics(engine, state.model_name)
     completions, chat = CompletionServer(state), ChatServer(state)
 
@@ -69,8 +175,9 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
         yield
         engine.close()
 
-    app = FastAPI(title="vllite", version=vllite_core.__version__, lifespan=lifespan, docs_url=None,
-                  redoc_url=None, openapi_url=None)
+    app = FastAPI(title="vllite", version=vllite_core.__version__, lifespan=lifespan,
+                  docs_url="/docs" if enable_docs else None, redoc_url=None,
+                  openapi_url="/openapi.json" if enable_docs else None)
     app.state.vllite = state
 
     @app.exception_handler(APIError)
@@ -124,24 +231,29 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
                 for name in model_names]
         return {"object": "list", "data": data}
 
-    @app.post("/v1/completions")
+    async def body(request: Request, model: Any) -> Any:
+        return await read_body(request, model, state.max_body_bytes, state.body_read_timeout)
+
+    @app.post("/v1/completions", openapi_extra=_openapi_body(CompletionRequest))
     async def create_completion(request: Request) -> Response:
         async def run() -> Response:
-            req = await read_body(request, CompletionRequest, state.max_body_bytes)
+            state.admit()
+            req = await body(request, CompletionRequest)
             return await completions.create(req, request)
         return await guarded(run())
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_openapi_body(ChatCompletionRequest))
     async def create_chat_completion(request: Request) -> Response:
         async def run() -> Response:
-            req = await read_body(request, ChatCompletionRequest, state.max_body_bytes)
+            state.admit()
+            req = await body(request, ChatCompletionRequest)
             return await chat.create(req, request)
         return await guarded(run())
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=_openapi_body(TokenizeRequest))
     async def tokenize(request: Request) -> Response:
         async def run() -> Response:
-            req = await read_body(request, TokenizeRequest, state.max_body_bytes)
+            req = await body(request, TokenizeRequest)
             state.check_model(req.model)
             if (req.prompt is None) == (req.messages is None):
                 raise bad_request("give exactly one of prompt or messages", "prompt")
@@ -154,10 +266,10 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
             return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids})
         return await guarded(run())
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=_openapi_body(DetokenizeRequest))
     async def detokenize(request: Request) -> Response:
         async def run() -> Response:
-            req = await read_body(request, DetokenizeRequest, state.max_body_bytes)
+            req = await body(request, DetokenizeRequest)
             state.check_model(req.model)
             vocab = engine.engine.vocab_size
             bad = [t for t in req.tokens if not 0 <= t < vocab]
@@ -169,8 +281,33 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
     from vllite_core.entrypoints.openai.serving_transcription import router as transcription_router
 
     app.include_router(transcription_router)  # POST /v1/audio/transcriptions (speech models)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            comps = schema.setdefault("components", {}).setdefault("schemas", {})
+            for m in (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest):
+                js = m.model_json_schema(ref_template="#/components/schemas/{model}")
+                comps.update(js.pop("$defs", {}))
+                comps[m.__name__] = js
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    # Added innermost first: the host check runs before CORS, CORS (preflights) before the
+    # origin check and the key.
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(OriginCheckMiddleware, allowed_origins=allowed_origins)
+    if allowed_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=allowed_methods or ["*"],
+                           allow_headers=allowed_headers or ["*"], allow_credentials=allow_credentials)
+    if allowed_hosts:
+        app.add_middleware(HostCheckMiddleware, hosts=allowed_hosts)
     return app
 
 
@@ -204,33 +341,80 @@ def how_to_query(host: str, port: int, model: str, api_key: str | None) -> str:
             f"or: python examples/openai_client.py --base-url {url}/v1   (Ctrl-C stops the server)")
 
 
-def serve(engine: AsyncLLM, model_names: list[str], sock: socket.socket, api_key: str | None = None,
-          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "info", access_log: bool = True) -> None:
-    """Serve on an already bound socket until Ctrl-C / SIGTERM, then stop the engine loop. When the
-    engine dies (a fault of no single request), the server stops within seconds and this raises
-    SystemExit naming the cause (exit status 1)."""
+def _make_server(config: Any, state: ServerState, drain_s: float) -> Any:
+    """uvicorn's Server, with a drain: on SIGTERM / Ctrl-C it stops accepting, lets in-flight
+    requests finish for ``drain_s`` seconds, then ends the rest (streams get an error event and
+    ``[DONE]``, plain requests a 503) so no connection is cut; and it does not re-raise the
+    signal afterwards (uvicorn does, which killed the process with -15 / a traceback)."""
     import uvicorn
 
-    app = build_app(engine, model_names, api_key, max_body_bytes)
+    class Server(uvicorn.Server):
+        signals: list[int] = []
+
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            n = state.engine.num_in_flight
+            if n:
+                logger.warning("stopping: waiting up to %g s for %d request(s) in flight", drain_s, n)
+            handle = asyncio.get_running_loop().call_later(max(drain_s, 0.0), state.stopping.set)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                handle.cancel()
+                state.stopping.set()
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Any:
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    self.signals = list(self._captured_signals)
+                    self._captured_signals.clear()
+
+    return Server(config)
+
+
+def serve(engine: AsyncLLM, model_names: list[str], sock: socket.socket, api_key: str | None = None,
+          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "info", access_log: bool = True, *,
+          shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+          timeout_keep_alive: int = DEFAULT_TIMEOUT_KEEP_ALIVE_S, **app_options: Any) -> None:
+    """Serve on an already bound socket until Ctrl-C / SIGTERM, drain, then stop the engine loop.
+    When the engine dies (a fault of no single request), the server stops within seconds and this
+    raises SystemExit naming the cause (exit status 1). ``app_options`` go to ``build_app``; on a
+    loopback bind ``allowed_hosts`` defaults to LOOPBACK_HOSTS."""
+    import uvicorn
+
     host, port = sock.getsockname()[:2]
-    if host not in ("127.0.0.1", "::1") and not api_key:
+    if app_options.get("allowed_hosts") is None and is_loopback(host):
+        app_options["allowed_hosts"] = list(LOOPBACK_HOSTS)
+    app = build_app(engine, model_names, api_key, max_body_bytes, **app_options)
+    state: ServerState = app.state.vllite
+    if not is_loopback(host) and not api_key:
         logger.warning("listening on %s without --api-key: anyone who can reach this address can use it", host)
     print(how_to_query(host, port, model_names[0], api_key), flush=True)
-    config = uvicorn.Config(app, log_level=log_level, access_log=access_log, timeout_graceful_shutdown=5,
-                            lifespan="on")
-    t0 = time.monotonic()
-    server = uvicorn.Server(config)
+    # After the drain, one engine step's time for the ended requests to send their last event.
+    config = uvicorn.Config(app, log_level=log_level, access_log=access_log, lifespan="on",
+                            timeout_graceful_shutdown=int(shutdown_timeout) + 10, timeout_keep_alive=timeout_keep_alive)
+    logging.getLogger("uvicorn.access").addFilter(_NoQueryString())
+    server = _make_server(config, state, shutdown_timeout)
 
     def _engine_died(exc: BaseException) -> None:  # every stream has failed already; a supervisor restarts us
         logger.error("the engine died (%r): the server stops", exc)
         server.should_exit = True
 
     engine.on_dead.append(_engine_died)
+    t0 = time.monotonic()
+    how = "normally"
     try:
         server.run(sockets=[sock])
+        if server.signals:
+            how = "on " + ("Ctrl-C" if server.signals[-1] == signal.SIGINT else signal.Signals(server.signals[-1]).name)
+    except KeyboardInterrupt:  # a Ctrl-C outside uvicorn's handlers (start-up)
+        how = "on Ctrl-C"
     finally:
         engine.close()
         sock.close()
-        logger.info("server stopped after %.0f s", time.monotonic() - t0)
+        how = "because the engine died" if engine.dead is not None else how
+        print(f"vllite: server stopped {how} after {time.monotonic() - t0:.0f} s", flush=True)
     if engine.dead is not None:  # exit status 1, naming the cause
         raise SystemExit(f"vllite serve: the engine died: {engine.dead!r}")

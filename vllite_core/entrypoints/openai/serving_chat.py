@@ -54,6 +54,15 @@ def render_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prom
                                              continue_final_message=continue_final_message,
                                              chat_template=chat_template, **(template_kwargs or {}))
     except Exception as e:  # jinja errors, templates that raise on bad role orders, no template at all
+        from jinja2.exceptions import SecurityError, TemplateSyntaxError
+
+        # transformers renders every template in jinja2's ImmutableSandboxedEnvironment: a template
+        # reaching for Python internals (``''.__class__.__mro__``) raises SecurityError.
+        if isinstance(e, SecurityError):
+            raise bad_request(f"the chat template is not allowed: {e}", "chat_template" if chat_template else None,
+                              "unsafe_chat_template") from None
+        if isinstance(e, TemplateSyntaxError) and chat_template:
+            raise bad_request(f"the chat template does not compile: {e}", "chat_template") from None
         raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
 
 

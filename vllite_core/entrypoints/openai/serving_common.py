@@ -4,6 +4,8 @@ server-sent events and usage."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import json
 import time
 import uuid
@@ -23,6 +25,7 @@ M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+DEFAULT_BODY_READ_TIMEOUT_S = 30.0
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
@@ -34,6 +37,29 @@ class ServerState:
     api_key: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     metrics: Any = None  # ServerMetrics, set by the app
+    max_waiting_requests: int | None = None  # more accepted-but-not-started requests than this: 503
+    request_timeout: float | None = None  # seconds from arrival; then the request is aborted
+    body_read_timeout: float | None = DEFAULT_BODY_READ_TIMEOUT_S
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)  # set: in-flight requests end now
+
+    def num_waiting(self) -> int:
+        """Requests accepted but without a first token yet (queued in the scheduler or in prefill)."""
+        return sum(1 for s in list(self.engine._streams.values()) if s.first_token is None)
+
+    def admit(self) -> None:
+        """Before a generation request is read: 503 while shutting down or over the waiting limit;
+        then its time limits apply to whatever it streams (see ``merged``)."""
+        if self.stopping.is_set():
+            raise APIError(503, "the server is shutting down", code="server_shutting_down",
+                           headers={"Retry-After": "5", "Connection": "close"})
+        self.check_capacity()
+        deadline = None if self.request_timeout is None else time.monotonic() + self.request_timeout
+        _LIMITS.set(_Limits(deadline, self.request_timeout, self.stopping, self))
+
+    def check_capacity(self) -> None:
+        if self.max_waiting_requests is not None and self.num_waiting() >= self.max_waiting_requests:
+            raise APIError(503, f"the server is overloaded ({self.max_waiting_requests} requests are already "
+                           "waiting): retry later", code="server_overloaded", headers={"Retry-After": "1"})
 
     @property
     def model_name(self) -> str:
@@ -43,6 +69,46 @@ class ServerState:
         if name is not None and name not in self.model_names:
             raise APIError(404, f"The model `{name}` does not exist. This server serves: "
                            f"{', '.join(self.model_names)}", "model", "model_not_found")
+
+
+@dataclass
+class _Limits:
+    deadline: float | None  # time.monotonic()
+    timeout: float | None
+    stop: asyncio.Event
+    state: ServerState
+
+
+# Set by ServerState.admit in the request's handler; read where its outputs are awaited (merged),
+# so both generation endpoints get the limits without passing them through.
+_LIMITS: contextvars.ContextVar[_Limits | None] = contextvars.ContextVar("vllite_request_limits", default=None)
+
+
+async def _bounded(aw: Awaitable[T], limits: _Limits | None) -> T:
+    """``await aw``, unless the request's deadline passes (504) or the server stops waiting for
+    in-flight requests (503) first; then ``aw`` is cancelled."""
+    if limits is None:
+        return await aw
+    task = asyncio.ensure_future(aw)
+    stop = asyncio.ensure_future(limits.stop.wait())
+    timeout = None if limits.deadline is None else max(0.0, limits.deadline - time.monotonic())
+    try:
+        done, _ = await asyncio.wait({task, stop}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.cancel()
+        if not task.done():
+            task.cancel()
+    if task in done:
+        return task.result()
+    await asyncio.wait({task})  # let it unwind (an engine iterator aborts its request)
+    if limits.stop.is_set():
+        raise APIError(503, "the server is shutting down: request ended", code="server_shutting_down")
+    raise APIError(504, f"the request ran past the server's {limits.timeout:g} s request timeout and was aborted",
+                   code="request_timeout")
+
+
+async def _anext(it: AsyncIterator[T]) -> T:
+    return await it.__anext__()
 
 
 def new_id(prefix: str) -> str:
@@ -61,22 +127,39 @@ def _param(loc: tuple) -> str | None:
     return out or None
 
 
-async def read_body(request: Request, model: type[M], limit: int) -> M:
+def is_json_content_type(value: str) -> bool:
+    media = value.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+async def read_body(request: Request, model: type[M], limit: int, timeout: float | None = None) -> M:
     """The JSON body as ``model``: 413 over ``limit`` bytes (checked before reading when the
-    client says the length), 400 for malformed JSON, wrong types and unknown fields."""
+    client says the length), 415 unless the Content-Type is JSON (a web page's cross-origin
+    "simple" request cannot send one), 408 when the body takes over ``timeout`` seconds to
+    arrive, 400 for malformed JSON, wrong types and unknown fields."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"request body of {declared} bytes is over the {limit}-byte limit", code="body_too_large")
-    chunks, size = [], 0
-    try:
+    if not is_json_content_type(request.headers.get("content-type", "")):
+        raise APIError(415, "send the body as JSON with 'Content-Type: application/json'",
+                       code="unsupported_media_type")
+
+    async def read() -> bytes:
+        chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
                 raise APIError(413, f"request body is over the {limit}-byte limit", code="body_too_large")
             chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        body = await asyncio.wait_for(read(), timeout)
     except ClientDisconnect:
         raise APIError(400, "client disconnected while sending the body") from None
-    body = b"".join(chunks)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="body_read_timeout",
+                       headers={"Connection": "close"}) from None
     try:
         return model.model_validate_json(body)
     except ValidationError as e:
@@ -100,7 +183,12 @@ def with_cache_salt(prompt: PromptType, salt: str | None) -> PromptType:
 
 def add_streams(engine: AsyncLLM, prompts: list[PromptType], params: SamplingParams, base_id: str,
                 priority: int, cache_salt: str | None = None) -> list[RequestStream]:
-    """One engine request per prompt (each carrying ``cache_salt``); all or nothing."""
+    """One engine request per prompt (each carrying ``cache_salt``); all or nothing. Under
+    ServerState.admit the waiting limit is checked again here, where the requests are queued (no
+    await in between, so concurrent requests cannot all slip under it)."""
+    limits = _LIMITS.get()
+    if limits is not None:
+        limits.state.check_capacity()
     streams: list[RequestStream] = []
     try:
         for i, p in enumerate(prompts):
@@ -113,14 +201,28 @@ def add_streams(engine: AsyncLLM, prompts: list[PromptType], params: SamplingPar
     return streams
 
 
-async def merged(engine: AsyncLLM, streams: list[RequestStream], delta: bool
-                 ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) from several streams as they come; leaving early aborts them all."""
+def merged(engine: AsyncLLM, streams: list[RequestStream], delta: bool) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several streams as they come; leaving early aborts them all.
+    Under the request's limits (ServerState.admit, read here, where the handler calls this): past
+    its deadline, or when shutdown stops waiting, it raises an APIError and aborts them."""
+    return _merged(engine, streams, delta, _LIMITS.get())
+
+
+async def _merged(engine: AsyncLLM, streams: list[RequestStream], delta: bool, limits: _Limits | None
+                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
     try:
         if len(streams) == 1:
-            async for out in engine.iterate(streams[0], delta):
-                yield 0, out
-            return
+            it = engine.iterate(streams[0], delta)
+            try:
+                while True:
+                    try:
+                        out = await _bounded(_anext(it), limits)
+                    except StopAsyncIteration:
+                        return
+                    yield 0, out
+            finally:
+                with contextlib.suppress(RuntimeError):  # still unwinding in a cancelled task
+                    await it.aclose()
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, s: RequestStream) -> None:
@@ -135,7 +237,7 @@ async def merged(engine: AsyncLLM, streams: list[RequestStream], delta: bool
         try:
             left = len(tasks)
             while left:
-                i, out, err = await queue.get()
+                i, out, err = await _bounded(queue.get(), limits)
                 if err is not None:
                     raise err
                 if out is None:
