@@ -138,6 +138,31 @@ def test_json_bodies_need_a_json_content_type(make_app):
         assert r.status_code == 200, r.text
 
 
+def test_slow_body_is_408_and_query_strings_stay_out_of_the_access_log(make_app):
+    import logging
+
+    from vllite_core.entrypoints.openai.api_server import _NoQueryString
+
+    app = make_app(body_read_timeout=0.3)
+
+    async def slow():
+        yield b'{"prompt": "in the", '
+        await asyncio.sleep(5)
+        yield b'"max_tokens": 1}'
+
+    async def main() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.post("/v1/completions", content=slow(), headers={"Content-Type": "application/json"})
+
+    t0 = time.monotonic()
+    r = asyncio.run(main())
+    assert r.status_code == 408 and r.json()["error"]["code"] == "body_read_timeout", r.text
+    assert time.monotonic() - t0 < 4
+    rec = logging.LogRecord("uvicorn.access", logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d', (
+        "127.0.0.1:5", "GET", f"/v1/models?api_key={KEY}", "1.1", 401), None)
+    assert _NoQueryString().filter(rec) and KEY not in rec.getMessage() and "/v1/models?" in rec.getMessage()
+
+
 def test_host_check_on_loopback(make_app):
     assert host_name("[::1]:8000") == "::1" and host_name("LOCALHOST:1") == "localhost"
     app = make_app(allowed_hosts=list(LOOPBACK_HOSTS))
