@@ -4,7 +4,6 @@ server-sent events and usage."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import json
 import time
@@ -84,31 +83,17 @@ class _Limits:
 _LIMITS: contextvars.ContextVar[_Limits | None] = contextvars.ContextVar("vllite_request_limits", default=None)
 
 
-async def _bounded(aw: Awaitable[T], limits: _Limits | None) -> T:
-    """``await aw``, unless the request's deadline passes (504) or the server stops waiting for
-    in-flight requests (503) first; then ``aw`` is cancelled."""
-    if limits is None:
-        return await aw
-    task = asyncio.ensure_future(aw)
-    stop = asyncio.ensure_future(limits.stop.wait())
+async def _watch(limits: _Limits, queue: asyncio.Queue) -> None:
+    """Put an APIError on ``queue`` when the request's deadline passes (504) or the server stops
+    waiting for in-flight requests (503): one task per request, nothing per output."""
     timeout = None if limits.deadline is None else max(0.0, limits.deadline - time.monotonic())
     try:
-        done, _ = await asyncio.wait({task, stop}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stop.cancel()
-        if not task.done():
-            task.cancel()
-    if task in done:
-        return task.result()
-    await asyncio.wait({task})  # let it unwind (an engine iterator aborts its request)
-    if limits.stop.is_set():
-        raise APIError(503, "the server is shutting down: request ended", code="server_shutting_down")
-    raise APIError(504, f"the request ran past the server's {limits.timeout:g} s request timeout and was aborted",
-                   code="request_timeout")
-
-
-async def _anext(it: AsyncIterator[T]) -> T:
-    return await it.__anext__()
+        await asyncio.wait_for(limits.stop.wait(), timeout)
+        err = APIError(503, "the server is shutting down: request ended", code="server_shutting_down")
+    except asyncio.TimeoutError:
+        err = APIError(504, f"the request ran past the server's {limits.timeout:g} s request timeout and was "
+                       "aborted", code="request_timeout")
+    queue.put_nowait((-1, None, err))
 
 
 def new_id(prefix: str) -> str:
@@ -211,18 +196,10 @@ def merged(engine: AsyncLLM, streams: list[RequestStream], delta: bool) -> Async
 async def _merged(engine: AsyncLLM, streams: list[RequestStream], delta: bool, limits: _Limits | None
                   ) -> AsyncIterator[tuple[int, RequestOutput]]:
     try:
-        if len(streams) == 1:
-            it = engine.iterate(streams[0], delta)
-            try:
-                while True:
-                    try:
-                        out = await _bounded(_anext(it), limits)
-                    except StopAsyncIteration:
-                        return
-                    yield 0, out
-            finally:
-                with contextlib.suppress(RuntimeError):  # still unwinding in a cancelled task
-                    await it.aclose()
+        if len(streams) == 1 and limits is None:
+            async for out in engine.iterate(streams[0], delta):
+                yield 0, out
+            return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, s: RequestStream) -> None:
@@ -234,10 +211,12 @@ async def _merged(engine: AsyncLLM, streams: list[RequestStream], delta: bool, l
             queue.put_nowait((i, None, None))
 
         tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        if limits is not None:
+            tasks.append(asyncio.create_task(_watch(limits, queue)))
         try:
-            left = len(tasks)
+            left = len(streams)
             while left:
-                i, out, err = await _bounded(queue.get(), limits)
+                i, out, err = await queue.get()
                 if err is not None:
                     raise err
                 if out is None:
