@@ -9,10 +9,15 @@ tokenizing) overlaps the model's compute, with no IPC and no second copy of the
 weights. The price is GIL contention; ``LoopStats`` measures where the loop's
 time goes so that it can be checked (docs/serving.md has the numbers).
 
-Requests are tokenized and validated on the asyncio side (``LLMEngine.prepare_request``
-with a tokenizer copy of its own), so a bad request fails at once (before anything
-is streamed) and the loop never waits on API work; the loop queues the prepared
-request as it is (``add_prepared_request``), without validating it again. The loop
+Requests are tokenized and validated before they reach the loop (``LLMEngine.prepare_request``),
+so a bad request fails at once (before anything is streamed) and the loop never waits on API
+work; the loop queues the prepared request as it is (``add_prepared_request``), without
+validating it again. ``add_request_async`` (what ``generate()`` and the server use) prepares on
+the *prep thread*, one worker thread with a tokenizer copy of its own (``run_prep``): tokenizing
+a prompt of a few MB takes seconds, which on the asyncio loop would stall every other request,
+``/health`` included. One worker, so its tokenizer is never used by two threads at once and
+requests are prepared (and queued) in the order they came. The sync ``add_request`` prepares on
+the asyncio side with that side's copy, as before. The loop
 asks the engine for cumulative outputs; the asyncio side turns them into what the
 caller sees with the request's DeltaCursor (engine/delta.py, the same code as the
 sync engine's ``step(delta=True)``), which holds back the tail of the text that
@@ -34,8 +39,9 @@ import itertools
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 from vllite_core.engine.delta import DeltaCursor
 from vllite_core.engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
@@ -48,6 +54,8 @@ logger = logging.getLogger("vllite.async_llm")
 
 _BACKOFF_S = 0.005  # wait when the scheduler had nothing it could run (avoids a hot spin)
 
+
+T = TypeVar("T")
 
 __all__ = ["AsyncLLM", "EngineDeadError", "RequestFailedError", "RequestStream"]
 
@@ -155,7 +163,7 @@ class RequestStream:
 
 @dataclass
 class _Add:
-    """A request prepared (processed and validated) on the asyncio side."""
+    """A request prepared (processed and validated) off the engine loop."""
 
     request_id: str
     processed: ProcessedPrompt
@@ -184,6 +192,11 @@ class AsyncLLM:
         ctx = engine.input_context
         self._ctx = InputContext(self.tokenizer, ctx.hf_config, ctx.model_path)
         self.input_context = self._ctx if engine.config.model_config.capabilities.processes_prompts else None
+        # The prep thread's own copy: used only by functions run there (run_prep), one at a time.
+        self.prep_tokenizer = copy.deepcopy(engine.tokenizer)
+        self._prep_ctx = InputContext(self.prep_tokenizer, ctx.hf_config, ctx.model_path)
+        self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllite-prep")
+        self._reserved: set[str] = set()  # request ids being prepared on the prep thread
         self.max_model_len = engine.max_model_len
         self.loop_stats = LoopStats()
         self.snapshot = EngineSnapshot()
@@ -212,9 +225,17 @@ class AsyncLLM:
     def detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)
 
-    def add_request(self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None,
-                    priority: int = 0) -> RequestStream:
-        """Validate and queue a request; errors (bad prompt, too long, bad priority) raise here."""
+    async def run_prep(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the prep thread (CPU-heavy request work off the asyncio loop): what it
+        raises is raised here. Only such functions may use ``prep_tokenizer``."""
+        return await asyncio.wrap_future(self._prep.submit(fn, *args))
+
+    def prepare(self, prompt: PromptType, params: SamplingParams) -> tuple[ProcessedPrompt, int]:
+        """``LLMEngine.prepare_request`` with the prep thread's tokenizer: call it there (run_prep)."""
+        return self.engine.prepare_request(prompt, params, self._prep_ctx)
+
+    def check_new(self, request_id: str, priority: int = 0) -> None:
+        """What ``add_request`` checks before any work: engine alive, id new, priority allowed."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine loop stopped: {self.dead!r}")
         loop = asyncio.get_running_loop()
@@ -222,26 +243,51 @@ class AsyncLLM:
             self._aloop = loop
         elif self._aloop is not loop:
             raise RuntimeError("AsyncLLM is bound to another event loop")
-        params = params or SamplingParams()
-        request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self._streams:
+        if request_id in self._streams or request_id in self._reserved:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         if priority != 0 and self.policy != "priority":
             raise InvalidRequestError("priority", "priority needs the server started with --scheduling-policy "
                                       "priority")
-        # Reads config, vocab size, params and this side's tokenizer only: safe off the loop thread.
-        processed, max_tokens = self.engine.prepare_request(prompt, params, self._ctx)
+
+    def add_prepared(self, request_id: str, processed: ProcessedPrompt, params: SamplingParams, max_tokens: int,
+                     priority: int = 0) -> RequestStream:
+        """Queue a request ``prepare`` accepted (checked again here: no await since)."""
+        self.check_new(request_id, priority)
         stream = RequestStream(request_id, params, len(processed.prompt_token_ids))
         self._streams[request_id] = stream
         self._post(_Add(request_id, processed, params, max_tokens, priority))
         return stream
+
+    def add_request(self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None,
+                    priority: int = 0) -> RequestStream:
+        """Validate and queue a request, preparing it on the asyncio side (add_request_async does not);
+        errors (bad prompt, too long, bad priority) raise here."""
+        params = params or SamplingParams()
+        request_id = request_id or f"req-{next(self._ids)}"
+        self.check_new(request_id, priority)
+        # Reads config, vocab size, params and this side's tokenizer only: safe off the loop thread.
+        processed, max_tokens = self.engine.prepare_request(prompt, params, self._ctx)
+        return self.add_prepared(request_id, processed, params, max_tokens, priority)
+
+    async def add_request_async(self, prompt: PromptType, params: SamplingParams | None = None,
+                                request_id: str | None = None, priority: int = 0) -> RequestStream:
+        """``add_request`` with the preparation on the prep thread; the same errors, in the same order."""
+        params = params or SamplingParams()
+        request_id = request_id or f"req-{next(self._ids)}"
+        self.check_new(request_id, priority)
+        self._reserved.add(request_id)
+        try:
+            processed, max_tokens = await self.run_prep(self.prepare, prompt, params)
+        finally:
+            self._reserved.discard(request_id)
+        return self.add_prepared(request_id, processed, params, max_tokens, priority)
 
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0,
                        delta: bool = False) -> AsyncIterator[RequestOutput]:
         """Outputs as they are produced: cumulative, or only what is new (``delta=True``).
         Leaving the loop early (break, cancellation, client gone) aborts the request."""
-        stream = self.add_request(prompt, params, request_id, priority)
+        stream = await self.add_request_async(prompt, params, request_id, priority)
         async for out in self.iterate(stream, delta):
             yield out
 
@@ -393,3 +439,4 @@ class AsyncLLM:
             self._stopping = True
             self._cond.notify()
         self._thread.join(timeout=10)
+        self._prep.shutdown(wait=False, cancel_futures=True)

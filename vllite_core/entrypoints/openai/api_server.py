@@ -38,7 +38,7 @@ from vllite_core.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from vllite_core.entrypoints.openai.serving_chat import ChatServer, render_chat
+from vllite_core.entrypoints.openai.serving_chat import ChatServer, chat_prompt
 from vllite_core.entrypoints.openai.serving_common import (
     DEFAULT_BODY_READ_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
@@ -155,6 +155,19 @@ def _openapi_body(model: Any) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
+def _tokenize(tokenizer: Any, req: TokenizeRequest) -> list[int]:
+    """/tokenize's token ids, on the engine's prep thread. ``messages`` are tokenized as chat feeds
+    them to the model (``chat_prompt_ids``: special-token text in content stays text), plus the
+    tokenizer's own special tokens (BOS...) only when ``add_special_tokens`` is true."""
+    if req.messages is not None:
+        _, ids = chat_prompt(tokenizer, req, allow_special_tokens_in_content=False)
+        if req.add_special_tokens:
+            ids = list(tokenizer.build_inputs_with_special_tokens(ids))
+        return ids
+    add = True if req.add_special_tokens is None else req.add_special_tokens
+    return list(tokenizer.encode(req.prompt or "", add_special_tokens=add))
+
+
 def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, *, allowed_origins: list[str] | None = None,
               allowed_methods: list[str] | None = None, allowed_headers: list[str] | None = None,
@@ -257,12 +270,7 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
             state.check_model(req.model)
             if (req.prompt is None) == (req.messages is None):
                 raise bad_request("give exactly one of prompt or messages", "prompt")
-            if req.messages is not None:
-                text = render_chat(engine.tokenizer, req.messages, req.add_generation_prompt)
-                ids = engine.tokenize(text, add_special_tokens=bool(req.add_special_tokens))
-            else:
-                add = True if req.add_special_tokens is None else req.add_special_tokens
-                ids = engine.tokenize(req.prompt or "", add_special_tokens=add)
+            ids = await engine.run_prep(_tokenize, engine.prep_tokenizer, req)  # CPU work: off the event loop
             return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids})
         return await guarded(run())
 

@@ -127,6 +127,21 @@ def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage], text: str, add_
     return ids + _encode_plain(tokenizer, plain)
 
 
+def chat_prompt(tokenizer: Any, req: Any, allow_special_tokens_in_content: bool | None = None) -> tuple[str, list[int]]:
+    """(rendered text, token ids) of a chat request's messages, as chat feeds them to the model
+    (``chat_prompt_ids`` unless the request opts out with ``allow_special_tokens_in_content``).
+    CPU-heavy: the server runs it on the engine's prep thread (AsyncLLM.run_prep)."""
+    cont = getattr(req, "continue_final_message", False)
+    template = getattr(req, "chat_template", None)
+    kwargs = getattr(req, "chat_template_kwargs", None)
+    text = render_chat(tokenizer, req.messages, req.add_generation_prompt, cont, template, kwargs)
+    if allow_special_tokens_in_content is None:
+        allow_special_tokens_in_content = bool(getattr(req, "allow_special_tokens_in_content", False))
+    if allow_special_tokens_in_content:  # opt-out: special-token text in content is parsed
+        return text, list(tokenizer.encode(text, add_special_tokens=False))  # the template has the special tokens
+    return text, chat_prompt_ids(tokenizer, req.messages, text, req.add_generation_prompt, cont, template, kwargs)
+
+
 class ChatServer:
     def __init__(self, state: ServerState) -> None:
         self.state = state
@@ -145,17 +160,12 @@ class ChatServer:
         st = self.state
         st.check_model(req.model)
         self._check_unsupported(req)
-        text = render_chat(self.tokenizer, req.messages, req.add_generation_prompt, req.continue_final_message,
-                           req.chat_template, req.chat_template_kwargs)
-        if req.allow_special_tokens_in_content:  # opt-out: special-token text in content is parsed
-            ids = st.engine.tokenize(text, add_special_tokens=False)  # the template has the special tokens
-        else:
-            ids = chat_prompt_ids(st.engine.tokenizer, req.messages, text, req.add_generation_prompt,
-                                  req.continue_final_message, req.chat_template, req.chat_template_kwargs)
+        # Template rendering and tokenizing are CPU work: on the engine's prep thread, with its tokenizer.
+        text, ids = await st.engine.run_prep(chat_prompt, st.engine.prep_tokenizer, req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = to_sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
         rid = new_id("chatcmpl")
-        streams = add_streams(st.engine, [{"prompt_token_ids": ids, "prompt": text}], params, rid, req.priority,
+        streams = await add_streams(st.engine, [{"prompt_token_ids": ids, "prompt": text}], params, rid, req.priority,
                               req.cache_salt)
         ctx = _Ctx(self, req, rid, len(ids))
         if req.stream:

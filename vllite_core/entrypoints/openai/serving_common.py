@@ -166,19 +166,29 @@ def with_cache_salt(prompt: PromptType, salt: str | None) -> PromptType:
     return {"prompt": prompt, "cache_salt": salt} if isinstance(prompt, str) else {**prompt, "cache_salt": salt}
 
 
-def add_streams(engine: AsyncLLM, prompts: list[PromptType], params: SamplingParams, base_id: str,
-                priority: int, cache_salt: str | None = None) -> list[RequestStream]:
-    """One engine request per prompt (each carrying ``cache_salt``); all or nothing. Under
-    ServerState.admit the waiting limit is checked again here, where the requests are queued (no
-    await in between, so concurrent requests cannot all slip under it)."""
+async def add_streams(engine: AsyncLLM, prompts: list[PromptType], params: SamplingParams, base_id: str,
+                      priority: int, cache_salt: str | None = None) -> list[RequestStream]:
+    """One engine request per prompt (each carrying ``cache_salt``); all or nothing. The prompts are
+    tokenized and validated on the engine's prep thread (AsyncLLM.run_prep), not on the event loop.
+    Under ServerState.admit the waiting limit is checked again after that, where the requests are
+    queued (no await in between, so concurrent requests cannot all slip under it)."""
     limits = _LIMITS.get()
+    if limits is not None:
+        limits.state.check_capacity()
+    rids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
+    for rid in rids:
+        engine.check_new(rid, priority)
+
+    def prepare_all() -> list:
+        return [engine.prepare(with_cache_salt(p, cache_salt), params) for p in prompts]
+
+    prepared = await engine.run_prep(prepare_all)
     if limits is not None:
         limits.state.check_capacity()
     streams: list[RequestStream] = []
     try:
-        for i, p in enumerate(prompts):
-            rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-            streams.append(engine.add_request(with_cache_salt(p, cache_salt), params, rid, priority))
+        for rid, (processed, max_tokens) in zip(rids, prepared):
+            streams.append(engine.add_prepared(rid, processed, params, max_tokens, priority))
     except BaseException:
         for s in streams:
             engine.abort(s.request_id)

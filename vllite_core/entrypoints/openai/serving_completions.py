@@ -62,7 +62,7 @@ class CompletionServer:
         if req.echo and req.logprobs is not None and params.prompt_logprobs is None:
             params.prompt_logprobs = req.logprobs  # echoed prompt tokens get their logprobs too
         rid = new_id("cmpl")
-        streams = add_streams(st.engine, prompts, params, rid, req.priority, req.cache_salt)
+        streams = await add_streams(st.engine, prompts, params, rid, req.priority, req.cache_salt)
         ctx = _Ctx(self, req, rid, [s.num_prompt_tokens for s in streams])
         if req.stream:
             return StreamingResponse(ctx.stream(merged(st.engine, streams, delta=True)),
