@@ -93,7 +93,7 @@ async def _transcribe(state: ServerState, request: Request) -> Response:
         except ValueError:
             raise bad_request("temperature must be a number", "temperature") from None
     try:
-        samples, sr = tr.as_audio(data)
+        samples, sr = await engine.run_prep(tr.as_audio, data)  # decoding is CPU work: off the event loop
     except AudioDecodeError as e:
         raise bad_request(f"file: {e}", "file", "invalid_audio") from None
     if samples.size == 0:
@@ -107,14 +107,14 @@ async def _transcribe(state: ServerState, request: Request) -> Response:
         language = None
         if det is not None:
             out, = await until_disconnect(request, final_outputs(engine, [
-                engine.add_request(det[0], det[1], f"{base}-lang")]))
+                await engine.add_request_async(det[0], det[1], f"{base}-lang")]))
             language = det[2][out.outputs[0].token_ids[0]]
     prompts = tr.window_prompts(samples, sr, window_s, language, "transcribe", prompt, False)
     params = SamplingParams(temperature=temperature, max_tokens=None)
     streams = []
     try:
         for i, p in enumerate(prompts):
-            streams.append(engine.add_request(p, params, f"{base}-{i}"))
+            streams.append(await engine.add_request_async(p, params, f"{base}-{i}"))
     except BaseException:
         for s in streams:
             engine.abort(s.request_id)
