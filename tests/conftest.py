@@ -37,3 +37,15 @@ def smollm2_hf():
     model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                  dtype=torch.float32)
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_path(tmp_path_factory):
+    """A tiny random Llama checkpoint (tests/tiny_models.py) with the SmolLM2 tokenizer, saved once per session
+    for every module that only reads it."""
+    from tiny_models import TINY, save_tiny
+    from transformers import LlamaConfig
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    save_tiny(path, LlamaConfig(**TINY, architectures=["LlamaForCausalLM"]))
+    return str(path)

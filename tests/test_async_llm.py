@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from tiny_models import TINY, save_tiny
 
 from vllite_core import LLM, SamplingParams
 from vllite_core.config import EngineArgs
@@ -16,15 +15,6 @@ from vllite_core.engine.llm_engine import LLMEngine
 from vllite_core.outputs import CompletionOutput, RequestOutput
 
 ENGINE = dict(dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64)
-
-
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    from transformers import LlamaConfig
-
-    path = tmp_path_factory.mktemp("tiny-llama")
-    save_tiny(path, LlamaConfig(**TINY, architectures=["LlamaForCausalLM"]))
-    return str(path)
 
 
 @pytest.fixture

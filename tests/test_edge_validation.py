@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from tiny_models import TINY, save_tiny
 
 from vllite_core import SamplingParams
 from vllite_core.config import EngineArgs
@@ -32,15 +31,6 @@ BAD_NUMBERS = HUGE_INTS + BAD_FLOATS
 
 INT_FIELDS = ["n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "best_of"]
 FLOAT_FIELDS = ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"]
-
-
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    from transformers import LlamaConfig
-
-    path = tmp_path_factory.mktemp("tiny-llama")
-    save_tiny(path, LlamaConfig(**TINY, architectures=["LlamaForCausalLM"]))
-    return str(path)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ import threading
 
 import httpx
 import pytest
-from tiny_models import TINY, save_tiny
 
 from vllite_core.config import EngineArgs
 from vllite_core.engine.async_llm import AsyncLLM
@@ -23,15 +22,6 @@ ENGINE = dict(dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64)
 BIG = "the quick brown fox jumps over the lazy dog " * 8000  # ~350 KB, under the 4 MiB body limit
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 HOLD_S = 30.0  # how long the prep thread waits for /health before going on regardless
-
-
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    from transformers import LlamaConfig
-
-    path = tmp_path_factory.mktemp("tiny-llama-loop")
-    save_tiny(path, LlamaConfig(**TINY, architectures=["LlamaForCausalLM"]))
-    return str(path)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ import time
 
 import pytest
 from lp_fixtures import BREAK_TOKEN, FAIL_TOKEN, NAN_TOKEN
-from tiny_models import TINY, save_tiny
 
 from vllite_core import LLM, SamplingParams
 from vllite_core.config import EngineArgs
@@ -21,15 +20,6 @@ from vllite_core.engine.llm_engine import LLMEngine
 ENGINE = dict(dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64,
               logits_processors=["lp_fixtures:FailFor"])
 TESTS_DIR = os.path.dirname(__file__)
-
-
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    from transformers import LlamaConfig
-
-    path = tmp_path_factory.mktemp("tiny-llama-faults")
-    save_tiny(path, LlamaConfig(**TINY, architectures=["LlamaForCausalLM"]))
-    return str(path)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
-from tiny_models import TINY, save_tiny
 
 from vllite_core.config import EngineArgs
 from vllite_core.engine.async_llm import AsyncLLM
@@ -31,15 +30,6 @@ MAX_TOKENS = 3  # cases stay fast: generated max_tokens above this are lowered t
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # ids within the tiny vocabulary
 BIG = ["2**63", "2**64", "-(2**63)-1", "NaN", "Infinity", "-Infinity", "1e400"]
 LITERAL = {"2**63": str(2 ** 63), "2**64": str(2 ** 64), "-(2**63)-1": str(-(2 ** 63) - 1)}
-
-
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    from transformers import LlamaConfig
-
-    path = tmp_path_factory.mktemp("tiny-llama-fuzz")
-    save_tiny(path, LlamaConfig(**TINY, architectures=["LlamaForCausalLM"]))
-    return str(path)
 
 
 @pytest.fixture(scope="module")

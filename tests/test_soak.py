@@ -7,22 +7,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import pytest
-from tiny_models import TINY, save_tiny
+from tiny_models import TINY
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import soak  # noqa: E402
 
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # ids within the tiny vocabulary
-
-
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    from transformers import LlamaConfig
-
-    path = tmp_path_factory.mktemp("tiny-llama-soak")
-    save_tiny(path, LlamaConfig(**TINY, architectures=["LlamaForCausalLM"]))
-    return str(path)
 
 
 def _small_words(path: str) -> list[str]:
