@@ -27,8 +27,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import seed as hypothesis_seed
 from schemathesis.generation import GenerationMode
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from soak import Server, metrics, wait_idle  # noqa: E402
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_HERE, os.path.join(_HERE, "..", "tests")]
+from server_harness import ServerProcess  # noqa: E402
+from soak import metrics, wait_idle  # noqa: E402
 
 ROUTES = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
 LITERALS = [str(2 ** 63), str(2 ** 64), str(-(2 ** 63) - 1), "NaN", "Infinity", "-Infinity", "1e400"]
@@ -126,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     url = a.url
     if url is None:
-        server = Server(([a.model] if a.model else []) + ["--scheduling-policy", "priority", *a.server_arg])
-        url = server.wait_ready()
+        server = ServerProcess(([a.model] if a.model else []) + ["--scheduling-policy", "priority", *a.server_arg])
+        url = server.wait_ready(600)
     t0 = time.monotonic()
     fz = Fuzzer(url, a.api_key)
     try:

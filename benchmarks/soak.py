@@ -23,69 +23,17 @@ import asyncio
 import json
 import os
 import random
-import re
-import subprocess
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
 
-_URL = re.compile(r"http://127\.0\.0\.1:(\d+)")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from server_harness import ServerProcess  # noqa: E402
+
 WORDS = ["in the", "of the", "and then", "a story", "the river", "once upon a time", "she said", "it was"]
-
-
-class Server:
-    """``vllite serve`` in a subprocess on 127.0.0.1 (port 0; the port is read from its start-up line)."""
-
-    def __init__(self, args: list[str]) -> None:
-        env = dict(os.environ, VLLITE_LOG_LEVEL="WARNING", OMP_WAIT_POLICY="PASSIVE", HF_HUB_OFFLINE="1")
-        cmd = [sys.executable, "-m", "vllite_core.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", "0",
-               "--uvicorn-log-level", "warning", "--disable-access-log", *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        self.lines: list[str] = []
-        self.port: int | None = None
-        self._found = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            m = _URL.search(line)
-            if m and self.port is None:
-                self.port = int(m.group(1))
-                self._found.set()
-        self._found.set()
-
-    def wait_ready(self, timeout: float = 600.0) -> str:
-        deadline = time.monotonic() + timeout
-        self._found.wait(timeout)
-        if self.port is None:
-            raise RuntimeError("server did not start:\n" + "".join(self.lines))
-        url = f"http://127.0.0.1:{self.port}"
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n" + "".join(self.lines))
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    return url
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("server not healthy:\n" + "".join(self.lines))
-
-    def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
 
 
 def rss_mb(pid: int | None) -> float | None:
@@ -371,8 +319,8 @@ def main(argv: list[str] | None = None) -> int:
         args = ([a.model] if a.model else []) + ["--num-gpu-blocks-override", str(a.num_gpu_blocks_override)]
         if not a.no_priority:
             args += ["--scheduling-policy", "priority"]
-        server = Server(args + list(a.server_arg))
-        url, pid = server.wait_ready(), server.proc.pid
+        server = ServerProcess(args + list(a.server_arg))
+        url, pid = server.wait_ready(600), server.proc.pid
     try:
         report = soak(url, pid, requests=a.requests, warmup=a.warmup, concurrency=a.concurrency, seed=a.seed,
                       priority=not a.no_priority, chat_template=a.chat_template, vocab=a.vocab,

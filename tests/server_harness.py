@@ -61,7 +61,8 @@ class ServerProcess:
             time.sleep(0.2)
         raise RuntimeError(f"server not healthy after {timeout}s:\n{self.output}")
 
-    def stop(self) -> None:
+    def stop(self) -> int | None:
+        """Terminate (kill after 30 s) and return the exit status."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -69,3 +70,4 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        return self.proc.returncode

@@ -11,6 +11,7 @@ from tiny_models import TINY
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import soak  # noqa: E402
+from server_harness import ServerProcess  # noqa: E402
 
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # ids within the tiny vocabulary
 
@@ -27,7 +28,7 @@ def _small_words(path: str) -> list[str]:
 
 
 def test_small_soak_loses_nothing_and_returns_blocks(tiny_path):
-    server = soak.Server([tiny_path, "--dtype", "float32", "--num-gpu-blocks-override", "24",
+    server = ServerProcess([tiny_path, "--dtype", "float32", "--num-gpu-blocks-override", "24",
                           "--max-num-batched-tokens", "64", "--scheduling-policy", "priority"])
     try:
         url = server.wait_ready()
@@ -43,4 +44,4 @@ def test_small_soak_loses_nothing_and_returns_blocks(tiny_path):
     assert report["healthy_after"] and report["ok"]
     assert report["completed"] + report["aborted_by_client"] + report["disconnected"] == 60
     assert report["aborted_by_client"] > 0 and report["disconnected"] > 0
-    assert rc == 0, "".join(server.lines)
+    assert rc == 0, server.output
