@@ -4,7 +4,10 @@ same weights and settings. One server for the module; it has an API key (from VL
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -24,6 +27,7 @@ ENGINE = ["--dtype", "float32", "--max-model-len", "1024", "--num-kv-blocks", "2
 SERVER = ENGINE + ["--scheduling-policy", "priority", "--max-num-seqs", str(MAX_SEQS),
                    "--max-request-body-bytes", str(BODY_LIMIT)]
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -303,6 +307,74 @@ def test_metrics_parse_and_move(server, client):
         assert after[f"vllite:{h}_count"] == before[f"vllite:{h}_count"] + 1
     # The same prompt again: its full blocks come from the prefix cache.
     assert after["vllite:prefix_cache_queries_total"] > before["vllite:prefix_cache_queries_total"]
+
+
+# What a dashboard made for vLLM reads (vLLM's names and label names; counters end in _total).
+VLLM_METRICS = {
+    "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge", "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:prompt_tokens": "counter", "vllm:generation_tokens": "counter", "vllm:request_success": "counter",
+    "vllm:prefix_cache_queries": "counter", "vllm:prefix_cache_hits": "counter", "vllm:num_preemptions": "counter",
+    "vllm:time_to_first_token_seconds": "histogram", "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram", "vllm:request_queue_time_seconds": "histogram",
+    "vllm:request_prefill_time_seconds": "histogram", "vllm:request_decode_time_seconds": "histogram",
+    "vllm:request_inference_time_seconds": "histogram", "vllm:request_time_per_output_token_seconds": "histogram",
+    "vllm:request_prompt_tokens": "histogram", "vllm:request_generation_tokens": "histogram",
+    "vllm:request_max_num_generation_tokens": "histogram", "vllm:request_params_n": "histogram",
+    "vllm:request_params_max_tokens": "histogram", "vllm:cache_config_info": "gauge",
+}
+
+
+def test_vllm_named_metrics(server, client):
+    def families() -> dict:
+        return {f.name: f for f in text_string_to_metric_families(httpx.get(server + "/metrics").text)}
+
+    fams = families()
+    for name, kind in VLLM_METRICS.items():
+        assert name in fams and fams[name].type == kind, name
+        for s in fams[name].samples:
+            assert s.labels["engine"] == "0" and (name == "vllm:cache_config_info" or s.labels["model_name"] == MODEL)
+    # Every series the example Grafana dashboard reads exists.
+    dashboard = json.loads((ROOT / "examples/observability/grafana_dashboard.json").read_text())
+    series = {s.name for f in fams.values() for s in f.samples}
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    for name in set(re.findall(r"vllm:[a-z0-9_]+", " ".join(exprs))):
+        assert name in series, name
+    info = fams["vllm:cache_config_info"].samples[0].labels
+    assert info["block_size"] == "16" and info["num_gpu_blocks"] == "256"
+
+    def value(fams: dict, name: str, sample: str, **labels) -> float:
+        return sum(s.value for s in fams[name].samples
+                   if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    text = "The history of the old harbour town begins with fishermen. " * 4  # over two KV blocks
+    prompt = client.completions.create(model=MODEL, prompt=text, max_tokens=1).usage.prompt_tokens
+    before = families()
+    client.completions.create(model=MODEL, prompt=text, max_tokens=9, temperature=0, n=2,
+                              extra_body={"ignore_eos": True})
+    after = families()
+
+    def moved(name: str, sample: str, **labels) -> float:
+        return value(after, name, sample, **labels) - value(before, name, sample, **labels)
+
+    assert moved("vllm:generation_tokens", "vllm:generation_tokens_total") == 18
+    assert moved("vllm:prompt_tokens", "vllm:prompt_tokens_total") == prompt
+    assert moved("vllm:request_success", "vllm:request_success_total", finished_reason="length") == 2
+    # Two completions of 9 tokens, decoded side by side: 8 gaps between the steps that brought tokens.
+    assert moved("vllm:inter_token_latency_seconds", "vllm:inter_token_latency_seconds_count") == 8
+    assert moved("vllm:request_params_n", "vllm:request_params_n_sum") == 2
+    assert moved("vllm:request_params_max_tokens", "vllm:request_params_max_tokens_sum") == 9
+    assert moved("vllm:request_max_num_generation_tokens", "vllm:request_max_num_generation_tokens_sum") == 9
+    assert moved("vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total") > 0  # the same prompt, just before
+    for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_prefill_time_seconds",
+              "request_decode_time_seconds", "request_inference_time_seconds", "request_queue_time_seconds"):
+        assert moved(f"vllm:{h}", f"vllm:{h}_count") == 1, h
+    # The phases add up: queue + inference = e2e as the engine saw it (the API's arrival is earlier).
+    e2e = moved("vllm:e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds_sum")
+    inference = moved("vllm:request_inference_time_seconds", "vllm:request_inference_time_seconds_sum")
+    prefill = moved("vllm:request_prefill_time_seconds", "vllm:request_prefill_time_seconds_sum")
+    decode = moved("vllm:request_decode_time_seconds", "vllm:request_decode_time_seconds_sum")
+    assert 0 < prefill <= inference <= e2e
+    assert abs(prefill + decode - inference) < 1e-6 * max(1.0, inference) + 1e-9
 
 
 def test_concurrent_streams_with_disconnects(server, offline):

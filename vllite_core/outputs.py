@@ -36,6 +36,7 @@ class RequestMetrics:
 
     arrival_time: float
     queue_time: float | None = None  # arrival -> first scheduled
+    first_scheduled_time: float | None = None  # time.monotonic() of the first schedule
     time_to_first_token: float | None = None  # arrival -> first token
     decode_time: float | None = None  # first token -> last token
     e2e_latency: float | None = None

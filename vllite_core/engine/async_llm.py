@@ -98,6 +98,13 @@ class FinishedRequest:
     ttft_s: float | None
     tpot_s: float | None  # mean time per output token after the first, per completion
     queue_s: float | None
+    prefill_s: float | None = None  # first scheduled -> first token
+    decode_s: float | None = None  # first token -> finish
+    inference_s: float | None = None  # first scheduled -> finish
+    inter_token_s: list[float] = field(default_factory=list)  # gaps between steps that brought tokens
+    n: int = 1
+    max_tokens: int | None = None
+    max_generation_tokens: int = 0  # of the longest completion
 
 
 @dataclass
@@ -109,6 +116,9 @@ class RequestStream:
     num_prompt_tokens: int
     arrival: float = field(default_factory=time.monotonic)
     first_token: float | None = None
+    last_token: float | None = None
+    num_tokens_seen: int = 0
+    inter_token: list[float] = field(default_factory=list)
     finished: bool = False
     latest: RequestOutput | None = None
     error: BaseException | None = None
@@ -120,8 +130,15 @@ class RequestStream:
 
     def _put(self, out: RequestOutput) -> None:
         self.latest = out
-        if self.first_token is None and any(c.token_ids for c in out.outputs):
-            self.first_token = time.monotonic()
+        num_tokens = sum(len(c.token_ids) for c in out.outputs)
+        if num_tokens > self.num_tokens_seen:
+            now = time.monotonic()
+            if self.first_token is None:
+                self.first_token = now
+            else:
+                self.inter_token.append(now - self.last_token)
+            self.last_token = now
+            self.num_tokens_seen = num_tokens
         if out.finished:
             self.finished = True
         self._event.set()
@@ -155,10 +172,21 @@ class RequestStream:
             per_child = gen / len(comps)
             if per_child > 1:
                 tpot = (now - self.first_token) / (per_child - 1)
-        queue = out.metrics.queue_time if out is not None and out.metrics is not None else None
+        m = out.metrics if out is not None else None
+        queue = m.queue_time if m is not None else None
+        scheduled = m.first_scheduled_time if m is not None else None
         ttft = self.first_token - self.arrival if self.first_token is not None else None
-        return FinishedRequest(self.request_id, reasons, self.num_prompt_tokens, gen, now - self.arrival, ttft, tpot,
-                               queue)
+        rec = FinishedRequest(self.request_id, reasons, self.num_prompt_tokens, gen, now - self.arrival, ttft, tpot,
+                              queue, inter_token_s=self.inter_token, n=self.params.n,
+                              max_tokens=self.params.max_tokens,
+                              max_generation_tokens=max((len(c.token_ids) for c in comps), default=0))
+        if scheduled is not None:
+            rec.inference_s = now - scheduled
+            if self.first_token is not None:
+                rec.prefill_s = self.first_token - scheduled
+        if self.first_token is not None:
+            rec.decode_s = now - self.first_token
+        return rec
 
 
 @dataclass

@@ -166,6 +166,7 @@ class OutputProcessor:
                            num_cached_tokens=st.num_cached_tokens, num_preemptions=st.num_preemptions)
         if st.first_scheduled is not None:
             m.queue_time = st.first_scheduled - st.arrival
+            m.first_scheduled_time = st.first_scheduled
         if st.first_token is not None:
             m.time_to_first_token = st.first_token - st.arrival
             m.decode_time = (st.last_token or st.first_token) - st.first_token

@@ -1,10 +1,15 @@
 """GET /metrics: Prometheus text, from the engine's snapshot and finished-request reports.
 
-Per-request numbers (finish reasons, TTFT, time per output token, end-to-end
-latency, queue time, token counts) are observed when a request ends; engine
-numbers (running/waiting, KV usage, prefix-cache hits, preemptions, the engine
-loop's time split, CPU seconds per thread role) are read at scrape time. Each
-server has its own registry, so several can live in one process (tests).
+Per-request numbers (finish reasons, TTFT, inter-token gaps, time per output
+token, end-to-end / queue / prefill / decode / inference time, token counts,
+request parameters) are observed when a request ends; engine numbers
+(running/waiting, KV usage, prefix-cache hits, preemptions, the engine loop's time
+split, CPU seconds per thread role) are read at scrape time. Each server has its
+own registry, so several can live in one process (tests).
+
+Every metric vLLM also exports is published twice: under ``vllite:`` (label
+``model_name``) and under vLLM's own name and labels (``vllm:``, labels
+``model_name`` and ``engine``), so a dashboard made for vLLM reads vllite unchanged.
 """
 from __future__ import annotations
 
@@ -20,6 +25,8 @@ from vllite_core.engine.async_llm import AsyncLLM, FinishedRequest
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+_N_BUCKETS = (1, 2, 5, 10, 20)
 _TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 
 
@@ -41,6 +48,9 @@ def _one_thread_cpu(tid: int) -> float:
     return sum(t.user_time + t.system_time for t in psutil.Process().threads() if t.id == tid)
 
 
+_ENGINE = "0"  # vLLM's engine label: the data-parallel rank; one engine here
+
+
 class _EngineCollector(Collector):
     def __init__(self, engine: AsyncLLM, model: str, api_tid: int | None) -> None:
         self.engine = engine
@@ -48,32 +58,47 @@ class _EngineCollector(Collector):
         self.api_tid = api_tid
         self.api_cpu_base = 0.0  # what the API thread spent before serving (loading the model)
 
-    def _g(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
-        g = GaugeMetricFamily(name, doc, labels=["model_name"])
-        g.add_metric([self.model], value)
-        return g
+    def _both(self, family: type, name: str, doc: str, value: float, vllm: bool = True) -> Iterator[Metric]:
+        """``vllite:NAME`` and, where vLLM has the metric, ``vllm:NAME`` with vLLM's labels."""
+        m = family(f"vllite:{name}", doc, labels=["model_name"])
+        m.add_metric([self.model], value)
+        yield m
+        if vllm:
+            m = family(f"vllm:{name}", doc, labels=["model_name", "engine"])
+            m.add_metric([self.model, _ENGINE], value)
+            yield m
 
-    def _c(self, name: str, doc: str, value: float) -> CounterMetricFamily:
-        c = CounterMetricFamily(name, doc, labels=["model_name"])
-        c.add_metric([self.model], value)
-        return c
+    def _cache_info(self) -> GaugeMetricFamily:
+        cfg = self.engine.engine.config.cache_config
+        info = {"block_size": str(cfg.block_size), "cache_dtype": cfg.kv_cache_dtype,
+                "enable_prefix_caching": str(cfg.enable_prefix_caching),
+                "num_gpu_blocks": str(self.engine.engine.core.kv_cache_manager.block_pool.num_blocks)}
+        g = GaugeMetricFamily("vllm:cache_config_info", "Information of the engine's cache config.",
+                              labels=["engine", *info])
+        g.add_metric([_ENGINE, *info.values()], 1.0)
+        return g
 
     def collect(self) -> Iterator[Metric]:
         s = self.engine.snapshot
         ls = self.engine.loop_stats
-        yield self._g("vllite:num_requests_running", "Requests in the running batch.", s.num_running)
-        yield self._g("vllite:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
-        yield self._g("vllite:num_requests_in_flight", "Requests the API is streaming.", self.engine.num_in_flight)
-        yield self._g("vllite:kv_cache_usage_perc", "Fraction of KV blocks held by requests (0-1).", s.kv_cache_usage)
-        yield self._g("vllite:kv_cache_free_blocks", "KV blocks free (cached-but-free counts as free).",
-                      s.num_free_blocks)
-        yield self._g("vllite:kv_cache_total_blocks", "Usable KV blocks.", s.num_total_blocks)
+        g, c = GaugeMetricFamily, CounterMetricFamily
+        yield from self._both(g, "num_requests_running", "Requests in the running batch.", s.num_running)
+        yield from self._both(g, "num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
+        yield from self._both(g, "num_requests_in_flight", "Requests the API is streaming.",
+                              self.engine.num_in_flight, vllm=False)
+        yield from self._both(g, "kv_cache_usage_perc", "Fraction of KV blocks held by requests (0-1).",
+                              s.kv_cache_usage)
+        yield from self._both(g, "kv_cache_free_blocks", "KV blocks free (cached-but-free counts as free).",
+                              s.num_free_blocks, vllm=False)
+        yield from self._both(g, "kv_cache_total_blocks", "Usable KV blocks.", s.num_total_blocks, vllm=False)
         hit_rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
-        yield self._g("vllite:prefix_cache_hit_rate", "Prefix-cache hits / queries (tokens) since start.", hit_rate)
-        yield self._c("vllite:prefix_cache_queries", "Prefix-cache queries (tokens).", s.prefix_cache_queries)
-        yield self._c("vllite:prefix_cache_hits", "Prefix-cache hits (tokens).", s.prefix_cache_hits)
-        yield self._c("vllite:num_preemptions", "Preemptions (recompute) since start.", s.num_preemptions_total)
-        yield self._c("vllite:engine_loop_steps", "Engine loop steps.", ls.steps)
+        yield from self._both(g, "prefix_cache_hit_rate", "Prefix-cache hits / queries (tokens) since start.",
+                              hit_rate, vllm=False)
+        yield from self._both(c, "prefix_cache_queries", "Prefix-cache queries (tokens).", s.prefix_cache_queries)
+        yield from self._both(c, "prefix_cache_hits", "Prefix-cache hits (tokens).", s.prefix_cache_hits)
+        yield from self._both(c, "num_preemptions", "Preemptions (recompute) since start.", s.num_preemptions_total)
+        yield from self._both(c, "engine_loop_steps", "Engine loop steps.", ls.steps, vllm=False)
+        yield self._cache_info()
         loop = CounterMetricFamily("vllite:engine_loop_seconds", "Engine loop wall time by phase "
                                    "(step: LLMEngine.step; other: inbox and hand-off; idle: asleep).",
                                    labels=["model_name", "phase"])
@@ -87,27 +112,68 @@ class _EngineCollector(Collector):
         yield cpu
 
 
+class _Twin:
+    """One request metric under both prefixes (see the module docstring); ``vllm_name`` where vLLM
+    spells it differently, None where vLLM has no such metric."""
+
+    def __init__(self, kind: type, name: str, doc: str, registry: CollectorRegistry, model: str,
+                 vllm_name: str | None = "", extra: tuple[str, ...] = (), **kw) -> None:
+        self.kind, self.model = kind, model
+        self.own = kind(f"vllite:{name}", doc, ["model_name", *extra], registry=registry, **kw)
+        vllm_name = name if vllm_name == "" else vllm_name
+        self.vllm = (kind(f"vllm:{vllm_name}", doc, ["model_name", "engine", *extra], registry=registry, **kw)
+                     if vllm_name else None)
+        if not extra:  # present (at 0) from the start
+            list(self.children())
+
+    def children(self, *extra: str):
+        yield self.own.labels(self.model, *extra)
+        if self.vllm is not None:
+            yield self.vllm.labels(self.model, _ENGINE, *extra)
+
+    def add(self, value: float, *extra: str) -> None:
+        for m in self.children(*extra):
+            if self.kind is Counter:
+                m.inc(value)
+            else:
+                m.observe(value)
+
+
 class ServerMetrics:
     def __init__(self, engine: AsyncLLM, model: str) -> None:
         self.model = model
         self.registry = r = CollectorRegistry(auto_describe=False)
-        labels = ["model_name"]
-        self.success = Counter("vllite:request_success", "Finished requests (per completion) by finish reason.",
-                               labels + ["finished_reason"], registry=r)
-        self.prompt_tokens = Counter("vllite:prompt_tokens", "Prompt tokens of finished requests.", labels,
-                                     registry=r)
-        self.generation_tokens = Counter("vllite:generation_tokens", "Generated tokens of finished requests.",
-                                         labels, registry=r)
-        self.ttft = Histogram("vllite:time_to_first_token_seconds", "Arrival to first token, as the API saw it.",
-                              labels, buckets=_LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("vllite:time_per_output_token_seconds", "Mean time per output token after the first.",
-                              labels, buckets=_TPOT_BUCKETS, registry=r)
-        self.e2e = Histogram("vllite:e2e_request_latency_seconds", "Arrival to finish.", labels,
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue = Histogram("vllite:request_queue_time_seconds", "Arrival to first scheduled.", labels,
-                               buckets=_LATENCY_BUCKETS, registry=r)
+
+        def counter(name: str, doc: str, **kw) -> _Twin:
+            return _Twin(Counter, name, doc, r, model, **kw)
+
+        def hist(name: str, doc: str, buckets: tuple = _LATENCY_BUCKETS, **kw) -> _Twin:
+            return _Twin(Histogram, name, doc, r, model, buckets=buckets, **kw)
+
+        self.success = counter("request_success", "Finished requests (per completion) by finish reason.",
+                               extra=("finished_reason",))
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests.")
+        self.ttft = hist("time_to_first_token_seconds", "Arrival to first token, as the API saw it.")
+        self.tpot = hist("time_per_output_token_seconds", "Mean time per output token after the first.",
+                         buckets=_TPOT_BUCKETS, vllm_name="request_time_per_output_token_seconds")
+        self.itl = hist("inter_token_latency_seconds", "Time between two steps that brought a request tokens.",
+                        buckets=_TPOT_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.")
+        self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled.")
+        self.prefill = hist("request_prefill_time_seconds", "First scheduled to first token.")
+        self.decode = hist("request_decode_time_seconds", "First token to finish.")
+        self.inference = hist("request_inference_time_seconds", "First scheduled to finish.")
+        self.req_prompt = hist("request_prompt_tokens", "Prompt tokens per request.", _TOKEN_BUCKETS)
+        self.req_gen = hist("request_generation_tokens", "Generated tokens per request (all completions).",
+                            _TOKEN_BUCKETS)
+        self.req_max_gen = hist("request_max_num_generation_tokens", "Tokens of a request's longest completion.",
+                                _TOKEN_BUCKETS)
+        self.param_n = hist("request_params_n", "The n request parameter.", _N_BUCKETS)
+        self.param_max_tokens = hist("request_params_max_tokens", "The max_tokens request parameter.",
+                                     _TOKEN_BUCKETS)
         for reason in ("stop", "length", "abort"):  # present (at 0) from the start
-            self.success.labels(model, reason)
+            list(self.success.children(reason))
         self._collector = _EngineCollector(engine, model, threading.get_native_id())
         r.register(self._collector)
         engine.observers.append(self.observe)
@@ -118,18 +184,24 @@ class ServerMetrics:
         self._collector.api_cpu_base = _one_thread_cpu(native_id)
 
     def observe(self, rec: FinishedRequest) -> None:
-        m = self.model
         for reason in rec.finish_reasons:
-            self.success.labels(m, reason).inc()
-        self.prompt_tokens.labels(m).inc(rec.num_prompt_tokens)
-        self.generation_tokens.labels(m).inc(rec.num_generation_tokens)
-        self.e2e.labels(m).observe(rec.e2e_s)
-        if rec.ttft_s is not None:
-            self.ttft.labels(m).observe(rec.ttft_s)
-        if rec.tpot_s is not None:
-            self.tpot.labels(m).observe(rec.tpot_s)
-        if rec.queue_s is not None:
-            self.queue.labels(m).observe(rec.queue_s)
+            self.success.add(1, reason)
+        self.prompt_tokens.add(rec.num_prompt_tokens)
+        self.generation_tokens.add(rec.num_generation_tokens)
+        self.req_prompt.add(rec.num_prompt_tokens)
+        self.req_gen.add(rec.num_generation_tokens)
+        self.req_max_gen.add(rec.max_generation_tokens)
+        self.param_n.add(rec.n)
+        if rec.max_tokens is not None:
+            self.param_max_tokens.add(rec.max_tokens)
+        self.e2e.add(rec.e2e_s)
+        for hist, value in ((self.ttft, rec.ttft_s), (self.tpot, rec.tpot_s), (self.queue, rec.queue_s),
+                            (self.prefill, rec.prefill_s), (self.decode, rec.decode_s),
+                            (self.inference, rec.inference_s)):
+            if value is not None:
+                hist.add(value)
+        for gap in rec.inter_token_s:
+            self.itl.add(gap)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
