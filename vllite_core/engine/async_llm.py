@@ -45,6 +45,7 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 
 from vllite_core.engine.delta import DeltaCursor
 from vllite_core.engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
+from vllite_core.engine.heap_trim import HeapTrimmer
 from vllite_core.engine.llm_engine import LLMEngine, PromptType
 from vllite_core.inputs import InputContext, ProcessedPrompt
 from vllite_core.outputs import RequestOutput
@@ -69,6 +70,7 @@ class LoopStats:
     step_s: float = 0.0
     other_s: float = 0.0
     idle_s: float = 0.0
+    trim_s: float = 0.0  # giving freed heap back to the OS (engine/heap_trim.py)
     thread_id: int | None = None  # native id of the engine loop thread
 
 
@@ -419,7 +421,9 @@ class AsyncLLM:
         st = self.loop_stats
         st.thread_id = threading.get_native_id()
         engine, core = self.engine, self.engine.core
+        trimmer = HeapTrimmer()
         while True:
+            st.trim_s += trimmer.maybe_trim(idle=not self._inbox and not engine.has_unfinished_requests())
             t_wait = time.perf_counter()
             with self._cond:
                 while not self._inbox and not self._stopping and not engine.has_unfinished_requests():
@@ -445,6 +449,7 @@ class AsyncLLM:
                 step_s = time.perf_counter() - t1
                 st.step_s += step_s
                 st.steps += 1
+                trimmer.note_work()
                 ran = core.step_times.steps != before
             self._take_snapshot()
             if (outputs or failed) and self._aloop is not None:

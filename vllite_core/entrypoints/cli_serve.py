@@ -39,6 +39,8 @@ def add_serve_parser(sub: Any) -> None:
                    "error event in a stream); default: none")
     g.add_argument("--body-read-timeout", type=float, default=30.0, help="seconds to receive a request body (408)")
     g.add_argument("--timeout-keep-alive", type=int, default=5, help="seconds an idle keep-alive connection stays open")
+    g.add_argument("--header-read-timeout", type=float, default=30.0,
+                   help="seconds a connection has to send a complete request line and headers, else it is closed")
     g.add_argument("--shutdown-timeout", type=float, default=20.0,
                    help="on SIGTERM / Ctrl-C, seconds in-flight requests may finish before they are ended")
     g.add_argument("--disable-fastapi-docs", action="store_true", help="no /openapi.json and /docs")
@@ -59,6 +61,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     api_key = ns.api_key or os.environ.get(API_KEY_ENV) or None
     names = ns.served_model_name or [default_model_name(ns.model)]
     for flag, least in (("max_waiting_requests", 1), ("request_timeout", 1e-3), ("body_read_timeout", 0),
+                        ("header_read_timeout", 1e-3),
                         ("shutdown_timeout", 0)):
         if getattr(ns, flag) is not None and getattr(ns, flag) < least:
             raise SystemExit(f"vllite serve: --{flag.replace('_', '-')} must be at least {least:g}")
@@ -71,7 +74,8 @@ def run_serve(ns: argparse.Namespace) -> int:
         return 130
     serve(engine, names, sock, api_key, ns.max_request_body_bytes or DEFAULT_MAX_BODY_BYTES,
           ns.uvicorn_log_level, not ns.disable_access_log, shutdown_timeout=ns.shutdown_timeout,
-          timeout_keep_alive=ns.timeout_keep_alive, allowed_origins=ns.allowed_origins,
+          timeout_keep_alive=ns.timeout_keep_alive, header_read_timeout=ns.header_read_timeout,
+          allowed_origins=ns.allowed_origins,
           allowed_methods=ns.allowed_methods, allowed_headers=ns.allowed_headers,
           allow_credentials=ns.allow_credentials, allowed_hosts=ns.allowed_hosts,
           max_waiting_requests=ns.max_waiting_requests, request_timeout=ns.request_timeout,

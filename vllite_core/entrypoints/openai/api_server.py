@@ -31,6 +31,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import vllite_core
 from vllite_core.engine.async_llm import AsyncLLM
 from vllite_core.entrypoints.openai.errors import APIError, bad_request, from_exception
+from vllite_core.entrypoints.openai.http_protocol import DEFAULT_HEADER_READ_TIMEOUT_S, header_timeout_protocol
 from vllite_core.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from vllite_core.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -385,7 +386,8 @@ def _make_server(config: Any, state: ServerState, drain_s: float) -> Any:
 def serve(engine: AsyncLLM, model_names: list[str], sock: socket.socket, api_key: str | None = None,
           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "info", access_log: bool = True, *,
           shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
-          timeout_keep_alive: int = DEFAULT_TIMEOUT_KEEP_ALIVE_S, **app_options: Any) -> None:
+          timeout_keep_alive: int = DEFAULT_TIMEOUT_KEEP_ALIVE_S,
+          header_read_timeout: float = DEFAULT_HEADER_READ_TIMEOUT_S, **app_options: Any) -> None:
     """Serve on an already bound socket until Ctrl-C / SIGTERM, drain, then stop the engine loop.
     When the engine dies (a fault of no single request), the server stops within seconds and this
     raises SystemExit naming the cause (exit status 1). ``app_options`` go to ``build_app``; on a
@@ -402,7 +404,8 @@ def serve(engine: AsyncLLM, model_names: list[str], sock: socket.socket, api_key
     print(how_to_query(host, port, model_names[0], api_key), flush=True)
     # After the drain, one engine step's time for the ended requests to send their last event.
     config = uvicorn.Config(app, log_level=log_level, access_log=access_log, lifespan="on",
-                            timeout_graceful_shutdown=int(shutdown_timeout) + 10, timeout_keep_alive=timeout_keep_alive)
+                            timeout_graceful_shutdown=int(shutdown_timeout) + 10, timeout_keep_alive=timeout_keep_alive,
+                            http=header_timeout_protocol(header_read_timeout))
     logging.getLogger("uvicorn.access").addFilter(_NoQueryString())
     server = _make_server(config, state, shutdown_timeout)
 

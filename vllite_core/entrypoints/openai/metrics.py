@@ -100,9 +100,9 @@ class _EngineCollector(Collector):
         yield from self._both(c, "engine_loop_steps", "Engine loop steps.", ls.steps, vllm=False)
         yield self._cache_info()
         loop = CounterMetricFamily("vllite:engine_loop_seconds", "Engine loop wall time by phase "
-                                   "(step: LLMEngine.step; other: inbox and hand-off; idle: asleep).",
-                                   labels=["model_name", "phase"])
-        for phase, v in (("step", ls.step_s), ("other", ls.other_s), ("idle", ls.idle_s)):
+                                   "(step: LLMEngine.step; other: inbox and hand-off; idle: asleep; "
+                                   "trim: giving freed heap back to the OS).", labels=["model_name", "phase"])
+        for phase, v in (("step", ls.step_s), ("other", ls.other_s), ("idle", ls.idle_s), ("trim", ls.trim_s)):
             loop.add_metric([self.model, phase], v)
         yield loop
         cpu = CounterMetricFamily("vllite:thread_cpu_seconds", "CPU seconds by thread role (api: since serving began).",
