@@ -181,6 +181,7 @@ def test_server_health_503_and_errors_after_death(allm):
         assert client.get("/health").status_code == 200
         bad = client.post("/v1/completions", json={"model": "tiny", "prompt": [FAIL_TOKEN, 5, 6], "max_tokens": 4})
         assert bad.status_code == 500 and "FailFor refuses request" in bad.json()["error"]["message"]
+        assert bad.json()["error"]["code"] == "request_failed"
         streamed = client.post("/v1/completions", json={"model": "tiny", "prompt": [FAIL_TOKEN, 5], "max_tokens": 4,
                                                         "stream": True})
         assert streamed.status_code == 200 and '"error"' in streamed.text and "FailFor refuses" in streamed.text

@@ -220,7 +220,9 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
             return e.response()
         except Exception as e:  # typed engine errors -> 400; anything else -> 500, logged
             err = from_exception(e)
-            if err.status >= 500:
+            if err.code == "request_failed":  # the engine logged the cause already; no traceback here
+                logger.error("%s", err.message)
+            elif err.status >= 500:
                 logger.exception("request failed")
             return err.response()
 
