@@ -186,3 +186,26 @@ def test_broken_download_resumes(hub, tmp_path, tiny_path):
     assert ranges[0] is None and ranges[-1].startswith("bytes=") and ranges[-1].endswith("-")
     assert 0 < int(ranges[-1][len("bytes="):-1]) <= len(data) // 2  # resumed from what had arrived
     assert not list((tmp_path / "home").rglob("*.incomplete"))
+
+
+def test_serve_by_repo_id(hub, tmp_path, tiny_path):
+    """`vllite serve org/name --revision v1` downloads the model and serves it (the real openai client)."""
+    import openai
+    from server_harness import ServerProcess
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ref = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).eval()
+    want = AutoTokenizer.from_pretrained(tiny_path).decode(hf_greedy(ref, PROMPT, 8))
+    env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "0",
+           "TRANSFORMERS_OFFLINE": "0", "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
+    srv = ServerProcess([LLAMA, "--revision", "v1", "--dtype", "float32", "--num-kv-blocks", "32"], env=env)
+    try:
+        client = openai.OpenAI(base_url=srv.wait_ready() + "/v1", api_key="none")
+        assert [m.id for m in client.models.list().data] == [LLAMA]
+        out = client.completions.create(model=LLAMA, prompt=PROMPT, temperature=0, max_tokens=8,
+                                        extra_body={"ignore_eos": True, "skip_special_tokens": False})
+    finally:
+        srv.stop()
+    assert out.choices[0].text == want
+    snapshot = tmp_path / "home" / "hub" / "models--org--tiny-llama" / "snapshots" / COMMIT
+    assert (snapshot / "model.safetensors").is_file()
