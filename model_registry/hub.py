@@ -87,7 +87,7 @@ def download_model(ref: HubModelRef, revision: str | None = None, download_dir: 
                    gguf_file: str | None = None, weights: bool = True) -> Downloaded:
     """Fetch (or, offline, find in the cache) what the engine needs of ``ref``. ``weights=False``: only the
     config and tokenizer files (a tokenizer given by repo id)."""
-    where = f"{ref.repo_id}" + (f"@{revision}" if revision else "")
+    where = ref.repo_id + (f"@{revision}" if revision else "")
     try:
         if gguf_file is None and ref.quant is not None:
             gguf_file = _pick_quant(ref, revision, download_dir, where)

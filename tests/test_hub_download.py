@@ -209,3 +209,17 @@ def test_serve_by_repo_id(hub, tmp_path, tiny_path):
     assert out.choices[0].text == want
     snapshot = tmp_path / "home" / "hub" / "models--org--tiny-llama" / "snapshots" / COMMIT
     assert (snapshot / "model.safetensors").is_file()
+
+
+def test_repo_refs_and_quant_names():
+    from model_registry.hub import HubFileNotFoundError, HubModelRef, parse_repo_ref, pick_gguf_file
+
+    assert parse_repo_ref("Qwen/Qwen2.5-0.5B-Instruct") == HubModelRef("Qwen/Qwen2.5-0.5B-Instruct")
+    assert parse_repo_ref("unsloth/Qwen3-0.6B-GGUF:Q4_K_M") == HubModelRef("unsloth/Qwen3-0.6B-GGUF", "Q4_K_M")
+    for local in ("./org/name", "/abs/org/name", "~/org/name", "a/b/c", "no-slash"):
+        assert parse_repo_ref(local) is None
+    files = ["m-Q4_K_M.gguf", "m-Q4_K_S.gguf", "m.Q8_0.gguf", "README.md", "m-Q4_K_M.gguf.sha256"]
+    assert pick_gguf_file(files, "q4_k_m", "r") == "m-Q4_K_M.gguf"
+    assert pick_gguf_file(files, "Q8_0", "r") == "m.Q8_0.gguf"
+    with pytest.raises(HubFileNotFoundError, match="no GGUF file matches quant 'Q4_K'"):
+        pick_gguf_file(files, "Q4_K", "r")  # a prefix of Q4_K_M / Q4_K_S is no match
