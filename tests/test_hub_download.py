@@ -167,20 +167,21 @@ def test_offline_uses_the_cache_or_says_what_is_missing(hub, tmp_path):
 
 def test_broken_download_resumes(hub, tmp_path, tiny_path):
     """A download that breaks off halfway is resumed by the hub library with a Range request, and only the
-    whole file is used."""
+    whole file is used; ``download_dir`` is the cache it lands in."""
     data = (Path(tiny_path) / "model.safetensors").read_bytes()
     hub.repos[FLAKY] = FakeRepo(Path(tiny_path), commit="4" * 40, drop_once={"model.safetensors"})
     # The library keeps what it has read in whole chunks (10 MiB); small chunks let the tiny file resume mid-way.
     code = (f"import json; from huggingface_hub import constants; constants.DOWNLOAD_CHUNK_SIZE = 4096; "
             f"from model_registry.source import resolve_model_source as r; "
-            f"print(json.dumps({{'path': r({FLAKY!r}).path}}))")
+            f"print(json.dumps({{'path': r({FLAKY!r}, download_dir={str(tmp_path / 'dl')!r}).path}}))")
     got, err = run_py(code, hub, tmp_path / "home")
+    assert Path(got["path"]) == (tmp_path / "dl" / "models--org--flaky-llama" / "snapshots" / ("4" * 40)).resolve()
     assert "resume" in err  # the library's own warning
     assert (Path(got["path"]) / "model.safetensors").read_bytes() == data
     ranges = [r[2] for r in hub.file_requests("model.safetensors") if r[0] == "GET" and "/flaky-llama/" in r[1]]
     assert ranges[0] is None and ranges[-1].startswith("bytes=") and ranges[-1].endswith("-")
     assert 0 < int(ranges[-1][len("bytes="):-1]) <= len(data) // 2  # resumed from what had arrived
-    assert not list((tmp_path / "home").rglob("*.incomplete"))
+    assert not list(tmp_path.rglob("*.incomplete"))
 
 
 def test_serve_by_repo_id_offline_from_the_cache(hub, home, tiny_path):
