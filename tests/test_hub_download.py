@@ -141,10 +141,11 @@ OFFLINE = f"""
 import json
 from model_registry.source import resolve_model_source
 out = {{}}
-for key, model in (("never_cached", "org/never-downloaded"), ("quant", "{GGUF_REPO}:Q8_0"),
-                   ("quant_not_cached", "{GGUF_REPO}:Q4_K_M")):
+for key, model, rev in (("never_cached", "org/never-downloaded", None), ("quant", "{GGUF_REPO}:Q8_0", None),
+                        ("quant_not_cached", "{GGUF_REPO}:Q4_K_M", None),
+                        ("revision_not_cached", "{GGUF_REPO}:Q8_0", "v9")):
     try:
-        out[key] = {{"ok": True, "gguf": resolve_model_source(model).gguf_file}}
+        out[key] = {{"ok": True, "gguf": resolve_model_source(model, revision=rev).gguf_file}}
     except Exception as e:
         out[key] = {{"ok": False, "type": type(e).__name__, "msg": str(e)}}
 print(json.dumps(out))
@@ -163,6 +164,7 @@ def test_offline_uses_the_cache_or_says_what_is_missing(hub, tmp_path):
     assert got["quant"]["ok"] and got["quant"]["gguf"].endswith("tiny-Q8_0.gguf")
     assert got["quant_not_cached"]["type"] == "ModelNotCachedError"  # only Q8_0 is in the cache
     assert "Q4_K_M" in got["quant_not_cached"]["msg"] and "HF_HUB_OFFLINE" in got["quant_not_cached"]["msg"]
+    assert got["revision_not_cached"]["type"] == "ModelNotCachedError" and "v9" in got["revision_not_cached"]["msg"]
 
 
 def test_broken_download_resumes(hub, tmp_path, tiny_path):
