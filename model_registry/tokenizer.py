@@ -38,7 +38,7 @@ def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None, trust
 
     if tokenizer_path is not None:
         try:
-            source = resolve_model_source(tokenizer_path)
+            source = resolve_model_source(tokenizer_path, weights=False)
         except ModelNotFoundError as e:
             raise ModelNotFoundError(f"tokenizer: {e}") from None
         if source.kind == "hf":  # a folder with config.json: tokenizer files live next to it

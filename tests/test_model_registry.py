@@ -85,7 +85,7 @@ def test_bad_targets():
 
 
 def test_bogus_path_is_model_not_found(tmp_path):
-    with pytest.raises(ModelNotFoundError, match="does not download"):
+    with pytest.raises(ModelNotFoundError, match="no such file or folder"):
         resolve_model_source(str(tmp_path / "nope"))
     with pytest.raises(ModelNotFoundError):
         resolve_model_source("some-org/some-model-that-is-not-cached")

@@ -9,6 +9,7 @@ hold a whole prompt, and so on. Platforms get a last word through
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
@@ -38,6 +39,13 @@ class ModelConfig:
     max_logprobs: int = 20  # most top-k logprobs a request may ask for
     logits_processors: list[str] = field(default_factory=list)  # "module:attr" global processors
     trust_remote_code: bool = False
+    # Hub repos (model_registry.hub): which revision, which cache folder, which one GGUF file.
+    revision: str | None = None
+    download_dir: str | None = None
+    gguf_file: str | None = None
+    # Default sampling parameters: "auto" (the model's generation_config.json), "vllite" (or vLLM's "vllm":
+    # none), or a folder holding a generation_config.json.
+    generation_config: str = "auto"
     # What the resolved model class declares (vllite_core.model_interfaces); set when the engine starts.
     capabilities: ModelCapabilities = field(default_factory=ModelCapabilities)
 
@@ -48,6 +56,10 @@ class ModelConfig:
             raise ConfigError(f"logprobs_mode: must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ConfigError("max_model_len: must be positive")
+        gc = self.generation_config
+        if gc not in ("auto", "vllite", "vllm") and not os.path.isdir(os.path.expanduser(gc)):
+            raise ConfigError(f"generation_config: must be 'auto', 'vllite' (or 'vllm') or a folder holding "
+                              f"generation_config.json, got {gc!r}")
 
 
 @dataclass
@@ -162,6 +174,10 @@ class EngineArgs:
     device: str | None = None
     num_threads: int | None = None
     trust_remote_code: bool = False
+    revision: str | None = None
+    download_dir: str | None = None
+    gguf_file: str | None = None
+    generation_config: str = "auto"
 
     ALIASES = {"num_gpu_blocks_override": "num_kv_blocks", "memory_utilization": "gpu_memory_utilization"}
     REJECTED = {
@@ -193,7 +209,9 @@ class EngineArgs:
                                      logprobs_mode=self.logprobs_mode,  # type: ignore[arg-type]
                                      max_logprobs=self.max_logprobs,
                                      logits_processors=list(self.logits_processors or []),
-                                     trust_remote_code=self.trust_remote_code),
+                                     trust_remote_code=self.trust_remote_code, revision=self.revision,
+                                     download_dir=self.download_dir, gguf_file=self.gguf_file,
+                                     generation_config=self.generation_config),
             cache_config=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                                      kv_cache_dtype=self.kv_cache_dtype, num_kv_blocks=self.num_kv_blocks,
                                      kv_cache_memory=self.kv_cache_memory,

@@ -95,7 +95,8 @@ class EngineCore:
         platform.check_and_update_config(config)
         pm.hook.vllite_check_config(config=config)
 
-        source = resolve_model_source(config.model_config.model)
+        mc = config.model_config
+        source = resolve_model_source(mc.model, mc.revision, mc.download_dir, mc.gguf_file)
         hf_config = load_hf_config(source)
         arch, model_cls = build_registry(pm).resolve_for_config(hf_config)
         config.model_config.capabilities = model_capabilities(model_cls)

@@ -22,6 +22,7 @@ PromptType = str | dict[str, Any]
 
 class LLMEngine:
     def __init__(self, config: VlliteConfig, platform: Any = None) -> None:
+        from model_registry.generation_config import load_generation_defaults
         from model_registry.source import load_tokenizer
 
         self.config = config
@@ -33,6 +34,15 @@ class LLMEngine:
         # Florence-2's have no top-level vocab_size).
         self.vocab_size = int(self.core.worker.runner.model.vocab_size)
         self.eos_token_id = self._eos_token_id(info.hf_config)
+        gen = load_generation_defaults(info.source, config.model_config.generation_config)
+        # The model's recommended sampling values (vLLM's get_diff_sampling_param) and the EOS ids its
+        # generation config adds to the tokenizer's: they stop generation like stop_token_ids.
+        self.default_sampling_params: dict[str, Any] = dict(gen.sampling)
+        self.extra_eos_token_ids = [t for t in dict.fromkeys(gen.eos_token_ids) if t != self.eos_token_id]
+        if self.default_sampling_params:
+            logger.warning("Default sampling parameters have been overridden by the model's Hugging Face generation "
+                           "config recommended from the model creator: %s. If this is not intended, relaunch with "
+                           "`--generation-config vllite`.", self.default_sampling_params)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.model_cls = self.core.model_cls
@@ -50,6 +60,10 @@ class LLMEngine:
             if isinstance(eos, (list, tuple)):
                 eos = eos[0] if eos else None
         return eos
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation-config defaults (vLLM's ``get_default_sampling_params``)."""
+        return SamplingParams(**self.default_sampling_params)
 
     # ---- requests ---------------------------------------------------------------------
     def process_prompt(self, prompt: PromptType | ProcessedPrompt,
@@ -126,6 +140,7 @@ class LLMEngine:
         """Queue a request that ``prepare_request`` accepted (nothing is validated again): the caller has
         checked that ``request_id`` is new and ``priority`` allowed. ``n > 1`` fans out into n children."""
         text, ids = processed.prompt, processed.prompt_token_ids
+        params = self._with_model_eos(params)
         child_ids = child_request_ids(request_id, params.n)
         self.output_processor.add(request_id, text, ids, params, child_ids)
         for i, cid in enumerate(child_ids):
@@ -171,6 +186,19 @@ class LLMEngine:
         for cid in to_stop:
             self.core.finish_request(cid, RequestStatus.FINISHED_STOPPED)
         return outputs
+
+
+    def _with_model_eos(self, params: SamplingParams) -> SamplingParams:
+        """``params`` plus the generation config's extra EOS ids as stop token ids (vLLM's
+        update_from_generation_config); the caller's object is not changed."""
+        extra = [t for t in self.extra_eos_token_ids if t not in (params.stop_token_ids or ())]
+        if not extra or params.ignore_eos:
+            return params
+        import dataclasses
+
+        out = dataclasses.replace(params, stop_token_ids=list(params.stop_token_ids or ()) + extra)
+        out.bad_words_token_ids = params.bad_words_token_ids
+        return out
 
 
 def parse_prompt(prompt: PromptType, tokenizer: Any) -> tuple[str | None, list[int]]:

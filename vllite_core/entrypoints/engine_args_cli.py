@@ -9,7 +9,13 @@ from typing import Any
 from vllite_core.config import EngineArgs
 
 _HELP = {
-    "model": "model folder (config.json + safetensors) or .gguf file; default: the embedded SmolLM2-135M-Instruct",
+    "model": "model folder (config.json + safetensors), .gguf file, or Hugging Face Hub repo id (org/name, "
+             "org/name-GGUF:Q4_K_M); default: the embedded SmolLM2-135M-Instruct",
+    "revision": "Hub revision (branch, tag or commit) of a repo-id model",
+    "download_dir": "folder for downloaded Hub models (default: the Hugging Face cache, HF_HOME)",
+    "gguf_file": "the one GGUF file of a Hub repo (or model folder) to load",
+    "generation_config": "default sampling parameters: auto (the model's generation_config.json), vllite (or vllm: "
+                         "none), or a folder holding a generation_config.json",
     "dtype": "auto | float32 | bfloat16 | float16 (auto: the platform's preferred dtype)",
     "max_num_batched_tokens": "token budget of one step (prompt and output tokens alike)",
     "scheduling_policy": "fcfs | priority",

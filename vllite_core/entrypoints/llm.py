@@ -31,6 +31,10 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The model's generation-config defaults (``generation_config``); what ``generate`` uses without params."""
+        return self.llm_engine.get_default_sampling_params()
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:
@@ -38,7 +42,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         many = isinstance(sampling_params, (list, tuple))
         params = list(sampling_params) if many else [sampling_params] * len(prompts)
         if len(params) != len(prompts):

@@ -26,21 +26,29 @@ _OPTIONAL = {
 }
 
 
-def to_sampling_params(req: _SamplingRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def to_sampling_params(req: _SamplingRequest, max_tokens: int | None, logprobs: int | None,
+                       defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """``defaults``: the model's generation-config values (``LLMEngine.default_sampling_params``) for the
+    fields the request leaves unset; its max_tokens caps the request's, as in vLLM."""
+    defaults = defaults or {}
+    if defaults.get("max_tokens") is not None:
+        max_tokens = defaults["max_tokens"] if max_tokens is None else min(max_tokens, defaults["max_tokens"])
     kw: dict[str, Any] = dict(
-        n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed, stop=req.stop,
+        n=req.n, temperature=_pick(req.temperature, defaults, "temperature", 1.0),
+        top_p=_pick(req.top_p, defaults, "top_p", 1.0), seed=req.seed, stop=req.stop,
         stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, max_tokens=max_tokens,
         min_tokens=req.min_tokens, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens, spaces_between_special_tokens=req.spaces_between_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output, best_of=req.best_of,
         logits_processors=req.logits_processors)
-    if req.top_k is not None:
-        kw["top_k"] = req.top_k
-    if req.min_p is not None:
-        kw["min_p"] = req.min_p
+    for name in ("top_k", "min_p"):
+        value = _pick(getattr(req, name), defaults, name, None)
+        if value is not None:
+            kw[name] = value
     for name, (field, off) in _OPTIONAL.items():
         value = getattr(req, name)
+        if value is None and name in defaults:
+            value = defaults[name]
         if value is None or value == off or (off is None and not value):
             continue
         if field not in _PARAM_FIELDS:
@@ -54,3 +62,10 @@ def to_sampling_params(req: _SamplingRequest, max_tokens: int | None, logprobs: 
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
     return SamplingParams(**kw)
+
+
+def _pick(value: Any, defaults: dict[str, Any], name: str, neutral: Any) -> Any:
+    """The request's value; unset, the model's default; else the neutral one."""
+    if value is not None:
+        return value
+    return defaults.get(name, neutral)

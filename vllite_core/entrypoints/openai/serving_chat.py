@@ -163,7 +163,8 @@ class ChatServer:
         # Template rendering and tokenizing are CPU work: on the engine's prep thread, with its tokenizer.
         text, ids = await st.engine.run_prep(chat_prompt, st.engine.prep_tokenizer, req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = to_sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        params = to_sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
+                                    st.engine.engine.default_sampling_params)
         rid = new_id("chatcmpl")
         streams = await add_streams(st.engine, [{"prompt_token_ids": ids, "prompt": text}], params, rid, req.priority,
                               req.cache_salt)

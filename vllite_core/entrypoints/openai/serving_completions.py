@@ -58,7 +58,7 @@ class CompletionServer:
         if req.suffix:
             raise bad_request("suffix is not supported", "suffix", "unsupported_parameter")
         prompts = _prompts(req)
-        params = to_sampling_params(req, req.max_tokens, req.logprobs)
+        params = to_sampling_params(req, req.max_tokens, req.logprobs, st.engine.engine.default_sampling_params)
         if req.echo and req.logprobs is not None and params.prompt_logprobs is None:
             params.prompt_logprobs = req.logprobs  # echoed prompt tokens get their logprobs too
         rid = new_id("cmpl")
