@@ -31,7 +31,7 @@ class ReasoningStream:
 
     def __init__(self, parser: "ThinkTagParser") -> None:
         self.p = parser
-        self.state = parser.initial_state  # "lead" (deepseek_r1: optional <think>), "content_pre", "reasoning", "content"
+        self.state = parser.initial_state  # "lead" (deepseek_r1), "content_pre", "reasoning", "content"
         self.held = ""
         self.reasoning = ""
         self.content = ""

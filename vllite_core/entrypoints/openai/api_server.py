@@ -155,12 +155,12 @@ def _openapi_body(model: Any) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
-def _tokenize(tokenizer: Any, req: TokenizeRequest) -> list[int]:
+def _tokenize(tokenizer: Any, req: TokenizeRequest, chat_template: str | None = None) -> list[int]:
     """/tokenize's token ids, on the engine's prep thread. ``messages`` are tokenized as chat feeds
     them to the model (``chat_prompt_ids``: special-token text in content stays text), plus the
     tokenizer's own special tokens (BOS...) only when ``add_special_tokens`` is true."""
     if req.messages is not None:
-        _, ids = chat_prompt(tokenizer, req, allow_special_tokens_in_content=False)
+        _, ids = chat_prompt(tokenizer, req, allow_special_tokens_in_content=False, default_template=chat_template)
         if req.add_special_tokens:
             ids = list(tokenizer.build_inputs_with_special_tokens(ids))
         return ids
@@ -173,12 +173,18 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
               allowed_methods: list[str] | None = None, allowed_headers: list[str] | None = None,
               allow_credentials: bool = False, allowed_hosts: list[str] | None = None,
               max_waiting_requests: int | None = None, request_timeout: float | None = None,
-              body_read_timeout: float | None = DEFAULT_BODY_READ_TIMEOUT_S, enable_docs: bool = True) -> FastAPI:
+              body_read_timeout: float | None = DEFAULT_BODY_READ_TIMEOUT_S, enable_docs: bool = True,
+              chat_template: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
     """``allowed_origins``: CORS on for these (off when None); ``allowed_hosts``: the Host
     header must name one of these (no check when None; ``serve`` passes LOOPBACK_HOSTS on a
-    loopback bind)."""
+    loopback bind). ``chat_template``: the template text (chat_template.load_chat_template);
+    ``reasoning_parser``: a name from the vllite_get_reasoning_parsers hook."""
+    from vllite_core.reasoning import get_reasoning_parser
+
+    parser = get_reasoning_parser(reasoning_parser, engine.tokenizer) if reasoning_parser else None
     state = ServerState(engine, model_names, max_body_bytes, api_key, max_waiting_requests=max_waiting_requests,
-                        request_timeout=request_timeout, body_read_timeout=body_read_timeout)
+                        request_timeout=request_timeout, body_read_timeout=body_read_timeout,
+                        chat_template=chat_template, reasoning_parser=parser)
     metrics = state.metrics = ServerMetrics(engine, state.model_name)
     completions, chat = CompletionServer(state), ChatServer(state)
 
@@ -270,7 +276,8 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
             state.check_model(req.model)
             if (req.prompt is None) == (req.messages is None):
                 raise bad_request("give exactly one of prompt or messages", "prompt")
-            ids = await engine.run_prep(_tokenize, engine.prep_tokenizer, req)  # CPU work: off the event loop
+            # CPU work: off the event loop
+            ids = await engine.run_prep(_tokenize, engine.prep_tokenizer, req, state.chat_template)
             return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids})
         return await guarded(run())
 
