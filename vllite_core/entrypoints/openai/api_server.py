@@ -1,7 +1,7 @@
 """The FastAPI app and its routes, the API-key gate, and running it under uvicorn.
 
-Routes: GET /health /version /metrics /v1/models; POST /v1/completions
-/v1/chat/completions /tokenize /detokenize. When the server has a key, every route
+Routes: GET /health /version /metrics /v1/models /v1/responses/{id}; POST /v1/completions
+/v1/chat/completions /v1/responses /tokenize /detokenize. When the server has a key, every route
 except ``OPEN_PATHS`` (health, version, metrics, the OpenAPI schema and docs) needs
 ``Authorization: Bearer KEY``. CORS is off unless origins are given; a server bound
 to loopback refuses other Host headers (DNS rebinding). Every error leaves in
@@ -38,6 +38,7 @@ from vllite_core.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from vllite_core.entrypoints.openai.protocol_responses import ResponsesRequest
 from vllite_core.entrypoints.openai.serving_chat import ChatServer, chat_prompt
 from vllite_core.entrypoints.openai.serving_common import (
     DEFAULT_BODY_READ_TIMEOUT_S,
@@ -46,6 +47,7 @@ from vllite_core.entrypoints.openai.serving_common import (
     read_body,
 )
 from vllite_core.entrypoints.openai.serving_completions import CompletionServer
+from vllite_core.entrypoints.openai.serving_responses import ResponsesServer
 
 logger = logging.getLogger("vllite.server")
 
@@ -168,6 +170,10 @@ def _tokenize(tokenizer: Any, req: TokenizeRequest, chat_template: str | None = 
     return list(tokenizer.encode(req.prompt or "", add_special_tokens=add))
 
 
+async def _async(fn: Any, *args: Any) -> Any:
+    return fn(*args)
+
+
 def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, *, allowed_origins: list[str] | None = None,
               allowed_methods: list[str] | None = None, allowed_headers: list[str] | None = None,
@@ -186,7 +192,7 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
                         request_timeout=request_timeout, body_read_timeout=body_read_timeout,
                         chat_template=chat_template, reasoning_parser=parser)
     metrics = state.metrics = ServerMetrics(engine, state.model_name)
-    completions, chat = CompletionServer(state), ChatServer(state)
+    completions, chat, responses = CompletionServer(state), ChatServer(state), ResponsesServer(state)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -269,6 +275,18 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
             return await chat.create(req, request)
         return await guarded(run())
 
+    @app.post("/v1/responses", openapi_extra=_openapi_body(ResponsesRequest))
+    async def create_response(request: Request) -> Response:
+        async def run() -> Response:
+            state.admit()
+            req = await body(request, ResponsesRequest)
+            return await responses.create(req, request)
+        return await guarded(run())
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> Response:
+        return await guarded(_async(responses.retrieve, response_id))
+
     @app.post("/tokenize", openapi_extra=_openapi_body(TokenizeRequest))
     async def tokenize(request: Request) -> Response:
         async def run() -> Response:
@@ -303,7 +321,7 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
 
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             comps = schema.setdefault("components", {}).setdefault("schemas", {})
-            for m in (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest):
+            for m in (CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest):
                 js = m.model_json_schema(ref_template="#/components/schemas/{model}")
                 comps.update(js.pop("$defs", {}))
                 comps[m.__name__] = js
