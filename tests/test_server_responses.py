@@ -29,18 +29,16 @@ MSGS = [{"role": "system", "content": "You are terse."}, {"role": "user", "conte
 
 
 @pytest.fixture(scope="module")
-def think_model(tmp_path_factory):
-    """The tiny Llama, its vocabulary grown to the tokenizer's plus the two tags (plain added tokens, as Qwen3's)."""
+def think_model(tmp_path_factory, tiny_path):
+    """A tiny Llama with the SmolLM2 tokenizer (the session's tiny_path copy) plus the two tags as plain added
+    tokens (as Qwen3's), its vocabulary grown to match."""
     from tiny_models import TINY, save_tiny
     from transformers import AutoTokenizer, LlamaConfig
 
-    from model_registry.source import load_tokenizer, resolve_model_source
-
     path = tmp_path_factory.mktemp("tiny-think")
-    tok = load_tokenizer(resolve_model_source(None))
+    tok = AutoTokenizer.from_pretrained(tiny_path)
     tok.add_tokens(["<think>", "</think>"])
-    save_tiny(path, LlamaConfig(**{**TINY, "vocab_size": len(tok)}, architectures=["LlamaForCausalLM"]))
-    tok.save_pretrained(path)
+    save_tiny(path, LlamaConfig(**{**TINY, "vocab_size": len(tok)}, architectures=["LlamaForCausalLM"]), tokenizer=tok)
     (path / "template.jinja").write_text(TEMPLATE)
     return str(path), AutoTokenizer.from_pretrained(path)
 
