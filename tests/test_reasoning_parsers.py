@@ -4,7 +4,9 @@ out by hand from the parsers' documented semantics (vLLM's)."""
 from __future__ import annotations
 
 import pytest
+from plugin_fakes import fresh_plugins, unique  # noqa: F401  (fixture)
 
+from vllite_core.plugins import PLUGINS_GROUP
 from vllite_core.reasoning import ReasoningParserError, get_reasoning_parser, reasoning_parser_names
 
 
@@ -100,3 +102,29 @@ def test_known_names_and_unknown_name():
     assert {"deepseek_r1", "qwen3"} <= set(reasoning_parser_names())
     with pytest.raises(ReasoningParserError, match="known: .*deepseek_r1.*qwen3"):
         get_reasoning_parser("nope", _NoAddedTokens())
+
+
+PLUGIN = """
+from vllite_core.plugins import hookimpl
+from vllite_core.reasoning import ThinkTagParser
+
+VLLITE_PLUGIN_API = (1, 1)
+
+
+class Bracket(ThinkTagParser):
+    start_tag, end_tag, initial_state = "[r]", "[/r]", "content_pre"
+
+
+@hookimpl
+def vllite_get_reasoning_parsers():
+    return {"bracket": Bracket, "qwen3": Bracket}
+"""
+
+
+def test_a_plugin_adds_and_replaces_parsers(fresh_plugins):  # noqa: F811
+    mod = unique("rparser")
+    fresh_plugins("rparser-dist", {PLUGINS_GROUP: {"rparser": mod}}, {mod: PLUGIN})
+    assert {"bracket", "deepseek_r1", "qwen3"} <= set(reasoning_parser_names())
+    assert parser("bracket").extract("a[r]b[/r]c") == ("b", "ac")
+    assert parser("qwen3").extract("a[r]b[/r]c") == ("b", "ac")  # the plugin's replaces the built-in
+    assert parser("deepseek_r1").extract("x</think>y") == ("x", "y")

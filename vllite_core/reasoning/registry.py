@@ -16,7 +16,8 @@ def _all_parsers(plugin_manager: Any = None) -> dict[str, type]:
 
         plugin_manager = get_plugin_manager()
     found: dict[str, type] = {}
-    for answer in plugin_manager.hook.vllite_get_reasoning_parsers():
+    # pluggy answers last-registered first: reversed, a plugin's name replaces a built-in's.
+    for answer in reversed(plugin_manager.hook.vllite_get_reasoning_parsers()):
         found.update(answer or {})
     return found
 
