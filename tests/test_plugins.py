@@ -11,6 +11,7 @@ from plugin_fakes import fresh_plugins, unique  # noqa: F401  (fixture)
 from vllite_core.plugins import (
     PLATFORMS_GROUP,
     PLUGINS_GROUP,
+    VLLITE_PLUGIN_API,
     PluginError,
     get_plugin_manager,
     list_plugins,
@@ -94,7 +95,8 @@ def test_api_version_check(fresh_plugins, api, ok):
     else:
         assert info.status == "failed"
         declared = ".".join(str(x) for x in parse_api_version(eval(api)))
-        assert declared in info.reason and "1.0" in info.reason and "incompatible" in info.reason
+        core = ".".join(str(x) for x in VLLITE_PLUGIN_API)
+        assert declared in info.reason and core in info.reason and "incompatible" in info.reason
 
 
 def test_missing_api_version(fresh_plugins):

@@ -12,7 +12,7 @@ import torch
 from plugin_fakes import REPO, fresh_plugins, platform_module, unique  # noqa: F401
 
 from vllite_core.entrypoints.cli import main
-from vllite_core.plugins import PLATFORMS_GROUP
+from vllite_core.plugins import PLATFORMS_GROUP, VLLITE_PLUGIN_API
 
 torch.set_num_threads(1)
 
@@ -31,7 +31,7 @@ def test_plugins_json_console_script():
     data = json.loads(proc.stdout)
     cpu = next(p for p in data["plugins"] if p["name"] == "cpu")
     assert cpu["status"] == "loaded" and cpu["distribution"] == "vllite-platform-cpu"
-    assert cpu["hooks"] == ["vllite_register_platforms"] and data["plugin_api"] == "1.0"
+    assert cpu["hooks"] == ["vllite_register_platforms"] and data["plugin_api"] == "%d.%d" % VLLITE_PLUGIN_API
 
 
 def test_env_json_resolves_cpu():

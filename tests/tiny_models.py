@@ -7,8 +7,9 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_lay
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
 
 
-def save_tiny(path, config, seed=0):
-    """Random weights (scaled so greedy choices are not near-ties) + the SmolLM2 tokenizer, into ``path``."""
+def save_tiny(path, config, seed=0, tokenizer=None):
+    """Random weights (scaled so greedy choices are not near-ties) + ``tokenizer`` (default: SmolLM2's), into
+    ``path``."""
     from transformers import AutoModelForCausalLM
 
     from model_registry.source import load_tokenizer, resolve_model_source
@@ -22,5 +23,5 @@ def save_tiny(path, config, seed=0):
             else:
                 p.normal_(0.0, 0.15)
     model.save_pretrained(path)
-    load_tokenizer(resolve_model_source(None)).save_pretrained(path)
+    (tokenizer or load_tokenizer(resolve_model_source(None))).save_pretrained(path)
     return model.eval()

@@ -44,6 +44,12 @@ def add_serve_parser(sub: Any) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=20.0,
                    help="on SIGTERM / Ctrl-C, seconds in-flight requests may finish before they are ended")
     g.add_argument("--disable-fastapi-docs", action="store_true", help="no /openapi.json and /docs")
+    g.add_argument("--chat-template", default=None,
+                   help="chat template for /v1/chat/completions and /v1/responses: a file path or the jinja "
+                   "template itself (default: the tokenizer's)")
+    g.add_argument("--reasoning-parser", default=None,
+                   help="split reasoning out of the output into `reasoning` (e.g. deepseek_r1, qwen3; "
+                   "`vllite plugins` lists plugins that add more)")
     add_engine_args(p)
     p.set_defaults(func=run_serve)
 
@@ -65,6 +71,7 @@ def run_serve(ns: argparse.Namespace) -> int:
                         ("shutdown_timeout", 0)):
         if getattr(ns, flag) is not None and getattr(ns, flag) < least:
             raise SystemExit(f"vllite serve: --{flag.replace('_', '-')} must be at least {least:g}")
+    chat_template, reasoning_parser = _frontend_options(ns)
     sock = bind_socket(ns.host, ns.port)  # a busy port fails now, not after loading the model
     try:
         engine = AsyncLLM(LLMEngine.from_engine_args(engine_args_from_namespace(ns)))
@@ -79,5 +86,21 @@ def run_serve(ns: argparse.Namespace) -> int:
           allowed_methods=ns.allowed_methods, allowed_headers=ns.allowed_headers,
           allow_credentials=ns.allow_credentials, allowed_hosts=ns.allowed_hosts,
           max_waiting_requests=ns.max_waiting_requests, request_timeout=ns.request_timeout,
-          body_read_timeout=ns.body_read_timeout or None, enable_docs=not ns.disable_fastapi_docs)
+          body_read_timeout=ns.body_read_timeout or None, enable_docs=not ns.disable_fastapi_docs,
+          chat_template=chat_template, reasoning_parser=reasoning_parser)
     return 0
+
+
+def _frontend_options(ns: argparse.Namespace) -> tuple[str | None, str | None]:
+    """--chat-template's text and --reasoning-parser's name, checked before the model loads."""
+    from vllite_core.entrypoints.chat_template import load_chat_template
+    from vllite_core.reasoning import reasoning_parser_names
+
+    try:
+        template = load_chat_template(ns.chat_template)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"vllite serve: {e}")
+    if ns.reasoning_parser is not None and ns.reasoning_parser not in reasoning_parser_names():
+        raise SystemExit(f"vllite serve: unknown --reasoning-parser {ns.reasoning_parser!r}; known: "
+                         f"{', '.join(reasoning_parser_names())}")
+    return template, ns.reasoning_parser

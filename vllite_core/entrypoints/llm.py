@@ -62,9 +62,20 @@ class LLM:
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = False, add_generation_prompt: bool = True, chat_template: str | None = None,
+             continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
              **template_kwargs: Any) -> list[RequestOutput]:
+        """vLLM's LLM.chat: ``chat_template_kwargs`` go to the template (``enable_thinking``...);
+        ``continue_final_message`` leaves the last (assistant) message open for the model to go on."""
+        from vllite_core.engine.errors import InvalidRequestError
+
+        if add_generation_prompt and continue_final_message:
+            raise InvalidRequestError("continue_final_message",
+                                      "add_generation_prompt and continue_final_message cannot both be true")
+        kwargs = {**(chat_template_kwargs or {}), **template_kwargs}
+        if continue_final_message:
+            kwargs["continue_final_message"] = True
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[index]
-        prompts = [{"prompt": self.apply_chat_template(c, add_generation_prompt, chat_template, **template_kwargs)}
+        prompts = [{"prompt": self.apply_chat_template(c, add_generation_prompt, chat_template, **kwargs)}
                    for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from vllite_core.platforms.interface import Platform
 
 PROJECT = "vllite"
-VLLITE_PLUGIN_API: tuple[int, int] = (1, 0)
+VLLITE_PLUGIN_API: tuple[int, int] = (1, 1)  # 1.1: vllite_get_reasoning_parsers
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -55,3 +55,10 @@ def vllite_register_logits_processors() -> "list[Any]":
 @hookspec
 def vllite_check_config(config: "VlliteConfig") -> None:
     """Inspect or adjust the engine config after the platform has; raise ConfigError to refuse it."""
+
+
+@hookspec
+def vllite_get_reasoning_parsers() -> "dict[str, type]":
+    """Return reasoning parsers by name (``--reasoning-parser NAME``): classes built with the
+    model's tokenizer, subclassing ``vllite_core.reasoning.ReasoningParser``. Every plugin
+    answers; a later plugin's name replaces an earlier one's. Built-ins: deepseek_r1, qwen3."""

@@ -34,6 +34,7 @@ CORE_DISTRIBUTION = "vllite"
 # (name, group, module): plugins shipped inside the core distribution.
 BUILTIN_PLUGINS: tuple[tuple[str, str, str], ...] = (
     ("builtin-models", PLUGINS_GROUP, "model_registry.builtin"),
+    ("builtin-reasoning", PLUGINS_GROUP, "vllite_core.reasoning.builtin"),
 )
 
 

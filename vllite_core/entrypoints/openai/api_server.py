@@ -1,7 +1,7 @@
 """The FastAPI app and its routes, the API-key gate, and running it under uvicorn.
 
-Routes: GET /health /version /metrics /v1/models; POST /v1/completions
-/v1/chat/completions /tokenize /detokenize. When the server has a key, every route
+Routes: GET /health /version /metrics /v1/models /v1/responses/{id}; POST /v1/completions
+/v1/chat/completions /v1/responses /tokenize /detokenize. When the server has a key, every route
 except ``OPEN_PATHS`` (health, version, metrics, the OpenAPI schema and docs) needs
 ``Authorization: Bearer KEY``. CORS is off unless origins are given; a server bound
 to loopback refuses other Host headers (DNS rebinding). Every error leaves in
@@ -39,6 +39,7 @@ from vllite_core.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from vllite_core.entrypoints.openai.protocol_responses import ResponsesRequest
 from vllite_core.entrypoints.openai.serving_chat import ChatServer, chat_prompt
 from vllite_core.entrypoints.openai.serving_common import (
     DEFAULT_BODY_READ_TIMEOUT_S,
@@ -47,6 +48,7 @@ from vllite_core.entrypoints.openai.serving_common import (
     read_body,
 )
 from vllite_core.entrypoints.openai.serving_completions import CompletionServer
+from vllite_core.entrypoints.openai.serving_responses import ResponsesServer
 
 logger = logging.getLogger("vllite.server")
 
@@ -156,12 +158,12 @@ def _openapi_body(model: Any) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
-def _tokenize(tokenizer: Any, req: TokenizeRequest) -> list[int]:
+def _tokenize(tokenizer: Any, req: TokenizeRequest, chat_template: str | None = None) -> list[int]:
     """/tokenize's token ids, on the engine's prep thread. ``messages`` are tokenized as chat feeds
     them to the model (``chat_prompt_ids``: special-token text in content stays text), plus the
     tokenizer's own special tokens (BOS...) only when ``add_special_tokens`` is true."""
     if req.messages is not None:
-        _, ids = chat_prompt(tokenizer, req, allow_special_tokens_in_content=False)
+        _, ids = chat_prompt(tokenizer, req, allow_special_tokens_in_content=False, default_template=chat_template)
         if req.add_special_tokens:
             ids = list(tokenizer.build_inputs_with_special_tokens(ids))
         return ids
@@ -169,19 +171,29 @@ def _tokenize(tokenizer: Any, req: TokenizeRequest) -> list[int]:
     return list(tokenizer.encode(req.prompt or "", add_special_tokens=add))
 
 
+async def _async(fn: Any, *args: Any) -> Any:
+    return fn(*args)
+
+
 def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, *, allowed_origins: list[str] | None = None,
               allowed_methods: list[str] | None = None, allowed_headers: list[str] | None = None,
               allow_credentials: bool = False, allowed_hosts: list[str] | None = None,
               max_waiting_requests: int | None = None, request_timeout: float | None = None,
-              body_read_timeout: float | None = DEFAULT_BODY_READ_TIMEOUT_S, enable_docs: bool = True) -> FastAPI:
+              body_read_timeout: float | None = DEFAULT_BODY_READ_TIMEOUT_S, enable_docs: bool = True,
+              chat_template: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
     """``allowed_origins``: CORS on for these (off when None); ``allowed_hosts``: the Host
     header must name one of these (no check when None; ``serve`` passes LOOPBACK_HOSTS on a
-    loopback bind)."""
+    loopback bind). ``chat_template``: the template text (chat_template.load_chat_template);
+    ``reasoning_parser``: a name from the vllite_get_reasoning_parsers hook."""
+    from vllite_core.reasoning import get_reasoning_parser
+
+    parser = get_reasoning_parser(reasoning_parser, engine.tokenizer) if reasoning_parser else None
     state = ServerState(engine, model_names, max_body_bytes, api_key, max_waiting_requests=max_waiting_requests,
-                        request_timeout=request_timeout, body_read_timeout=body_read_timeout)
+                        request_timeout=request_timeout, body_read_timeout=body_read_timeout,
+                        chat_template=chat_template, reasoning_parser=parser)
     metrics = state.metrics = ServerMetrics(engine, state.model_name)
-    completions, chat = CompletionServer(state), ChatServer(state)
+    completions, chat, responses = CompletionServer(state), ChatServer(state), ResponsesServer(state)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -266,6 +278,18 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
             return await chat.create(req, request)
         return await guarded(run())
 
+    @app.post("/v1/responses", openapi_extra=_openapi_body(ResponsesRequest))
+    async def create_response(request: Request) -> Response:
+        async def run() -> Response:
+            state.admit()
+            req = await body(request, ResponsesRequest)
+            return await responses.create(req, request)
+        return await guarded(run())
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> Response:
+        return await guarded(_async(responses.retrieve, response_id))
+
     @app.post("/tokenize", openapi_extra=_openapi_body(TokenizeRequest))
     async def tokenize(request: Request) -> Response:
         async def run() -> Response:
@@ -273,7 +297,8 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
             state.check_model(req.model)
             if (req.prompt is None) == (req.messages is None):
                 raise bad_request("give exactly one of prompt or messages", "prompt")
-            ids = await engine.run_prep(_tokenize, engine.prep_tokenizer, req)  # CPU work: off the event loop
+            # CPU work: off the event loop
+            ids = await engine.run_prep(_tokenize, engine.prep_tokenizer, req, state.chat_template)
             return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids})
         return await guarded(run())
 
@@ -299,7 +324,7 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
 
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             comps = schema.setdefault("components", {}).setdefault("schemas", {})
-            for m in (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest):
+            for m in (CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest):
                 js = m.model_json_schema(ref_template="#/components/schemas/{model}")
                 comps.update(js.pop("$defs", {}))
                 comps[m.__name__] = js

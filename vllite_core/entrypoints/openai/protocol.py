@@ -99,6 +99,7 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False  # the last (assistant) message's content in front of the reply
     # vllite: special-token text typed in message content is plain text unless this is true
     allow_special_tokens_in_content: bool = False
 

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
+from vllite_core.entrypoints.openai.chat_reasoning import DeltaSplitter, message_fields
 from vllite_core.entrypoints.openai.errors import bad_request, from_exception
 from vllite_core.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_json
 from vllite_core.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
@@ -127,12 +128,14 @@ def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage], text: str, add_
     return ids + _encode_plain(tokenizer, plain)
 
 
-def chat_prompt(tokenizer: Any, req: Any, allow_special_tokens_in_content: bool | None = None) -> tuple[str, list[int]]:
+def chat_prompt(tokenizer: Any, req: Any, allow_special_tokens_in_content: bool | None = None,
+                default_template: str | None = None) -> tuple[str, list[int]]:
     """(rendered text, token ids) of a chat request's messages, as chat feeds them to the model
     (``chat_prompt_ids`` unless the request opts out with ``allow_special_tokens_in_content``).
+    ``default_template``: the server's --chat-template, used when the request names none.
     CPU-heavy: the server runs it on the engine's prep thread (AsyncLLM.run_prep)."""
     cont = getattr(req, "continue_final_message", False)
-    template = getattr(req, "chat_template", None)
+    template = getattr(req, "chat_template", None) or default_template
     kwargs = getattr(req, "chat_template_kwargs", None)
     text = render_chat(tokenizer, req.messages, req.add_generation_prompt, cont, template, kwargs)
     if allow_special_tokens_in_content is None:
@@ -140,6 +143,14 @@ def chat_prompt(tokenizer: Any, req: Any, allow_special_tokens_in_content: bool 
     if allow_special_tokens_in_content:  # opt-out: special-token text in content is parsed
         return text, list(tokenizer.encode(text, add_special_tokens=False))  # the template has the special tokens
     return text, chat_prompt_ids(tokenizer, req.messages, text, req.add_generation_prompt, cont, template, kwargs)
+
+
+def echo_text(req: ChatCompletionRequest) -> str:
+    """vLLM's ``echo``: the last message's content when it is the assistant's (the one being
+    continued), else nothing."""
+    if not req.echo or not req.messages or req.messages[-1].role != "assistant":
+        return ""
+    return messages_to_dicts(req.messages[-1:])[0].get("content") or ""
 
 
 class ChatServer:
@@ -161,7 +172,7 @@ class ChatServer:
         st.check_model(req.model)
         self._check_unsupported(req)
         # Template rendering and tokenizing are CPU work: on the engine's prep thread, with its tokenizer.
-        text, ids = await st.engine.run_prep(chat_prompt, st.engine.prep_tokenizer, req)
+        text, ids = await st.engine.run_prep(chat_prompt, st.engine.prep_tokenizer, req, None, st.chat_template)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = to_sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                                     st.engine.engine.default_sampling_params)
@@ -185,6 +196,8 @@ class _Ctx:
         self.created = int(time.time())
         self.prompt_len = prompt_len
         self.top_k = req.top_logprobs or 0
+        self.parser = server.state.reasoning_parser
+        self.echo = echo_text(req)
 
     def _logprobs(self, token_ids: list[int], entries: Any) -> dict[str, Any] | None:
         if not self.req.logprobs:
@@ -192,13 +205,19 @@ class _Ctx:
         return {"content": chat_logprobs(token_ids, entries, self.tok, self.top_k)}
 
     def full(self, out: RequestOutput) -> dict[str, Any]:
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+        choices = [{"index": c.index, "message": self._message(c.text),
                     "logprobs": self._logprobs(c.token_ids, c.logprobs), "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason} for c in out.outputs]
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         return {"id": self.rid, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage(self.prompt_len, completion_tokens),
                 "prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs, self.tok)}
+
+    def _message(self, text: str) -> dict[str, Any]:
+        msg = {"role": "assistant", **message_fields(self.parser, text)}
+        if self.echo:  # vLLM: the echoed final message goes in front of the content
+            msg["content"] = self.echo + (msg["content"] or "")
+        return msg
 
     def _chunk(self, choices: list[dict[str, Any]], use: dict[str, int] | None = None) -> dict[str, Any]:
         chunk: dict[str, Any] = {"id": self.rid, "object": "chat.completion.chunk", "created": self.created,
@@ -217,10 +236,14 @@ class _Ctx:
                 first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None}
                 yield sse(self._chunk([first], usage(self.prompt_len, 0) if continuous else None))
+                if self.echo:
+                    echoed = {"index": i, "delta": {"content": self.echo}, "logprobs": None, "finish_reason": None}
+                    yield sse(self._chunk([echoed], usage(self.prompt_len, 0) if continuous else None))
+            splitter = DeltaSplitter(self.parser)
             async for _, out in outputs:
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
-                    delta = {"content": c.text} if c.text else {}
+                    delta = splitter.delta(c.index, c.text, c.token_ids, c.finish_reason is not None)
                     choice = {"index": c.index, "delta": delta, "logprobs": self._logprobs(c.token_ids, c.logprobs),
                               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                     chunk = self._chunk([choice], usage(self.prompt_len, completion_tokens) if continuous else None)

@@ -40,6 +40,8 @@ class ServerState:
     request_timeout: float | None = None  # seconds from arrival; then the request is aborted
     body_read_timeout: float | None = DEFAULT_BODY_READ_TIMEOUT_S
     stopping: asyncio.Event = field(default_factory=asyncio.Event)  # set: in-flight requests end now
+    chat_template: str | None = None  # --chat-template (a request's own chat_template wins)
+    reasoning_parser: Any = None  # --reasoning-parser: a vllite_core.reasoning parser, or None
 
     def num_waiting(self) -> int:
         """Requests accepted but without a first token yet (queued in the scheduler or in prefill)."""

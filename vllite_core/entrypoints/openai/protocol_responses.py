@@ -1,0 +1,123 @@
+"""The request body of POST /v1/responses (OpenAI's Responses API, as vLLM serves it), and its
+input items turned into chat messages.
+
+Strict like the other bodies: an unknown field is a 400 naming it. ``input`` items are checked
+here, by hand, so the 400 names the exact item and part (``input[2].content[0]``) that this
+server cannot take (images, files, tool calls...)."""
+from __future__ import annotations
+
+from typing import Any
+
+from vllite_core.entrypoints.openai.errors import bad_request
+from vllite_core.entrypoints.openai.protocol import ChatMessage, Int, _Strict
+
+MESSAGE_ROLES = ("user", "system", "developer", "assistant")
+TEXT_PARTS = ("input_text", "output_text")
+_ITEM_KEYS = {"type", "role", "content", "id", "status"}
+
+
+class ResponsesRequest(_Strict):
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: Int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    store: bool = True
+    previous_response_id: str | None = None
+    text: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning: dict[str, Any] | None = None
+    truncation: str | None = None
+    include: list[str] | None = None
+    background: bool | None = None
+
+
+def check_unsupported(req: ResponsesRequest) -> None:
+    """400 naming the field for what this server cannot do (never silently ignored)."""
+    if req.tools:
+        kinds = sorted({str(t.get("type")) for t in req.tools})
+        raise bad_request(f"tools are not supported by this server yet (got types: {', '.join(kinds)})", "tools",
+                          "unsupported_parameter")
+    if req.tool_choice not in (None, "none", "auto"):
+        raise bad_request("tool_choice needs tools, which this server does not support yet", "tool_choice",
+                          "unsupported_parameter")
+    if req.reasoning:
+        raise bad_request("reasoning options are not supported: the server's --reasoning-parser decides what "
+                          "reasoning is returned", "reasoning", "unsupported_parameter")
+    if req.truncation not in (None, "disabled"):
+        raise bad_request("only truncation 'disabled' is supported", "truncation", "unsupported_parameter")
+    if req.include:
+        raise bad_request(f"include {req.include[0]!r} is not supported", "include", "unsupported_parameter")
+    if req.background:
+        raise bad_request("background responses are not supported", "background", "unsupported_parameter")
+    check_text_format(req.text)
+
+
+def check_text_format(text: dict[str, Any] | None) -> None:
+    if not text:
+        return
+    extra = sorted(set(text) - {"format"})
+    if extra:
+        raise bad_request(f"text.{extra[0]} is not supported", f"text.{extra[0]}", "unsupported_parameter")
+    fmt = text.get("format") or {"type": "text"}
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return
+    if kind in ("json_schema", "json_object"):
+        # STRUCTURED OUTPUT HOOK-IN (lead: wire text.format json_schema / json_object to structured
+        # output here, once it is merged; until then it is refused).
+        raise bad_request("text.format: structured output is not available", "text.format",
+                          "unsupported_parameter")
+    raise bad_request(f"text.format type {kind!r} is not supported (use 'text')", "text.format")
+
+
+def _part_text(part: Any, where: str) -> str:
+    if not isinstance(part, dict):
+        raise bad_request(f"{where} must be an object with a type", where)
+    kind = part.get("type")
+    if kind not in TEXT_PARTS:
+        raise bad_request(f"{where}: content part type {kind!r} is not supported (only text: "
+                          f"{', '.join(TEXT_PARTS)})", where, "unsupported_content")
+    text = part.get("text")
+    if not isinstance(text, str):
+        raise bad_request(f"{where}.text must be a string", f"{where}.text")
+    return text
+
+
+def item_message(item: Any, i: int) -> ChatMessage:
+    where = f"input[{i}]"
+    if not isinstance(item, dict):
+        raise bad_request(f"{where} must be an object", where)
+    kind = item.get("type", "message")
+    if kind != "message":
+        raise bad_request(f"{where}: input item type {kind!r} is not supported (only messages)", f"{where}.type",
+                          "unsupported_input_item")
+    extra = sorted(set(item) - _ITEM_KEYS)
+    if extra:
+        raise bad_request(f"{where}: unrecognized field {extra[0]!r}", f"{where}.{extra[0]}", "unknown_parameter")
+    role = item.get("role")
+    if role not in MESSAGE_ROLES:
+        raise bad_request(f"{where}.role must be one of {', '.join(MESSAGE_ROLES)}, got {role!r}", f"{where}.role")
+    content = item.get("content")
+    if isinstance(content, str):
+        text = content
+    elif isinstance(content, list):
+        text = "\n".join(_part_text(p, f"{where}.content[{j}]") for j, p in enumerate(content))
+    else:
+        raise bad_request(f"{where}.content must be a string or a list of text parts", f"{where}.content")
+    return ChatMessage(role=role, content=text)
+
+
+def input_messages(req: ResponsesRequest) -> list[ChatMessage]:
+    """The request's own messages (``instructions`` not included: they are not carried to a follow-up)."""
+    if isinstance(req.input, str):
+        return [ChatMessage(role="user", content=req.input)]
+    if not req.input:
+        raise bad_request("input must not be empty", "input")
+    return [item_message(item, i) for i, item in enumerate(req.input)]
