@@ -38,6 +38,9 @@ class ModelConfig:
     max_logprobs: int = 20  # most top-k logprobs a request may ask for
     logits_processors: list[str] = field(default_factory=list)  # "module:attr" global processors
     trust_remote_code: bool = False
+    runner: str = "auto"  # auto | generate | pooling (vLLM's --runner)
+    convert: str = "auto"  # auto | none | embed | classify | reward: a causal LM used as a pooling model
+    pooler_config: Any = None  # vllite_core.pooling.PoolerConfig of a pooling model; set when the engine starts
     # What the resolved model class declares (vllite_core.model_interfaces); set when the engine starts.
     capabilities: ModelCapabilities = field(default_factory=ModelCapabilities)
 
@@ -162,6 +165,8 @@ class EngineArgs:
     device: str | None = None
     num_threads: int | None = None
     trust_remote_code: bool = False
+    runner: str = "auto"
+    convert: str = "auto"
 
     ALIASES = {"num_gpu_blocks_override": "num_kv_blocks", "memory_utilization": "gpu_memory_utilization"}
     REJECTED = {
@@ -193,7 +198,8 @@ class EngineArgs:
                                      logprobs_mode=self.logprobs_mode,  # type: ignore[arg-type]
                                      max_logprobs=self.max_logprobs,
                                      logits_processors=list(self.logits_processors or []),
-                                     trust_remote_code=self.trust_remote_code),
+                                     trust_remote_code=self.trust_remote_code, runner=self.runner,
+                                     convert=self.convert),
             cache_config=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                                      kv_cache_dtype=self.kv_cache_dtype, num_kv_blocks=self.num_kv_blocks,
                                      kv_cache_memory=self.kv_cache_memory,
