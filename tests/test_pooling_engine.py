@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from tiny_models import TINY, save_tiny
-from tiny_pooling import minilm_path, save_classifier
+from tiny_pooling import minilm_path, save_bert_cross_encoder, save_classifier
 
 from vllite_core import LLM, PoolingParams
 from vllite_core.engine.errors import InvalidRequestError
@@ -177,14 +177,8 @@ def test_reward_is_one_label_head(tmp_path):
 
 @pytest.fixture(scope="module")
 def bert_cross_encoder(tmp_path_factory):
-    from transformers import BertConfig
-
     path = tmp_path_factory.mktemp("tiny-bert-ce")
-    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=64, max_position_embeddings=128, num_labels=1,
-                        architectures=["BertForSequenceClassification"])
-    model = save_classifier(path, config, tokenizer_from=minilm_path(), seed=1)
-    return str(path), model
+    return str(path), save_bert_cross_encoder(path)
 
 
 PAIRS = [("what is the capital of france?", "paris is the capital of france."),

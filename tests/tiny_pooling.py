@@ -37,3 +37,13 @@ def save_classifier(path, config, tokenizer_from: str | None = None, seed: int =
         resolve_model_source(None))
     tok.save_pretrained(path)
     return model
+
+
+def save_bert_cross_encoder(path, seed: int = 1) -> torch.nn.Module:
+    """A tiny random one-label BertForSequenceClassification with all-MiniLM-L6-v2's (BERT) tokenizer."""
+    from transformers import BertConfig
+
+    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=128, num_labels=1,
+                        architectures=["BertForSequenceClassification"])
+    return save_classifier(path, config, tokenizer_from=minilm_path(), seed=seed)

@@ -37,3 +37,7 @@ class PoolingParams:
         import dataclasses
 
         return dataclasses.replace(self, task=task)
+
+    # What the async front reads off a request's params (it streams no text for pooling requests).
+    n = 1
+    max_stop_str_len = 0

@@ -33,6 +33,8 @@ def finish(raw: torch.Tensor, params: PoolingParams, cfg: PoolerConfig) -> torch
     """The request's result on the host, in float32."""
     x = raw.float()
     task = params.task or cfg.task
+    if task == "encode" and cfg.task == "embed":  # an embedding model's pooled output is its embedding
+        task = "embed"
     if task == "embed":
         if params.dimensions is not None:
             x = x[..., :params.dimensions]
@@ -44,8 +46,8 @@ def finish(raw: torch.Tensor, params: PoolingParams, cfg: PoolerConfig) -> torch
     elif task == "reward":
         if params.activation:
             x = class_activation(x)
-    elif params.normalize:  # encode: the raw pooled output unless asked
-        x = F.normalize(x, p=2, dim=-1)
+    elif params.activation:  # encode on a classifier: raw logits unless asked
+        x = class_activation(x)
     return x.cpu()
 
 
