@@ -41,34 +41,37 @@ class LayerNorm(nn.Module):
 
 
 class PaddedBatch:
-    """Where each flattened token sits in a [requests, longest, ...] padded layout, built once per step
-    from the metadata's host copies and shared by every layer."""
+    """The step's requests sorted by length and cut into buckets of similar lengths, each padded to its own
+    longest and masked (little padding, few attention calls); built once per step from the metadata's host
+    copies and shared by every layer."""
+
+    BUCKET = 16  # requests per bucket
 
     def __init__(self, md: AttentionMetadata, device: torch.device) -> None:
         qsl = md.query_start_loc_cpu
-        lens = [b - a for a, b in zip(qsl[:-1], qsl[1:])]
-        self.num_reqs, self.longest, total = len(lens), max(lens), qsl[-1]
-        gather = torch.full((self.num_reqs, self.longest), total, dtype=torch.long)  # `total`: a zero row
-        scatter = torch.empty(total, dtype=torch.long)
-        for i, (start, n) in enumerate(zip(qsl[:-1], lens)):
-            gather[i, :n] = torch.arange(start, start + n)
-            scatter[start:start + n] = torch.arange(i * self.longest, i * self.longest + n)
-        self.gather = gather.view(-1).to(device)
-        self.scatter = scatter.to(device)
-        self.uniform = min(lens) == self.longest
-        key_valid = gather < total
-        self.mask = None if self.uniform else key_valid[:, None, None, :].to(device)
+        spans = sorted(((b - a, a) for a, b in zip(qsl[:-1], qsl[1:])), reverse=True)
+        self.buckets: list[tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]] = []
+        for i in range(0, len(spans), self.BUCKET):
+            group = spans[i:i + self.BUCKET]
+            longest = group[0][0]
+            # Padding rows repeat the request's first token (masked out as keys, dropped as queries).
+            gather = torch.tensor([[start + min(j, n - 1) for j in range(longest)] for n, start in group])
+            valid = torch.tensor([[j < n for j in range(longest)] for n, _ in group])
+            uniform = bool(valid.all())
+            mask = None if uniform else valid[:, None, None, :].to(device)
+            rows = None if uniform else valid.view(-1).nonzero().view(-1).to(device)
+            dest = torch.cat([torch.arange(start, start + n) for n, start in group]).to(device)
+            self.buckets.append((len(group), gather.view(-1).to(device), mask, rows, dest))
 
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, ...] -> [requests, longest, ...] (padding rows are zero)."""
-        if self.num_reqs == 1:
-            return x[None]
-        x = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
-        return x[self.gather].view(self.num_reqs, self.longest, *x.shape[1:])
-
-    def unpad(self, x: torch.Tensor) -> torch.Tensor:
-        """[requests, longest, ...] -> [T, ...]."""
-        return x.reshape(-1, *x.shape[2:])[self.scatter]
+    def attend(self, qkv: torch.Tensor) -> torch.Tensor:
+        """[T, 3, heads, head_size] -> each request's attention over its own tokens, [T, heads, head_size]."""
+        out = torch.empty(qkv.shape[0], *qkv.shape[2:], dtype=qkv.dtype, device=qkv.device)
+        for num_reqs, gather, mask, rows, dest in self.buckets:
+            padded = qkv.index_select(0, gather).view(num_reqs, -1, *qkv.shape[1:])  # [B, L, 3, H, D]
+            q, k, v = (padded[:, :, i].transpose(1, 2) for i in range(3))
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(-1, *qkv.shape[2:])
+            out[dest] = o if rows is None else o.index_select(0, rows)
+        return out
 
 
 class BertLayer(nn.Module):
@@ -89,10 +92,7 @@ class BertLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: PaddedBatch) -> torch.Tensor:
         t, h = x.shape
-        qkv = batch.pad(self.qkv(x).view(t, 3, self.num_heads, self.head_size))  # [B, L, 3, H, D]
-        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
-        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask)  # [B, H, L, D]
-        ctx = batch.unpad(ctx.transpose(1, 2)).reshape(t, h)
+        ctx = batch.attend(self.qkv(x).view(t, 3, self.num_heads, self.head_size)).reshape(t, h)
         x = self.attn_norm(self.attn_out(ctx) + x)
         y = self.out(F.gelu(self.intermediate(x), approximate=self.approximate))
         return self.out_norm(y + x)
