@@ -62,7 +62,16 @@ def test_embedding_refusals(minilm_server):
              ("/v1/embeddings", {"input": [[101] * 400]}, "input"),
              ("/classify", {"input": "hi"}, "task"),
              ("/v1/completions", {"prompt": "hi", "max_tokens": 2}, "model"),
-             ("/v1/embeddings", {"input": "hi", "encoding_format": "int8"}, "encoding_format")]
+             ("/v1/embeddings", {"input": "hi", "encoding_format": "int8"}, "encoding_format"),
+             ("/v1/embeddings", {"input": [101, 30522, 102]}, "prompt_token_ids"),
+             ("/v1/embeddings", {"input": [101, 2 ** 40, 102]}, "prompt_token_ids"),
+             ("/v1/embeddings", {"input": [101, -1]}, "prompt_token_ids"),
+             ("/v1/embeddings", {"input": [[]]}, "input"), ("/v1/embeddings", {"input": 5}, "input"),
+             ("/v1/embeddings", {"input": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+             ("/rerank", {"query": "q", "documents": []}, "documents"),
+             ("/rerank", {"query": "q", "documents": ["d"], "top_n": 0}, "top_n"),
+             ("/score", {"text_1": [], "text_2": "d"}, "text_1"),
+             ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2")]
     for path, body, param in cases:
         r = httpx.post(minilm_server + path, json=body, timeout=60)
         assert r.status_code == 400, (path, body, r.text)

@@ -6,7 +6,7 @@ from typing import Any
 from vllite_core.engine.errors import InvalidRequestError
 from vllite_core.inputs import ProcessedPrompt
 from vllite_core.pooling.params import PoolingParams
-from vllite_core.pooling.token_types import plain_token_id
+from vllite_core.pooling.token_types import plain_token_id, token_type
 from vllite_core.sampling_params import SamplingParams
 
 # What a pooling request carries where a generative one has its SamplingParams: nothing is sampled.
@@ -59,7 +59,9 @@ def prepare_pooling_prompt(engine: Any, prompt: Any, params: PoolingParams, ctx:
         raise InvalidRequestError("input", f"the input has {len(ids)} tokens, more than max_model_len={limit} "
                                   "(set truncate_prompt_tokens to truncate it)")
     vocab = engine.vocab_size
-    bad = [t for t in ids if not 0 <= plain_token_id(t) < vocab]
+    # Token types (a pair's segment B) ride in the high bits, up to the model's number of types.
+    types = max(1, int(getattr(engine.core.model_info.hf_config, "type_vocab_size", 1) or 1))
+    bad = [t for t in ids if not (0 <= plain_token_id(t) < vocab and 0 <= token_type(t) < types)]
     if bad:
         raise InvalidRequestError("prompt_token_ids", f"token id {bad[0]} is out of range [0, {vocab})")
     processed = ProcessedPrompt(prompt_token_ids=ids, prompt=text)

@@ -19,6 +19,10 @@ def plain_token_id(token_id: int) -> int:
     return token_id & _ID_MASK
 
 
+def token_type(token_id: int) -> int:
+    return token_id >> TOKEN_TYPE_SHIFT
+
+
 def split_token_types(input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(token ids, token type ids) of a step's flattened ids."""
     return input_ids & _ID_MASK, input_ids >> TOKEN_TYPE_SHIFT
