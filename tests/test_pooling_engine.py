@@ -203,3 +203,30 @@ def test_bert_cross_encoder_score_and_classify(bert_cross_encoder):
     with torch.no_grad():
         one = model(**tok(PAIRS[1][1], return_tensors="pt")).logits[0]
     assert llm.classify([PAIRS[1][1]])[0].outputs.probs == pytest.approx(one.sigmoid().tolist(), abs=1e-5)
+
+
+def test_runner_and_convert_choices():
+    from model_registry.models.bert import BertModel
+    from model_registry.models.llama import LlamaForCausalLM
+    from vllite_core.config import ConfigError
+    from vllite_core.model_interfaces import model_capabilities
+    from vllite_core.pooling.setup import resolve_model_class
+
+    assert resolve_model_class("BertModel", BertModel, "auto", "auto") is BertModel
+    assert resolve_model_class("LlamaForCausalLM", LlamaForCausalLM, "auto", "auto") is LlamaForCausalLM
+    embed = resolve_model_class("Qwen2ForCausalLM", LlamaForCausalLM, "pooling", "auto")
+    assert model_capabilities(embed).is_pooling and embed.pooling_task == "embed"
+    assert resolve_model_class("Qwen2ForCausalLM", LlamaForCausalLM, "auto", "classify").pooling_task == "classify"
+    for args, field in ((("generate", "auto"), "runner"), (("pooling", "none"), "convert"),
+                        (("pool", "auto"), "runner"), (("pooling", "rank"), "convert")):
+        with pytest.raises(ConfigError, match=field):
+            resolve_model_class("BertModel" if field == "runner" else "LlamaForCausalLM",
+                                BertModel if field == "runner" else LlamaForCausalLM, *args)
+
+
+def test_generative_model_serves_no_pooling_task(tiny_path):
+    llm = LLM(tiny_path, dtype="float32", num_kv_blocks=32)
+    with pytest.raises(InvalidRequestError) as e:
+        llm.embed([{"prompt_token_ids": [5, 6, 7]}])
+    assert e.value.param == "model" and "generative" in str(e.value)
+    assert len(llm.generate([{"prompt_token_ids": [5, 6, 7]}])[0].outputs[0].token_ids) > 0
