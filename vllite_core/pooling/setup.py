@@ -45,6 +45,9 @@ def setup_pooling(config: Any, folder: str | None, hf_config: Any, model_cls: ty
     if mc.max_model_len is None and pooler.max_seq_length:
         mc.max_model_len = pooler.max_seq_length
     apply_pooling_rules(config, pooler)
+    if pooler.bidirectional:
+        # Its attention plans each step from the metadata's host copies: no captured device graphs.
+        config.enforce_eager = True
     mc.pooler_config = pooler
     return pooler
 
