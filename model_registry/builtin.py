@@ -18,6 +18,14 @@ BUILTIN_MODELS: dict[str, str] = {
     "LlamaForCausalLM": _LLAMA,
     "MistralForCausalLM": _LLAMA,
     "Qwen2ForCausalLM": _LLAMA,
+    # Pooling models (embed / classify / score; vllite_core.pooling).
+    "LlamaModel": "model_registry.models.llama_pooling:LlamaEmbeddingModel",
+    "Qwen2Model": "model_registry.models.llama_pooling:LlamaEmbeddingModel",
+    "LlamaForSequenceClassification": "model_registry.models.llama_pooling:LlamaForSequenceClassification",
+    "Qwen2ForSequenceClassification": "model_registry.models.llama_pooling:LlamaForSequenceClassification",
+    "MistralForSequenceClassification": "model_registry.models.llama_pooling:LlamaForSequenceClassification",
+    "BertModel": "model_registry.models.bert:BertModel",
+    "BertForSequenceClassification": "model_registry.models.bert:BertForSequenceClassification",
     # Encoder-decoder: speech in, text out.
     "WhisperForConditionalGeneration": "model_registry.models.whisper:WhisperForConditionalGeneration",
 }

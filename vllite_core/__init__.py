@@ -4,7 +4,11 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "EngineArgs", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = ["LLM", "SamplingParams", "EngineArgs", "RequestOutput", "CompletionOutput", "Logprob", "PoolingParams",
+           "PoolingRequestOutput", "EmbeddingRequestOutput", "ClassificationRequestOutput", "ScoringRequestOutput",
+           "__version__"]
+_POOLING = ("PoolingParams", "PoolingRequestOutput", "EmbeddingRequestOutput", "ClassificationRequestOutput",
+            "ScoringRequestOutput")
 
 
 def __getattr__(name: str) -> Any:
@@ -21,4 +25,7 @@ def __getattr__(name: str) -> Any:
     if name in ("RequestOutput", "CompletionOutput", "Logprob"):
         from vllite_core import outputs
         return getattr(outputs, name)
+    if name in _POOLING:
+        from vllite_core import pooling
+        return getattr(pooling, name)
     raise AttributeError(name)

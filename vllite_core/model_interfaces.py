@@ -86,7 +86,17 @@ class IsStateful(Protocol):
 
 
 class IsPooling(Protocol):
-    """Produces embeddings or scores instead of next-token logits."""
+    """Produces embeddings or scores instead of next-token logits (``vllite_core.pooling``). Its requests
+    are prefill-only: when a prompt's last chunk has run, ``pool`` turns each finished request's hidden
+    rows of that step into its raw result (an embedding, or class logits), and the request finishes."""
+
+    pooling_task: str  # "embed" | "classify" | "reward"
+    default_pooling_type: str  # "CLS" | "MEAN" | "LAST" | "ALL" (a sentence-transformers folder may override)
+    is_bidirectional: bool  # every token sees the whole prompt: one step per prompt, no prefix caching
+
+    def pool(self, hidden: "list[torch.Tensor]", cfg: Any) -> "list[torch.Tensor]":
+        """Per request, its hidden rows of this step (the whole prompt unless ``cfg.pooling_type`` is LAST)
+        -> its raw pooled output. ``cfg``: the engine's ``PoolerConfig``."""
 
 
 @dataclass(frozen=True)
@@ -108,7 +118,7 @@ _DECLARATIONS: dict[str, tuple[type, tuple[str, ...]]] = {
     "supports_transcription": (SupportsTranscription, ("max_audio_seconds", "language_detection_prompt")),
     "supports_lora": (SupportsLoRA, ()),
     "is_stateful": (IsStateful, ()),
-    "is_pooling": (IsPooling, ()),
+    "is_pooling": (IsPooling, ("pool", "pooling_task", "default_pooling_type", "is_bidirectional")),
     # Last: the Protocols above that build on it name themselves in the error.
     "processes_prompts": (ProcessesPrompts, ("process_prompt",)),
 }

@@ -84,6 +84,8 @@ class Request:
     cache_salt: str | None = None
     # Mixed into every block's hash (a LoRA adapter's identity, when LoRA arrives).
     block_extra_keys: tuple = ()
+    # A pooling request (vllite_core.pooling): prefill only, finished with its pooled output.
+    pooling_params: Any = None
 
     def __post_init__(self) -> None:
         self.status = RequestStatus.WAITING

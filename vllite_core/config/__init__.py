@@ -46,6 +46,9 @@ class ModelConfig:
     # Default sampling parameters: "auto" (the model's generation_config.json), "vllite" (or vLLM's "vllm":
     # none), or a folder holding a generation_config.json.
     generation_config: str = "auto"
+    runner: str = "auto"  # auto | generate | pooling (vLLM's --runner)
+    convert: str = "auto"  # auto | none | embed | classify | reward: a causal LM used as a pooling model
+    pooler_config: Any = None  # vllite_core.pooling.PoolerConfig of a pooling model; set when the engine starts
     # What the resolved model class declares (vllite_core.model_interfaces); set when the engine starts.
     capabilities: ModelCapabilities = field(default_factory=ModelCapabilities)
 
@@ -178,6 +181,8 @@ class EngineArgs:
     download_dir: str | None = None
     gguf_file: str | None = None
     generation_config: str = "auto"
+    runner: str = "auto"
+    convert: str = "auto"
 
     ALIASES = {"num_gpu_blocks_override": "num_kv_blocks", "memory_utilization": "gpu_memory_utilization"}
     REJECTED = {
@@ -211,7 +216,8 @@ class EngineArgs:
                                      logits_processors=list(self.logits_processors or []),
                                      trust_remote_code=self.trust_remote_code, revision=self.revision,
                                      download_dir=self.download_dir, gguf_file=self.gguf_file,
-                                     generation_config=self.generation_config),
+                                     generation_config=self.generation_config, runner=self.runner,
+                                     convert=self.convert),
             cache_config=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                                      kv_cache_dtype=self.kv_cache_dtype, num_kv_blocks=self.num_kv_blocks,
                                      kv_cache_memory=self.kv_cache_memory,

@@ -21,6 +21,7 @@ class NewRequestData:
     # Encoder-decoder: the encoder runs in the step that admits the request.
     encoder_inputs: Any = None
     num_encoder_tokens: int = 0
+    pooling_params: Any = None  # a pooling request's PoolingParams (it samples nothing)
 
 
 @dataclass

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from vllite_core.config import CacheConfig, SchedulerConfig
 from vllite_core.core.kv_cache_manager import KVCacheManager
@@ -204,10 +205,11 @@ class Scheduler:
 
     # ---- after the forward pass -------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]],
-                           failed: dict[str, str] | None = None) -> list[Request]:
+                           failed: dict[str, str] | None = None, pooled: Any = ()) -> list[Request]:
         """Append each request's sampled token, apply token-level stop rules; requests that failed in the
         step (``failed``: id -> reason) finish with FINISHED_ERROR and free their blocks. Returns the
-        requests that got a token or failed."""
+        requests that got a token or failed. Pooling requests in ``pooled`` (ids) finished their prompt:
+        they finish (stopped) with their pooled output, no token appended."""
         updated: list[Request] = []
         stopped: list[Request] = []
         for rid in failed or ():
@@ -215,6 +217,13 @@ class Scheduler:
             if req is None or req.status.finished:
                 continue
             req.status = RequestStatus.FINISHED_ERROR
+            updated.append(req)
+            stopped.append(req)
+        for rid in pooled:
+            req = self.requests.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue
+            req.status = RequestStatus.FINISHED_STOPPED
             updated.append(req)
             stopped.append(req)
         for rid, tokens in sampled.items():
@@ -345,7 +354,8 @@ class _Step:
                 req_id=req.request_id, token_ids=list(req.all_token_ids), num_prompt_tokens=req.num_prompt_tokens,
                 sampling_params=req.sampling_params, block_ids=sched.kv.get_block_ids(req),
                 num_computed_tokens=req.num_computed_tokens, eos_token_id=req.eos_token_id,
-                encoder_inputs=req.encoder_inputs, num_encoder_tokens=req.num_encoder_tokens))
+                encoder_inputs=req.encoder_inputs, num_encoder_tokens=req.num_encoder_tokens,
+                pooling_params=req.pooling_params))
         for req in self.running:
             out.scheduled_cached_reqs.append(CachedRequestData(
                 req_id=req.request_id, new_block_ids=self.new_block_ids[req.request_id],

@@ -15,6 +15,7 @@ from vllite_core.config import ConfigError, VlliteConfig
 from vllite_core.core.kv_cache_manager import KVCacheManager
 from vllite_core.core.scheduler import Scheduler, SchedulerStats
 from vllite_core.model_interfaces import model_capabilities
+from vllite_core.pooling import setup as pooling_setup
 from vllite_core.request import Request, RequestStatus
 from vllite_core.worker.model_runner import SampleLogprobs
 from vllite_core.worker.worker import Worker
@@ -34,6 +35,7 @@ class EngineCoreOutput:
     first_scheduled_time: float | None = None
     num_preemptions: int = 0
     error: str | None = None  # finish_reason "error": what went wrong (this request alone failed)
+    pooling_output: Any = None  # a pooling request's result (it finishes with it, no token sampled)
 
 
 @dataclass
@@ -99,9 +101,15 @@ class EngineCore:
         source = resolve_model_source(mc.model, mc.revision, mc.download_dir, mc.gguf_file)
         hf_config = load_hf_config(source)
         arch, model_cls = build_registry(pm).resolve_for_config(hf_config)
-        config.model_config.capabilities = model_capabilities(model_cls)
+        mc = config.model_config
+        model_cls = pooling_setup.resolve_model_class(arch, model_cls, mc.runner, mc.convert)
+        mc.capabilities = model_capabilities(model_cls)
+        if mc.capabilities.is_pooling:
+            pooling_setup.setup_pooling(config, source.path, hf_config, model_cls)
         max_model_len = _derive_max_model_len(config, hf_config, model_cls)
         config.finalize(max_model_len)
+        if mc.pooler_config is not None:
+            pooling_setup.size_encoder_cache(config, mc.pooler_config)
 
         self.worker = Worker(config, platform, pm)
         self.worker.load_model(source, hf_config, arch, model_cls)
@@ -141,7 +149,8 @@ class EngineCore:
             return []
         result = self.worker.execute_model(so)
         t2 = time.perf_counter()
-        updated = self.scheduler.update_from_output(so, result.sampled_token_ids, result.failed)
+        updated = self.scheduler.update_from_output(so, result.sampled_token_ids, result.failed,
+                                                    result.pooler_output)
         outputs = []
         for req in updated:
             outputs.append(EngineCoreOutput(
@@ -150,7 +159,8 @@ class EngineCore:
                 prompt_logprobs=result.prompt_logprobs.get(req.request_id),
                 finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
                 num_cached_tokens=max(req.num_cached_tokens, 0), first_scheduled_time=req.first_scheduled_time,
-                num_preemptions=req.num_preemptions, error=result.failed.get(req.request_id)))
+                num_preemptions=req.num_preemptions, error=result.failed.get(req.request_id),
+                pooling_output=result.pooler_output.get(req.request_id)))
         t3 = time.perf_counter()
         st = self.step_times
         st.schedule += t1 - t0

@@ -12,6 +12,8 @@ from vllite_core.engine.errors import EngineDeadError, InvalidRequestError, Prom
 from vllite_core.engine.output_processor import OutputProcessor, child_request_ids
 from vllite_core.inputs import InputContext, ProcessedPrompt
 from vllite_core.outputs import RequestOutput
+from vllite_core.pooling.params import PoolingParams
+from vllite_core.pooling.requests import POOLING_SAMPLING, prepare_pooling_prompt
 from vllite_core.request import Request, RequestStatus
 from vllite_core.sampling_params import SamplingParams
 
@@ -95,6 +97,9 @@ class LLMEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, tokenizer: Any = None) -> int:
         """Check a request against the model; returns its resolved max_tokens. Reads config, vocab size
         and params only (bad words are tokenized with ``tokenizer``, by default the engine's)."""
+        if self.config.model_config.pooler_config is not None:
+            raise InvalidRequestError("model", f"{self.core.model_info.architecture} is a pooling model (task "
+                                      f"{self.config.model_config.pooler_config.task}): it does not generate text")
         n = len(prompt_token_ids)
         if n == 0:
             raise InvalidRequestError("prompt", "the prompt is empty")
@@ -117,7 +122,10 @@ class LLMEngine:
     def prepare_request(self, prompt: PromptType | ProcessedPrompt, params: SamplingParams,
                         ctx: InputContext | None = None) -> tuple[ProcessedPrompt, int]:
         """Process and validate a prompt: (processed prompt, resolved max_tokens), or a typed request
-        error. Uses ``ctx``'s tokenizer (default: the engine's), so another thread may call it."""
+        error. Uses ``ctx``'s tokenizer (default: the engine's), so another thread may call it. With
+        ``PoolingParams`` it is a pooling request (``vllite_core.pooling``)."""
+        if isinstance(params, PoolingParams):
+            return prepare_pooling_prompt(self, prompt, params, ctx), 1
         processed = self.process_prompt(prompt, ctx)
         max_tokens = self.validate(processed.prompt_token_ids, params, ctx.tokenizer if ctx is not None else None)
         return processed, max_tokens
@@ -140,6 +148,12 @@ class LLMEngine:
         """Queue a request that ``prepare_request`` accepted (nothing is validated again): the caller has
         checked that ``request_id`` is new and ``priority`` allowed. ``n > 1`` fans out into n children."""
         text, ids = processed.prompt, processed.prompt_token_ids
+        if isinstance(params, PoolingParams):
+            self.output_processor.add(request_id, text, ids, POOLING_SAMPLING, [request_id])
+            self.core.add_request(Request(request_id, ids, POOLING_SAMPLING, priority=priority, max_tokens=1,
+                                          cache_salt=processed.cache_salt, pooling_params=params,
+                                          **({} if arrival_time is None else {"arrival_time": arrival_time})))
+            return request_id
         params = self._with_model_eos(params)
         child_ids = child_request_ids(request_id, params.n)
         self.output_processor.add(request_id, text, ids, params, child_ids)

@@ -52,6 +52,7 @@ class RequestOutputState:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     prompt_logprobs: PromptLogprobs | None = None
+    pooling_output: Any = None
 
     @property
     def finished(self) -> bool:
@@ -126,6 +127,8 @@ class OutputProcessor:
             if out.prompt_logprobs is not None and st.prompt_logprobs is None:
                 st.prompt_logprobs = [None] + [self._decode_logprobs(lp.token_ids, lp.values, lp.sampled_rank)
                                                for lp in out.prompt_logprobs]
+            if out.pooling_output is not None:
+                st.pooling_output = out.pooling_output
             child.token_ids.extend(out.new_token_ids)
             if out.new_logprobs and child.logprobs is not None:
                 for lp in out.new_logprobs:
@@ -174,4 +177,4 @@ class OutputProcessor:
             m.e2e_latency = time.monotonic() - st.arrival
         return RequestOutput(request_id=st.request_id, prompt=st.prompt, prompt_token_ids=st.prompt_token_ids,
                              prompt_logprobs=st.prompt_logprobs, outputs=comps, finished=finished, metrics=m,
-                             num_cached_tokens=st.num_cached_tokens)
+                             num_cached_tokens=st.num_cached_tokens, pooling_output=st.pooling_output)

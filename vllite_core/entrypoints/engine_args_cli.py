@@ -26,6 +26,8 @@ _HELP = {
     "num_threads": "CPU threads for torch (default: all cores)",
     "enforce_eager": "disable graph capture / compilation",
     "logits_processors": "global logits processor as module:attr (repeatable)",
+    "runner": "auto | generate | pooling (pooling: embeddings / scores; auto: what the architecture is)",
+    "convert": "auto | none | embed | classify | reward: serve a causal LM as a pooling model",
 }
 
 

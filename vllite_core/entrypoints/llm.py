@@ -10,6 +10,13 @@ from vllite_core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from vllite_core.entrypoints.transcription import Transcription
+    from vllite_core.pooling import (
+        ClassificationRequestOutput,
+        EmbeddingRequestOutput,
+        PoolingParams,
+        PoolingRequestOutput,
+        ScoringRequestOutput,
+    )
 
 Conversation = list[dict[str, Any]]
 
@@ -121,6 +128,71 @@ class LLM:
             mine = [o for o, k in zip(outputs, owner) if k == i]
             results.append(tr.Transcription(tr.join_text(mine), lang, len(samples) / sr, mine))
         return results
+
+    # ---- pooling models (vllite_core.pooling) ----------------------------------------------------
+    def encode(self, prompts: PromptType | Sequence[PromptType], pooling_params: "PoolingParams | None" = None,
+               use_tqdm: bool = False, pooling_task: str | None = None,
+               truncate_prompt_tokens: int | None = None) -> list["PoolingRequestOutput"]:
+        """The model's pooled output per prompt (``.outputs.data``, a float32 tensor)."""
+        from vllite_core.pooling import PoolingParams
+        from vllite_core.pooling.outputs import as_pooling_output
+
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = pooling_params or PoolingParams()
+        if truncate_prompt_tokens is not None:
+            params = PoolingParams(**{**params.__dict__, "truncate_prompt_tokens": truncate_prompt_tokens})
+        if pooling_task is not None:
+            params = params.with_task(pooling_task)  # type: ignore[arg-type]
+        ids: list[str] = []
+        try:
+            for p in prompts:
+                ids.append(self.llm_engine.add_request(self._next_id(), p, params))
+        except Exception:
+            self.llm_engine.abort_request(ids)
+            raise
+        return [as_pooling_output(o) for o in self._run(ids, use_tqdm)]
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: "PoolingParams | None" = None,
+              use_tqdm: bool = False, truncate_prompt_tokens: int | None = None) -> list["EmbeddingRequestOutput"]:
+        from vllite_core.pooling import EmbeddingRequestOutput
+
+        outs = self.encode(prompts, pooling_params, use_tqdm, "embed", truncate_prompt_tokens)
+        return [EmbeddingRequestOutput.from_base(o) for o in outs]
+
+    def classify(self, prompts: PromptType | Sequence[PromptType], pooling_params: "PoolingParams | None" = None,
+                 use_tqdm: bool = False,
+                 truncate_prompt_tokens: int | None = None) -> list["ClassificationRequestOutput"]:
+        from vllite_core.pooling import ClassificationRequestOutput
+
+        outs = self.encode(prompts, pooling_params, use_tqdm, "classify", truncate_prompt_tokens)
+        return [ClassificationRequestOutput.from_base(o) for o in outs]
+
+    def reward(self, prompts: PromptType | Sequence[PromptType], pooling_params: "PoolingParams | None" = None,
+               use_tqdm: bool = False, truncate_prompt_tokens: int | None = None) -> list["PoolingRequestOutput"]:
+        return self.encode(prompts, pooling_params, use_tqdm, "reward", truncate_prompt_tokens)
+
+    def score(self, data_1: str | list[str], data_2: str | list[str], use_tqdm: bool = False,
+              pooling_params: "PoolingParams | None" = None,
+              truncate_prompt_tokens: int | None = None) -> list["ScoringRequestOutput"]:
+        """Relevance of each (data_1, data_2) pair (one against many, or pairwise): a cross-encoder's
+        score, or the cosine similarity of an embedding model's embeddings."""
+        from vllite_core.pooling import ScoringRequestOutput
+        from vllite_core.pooling import scoring as sc
+
+        pairs = sc.score_pairs(data_1, data_2)
+        cfg = self.llm_engine.config.model_config.pooler_config
+        if cfg is not None and cfg.task == "embed":
+            texts = [t for pair in pairs for t in pair]
+            embs = self.encode(texts, pooling_params, use_tqdm, "embed", truncate_prompt_tokens)
+            return [ScoringRequestOutput.from_score(a.request_id, sc.cosine(a.outputs.data, b.outputs.data),
+                                                    a.prompt_token_ids + b.prompt_token_ids)
+                    for a, b in zip(embs[0::2], embs[1::2])]
+        tok = self.get_tokenizer()
+        outs = self.encode([sc.pair_prompt(tok, a, b) for a, b in pairs], pooling_params, use_tqdm, "score",
+                           truncate_prompt_tokens)
+        return [ScoringRequestOutput.from_score(o.request_id, float(o.outputs.data[0]), o.prompt_token_ids)
+                for o in outs]
 
     def _next_id(self) -> str:
         self._counter += 1

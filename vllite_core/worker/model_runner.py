@@ -57,6 +57,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[SampleLogprobs]] = field(default_factory=dict)
     # Requests that failed in this step, alone (request id -> what went wrong); they sampled nothing.
     failed: dict[str, str] = field(default_factory=dict)
+    # Pooling requests whose prompt ended in this step: their result (they sampled nothing).
+    pooler_output: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -104,6 +106,8 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         # Decode steps go through captured graphs when the platform made some (graph_runner.py).
         self.model_forward = ModelForward(model, attn_backend, len(self.kv_cache_specs))
+        self.pooler_config = config.model_config.pooler_config
+        self.pooling_params: dict[str, Any] = {}  # of the pooling requests in the batch
 
     def _table_width(self, spec: KVCacheSpec) -> int:
         """Block-table columns a group needs: sliding-window tables keep dead slots (as the null block)."""
@@ -162,6 +166,7 @@ class ModelRunner:
         for rid in so.finished_req_ids:
             b.remove(rid)
             self.generators.pop(rid, None)
+            self.pooling_params.pop(rid, None)
         for rid in so.preempted_req_ids:
             b.remove(rid)
         for new in so.scheduled_new_reqs:
@@ -175,6 +180,8 @@ class ModelRunner:
             state = RowState(new.req_id, new.num_prompt_tokens, p, gen,
                              list(new.token_ids[new.num_prompt_tokens:]), new.eos_token_id)
             b.add(state, new.token_ids, new.block_ids, new.num_computed_tokens, new.num_encoder_tokens)
+            if new.pooling_params is not None:
+                self.pooling_params[new.req_id] = new.pooling_params
         if self.cross_layers:
             fresh = [n for n in so.scheduled_new_reqs if n.num_encoder_tokens]
             if fresh:
@@ -287,6 +294,18 @@ class ModelRunner:
                 keep = torch.as_tensor(np.nonzero(alive)[0], device=inp.logits_indices.device)
                 logits = self.model.compute_logits(hidden[inp.logits_indices[keep]])
 
+    def _pool(self, hidden: torch.Tensor, inp: StepInputs, so: SchedulerOutput, out: ModelRunnerOutput) -> None:
+        """Pooling requests whose prompt ended: the rows they ran in this step are pooled."""
+        from vllite_core.pooling.pooler import pooled_outputs
+
+        segments = []
+        for row, end in zip(inp.sample_rows.tolist(), inp.logits_indices.tolist()):
+            st = self.batch.states[row]
+            assert st is not None
+            n = so.num_scheduled_tokens[st.req_id]
+            segments.append((st.req_id, end + 1 - n, n))
+        out.pooler_output = pooled_outputs(self.model, self.pooler_config, hidden, segments, self.pooling_params)
+
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
@@ -302,6 +321,9 @@ class ModelRunner:
         if inp.prompt_lp:
             self._prompt_logprobs(hidden, inp)
         if len(inp.sample_rows) == 0:
+            return out
+        if self.pooler_config is not None:
+            self._pool(hidden, inp, so, out)
             return out
         sample_rows, sampled = self._sample(hidden, inp, out)
         if sampled is None:

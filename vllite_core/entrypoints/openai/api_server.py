@@ -317,6 +317,9 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
     from vllite_core.entrypoints.openai.serving_transcription import router as transcription_router
 
     app.include_router(transcription_router)  # POST /v1/audio/transcriptions (speech models)
+    from vllite_core.entrypoints.openai.serving_pooling import router as pooling_router
+
+    app.include_router(pooling_router)  # /v1/embeddings /pooling /classify /score /rerank (pooling models)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

@@ -1,0 +1,227 @@
+"""BERT encoders written for the engine: ``BertModel`` (sentence embeddings, e.g. all-MiniLM-L6-v2) and
+``BertForSequenceClassification`` (cross-encoders for ``score`` / rerank).
+
+Every token attends to the whole prompt (no causal mask), so a prompt runs in one step (the engine turns
+chunked prefill and prefix caching off for it) and no K/V is kept: attention works on the step's own
+q/k/v, each request's rows padded to the step's longest and masked, through torch's
+``scaled_dot_product_attention`` (hardware-neutral). Absolute position and token type embeddings, post-LN
+residual blocks, as in transformers. Token type ids arrive in the prompt ids' high bits
+(``vllite_core.pooling.token_types``).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model_registry.models.llama import Linear, _copy
+from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
+from vllite_core.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec
+from vllite_core.model_interfaces import IsPooling
+from vllite_core.pooling.pooler import pool_tokens
+from vllite_core.pooling.token_types import split_token_types
+
+_IGNORED = ("embeddings.position_ids",)
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight, self.bias, self.eps = _param(size, dtype=dtype), _param(size, dtype=dtype), eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+
+
+class PaddedBatch:
+    """The step's requests sorted by length and cut into buckets of similar lengths, each padded to its own
+    longest and masked (little padding, few attention calls); built once per step from the metadata's host
+    copies and shared by every layer."""
+
+    BUCKET = 16  # requests per bucket
+
+    def __init__(self, md: AttentionMetadata, device: torch.device) -> None:
+        qsl = md.query_start_loc_cpu
+        spans = sorted(((b - a, a) for a, b in zip(qsl[:-1], qsl[1:])), reverse=True)
+        self.buckets: list[tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]] = []
+        for i in range(0, len(spans), self.BUCKET):
+            group = spans[i:i + self.BUCKET]
+            longest = group[0][0]
+            # Padding rows repeat the request's first token (masked out as keys, dropped as queries).
+            gather = torch.tensor([[start + min(j, n - 1) for j in range(longest)] for n, start in group])
+            valid = torch.tensor([[j < n for j in range(longest)] for n, _ in group])
+            uniform = bool(valid.all())
+            mask = None if uniform else valid[:, None, None, :].to(device)
+            rows = None if uniform else valid.view(-1).nonzero().view(-1).to(device)
+            dest = torch.cat([torch.arange(start, start + n) for n, start in group]).to(device)
+            self.buckets.append((len(group), gather.view(-1).to(device), mask, rows, dest))
+
+    def attend(self, qkv: torch.Tensor) -> torch.Tensor:
+        """[T, 3, heads, head_size] -> each request's attention over its own tokens, [T, heads, head_size]."""
+        out = torch.empty(qkv.shape[0], *qkv.shape[2:], dtype=qkv.dtype, device=qkv.device)
+        for num_reqs, gather, mask, rows, dest in self.buckets:
+            padded = qkv.index_select(0, gather).view(num_reqs, -1, *qkv.shape[1:])  # [B, L, 3, H, D]
+            q, k, v = (padded[:, :, i].transpose(1, 2) for i in range(3))
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(-1, *qkv.shape[2:])
+            out[dest] = o if rows is None else o.index_select(0, rows)
+        return out
+
+
+class BertLayer(nn.Module):
+    def __init__(self, c: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        h, eps = c.hidden_size, float(c.layer_norm_eps)
+        self.num_heads, self.head_size = c.num_attention_heads, h // c.num_attention_heads
+        self.qkv = Linear(h, 3 * h, True, dtype)
+        self.attn_out = Linear(h, h, True, dtype)
+        self.attn_norm = LayerNorm(h, eps, dtype)
+        self.intermediate = Linear(h, c.intermediate_size, True, dtype)
+        self.out = Linear(c.intermediate_size, h, True, dtype)
+        self.out_norm = LayerNorm(h, eps, dtype)
+        act = getattr(c, "hidden_act", "gelu")
+        if act not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
+            raise NotImplementedError(f"hidden_act {act!r} is not supported by the BERT implementation")
+        self.approximate = "none" if act == "gelu" else "tanh"
+
+    def forward(self, x: torch.Tensor, batch: PaddedBatch) -> torch.Tensor:
+        t, h = x.shape
+        ctx = batch.attend(self.qkv(x).view(t, 3, self.num_heads, self.head_size)).reshape(t, h)
+        x = self.attn_norm(self.attn_out(ctx) + x)
+        y = self.out(F.gelu(self.intermediate(x), approximate=self.approximate))
+        return self.out_norm(y + x)
+
+
+class BertModel(nn.Module, IsPooling):
+    """Sentence embeddings: CLS pooling by default; a sentence-transformers folder says mean / last and
+    whether to normalise (``vllite_core.pooling.config``)."""
+
+    pooling_task = "embed"
+    default_pooling_type = "CLS"
+    is_bidirectional = True
+
+    def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        c = hf_config
+        if getattr(c, "position_embedding_type", "absolute") != "absolute":
+            raise NotImplementedError(f"position_embedding_type {c.position_embedding_type!r} is not supported")
+        self.config, self.dtype = c, dtype
+        self.vocab_size: int = c.vocab_size
+        self.hidden_size: int = c.hidden_size
+        self.word_embeddings = _param(c.vocab_size, c.hidden_size, dtype=dtype)
+        self.position_embeddings = _param(c.max_position_embeddings, c.hidden_size, dtype=dtype)
+        self.token_type_embeddings = _param(max(1, c.type_vocab_size), c.hidden_size, dtype=dtype)
+        self.embed_norm = LayerNorm(c.hidden_size, float(c.layer_norm_eps), dtype)
+        self.layers = nn.ModuleList(BertLayer(c, dtype) for _ in range(c.num_hidden_layers))
+
+    def get_kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> list[KVCacheSpec]:
+        """No K/V is kept; one minimal layer (1 head of 1 value) keeps the scheduler's block accounting."""
+        return [FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=dtype)]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                attn_metadata: list[AttentionMetadata]) -> torch.Tensor:
+        """Final hidden states [T, hidden] of every request's prompt (each whole in this step)."""
+        ids, types = split_token_types(input_ids)
+        x = (F.embedding(ids, self.word_embeddings) + F.embedding(positions, self.position_embeddings)
+             + F.embedding(types, self.token_type_embeddings))
+        x = self.embed_norm(x)
+        batch = PaddedBatch(attn_metadata[0], x.device)
+        for layer in self.layers:
+            x = layer(x, batch)
+        return x
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states.float()
+
+    def pool(self, hidden: list[torch.Tensor], cfg: Any) -> list[torch.Tensor]:
+        return [pool_tokens(h, cfg.pooling_type) for h in hidden]
+
+    # ---- weights -------------------------------------------------------------------------------
+    def _target(self, name: str) -> tuple[str, slice | None] | None:
+        """The parameter (and rows of a fused one) an HF BERT tensor fills; None: not part of this model."""
+        name = name.removeprefix("bert.")
+        if name.startswith("embeddings."):
+            rest = name.removeprefix("embeddings.")
+            return {"word_embeddings.weight": ("word_embeddings", None),
+                    "position_embeddings.weight": ("position_embeddings", None),
+                    "token_type_embeddings.weight": ("token_type_embeddings", None),
+                    "LayerNorm.weight": ("embed_norm.weight", None),
+                    "LayerNorm.bias": ("embed_norm.bias", None)}.get(rest)
+        if not name.startswith("encoder.layer."):
+            return None
+        idx, rest = name.removeprefix("encoder.layer.").split(".", 1)
+        h = self.hidden_size
+        for i, part in enumerate(("query", "key", "value")):
+            if rest.startswith(f"attention.self.{part}."):
+                return f"layers.{idx}.qkv.{rest.rsplit('.', 1)[1]}", slice(i * h, (i + 1) * h)
+        mapped = {"attention.output.dense": "attn_out", "attention.output.LayerNorm": "attn_norm",
+                  "intermediate.dense": "intermediate", "output.dense": "out", "output.LayerNorm": "out_norm"}
+        module, leaf = rest.rsplit(".", 1)
+        return (f"layers.{idx}.{mapped[module]}.{leaf}", None) if module in mapped else None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        fused_seen: dict[str, int] = {}
+        unexpected = []
+        for hf_name, tensor in weights:
+            if hf_name.endswith(_IGNORED):
+                continue
+            target = self._target(hf_name)
+            if target is None:
+                if not self._extra_weight(hf_name, tensor, params, loaded):
+                    unexpected.append(hf_name)
+                continue
+            name, rows = target
+            dst = params[name].data
+            _copy(dst if rows is None else dst[rows], tensor, hf_name)
+            if rows is None:
+                loaded.add(name)
+            else:
+                fused_seen[name] = fused_seen.get(name, 0) + 1
+                if fused_seen[name] == 3:
+                    loaded.add(name)
+        if unexpected:
+            raise ValueError(f"checkpoint has weights this model does not know: {', '.join(unexpected[:8])}")
+        return loaded
+
+    def _extra_weight(self, name: str, tensor: torch.Tensor, params: dict, loaded: set[str]) -> bool:
+        """Weights outside the encoder: the unused pooler of a plain BertModel checkpoint is skipped."""
+        return name.removeprefix("bert.").startswith("pooler.")
+
+
+class BertForSequenceClassification(BertModel):
+    """Cross-encoder / classifier: CLS -> pooler (dense, tanh) -> classifier, as transformers computes it."""
+
+    pooling_task = "classify"
+    default_pooling_type = "CLS"
+
+    def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__(hf_config, attn_backend, dtype)
+        h = hf_config.hidden_size
+        self.num_labels = int(hf_config.num_labels)
+        self.pooler = Linear(h, h, True, dtype)
+        self.classifier = Linear(h, self.num_labels, True, dtype)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.tanh(self.pooler(hidden_states))).float()
+
+    def pool(self, hidden: list[torch.Tensor], cfg: Any) -> list[torch.Tensor]:
+        pooled = torch.stack([pool_tokens(h, cfg.pooling_type) for h in hidden])
+        return list(self.compute_logits(pooled))
+
+    def _extra_weight(self, name: str, tensor: torch.Tensor, params: dict, loaded: set[str]) -> bool:
+        name = name.removeprefix("bert.")
+        target = {"pooler.dense.weight": "pooler.weight", "pooler.dense.bias": "pooler.bias",
+                  "classifier.weight": "classifier.weight", "classifier.bias": "classifier.bias"}.get(name)
+        if target is None:
+            return False
+        _copy(params[target].data, tensor, name)
+        loaded.add(target)
+        return True

