@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from vllite_core.platforms.interface import Platform
 
 PROJECT = "vllite"
-VLLITE_PLUGIN_API: tuple[int, int] = (1, 0)
+VLLITE_PLUGIN_API: tuple[int, int] = (1, 1)  # 1.1: structured output backends, tool parsers
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -55,3 +55,23 @@ def vllite_register_logits_processors() -> "list[Any]":
 @hookspec
 def vllite_check_config(config: "VlliteConfig") -> None:
     """Inspect or adjust the engine config after the platform has; raise ConfigError to refuse it."""
+
+
+@hookspec
+def vllite_register_structured_output_backends() -> "dict[str, type]":
+    """Return structured output backends by name: ``{"mybackend": MyBackend}``.
+
+    A backend class follows ``vllite_core.structured_output.backend.StructuredOutputBackend``
+    (``check`` a class method; ``compile`` and ``matcher`` on an instance built with the engine's
+    tokenizer). The engine uses the one named by ``structured_outputs_config["backend"]``; ``auto``
+    tries xgrammar, guidance, outlines, then plugin backends in order. The built-ins register here too.
+    """
+
+
+@hookspec
+def vllite_register_tool_parsers() -> "dict[str, type]":
+    """Return tool-call parsers by name (``--tool-call-parser NAME``): ``{"hermes": HermesToolParser}``.
+
+    A parser class follows ``vllite_core.tool_parsers.base.ToolParser``: it turns a model's text into
+    tool calls, whole and streamed. The built-ins (hermes, llama3_json) register here too.
+    """

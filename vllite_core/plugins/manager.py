@@ -34,6 +34,8 @@ CORE_DISTRIBUTION = "vllite"
 # (name, group, module): plugins shipped inside the core distribution.
 BUILTIN_PLUGINS: tuple[tuple[str, str, str], ...] = (
     ("builtin-models", PLUGINS_GROUP, "model_registry.builtin"),
+    ("builtin-structured-output", PLUGINS_GROUP, "vllite_core.structured_output.builtin"),
+    ("builtin-tool-parsers", PLUGINS_GROUP, "vllite_core.tool_parsers.builtin"),
 )
 
 
