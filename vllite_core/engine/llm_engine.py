@@ -104,7 +104,7 @@ class LLMEngine:
             if k is not None and k > max_lp:
                 raise InvalidRequestError(name, f"{k} is more than the engine's max_logprobs={max_lp}")
         params.check_vocab(self.vocab_size)
-        if params.structured_outputs is not None:
+        if params.structured_outputs is not None and params.structured_outputs._backend is None:
             self.structured_output.select(params.structured_outputs)
         if params.bad_words and not params.bad_words_token_ids:
             params.tokenize_bad_words(tokenizer or self.tokenizer, self.vocab_size)

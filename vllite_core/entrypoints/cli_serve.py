@@ -42,6 +42,10 @@ def add_serve_parser(sub: Any) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=20.0,
                    help="on SIGTERM / Ctrl-C, seconds in-flight requests may finish before they are ended")
     g.add_argument("--disable-fastapi-docs", action="store_true", help="no /openapi.json and /docs")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="allow tool_choice 'auto': the model's tool calls are parsed with --tool-call-parser")
+    g.add_argument("--tool-call-parser", default=None, help="tool-call parser for tool_choice 'auto' (hermes, "
+                   "llama3_json, or a plugin's)")
     add_engine_args(p)
     p.set_defaults(func=run_serve)
 
@@ -62,6 +66,8 @@ def run_serve(ns: argparse.Namespace) -> int:
                         ("shutdown_timeout", 0)):
         if getattr(ns, flag) is not None and getattr(ns, flag) < least:
             raise SystemExit(f"vllite serve: --{flag.replace('_', '-')} must be at least {least:g}")
+    if ns.enable_auto_tool_choice and not ns.tool_call_parser:
+        raise SystemExit("vllite serve: --enable-auto-tool-choice needs --tool-call-parser")
     sock = bind_socket(ns.host, ns.port)  # a busy port fails now, not after loading the model
     try:
         engine = AsyncLLM(LLMEngine.from_engine_args(engine_args_from_namespace(ns)))
@@ -75,5 +81,6 @@ def run_serve(ns: argparse.Namespace) -> int:
           allowed_methods=ns.allowed_methods, allowed_headers=ns.allowed_headers,
           allow_credentials=ns.allow_credentials, allowed_hosts=ns.allowed_hosts,
           max_waiting_requests=ns.max_waiting_requests, request_timeout=ns.request_timeout,
-          body_read_timeout=ns.body_read_timeout or None, enable_docs=not ns.disable_fastapi_docs)
+          body_read_timeout=ns.body_read_timeout or None, enable_docs=not ns.disable_fastapi_docs,
+          enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser)
     return 0

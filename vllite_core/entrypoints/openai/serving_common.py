@@ -40,6 +40,9 @@ class ServerState:
     request_timeout: float | None = None  # seconds from arrival; then the request is aborted
     body_read_timeout: float | None = DEFAULT_BODY_READ_TIMEOUT_S
     stopping: asyncio.Event = field(default_factory=asyncio.Event)  # set: in-flight requests end now
+    # Tool calling: tool_choice "auto" needs --enable-auto-tool-choice and a parser (--tool-call-parser).
+    enable_auto_tool_choice: bool = False
+    tool_parser: Any = None  # a vllite_core.tool_parsers.ToolParser class
 
     def num_waiting(self) -> int:
         """Requests accepted but without a first token yet (queued in the scheduler or in prefill)."""
