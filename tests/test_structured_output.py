@@ -64,8 +64,11 @@ def so_params(max_tokens: int, sampled: bool, i: int, **kind) -> SamplingParams:
 
 
 def test_json_schemas_validate_greedy_and_sampled(llm):
+    # disable_any_whitespace: with free whitespace the 135M model can loop on newlines until max_tokens
+    # (the grammar allows it); compact JSON keeps every output short enough to finish.
     p = prompt(llm, "Reply with a small JSON value.")
-    params = [so_params(120, sampled, i, json=s) for sampled in (False, True) for i, s in enumerate(SCHEMAS)]
+    params = [so_params(120, sampled, i, json=s, disable_any_whitespace=True)
+              for sampled in (False, True) for i, s in enumerate(SCHEMAS)]
     outs = llm.generate([p] * len(params), params)
     for i, out in enumerate(outs):
         c = out.outputs[0]
@@ -99,9 +102,9 @@ def test_n_children_each_follow_the_grammar(llm):
 
 def test_auto_falls_back_to_guidance_and_says_so(llm):
     schema = {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 7, "minimum": 1,
-                                                     "maximum": 99}}, "required": ["n"]}
+                                                     "maximum": 99}}, "required": ["n"], "additionalProperties": False}
     outs = llm.generate([prompt(llm, "Give a JSON object.")] * 2,
-                        [so_params(60, s, 0, json=schema, disable_any_whitespace=True) for s in (False, True)])
+                        [so_params(30, s, 0, json=schema, disable_any_whitespace=True) for s in (False, True)])
     for out in outs:
         jsonschema.validate(json.loads(out.outputs[0].text), schema)  # multipleOf enforced
         assert out.metrics.structured_output_backend == "guidance"
@@ -130,19 +133,24 @@ def test_an_explicit_backend_never_falls_back(llm):
 
 def test_backends_agree_on_allowed_tokens(llm):
     """Same regular language, three engines: identical allowed-token sets at random prefixes of outputs
-    drawn under xgrammar. (JSON schemas are not compared: each backend has its own whitespace and
-    separator rules, e.g. xgrammar's compact JSON writes ", " and ": ", llguidance's "," and ":".)"""
+    drawn under xgrammar. Where they differ, and why, so these specs avoid it: ``\\d`` is [0-9] in
+    xgrammar but any Unicode digit in llguidance and outlines (Rust regex semantics: they also allow the
+    first bytes of e.g. Arabic-Indic digits), so the specs write [0-9]; JSON schemas are not compared,
+    as each backend has its own whitespace and separator rules (xgrammar's compact JSON writes ", " and
+    ": ", llguidance's "," and ":"). And llguidance is stricter after a non-canonical split: after a
+    lone-space token ("Ġ") it allows only what continues that tokenization plausibly (1 token where the
+    others allow 4), so guidance's set must be a subset of xgrammar's, and outlines' equal to it."""
     from vllite_core.structured_output.backend import bitmask_words
     from vllite_core.structured_output.bitmask import unpack_bitmask
 
     eng = llm.llm_engine
     mgr = eng.structured_output
     rng = random.Random(0)
-    specs = [dict(regex=REGEXES[0]), dict(regex=REGEXES[1]), dict(choice=CHOICES[1]),
+    specs = [dict(regex=r"[0-9]{3}-[0-9]{4}"), dict(regex=REGEXES[1]), dict(choice=CHOICES[1]),
              dict(regex=r'\{"a": [0-9]{1,3}, "b": "(x|yy)"\}')]
     p = prompt(llm, "Answer.")
     outs = llm.generate([p] * len(specs), [so_params(48, True, i, **k) for i, k in enumerate(specs)])
-    checked = 0
+    checked = same = 0
     for spec, out in zip(specs, outs):
         tokens = out.outputs[0].token_ids
         matchers = {n: mgr.backend(n).matcher(mgr.backend(n).compile(StructuredOutputsParams(**spec)))
@@ -159,11 +167,13 @@ def test_backends_agree_on_allowed_tokens(llm):
                 m.fill_bitmask(bm, 0)
                 masks[n] = unpack_bitmask(bm, eng.vocab_size)[0]
             assert masks["xgrammar"].any()
-            for n in ("guidance", "outlines"):
-                diff = (masks[n] ^ masks["xgrammar"]).nonzero().flatten().tolist()
-                assert not diff, (spec, stop, n, diff[:10])
+            diff = (masks["outlines"] ^ masks["xgrammar"]).nonzero().flatten().tolist()
+            assert not diff, (spec, stop, diff[:10])
+            extra = (masks["guidance"] & ~masks["xgrammar"]).nonzero().flatten().tolist()
+            assert not extra and masks["guidance"].any(), (spec, stop, extra[:10])
+            same += bool((masks["guidance"] == masks["xgrammar"]).all())
             checked += 1
-    assert checked >= 12
+    assert checked >= 12 and same >= checked // 2
 
 
 def test_structured_rows_leave_free_rows_unchanged(llm):

@@ -118,8 +118,8 @@ class XgrammarBackend:
         with self._lock:
             if params.json is not None:
                 return c.compile_json_schema(params.json, any_whitespace=not params.disable_any_whitespace)
-            if params.json_object:
-                return c.compile_builtin_json_grammar()
+            if params.json_object:  # an object, as OpenAI's json_object means (the builtin grammar takes any value)
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=not params.disable_any_whitespace)
             if params.regex is not None:
                 return c.compile_regex(params.regex)
             if params.choice is not None:

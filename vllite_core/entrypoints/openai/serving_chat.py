@@ -160,7 +160,7 @@ class ChatServer:
         st = self.state
         st.check_model(req.model)
         self._check_unsupported(req)
-        plan = plan_tools(req.tools, req.tool_choice)
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
         if plan.mode == "auto" and not (st.enable_auto_tool_choice and st.tool_parser is not None):
             raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
                               "tool_choice")

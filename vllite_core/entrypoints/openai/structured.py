@@ -27,6 +27,7 @@ class ToolPlan:
     mode: str
     tools: list[dict[str, Any]]
     name: str | None = None  # the named function
+    parallel: bool = True  # parallel_tool_calls: false means at most one call (``required``)
 
     @property
     def template_tools(self) -> list[dict[str, Any]] | None:
@@ -75,7 +76,14 @@ def _tool_name(tool: Any, i: int) -> str:
     return name
 
 
-def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> ToolPlan:
+def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel_tool_calls: bool | None = None
+               ) -> ToolPlan:
+    plan = _plan(tools, tool_choice)
+    plan.parallel = parallel_tool_calls is not False
+    return plan
+
+
+def _plan(tools: list[dict[str, Any]] | None, tool_choice: Any) -> ToolPlan:
     tools = list(tools or [])
     names = [_tool_name(t, i) for i, t in enumerate(tools)]
     if tool_choice is None:
@@ -111,7 +119,10 @@ def tool_schema(plan: ToolPlan) -> dict[str, Any] | None:
     one_of = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
                                                 "parameters": _parameters(t)},
                "required": ["name", "parameters"]} for t in plan.tools]
-    return {"type": "array", "minItems": 1, "items": one_of[0] if len(one_of) == 1 else {"anyOf": one_of}}
+    schema = {"type": "array", "minItems": 1, "items": one_of[0] if len(one_of) == 1 else {"anyOf": one_of}}
+    if not plan.parallel:
+        schema["maxItems"] = 1
+    return schema
 
 
 def structured_outputs_for(req: Any, plan: ToolPlan | None = None) -> tuple[str, StructuredOutputsParams] | None:
