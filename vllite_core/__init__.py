@@ -4,9 +4,9 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "EngineArgs", "RequestOutput", "CompletionOutput", "Logprob", "PoolingParams",
-           "PoolingRequestOutput", "EmbeddingRequestOutput", "ClassificationRequestOutput", "ScoringRequestOutput",
-           "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "EngineArgs", "RequestOutput", "CompletionOutput",
+           "Logprob", "PoolingParams", "PoolingRequestOutput", "EmbeddingRequestOutput", "ClassificationRequestOutput",
+           "ScoringRequestOutput", "__version__"]
 _POOLING = ("PoolingParams", "PoolingRequestOutput", "EmbeddingRequestOutput", "ClassificationRequestOutput",
             "ScoringRequestOutput")
 
@@ -16,9 +16,9 @@ def __getattr__(name: str) -> Any:
     if name == "LLM":
         from vllite_core.entrypoints.llm import LLM
         return LLM
-    if name == "SamplingParams":
-        from vllite_core.sampling_params import SamplingParams
-        return SamplingParams
+    if name in ("SamplingParams", "StructuredOutputsParams"):
+        from vllite_core import sampling_params
+        return getattr(sampling_params, name)
     if name == "EngineArgs":
         from vllite_core.config import EngineArgs
         return EngineArgs

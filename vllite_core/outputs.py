@@ -45,6 +45,7 @@ class RequestMetrics:
     num_generation_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    structured_output_backend: str | None = None  # the backend that enforced the request's structured output
 
 
 @dataclass

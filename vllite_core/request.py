@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 
 
 class RequestStatus(enum.IntEnum):
+    WAITING_FOR_FSM = -1  # waiting for its structured output grammar to compile (the scheduler skips it)
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
@@ -86,6 +87,8 @@ class Request:
     block_extra_keys: tuple = ()
     # A pooling request (vllite_core.pooling): prefill only, finished with its pooled output.
     pooling_params: Any = None
+    # Structured output: the request's grammar (vllite_core.structured_output.RequestGrammar), set on add.
+    structured_output: Any = None
 
     def __post_init__(self) -> None:
         self.status = RequestStatus.WAITING

@@ -40,6 +40,101 @@ class SamplingParamsError(ValueError):
         self.param = param
 
 
+# The kinds of constraint one StructuredOutputsParams may carry (exactly one per request).
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+MAX_CHOICES = 1024
+MAX_GRAMMAR_SPEC_LEN = 1 << 20  # characters of a schema, regex, grammar or structural tag
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the generated text (vLLM's names). Exactly one kind is set: ``json`` (a JSON
+    schema, dict or string), ``regex``, ``choice`` (a list of strings), ``grammar`` (EBNF / Lark),
+    ``json_object`` (any JSON object) or ``structural_tag`` (xgrammar's tagged-schema format, JSON).
+    The backend that enforces it is chosen once for the engine (``structured_outputs_config``)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_fallback: bool = False  # auto backend: do not fall back when the first backend cannot compile
+    disable_any_whitespace: bool = False  # JSON: no free whitespace between tokens
+    disable_additional_properties: bool = False  # JSON: objects take only the schema's properties
+    whitespace_pattern: str | None = None  # JSON: a regex for the whitespace between tokens (outlines)
+    backend: str | None = None  # refused: the engine chooses the backend
+
+    def __post_init__(self) -> None:
+        import json as _json
+
+        def bad(field_name: str, msg: str) -> None:
+            raise SamplingParamsError(f"structured_outputs.{field_name}", msg)
+
+        if self.backend is not None:
+            bad("backend", "the structured output backend is chosen at engine level "
+                "(structured_outputs_config={'backend': ...} or --structured-outputs-backend), not per request")
+        if self.json_object is False:
+            self.json_object = None
+        given = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) is not None]
+        if len(given) != 1:
+            what = "none was given" if not given else f"got {len(given)}: {', '.join(given)}"
+            bad(given[1] if len(given) > 1 else "json",
+                f"exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)} must be set, {what}")
+        if isinstance(self.json, dict):
+            try:
+                self.json = _json.dumps(self.json)
+            except (TypeError, ValueError) as e:
+                bad("json", f"the schema is not serialisable as JSON: {e}")
+        if self.json is not None:
+            if not isinstance(self.json, str):
+                bad("json", f"must be a JSON schema (a dict or a JSON string), got {type(self.json).__name__}")
+            try:
+                schema = _json.loads(self.json)
+            except ValueError as e:
+                bad("json", f"not valid JSON: {e}")
+            if not isinstance(schema, (dict, bool)):
+                bad("json", "a JSON schema must be an object (or true/false)")
+        for name in ("regex", "grammar", "structural_tag", "whitespace_pattern"):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if not isinstance(v, str) or not v:
+                bad(name, "must be a non-empty string")
+            if len(v) > MAX_GRAMMAR_SPEC_LEN:
+                bad(name, f"at most {MAX_GRAMMAR_SPEC_LEN} characters, got {len(v)}")
+        if self.json is not None and len(self.json) > MAX_GRAMMAR_SPEC_LEN:
+            bad("json", f"at most {MAX_GRAMMAR_SPEC_LEN} characters, got {len(self.json)}")
+        if self.regex is not None:
+            import re
+            try:
+                re.compile(self.regex)
+            except re.error as e:
+                bad("regex", f"invalid regular expression: {e}")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice:
+                bad("choice", "must be a non-empty list of strings")
+            if len(self.choice) > MAX_CHOICES:
+                bad("choice", f"at most {MAX_CHOICES} entries, got {len(self.choice)}")
+            if not all(isinstance(c, str) and c for c in self.choice):
+                bad("choice", "entries must be non-empty strings")
+            self.choice = list(self.choice)
+        if self.structural_tag is not None:
+            try:
+                tag = _json.loads(self.structural_tag)
+            except ValueError as e:
+                bad("structural_tag", f"not valid JSON: {e}")
+            if not isinstance(tag, dict):
+                bad("structural_tag", "must be a JSON object")
+        # Set by the engine when it accepts the request: the backend that serves it.
+        self._backend: str | None = None
+        self._backend_was_auto = False
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) is not None)
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -65,6 +160,7 @@ class SamplingParams:
     bad_words: list[str] | None = None  # words (their token sequences) never generated
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     allowed_token_ids: list[int] | None = None  # only these may be generated
+    structured_outputs: StructuredOutputsParams | None = None  # constrain the output (JSON schema, regex, ...)
     # Removed in V1; accepted only to give a clear error.
     best_of: int | None = None
     logits_processors: Any = None
@@ -98,6 +194,13 @@ class SamplingParams:
         self.bad_words_token_ids: list[list[int]] = []
         if self.top_k == -1:
             self.top_k = 0
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            if not isinstance(self.structured_outputs, dict):
+                raise SamplingParamsError("structured_outputs", "must be a StructuredOutputsParams or a dict")
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:
+                raise SamplingParamsError("structured_outputs", str(e)) from None
         self._validate()
 
     def _check_numbers(self) -> None:

@@ -121,11 +121,48 @@ class DeviceConfig:
 
 
 @dataclass
+class StructuredOutputsConfig:
+    """Structured output for the whole engine (vLLM's names): one backend (``auto``: xgrammar, falling
+    back to guidance then outlines for what the first cannot compile), compiled off the step path."""
+
+    backend: str = "auto"  # auto | xgrammar | guidance | outlines | a plugin's backend
+    compile_timeout_s: float = 30.0  # a grammar still compiling after this fails its request
+    max_compile_threads: int = 2
+    disable_fallback: bool = False  # auto: never fall back to another backend
+    disable_any_whitespace: bool = False  # JSON: no free whitespace (every request)
+    disable_additional_properties: bool = False
+
+    KEYS = ("backend", "compile_timeout_s", "max_compile_threads", "disable_fallback", "disable_any_whitespace",
+            "disable_additional_properties")
+
+    @classmethod
+    def from_value(cls, value: Any) -> "StructuredOutputsConfig":
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"structured_outputs_config: must be a dict, got {type(value).__name__}")
+        unknown = [k for k in value if k not in cls.KEYS]
+        if unknown:
+            raise ConfigError(f"structured_outputs_config: unknown key {unknown[0]!r} (known: {', '.join(cls.KEYS)})")
+        cfg = cls(**value)
+        if not isinstance(cfg.backend, str) or not cfg.backend:
+            raise ConfigError("structured_outputs_config.backend: must be a backend name")
+        if not cfg.compile_timeout_s > 0:
+            raise ConfigError("structured_outputs_config.compile_timeout_s: must be > 0")
+        if not isinstance(cfg.max_compile_threads, int) or cfg.max_compile_threads < 1:
+            raise ConfigError("structured_outputs_config.max_compile_threads: must be an integer >= 1")
+        return cfg
+
+
+@dataclass
 class VlliteConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     enforce_eager: bool = False
 
     def finalize(self, max_model_len: int) -> None:
@@ -183,6 +220,7 @@ class EngineArgs:
     generation_config: str = "auto"
     runner: str = "auto"
     convert: str = "auto"
+    structured_outputs_config: dict | None = None  # {"backend": "auto" | "xgrammar" | "guidance" | "outlines", ...}
 
     ALIASES = {"num_gpu_blocks_override": "num_kv_blocks", "memory_utilization": "gpu_memory_utilization"}
     REJECTED = {
@@ -229,5 +267,6 @@ class EngineArgs:
                                              max_num_partial_prefills=self.max_num_partial_prefills,
                                              long_prefill_token_threshold=self.long_prefill_token_threshold),
             device_config=DeviceConfig(device=self.device, num_threads=self.num_threads),
+            structured_outputs_config=StructuredOutputsConfig.from_value(self.structured_outputs_config),
             enforce_eager=self.enforce_eager,
         )

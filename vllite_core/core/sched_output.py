@@ -41,6 +41,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     finished_req_ids: set[str] = field(default_factory=set)  # finished/aborted since the last step
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Structured output: allowed tokens of the structured requests that sample (structured_output.GrammarBitmask).
+    grammar_bitmask: Any = None
 
     @property
     def is_empty(self) -> bool:

@@ -49,6 +49,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         self.num_preemptions_total = 0
+        # Structured output faults found outside the model (a grammar that failed to compile, a token its
+        # grammar refuses): request id -> reason; the core reports them with the step's failures.
+        self.grammar_errors: dict[str, str] = {}
 
     # ---- intake -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -154,6 +157,9 @@ class Scheduler:
         while (not step.preempted and len(self.waiting) and step.budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting.peek()
+            if req.status == RequestStatus.WAITING_FOR_FSM and not self._grammar_ready(req):
+                skipped.append(self.waiting.pop())  # its grammar is still compiling (or failed): the others go
+                continue
             computed_blocks, num_computed = self.kv.get_computed_blocks(req)
             remaining = req.num_tokens - num_computed
             if not self.config.enable_chunked_prefill and remaining > step.budget:
@@ -189,6 +195,15 @@ class Scheduler:
             for req in skipped:
                 self.waiting.add(req)
 
+    def _grammar_ready(self, req: Request) -> bool:
+        g = req.structured_output
+        if g.poll():
+            req.status = RequestStatus.WAITING
+            return True
+        if g.error is not None:
+            self.grammar_errors[req.request_id] = g.error
+        return False
+
     def _fill_running(self, step: _Step) -> None:
         """Give leftover budget to running prefills the long-prefill cap passed over (no preemption)."""
         for req in self.running:
@@ -212,7 +227,7 @@ class Scheduler:
         they finish (stopped) with their pooled output, no token appended."""
         updated: list[Request] = []
         stopped: list[Request] = []
-        for rid in failed or ():
+        for rid in [*(failed or ()), *self.grammar_errors]:
             req = self.requests.get(rid)
             if req is None or req.status.finished:
                 continue
@@ -232,7 +247,12 @@ class Scheduler:
                 continue
             (tok,) = tokens  # one token per request and step (speculative decoding will bring several)
             req.append_output_token_ids(tok)
-            self._check_stop(req, tok)
+            if req.structured_output is not None and not req.structured_output.accept(tok):
+                req.status = RequestStatus.FINISHED_ERROR
+                self.grammar_errors[rid] = f"structured_outputs: token {tok} is not allowed by the grammar"
+            elif not self._check_stop(req, tok) and req.structured_output is not None \
+                    and req.structured_output.is_terminated():
+                req.status = RequestStatus.FINISHED_STOPPED  # the grammar is complete: nothing may follow
             updated.append(req)
             if req.status.finished:
                 stopped.append(req)

@@ -124,12 +124,18 @@ class EngineCore:
         self.model_info = ModelInfo(source, hf_config, arch, max_model_len, num_blocks)
         self.model_cls = model_cls
         self.step_times = StepTimes()
+        # Set by the frontend, which owns the tokenizer (vllite_core.structured_output.StructuredOutputManager).
+        self.structured_output: Any = None
         kinds = ", ".join(f"{g.spec.kind} x{len(g.layers)}" for g in groups)
         logger.info("engine ready: %s on %s, max_model_len=%d, %d KV blocks of %d tokens (%d tokens), cache "
                     "groups: %s", arch, platform.name, max_model_len, num_blocks, cc.block_size,
                     num_blocks * cc.block_size, kinds)
 
     def add_request(self, request: Request) -> None:
+        so = request.sampling_params.structured_outputs
+        if so is not None and self.structured_output is not None:
+            request.structured_output = self.structured_output.submit(so)
+            request.status = RequestStatus.WAITING_FOR_FSM
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -144,13 +150,19 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         t0 = time.perf_counter()
         so = self.scheduler.schedule()
+        sched = self.scheduler
+        if self.structured_output is not None:
+            so.grammar_bitmask = self.structured_output.grammar_bitmask(sched.requests, so)
         t1 = time.perf_counter()
-        if so.is_empty and not so.finished_req_ids and not so.preempted_req_ids:
+        if so.is_empty and not so.finished_req_ids and not so.preempted_req_ids and not sched.grammar_errors:
+            self._wait_for_grammars()
             return []
         result = self.worker.execute_model(so)
         t2 = time.perf_counter()
         updated = self.scheduler.update_from_output(so, result.sampled_token_ids, result.failed,
                                                     result.pooler_output)
+        errors = {**sched.grammar_errors, **result.failed}
+        sched.grammar_errors = {}
         outputs = []
         for req in updated:
             outputs.append(EngineCoreOutput(
@@ -159,7 +171,7 @@ class EngineCore:
                 prompt_logprobs=result.prompt_logprobs.get(req.request_id),
                 finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
                 num_cached_tokens=max(req.num_cached_tokens, 0), first_scheduled_time=req.first_scheduled_time,
-                num_preemptions=req.num_preemptions, error=result.failed.get(req.request_id),
+                num_preemptions=req.num_preemptions, error=errors.get(req.request_id),
                 pooling_output=result.pooler_output.get(req.request_id)))
         t3 = time.perf_counter()
         st = self.step_times
@@ -169,6 +181,15 @@ class EngineCore:
         st.steps += 1
         st.tokens += so.total_num_scheduled_tokens
         return outputs
+
+    def _wait_for_grammars(self) -> None:
+        """Nothing to run: if requests wait for their grammars, sleep until one compiles (not a hot spin)."""
+        if self.structured_output is None:
+            return
+        pending = [r.structured_output for r in self.scheduler.waiting
+                   if r.status == RequestStatus.WAITING_FOR_FSM and r.structured_output is not None]
+        if pending:
+            self.structured_output.wait_any(pending, timeout=0.01)
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()

@@ -50,6 +50,15 @@ class LLMEngine:
         self.model_cls = self.core.model_cls
         self.input_context = InputContext(self.tokenizer, info.hf_config, info.source.path)
         self.dead: BaseException | None = None  # set when a step failed with a fault of no single request
+        self.structured_output = self._structured_output_manager()
+        self.core.structured_output = self.structured_output
+
+    def _structured_output_manager(self) -> Any:
+        from vllite_core.plugins.manager import get_plugin_manager
+        from vllite_core.structured_output import StructuredOutputManager
+
+        return StructuredOutputManager(self.config.structured_outputs_config, self.tokenizer, self.vocab_size,
+                                       self.eos_token_id, get_plugin_manager())
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -114,6 +123,8 @@ class LLMEngine:
             if k is not None and k > max_lp:
                 raise InvalidRequestError(name, f"{k} is more than the engine's max_logprobs={max_lp}")
         params.check_vocab(self.vocab_size)
+        if params.structured_outputs is not None and params.structured_outputs._backend is None:
+            self.structured_output.select(params.structured_outputs)
         if params.bad_words and not params.bad_words_token_ids:
             params.tokenize_bad_words(tokenizer or self.tokenizer, self.vocab_size)
         room = self.max_model_len - n

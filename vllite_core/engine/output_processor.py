@@ -166,7 +166,8 @@ class OutputProcessor:
         finished = st.finished
         m = RequestMetrics(arrival_time=st.arrival, num_prompt_tokens=len(st.prompt_token_ids),
                            num_generation_tokens=sum(len(c.token_ids) for c in st.children.values()),
-                           num_cached_tokens=st.num_cached_tokens, num_preemptions=st.num_preemptions)
+                           num_cached_tokens=st.num_cached_tokens, num_preemptions=st.num_preemptions,
+                           structured_output_backend=_backend_of(st.params))
         if st.first_scheduled is not None:
             m.queue_time = st.first_scheduled - st.arrival
             m.first_scheduled_time = st.first_scheduled
@@ -178,3 +179,8 @@ class OutputProcessor:
         return RequestOutput(request_id=st.request_id, prompt=st.prompt, prompt_token_ids=st.prompt_token_ids,
                              prompt_logprobs=st.prompt_logprobs, outputs=comps, finished=finished, metrics=m,
                              num_cached_tokens=st.num_cached_tokens, pooling_output=st.pooling_output)
+
+
+def _backend_of(params: SamplingParams) -> str | None:
+    so = params.structured_outputs
+    return so._backend if so is not None else None

@@ -50,6 +50,10 @@ def add_serve_parser(sub: Any) -> None:
     g.add_argument("--reasoning-parser", default=None,
                    help="split reasoning out of the output into `reasoning` (e.g. deepseek_r1, qwen3; "
                    "`vllite plugins` lists plugins that add more)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="allow tool_choice 'auto': the model's tool calls are parsed with --tool-call-parser")
+    g.add_argument("--tool-call-parser", default=None, help="tool-call parser for tool_choice 'auto' (hermes, "
+                   "llama3_json, or a plugin's)")
     add_engine_args(p)
     p.set_defaults(func=run_serve)
 
@@ -72,6 +76,8 @@ def run_serve(ns: argparse.Namespace) -> int:
         if getattr(ns, flag) is not None and getattr(ns, flag) < least:
             raise SystemExit(f"vllite serve: --{flag.replace('_', '-')} must be at least {least:g}")
     chat_template, reasoning_parser = _frontend_options(ns)
+    if ns.enable_auto_tool_choice and not ns.tool_call_parser:
+        raise SystemExit("vllite serve: --enable-auto-tool-choice needs --tool-call-parser")
     sock = bind_socket(ns.host, ns.port)  # a busy port fails now, not after loading the model
     try:
         engine = AsyncLLM(LLMEngine.from_engine_args(engine_args_from_namespace(ns)))
@@ -87,7 +93,8 @@ def run_serve(ns: argparse.Namespace) -> int:
           allow_credentials=ns.allow_credentials, allowed_hosts=ns.allowed_hosts,
           max_waiting_requests=ns.max_waiting_requests, request_timeout=ns.request_timeout,
           body_read_timeout=ns.body_read_timeout or None, enable_docs=not ns.disable_fastapi_docs,
-          chat_template=chat_template, reasoning_parser=reasoning_parser)
+          chat_template=chat_template, reasoning_parser=reasoning_parser,
+          enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser)
     return 0
 
 

@@ -42,6 +42,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             names.append("--num-gpu-blocks-override")
         if f.name == "gpu_memory_utilization":
             names.append("--memory-utilization")
+        if f.name == "structured_outputs_config":
+            group.add_argument("--structured-outputs-backend", dest="structured_outputs_backend", default=None,
+                               help="structured output backend for the engine: auto | xgrammar | guidance | outlines")
+            continue
         if hint is bool:
             group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
                                help=_HELP.get(f.name))
@@ -62,5 +66,8 @@ def _base_type(hint: Any) -> Any:
 def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
     # An unset repeatable flag parses as None: leave the dataclass default (an empty list) in place.
     kwargs = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)
-              if hasattr(ns, f.name) and not (f.name == "logits_processors" and getattr(ns, f.name) is None)}
+              if hasattr(ns, f.name) and not (f.name == "logits_processors" and getattr(ns, f.name) is None)
+              and f.name != "structured_outputs_config"}
+    if getattr(ns, "structured_outputs_backend", None):
+        kwargs["structured_outputs_config"] = {"backend": ns.structured_outputs_backend}
     return EngineArgs(**kwargs)

@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     from vllite_core.platforms.interface import Platform
 
 PROJECT = "vllite"
-VLLITE_PLUGIN_API: tuple[int, int] = (1, 1)  # 1.1: vllite_get_reasoning_parsers
+# 1.1: reasoning parsers, structured output backends, tool parsers
+VLLITE_PLUGIN_API: tuple[int, int] = (1, 1)
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -62,3 +63,23 @@ def vllite_get_reasoning_parsers() -> "dict[str, type]":
     """Return reasoning parsers by name (``--reasoning-parser NAME``): classes built with the
     model's tokenizer, subclassing ``vllite_core.reasoning.ReasoningParser``. Every plugin
     answers; a later plugin's name replaces an earlier one's. Built-ins: deepseek_r1, qwen3."""
+
+
+@hookspec
+def vllite_register_structured_output_backends() -> "dict[str, type]":
+    """Return structured output backends by name: ``{"mybackend": MyBackend}``.
+
+    A backend class follows ``vllite_core.structured_output.backend.StructuredOutputBackend``
+    (``check`` a class method; ``compile`` and ``matcher`` on an instance built with the engine's
+    tokenizer). The engine uses the one named by ``structured_outputs_config["backend"]``; ``auto``
+    tries xgrammar, guidance, outlines, then plugin backends in order. The built-ins register here too.
+    """
+
+
+@hookspec
+def vllite_register_tool_parsers() -> "dict[str, type]":
+    """Return tool-call parsers by name (``--tool-call-parser NAME``): ``{"hermes": HermesToolParser}``.
+
+    A parser class follows ``vllite_core.tool_parsers.base.ToolParser``: it turns a model's text into
+    tool calls, whole and streamed. The built-ins (hermes, llama3_json) register here too.
+    """

@@ -35,6 +35,8 @@ CORE_DISTRIBUTION = "vllite"
 BUILTIN_PLUGINS: tuple[tuple[str, str, str], ...] = (
     ("builtin-models", PLUGINS_GROUP, "model_registry.builtin"),
     ("builtin-reasoning", PLUGINS_GROUP, "vllite_core.reasoning.builtin"),
+    ("builtin-structured-output", PLUGINS_GROUP, "vllite_core.structured_output.builtin"),
+    ("builtin-tool-parsers", PLUGINS_GROUP, "vllite_core.tool_parsers.builtin"),
 )
 
 

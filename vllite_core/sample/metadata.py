@@ -18,6 +18,9 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator]  # row -> generator for seeded rows
     max_num_logprobs: int | None  # top-k logprobs wanted by some row (None: no row wants logprobs)
     # Applied before temperature, to greedy rows too (None: no row uses it).
+    # Structured output, first of all: rows (int64 [M]) and their packed allowed-token masks (int32 [M, V/32]).
+    grammar_rows: torch.Tensor | None = None
+    grammar_bitmask: torch.Tensor | None = None
     allowed_mask: torch.Tensor | None = None  # bool [N, V], True where a token may be generated
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) set to -inf
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, token ids, values) added

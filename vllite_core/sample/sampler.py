@@ -22,6 +22,7 @@ import torch
 from vllite_core.sample.logits_processor import BatchInfo
 from vllite_core.sample.metadata import SamplingMetadata
 from vllite_core.sampling_params import GREEDY_EPS
+from vllite_core.structured_output.bitmask import apply_token_bitmask
 
 _NEG_INF = float("-inf")
 
@@ -124,7 +125,10 @@ class Sampler:
 
     @staticmethod
     def apply_constraints(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """What changes the choice of every row, greedy included: bans, bias, processors, penalties."""
+        """What changes the choice of every row, greedy included: the grammar mask, bans, bias, processors,
+        penalties."""
+        if md.grammar_bitmask is not None:
+            logits = apply_token_bitmask(logits, md.grammar_rows, md.grammar_bitmask)
         if md.allowed_mask is not None:
             logits = logits.masked_fill(~md.allowed_mask, _NEG_INF)
         if md.banned is not None:

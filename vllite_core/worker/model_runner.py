@@ -267,7 +267,7 @@ class ModelRunner:
             for ids, vals, rank in zip(lp.token_ids.tolist(), lp.values.tolist(), lp.ranks.tolist()):
                 st.prompt_logprobs.append(SampleLogprobs(ids, vals, rank))
 
-    def _sample(self, hidden: torch.Tensor, inp: StepInputs, out: ModelRunnerOutput
+    def _sample(self, hidden: torch.Tensor, inp: StepInputs, out: ModelRunnerOutput, grammar: Any = None
                 ) -> tuple[np.ndarray, SamplerOutput | None]:
         """Sample the step's rows; rows the sampler reports as faulty fail (``out.failed``) and the rest
         are sampled again from logits computed afresh for them (a processor may have written into the
@@ -277,7 +277,7 @@ class ModelRunner:
         rows = inp.sample_rows
         logits = self.model.compute_logits(hidden[inp.logits_indices])
         while True:
-            md = build_sampling_metadata(b, rows, logits.shape[-1], self.device, self.logits_processors)
+            md = build_sampling_metadata(b, rows, logits.shape[-1], self.device, self.logits_processors, grammar)
             try:
                 return rows, self.sampler.forward(logits, md)
             except RowFaults as f:
@@ -325,7 +325,7 @@ class ModelRunner:
         if self.pooler_config is not None:
             self._pool(hidden, inp, so, out)
             return out
-        sample_rows, sampled = self._sample(hidden, inp, out)
+        sample_rows, sampled = self._sample(hidden, inp, out, so.grammar_bitmask)
         if sampled is None:
             return out
         tokens = sampled.sampled_token_ids.tolist()

@@ -33,7 +33,7 @@ def _counts(lists: list[list[int]], vocab: int) -> torch.Tensor:
 
 
 def build_sampling_metadata(b: InputBatch, rows: np.ndarray, vocab: int, device: torch.device,
-                            processors: list[Any]) -> SamplingMetadata:
+                            processors: list[Any], grammar: Any = None) -> SamplingMetadata:
     temp = b.temperature[rows]
     greedy = temp < GREEDY_EPS
     top_k, top_p, min_p = b.top_k[rows], b.top_p[rows], b.min_p[rows]
@@ -66,6 +66,9 @@ def build_sampling_metadata(b: InputBatch, rows: np.ndarray, vocab: int, device:
 
     if bool(b.has_constraints[rows].any()):
         _add_constraints(md, states, b.has_constraints[rows], vocab, device)
+
+    if grammar is not None:
+        _add_grammar(md, states, grammar, device)
 
     if processors:
         md.processors = processors
@@ -116,3 +119,11 @@ def _add_constraints(md: SamplingMetadata, states: list[Any], flagged: np.ndarra
     if bias_rows:
         md.bias = (torch.tensor(bias_rows, device=device), torch.tensor(bias_ids, device=device),
                    torch.tensor(bias_vals, dtype=torch.float32, device=device))
+
+
+def _add_grammar(md: SamplingMetadata, states: list[Any], grammar: Any, device: torch.device) -> None:
+    """The step's grammar bitmask (structured_output.GrammarBitmask), gathered into this batch's row order."""
+    mine = [(i, grammar.rows[st.req_id]) for i, st in enumerate(states) if st.req_id in grammar.rows]
+    if mine:
+        md.grammar_rows = torch.tensor([i for i, _ in mine], dtype=torch.long, device=device)
+        md.grammar_bitmask = grammar.bitmask[torch.tensor([j for _, j in mine], dtype=torch.long)].to(device)

@@ -181,7 +181,8 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
               allow_credentials: bool = False, allowed_hosts: list[str] | None = None,
               max_waiting_requests: int | None = None, request_timeout: float | None = None,
               body_read_timeout: float | None = DEFAULT_BODY_READ_TIMEOUT_S, enable_docs: bool = True,
-              chat_template: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
+              chat_template: str | None = None, reasoning_parser: str | None = None,
+              enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None) -> FastAPI:
     """``allowed_origins``: CORS on for these (off when None); ``allowed_hosts``: the Host
     header must name one of these (no check when None; ``serve`` passes LOOPBACK_HOSTS on a
     loopback bind). ``chat_template``: the template text (chat_template.load_chat_template);
@@ -192,6 +193,16 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
     state = ServerState(engine, model_names, max_body_bytes, api_key, max_waiting_requests=max_waiting_requests,
                         request_timeout=request_timeout, body_read_timeout=body_read_timeout,
                         chat_template=chat_template, reasoning_parser=parser)
+    state.enable_auto_tool_choice = enable_auto_tool_choice
+    if tool_call_parser is not None:
+        from vllite_core.plugins.manager import get_plugin_manager
+        from vllite_core.tool_parsers import load_tool_parsers
+
+        parsers = load_tool_parsers(get_plugin_manager())
+        if tool_call_parser not in parsers:
+            raise SystemExit(f"vllite serve: --tool-call-parser {tool_call_parser!r} is unknown "
+                             f"(known: {', '.join(sorted(parsers))})")
+        state.tool_parser = parsers[tool_call_parser]
     metrics = state.metrics = ServerMetrics(engine, state.model_name)
     completions, chat, responses = CompletionServer(state), ChatServer(state), ResponsesServer(state)
 

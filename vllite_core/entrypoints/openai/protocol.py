@@ -59,6 +59,14 @@ class _SamplingRequest(_Strict):
     priority: Int = 0
     cache_salt: str | None = None  # a non-empty string: prefix-cache blocks are shared only with the same salt
     logits_processors: list[Any] | None = None  # refused: processors are global
+    # Structured output (docs/structured_output.md): one of these per request.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM: {"json" | "regex" | "choice" | "grammar" | ...: ...}
+    guided_json: str | dict[str, Any] | None = None  # older vLLM names, aliases of structured_outputs
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # refused: the backend is chosen at engine level
     best_of: Int | None = None  # refused unless equal to n: removed in V1
 
 
@@ -90,7 +98,6 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: Int | None = None
     logprobs: bool = False
     top_logprobs: Int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None

@@ -27,6 +27,8 @@ from vllite_core.entrypoints.openai.serving_common import (
     until_disconnect,
     usage,
 )
+from vllite_core.entrypoints.openai.structured import apply_structured_outputs, plan_tools
+from vllite_core.entrypoints.openai.tool_output import ToolOutput
 from vllite_core.outputs import RequestOutput
 
 
@@ -129,7 +131,8 @@ def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage], text: str, add_
 
 
 def chat_prompt(tokenizer: Any, req: Any, allow_special_tokens_in_content: bool | None = None,
-                default_template: str | None = None) -> tuple[str, list[int]]:
+                default_template: str | None = None,
+                tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
     """(rendered text, token ids) of a chat request's messages, as chat feeds them to the model
     (``chat_prompt_ids`` unless the request opts out with ``allow_special_tokens_in_content``).
     ``default_template``: the server's --chat-template, used when the request names none.
@@ -137,6 +140,8 @@ def chat_prompt(tokenizer: Any, req: Any, allow_special_tokens_in_content: bool 
     cont = getattr(req, "continue_final_message", False)
     template = getattr(req, "chat_template", None) or default_template
     kwargs = getattr(req, "chat_template_kwargs", None)
+    if tools:  # templates that know tools describe them to the model
+        kwargs = {"tools": tools, **(kwargs or {})}
     text = render_chat(tokenizer, req.messages, req.add_generation_prompt, cont, template, kwargs)
     if allow_special_tokens_in_content is None:
         allow_special_tokens_in_content = bool(getattr(req, "allow_special_tokens_in_content", False))
@@ -159,11 +164,6 @@ class ChatServer:
         self.tokenizer = state.engine.tokenizer
 
     def _check_unsupported(self, req: ChatCompletionRequest) -> None:
-        if req.tools or (req.tool_choice not in (None, "none")):
-            raise bad_request("tool calling is not supported by this server yet", "tools", "unsupported_parameter")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise bad_request("response_format other than text (structured output) is not supported yet",
-                              "response_format", "unsupported_parameter")
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
 
@@ -171,15 +171,21 @@ class ChatServer:
         st = self.state
         st.check_model(req.model)
         self._check_unsupported(req)
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+        if plan.mode == "auto" and not (st.enable_auto_tool_choice and st.tool_parser is not None):
+            raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
+                              "tool_choice")
         # Template rendering and tokenizing are CPU work: on the engine's prep thread, with its tokenizer.
-        text, ids = await st.engine.run_prep(chat_prompt, st.engine.prep_tokenizer, req, None, st.chat_template)
+        text, ids = await st.engine.run_prep(chat_prompt, st.engine.prep_tokenizer, req, None, st.chat_template,
+                                             plan.template_tools)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = to_sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                                     st.engine.engine.default_sampling_params)
+        apply_structured_outputs(st.engine, req, params, plan)
         rid = new_id("chatcmpl")
         streams = await add_streams(st.engine, [{"prompt_token_ids": ids, "prompt": text}], params, rid, req.priority,
                               req.cache_salt)
-        ctx = _Ctx(self, req, rid, len(ids))
+        ctx = _Ctx(self, req, rid, len(ids), ToolOutput(plan, st.tool_parser))
         if req.stream:
             return StreamingResponse(ctx.stream(merged(st.engine, streams, delta=True)),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
@@ -188,7 +194,9 @@ class ChatServer:
 
 
 class _Ctx:
-    def __init__(self, server: ChatServer, req: ChatCompletionRequest, rid: str, prompt_len: int) -> None:
+    def __init__(self, server: ChatServer, req: ChatCompletionRequest, rid: str, prompt_len: int,
+                 tools: "ToolOutput") -> None:
+        self.tools = tools
         self.tok = server.tokenizer
         self.model = server.state.model_name
         self.req = req
@@ -205,19 +213,27 @@ class _Ctx:
         return {"content": chat_logprobs(token_ids, entries, self.tok, self.top_k)}
 
     def full(self, out: RequestOutput) -> dict[str, Any]:
-        choices = [{"index": c.index, "message": self._message(c.text),
-                    "logprobs": self._logprobs(c.token_ids, c.logprobs), "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason} for c in out.outputs]
+        choices = []
+        for c in out.outputs:
+            message, finish = self._message(c.text, c.finish_reason)
+            choices.append({"index": c.index, "message": message, "logprobs": self._logprobs(c.token_ids, c.logprobs),
+                            "finish_reason": finish, "stop_reason": c.stop_reason})
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         return {"id": self.rid, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage(self.prompt_len, completion_tokens),
                 "prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs, self.tok)}
 
-    def _message(self, text: str) -> dict[str, Any]:
-        msg = {"role": "assistant", **message_fields(self.parser, text)}
+    def _message(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+        """Reasoning split off first (--reasoning-parser), then tool calls parsed from the content."""
+        fields = message_fields(self.parser, text)
+        content = fields.pop("content")
+        msg, finish = self.tools.message(content or "", finish)
+        if content is None and not msg.get("tool_calls"):
+            msg["content"] = None
+        msg.update(fields)
         if self.echo:  # vLLM: the echoed final message goes in front of the content
             msg["content"] = self.echo + (msg["content"] or "")
-        return msg
+        return msg, finish
 
     def _chunk(self, choices: list[dict[str, Any]], use: dict[str, int] | None = None) -> dict[str, Any]:
         chunk: dict[str, Any] = {"id": self.rid, "object": "chat.completion.chunk", "created": self.created,
@@ -244,8 +260,10 @@ class _Ctx:
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
                     delta = splitter.delta(c.index, c.text, c.token_ids, c.finish_reason is not None)
+                    tool_delta, finish = self.tools.delta(c.index, delta.pop("content", None) or "", c.finish_reason)
+                    delta.update(tool_delta)
                     choice = {"index": c.index, "delta": delta, "logprobs": self._logprobs(c.token_ids, c.logprobs),
-                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                              "finish_reason": finish, "stop_reason": c.stop_reason}
                     chunk = self._chunk([choice], usage(self.prompt_len, completion_tokens) if continuous else None)
                     if out.prompt_logprobs is not None and c is out.outputs[0]:
                         chunk["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs, self.tok)

@@ -42,6 +42,9 @@ class ServerState:
     stopping: asyncio.Event = field(default_factory=asyncio.Event)  # set: in-flight requests end now
     chat_template: str | None = None  # --chat-template (a request's own chat_template wins)
     reasoning_parser: Any = None  # --reasoning-parser: a vllite_core.reasoning parser, or None
+    # Tool calling: tool_choice "auto" needs --enable-auto-tool-choice and a parser (--tool-call-parser).
+    enable_auto_tool_choice: bool = False
+    tool_parser: Any = None  # a vllite_core.tool_parsers.ToolParser class
 
     def num_waiting(self) -> int:
         """Requests accepted but without a first token yet (queued in the scheduler or in prefill)."""

@@ -25,6 +25,7 @@ from vllite_core.entrypoints.openai.serving_common import (
     until_disconnect,
     usage,
 )
+from vllite_core.entrypoints.openai.structured import apply_structured_outputs
 from vllite_core.outputs import RequestOutput
 
 # Completions one request may ask for: len(prompt list) x n (each is an engine request).
@@ -59,6 +60,7 @@ class CompletionServer:
             raise bad_request("suffix is not supported", "suffix", "unsupported_parameter")
         prompts = _prompts(req)
         params = to_sampling_params(req, req.max_tokens, req.logprobs, st.engine.engine.default_sampling_params)
+        apply_structured_outputs(st.engine, req, params)
         if req.echo and req.logprobs is not None and params.prompt_logprobs is None:
             params.prompt_logprobs = req.logprobs  # echoed prompt tokens get their logprobs too
         rid = new_id("cmpl")

@@ -1,0 +1,61 @@
+"""Chat responses with tool calls: the message (or stream delta) for each choice's text.
+
+``required`` / named: the text is the JSON the tool schema enforced; it becomes ``tool_calls``
+(a stream holds it back and sends the calls when the choice finishes). ``auto``: the serve-time
+tool parser splits content from calls, as the text streams. Choices that called tools finish
+with ``finish_reason: "tool_calls"``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from vllite_core.entrypoints.openai.structured import ToolPlan, tool_calls_from_output
+from vllite_core.tool_parsers.base import ToolParserStream
+
+
+class ToolOutput:
+    def __init__(self, plan: ToolPlan, parser_cls: Any) -> None:
+        self.plan = plan
+        self.parser = parser_cls() if plan.mode == "auto" and parser_cls is not None else None
+        self.texts: dict[int, str] = {}
+        self.streams: dict[int, ToolParserStream] = {}
+        self.called: set[int] = set()
+
+    def _finish(self, finish: str | None, calls: bool) -> str | None:
+        return "tool_calls" if calls and finish == "stop" else finish
+
+    def message(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+        if self.plan.mode in ("required", "named"):
+            calls = tool_calls_from_output(self.plan, text)
+            return {"role": "assistant", "content": None if calls else text, "tool_calls": calls}, \
+                self._finish(finish, bool(calls))
+        if self.parser is not None:
+            parsed = self.parser.parse(text, final=True)
+            calls = [c.as_openai() for c in parsed.calls]
+            msg: dict[str, Any] = {"role": "assistant", "content": parsed.content or None if calls else text,
+                                   "tool_calls": calls}
+            return msg, self._finish(finish, bool(calls))
+        return {"role": "assistant", "content": text}, finish
+
+    def delta(self, index: int, piece: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+        if self.plan.mode in ("none",) or (self.plan.mode == "auto" and self.parser is None):
+            return ({"content": piece} if piece else {}), finish
+        text = self.texts[index] = self.texts.get(index, "") + piece
+        final = finish is not None
+        if self.plan.mode in ("required", "named"):
+            if not final:
+                return {}, None
+            calls = tool_calls_from_output(self.plan, text)
+            for i, c in enumerate(calls):
+                c["index"] = i
+            return ({"tool_calls": calls} if calls else {"content": text}), self._finish(finish, bool(calls))
+        stream = self.streams.setdefault(index, ToolParserStream(self.parser))
+        content, calls = stream.feed(text, final)
+        if calls:
+            self.called.add(index)
+        delta: dict[str, Any] = {}
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = calls
+        return delta, self._finish(finish, index in self.called)

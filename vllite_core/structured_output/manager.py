@@ -1,0 +1,201 @@
+"""StructuredOutputManager: picks each request's backend, compiles grammars off the step path, builds
+the step's token bitmask and advances each request's matcher.
+
+One per engine. The frontend calls ``select`` while validating a request (cheap, no tokenizer): the
+engine's backend, or under ``auto`` the first of xgrammar, guidance, outlines that can take it; a
+request none can take is refused naming each backend's reason. The core calls ``submit`` when the
+request is queued: the grammar compiles in a thread pool, cached by (backend, kind, spec, options)
+(the tokenizer is the engine's own, so it is part of every key implicitly), and the request waits
+(``RequestStatus.WAITING_FOR_FSM``) while the others run. Per step, ``grammar_bitmask`` writes one
+bitmask row per structured request that samples; the scheduler calls ``RequestGrammar.accept`` with
+each token it appends.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllite_core.config import ConfigError, StructuredOutputsConfig
+from vllite_core.sampling_params import SamplingParamsError, StructuredOutputsParams
+from vllite_core.structured_output.backend import GrammarMatcher, UnsupportedGrammar, bitmask_words
+
+if TYPE_CHECKING:
+    from vllite_core.core.sched_output import SchedulerOutput
+    from vllite_core.request import Request
+
+logger = logging.getLogger("vllite.structured_output")
+
+AUTO_ORDER = ("xgrammar", "guidance", "outlines")
+
+
+def load_backend_classes(plugin_manager: Any) -> dict[str, type]:
+    """Every backend registered through the hook (built-ins included), by name; first registration wins."""
+    classes: dict[str, type] = {}
+    for result in reversed(plugin_manager.hook.vllite_register_structured_output_backends()):
+        for name, cls in (result or {}).items():
+            classes.setdefault(name, cls)
+    return classes
+
+
+@dataclass
+class GrammarBitmask:
+    """The step's allowed tokens: ``bitmask[rows[req_id]]`` for each structured request that samples."""
+
+    rows: dict[str, int]
+    bitmask: torch.Tensor  # int32 [len(rows), ceil(vocab / 32)], on the host
+
+
+class RequestGrammar:
+    """One request's grammar: the compile it waits for, then its matcher."""
+
+    def __init__(self, manager: "StructuredOutputManager", backend_name: str, params: StructuredOutputsParams,
+                 future: Future, timeout_s: float) -> None:
+        self.manager = manager
+        self.backend_name = backend_name
+        self.params = params
+        self.future = future
+        self.deadline = time.monotonic() + timeout_s
+        self.matcher: GrammarMatcher | None = None
+        self.error: str | None = None
+
+    def poll(self) -> bool:
+        """True once the matcher is ready; False while compiling. A failure sets ``error``."""
+        if self.matcher is not None:
+            return True
+        if not self.future.done():
+            if time.monotonic() > self.deadline:
+                self.error = f"structured_outputs: the {self.backend_name} grammar did not compile in time"
+            return False
+        exc = self.future.exception()
+        if exc is None:
+            try:
+                # The backend instance exists: the compile thread built it.
+                self.matcher = self.manager.backend(self.backend_name).matcher(self.future.result())
+                return True
+            except Exception as e:  # noqa: BLE001 - a backend fault belongs to this request
+                exc = e
+        self.error = f"structured_outputs.{self.params.kind}: {self.backend_name} cannot compile it: {exc}"
+        return False
+
+    def accept(self, token_id: int) -> bool:
+        assert self.matcher is not None
+        return self.matcher.accept_token(token_id)
+
+    def is_terminated(self) -> bool:
+        return self.matcher is not None and self.matcher.is_terminated()
+
+
+class StructuredOutputManager:
+    def __init__(self, config: StructuredOutputsConfig, tokenizer: Any, vocab_size: int,
+                 eos_token_id: int | None, plugin_manager: Any) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.classes = load_backend_classes(plugin_manager)
+        if config.backend == "auto":
+            order = [n for n in AUTO_ORDER if n in self.classes] + [n for n in self.classes if n not in AUTO_ORDER]
+        elif config.backend in self.classes:
+            order = [config.backend]
+        else:
+            raise ConfigError(f"structured_outputs_config.backend: unknown backend {config.backend!r} "
+                              f"(known: auto, {', '.join(self.classes)})")
+        self.order = order
+        self._instances: dict[str, Any] = {}
+        self._instance_lock = threading.Lock()
+        self._cache: dict[tuple, Future] = {}
+        self._cache_lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self.num_compiles = 0  # grammars compiled (cache misses)
+        self.num_cache_hits = 0
+
+    # ---- frontend ---------------------------------------------------------------------
+    def select(self, params: StructuredOutputsParams) -> str:
+        """Choose the backend for a request (recorded on ``params``); SamplingParamsError naming the
+        field, with each tried backend's reason, when none can take it."""
+        auto = self.config.backend == "auto"
+        fallback = auto and not (params.disable_fallback or self.config.disable_fallback)
+        self._apply_engine_options(params)
+        reasons = []
+        for name in self.order if fallback else self.order[:1]:
+            try:
+                self.classes[name].check(params)
+            except UnsupportedGrammar as e:
+                reasons.append(f"{name}: {e}")
+                continue
+            params._backend, params._backend_was_auto = name, auto
+            return name
+        raise SamplingParamsError(f"structured_outputs.{params.kind}",
+                                  "no structured output backend can compile it (" + "; ".join(reasons) + ")")
+
+    def _apply_engine_options(self, params: StructuredOutputsParams) -> None:
+        if self.config.disable_any_whitespace:
+            params.disable_any_whitespace = True
+        if self.config.disable_additional_properties:
+            params.disable_additional_properties = True
+
+    # ---- engine core ------------------------------------------------------------------
+    def backend(self, name: str) -> Any:
+        with self._instance_lock:
+            inst = self._instances.get(name)
+            if inst is None:
+                inst = self.classes[name](self.tokenizer, self.vocab_size, self.eos_token_id)
+                self._instances[name] = inst
+            return inst
+
+    def submit(self, params: StructuredOutputsParams) -> RequestGrammar:
+        """Start (or reuse) the compile of a request's grammar; the result is the request's RequestGrammar."""
+        name = params._backend or self.select(params)
+        spec = getattr(params, params.kind)
+        key = (name, params.kind, tuple(spec) if isinstance(spec, list) else spec, params.disable_any_whitespace,
+               params.disable_additional_properties, params.whitespace_pattern)
+        with self._cache_lock:
+            fut = self._cache.get(key)
+            if fut is None or (fut.done() and fut.exception() is not None):
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(self.config.max_compile_threads,
+                                                    thread_name_prefix="vllite-grammar")
+                fut = self._pool.submit(self._compile, name, params)
+                self._cache[key] = fut
+                self.num_compiles += 1
+            else:
+                self.num_cache_hits += 1
+        return RequestGrammar(self, name, params, fut, self.config.compile_timeout_s)
+
+    def _compile(self, name: str, params: StructuredOutputsParams) -> Any:
+        return self.backend(name).compile(params)
+
+    def wait_any(self, grammars: list[RequestGrammar], timeout: float) -> None:
+        """Block up to ``timeout`` until one of the pending compiles finishes (the engine has nothing else)."""
+        pending = [g.future for g in grammars if not g.future.done()]
+        if pending:
+            wait_futures(pending, timeout=timeout, return_when="FIRST_COMPLETED")
+
+    def grammar_bitmask(self, requests: dict[str, "Request"], so: "SchedulerOutput") -> GrammarBitmask | None:
+        """Bitmask rows for the structured requests that sample in this step (their last known token is
+        scheduled), in schedule order; None when there are none."""
+        sampling = []
+        for rid, n in so.num_scheduled_tokens.items():
+            req = requests.get(rid)
+            g = getattr(req, "structured_output", None)
+            if g is not None and g.matcher is not None and req.num_computed_tokens >= req.num_tokens:
+                sampling.append((rid, g))
+        if not sampling:
+            return None
+        bitmask = torch.zeros(len(sampling), bitmask_words(self.vocab_size), dtype=torch.int32)
+        rows = {}
+        for i, (rid, g) in enumerate(sampling):
+            g.matcher.fill_bitmask(bitmask, i)  # type: ignore[union-attr]
+            rows[rid] = i
+        return GrammarBitmask(rows, bitmask)
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
