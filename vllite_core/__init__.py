@@ -4,7 +4,8 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "EngineArgs", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = ["LLM", "SamplingParams", "EngineArgs", "RequestOutput", "CompletionOutput", "Logprob", "LoRARequest",
+           "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -18,6 +19,9 @@ def __getattr__(name: str) -> Any:
     if name == "EngineArgs":
         from vllite_core.config import EngineArgs
         return EngineArgs
+    if name == "LoRARequest":
+        from vllite_core.lora.request import LoRARequest
+        return LoRARequest
     if name in ("RequestOutput", "CompletionOutput", "Logprob"):
         from vllite_core import outputs
         return getattr(outputs, name)

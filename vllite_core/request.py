@@ -84,6 +84,12 @@ class Request:
     cache_salt: str | None = None
     # Mixed into every block's hash (a LoRA adapter's identity, when LoRA arrives).
     block_extra_keys: tuple = ()
+    # The LoRA adapter (vllite_core.lora.adapter.LoRAAdapter) the request runs with; None: the base model.
+    lora_adapter: Any = None
+
+    @property
+    def lora_int_id(self) -> int:
+        return self.lora_adapter.int_id if self.lora_adapter is not None else 0
 
     def __post_init__(self) -> None:
         self.status = RequestStatus.WAITING

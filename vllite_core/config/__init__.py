@@ -106,12 +106,32 @@ class DeviceConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Multi-LoRA serving (vllite_core/lora): device slots, CPU cache, largest rank."""
+
+    max_loras: int = 1  # distinct adapters in one step (device slots)
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # loaded adapters kept in host memory (None: max_loras)
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ConfigError(f"max_loras: must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ConfigError(f"max_lora_rank: must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        if self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"max_cpu_loras: {self.max_cpu_loras} is less than max_loras={self.max_loras}")
+
+
+@dataclass
 class VlliteConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     enforce_eager: bool = False
+    lora_config: LoRAConfig | None = None  # None: LoRA off
 
     def finalize(self, max_model_len: int) -> None:
         """Apply the cross-field rules once the model's context length is known."""
@@ -162,6 +182,10 @@ class EngineArgs:
     device: str | None = None
     num_threads: int | None = None
     trust_remote_code: bool = False
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     ALIASES = {"num_gpu_blocks_override": "num_kv_blocks", "memory_utilization": "gpu_memory_utilization"}
     REJECTED = {
@@ -206,4 +230,6 @@ class EngineArgs:
                                              long_prefill_token_threshold=self.long_prefill_token_threshold),
             device_config=DeviceConfig(device=self.device, num_threads=self.num_threads),
             enforce_eager=self.enforce_eager,
+            lora_config=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora
+            else None,
         )

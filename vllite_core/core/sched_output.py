@@ -21,6 +21,7 @@ class NewRequestData:
     # Encoder-decoder: the encoder runs in the step that admits the request.
     encoder_inputs: Any = None
     num_encoder_tokens: int = 0
+    lora_adapter: Any = None  # vllite_core.lora.adapter.LoRAAdapter, None: the base model
 
 
 @dataclass

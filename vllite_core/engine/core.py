@@ -99,6 +99,9 @@ class EngineCore:
         hf_config = load_hf_config(source)
         arch, model_cls = build_registry(pm).resolve_for_config(hf_config)
         config.model_config.capabilities = model_capabilities(model_cls)
+        if config.lora_config is not None and not config.model_config.capabilities.supports_lora:
+            raise ConfigError(f"enable_lora: {arch} does not support LoRA adapters (its model class does not "
+                              "declare SupportsLoRA)")
         max_model_len = _derive_max_model_len(config, hf_config, model_cls)
         config.finalize(max_model_len)
 
@@ -111,7 +114,8 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, max_model_len,
                                                groups=groups)
         cc.enable_prefix_caching = self.kv_cache_manager.enable_caching
-        self.scheduler = Scheduler(config.scheduler_config, cc, self.kv_cache_manager, max_model_len)
+        self.scheduler = Scheduler(config.scheduler_config, cc, self.kv_cache_manager, max_model_len,
+                                   max_loras=config.lora_config.max_loras if config.lora_config else 0)
         self.model_info = ModelInfo(source, hf_config, arch, max_model_len, num_blocks)
         self.model_cls = model_cls
         self.step_times = StepTimes()

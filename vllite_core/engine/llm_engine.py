@@ -38,6 +38,11 @@ class LLMEngine:
         self.model_cls = self.core.model_cls
         self.input_context = InputContext(self.tokenizer, info.hf_config, info.source.path)
         self.dead: BaseException | None = None  # set when a step failed with a fault of no single request
+        self.lora_registry = None  # LoRARequest -> checked adapter (vllite_core/lora/registry.py)
+        if config.lora_config is not None:
+            from vllite_core.lora.registry import LoRARegistry
+
+            self.lora_registry = LoRARegistry(self.core.worker.runner.model, config.lora_config)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -101,15 +106,20 @@ class LLMEngine:
         return room if params.max_tokens is None else min(params.max_tokens, room)
 
     def prepare_request(self, prompt: PromptType | ProcessedPrompt, params: SamplingParams,
-                        ctx: InputContext | None = None) -> tuple[ProcessedPrompt, int]:
+                        ctx: InputContext | None = None, lora_request: Any = None) -> tuple[ProcessedPrompt, int]:
         """Process and validate a prompt: (processed prompt, resolved max_tokens), or a typed request
-        error. Uses ``ctx``'s tokenizer (default: the engine's), so another thread may call it."""
+        error. Uses ``ctx``'s tokenizer (default: the engine's), so another thread may call it.
+        ``lora_request`` (a LoRARequest) is resolved to its loaded, checked adapter here."""
         processed = self.process_prompt(prompt, ctx)
         max_tokens = self.validate(processed.prompt_token_ids, params, ctx.tokenizer if ctx is not None else None)
+        if lora_request is not None:
+            if self.lora_registry is None:
+                raise InvalidRequestError("lora_request", "LoRA is not enabled on this engine (enable_lora=True)")
+            processed.lora_adapter = self.lora_registry.resolve(lora_request)
         return processed, max_tokens
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None) -> str:
+                    priority: int = 0, arrival_time: float | None = None, lora_request: Any = None) -> str:
         """Check, process and validate a request, then queue it (``add_prepared_request``)."""
         params = params or SamplingParams()
         if request_id is None:
@@ -118,7 +128,7 @@ class LLMEngine:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         if priority != 0 and self.config.scheduler_config.policy != "priority":
             raise InvalidRequestError("priority", "priority is only supported with scheduling_policy='priority'")
-        processed, max_tokens = self.prepare_request(prompt, params)
+        processed, max_tokens = self.prepare_request(prompt, params, lora_request=lora_request)
         return self.add_prepared_request(request_id, processed, params, max_tokens, priority, arrival_time)
 
     def add_prepared_request(self, request_id: str, processed: ProcessedPrompt, params: SamplingParams,
@@ -137,7 +147,7 @@ class LLMEngine:
                                           priority=priority, max_tokens=max_tokens,
                                           encoder_inputs=processed.encoder_inputs,
                                           num_encoder_tokens=processed.num_encoder_tokens,
-                                          cache_salt=processed.cache_salt, **kw))
+                                          cache_salt=processed.cache_salt, **kw, **_lora_fields(processed)))
         return request_id
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
@@ -197,6 +207,14 @@ def parse_cache_salt(prompt: Any) -> str | None:
     if not isinstance(salt, str) or not salt:
         raise InvalidRequestError("cache_salt", f"must be a non-empty string, got {salt!r}")
     return salt
+
+
+def _lora_fields(processed: ProcessedPrompt) -> dict[str, Any]:
+    """A LoRA request's adapter and its prefix-cache identity (a digest of the adapter's files)."""
+    adapter = processed.lora_adapter
+    if adapter is None:
+        return {}
+    return {"lora_adapter": adapter, "block_extra_keys": ("lora", adapter.content_hash)}
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:

@@ -104,6 +104,13 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         # Decode steps go through captured graphs when the platform made some (graph_runner.py).
         self.model_forward = ModelForward(model, attn_backend, len(self.kv_cache_specs))
+        # Multi-LoRA: adapter slots attached to the model's linear layers (vllite_core/lora/slots.py).
+        self.lora = None
+        if config.lora_config is not None:
+            from vllite_core.lora.slots import LoRASlots
+
+            lc = config.lora_config
+            self.lora = LoRASlots(model, lc.max_loras, lc.max_lora_rank, dtype, device)
 
     def _table_width(self, spec: KVCacheSpec) -> int:
         """Block-table columns a group needs: sliding-window tables keep dead slots (as the null block)."""
@@ -173,7 +180,8 @@ class ModelRunner:
                 gen.manual_seed(p.seed)
                 self.generators[new.req_id] = gen
             state = RowState(new.req_id, new.num_prompt_tokens, p, gen,
-                             list(new.token_ids[new.num_prompt_tokens:]), new.eos_token_id)
+                             list(new.token_ids[new.num_prompt_tokens:]), new.eos_token_id,
+                             lora_adapter=new.lora_adapter)
             b.add(state, new.token_ids, new.block_ids, new.num_computed_tokens, new.num_encoder_tokens)
         if self.cross_layers:
             fresh = [n for n in so.scheduled_new_reqs if n.num_encoder_tokens]
@@ -218,6 +226,8 @@ class ModelRunner:
         input_ids = b.token_ids[rows[req_idx], positions]
         seq_lens = computed + num_sched
         max_query_len = int(num_sched.max())
+        if self.lora is not None:
+            self.lora.set_rows([b.states[r].lora_adapter for r in rows.tolist()], req_idx)
         group_metadata = []
         for g, group in enumerate(self.kv_cache_groups):
             if isinstance(group.spec, CrossAttentionSpec):
