@@ -173,12 +173,13 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
               allowed_methods: list[str] | None = None, allowed_headers: list[str] | None = None,
               allow_credentials: bool = False, allowed_hosts: list[str] | None = None,
               max_waiting_requests: int | None = None, request_timeout: float | None = None,
-              body_read_timeout: float | None = DEFAULT_BODY_READ_TIMEOUT_S, enable_docs: bool = True) -> FastAPI:
+              body_read_timeout: float | None = DEFAULT_BODY_READ_TIMEOUT_S, enable_docs: bool = True,
+              loras: Any = None) -> FastAPI:
     """``allowed_origins``: CORS on for these (off when None); ``allowed_hosts``: the Host
     header must name one of these (no check when None; ``serve`` passes LOOPBACK_HOSTS on a
     loopback bind)."""
     state = ServerState(engine, model_names, max_body_bytes, api_key, max_waiting_requests=max_waiting_requests,
-                        request_timeout=request_timeout, body_read_timeout=body_read_timeout)
+                        request_timeout=request_timeout, body_read_timeout=body_read_timeout, loras=loras)
     metrics = state.metrics = ServerMetrics(engine, state.model_name)
     completions, chat = CompletionServer(state), ChatServer(state)
 
@@ -242,6 +243,8 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
         data = [{"id": name, "object": "model", "created": state.created, "owned_by": "vllite",
                  "root": state.model_name, "parent": None, "max_model_len": engine.max_model_len}
                 for name in model_names]
+        if loras is not None:  # adapters, each with its parent (the base model)
+            data += loras.models(state.created, engine.max_model_len)
         return {"object": "list", "data": data}
 
     async def body(request: Request, model: Any) -> Any:
@@ -285,6 +288,11 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
                 raise bad_request(f"token id {bad[0]} is out of range [0, {vocab})", "tokens")
             return JSONResponse({"prompt": engine.detokenize(req.tokens)})
         return await guarded(run())
+
+    if loras is not None and loras.runtime_updates:
+        from vllite_core.entrypoints.openai.serving_lora import add_runtime_routes
+
+        add_runtime_routes(app, loras, body)  # only when the operator allowed runtime adapter updates
 
     from vllite_core.entrypoints.openai.serving_transcription import router as transcription_router
 

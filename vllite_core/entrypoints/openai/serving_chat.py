@@ -166,7 +166,7 @@ class ChatServer:
         params = to_sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
         rid = new_id("chatcmpl")
         streams = await add_streams(st.engine, [{"prompt_token_ids": ids, "prompt": text}], params, rid, req.priority,
-                              req.cache_salt)
+                              req.cache_salt, st.lora_request(req.model))
         ctx = _Ctx(self, req, rid, len(ids))
         if req.stream:
             return StreamingResponse(ctx.stream(merged(st.engine, streams, delta=True)),
@@ -178,7 +178,7 @@ class ChatServer:
 class _Ctx:
     def __init__(self, server: ChatServer, req: ChatCompletionRequest, rid: str, prompt_len: int) -> None:
         self.tok = server.tokenizer
-        self.model = server.state.model_name
+        self.model = server.state.response_model(req.model)
         self.req = req
         self.rid = rid
         self.created = int(time.time())
