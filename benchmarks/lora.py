@@ -54,7 +54,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--num-adapters", type=int, default=4)
     ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
     common = dict(model=a.model, dtype=a.dtype, max_model_len=512, enable_prefix_caching=False)
     base = LLM(**common)
@@ -95,6 +95,7 @@ def main() -> None:
         "mixed_over_base": round(tput["mixed"] / tput["base"], 3),
         "overhead_pct": round(100 * (1 - tput["mixed"] / tput["base"]), 1),
         "lora_engine_base_only_over_base": round(tput["lora_engine_base_only"] / tput["base"], 3),
+        "mixed_over_lora_engine_base_only": round(tput["mixed"] / tput["lora_engine_base_only"], 3),
         "first_request_new_adapter_s": round(cold, 4), "same_request_adapter_resident_s": round(warm, 4),
         "adapter_disk_load_and_check_s": round(disk_load, 4),
     }

@@ -104,6 +104,8 @@ def test_runtime_load_and_unload(setup, server, client, tmp_path):
     assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
     r = httpx.post(server + "/v1/load_lora_adapter", json={"lora_name": "base", "lora_path": str(root / "allowed")})
     assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name"
+    r = httpx.post(server + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(root / "allowed")})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "adapter_config.json"  # not an adapter
     r = httpx.post(server + "/v1/load_lora_adapter",
                    json={"lora_name": "late", "lora_path": str(root / "allowed" / "late")})
     assert r.status_code == 200, r.text
