@@ -163,6 +163,8 @@ def test_bad_adapters_are_refused_naming_the_field(setup, llm, tmp_path):
         llm.generate(HI, _sp(), lora_request=LoRARequest("nowhere", 300, str(tmp_path / "missing")))
     with pytest.raises(LoRAError, match="lora_int_id"):
         LoRARequest("x", 0, "/tmp")
+    with pytest.raises(LoRAError, match="already adapter 'qv-r4'"):  # one id, one adapter
+        llm.generate(HI, _sp(), lora_request=LoRARequest("impostor", 1, str(setup["root"] / "mlp-ko-r2")))
     # The engine serves on, unchanged.
     out = llm.generate({"prompt_token_ids": setup["prompts"][1]}, _sp(), lora_request=setup["reqs"]["qv-r4"])
     assert out[0].outputs[0].token_ids == setup["refs"][1]

@@ -25,14 +25,15 @@ from vllite_core.model_ops import current_model_ops
 class LoRALayer:
     """Attached to one engine linear layer (``module.lora``): adds the active slots' updates to its output."""
 
-    def __init__(self, slots: "LoRASlots", key: str, in_features: int, out_features: int, num_fused: int) -> None:
+    def __init__(self, slots: "LoRASlots", key: str, in_features: int, out_features: int, num_fused: int,
+                 ops: Any = None) -> None:
         self.slots = slots
         self.key = key
         cap = num_fused * slots.max_lora_rank
         self.lora_a = torch.zeros(slots.max_loras, cap, in_features, dtype=slots.dtype, device=slots.device)
         self.lora_b = torch.zeros(slots.max_loras, out_features, cap, dtype=slots.dtype, device=slots.device)
         self.rank = [0] * slots.max_loras  # packed rank of each slot in this layer (0: not adapted)
-        self.ops = current_model_ops()
+        self.ops = ops or current_model_ops()  # the platform's ops the layer was built with
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         groups = [(s, self.rank[s], idx) for s, idx in self.slots.groups if self.rank[s]]
@@ -73,7 +74,7 @@ class LoRASlots:
         for engine_name, n in fused.items():
             mod = modules[engine_name]
             out_f, in_f = mod.weight.shape
-            layer = LoRALayer(self, engine_name, in_f, out_f, n)
+            layer = LoRALayer(self, engine_name, in_f, out_f, n, getattr(mod, "_ops", None))
             mod.lora = layer
             self.layers.append(layer)
         self.loads = 0
