@@ -8,6 +8,7 @@ import torch
 from vllite_core.model_interfaces import (
     ModelCapabilities,
     SupportsEncoderDecoder,
+    SupportsLoRA,
     SupportsMultiModal,
     model_capabilities,
 )
@@ -20,7 +21,7 @@ def test_builtin_and_plugin_models_declare_what_they_are():
     from model_registry.models.llama import LlamaForCausalLM
     from model_registry.models.whisper import WhisperForConditionalGeneration
 
-    assert model_capabilities(LlamaForCausalLM) == ModelCapabilities()
+    assert model_capabilities(LlamaForCausalLM) == ModelCapabilities(supports_lora=True)
     assert model_capabilities(WhisperForConditionalGeneration) == ModelCapabilities(
         processes_prompts=True, is_encoder_decoder=True, supports_transcription=True)
     assert model_capabilities(BartForConditionalGeneration) == ModelCapabilities(
@@ -74,3 +75,11 @@ def test_a_model_without_cache_specs_is_refused():
     with pytest.raises(TypeError, match=r"Old does not define get_kv_cache_specs\(\)"):
         model_capabilities(Old)
     assert model_capabilities(_Decoder) == ModelCapabilities()
+
+
+def test_supports_lora_needs_lora_targets():
+    class NoTargets(_Decoder, SupportsLoRA):
+        pass
+
+    with pytest.raises(TypeError, match="SupportsLoRA but does not define lora_targets"):
+        model_capabilities(NoTargets)

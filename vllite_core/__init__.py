@@ -5,8 +5,8 @@ from typing import Any
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "EngineArgs", "RequestOutput", "CompletionOutput",
-           "Logprob", "PoolingParams", "PoolingRequestOutput", "EmbeddingRequestOutput", "ClassificationRequestOutput",
-           "ScoringRequestOutput", "__version__"]
+           "Logprob", "LoRARequest", "PoolingParams", "PoolingRequestOutput", "EmbeddingRequestOutput",
+           "ClassificationRequestOutput", "ScoringRequestOutput", "__version__"]
 _POOLING = ("PoolingParams", "PoolingRequestOutput", "EmbeddingRequestOutput", "ClassificationRequestOutput",
             "ScoringRequestOutput")
 
@@ -22,6 +22,9 @@ def __getattr__(name: str) -> Any:
     if name == "EngineArgs":
         from vllite_core.config import EngineArgs
         return EngineArgs
+    if name == "LoRARequest":
+        from vllite_core.lora.request import LoRARequest
+        return LoRARequest
     if name in ("RequestOutput", "CompletionOutput", "Logprob"):
         from vllite_core import outputs
         return getattr(outputs, name)

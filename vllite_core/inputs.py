@@ -18,6 +18,7 @@ class ProcessedPrompt:
     encoder_inputs: Any = None  # opaque to the core; given back to model.encode([...])
     num_encoder_tokens: int = 0  # positions of the encoder output (cross-attention K/V length)
     cache_salt: str | None = None  # isolates this prompt's prefix-cache blocks from other salts (tenants)
+    lora_adapter: Any = None  # vllite_core.lora.adapter.LoRAAdapter the request runs with (None: the base)
 
 
 @dataclass

@@ -78,7 +78,12 @@ class SupportsTranscription(Protocol):
 
 
 class SupportsLoRA(Protocol):
-    """Its linear layers take per-row LoRA adapters."""
+    """Its linear layers take per-row LoRA adapters (vllite_core/lora): each adaptable layer has a ``lora``
+    attribute (None, or the layer the engine attaches) and calls ``y = lora(x, y)`` after its base product."""
+
+    def lora_targets(self) -> dict[str, tuple[str, int, int]]:
+        """Each HF projection name an adapter may target (``model.layers.0.self_attn.q_proj``) -> (the engine
+        module holding it, its first and past-last output rows there: fused q/k/v, gate/up)."""
 
 
 class IsStateful(Protocol):
@@ -116,7 +121,7 @@ _DECLARATIONS: dict[str, tuple[type, tuple[str, ...]]] = {
     "is_encoder_decoder": (SupportsEncoderDecoder, ("process_prompt", "get_max_model_len", "encode", "cross_kv")),
     "supports_multimodal": (SupportsMultiModal, ("process_prompt",)),
     "supports_transcription": (SupportsTranscription, ("max_audio_seconds", "language_detection_prompt")),
-    "supports_lora": (SupportsLoRA, ()),
+    "supports_lora": (SupportsLoRA, ("lora_targets",)),
     "is_stateful": (IsStateful, ()),
     "is_pooling": (IsPooling, ("pool", "pooling_task", "default_pooling_type", "is_bidirectional")),
     # Last: the Protocols above that build on it name themselves in the error.

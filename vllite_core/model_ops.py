@@ -50,6 +50,20 @@ class ModelOps:
         cos, sin = cos[:, None, :], sin[:, None, :]
         return rotate_neox(q, cos, sin), rotate_neox(k, cos, sin)
 
+    def lora_add(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                 groups: list[tuple[int, int, torch.Tensor | None]]) -> torch.Tensor:
+        """Multi-LoRA: add each group's low-rank update to the base output ``y`` [T, out] in place and return it.
+        ``lora_a`` [slots, R, in] and ``lora_b`` [slots, out, R] are the stacked adapters; a group
+        ``(slot, rank, idx)`` gives ``y[idx] += x[idx] @ lora_a[slot, :rank].T @ lora_b[slot, :, :rank].T``
+        (``idx`` None: every row). One shrink and one expand per active slot (segmented, not per request)."""
+        for slot, rank, idx in groups:
+            a, b = lora_a[slot, :rank], lora_b[slot, :, :rank]
+            if idx is None:
+                y.add_(F.linear(F.linear(x, a), b))
+            else:
+                y.index_add_(0, idx, F.linear(F.linear(x.index_select(0, idx), a), b))
+        return y
+
 
 def rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin (the HF/NeoX layout: the two halves of each head are paired)."""

@@ -89,6 +89,12 @@ class Request:
     pooling_params: Any = None
     # Structured output: the request's grammar (vllite_core.structured_output.RequestGrammar), set on add.
     structured_output: Any = None
+    # The LoRA adapter (vllite_core.lora.adapter.LoRAAdapter) the request runs with; None: the base model.
+    lora_adapter: Any = None
+
+    @property
+    def lora_int_id(self) -> int:
+        return self.lora_adapter.int_id if self.lora_adapter is not None else 0
 
     def __post_init__(self) -> None:
         self.status = RequestStatus.WAITING

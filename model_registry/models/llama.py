@@ -19,6 +19,7 @@ from torch import nn
 from model_registry.models.rope import RotaryEmbedding
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
 from vllite_core.core.kv_cache_spec import KVCacheSpec, attention_specs
+from vllite_core.model_interfaces import SupportsLoRA
 from vllite_core.model_ops import current_model_ops
 
 
@@ -31,9 +32,11 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         self._ops = current_model_ops()
         self._state: dict = {}
+        self.lora = None  # a vllite_core.lora.slots.LoRALayer when the engine serves adapters
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._ops.linear(x, self.weight, self.bias, self._state)
+        y = self._ops.linear(x, self.weight, self.bias, self._state)
+        return y if self.lora is None else self.lora(x, y)
 
 
 class RMSNorm(nn.Module):
@@ -169,7 +172,7 @@ _STACKED = (
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(nn.Module, SupportsLoRA):
     """Engine model for LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM checkpoints."""
 
     def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:
@@ -212,6 +215,20 @@ class LlamaForCausalLM(nn.Module):
         """Grow the RoPE tables to ``max_model_len`` positions (needed only beyond max_position_embeddings
         on accelerators; on the CPU the tables grow on demand)."""
         self.model.rotary_emb.ensure_positions(max_model_len)
+
+    def lora_targets(self) -> dict[str, tuple[str, int, int]]:
+        """SupportsLoRA: each HF projection name -> (the engine layer holding it, its output rows there)."""
+        out: dict[str, tuple[str, int, int]] = {}
+        down = self.model.layers[0].mlp.down_proj.weight.shape[0]
+        for i in range(self.num_layers):
+            pre = f"model.layers.{i}."
+            for hf, fused, shard in _STACKED:
+                part = "self_attn" if shard in "qkv" else "mlp"
+                sl = self._shard_slice(shard)
+                out[f"{pre}{part}{hf[:-1]}"] = (f"{pre}{part}{fused[:-1]}", sl.start, sl.stop)
+            out[f"{pre}self_attn.o_proj"] = (f"{pre}self_attn.o_proj", 0, self.hidden_size)
+            out[f"{pre}mlp.down_proj"] = (f"{pre}mlp.down_proj", 0, down)
+        return out
 
     # ---- weights -------------------------------------------------------------------------------
 

@@ -154,6 +154,22 @@ class StructuredOutputsConfig:
         if not isinstance(cfg.max_compile_threads, int) or cfg.max_compile_threads < 1:
             raise ConfigError("structured_outputs_config.max_compile_threads: must be an integer >= 1")
         return cfg
+class LoRAConfig:
+    """Multi-LoRA serving (vllite_core/lora): device slots, CPU cache, largest rank."""
+
+    max_loras: int = 1  # distinct adapters in one step (device slots)
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # loaded adapters kept in host memory (None: max_loras)
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ConfigError(f"max_loras: must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ConfigError(f"max_lora_rank: must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        if self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"max_cpu_loras: {self.max_cpu_loras} is less than max_loras={self.max_loras}")
 
 
 @dataclass
@@ -164,6 +180,7 @@ class VlliteConfig:
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     enforce_eager: bool = False
+    lora_config: LoRAConfig | None = None  # None: LoRA off
 
     def finalize(self, max_model_len: int) -> None:
         """Apply the cross-field rules once the model's context length is known."""
@@ -221,6 +238,10 @@ class EngineArgs:
     runner: str = "auto"
     convert: str = "auto"
     structured_outputs_config: dict | None = None  # {"backend": "auto" | "xgrammar" | "guidance" | "outlines", ...}
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     ALIASES = {"num_gpu_blocks_override": "num_kv_blocks", "memory_utilization": "gpu_memory_utilization"}
     REJECTED = {
@@ -269,4 +290,6 @@ class EngineArgs:
             device_config=DeviceConfig(device=self.device, num_threads=self.num_threads),
             structured_outputs_config=StructuredOutputsConfig.from_value(self.structured_outputs_config),
             enforce_eager=self.enforce_eager,
+            lora_config=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora
+            else None,
         )

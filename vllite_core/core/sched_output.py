@@ -22,6 +22,7 @@ class NewRequestData:
     encoder_inputs: Any = None
     num_encoder_tokens: int = 0
     pooling_params: Any = None  # a pooling request's PoolingParams (it samples nothing)
+    lora_adapter: Any = None  # vllite_core.lora.adapter.LoRAAdapter, None: the base model
 
 
 @dataclass

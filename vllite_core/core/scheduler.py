@@ -38,8 +38,9 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 kv_cache_manager: KVCacheManager, max_model_len: int) -> None:
+                 kv_cache_manager: KVCacheManager, max_model_len: int, max_loras: int = 0) -> None:
         self.config = scheduler_config
+        self.max_loras = max_loras  # distinct LoRA adapters among running requests (0: LoRA off)
         self.cache_config = cache_config
         self.kv = kv_cache_manager
         self.max_model_len = max_model_len
@@ -154,11 +155,15 @@ class Scheduler:
     def _admit_waiting(self, step: _Step) -> None:
         """Admit waiting requests in queue order (long prompts without a long-prefill slot wait)."""
         skipped: list[Request] = []
+        loras = {r.lora_int_id for r in self.running if r.lora_int_id} if self.max_loras else set()
         while (not step.preempted and len(self.waiting) and step.budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting.peek()
             if req.status == RequestStatus.WAITING_FOR_FSM and not self._grammar_ready(req):
                 skipped.append(self.waiting.pop())  # its grammar is still compiling (or failed): the others go
+                continue
+            if req.lora_int_id and req.lora_int_id not in loras and len(loras) >= self.max_loras:
+                skipped.append(self.waiting.pop())  # no adapter slot this step: waits, later ones may go
                 continue
             computed_blocks, num_computed = self.kv.get_computed_blocks(req)
             remaining = req.num_tokens - num_computed
@@ -187,6 +192,8 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = step.now
             self.running.append(req)
+            if req.lora_int_id:
+                loras.add(req.lora_int_id)
             step.schedule_new(req, num_new)
         if self.policy == "fcfs":
             for req in reversed(skipped):  # back at the front, in their order
@@ -375,7 +382,7 @@ class _Step:
                 sampling_params=req.sampling_params, block_ids=sched.kv.get_block_ids(req),
                 num_computed_tokens=req.num_computed_tokens, eos_token_id=req.eos_token_id,
                 encoder_inputs=req.encoder_inputs, num_encoder_tokens=req.num_encoder_tokens,
-                pooling_params=req.pooling_params))
+                pooling_params=req.pooling_params, lora_adapter=req.lora_adapter))
         for req in self.running:
             out.scheduled_cached_reqs.append(CachedRequestData(
                 req_id=req.request_id, new_block_ids=self.new_block_ids[req.request_id],

@@ -260,9 +260,10 @@ class AsyncLLM:
         raises is raised here. Only such functions may use ``prep_tokenizer``."""
         return await asyncio.wrap_future(self._prep.submit(fn, *args))
 
-    def prepare(self, prompt: PromptType, params: SamplingParams) -> tuple[ProcessedPrompt, int]:
+    def prepare(self, prompt: PromptType, params: SamplingParams,
+                lora_request: Any = None) -> tuple[ProcessedPrompt, int]:
         """``LLMEngine.prepare_request`` with the prep thread's tokenizer: call it there (run_prep)."""
-        return self.engine.prepare_request(prompt, params, self._prep_ctx)
+        return self.engine.prepare_request(prompt, params, self._prep_ctx, lora_request)
 
     def check_new(self, request_id: str, priority: int = 0) -> None:
         """What ``add_request`` checks before any work: engine alive, id new, priority allowed."""

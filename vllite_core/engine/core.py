@@ -101,11 +101,13 @@ class EngineCore:
         source = resolve_model_source(mc.model, mc.revision, mc.download_dir, mc.gguf_file)
         hf_config = load_hf_config(source)
         arch, model_cls = build_registry(pm).resolve_for_config(hf_config)
-        mc = config.model_config
         model_cls = pooling_setup.resolve_model_class(arch, model_cls, mc.runner, mc.convert)
         mc.capabilities = model_capabilities(model_cls)
         if mc.capabilities.is_pooling:
             pooling_setup.setup_pooling(config, source.path, hf_config, model_cls)
+        if config.lora_config is not None and not config.model_config.capabilities.supports_lora:
+            raise ConfigError(f"enable_lora: {arch} does not support LoRA adapters (its model class does not "
+                              "declare SupportsLoRA)")
         max_model_len = _derive_max_model_len(config, hf_config, model_cls)
         config.finalize(max_model_len)
         if mc.pooler_config is not None:
@@ -120,7 +122,8 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, max_model_len,
                                                groups=groups)
         cc.enable_prefix_caching = self.kv_cache_manager.enable_caching
-        self.scheduler = Scheduler(config.scheduler_config, cc, self.kv_cache_manager, max_model_len)
+        self.scheduler = Scheduler(config.scheduler_config, cc, self.kv_cache_manager, max_model_len,
+                                   max_loras=config.lora_config.max_loras if config.lora_config else 0)
         self.model_info = ModelInfo(source, hf_config, arch, max_model_len, num_blocks)
         self.model_cls = model_cls
         self.step_times = StepTimes()

@@ -52,6 +52,11 @@ class LLMEngine:
         self.dead: BaseException | None = None  # set when a step failed with a fault of no single request
         self.structured_output = self._structured_output_manager()
         self.core.structured_output = self.structured_output
+        self.lora_registry = None  # LoRARequest -> checked adapter (vllite_core/lora/registry.py)
+        if config.lora_config is not None:
+            from vllite_core.lora.registry import LoRARegistry
+
+            self.lora_registry = LoRARegistry(self.core.worker.runner.model, config.lora_config)
 
     def _structured_output_manager(self) -> Any:
         from vllite_core.plugins.manager import get_plugin_manager
@@ -131,18 +136,25 @@ class LLMEngine:
         return room if params.max_tokens is None else min(params.max_tokens, room)
 
     def prepare_request(self, prompt: PromptType | ProcessedPrompt, params: SamplingParams,
-                        ctx: InputContext | None = None) -> tuple[ProcessedPrompt, int]:
+                        ctx: InputContext | None = None, lora_request: Any = None) -> tuple[ProcessedPrompt, int]:
         """Process and validate a prompt: (processed prompt, resolved max_tokens), or a typed request
         error. Uses ``ctx``'s tokenizer (default: the engine's), so another thread may call it. With
-        ``PoolingParams`` it is a pooling request (``vllite_core.pooling``)."""
+        ``PoolingParams`` it is a pooling request (``vllite_core.pooling``). ``lora_request`` (a
+        LoRARequest) is resolved to its loaded, checked adapter here."""
         if isinstance(params, PoolingParams):
+            if lora_request is not None:
+                raise InvalidRequestError("lora_request", "LoRA adapters are not supported for pooling requests")
             return prepare_pooling_prompt(self, prompt, params, ctx), 1
         processed = self.process_prompt(prompt, ctx)
         max_tokens = self.validate(processed.prompt_token_ids, params, ctx.tokenizer if ctx is not None else None)
+        if lora_request is not None:
+            if self.lora_registry is None:
+                raise InvalidRequestError("lora_request", "LoRA is not enabled on this engine (enable_lora=True)")
+            processed.lora_adapter = self.lora_registry.resolve(lora_request)
         return processed, max_tokens
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None) -> str:
+                    priority: int = 0, arrival_time: float | None = None, lora_request: Any = None) -> str:
         """Check, process and validate a request, then queue it (``add_prepared_request``)."""
         params = params or SamplingParams()
         if request_id is None:
@@ -151,7 +163,7 @@ class LLMEngine:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         if priority != 0 and self.config.scheduler_config.policy != "priority":
             raise InvalidRequestError("priority", "priority is only supported with scheduling_policy='priority'")
-        processed, max_tokens = self.prepare_request(prompt, params)
+        processed, max_tokens = self.prepare_request(prompt, params, lora_request=lora_request)
         return self.add_prepared_request(request_id, processed, params, max_tokens, priority, arrival_time)
 
     def add_prepared_request(self, request_id: str, processed: ProcessedPrompt, params: SamplingParams,
@@ -177,7 +189,7 @@ class LLMEngine:
                                           priority=priority, max_tokens=max_tokens,
                                           encoder_inputs=processed.encoder_inputs,
                                           num_encoder_tokens=processed.num_encoder_tokens,
-                                          cache_salt=processed.cache_salt, **kw))
+                                          cache_salt=processed.cache_salt, **kw, **_lora_fields(processed)))
         return request_id
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
@@ -250,6 +262,14 @@ def parse_cache_salt(prompt: Any) -> str | None:
     if not isinstance(salt, str) or not salt:
         raise InvalidRequestError("cache_salt", f"must be a non-empty string, got {salt!r}")
     return salt
+
+
+def _lora_fields(processed: ProcessedPrompt) -> dict[str, Any]:
+    """A LoRA request's adapter and its prefix-cache identity (a digest of the adapter's files)."""
+    adapter = processed.lora_adapter
+    if adapter is None:
+        return {}
+    return {"lora_adapter": adapter, "block_extra_keys": ("lora", adapter.content_hash)}
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:

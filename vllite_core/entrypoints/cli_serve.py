@@ -54,6 +54,12 @@ def add_serve_parser(sub: Any) -> None:
                    help="allow tool_choice 'auto': the model's tool calls are parsed with --tool-call-parser")
     g.add_argument("--tool-call-parser", default=None, help="tool-call parser for tool_choice 'auto' (hermes, "
                    "llama3_json, or a plugin's)")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters served as model names (needs --enable-lora): name=path, or JSON "
+                   "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'")
+    g.add_argument("--lora-allowed-root", default=None, metavar="DIR",
+                   help="with VLLM_ALLOW_RUNTIME_LORA_UPDATING set: the only directory /v1/load_lora_adapter may "
+                   "load adapters from (without it runtime loads are refused)")
     add_engine_args(p)
     p.set_defaults(func=run_serve)
 
@@ -78,6 +84,14 @@ def run_serve(ns: argparse.Namespace) -> int:
     chat_template, reasoning_parser = _frontend_options(ns)
     if ns.enable_auto_tool_choice and not ns.tool_call_parser:
         raise SystemExit("vllite serve: --enable-auto-tool-choice needs --tool-call-parser")
+    if ns.lora_modules and not ns.enable_lora:
+        raise SystemExit("vllite serve: --lora-modules needs --enable-lora")
+    from vllite_core.entrypoints.openai.serving_lora import ServedLoRAs, parse_lora_module, runtime_updates_allowed
+
+    try:
+        lora_modules = [parse_lora_module(m) for m in ns.lora_modules or []]
+    except ValueError as e:
+        raise SystemExit(f"vllite serve: {e}") from None
     sock = bind_socket(ns.host, ns.port)  # a busy port fails now, not after loading the model
     try:
         engine = AsyncLLM(LLMEngine.from_engine_args(engine_args_from_namespace(ns)))
@@ -85,6 +99,14 @@ def run_serve(ns: argparse.Namespace) -> int:
         sock.close()
         print("vllite: stopped while loading the model", flush=True)
         return 130
+    loras = None
+    if ns.enable_lora:
+        try:
+            loras = ServedLoRAs(engine, names[0], lora_modules, ns.lora_allowed_root, runtime_updates_allowed())
+        except ValueError as e:  # a bad adapter: refuse to start, naming it
+            engine.close()
+            sock.close()
+            raise SystemExit(f"vllite serve: --lora-modules: {e}") from None
     serve(engine, names, sock, api_key, ns.max_request_body_bytes or DEFAULT_MAX_BODY_BYTES,
           ns.uvicorn_log_level, not ns.disable_access_log, shutdown_timeout=ns.shutdown_timeout,
           timeout_keep_alive=ns.timeout_keep_alive, header_read_timeout=ns.header_read_timeout,
@@ -94,7 +116,7 @@ def run_serve(ns: argparse.Namespace) -> int:
           max_waiting_requests=ns.max_waiting_requests, request_timeout=ns.request_timeout,
           body_read_timeout=ns.body_read_timeout or None, enable_docs=not ns.disable_fastapi_docs,
           chat_template=chat_template, reasoning_parser=reasoning_parser,
-          enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser)
+          enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser, loras=loras)
     return 0
 
 

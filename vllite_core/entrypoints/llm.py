@@ -44,7 +44,9 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = False, priority: Sequence[int] | None = None,
+                 lora_request: Any = None) -> list[RequestOutput]:
+        """``lora_request``: a LoRARequest for every prompt, or a list of one (or None) per prompt."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -56,11 +58,15 @@ class LLM:
             raise ValueError("sampling_params: the list must be as long as prompts")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError("priority: the list must be as long as prompts")
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError("lora_request: the list must be as long as prompts")
         ids = []
         try:
             for i, (p, sp) in enumerate(zip(prompts, params)):
                 ids.append(self.llm_engine.add_request(self._next_id(), p, sp,
-                                                       priority=priority[i] if priority else 0))
+                                                       priority=priority[i] if priority else 0,
+                                                       lora_request=loras[i]))
         except Exception:
             self.llm_engine.abort_request(ids)
             raise
@@ -70,7 +76,7 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = False, add_generation_prompt: bool = True, chat_template: str | None = None,
              continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
-             **template_kwargs: Any) -> list[RequestOutput]:
+             lora_request: Any = None, **template_kwargs: Any) -> list[RequestOutput]:
         """vLLM's LLM.chat: ``chat_template_kwargs`` go to the template (``enable_thinking``...);
         ``continue_final_message`` leaves the last (assistant) message open for the model to go on."""
         from vllite_core.engine.errors import InvalidRequestError
@@ -84,7 +90,7 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[index]
         prompts = [{"prompt": self.apply_chat_template(c, add_generation_prompt, chat_template, **kwargs)}
                    for c in convs]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True,
                             chat_template: str | None = None, **kwargs: Any) -> str:

@@ -26,6 +26,7 @@ class RowState:
     eos_token_id: int | None = None
     # Prompt logprobs gathered chunk by chunk until the prefill completes.
     prompt_logprobs: list = field(default_factory=list)
+    lora_adapter: object = None  # vllite_core.lora.adapter.LoRAAdapter, None: the base model
 
 
 class InputBatch:

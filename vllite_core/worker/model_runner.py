@@ -108,6 +108,13 @@ class ModelRunner:
         self.model_forward = ModelForward(model, attn_backend, len(self.kv_cache_specs))
         self.pooler_config = config.model_config.pooler_config
         self.pooling_params: dict[str, Any] = {}  # of the pooling requests in the batch
+        # Multi-LoRA: adapter slots attached to the model's linear layers (vllite_core/lora/slots.py).
+        self.lora = None
+        if config.lora_config is not None:
+            from vllite_core.lora.slots import LoRASlots
+
+            lc = config.lora_config
+            self.lora = LoRASlots(model, lc.max_loras, lc.max_lora_rank, dtype, device)
 
     def _table_width(self, spec: KVCacheSpec) -> int:
         """Block-table columns a group needs: sliding-window tables keep dead slots (as the null block)."""
@@ -178,7 +185,8 @@ class ModelRunner:
                 gen.manual_seed(p.seed)
                 self.generators[new.req_id] = gen
             state = RowState(new.req_id, new.num_prompt_tokens, p, gen,
-                             list(new.token_ids[new.num_prompt_tokens:]), new.eos_token_id)
+                             list(new.token_ids[new.num_prompt_tokens:]), new.eos_token_id,
+                             lora_adapter=new.lora_adapter)
             b.add(state, new.token_ids, new.block_ids, new.num_computed_tokens, new.num_encoder_tokens)
             if new.pooling_params is not None:
                 self.pooling_params[new.req_id] = new.pooling_params
@@ -225,6 +233,8 @@ class ModelRunner:
         input_ids = b.token_ids[rows[req_idx], positions]
         seq_lens = computed + num_sched
         max_query_len = int(num_sched.max())
+        if self.lora is not None:
+            self.lora.set_rows([b.states[r].lora_adapter for r in rows.tolist()], req_idx)
         group_metadata = []
         for g, group in enumerate(self.kv_cache_groups):
             if isinstance(group.spec, CrossAttentionSpec):

@@ -182,7 +182,8 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
               max_waiting_requests: int | None = None, request_timeout: float | None = None,
               body_read_timeout: float | None = DEFAULT_BODY_READ_TIMEOUT_S, enable_docs: bool = True,
               chat_template: str | None = None, reasoning_parser: str | None = None,
-              enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None) -> FastAPI:
+              enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+              loras: Any = None) -> FastAPI:
     """``allowed_origins``: CORS on for these (off when None); ``allowed_hosts``: the Host
     header must name one of these (no check when None; ``serve`` passes LOOPBACK_HOSTS on a
     loopback bind). ``chat_template``: the template text (chat_template.load_chat_template);
@@ -192,7 +193,7 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
     parser = get_reasoning_parser(reasoning_parser, engine.tokenizer) if reasoning_parser else None
     state = ServerState(engine, model_names, max_body_bytes, api_key, max_waiting_requests=max_waiting_requests,
                         request_timeout=request_timeout, body_read_timeout=body_read_timeout,
-                        chat_template=chat_template, reasoning_parser=parser)
+                        chat_template=chat_template, reasoning_parser=parser, loras=loras)
     state.enable_auto_tool_choice = enable_auto_tool_choice
     if tool_call_parser is not None:
         from vllite_core.plugins.manager import get_plugin_manager
@@ -268,6 +269,8 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
         data = [{"id": name, "object": "model", "created": state.created, "owned_by": "vllite",
                  "root": state.model_name, "parent": None, "max_model_len": engine.max_model_len}
                 for name in model_names]
+        if loras is not None:  # adapters, each with its parent (the base model)
+            data += loras.models(state.created, engine.max_model_len)
         return {"object": "list", "data": data}
 
     async def body(request: Request, model: Any) -> Any:
@@ -324,6 +327,11 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
                 raise bad_request(f"token id {bad[0]} is out of range [0, {vocab})", "tokens")
             return JSONResponse({"prompt": engine.detokenize(req.tokens)})
         return await guarded(run())
+
+    if loras is not None and loras.runtime_updates:
+        from vllite_core.entrypoints.openai.serving_lora import add_runtime_routes
+
+        add_runtime_routes(app, loras, body)  # only when the operator allowed runtime adapter updates
 
     from vllite_core.entrypoints.openai.serving_transcription import router as transcription_router
 

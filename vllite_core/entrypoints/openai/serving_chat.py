@@ -184,7 +184,7 @@ class ChatServer:
         apply_structured_outputs(st.engine, req, params, plan)
         rid = new_id("chatcmpl")
         streams = await add_streams(st.engine, [{"prompt_token_ids": ids, "prompt": text}], params, rid, req.priority,
-                              req.cache_salt)
+                              req.cache_salt, st.lora_request(req.model))
         ctx = _Ctx(self, req, rid, len(ids), ToolOutput(plan, st.tool_parser))
         if req.stream:
             return StreamingResponse(ctx.stream(merged(st.engine, streams, delta=True)),
@@ -198,7 +198,7 @@ class _Ctx:
                  tools: "ToolOutput") -> None:
         self.tools = tools
         self.tok = server.tokenizer
-        self.model = server.state.model_name
+        self.model = server.state.response_model(req.model)
         self.req = req
         self.rid = rid
         self.created = int(time.time())

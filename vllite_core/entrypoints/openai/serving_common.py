@@ -45,6 +45,7 @@ class ServerState:
     # Tool calling: tool_choice "auto" needs --enable-auto-tool-choice and a parser (--tool-call-parser).
     enable_auto_tool_choice: bool = False
     tool_parser: Any = None  # a vllite_core.tool_parsers.ToolParser class
+    loras: Any = None  # serving_lora.ServedLoRAs: adapters served by name (--enable-lora)
 
     def num_waiting(self) -> int:
         """Requests accepted but without a first token yet (queued in the scheduler or in prefill)."""
@@ -70,9 +71,18 @@ class ServerState:
         return self.model_names[0]
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.model_names:
+        if name is not None and name not in self.model_names and self.lora_request(name) is None:
+            served = self.model_names + (list(self.loras.requests) if self.loras is not None else [])
             raise APIError(404, f"The model `{name}` does not exist. This server serves: "
-                           f"{', '.join(self.model_names)}", "model", "model_not_found")
+                           f"{', '.join(served)}", "model", "model_not_found")
+
+    def lora_request(self, name: str | None) -> Any:
+        """The LoRARequest a request's ``model`` names (None: the base model)."""
+        return self.loras.get(name) if self.loras is not None else None
+
+    def response_model(self, name: str | None) -> str:
+        """The ``model`` a response names: the adapter asked for, else the base model."""
+        return name if self.lora_request(name) is not None else self.model_name
 
 
 @dataclass
@@ -172,7 +182,7 @@ def with_cache_salt(prompt: PromptType, salt: str | None) -> PromptType:
 
 
 async def add_streams(engine: AsyncLLM, prompts: list[PromptType], params: SamplingParams, base_id: str,
-                      priority: int, cache_salt: str | None = None) -> list[RequestStream]:
+                      priority: int, cache_salt: str | None = None, lora_request: Any = None) -> list[RequestStream]:
     """One engine request per prompt (each carrying ``cache_salt``); all or nothing. The prompts are
     tokenized and validated on the engine's prep thread (AsyncLLM.run_prep), not on the event loop.
     Under ServerState.admit the waiting limit is checked again after that, where the requests are
@@ -185,7 +195,7 @@ async def add_streams(engine: AsyncLLM, prompts: list[PromptType], params: Sampl
         engine.check_new(rid, priority)
 
     def prepare_all() -> list:
-        return [engine.prepare(with_cache_salt(p, cache_salt), params) for p in prompts]
+        return [engine.prepare(with_cache_salt(p, cache_salt), params, lora_request) for p in prompts]
 
     prepared = await engine.run_prep(prepare_all)
     if limits is not None:

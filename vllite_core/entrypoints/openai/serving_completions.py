@@ -64,7 +64,8 @@ class CompletionServer:
         if req.echo and req.logprobs is not None and params.prompt_logprobs is None:
             params.prompt_logprobs = req.logprobs  # echoed prompt tokens get their logprobs too
         rid = new_id("cmpl")
-        streams = await add_streams(st.engine, prompts, params, rid, req.priority, req.cache_salt)
+        streams = await add_streams(st.engine, prompts, params, rid, req.priority, req.cache_salt,
+                                    st.lora_request(req.model))
         ctx = _Ctx(self, req, rid, [s.num_prompt_tokens for s in streams])
         if req.stream:
             return StreamingResponse(ctx.stream(merged(st.engine, streams, delta=True)),
@@ -78,7 +79,7 @@ class _Ctx:
 
     def __init__(self, server: CompletionServer, req: CompletionRequest, rid: str, prompt_lens: list[int]) -> None:
         self.tok = server.tokenizer
-        self.model = server.state.model_name
+        self.model = server.state.response_model(req.model)
         self.req = req
         self.rid = rid
         self.created = int(time.time())

@@ -1,0 +1,1 @@
+"""Multi-LoRA: PEFT adapters served per request over one base model (docs/lora.md)."""
