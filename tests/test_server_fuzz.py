@@ -1,6 +1,6 @@
 """Schemathesis against the server's own OpenAPI schema (/openapi.json, built from the request
 models), in process on a tiny random Llama: a bounded, seeded run over /v1/completions,
-/v1/chat/completions, /tokenize and /detokenize (valid and invalid bodies), plus raw-HTTP bodies
+/v1/chat/completions, /v1/responses, /tokenize and /detokenize (valid and invalid bodies), plus raw-HTTP bodies
 with integers past int64 and the NaN / Infinity literals. No case may get a 5xx, and afterwards
 the engine still serves and every KV block is free. The longer run against a real `vllite serve`
 is benchmarks/fuzz_server.py."""
@@ -24,8 +24,8 @@ schemathesis = pytest.importorskip("schemathesis")
 from schemathesis.generation import GenerationMode  # noqa: E402
 
 ENGINE = dict(dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64, scheduling_policy="priority")
-ROUTES = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
-CASES_PER_ROUTE_AND_MODE = 60  # x 4 routes x 2 modes = 480 cases
+ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"]
+CASES_PER_ROUTE_AND_MODE = 60  # x 5 routes x 2 modes = 600 cases
 MAX_TOKENS = 3  # cases stay fast: generated max_tokens above this are lowered to it
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # ids within the tiny vocabulary
 BIG = ["2**63", "2**64", "-(2**63)-1", "NaN", "Infinity", "-Infinity", "1e400"]
@@ -49,12 +49,14 @@ def _bounded(body):
     if not isinstance(body, dict):
         return body
     body = dict(body)
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         v = body.get(key)
         if isinstance(v, int) and not isinstance(v, bool) and MAX_TOKENS < v < 2 ** 63:
             body[key] = MAX_TOKENS
     if "messages" in body and "max_tokens" not in body and "max_completion_tokens" not in body:
         body["max_tokens"] = MAX_TOKENS
+    if "input" in body and "max_output_tokens" not in body:
+        body["max_output_tokens"] = MAX_TOKENS
     n = body.get("n")
     if isinstance(n, int) and not isinstance(n, bool) and 4 < n <= 128:
         body["n"] = 4
