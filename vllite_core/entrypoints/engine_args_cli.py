@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import typing
 from typing import Any
 
@@ -43,6 +44,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if f.name == "gpu_memory_utilization":
             names.append("--memory-utilization")
         if f.name == "structured_outputs_config":
+            group.add_argument("--structured-outputs-config", dest="structured_outputs_config", type=_json_object,
+                               default=None, help="structured output settings as JSON (vLLM's): "
+                               '\'{"backend": "auto", "disable_any_whitespace": true, ...}\'')
             group.add_argument("--structured-outputs-backend", dest="structured_outputs_backend", default=None,
                                help="structured output backend for the engine: auto | xgrammar | guidance | outlines")
             continue
@@ -57,6 +61,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         group.add_argument(*names, dest=f.name, type=base, default=f.default, help=_HELP.get(f.name))
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
 def _base_type(hint: Any) -> Any:
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     t = args[0] if args else hint
@@ -68,6 +82,9 @@ def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
     kwargs = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)
               if hasattr(ns, f.name) and not (f.name == "logits_processors" and getattr(ns, f.name) is None)
               and f.name != "structured_outputs_config"}
+    so = dict(getattr(ns, "structured_outputs_config", None) or {})
     if getattr(ns, "structured_outputs_backend", None):
-        kwargs["structured_outputs_config"] = {"backend": ns.structured_outputs_backend}
+        so["backend"] = ns.structured_outputs_backend
+    if so:
+        kwargs["structured_outputs_config"] = so
     return EngineArgs(**kwargs)

@@ -59,6 +59,16 @@ def check_unsupported(req: ResponsesRequest) -> None:
     check_text_format(req.text)
 
 
+def response_format_of(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``text.format`` in chat's ``response_format`` shape (the Responses API puts the schema's
+    fields at the top of ``format``; chat nests them under ``json_schema``), for structured output."""
+    fmt = (text or {}).get("format") or {"type": "text"}
+    if fmt.get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {"name": fmt.get("name", "response"), "schema": fmt["schema"],
+                                                       "strict": fmt.get("strict")}}
+    return {"type": fmt.get("type", "text")}
+
+
 def check_text_format(text: dict[str, Any] | None) -> None:
     if not text:
         return
@@ -69,11 +79,12 @@ def check_text_format(text: dict[str, Any] | None) -> None:
     kind = fmt.get("type") if isinstance(fmt, dict) else None
     if kind == "text":
         return
-    if kind in ("json_schema", "json_object"):
-        # STRUCTURED OUTPUT HOOK-IN (lead: wire text.format json_schema / json_object to structured
-        # output here, once it is merged; until then it is refused).
-        raise bad_request("text.format: structured output is not available", "text.format",
-                          "unsupported_parameter")
+    if kind == "json_object":
+        return
+    if kind == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise bad_request("text.format.schema must be a JSON schema object", "text.format")
+        return
     raise bad_request(f"text.format type {kind!r} is not supported (use 'text')", "text.format")
 
 

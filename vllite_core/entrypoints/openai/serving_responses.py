@@ -21,7 +21,12 @@ from starlette.responses import Response
 
 from vllite_core.entrypoints.openai.errors import APIError, bad_request, from_exception
 from vllite_core.entrypoints.openai.protocol import ChatMessage
-from vllite_core.entrypoints.openai.protocol_responses import ResponsesRequest, check_unsupported, input_messages
+from vllite_core.entrypoints.openai.protocol_responses import (
+    ResponsesRequest,
+    check_unsupported,
+    input_messages,
+    response_format_of,
+)
 from vllite_core.entrypoints.openai.serving_chat import chat_prompt
 from vllite_core.entrypoints.openai.serving_common import (
     SSE_HEADERS,
@@ -31,6 +36,7 @@ from vllite_core.entrypoints.openai.serving_common import (
     merged,
     until_disconnect,
 )
+from vllite_core.entrypoints.openai.structured import apply_structured_outputs
 from vllite_core.outputs import RequestOutput
 from vllite_core.sampling_params import SamplingParams
 
@@ -95,6 +101,10 @@ class ResponsesServer:
         check_unsupported(req)
         conversation, rendered = self._conversation(req)
         params = _sampling_params(req)
+        try:
+            apply_structured_outputs(st.engine, SimpleNamespace(response_format=response_format_of(req.text)), params)
+        except APIError as e:  # named after chat's field: here it is text.format
+            raise bad_request(e.message, "text.format") from None
         chat = SimpleNamespace(messages=rendered, add_generation_prompt=True, continue_final_message=False,
                                chat_template=None, chat_template_kwargs=None, allow_special_tokens_in_content=False)
         text, ids = await st.engine.run_prep(chat_prompt, st.engine.prep_tokenizer, chat, None, st.chat_template)
