@@ -63,6 +63,7 @@ def so_params(max_tokens: int, sampled: bool, i: int, **kind) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, structured_outputs=StructuredOutputsParams(**kind), **temp)
 
 
+@pytest.mark.slow
 def test_json_schemas_validate_greedy_and_sampled(llm):
     # disable_any_whitespace: with free whitespace the 135M model can loop on newlines until max_tokens
     # (the grammar allows it); compact JSON keeps every output short enough to finish.
@@ -100,6 +101,7 @@ def test_n_children_each_follow_the_grammar(llm):
         jsonschema.validate(json.loads(c.text), SCHEMAS[2])
 
 
+@pytest.mark.slow
 def test_auto_falls_back_to_guidance_and_says_so(llm):
     schema = {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 7, "minimum": 1,
                                                      "maximum": 99}}, "required": ["n"], "additionalProperties": False}
@@ -176,6 +178,7 @@ def test_backends_agree_on_allowed_tokens(llm):
     assert checked >= 12 and same >= checked // 2
 
 
+@pytest.mark.slow
 def test_structured_rows_leave_free_rows_unchanged(llm):
     free_prompts = [prompt(llm, f"Tell me about the number {i}.") for i in range(32)]
     free = SamplingParams(temperature=0.0, max_tokens=12)
