@@ -248,3 +248,22 @@ def test_engine_option_and_cli_flag():
     assert args.create_config().structured_outputs_config.backend == "guidance"
     with pytest.raises(ConfigError, match="structured_outputs_config"):
         EngineArgs(structured_outputs_config={"backend": "x", "bogus": 1}).create_config()
+
+
+def test_bitmask_apply_matches_numpy_unpackbits():
+    import numpy as np
+
+    from vllite_core.structured_output.bitmask import apply_token_bitmask
+
+    g = torch.Generator().manual_seed(0)
+    vocab = 100  # not a multiple of 32: the last word's high bits are past the vocabulary
+    bm = torch.randint(-2**31, 2**31 - 1, (3, 4), dtype=torch.int32, generator=g)
+    logits = torch.randn(5, vocab, generator=g)
+    rows = torch.tensor([0, 2, 4])
+    out = apply_token_bitmask(logits, rows, bm)
+    allowed = np.unpackbits(bm.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab].astype(bool)
+    for j, r in enumerate(rows.tolist()):
+        assert torch.equal(out[r], torch.where(torch.from_numpy(allowed[j]), logits[r], float("-inf")))
+    assert torch.equal(out[[1, 3]], logits[[1, 3]])  # rows without a grammar are untouched
+    full = apply_token_bitmask(logits[:3], torch.arange(3), bm)
+    assert torch.equal(full, torch.where(torch.from_numpy(allowed), logits[:3], float("-inf")))
