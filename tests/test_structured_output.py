@@ -63,6 +63,7 @@ def so_params(max_tokens: int, sampled: bool, i: int, **kind) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, structured_outputs=StructuredOutputsParams(**kind), **temp)
 
 
+@pytest.mark.slow
 def test_json_schemas_validate_greedy_and_sampled(llm):
     # disable_any_whitespace: with free whitespace the 135M model can loop on newlines until max_tokens
     # (the grammar allows it); compact JSON keeps every output short enough to finish.
@@ -100,6 +101,7 @@ def test_n_children_each_follow_the_grammar(llm):
         jsonschema.validate(json.loads(c.text), SCHEMAS[2])
 
 
+@pytest.mark.slow
 def test_auto_falls_back_to_guidance_and_says_so(llm):
     schema = {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 7, "minimum": 1,
                                                      "maximum": 99}}, "required": ["n"], "additionalProperties": False}
@@ -176,6 +178,7 @@ def test_backends_agree_on_allowed_tokens(llm):
     assert checked >= 12 and same >= checked // 2
 
 
+@pytest.mark.slow
 def test_structured_rows_leave_free_rows_unchanged(llm):
     free_prompts = [prompt(llm, f"Tell me about the number {i}.") for i in range(32)]
     free = SamplingParams(temperature=0.0, max_tokens=12)
@@ -245,3 +248,22 @@ def test_engine_option_and_cli_flag():
     assert args.create_config().structured_outputs_config.backend == "guidance"
     with pytest.raises(ConfigError, match="structured_outputs_config"):
         EngineArgs(structured_outputs_config={"backend": "x", "bogus": 1}).create_config()
+
+
+def test_bitmask_apply_matches_numpy_unpackbits():
+    import numpy as np
+
+    from vllite_core.structured_output.bitmask import apply_token_bitmask
+
+    g = torch.Generator().manual_seed(0)
+    vocab = 100  # not a multiple of 32: the last word's high bits are past the vocabulary
+    bm = torch.randint(-2**31, 2**31 - 1, (3, 4), dtype=torch.int32, generator=g)
+    logits = torch.randn(5, vocab, generator=g)
+    rows = torch.tensor([0, 2, 4])
+    out = apply_token_bitmask(logits, rows, bm)
+    allowed = np.unpackbits(bm.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab].astype(bool)
+    for j, r in enumerate(rows.tolist()):
+        assert torch.equal(out[r], torch.where(torch.from_numpy(allowed[j]), logits[r], float("-inf")))
+    assert torch.equal(out[[1, 3]], logits[[1, 3]])  # rows without a grammar are untouched
+    full = apply_token_bitmask(logits[:3], torch.arange(3), bm)
+    assert torch.equal(full, torch.where(torch.from_numpy(allowed), logits[:3], float("-inf")))

@@ -18,6 +18,9 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """Logits with every token the bitmask forbids set to -inf in ``rows``; other rows are untouched."""
+    """Logits with every token the bitmask forbids set to -inf in ``rows`` (ascending, distinct); other
+    rows are untouched. When every row is structured the rows are all of them, in order: no gather."""
     allowed = unpack_bitmask(bitmask, logits.shape[-1])
+    if rows.numel() == logits.shape[0]:
+        return logits.masked_fill(~allowed, _NEG_INF)
     return logits.index_put((rows,), logits[rows].masked_fill(~allowed, _NEG_INF))

@@ -75,12 +75,8 @@ class RequestGrammar:
             return False
         exc = self.future.exception()
         if exc is None:
-            try:
-                # The backend instance exists: the compile thread built it.
-                self.matcher = self.manager.backend(self.backend_name).matcher(self.future.result())
-                return True
-            except Exception as e:  # noqa: BLE001 - a backend fault belongs to this request
-                exc = e
+            self.matcher = self.future.result()
+            return True
         self.error = f"structured_outputs.{self.params.kind}: {self.backend_name} cannot compile it: {exc}"
         return False
 
@@ -167,10 +163,16 @@ class StructuredOutputManager:
                 self.num_compiles += 1
             else:
                 self.num_cache_hits += 1
-        return RequestGrammar(self, name, params, fut, self.config.compile_timeout_s)
+            # The request's own matcher is built in the pool too (llguidance compiles per matcher): tasks
+            # run in submission order, so the compile it waits for has started already (no deadlock).
+            matcher = self._pool.submit(self._matcher, name, fut)
+        return RequestGrammar(self, name, params, matcher, self.config.compile_timeout_s)
 
     def _compile(self, name: str, params: StructuredOutputsParams) -> Any:
         return self.backend(name).compile(params)
+
+    def _matcher(self, name: str, compiled: Future) -> GrammarMatcher:
+        return self.backend(name).matcher(compiled.result())
 
     def wait_any(self, grammars: list[RequestGrammar], timeout: float) -> None:
         """Block up to ``timeout`` until one of the pending compiles finishes (the engine has nothing else)."""
