@@ -116,7 +116,7 @@ class Bracket(ThinkTagParser):
 
 
 @hookimpl
-def vllite_get_reasoning_parsers():
+def vllite_register_reasoning_parsers():
     return {"bracket": Bracket, "qwen3": Bracket}
 """
 

@@ -59,7 +59,7 @@ def vllite_check_config(config: "VlliteConfig") -> None:
 
 
 @hookspec
-def vllite_get_reasoning_parsers() -> "dict[str, type]":
+def vllite_register_reasoning_parsers() -> "dict[str, type]":
     """Return reasoning parsers by name (``--reasoning-parser NAME``): classes built with the
     model's tokenizer, subclassing ``vllite_core.reasoning.ReasoningParser``. Every plugin
     answers; a later plugin's name replaces an earlier one's. Built-ins: deepseek_r1, qwen3."""

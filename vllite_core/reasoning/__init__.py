@@ -1,6 +1,6 @@
 """Reasoning parsers: split a reasoning model's output into its reasoning and its answer.
 
-Parsers are registered by name through the ``vllite_get_reasoning_parsers`` hook (built-ins
+Parsers are registered by name through the ``vllite_register_reasoning_parsers`` hook (built-ins
 in ``vllite_core.reasoning.builtin``); ``get_reasoning_parser(name)`` looks one up.
 """
 from vllite_core.reasoning.parser import ReasoningParser, ReasoningStream, ThinkTagParser

@@ -8,5 +8,5 @@ VLLITE_PLUGIN_API = (1, 1)
 
 
 @hookimpl
-def vllite_get_reasoning_parsers() -> dict[str, type]:
+def vllite_register_reasoning_parsers() -> dict[str, type]:
     return {"deepseek_r1": DeepSeekR1ReasoningParser, "qwen3": Qwen3ReasoningParser}

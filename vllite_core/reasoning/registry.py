@@ -1,4 +1,4 @@
-"""Reasoning parsers by name, from every plugin's ``vllite_get_reasoning_parsers`` hook."""
+"""Reasoning parsers by name, from every plugin's ``vllite_register_reasoning_parsers`` hook."""
 from __future__ import annotations
 
 from typing import Any
@@ -17,7 +17,7 @@ def _all_parsers(plugin_manager: Any = None) -> dict[str, type]:
         plugin_manager = get_plugin_manager()
     found: dict[str, type] = {}
     # pluggy answers last-registered first: reversed, a plugin's name replaces a built-in's.
-    for answer in reversed(plugin_manager.hook.vllite_get_reasoning_parsers()):
+    for answer in reversed(plugin_manager.hook.vllite_register_reasoning_parsers()):
         found.update(answer or {})
     return found
 

@@ -187,7 +187,7 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
     """``allowed_origins``: CORS on for these (off when None); ``allowed_hosts``: the Host
     header must name one of these (no check when None; ``serve`` passes LOOPBACK_HOSTS on a
     loopback bind). ``chat_template``: the template text (chat_template.load_chat_template);
-    ``reasoning_parser``: a name from the vllite_get_reasoning_parsers hook."""
+    ``reasoning_parser``: a name from the vllite_register_reasoning_parsers hook."""
     from vllite_core.reasoning import get_reasoning_parser
 
     parser = get_reasoning_parser(reasoning_parser, engine.tokenizer) if reasoning_parser else None
