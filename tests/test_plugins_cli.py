@@ -31,7 +31,10 @@ def test_plugins_json_console_script():
     data = json.loads(proc.stdout)
     cpu = next(p for p in data["plugins"] if p["name"] == "cpu")
     assert cpu["status"] == "loaded" and cpu["distribution"] == "vllite-platform-cpu"
-    assert cpu["hooks"] == ["vllite_register_platforms"] and data["plugin_api"] == "1.0"
+    from vllite_core.plugins.hookspecs import VLLITE_PLUGIN_API
+
+    assert cpu["hooks"] == ["vllite_register_platforms"]
+    assert data["plugin_api"] == ".".join(str(x) for x in VLLITE_PLUGIN_API)
 
 
 def test_env_json_resolves_cpu():
