@@ -29,6 +29,9 @@ def test_quantize_divides_and_saturates():
     assert quantize(torch.tensor([1e6]), torch.float8_e5m2).float().item() == 57344.0
     assert fp8_max(torch.float8_e4m3fn) == 448.0
     assert quantize(x[:3], torch.bfloat16, 2.0).tolist() == [0.0, 1.0, -3.0]  # no scaling outside fp8
+    # ROCm MI300's fnuz encodings (kv_cache_torch_dtype there) saturate at their own maxima.
+    assert quantize(torch.tensor([1e4, -1e4]), torch.float8_e4m3fnuz).float().tolist() == [240.0, -240.0]
+    assert quantize(torch.tensor([1e6]), torch.float8_e5m2fnuz).float().item() == 57344.0
 
 
 def test_checkpoint_scale_names_and_bad_values():
