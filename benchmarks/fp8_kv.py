@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/fp8_kv.py [--batch 64 --context 1024 --rounds 5 --kv fp8_e4m3]
 
-Both engines (bfloat16 model; kv_cache_dtype auto = bfloat16, then the fp8 one) are built through
+Both engines (bfloat16 model; kv_cache_dtype auto = bfloat16, and the fp8 one) are built through
 ``LLM`` with room for exactly the batch, their caches filled with random values (the time of a step
 does not depend on what the cache holds), and one decode step of every request is timed directly on
 the engine's model runner: the attention alone (the backend over the 30 layers' caches) and the whole
@@ -21,7 +21,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 
-def _measure(kv: str, a: argparse.Namespace) -> dict[str, float]:
+def _setup(kv: str, a: argparse.Namespace):
+    """An engine for the batch, its caches filled, and the two timed callables (attention, whole step)."""
     from vllite_core import LLM
     from vllite_core.attention.reference import build_metadata
 
@@ -52,19 +53,8 @@ def _measure(kv: str, a: argparse.Namespace) -> dict[str, float]:
     def step() -> None:
         model.compute_logits(model(ids, pos, runner.kv_caches, [md] * layers))
 
-    out = {}
-    with torch.inference_mode():
-        for name, fn in (("attention", attention), ("step", step)):
-            fn()  # warm-up
-            times = []
-            for _ in range(a.rounds):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            out[name] = statistics.median(times) * 1e3
-    out["cache_bytes"] = sum(c.numel() * c.element_size() for c in runner.kv_caches)
-    del llm
-    return out
+    cache_bytes = sum(c.numel() * c.element_size() for c in runner.kv_caches)
+    return llm, {"attention": attention, "step": step}, cache_bytes
 
 
 def main() -> None:
@@ -74,13 +64,24 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--kv", default="fp8_e4m3", help="the fp8 kv_cache_dtype to compare with bfloat16")
     a = ap.parse_args()
-    base = _measure("auto", a)
-    fp8 = _measure(a.kv, a)
-    print(f"batch {a.batch}, context {a.context}, threads {torch.get_num_threads()}, median of {a.rounds}")
+    engines = {"bf16": _setup("auto", a), a.kv: _setup(a.kv, a)}
+    times: dict[tuple[str, str], list[float]] = {}
+    with torch.inference_mode():
+        for r in range(a.rounds + 1):  # round 0 warms up; the two caches alternate so noise hits both
+            for kv, (_, fns, _) in engines.items():
+                for name, fn in fns.items():
+                    t0 = time.perf_counter()
+                    fn()
+                    if r:
+                        times.setdefault((kv, name), []).append((time.perf_counter() - t0) * 1e3)
+    med = {key: statistics.median(v) for key, v in times.items()}
+    print(f"batch {a.batch}, context {a.context}, threads {torch.get_num_threads()}, median of {a.rounds} "
+          "interleaved rounds")
     for name in ("attention", "step"):
-        print(f"{name:10s} bf16 {base[name]:8.1f} ms   {a.kv} {fp8[name]:8.1f} ms   ratio fp8/bf16 "
-              f"{fp8[name] / base[name]:.2f}")
-    print(f"cache      bf16 {base['cache_bytes'] / 2**20:8.0f} MiB  {a.kv} {fp8['cache_bytes'] / 2**20:8.0f} MiB")
+        print(f"{name:10s} bf16 {med['bf16', name]:8.1f} ms   {a.kv} {med[a.kv, name]:8.1f} ms   ratio fp8/bf16 "
+              f"{med[a.kv, name] / med['bf16', name]:.2f}")
+    sizes = {kv: e[2] / 2**20 for kv, e in engines.items()}
+    print(f"cache      bf16 {sizes['bf16']:8.0f} MiB  {a.kv} {sizes[a.kv]:8.0f} MiB")
 
 
 if __name__ == "__main__":
