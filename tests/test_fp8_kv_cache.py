@@ -197,3 +197,14 @@ def test_triton_kernels_scale_fp8_cache(cache_dtype, dtype):
     _check_written(cache, md, k, v, k_scale, v_scale)
     tol = _tolerance(torch.float32) if dtype == torch.float32 else dict(atol=5e-3, rtol=5e-3)
     torch.testing.assert_close(out.double(), _reference(q, cache, md, 0.125, k_scale, v_scale), **tol)
+
+
+@pytest.mark.parametrize("cache_dtype", FORMATS, ids=["e4m3", "e5m2"])
+def test_example_vendor_backend_scales_fp8_cache(cache_dtype):
+    """The example vendor platform (acme, which lists fp8) follows the scaled-cache contract too."""
+    acme = pytest.importorskip("vllite_platform_acme.attention")
+    md, q, k, v, cache = _case(64, cache_dtype=cache_dtype, seed=5)
+    out = acme.AcmePagedAttention().forward(q, k, v, cache, md, 0.125, k_scale=K_SCALE, v_scale=V_SCALE)
+    _check_written(cache, md, k, v, K_SCALE, V_SCALE)
+    torch.testing.assert_close(out.double(), _reference(q, cache, md, 0.125, K_SCALE, V_SCALE),
+                               **_tolerance(torch.float32))
