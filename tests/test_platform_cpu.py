@@ -59,8 +59,10 @@ def test_this_machine_defaults_to_float32_without_avx512(cpu):
 
 def test_kv_cache_dtype_check(cpu):
     cpu.check_and_update_config(VlliteConfig())
+    for name in ("fp8", "fp8_e4m3", "fp8_e5m2"):  # float8 caches: the C++ kernel and the torch path read them
+        cpu.check_and_update_config(VlliteConfig(cache_config=CacheConfig(kv_cache_dtype=name)))
     with pytest.raises(ConfigError, match="kv_cache_dtype"):
-        cpu.check_and_update_config(VlliteConfig(cache_config=CacheConfig(kv_cache_dtype="fp8_e5m2")))
+        cpu.check_and_update_config(VlliteConfig(cache_config=CacheConfig(kv_cache_dtype="int8")))
     with pytest.raises(ConfigError, match="num_threads"):
         cpu.check_and_update_config(VlliteConfig(device_config=DeviceConfig(num_threads=0)))
 

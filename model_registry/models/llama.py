@@ -18,6 +18,7 @@ from torch import nn
 
 from model_registry.models.rope import RotaryEmbedding
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
+from vllite_core.attention.kv_quant import KVScales, kv_scale_name
 from vllite_core.core.kv_cache_spec import KVCacheSpec, attention_specs
 from vllite_core.model_interfaces import SupportsLoRA
 from vllite_core.model_ops import current_model_ops
@@ -85,6 +86,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(c.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, dtype)
         self.o_proj = Linear(self.q_size, c.hidden_size, o_bias, dtype)
         self.attn_backend = attn_backend
+        self.kv_scales = KVScales()  # float8 caches only: the checkpoint's, 1.0, or the first batch's
         self._ops = current_model_ops()
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: torch.Tensor,
@@ -95,7 +97,9 @@ class LlamaAttention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_size)
         v = v.view(t, self.num_kv_heads, self.head_size)
         q, k = self._ops.rotary(q, k, *rope)
-        out = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale, self.sliding_window)
+        self.kv_scales.maybe_calculate(k, v, kv_cache)
+        out = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale, self.sliding_window,
+                                        **self.kv_scales.kwargs())
         return self.o_proj(out.reshape(t, self.q_size))
 
 
@@ -260,6 +264,13 @@ class LlamaForCausalLM(nn.Module, SupportsLoRA):
             name = self._canonical(hf_name)
             if name == "lm_head" and self.tie_word_embeddings:
                 continue  # tied: the embedding is the head
+            if (kv_scale := kv_scale_name(name)) is not None:  # a float8 cache's per-layer scales
+                attn = dict(self.named_modules()).get(kv_scale[0])
+                if not isinstance(attn, LlamaAttention):
+                    unexpected.append(hf_name)
+                    continue
+                attn.kv_scales.set_from_checkpoint(kv_scale[1], tensor, kv_scale[0])
+                continue
             stacked = next(((name.replace(frag, fused), fused, shard) for frag, fused, shard in _STACKED
                             if frag in name), None)
             target = stacked[0] if stacked else name

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from vllite_core.attention.kv_quant import store_scaled
 from vllite_core.utils import cdiv
 
 
@@ -58,8 +59,8 @@ class AttentionBackend(ABC):
                  slot_mapping: torch.Tensor) -> None:
         """Store K/V rows at their slots (default layout). Used for encoder outputs of
         encoder-decoder models; self-attention writes inside forward()."""
-        kv_cache[0].view(-1, *kv_cache.shape[-2:]).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-        kv_cache[1].view(-1, *kv_cache.shape[-2:]).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+        store_scaled(kv_cache[0].view(-1, *kv_cache.shape[-2:]), slot_mapping, key)
+        store_scaled(kv_cache[1].view(-1, *kv_cache.shape[-2:]), slot_mapping, value)
 
     def forward_cross(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                       scale: float) -> torch.Tensor:
@@ -97,6 +98,12 @@ class AttentionBackend(ABC):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """Write key/value into the cache at ``slot_mapping``, then return causal attention
-        of each query over its request's context: [num_tokens, num_heads, head_size]."""
+        of each query over its request's context: [num_tokens, num_heads, head_size].
+
+        A float8 cache stores ``key / k_scale`` and ``value / v_scale`` saturated to the format's range
+        (``kv_quant.quantize``) and attention reads them multiplied back. Models pass the scales only
+        when they are not 1.0 (a backend of a platform without float8 caches never sees them)."""

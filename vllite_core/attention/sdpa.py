@@ -24,33 +24,28 @@ import torch
 import torch.nn.functional as F
 
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
+from vllite_core.attention.kv_quant import dequantize, is_fp8, store_scaled
 from vllite_core.utils import cdiv
 
 
-def _is_fp8(dtype: torch.dtype) -> bool:
-    return dtype.is_floating_point and dtype.itemsize == 1
-
-
-def store_kv(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
-    """``cache`` viewed as [slots, heads, dim]: cache[slots] = x in the cache dtype; slot < 0 goes to slot 0.
-
-    fp8 caches are written as bytes (index ops lack fp8 kernels on several devices)."""
+def store_kv(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: float = 1.0) -> None:
+    """``cache`` viewed as [slots, heads, dim]: cache[slots] = x in the cache dtype (float8: x / scale,
+    saturated); slot < 0 goes to slot 0. fp8 caches are written as bytes (index ops lack fp8 kernels on
+    several devices)."""
     flat = cache.reshape(-1, x.shape[1], x.shape[2])
     slots = torch.where(slots < 0, torch.zeros_like(slots), slots)
-    x = x.to(cache.dtype)
-    if _is_fp8(cache.dtype):
-        flat, x = flat.view(torch.uint8), x.view(torch.uint8)
-    flat.index_copy_(0, slots, x)
+    store_scaled(flat, slots, x, scale)
 
 
-def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """cache[blocks] ([num_blocks, block_size, heads, dim] -> [*blocks.shape, block_size, heads, dim]) in ``dtype``."""
+def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """cache[blocks] ([num_blocks, block_size, heads, dim] -> [*blocks.shape, block_size, heads, dim]) in ``dtype``
+    (a float8 cache's values times ``scale``)."""
     flat = blocks.reshape(-1)
-    if _is_fp8(cache.dtype):
+    if is_fp8(cache.dtype):
         out = cache.view(torch.uint8).index_select(0, flat).view(cache.dtype)
     else:
         out = cache.index_select(0, flat)
-    return out.to(dtype).view(*blocks.shape, *cache.shape[1:])
+    return dequantize(out, dtype, scale).view(*blocks.shape, *cache.shape[1:])
 
 
 @dataclass
@@ -133,6 +128,8 @@ class SdpaPagedAttention(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         plan = metadata.extra
         if not isinstance(plan, SdpaPlan):
@@ -140,15 +137,15 @@ class SdpaPagedAttention(AttentionBackend):
             if metadata.extra is None:
                 metadata.extra = plan
         n = min(key.shape[0], metadata.slot_mapping.shape[0])
-        store_kv(kv_cache[0], metadata.slot_mapping[:n], key[:n])
-        store_kv(kv_cache[1], metadata.slot_mapping[:n], value[:n])
+        store_kv(kv_cache[0], metadata.slot_mapping[:n], key[:n], k_scale)
+        store_kv(kv_cache[1], metadata.slot_mapping[:n], value[:n], v_scale)
         num_heads, head_size = query.shape[1], query.shape[2]
         num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
         r, qm, nb = plan.num_reqs, plan.max_q, plan.num_blocks
         table = metadata.block_table.long()
         table = F.pad(table[:, :nb], (0, max(0, nb - table.shape[1]), 0, max(0, r - table.shape[0])))
-        k = gather_blocks(kv_cache[0], table, query.dtype).view(r, nb * block_size, num_kv_heads, head_size)
-        v = gather_blocks(kv_cache[1], table, query.dtype).view(r, nb * block_size, num_kv_heads, head_size)
+        k = gather_blocks(kv_cache[0], table, query.dtype, k_scale).view(r, nb * block_size, num_kv_heads, head_size)
+        v = gather_blocks(kv_cache[1], table, query.dtype, v_scale).view(r, nb * block_size, num_kv_heads, head_size)
         q = query.index_select(0, plan.q_index).view(r, qm, num_heads, head_size)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),

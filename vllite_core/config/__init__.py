@@ -72,6 +72,7 @@ class CacheConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # auto (= model dtype) | fp8 variants where a platform supports them
+    calculate_kv_scales: bool = False  # float8 caches: k/v scales from the first batch, not 1.0 or the checkpoint's
     num_kv_blocks: int | None = None  # override of the profiled number (alias: num_gpu_blocks_override)
     kv_cache_memory: int | None = None  # bytes for the KV cache (overrides memory_utilization)
     memory_utilization: float = 0.9  # fraction of device memory the engine may use (gpu_memory_utilization)
@@ -224,6 +225,7 @@ class EngineArgs:
     max_logprobs: int = 20
     logits_processors: list[str] = field(default_factory=list)
     kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -278,7 +280,8 @@ class EngineArgs:
                                      generation_config=self.generation_config, runner=self.runner,
                                      convert=self.convert),
             cache_config=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
-                                     kv_cache_dtype=self.kv_cache_dtype, num_kv_blocks=self.num_kv_blocks,
+                                     kv_cache_dtype=self.kv_cache_dtype,
+                                     calculate_kv_scales=self.calculate_kv_scales, num_kv_blocks=self.num_kv_blocks,
                                      kv_cache_memory=self.kv_cache_memory,
                                      memory_utilization=self.gpu_memory_utilization),
             scheduler_config=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,

@@ -130,9 +130,9 @@ class EngineCore:
         # Set by the frontend, which owns the tokenizer (vllite_core.structured_output.StructuredOutputManager).
         self.structured_output: Any = None
         kinds = ", ".join(f"{g.spec.kind} x{len(g.layers)}" for g in groups)
-        logger.info("engine ready: %s on %s, max_model_len=%d, %d KV blocks of %d tokens (%d tokens), cache "
-                    "groups: %s", arch, platform.name, max_model_len, num_blocks, cc.block_size,
-                    num_blocks * cc.block_size, kinds)
+        logger.info("engine ready: %s on %s, max_model_len=%d, %d KV blocks of %d tokens (%d tokens, %s cache), "
+                    "cache groups: %s", arch, platform.name, max_model_len, num_blocks, cc.block_size,
+                    num_blocks * cc.block_size, str(self.worker.runner.kv_cache_dtype).replace("torch.", ""), kinds)
 
     def add_request(self, request: Request) -> None:
         so = request.sampling_params.structured_outputs

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from vllite_core.attention.kv_quant import configure_kv_scales
 from vllite_core.config import ConfigError, VlliteConfig
 from vllite_core.core.sched_output import SchedulerOutput
 from vllite_core.platforms.interface import Platform
@@ -58,6 +59,7 @@ class Worker:
         processors = load_logits_processors(self.config.model_config.logits_processors, self.pm)
         # The one place the cache dtype is decided: the platform maps kv_cache_dtype for the model dtype.
         kv_dtype = self.platform.kv_cache_torch_dtype(self.config.cache_config.kv_cache_dtype, dtype)
+        configure_kv_scales(model, kv_dtype, self.config.cache_config.calculate_kv_scales)
         self.runner = ModelRunner(self.config, model, backend, self.device, dtype, kv_dtype, processors)
 
     def determine_num_kv_blocks(self) -> int:

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
+from vllite_core.attention.kv_quant import dequantize, quantize
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -23,15 +24,16 @@ class AcmePagedAttention(AttentionBackend):
     name = "acme_paged"
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                metadata: AttentionMetadata, scale: float, sliding_window: int | None = None,
+                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         md = metadata
         n = md.num_actual_tokens
         kv_heads, head_size, bs = kv_cache.shape[3], kv_cache.shape[4], kv_cache.shape[2]
         slots = md.slot_mapping[:n]
         real = slots >= 0
-        for cache, new in ((kv_cache[0], key), (kv_cache[1], value)):
+        for cache, new, s in ((kv_cache[0], key, k_scale), (kv_cache[1], value, v_scale)):
             flat = _bytes(cache.view(-1, kv_heads, head_size))
-            flat.index_copy_(0, slots[real], _bytes(new[:n][real].to(cache.dtype)))
+            flat.index_copy_(0, slots[real], _bytes(quantize(new[:n][real], cache.dtype, s)))  # fp8: / s, saturated
         out = torch.zeros_like(query)
         for r in range(md.num_reqs):
             start, end = md.query_start_loc_cpu[r], md.query_start_loc_cpu[r + 1]
@@ -39,8 +41,8 @@ class AcmePagedAttention(AttentionBackend):
             if q_len == 0:
                 continue
             blocks = md.block_table[r, : -(-seq_len // bs)].long()
-            k = _bytes(kv_cache[0]).index_select(0, blocks).view(kv_cache.dtype).to(query.dtype)
-            v = _bytes(kv_cache[1]).index_select(0, blocks).view(kv_cache.dtype).to(query.dtype)
+            k = dequantize(_bytes(kv_cache[0]).index_select(0, blocks).view(kv_cache.dtype), query.dtype, k_scale)
+            v = dequantize(_bytes(kv_cache[1]).index_select(0, blocks).view(kv_cache.dtype), query.dtype, v_scale)
             k, v = k.flatten(0, 1)[:seq_len], v.flatten(0, 1)[:seq_len]  # [seq_len, kv_heads, head_size]
             q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
             k_pos = torch.arange(seq_len)[None, :]

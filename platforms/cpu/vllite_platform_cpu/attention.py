@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
+from vllite_core.attention.kv_quant import dequantize, is_fp8, store_scaled
 from vllite_platform_cpu import kernels as _kernels
 
 
@@ -100,6 +101,8 @@ class TorchPagedAttention(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         plan = metadata.extra
         if not isinstance(plan, _Plan):
@@ -114,14 +117,14 @@ class TorchPagedAttention(AttentionBackend):
         slots, new_k, new_v = metadata.slot_mapping[:n], key[:n], value[:n]
         if plan.write_rows is not None:  # padded rows (slot -1) write nowhere
             slots, new_k, new_v = slots[plan.write_rows], new_k[plan.write_rows], new_v[plan.write_rows]
-        _store(kv_cache[0].view(-1, num_kv_heads, head_size), slots, new_k)
-        _store(kv_cache[1].view(-1, num_kv_heads, head_size), slots, new_v)
-        if plan.kernel_args is not None and kv_cache.dtype == query.dtype and query.stride(-1) == 1:
+        store_scaled(kv_cache[0].view(-1, num_kv_heads, head_size), slots, new_k, k_scale)
+        store_scaled(kv_cache[1].view(-1, num_kv_heads, head_size), slots, new_v, v_scale)
+        if plan.kernel_args is not None and _kernel_reads(kv_cache.dtype, query.dtype) and query.stride(-1) == 1:
             _kernels.paged_attention(out, query, kv_cache[0], kv_cache[1], *plan.kernel_args, scale,
-                                     sliding_window or 0)
+                                     sliding_window or 0, k_scale, v_scale)
             return out
         if plan.decode_rows is not None:
-            dec = self._decode(query, kv_cache, plan, scale, sliding_window)
+            dec = self._decode(query, kv_cache, plan, scale, sliding_window, k_scale, v_scale)
             if plan.pure_decode:
                 out[:dec.shape[0]] = dec
             else:
@@ -131,8 +134,8 @@ class TorchPagedAttention(AttentionBackend):
             if p.seq_len == q.shape[0] and kv_cache.dtype == q.dtype:  # no cached prefix: K/V are the new rows
                 k, v = key[p.rows], value[p.rows]
             else:
-                k = _gather(kv_cache[0], p.blocks, q.dtype).flatten(0, 1)[:p.seq_len]
-                v = _gather(kv_cache[1], p.blocks, q.dtype).flatten(0, 1)[:p.seq_len]
+                k = _gather(kv_cache[0], p.blocks, q.dtype, k_scale).flatten(0, 1)[:p.seq_len]
+                v = _gather(kv_cache[1], p.blocks, q.dtype, v_scale).flatten(0, 1)[:p.seq_len]
             out[p.rows] = self._prefill(q, k, v, plan.masks, p.rows.start, scale, sliding_window)
         return out
 
@@ -147,7 +150,7 @@ class TorchPagedAttention(AttentionBackend):
         return out
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: _Plan, scale: float,
-                window: int | None) -> torch.Tensor:
+                window: int | None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         """One query token per request, all requests at once, with two batched matmuls.
 
         SDPA's CPU kernel is slow for a single query row (it splits and allocates per call:
@@ -167,8 +170,8 @@ class TorchPagedAttention(AttentionBackend):
         # [B, H, D] -> [Hkv, B, G, D] -> [Hkv*B, G, D]
         q = q.view(b, hkv, g, d).transpose(0, 1).reshape(hkv * b, g, d).to(work)
         blocks = plan.decode_blocks.reshape(-1)
-        k = _gather_heads(kv_cache[0], blocks, work).view(hkv * b, length, d)
-        v = _gather_heads(kv_cache[1], blocks, work).view(hkv * b, length, d)
+        k = _gather_heads(kv_cache[0], blocks, work, k_scale).view(hkv * b, length, d)
+        v = _gather_heads(kv_cache[1], blocks, work, v_scale).view(hkv * b, length, d)
         bias = plan.masks.get(("decode", window))
         if bias is None:
             assert plan.decode_seq_lens is not None
@@ -209,30 +212,27 @@ class TorchPagedAttention(AttentionBackend):
         return out.transpose(0, 1)
 
 
-def _is_fp8(dtype: torch.dtype) -> bool:
-    return dtype.is_floating_point and dtype.itemsize == 1
+_KERNEL_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def _store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
-    """cache[slots] = x, rounding to the cache dtype (fp8 caches are copied as bytes: CPU index ops lack fp8)."""
-    x = x.to(cache.dtype)
-    if _is_fp8(cache.dtype):
-        cache, x = cache.view(torch.uint8), x.view(torch.uint8)
-    cache.index_copy_(0, slots, x)
+def _kernel_reads(cache_dtype: torch.dtype, query_dtype: torch.dtype) -> bool:
+    """The C++ kernel reads caches in the query's dtype, and float8 ones under a float32 / bfloat16 query."""
+    return cache_dtype == query_dtype or (cache_dtype in _KERNEL_FP8 and query_dtype in (torch.float32,
+                                                                                       torch.bfloat16))
 
 
-def _gather_heads(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _gather_heads(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
     """Blocks of one cache half ``[num_blocks, bs, Hkv, D]`` gathered head-major: ``[Hkv, len(blocks) * bs, D]``.
 
     A dim-0 ``index_select`` then one transposing copy: ``index_select`` over a permuted
     view takes a generic strided path that is ~100x slower on the CPU."""
     hkv, d = cache.shape[2], cache.shape[3]
-    rows = _gather(cache, blocks, dtype).view(-1, hkv, d)
+    rows = _gather(cache, blocks, dtype, scale).view(-1, hkv, d)
     return rows.transpose(0, 1).contiguous()
 
 
-def _gather(cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """cache[index] in ``dtype``."""
-    if _is_fp8(cache.dtype):
-        return cache.view(torch.uint8).index_select(0, index).view(cache.dtype).to(dtype)
+def _gather(cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """cache[index] in ``dtype`` (a float8 cache's values times ``scale``)."""
+    if is_fp8(cache.dtype):
+        return dequantize(cache.view(torch.uint8).index_select(0, index).view(cache.dtype), dtype, scale)
     return cache.index_select(0, index).to(dtype)

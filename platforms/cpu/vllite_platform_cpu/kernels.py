@@ -12,7 +12,8 @@ each key/value row once per tile, as stored (bfloat16 keys go through AVX512-BF1
 dot products where the CPU has them). A one-row tile (a decode token) takes a
 streaming path instead: positions in order, each one's rows of the task's KV heads
 read once for all their query heads, rows ahead prefetched. Scores and sums are float32 whatever the
-cache dtype (float32, bfloat16, float16); softmax is online across key chunks.
+cache dtype (float32, bfloat16, float16, or float8 e4m3fn / e5m2 widened in registers, its per-layer
+scales folded into the query and the output); softmax is online across key chunks.
 
 Build: ``pip install --no-build-isolation -e platforms/cpu`` (``setup.py``) compiles the three kernel
 files once per ISA variant of ``isa.py`` (x86-64: ``default``, ``avx2`` (+FMA/F16C/BMI2), ``avx512``
@@ -244,13 +245,16 @@ def error() -> str | None:
 
 def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                    req_ids: torch.Tensor, scale: float, window: int = 0) -> None:
+                    req_ids: torch.Tensor, scale: float, window: int = 0, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> None:
     """Write into ``out`` the attention of the query rows of requests ``req_ids`` (causal, each query row
-    at the end of its request's ``seq_lens`` context, optional sliding ``window``; 0 = none)."""
+    at the end of its request's ``seq_lens`` context, optional sliding ``window``; 0 = none). A float8
+    cache (e4m3fn or e5m2, under a float32 or bfloat16 query) is read as stored value x ``k_scale`` /
+    ``v_scale``."""
     mod = load()
     assert mod is not None, error()
     mod.paged_attention(out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, req_ids,
-                        float(scale), int(window))
+                        float(scale), int(window), float(k_scale), float(v_scale))
 
 
 def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:

@@ -175,7 +175,8 @@ class CpuPlatform(Platform):
         return [torch.float32, torch.bfloat16]
 
     def supported_kv_cache_dtypes(self) -> list[str]:
-        return ["auto"]
+        # float8 caches are read by the C++ kernel (widened in registers) and by the torch fallback.
+        return ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
 
     def get_attention_backend(self, config: "VlliteConfig") -> "AttentionBackend":
         from vllite_platform_cpu.attention import TorchPagedAttention

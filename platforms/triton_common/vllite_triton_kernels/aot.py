@@ -57,7 +57,7 @@ def compile_attention(spec: str, dtype: str = "float16", cache_dtype: str | None
         elif name in const:
             sig[name] = "constexpr"
         else:
-            sig[name] = "fp32" if name == "scale" else "i32"
+            sig[name] = "fp32" if name.endswith("scale") else "i32"
     compiled = triton.compile(ASTSource(fn, sig, constexprs=const), target=target(spec))
     return {"target": spec, "kernel": fn.__name__, "binary": [k for k in compiled.asm if k in ("cubin", "hsaco")],
             "shared_bytes": int(getattr(compiled.metadata, "shared", 0)), "num_warps": compiled.metadata.num_warps}
@@ -65,6 +65,7 @@ def compile_attention(spec: str, dtype: str = "float16", cache_dtype: str | None
 
 def compile_store(spec: str, dtype: str = "float16", cache_dtype: str | None = None, num_kv_heads: int = 8,
                   head_size: int = 128, block_size: int = 16) -> dict[str, Any]:
+    import torch
     import triton
     from triton.compiler import ASTSource
 
@@ -72,10 +73,12 @@ def compile_store(spec: str, dtype: str = "float16", cache_dtype: str | None = N
 
     fn = kernels.store_kv_kernel
     dt, ct = _TORCH_TO_TRITON[dtype], _TORCH_TO_TRITON[cache_dtype or dtype]
+    fp8_max = float(torch.finfo(getattr(torch, cache_dtype)).max) if cache_dtype and "float8" in cache_dtype else 0.0
     const = dict(NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, HD_P=_pow2(num_kv_heads * head_size),
-                 BLOCK_SIZE=block_size, BLOCK_T=16)
+                 BLOCK_SIZE=block_size, BLOCK_T=16, FP8_MAX=fp8_max)
     ptrs = {"key_ptr": dt, "value_ptr": dt, "k_cache_ptr": ct, "v_cache_ptr": ct, "slot_ptr": "i64"}
-    sig = {n: ("*" + ptrs[n]) if n in ptrs else ("constexpr" if n in const else "i32") for n in fn.arg_names}
+    sig = {n: ("*" + ptrs[n]) if n in ptrs else ("constexpr" if n in const else
+                                                  "fp32" if n.endswith("scale") else "i32") for n in fn.arg_names}
     compiled = triton.compile(ASTSource(fn, sig, constexprs=const), target=target(spec))
     return {"target": spec, "kernel": fn.__name__, "binary": [k for k in compiled.asm if k in ("cubin", "hsaco")]}
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
+from vllite_core.attention.kv_quant import fp8_max, is_fp8
 from vllite_triton_kernels.status import interpreter_enabled
 
 
@@ -39,8 +40,9 @@ class TritonPagedAttention(AttentionBackend):
                                "set TRITON_INTERPRET=1 to run the kernels in the interpreter on the CPU")
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-        """kv_cache at ``slot_mapping[t]`` = key/value of token t, for t < len(slot_mapping); slots < 0 skipped."""
+                 slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        """kv_cache at ``slot_mapping[t]`` = key/value of token t, for t < len(slot_mapping); slots < 0 skipped.
+        A float8 cache stores key / k_scale and value / v_scale, saturated to its range."""
         from vllite_triton_kernels.kernels import store_kv_kernel
 
         n = min(key.shape[0], slot_mapping.shape[0])
@@ -52,11 +54,12 @@ class TritonPagedAttention(AttentionBackend):
         extra = {} if self.num_warps is None else {"num_warps": self.num_warps}
         block_t = 16
         store_kv_kernel[(-(-n // block_t),)](
-            key, value, k_cache, v_cache, slot_mapping, n,
+            key, value, k_cache, v_cache, slot_mapping, n, float(k_scale), float(v_scale),
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, HD_P=_pow2_at_least(num_kv_heads * head_size),
-            BLOCK_SIZE=k_cache.shape[1], BLOCK_T=block_t, **extra)
+            BLOCK_SIZE=k_cache.shape[1], BLOCK_T=block_t,
+            FP8_MAX=fp8_max(k_cache.dtype) if is_fp8(k_cache.dtype) else 0.0, **extra)
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -73,6 +76,8 @@ class TritonPagedAttention(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         from vllite_triton_kernels.kernels import paged_attention_kernel
 
@@ -80,7 +85,7 @@ class TritonPagedAttention(AttentionBackend):
         if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
             raise ValueError("expected a (2, blocks, block_size, kv_heads, head_size) cache, got "
                              f"{tuple(kv_cache.shape)}")
-        self.store_kv(key, value, kv_cache, metadata.slot_mapping)
+        self.store_kv(key, value, kv_cache, metadata.slot_mapping, k_scale, v_scale)
         query = _last_dim_contiguous(query)
         num_tokens, num_heads, head_size = query.shape
         num_kv_heads = kv_cache.shape[3]
@@ -99,7 +104,7 @@ class TritonPagedAttention(AttentionBackend):
         extra = {} if self.num_warps is None else {"num_warps": self.num_warps}
         paged_attention_kernel[grid](
             out, query, k_cache, v_cache, block_table, metadata.seq_lens, metadata.query_start_loc,
-            float(scale), num_reqs,
+            float(scale) * float(k_scale), float(v_scale), num_reqs,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
             QUERIES_PER_KV=qpk, HEAD_SIZE=head_size, HEAD_P=_pow2_at_least(head_size, 16),

@@ -5,6 +5,10 @@ Cache layout (the core's default): one tensor per layer shaped
 ``[1]``. Token ``pos`` of a request lives at block ``block_table[req, pos //
 block_size]``, offset ``pos % block_size``.
 
+A float8 cache holds K / k_scale and V / v_scale (per layer, per tensor): the store kernel divides and
+saturates, the attention kernel gets ``scale * k_scale`` as its score scale and multiplies the output
+by ``v_scale``.
+
 ``paged_attention_kernel`` is one kernel for prefill, chunked prefill, decode
 and any mix of them in a batch. A program owns one KV head and a tile of
 ``BLOCK_Q`` consecutive query tokens of one request, i.e. ``BLOCK_M = BLOCK_Q *
@@ -25,15 +29,26 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
+@triton.jit
+def _to_cache(x, scale, FP8_MAX: tl.constexpr):
+    """A float8 cache (FP8_MAX > 0, the format's largest finite value) stores x / scale saturated."""
+    if FP8_MAX > 0:
+        y = x.to(tl.float32) / scale
+        return tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+    else:
+        return x
+
+
+@triton.jit(do_not_specialize=["num_tokens", "k_scale", "v_scale"])
 def store_kv_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_tokens,
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_tokens, k_scale, v_scale,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_cs, stride_ch,
     NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HD_P: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, FP8_MAX: tl.constexpr,
 ):
-    """BLOCK_T new tokens per program: cache[slot] = key/value (cast to the cache dtype); slot < 0 is padding."""
+    """BLOCK_T new tokens per program: cache[slot] = key/value (cast to the cache dtype; a float8 cache
+    holds key / k_scale and value / v_scale, saturated); slot < 0 is padding."""
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = tok < num_tokens
     slot = tl.load(slot_ptr + tok, mask=tok_ok, other=-1).to(tl.int64)
@@ -44,9 +59,9 @@ def store_kv_kernel(
     dst = ((slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs)[:, None] + (h * stride_ch + d)[None, :]
     rows = tok.to(tl.int64)[:, None]
     k = tl.load(key_ptr + rows * stride_kt + (h * stride_kh + d)[None, :], mask=mask, other=0.0)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + dst, _to_cache(k, k_scale, FP8_MAX).to(k_cache_ptr.dtype.element_ty), mask=mask)
     v = tl.load(value_ptr + rows * stride_vt + (h * stride_vh + d)[None, :], mask=mask, other=0.0)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, _to_cache(v, v_scale, FP8_MAX).to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -72,10 +87,10 @@ def _dot(a, b, IEEE: tl.constexpr):
         return tl.dot(a, b)
 
 
-@triton.jit(do_not_specialize=["scale", "num_reqs"])
+@triton.jit(do_not_specialize=["scale", "v_scale", "num_reqs"])
 def paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
-    scale, num_reqs,
+    scale, v_scale, num_reqs,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_P: tl.constexpr,
@@ -135,6 +150,6 @@ def paged_attention_kernel(
         acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v.to(q.dtype), IEEE)
         m_i = m_new
 
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])

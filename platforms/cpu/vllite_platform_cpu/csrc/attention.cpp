@@ -3,6 +3,11 @@
 // Tasks are (request, 16-row query tile) with all KV heads, or one KV head each when there are too few
 // tiles to busy the threads; a one-row tile (a decode token) takes the streaming ``decode_row`` path.
 // Scores and sums are float32 whatever the cache dtype; softmax is online across key chunks.
+// The cache may be float8 (e4m3fn or e5m2) under a float32 or bfloat16 query: its bytes are widened in
+// registers (cache_load), the per-layer k_scale is folded into the query and v_scale into the output.
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -18,6 +23,41 @@ static inline float to_f(T x) {
 }
 
 // (AVec, VL and avec_load: common.h, shared with pointwise.cpp.)
+
+template <typename C>
+constexpr bool kFp8 = std::is_same_v<C, c10::Float8_e4m3fn> || std::is_same_v<C, c10::Float8_e5m2>;
+
+// VL cache elements as float32. float8 bytes become float16 bit patterns (e5m2 is the top byte of a
+// float16; e4m3fn's exponent and mantissa shifted under a float16 exponent field give the value times
+// 2^-8, subnormals included) that F16C / AVX-512 widen; the default variant converts one at a time.
+// (e4m3fn's NaN byte reads as 480: writes saturate, so the cache holds none.)
+template <typename C>
+static inline AVec cache_load(const C* p) {
+  if constexpr (kFp8<C>) {
+    constexpr bool e5m2 = std::is_same_v<C, c10::Float8_e5m2>;
+#if defined(CPU_CAPABILITY_AVX512)
+    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i h = e5m2 ? _mm256_slli_epi16(w, 8)
+                           : _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
+                                             _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7));
+    const AVec f(_mm512_cvtph_ps(h));
+    return e5m2 ? f : f * AVec(256.f);
+#elif defined(CPU_CAPABILITY_AVX2)
+    const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m128i h = e5m2 ? _mm_slli_epi16(w, 8)
+                           : _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8),
+                                          _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7F)), 7));
+    const AVec f(_mm256_cvtph_ps(h));
+    return e5m2 ? f : f * AVec(256.f);
+#else
+    float lanes[VL];
+    for (int64_t j = 0; j < VL; ++j) lanes[j] = static_cast<float>(p[j]);
+    return AVec::loadu(lanes);
+#endif
+  } else {
+    return avec_load(p);
+  }
+}
 
 // Head sizes that are whole vectors take the vector path; others (and float64) the scalar loops.
 template <typename T, int DC>
@@ -81,11 +121,11 @@ static inline void reduce16(AVec* a, float* out) {
 // out[k] = dot(q, rows[k]) * scale for 16 cache rows of DC elements, read as stored. bfloat16 rows on a
 // CPU with AVX512-BF16 multiply the query's own bfloat16 values pairwise (vdpbf16ps, float32 sums);
 // otherwise rows are widened in registers and multiplied with the float32 query.
-template <typename T, int DC>
-static inline void dots16(const T* const* rows, const float* qv, const T* qraw, float scale, float* out) {
+template <typename T, typename C, int DC>
+static inline void dots16(const C* const* rows, const float* qv, const T* qraw, float scale, float* out) {
   AVec a[16];
 #if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
-  if constexpr (std::is_same_v<T, c10::BFloat16> && DC % 32 == 0) {
+  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, T> && DC % 32 == 0) {
     constexpr int64_t NB = DC / 32;
     __m512bh qb[NB];
     for (int64_t v = 0; v < NB; ++v) qb[v] = (__m512bh)_mm512_loadu_si512(qraw + v * 32);
@@ -105,8 +145,8 @@ static inline void dots16(const T* const* rows, const float* qv, const T* qraw, 
   AVec qr[NV];
   for (int64_t v = 0; v < NV; ++v) qr[v] = AVec::loadu(qv + v * VL);
   for (int k = 0; k < 16; ++k) {
-    AVec s = avec_load(rows[k]) * qr[0];
-    for (int64_t v = 1; v < NV; ++v) s = at::vec::fmadd(avec_load(rows[k] + v * VL), qr[v], s);
+    AVec s = cache_load(rows[k]) * qr[0];
+    for (int64_t v = 1; v < NV; ++v) s = at::vec::fmadd(cache_load(rows[k] + v * VL), qr[v], s);
     a[k] = s;
   }
   reduce16(a, out);
@@ -214,11 +254,11 @@ struct DecodeScratch {
 // positions ahead are prefetched (K into L1, V into L2 for the pass over V that follows each chunk).
 // With the cache in L2 or L3 that made a batch-64 step 1.15x / 1.4x faster on the AVX2 host; from
 // DRAM both paths take about a plain read of the blocks plus the compute (docs/benchmarks.md, 16).
-template <typename T, int DC>
-static void decode_row(const T* qrow, int64_t qs1, T* orow, int64_t os1, const T* kc, const T* vc, int64_t ks0,
+template <typename T, typename C, int DC>
+static void decode_row(const T* qrow, int64_t qs1, T* orow, int64_t os1, const C* kc, const C* vc, int64_t ks0,
                        int64_t ks1, int64_t ks2, int64_t vs0, int64_t vs1, int64_t vs2, const int32_t* row_blocks,
                        int64_t BS, int64_t h0, int64_t HG, int64_t G, int64_t t_lo, int64_t t_hi, float sc,
-                       DecodeScratch& w) {
+                       float v_scale, DecodeScratch& w) {
   constexpr int64_t D = DC, NV = DC / VL, KC = 256, PD = 16;
   const int64_t N = HG * G;  // states, st = h * G + g (query head (h0 + h) * G + g)
   w.qf.resize(N * D);
@@ -231,30 +271,30 @@ static void decode_row(const T* qrow, int64_t qs1, T* orow, int64_t os1, const T
     const T* qp = qrow + (h0 * G + st) * qs1;
     for (int64_t d = 0; d < D; ++d) w.qf[st * D + d] = to_f(qp[d]) * sc;
   }
-  const T* kbase = kc + h0 * ks2;
-  const T* vbase = vc + h0 * vs2;
-  RowWalk<T> kw(kbase, row_blocks, BS, ks0, ks1, t_lo), vw(vbase, row_blocks, BS, vs0, vs1, t_lo);
-  RowWalk<T> kpf = kw;  // PD positions ahead of kw
+  const C* kbase = kc + h0 * ks2;
+  const C* vbase = vc + h0 * vs2;
+  RowWalk<C> kw(kbase, row_blocks, BS, ks0, ks1, t_lo), vw(vbase, row_blocks, BS, vs0, vs1, t_lo);
+  RowWalk<C> kpf = kw;  // PD positions ahead of kw
   int64_t t_pf = t_lo;
-  for (int64_t i = 0; i < PD && t_pf <= t_hi; ++i, ++t_pf, kpf.next()) prefetch_rows<T, 3>(kpf.row(), HG, ks2, D);
+  for (int64_t i = 0; i < PD && t_pf <= t_hi; ++i, ++t_pf, kpf.next()) prefetch_rows<C, 3>(kpf.row(), HG, ks2, D);
   for (int64_t c0 = t_lo; c0 <= t_hi; c0 += KC) {
     const int64_t n = std::min<int64_t>(t_hi + 1, c0 + KC) - c0;
-    RowWalk<T> vpf = vw;  // this chunk's V rows go to L2 while K is read
+    RowWalk<C> vpf = vw;  // this chunk's V rows go to L2 while K is read
     // Scores: 16 positions at a time, one vector of partial sums per (state, position), then reduced.
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
       const int64_t m = std::min<int64_t>(16, n - j0);
       for (int64_t k = 0; k < m; ++k) {
         if (t_pf <= t_hi) {
-          prefetch_rows<T, 3>(kpf.row(), HG, ks2, D);
+          prefetch_rows<C, 3>(kpf.row(), HG, ks2, D);
           kpf.next();
           ++t_pf;
         }
-        prefetch_rows<T, 2>(vpf.row(), HG, vs2, D);
+        prefetch_rows<C, 2>(vpf.row(), HG, vs2, D);
         vpf.next();
-        const T* kr = kw.row();
+        const C* kr = kw.row();
         for (int64_t h = 0; h < HG; ++h) {
           AVec kv[NV];
-          for (int64_t v = 0; v < NV; ++v) kv[v] = avec_load(kr + h * ks2 + v * VL);
+          for (int64_t v = 0; v < NV; ++v) kv[v] = cache_load(kr + h * ks2 + v * VL);
           for (int64_t g = 0; g < G; g += 4) {
             const float* qv = w.qf.data() + (h * G + g) * D;
             float* dst = w.part.data() + ((h * G + g) * 16 + k) * VL;
@@ -286,7 +326,7 @@ static void decode_row(const T* qrow, int64_t qs1, T* orow, int64_t os1, const T
     // Values: 16 positions at a time per state, the accumulator in registers, the rows from L1.
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
       const int64_t m = std::min<int64_t>(16, n - j0);
-      const T* vrows[16];
+      const C* vrows[16];
       for (int64_t k = 0; k < m; ++k) {
         vrows[k] = vw.row();
         vw.next();
@@ -300,15 +340,15 @@ static void decode_row(const T* qrow, int64_t qs1, T* orow, int64_t os1, const T
           for (int64_t v = 0; v < NV; ++v) a[v] = AVec::loadu(ap + v * VL);
           for (int64_t k = 0; k < m; ++k) {
             const AVec wt(p[k]);
-            const T* vr = vrows[k] + h * vs2;
-            for (int64_t v = 0; v < NV; ++v) a[v] = at::vec::fmadd(wt, avec_load(vr + v * VL), a[v]);
+            const C* vr = vrows[k] + h * vs2;
+            for (int64_t v = 0; v < NV; ++v) a[v] = at::vec::fmadd(wt, cache_load(vr + v * VL), a[v]);
           }
           for (int64_t v = 0; v < NV; ++v) a[v].store(ap + v * VL);
         }
     }
   }
   for (int64_t st = 0; st < N; ++st) {
-    const float inv = 1.f / w.total[st];
+    const float inv = v_scale / w.total[st];
     T* op = orow + (h0 * G + st) * os1;
     for (int64_t d = 0; d < D; ++d) op[d] = static_cast<T>(w.acc[st * D + d] * inv);
   }
@@ -317,10 +357,10 @@ static void decode_row(const T* qrow, int64_t qs1, T* orow, int64_t os1, const T
 // bfloat16 caches on a CPU with AVX512-BF16 keep decoding through the tile path's vdpbf16ps dot products
 // (measured there; the streaming path widens each row and was not measured on such a CPU).
 #if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
-template <typename T>
-constexpr bool kStreamDecode = !std::is_same_v<T, c10::BFloat16>;
+template <typename C>
+constexpr bool kStreamDecode = !std::is_same_v<C, c10::BFloat16>;
 #else
-template <typename T>
+template <typename C>
 constexpr bool kStreamDecode = true;
 #endif
 
@@ -328,17 +368,17 @@ constexpr bool kStreamDecode = true;
 // whose rows are read in place (as stored; one chunk of a head stays in L2) by every query row of the
 // tile and every query head sharing the KV head. Softmax is online across chunks (running max and sum,
 // the accumulator rescaled when the max grows), so nothing grows with the context length.
-template <typename scalar_t, int DC>
+template <typename scalar_t, typename cache_t, int DC>
 static void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                 const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                const at::Tensor& req_ids, double scale, int64_t window) {
+                const at::Tensor& req_ids, double scale, int64_t window, float k_scale, float v_scale) {
   const int64_t R = req_ids.size(0);
   const int64_t H = query.size(1), D = DC > 0 ? DC : query.size(2);
   const int64_t BS = key_cache.size(1), HKV = key_cache.size(2);
   const int64_t G = H / HKV;
   const scalar_t* q = query.data_ptr<scalar_t>();
-  const scalar_t* kc = key_cache.data_ptr<scalar_t>();
-  const scalar_t* vc = value_cache.data_ptr<scalar_t>();
+  const cache_t* kc = static_cast<const cache_t*>(key_cache.data_ptr());
+  const cache_t* vc = static_cast<const cache_t*>(value_cache.data_ptr());
   scalar_t* o = out.data_ptr<scalar_t>();
   const int32_t* bt = block_table.data_ptr<int32_t>();
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
@@ -349,7 +389,7 @@ static void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_
   const int64_t ks0 = key_cache.stride(0), ks1 = key_cache.stride(1), ks2 = key_cache.stride(2);
   const int64_t vs0 = value_cache.stride(0), vs1 = value_cache.stride(1), vs2 = value_cache.stride(2);
   const int64_t bts = block_table.stride(0);
-  const float sc = static_cast<float>(scale);
+  const float sc = static_cast<float>(scale) * k_scale;  // k_scale folded into the query
 
   constexpr int64_t ROWS = 16;
   int64_t work = 0, tiles = 0;  // work: query rows x keys x heads (a batch-1 decode stays on one thread)
@@ -378,8 +418,8 @@ static void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_
   at::parallel_for(0, ntasks, work < 32768 ? std::max<int64_t>(ntasks, 1) : 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf, acc, mx, total, scores;
     DecodeScratch dscratch;
-    std::vector<const scalar_t*> krow(KC * HG), vrow(KC * HG);            // [head][key] -> cache row
-    const std::vector<scalar_t> zero_row(D, static_cast<scalar_t>(0.f));  // pads a 16-key group
+    std::vector<const cache_t*> krow(KC * HG), vrow(KC * HG);           // [head][key] -> cache row
+    const std::vector<cache_t> zero_row(D, static_cast<cache_t>(0.f));  // pads a 16-key group
     for (int64_t task = begin; task < end; ++task) {
       const int64_t item = task_item[task];
       const int64_t r = rid[item / HKV];
@@ -389,11 +429,12 @@ static void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_
       const int32_t* row_blocks = bt + r * bts;
       const int64_t ia = task_row[task], nr = std::min<int64_t>(qlen, ia + ROWS) - ia;
       const int64_t p_first = L - qlen + ia, p_last = p_first + nr - 1;  // positions of the tile's rows
-      if constexpr (kVecHead<scalar_t, DC> && kStreamDecode<scalar_t>) {
+      if constexpr (kVecHead<scalar_t, DC> && kStreamDecode<cache_t>) {
         if (nr == 1) {  // a decode row (or a one-row tile): the streaming path
           const int64_t t_lo = window > 0 ? std::max<int64_t>(0, p_first - window + 1) : 0;
-          decode_row<scalar_t, DC>(q + (q0 + ia) * qs0, qs1, o + (q0 + ia) * os0, os1, kc, vc, ks0, ks1, ks2, vs0, vs1,
-                                   vs2, row_blocks, BS, h0, HG, G, t_lo, p_first, sc, dscratch);
+          decode_row<scalar_t, cache_t, DC>(q + (q0 + ia) * qs0, qs1, o + (q0 + ia) * os0, os1, kc, vc, ks0, ks1, ks2,
+                                            vs0, vs1, vs2, row_blocks, BS, h0, HG, G, t_lo, p_first, sc, v_scale,
+                                            dscratch);
           continue;
         }
       }
@@ -432,8 +473,8 @@ static void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_
         const int64_t ncp = (nc + 15) / 16 * 16;
         collect_rows(c0, c1, ncp);
         for (int64_t h = 0; h < HG; ++h) {
-          const scalar_t* const* kr = krow.data() + h * KC;
-          const scalar_t* const* vr_rows = vrow.data() + h * KC;
+          const cache_t* const* kr = krow.data() + h * KC;
+          const cache_t* const* vr_rows = vrow.data() + h * KC;
           for (int64_t rg = 0; rg < RG; ++rg) {
             const int64_t p = p_first + rg / G;  // this row sees keys [max(c0, p - window + 1), min(c1 - 1, p)]
             const int64_t jlo = window > 0 ? std::max<int64_t>(0, p - window + 1 - c0) : 0;
@@ -444,7 +485,7 @@ static void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_
             const float* qv = qf.data() + st * D;
             if constexpr (kVecHead<scalar_t, DC>) {
               for (int64_t j = jlo / 16 * 16; j <= jhi; j += 16)
-                dots16<scalar_t, DC>(kr + j, qv, q + (q0 + ia + rg / G) * qs0 + ((h0 + h) * G + rg % G) * qs1, sc,
+                dots16<scalar_t, cache_t, DC>(kr + j, qv, q + (q0 + ia + rg / G) * qs0 + ((h0 + h) * G + rg % G) * qs1, sc,
                                      sg + j);
             } else {
               for (int64_t j = jlo; j <= jhi; ++j) sg[j] = dot_scalar(qv, kr[j], D);
@@ -460,15 +501,15 @@ static void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_
               for (int64_t v = 0; v < NV; ++v) a[v] = AVec::loadu(ap + v * VL) * fv;
               for (int64_t j = 0; j < n; ++j) {
                 const AVec w(sv[j]);
-                const scalar_t* vr = vr_rows[jlo + j];
-                for (int64_t v = 0; v < NV; ++v) a[v] = at::vec::fmadd(w, avec_load(vr + v * VL), a[v]);
+                const cache_t* vr = vr_rows[jlo + j];
+                for (int64_t v = 0; v < NV; ++v) a[v] = at::vec::fmadd(w, cache_load(vr + v * VL), a[v]);
               }
               for (int64_t v = 0; v < NV; ++v) a[v].store(ap + v * VL);
             } else {
               for (int64_t d = 0; d < D; ++d) ap[d] *= f;
               for (int64_t j = 0; j < n; ++j) {
                 const float w = sv[j];
-                const scalar_t* vr = vr_rows[jlo + j];
+                const cache_t* vr = vr_rows[jlo + j];
                 for (int64_t d = 0; d < D; ++d) ap[d] += w * to_f(vr[d]);
               }
             }
@@ -479,7 +520,7 @@ static void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_
         for (int64_t rr = 0; rr < nr; ++rr)
           for (int64_t g = 0; g < G; ++g) {
             const int64_t st = h * RG + rr * G + g;
-            const float inv = 1.f / total[st];
+            const float inv = v_scale / total[st];
             scalar_t* op = o + (q0 + ia + rr) * os0 + ((h0 + h) * G + g) * os1;
             for (int64_t d = 0; d < D; ++d) op[d] = static_cast<scalar_t>(acc[st * D + d] * inv);
           }
@@ -487,12 +528,34 @@ static void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_
   });
 }
 
+// One instantiation per head size with a vector path (64, 128) and the generic one.
+template <typename scalar_t, typename cache_t>
+static void run_heads(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                      const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
+                      const at::Tensor& query_start_loc, const at::Tensor& req_ids, double scale, int64_t window,
+                      float k_scale, float v_scale) {
+  const int64_t D = query.size(2);
+  if (D == 64)
+    run<scalar_t, cache_t, 64>(out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, req_ids,
+                               scale, window, k_scale, v_scale);
+  else if (D == 128)
+    run<scalar_t, cache_t, 128>(out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, req_ids,
+                                scale, window, k_scale, v_scale);
+  else
+    run<scalar_t, cache_t, 0>(out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, req_ids,
+                              scale, window, k_scale, v_scale);
+}
+
 void paged_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                      at::Tensor block_table, at::Tensor seq_lens, at::Tensor query_start_loc, at::Tensor req_ids,
-                     double scale, int64_t window) {
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type()
-                  && out.scalar_type() == query.scalar_type(),
-              "paged_attention: query, cache and out must share a dtype");
+                     double scale, int64_t window, double k_scale, double v_scale) {
+  const auto ct = key_cache.scalar_type();
+  const bool fp8 = ct == at::ScalarType::Float8_e4m3fn || ct == at::ScalarType::Float8_e5m2;
+  TORCH_CHECK(ct == value_cache.scalar_type() && out.scalar_type() == query.scalar_type()
+                  && (ct == query.scalar_type()
+                      || (fp8 && (query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16))),
+              "paged_attention: query and out must share a dtype, and the cache that dtype or float8 (under a "
+              "float32 or bfloat16 query)");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
               "paged_attention: head dimension must be contiguous");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt
@@ -501,18 +564,20 @@ void paged_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache, at:
   TORCH_CHECK(block_table.stride(1) == 1 && seq_lens.is_contiguous() && query_start_loc.is_contiguous()
                   && req_ids.is_contiguous(),
               "paged_attention: index tensors must be contiguous");
-  const int64_t D = query.size(2);
+  const float ks = static_cast<float>(k_scale), vs = static_cast<float>(v_scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, query.scalar_type(),
                                   "paged_attention", [&] {
-    if (D == 64)
-      run<scalar_t, 64>(out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, req_ids, scale,
-                        window);
-    else if (D == 128)
-      run<scalar_t, 128>(out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, req_ids, scale,
-                         window);
-    else
-      run<scalar_t, 0>(out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, req_ids, scale,
-                       window);
+    if (ct == query.scalar_type()) {
+      run_heads<scalar_t, scalar_t>(out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
+                                    req_ids, scale, window, ks, vs);
+    } else if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
+      if (ct == at::ScalarType::Float8_e4m3fn)
+        run_heads<scalar_t, c10::Float8_e4m3fn>(out, query, key_cache, value_cache, block_table, seq_lens,
+                                                query_start_loc, req_ids, scale, window, ks, vs);
+      else
+        run_heads<scalar_t, c10::Float8_e5m2>(out, query, key_cache, value_cache, block_table, seq_lens,
+                                              query_start_loc, req_ids, scale, window, ks, vs);
+    }
   });
 }
 
