@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     from vllite_core.platforms.interface import Platform
 
 PROJECT = "vllite"
-# 1.1: reasoning parsers, structured output backends, tool parsers
+# 1.1: reasoning parsers, structured output backends, tool parsers (hooks); an attention backend that
+# lists fp8 KV caches takes k_scale / v_scale in forward (vllite_core/attention/kv_quant.py)
 VLLITE_PLUGIN_API: tuple[int, int] = (1, 1)
 
 hookspec = pluggy.HookspecMarker(PROJECT)
