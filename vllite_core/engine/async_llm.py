@@ -180,7 +180,7 @@ class RequestStream:
         ttft = self.first_token - self.arrival if self.first_token is not None else None
         rec = FinishedRequest(self.request_id, reasons, self.num_prompt_tokens, gen, now - self.arrival, ttft, tpot,
                               queue, inter_token_s=self.inter_token, n=self.params.n,
-                              max_tokens=self.params.max_tokens,
+                              max_tokens=getattr(self.params, "max_tokens", None),  # PoolingParams have none
                               max_generation_tokens=max((len(c.token_ids) for c in comps), default=0))
         if scheduled is not None:
             rec.inference_s = now - scheduled
@@ -342,7 +342,7 @@ class AsyncLLM:
             return
         if not stream.finished:
             stream.finished = True
-            self._notify(stream.report(stream.latest, aborted=True))
+            self._report(stream, stream.latest, aborted=True)
         self._post(_Abort(request_id))
 
     @property
@@ -363,14 +363,14 @@ class AsyncLLM:
             if errors:  # this request failed alone: its stream raises, its other completions stop
                 del self._streams[out.request_id]
                 stream._fail(RequestFailedError(out.request_id, errors[0]))
-                self._notify(stream.report(out, aborted=False))
+                self._report(stream, out, aborted=False)
                 if not out.finished:
                     self._post(_Abort(out.request_id))
                 continue
             stream._put(out)
             if out.finished:
                 del self._streams[out.request_id]
-                self._notify(stream.report(out, aborted=False))
+                self._report(stream, out, aborted=False)
         for rid, exc in failed:
             stream = self._streams.pop(rid, None) if rid else None
             targets = [stream] if stream is not None else []
@@ -379,13 +379,23 @@ class AsyncLLM:
                 self._streams.clear()
             for s in targets:
                 s._fail(exc)
-                self._notify(s.report(s.latest, aborted=True))
+                self._report(s, s.latest, aborted=True)
             if not rid:
                 for cb in self.on_dead:
                     try:
                         cb(self.dead or exc)
                     except Exception:  # a callback must not stop the others
                         logger.exception("on_dead callback failed")
+
+    def _report(self, stream: RequestStream, out: RequestOutput | None, aborted: bool) -> None:
+        """Tell the observers a request ended; a failure here is logged and never stops the dispatch of
+        the other requests' outputs."""
+        try:
+            rec = stream.report(out, aborted)
+        except Exception:
+            logger.exception("request report failed")
+            return
+        self._notify(rec)
 
     def _notify(self, rec: FinishedRequest) -> None:
         for obs in self.observers:
