@@ -155,6 +155,9 @@ class StructuredOutputsConfig:
         if not isinstance(cfg.max_compile_threads, int) or cfg.max_compile_threads < 1:
             raise ConfigError("structured_outputs_config.max_compile_threads: must be an integer >= 1")
         return cfg
+
+
+@dataclass
 class LoRAConfig:
     """Multi-LoRA serving (vllite_core/lora): device slots, CPU cache, largest rank."""
 
