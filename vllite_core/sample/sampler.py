@@ -144,7 +144,9 @@ class Sampler:
                 raise _find_failing_rows(proc, before, md.batch_info, e) from e
         if md.repetition is not None and md.seen_mask is not None:
             r = md.repetition.unsqueeze(1)
-            penalised = torch.where(logits > 0, logits / r, logits * r)
+            # A penalty near 0 divides a positive logit past the float range: cap it at the largest finite
+            # value (the token is then simply the favourite), so an extreme but valid request still samples.
+            penalised = torch.where(logits > 0, logits / r, logits * r).clamp(max=torch.finfo(logits.dtype).max)
             logits = torch.where(md.seen_mask, penalised, logits)
         if md.output_counts is not None:
             if md.frequency is not None:
