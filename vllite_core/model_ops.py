@@ -27,6 +27,20 @@ class ModelOps:
         """``x @ weight.T + bias``. ``state`` is a per-layer dict a platform may cache a repacked weight in."""
         return F.linear(x, weight, bias)
 
+    def int8_linear(self, x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
+                    bias: torch.Tensor | None, state: dict) -> torch.Tensor:
+        """W8A8 linear (``vllite_core.quantization``): ``x`` quantized per row like the weight, the int8
+        products summed, scaled by both scales, ``bias`` added, in ``x``'s dtype. Here in float64, where
+        every int8 sum of a layer this size is exact: a reference, not a fast path."""
+        from vllite_core.quantization import quantize_rows_int8
+
+        xq, xs = quantize_rows_int8(x)
+        acc = xq.double() @ qweight.double().T
+        y = (acc * xs.double()[:, None] * weight_scale.double()[None, :]).float()
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)

@@ -34,9 +34,21 @@ class Linear(nn.Module):
         self._ops = current_model_ops()
         self._state: dict = {}
         self.lora = None  # a vllite_core.lora.slots.LoRALayer when the engine serves adapters
+        self.weight_scale: torch.Tensor | None = None  # float32 [out] once quantize_int8() has run
+
+    def quantize_int8(self) -> None:
+        """Replace the weight by int8 values and a scale per output row (``quantization="int8"``)."""
+        from vllite_core.quantization import quantize_rows_int8
+
+        q, self.weight_scale = quantize_rows_int8(self.weight.data)
+        self.weight = nn.Parameter(q, requires_grad=False)
+        self._state = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._ops.linear(x, self.weight, self.bias, self._state)
+        if self.weight_scale is None:
+            y = self._ops.linear(x, self.weight, self.bias, self._state)
+        else:
+            y = self._ops.int8_linear(x, self.weight, self.weight_scale, self.bias, self._state)
         return y if self.lora is None else self.lora(x, y)
 
 

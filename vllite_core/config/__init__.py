@@ -26,6 +26,9 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field."""
 
 
+QUANTIZATION_METHODS = ("int8",)  # vllite_core.quantization
+
+
 @dataclass
 class ModelConfig:
     """What to load. ``model=None`` means the embedded default model."""
@@ -48,6 +51,7 @@ class ModelConfig:
     generation_config: str = "auto"
     runner: str = "auto"  # auto | generate | pooling (vLLM's --runner)
     convert: str = "auto"  # auto | none | embed | classify | reward: a causal LM used as a pooling model
+    quantization: str | None = None  # None | "int8" (vllite_core.quantization: W8A8, dynamic activations)
     pooler_config: Any = None  # vllite_core.pooling.PoolerConfig of a pooling model; set when the engine starts
     # What the resolved model class declares (vllite_core.model_interfaces); set when the engine starts.
     capabilities: ModelCapabilities = field(default_factory=ModelCapabilities)
@@ -59,6 +63,9 @@ class ModelConfig:
             raise ConfigError(f"logprobs_mode: must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ConfigError("max_model_len: must be positive")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ConfigError(f"quantization: must be one of {', '.join(QUANTIZATION_METHODS)}, "
+                              f"got {self.quantization!r}")
         gc = self.generation_config
         if gc not in ("auto", "vllite", "vllm") and not os.path.isdir(os.path.expanduser(gc)):
             raise ConfigError(f"generation_config: must be 'auto', 'vllite' (or 'vllm') or a folder holding "
@@ -242,6 +249,7 @@ class EngineArgs:
     generation_config: str = "auto"
     runner: str = "auto"
     convert: str = "auto"
+    quantization: str | None = None
     structured_outputs_config: dict | None = None  # {"backend": "auto" | "xgrammar" | "guidance" | "outlines", ...}
     enable_lora: bool = False
     max_loras: int = 1
@@ -281,7 +289,7 @@ class EngineArgs:
                                      trust_remote_code=self.trust_remote_code, revision=self.revision,
                                      download_dir=self.download_dir, gguf_file=self.gguf_file,
                                      generation_config=self.generation_config, runner=self.runner,
-                                     convert=self.convert),
+                                     convert=self.convert, quantization=self.quantization),
             cache_config=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                                      kv_cache_dtype=self.kv_cache_dtype,
                                      calculate_kv_scales=self.calculate_kv_scales, num_kv_blocks=self.num_kv_blocks,

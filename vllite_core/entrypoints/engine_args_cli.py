@@ -28,6 +28,8 @@ _HELP = {
     "enforce_eager": "disable graph capture / compilation",
     "logits_processors": "global logits processor as module:attr (repeatable)",
     "runner": "auto | generate | pooling (pooling: embeddings / scores; auto: what the architecture is)",
+    "quantization": "int8: linear weights quantized to int8 per output channel at load, activations per token "
+                    "at run time (W8A8; the LM head stays in the model dtype)",
     "convert": "auto | none | embed | classify | reward: serve a causal LM as a pooling model",
 }
 
@@ -41,6 +43,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         names = [flag]
         if f.name == "num_kv_blocks":
             names.append("--num-gpu-blocks-override")
+        if f.name == "quantization":
+            names.append("-q")
         if f.name == "gpu_memory_utilization":
             names.append("--memory-utilization")
         if f.name == "structured_outputs_config":

@@ -294,3 +294,14 @@ def avx2_gemm_pack(weight: torch.Tensor) -> torch.Tensor:
 def avx2_gemm(out: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> None:
     """float32 ``out = x @ weight.T + bias`` with the weight packed by ``avx2_gemm_pack``."""
     load().avx2_gemm(out, x, packed, bias)
+
+
+def quantize_rows_int8(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> None:
+    """int8 ``q`` and float32 ``scale`` per row of ``x`` (vllite_core.quantization's rounding)."""
+    load().quantize_rows_int8(q, scale, x)
+
+
+def dequantize_int32(out: torch.Tensor, acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
+                     bias: torch.Tensor | None) -> None:
+    """``out = acc * x_scale[:, None] * w_scale + bias`` (float32 math, one rounding to ``out``'s dtype)."""
+    load().dequantize_int32(out, acc, x_scale, w_scale, bias)

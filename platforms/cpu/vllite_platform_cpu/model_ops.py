@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from vllite_core.model_ops import ModelOps
+from vllite_core.quantization import quantize_rows_int8
 from vllite_platform_cpu import kernels
 
 # Up to this many rows the weight-streaming C++ kernel beats a GEMM (memory-bound, few FLOPs per byte).
@@ -91,6 +92,27 @@ class CpuModelOps(ModelOps):
         else:
             out = F.linear(xg, state["packed"], state["bias"])
         return out if dt == gemm_dt else out.to(dt)
+
+    def int8_linear(self, x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
+                    bias: torch.Tensor | None, state: dict) -> torch.Tensor:
+        """W8A8 through ``torch._int_mm`` (oneDNN's int8 GEMM: AVX512-VNNI / AVX-VNNI / AMX where the CPU has
+        them; exact int32 sums), the activation quantized per row and the sum scaled back in float32."""
+        if (x.dim() != 2 or x.device.type != "cpu" or torch.is_grad_enabled() or qweight.dtype != torch.int8
+                or not hasattr(torch, "_int_mm")):
+            return super().int8_linear(x, qweight, weight_scale, bias, state)
+        if not (self.fused and x.stride(-1) == 1):
+            xq, xs = quantize_rows_int8(x)
+            y = torch._int_mm(xq, qweight.t()).float().mul_(xs[:, None]).mul_(weight_scale)
+            if bias is not None:
+                y.add_(bias.float())
+            return y if x.dtype == torch.float32 else y.to(x.dtype)
+        xq = torch.empty(x.shape, dtype=torch.int8)
+        xs = torch.empty(x.shape[0], dtype=torch.float32)
+        kernels.quantize_rows_int8(xq, xs, x)
+        acc = torch._int_mm(xq, qweight.t())
+        out = torch.empty(acc.shape, dtype=x.dtype)
+        kernels.dequantize_int32(out, acc, xs, weight_scale, None if bias is None else bias.float())
+        return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if not (self._rows_ok(x) and weight.dtype == x.dtype):

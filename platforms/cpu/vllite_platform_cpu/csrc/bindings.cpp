@@ -63,6 +63,8 @@ std::vector<std::string> cpu_features() {
     s.def("add_rms_norm", &vllite_cpu::ns::add_rms_norm);                                \
     s.def("silu_and_mul", &vllite_cpu::ns::silu_and_mul);                                \
     s.def("rotary", &vllite_cpu::ns::rotary);                                            \
+    s.def("quantize_rows_int8", &vllite_cpu::ns::quantize_rows_int8);                    \
+    s.def("dequantize_int32", &vllite_cpu::ns::dequantize_int32);                        \
     s.attr("name") = name;                                                               \
     variants.append(name);                                                               \
   } while (0)
