@@ -63,7 +63,16 @@ class SupportsEncoderDecoder(ProcessesPrompts, Protocol):
 
 
 class SupportsMultiModal(ProcessesPrompts, Protocol):
-    """Takes images (or other media) in its prompts."""
+    """Takes images (or other media) in its prompts: ``process_prompt`` expands each item's placeholder and
+    records ``ProcessedPrompt.mm_features``; the runner calls ``embed_multimodal`` on the items the scheduler
+    encodes and passes ``forward(..., inputs_embeds=)`` with their rows in place of the placeholders."""
+
+    supported_modalities: tuple[str, ...]  # e.g. ("image",)
+
+    def embed_multimodal(self, data: list[Any]) -> "list[torch.Tensor]":
+        """Per item (its ``MultiModalFeature.data``), its embeddings [feature length, hidden]."""
+
+    def embed_input_ids(self, input_ids: "torch.Tensor") -> "torch.Tensor": ...
 
 
 class SupportsTranscription(Protocol):
@@ -119,7 +128,8 @@ class ModelCapabilities:
 
 _DECLARATIONS: dict[str, tuple[type, tuple[str, ...]]] = {
     "is_encoder_decoder": (SupportsEncoderDecoder, ("process_prompt", "get_max_model_len", "encode", "cross_kv")),
-    "supports_multimodal": (SupportsMultiModal, ("process_prompt",)),
+    "supports_multimodal": (SupportsMultiModal, ("process_prompt", "supported_modalities", "embed_multimodal",
+                                                 "embed_input_ids")),
     "supports_transcription": (SupportsTranscription, ("max_audio_seconds", "language_detection_prompt")),
     "supports_lora": (SupportsLoRA, ("lora_targets",)),
     "is_stateful": (IsStateful, ()),
