@@ -74,6 +74,10 @@ class SupportsMultiModal(ProcessesPrompts, Protocol):
 
     def embed_input_ids(self, input_ids: "torch.Tensor") -> "torch.Tensor": ...
 
+    @classmethod
+    def image_token_id(cls, hf_config: Any) -> int:
+        """The placeholder token that stands for an image in a prompt (chat puts one per image part)."""
+
 
 class SupportsTranscription(Protocol):
     """Serves ``LLM.transcribe`` and ``/v1/audio/transcriptions``."""
@@ -129,7 +133,7 @@ class ModelCapabilities:
 _DECLARATIONS: dict[str, tuple[type, tuple[str, ...]]] = {
     "is_encoder_decoder": (SupportsEncoderDecoder, ("process_prompt", "get_max_model_len", "encode", "cross_kv")),
     "supports_multimodal": (SupportsMultiModal, ("process_prompt", "supported_modalities", "embed_multimodal",
-                                                 "embed_input_ids")),
+                                                 "embed_input_ids", "image_token_id")),
     "supports_transcription": (SupportsTranscription, ("max_audio_seconds", "language_detection_prompt")),
     "supports_lora": (SupportsLoRA, ("lora_targets",)),
     "is_stateful": (IsStateful, ()),

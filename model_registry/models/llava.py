@@ -65,6 +65,11 @@ class LlavaForConditionalGeneration(nn.Module, SupportsMultiModal):
         self.dtype = dtype
 
     # ---- prompts -----------------------------------------------------------------------------------
+    @classmethod
+    def image_token_id(cls, hf_config: Any) -> int:
+        """The placeholder token chat puts where an image goes."""
+        return int(hf_config.image_token_index)
+
     @staticmethod
     def num_image_tokens(hf_config: Any) -> int:
         vc = hf_config.vision_config

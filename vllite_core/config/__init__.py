@@ -253,7 +253,7 @@ class EngineArgs:
     max_cpu_loras: int | None = None
     # Multimodal models (vllite_core.multimodal.MultiModalConfig).
     limit_mm_per_prompt: dict | str | None = None
-    allowed_media_domains: list[str] | None = None
+    allowed_media_domains: list[str] = field(default_factory=list)  # http(s) image URLs from these ("*": any)
     media_fetch_timeout: float = 5.0
     max_media_bytes: int = 20 * 1024 * 1024
     max_image_pixels: int = 4096 * 4096

@@ -88,9 +88,28 @@ class LLM:
         if continue_final_message:
             kwargs["continue_final_message"] = True
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[index]
-        prompts = [{"prompt": self.apply_chat_template(c, add_generation_prompt, chat_template, **kwargs)}
-                   for c in convs]
+        prompts = [self._chat_prompt(c, add_generation_prompt, chat_template, kwargs) for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+
+    def _chat_prompt(self, conversation: Conversation, add_generation_prompt: bool, chat_template: str | None,
+                     kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The rendered conversation; image parts (``image_url``, ``image_pil``) become placeholders with their
+        images in ``multi_modal_data``."""
+        from vllite_core.multimodal import chat as mm_chat
+
+        engine = self.llm_engine
+        marker = None
+        if engine.config.model_config.capabilities.supports_multimodal:
+            marker = mm_chat.ImageMarker.new(engine.model_cls.image_token_id(engine.core.model_info.hf_config))
+        flat, sources = mm_chat.flatten_messages(list(conversation), marker.text if marker else None)
+        text = self.apply_chat_template(flat, add_generation_prompt, chat_template, **kwargs)
+        if not sources:
+            return {"prompt": text}
+        images = mm_chat.load_images(sources, engine.config.multimodal_config)
+        tok = self.get_tokenizer()
+        ids = marker.encode(text, lambda t: list(tok.encode(t, add_special_tokens=False)))
+        shown = text.replace(marker.text, tok.convert_ids_to_tokens(marker.token_id))
+        return {"prompt_token_ids": ids, "prompt": shown, "multi_modal_data": {"image": images}}
 
     def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True,
                             chat_template: str | None = None, **kwargs: Any) -> str:

@@ -44,7 +44,10 @@ class MultiModalConfig:
             raise ConfigError("max_media_bytes: must be positive")
         if self.encoder_cache_size is not None and self.encoder_cache_size <= 0:
             raise ConfigError("encoder_cache_size: must be positive")
-        self.allowed_media_domains = [d.lower() for d in self.allowed_media_domains or []]
+        if isinstance(self.allowed_media_domains, str):
+            self.allowed_media_domains = [self.allowed_media_domains]
+        self.allowed_media_domains = [d.strip().lower() for item in self.allowed_media_domains or []
+                                      for d in str(item).replace(",", " ").split() if d.strip()]
 
     def limit(self, modality: str) -> int:
         return self.limit_mm_per_prompt.get(modality, 999)
