@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import torch
-
 from tiny_models import TINY
 
 IMAGE_TOKEN = "<image>"

@@ -19,7 +19,7 @@ from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
 from vllite_core.core.kv_cache_spec import KVCacheSpec
 from vllite_core.engine.errors import InvalidRequestError
 from vllite_core.inputs import InputContext, ProcessedPrompt
-from vllite_core.model_interfaces import SupportsMultiModal
+from vllite_core.model_interfaces import SupportsMultiModalDecoder
 from vllite_core.multimodal import MultiModalFeature, expand_placeholders
 from vllite_core.multimodal.images import hash_image, prompt_images
 
@@ -43,7 +43,7 @@ class LlavaProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class LlavaForConditionalGeneration(nn.Module, SupportsMultiModal):
+class LlavaForConditionalGeneration(nn.Module, SupportsMultiModalDecoder):
     supported_modalities = ("image",)
 
     def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:

@@ -88,7 +88,7 @@ def _derive_max_model_len(config: VlliteConfig, hf_config: Any, model_cls: Any =
 def _encoder_cache(config: VlliteConfig) -> Any:
     """A multimodal model's encoder cache: as many rows as the step budget unless configured (vLLM sizes both
     the encoder's step budget and its cache from max_num_batched_tokens)."""
-    if not config.model_config.capabilities.supports_multimodal:
+    if not config.model_config.capabilities.is_multimodal_decoder:
         return None
     from vllite_core.multimodal.encoder_cache import EncoderCacheManager
 

@@ -116,7 +116,7 @@ class LLMEngine:
         from vllite_core.multimodal.images import check_mm_prompt
 
         caps = self.config.model_config.capabilities
-        if caps.supports_multimodal:
+        if caps.is_multimodal_decoder:
             check_mm_prompt(prompt, self.model_cls.supported_modalities, self.config.multimodal_config)
         elif not caps.processes_prompts:  # an encoder-decoder model's prompt processor reads its own media
             raise MediaError("multi_modal_data", f"{self.core.model_info.architecture} is a text-only model: it "

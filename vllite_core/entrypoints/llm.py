@@ -99,7 +99,7 @@ class LLM:
 
         engine = self.llm_engine
         marker = None
-        if engine.config.model_config.capabilities.supports_multimodal:
+        if engine.config.model_config.capabilities.is_multimodal_decoder:
             marker = mm_chat.ImageMarker.new(engine.model_cls.image_token_id(engine.core.model_info.hf_config))
         flat, sources = mm_chat.flatten_messages(list(conversation), marker.text if marker else None)
         text = self.apply_chat_template(flat, add_generation_prompt, chat_template, **kwargs)

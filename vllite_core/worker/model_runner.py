@@ -113,7 +113,7 @@ class ModelRunner:
         # Multi-LoRA: adapter slots attached to the model's linear layers (vllite_core/lora/slots.py).
         # Multimodal models: encoder outputs by image content hash (vllite_core/multimodal/runner.py).
         self.encoder_runner = None
-        if self.capabilities.supports_multimodal:
+        if self.capabilities.is_multimodal_decoder:
             from vllite_core.multimodal.runner import EncoderRunner
 
             self.encoder_runner = EncoderRunner(model)

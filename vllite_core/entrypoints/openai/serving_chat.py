@@ -187,7 +187,7 @@ class ChatServer:
         if not parts:
             return req, None, []
         engine = self.state.engine.engine
-        if not engine.config.model_config.capabilities.supports_multimodal:
+        if not engine.config.model_config.capabilities.is_multimodal_decoder:
             raise bad_request(f"{engine.core.model_info.architecture} is a text-only model: it does not take "
                               "images", "messages.content.image_url")
         marker = mm_chat.ImageMarker.new(engine.model_cls.image_token_id(engine.core.model_info.hf_config))
