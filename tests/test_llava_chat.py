@@ -143,3 +143,32 @@ def test_server_chat_images_and_bad_input(llava, server, media_server):
     # The server still serves.
     assert chat(image_msg("What is this?", [data_url(a)])).choices[0].message.content == \
         tok.decode(_hf_chat(llava, "What is this?", [a])[1])
+
+
+def test_cli_generate_image(llava, tmp_path):
+    """``vllite generate --image PATH``: plain prompt with a placeholder, and --chat-template; HF tokens."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    path, _, _ = llava
+    img = make_image(40, 30, 0)
+    (tmp_path / "a.png").write_bytes(png(img))
+    out = tmp_path / "out.jsonl"
+    prompt = "USER: <image>\nWhat is this? ASSISTANT:"
+    env = dict(os.environ, VLLITE_LOG_LEVEL="WARNING")
+    base = [sys.executable, "-m", "vllite_core.entrypoints.cli", "generate", "--model", path, "--dtype", "float32",
+            "--num-kv-blocks", "32", "--image", str(tmp_path / "a.png"), "--max-tokens", str(N), "--ignore-eos",
+            "--output", str(out)]
+    proc = subprocess.run(base + [prompt], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    _, hf, proc_ = llava
+    assert json.loads(out.read_text())["token_ids"] == hf_llava_greedy(hf, proc_, prompt, [img], N)
+    proc = subprocess.run(base + ["--chat-template", "What is this?"], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(out.read_text())["token_ids"] == _hf_chat(llava, "What is this?", [img])[1]
+    proc = subprocess.run(base + ["--image", str(tmp_path / "missing.png"), prompt], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert proc.returncode != 0 and "missing.png" in proc.stderr

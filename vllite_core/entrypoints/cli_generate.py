@@ -34,6 +34,9 @@ def add_generate_parser(sub: Any) -> None:
     p.add_argument("--input", help="JSONL file: one {\"prompt\": ...} or {\"prompt_token_ids\": [...]} per line")
     p.add_argument("--output", help="write results as JSONL here (default: print)")
     p.add_argument("--chat-template", action="store_true", help="wrap each prompt as a user chat message")
+    p.add_argument("--image", action="append", default=None, metavar="PATH",
+                   help="image file given to every prompt (repeatable; multimodal models): the prompt holds the "
+                        "model's placeholder (<image>) per image, or --chat-template puts the images in the message")
     _add_sampling_args(p)
     add_engine_args(p)
     p.set_defaults(func=run_generate)
@@ -73,9 +76,18 @@ def run_generate(ns: argparse.Namespace) -> int:
     params = _sampling_params(ns)
     llm = LLM.from_engine(LLMEngine.from_engine_args(engine_args_from_namespace(ns)))
     shown = [p if isinstance(p, str) else p.get("prompt") for p in prompts]
-    if ns.chat_template:
-        prompts = [{"prompt": llm.apply_chat_template([{"role": "user", "content": text}])} for text in shown]
-    outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
+    images = _load_images(ns.image or [])
+    if ns.chat_template and images:
+        parts = [{"type": "image_pil", "image_pil": im} for im in images]
+        outputs = llm.chat([[{"role": "user", "content": parts + [{"type": "text", "text": text}]}]
+                            for text in shown], params)
+    else:
+        if ns.chat_template:
+            prompts = [{"prompt": llm.apply_chat_template([{"role": "user", "content": text}])} for text in shown]
+        if images:
+            prompts = [{**(p if isinstance(p, dict) else {"prompt": p}), "multi_modal_data": {"image": images}}
+                       for p in prompts]
+        outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
     sink = open(ns.output, "w") if ns.output else None
     for text, out in zip(shown, outputs):
         comp = out.outputs[0]
@@ -94,6 +106,19 @@ def run_generate(ns: argparse.Namespace) -> int:
         sink.close()
         print(f"wrote {len(outputs)} results to {ns.output}", file=sys.stderr)
     return 0
+
+
+def _load_images(paths: list[str]) -> list[Any]:
+    from PIL import Image, UnidentifiedImageError
+
+    images = []
+    for path in paths:
+        try:
+            with Image.open(path) as im:
+                images.append(im.convert("RGB"))
+        except (OSError, UnidentifiedImageError) as e:
+            raise SystemExit(f"vllite generate: --image {path}: {e}")
+    return images
 
 
 def run_chat(ns: argparse.Namespace) -> int:
