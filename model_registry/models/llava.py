@@ -20,7 +20,7 @@ from vllite_core.core.kv_cache_spec import KVCacheSpec
 from vllite_core.engine.errors import InvalidRequestError
 from vllite_core.inputs import InputContext, ProcessedPrompt
 from vllite_core.model_interfaces import SupportsMultiModalDecoder
-from vllite_core.multimodal import MultiModalFeature, expand_placeholders
+from vllite_core.multimodal.features import MultiModalFeature, expand_placeholders
 from vllite_core.multimodal.images import hash_image, prompt_images
 
 

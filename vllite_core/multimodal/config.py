@@ -4,8 +4,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllite_core.config import ConfigError
-
 MODALITIES = ("image",)
 
 
@@ -25,6 +23,8 @@ class MultiModalConfig:
     encoder_cache_size: int | None = None
 
     def __post_init__(self) -> None:
+        from vllite_core.config import ConfigError  # here: vllite_core.config imports this module
+
         limits = self.limit_mm_per_prompt
         if isinstance(limits, str):
             limits = parse_limit_mm_per_prompt(limits)
@@ -54,6 +54,8 @@ class MultiModalConfig:
 
     @classmethod
     def from_value(cls, value: Any) -> "MultiModalConfig":
+        from vllite_core.config import ConfigError
+
         if value is None:
             return cls()
         if isinstance(value, cls):
@@ -66,6 +68,8 @@ class MultiModalConfig:
 def parse_limit_mm_per_prompt(text: str) -> dict[str, int]:
     """``'{"image": 2}'`` (vLLM's JSON form) or ``image=2,video=0`` -> a dict."""
     import json
+
+    from vllite_core.config import ConfigError
 
     text = text.strip()
     if text.startswith("{"):
