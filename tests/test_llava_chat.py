@@ -172,3 +172,21 @@ def test_cli_generate_image(llava, tmp_path):
     proc = subprocess.run(base + ["--image", str(tmp_path / "missing.png"), prompt], capture_output=True,
                           text=True, env=env, timeout=300)
     assert proc.returncode != 0 and "missing.png" in proc.stderr
+
+
+def test_cli_chat_image(llava, tmp_path):
+    """``vllite chat --image PATH``: the first message carries the image; the streamed reply is HF's."""
+    import os
+    import subprocess
+    import sys
+
+    path, _, proc_ = llava
+    img = make_image(40, 30, 0)
+    (tmp_path / "a.png").write_bytes(png(img))
+    env = dict(os.environ, VLLITE_LOG_LEVEL="WARNING")
+    cmd = [sys.executable, "-m", "vllite_core.entrypoints.cli", "chat", "--model", path, "--dtype", "float32",
+           "--num-kv-blocks", "32", "--image", str(tmp_path / "a.png"), "--max-tokens", str(N), "--ignore-eos"]
+    proc = subprocess.run(cmd, input="What is this?\n", capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    want = proc_.tokenizer.decode(_hf_chat(llava, "What is this?", [img])[1])
+    assert proc.stdout.removeprefix("> ").splitlines()[0] == want

@@ -123,14 +123,19 @@ class LLMEngine:
                              "does not take images")
 
     def _check_mm_features(self, features: list) -> None:
-        enc = self.core.scheduler.encoder_cache
-        for f in features:
-            if enc is not None and f.length > enc.budget:
-                from vllite_core.multimodal.errors import MediaError
+        """Images the encoder could never schedule would wait forever: refuse them now. Without chunked
+        prefill a prompt's images must all fit one step."""
+        from vllite_core.multimodal.errors import MediaError
 
-                raise MediaError("multi_modal_data", f"an image of {f.length} embedding rows does not fit the "
-                                 f"encoder budget of {enc.budget} (raise max_num_batched_tokens or "
-                                 "encoder_cache_size)")
+        enc = self.core.scheduler.encoder_cache
+        if enc is None:
+            return
+        rows = [f.length for f in features]
+        if not self.config.scheduler_config.enable_chunked_prefill:
+            rows = [sum(rows)]
+        if max(rows) > enc.budget:
+            raise MediaError("multi_modal_data", f"{max(rows)} image embedding rows do not fit the encoder budget "
+                             f"of {enc.budget} rows per step (raise max_num_batched_tokens or encoder_cache_size)")
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         return parse_prompt(prompt, self.tokenizer)

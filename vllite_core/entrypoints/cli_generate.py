@@ -45,6 +45,9 @@ def add_generate_parser(sub: Any) -> None:
 def add_chat_parser(sub: Any) -> None:
     p = sub.add_parser("chat", help="interactive chat in the terminal, streaming tokens")
     p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--image", action="append", default=None, metavar="PATH",
+                   help="image for the first message (repeatable; multimodal models); '/image PATH' in the chat "
+                        "attaches one to the next message")
     _add_sampling_args(p)
     add_engine_args(p)
     p.set_defaults(func=run_chat, max_tokens=512)
@@ -126,10 +129,14 @@ def run_chat(ns: argparse.Namespace) -> int:
 
     engine = LLMEngine.from_engine_args(engine_args_from_namespace(ns))
     params = _sampling_params(ns)
-    history: list[dict[str, str]] = []
+    from vllite_core.engine.errors import InvalidRequestError
+    from vllite_core.multimodal.chat import chat_engine_prompt
+
+    history: list[dict[str, Any]] = []
     if ns.system:
         history.append({"role": "system", "content": ns.system})
-    print("vllite chat: type a message, Ctrl-D to quit.", file=sys.stderr)
+    pending = _load_images(ns.image or [])  # images for the next user message
+    print("vllite chat: type a message, '/image PATH' to attach an image, Ctrl-D to quit.", file=sys.stderr)
     n = 0
     while True:
         try:
@@ -139,10 +146,26 @@ def run_chat(ns: argparse.Namespace) -> int:
             return 0
         if not user.strip():
             continue
-        history.append({"role": "user", "content": user})
-        prompt = engine.tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
-        n += 1
-        rid = engine.add_request(f"chat-{n}", prompt, params)
+        if user.startswith("/image "):
+            try:
+                pending += _load_images([user[len("/image "):].strip()])
+            except SystemExit as e:
+                print(e, file=sys.stderr)
+            continue
+        content: Any = user
+        if pending:
+            content = [{"type": "image_pil", "image_pil": im} for im in pending] + [{"type": "text", "text": user}]
+        history.append({"role": "user", "content": content})
+        try:
+            prompt = chat_engine_prompt(engine, history, lambda msgs: engine.tokenizer.apply_chat_template(
+                msgs, tokenize=False, add_generation_prompt=True))
+            n += 1
+            rid = engine.add_request(f"chat-{n}", prompt, params)
+        except InvalidRequestError as e:
+            print(f"error: {e}", file=sys.stderr)
+            history.pop()
+            continue
+        pending = []
         reply = ""
         while engine.has_unfinished_requests():
             for out in engine.step(delta=True):

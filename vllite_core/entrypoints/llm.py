@@ -94,22 +94,11 @@ class LLM:
     def _chat_prompt(self, conversation: Conversation, add_generation_prompt: bool, chat_template: str | None,
                      kwargs: dict[str, Any]) -> dict[str, Any]:
         """The rendered conversation; image parts (``image_url``, ``image_pil``) become placeholders with their
-        images in ``multi_modal_data``."""
-        from vllite_core.multimodal import chat as mm_chat
+        images in ``multi_modal_data`` (vllite_core.multimodal.chat)."""
+        from vllite_core.multimodal.chat import chat_engine_prompt
 
-        engine = self.llm_engine
-        marker = None
-        if engine.config.model_config.capabilities.is_multimodal_decoder:
-            marker = mm_chat.ImageMarker.new(engine.model_cls.image_token_id(engine.core.model_info.hf_config))
-        flat, sources = mm_chat.flatten_messages(list(conversation), marker.text if marker else None)
-        text = self.apply_chat_template(flat, add_generation_prompt, chat_template, **kwargs)
-        if not sources:
-            return {"prompt": text}
-        images = mm_chat.load_images(sources, engine.config.multimodal_config)
-        tok = self.get_tokenizer()
-        ids = marker.encode(text, lambda t: list(tok.encode(t, add_special_tokens=False)))
-        shown = text.replace(marker.text, tok.convert_ids_to_tokens(marker.token_id))
-        return {"prompt_token_ids": ids, "prompt": shown, "multi_modal_data": {"image": images}}
+        return chat_engine_prompt(self.llm_engine, list(conversation), lambda msgs: self.apply_chat_template(
+            msgs, add_generation_prompt, chat_template, **kwargs))
 
     def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True,
                             chat_template: str | None = None, **kwargs: Any) -> str:

@@ -81,3 +81,28 @@ def load_images(sources: list[Any], config: MultiModalConfig) -> list[Any]:
         raise MediaError(PARAM, f"{len(sources)} images in one request, more than limit_mm_per_prompt allows "
                          f"(image: {limit})")
     return [load_image_url(s, config) if isinstance(s, str) else s for s in sources]
+
+
+def has_media(messages: list[dict]) -> bool:
+    return any(isinstance(m.get("content"), list) and any(isinstance(p, dict) and p.get("type") != "text"
+                                                          for p in m["content"]) for m in messages)
+
+
+def chat_engine_prompt(engine: Any, messages: list[dict], render: Callable[[list[dict]], str]) -> dict[str, Any]:
+    """An engine prompt for a conversation rendered by ``render`` (messages -> text): ``{"prompt": text}`` when
+    it has no media, else token ids with one placeholder token per image and the images in
+    ``multi_modal_data``. Offline use (LLM.chat, ``vllite chat``): special-token text in content is parsed."""
+    if not has_media(messages):
+        return {"prompt": render(messages)}
+    marker = None
+    if engine.config.model_config.capabilities.is_multimodal_decoder:
+        marker = ImageMarker.new(engine.model_cls.image_token_id(engine.core.model_info.hf_config))
+    flat, sources = flatten_messages(messages, marker.text if marker else None)
+    text = render(flat)
+    if not sources or marker is None:
+        return {"prompt": text}
+    images = load_images(sources, engine.config.multimodal_config)
+    tok = engine.tokenizer
+    ids = marker.encode(text, lambda t: list(tok.encode(t, add_special_tokens=False)))
+    shown = text.replace(marker.text, tok.convert_ids_to_tokens(marker.token_id))
+    return {"prompt_token_ids": ids, "prompt": shown, "multi_modal_data": {"image": images}}
