@@ -168,3 +168,40 @@ def test_llava_decoder_matches_hf_with_prompt_token_ids(llava):
     out = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": img}}, GREEDY)[0]
     assert out.outputs[0].token_ids == ref[0]
     assert torch.is_tensor(llm.llm_engine.core.worker.runner.model.vision_tower.patch_embedding)
+
+
+def test_llava_encoder_budget_limits_each_step(llava):
+    """An encoder budget of one image (4 rows) per step: three requests' images are encoded in three steps, a
+    request's chunk stopping before an image that does not fit; outputs are still HF's."""
+    path, _, _ = llava
+    reqs = [(Q, [make_image(40, 30, 40 + i)]) for i in range(3)]
+    ref = _ref(llava, reqs)
+    llm = LLM(model=path, dtype="float32", num_kv_blocks=64, encoder_cache_size=NUM_IMAGE_TOKENS)
+    core = llm.llm_engine.core
+    steps = []
+    orig = core.worker.execute_model
+
+    def spy(so):
+        steps.append((sum(f.length for f in so.scheduled_encoder_inputs), dict(so.num_scheduled_tokens)))
+        return orig(so)
+
+    core.worker.execute_model = spy
+    outs = llm.generate(_prompts(reqs), GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert [rows for rows, _ in steps[:3]] == [NUM_IMAGE_TOKENS] * 3
+    first = steps[0][1]
+    assert sorted(first.values()) == [3, 3, len(outs[0].prompt_token_ids)]  # two stop at their image (offset 3)
+
+
+def test_llava_abort_releases_encoder_cache_references(llava):
+    path, _, _ = llava
+    llm = LLM(model=path, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=5,
+              long_prefill_token_threshold=0)
+    engine = llm.llm_engine
+    enc = engine.core.scheduler.encoder_cache
+    engine.add_request("r", {"prompt": Q, "multi_modal_data": {"image": make_image(40, 30, 50)}}, GREEDY)
+    engine.step()  # 5 tokens: 3 text + 2 of the image's 4 placeholders; the image is held
+    assert enc.held == {"r": set(enc.entries)} and len(enc.entries) == 1
+    engine.abort_request("r")
+    assert enc.held == {} and all(not r for r in enc.refs.values())
+    assert len(enc.entries) == 1  # kept (unreferenced) for a later request with the same image
