@@ -317,7 +317,7 @@ class _Step:
         self.running: list[Request] = []
         self.new: list[Request] = []
         self.new_block_ids: dict[str, list[list[int]]] = {}  # per request, per cache group
-        self.encoder = _EncoderStep(sched.encoder_cache) if sched.encoder_cache is not None else None
+        self.encoder = sched.encoder_cache.step() if sched.encoder_cache is not None else None
 
     def chunk(self, req: Request, remaining: int, recount: bool = True) -> int:
         """Tokens to give ``req`` now: its remaining tokens within the budget, long prefills capped."""
@@ -420,34 +420,3 @@ class _Step:
             sched.requests[rid].num_computed_tokens += n
         return out
 
-
-class _EncoderStep:
-    """One step's encoder decisions: a request's range is planned with its token count (``plan``) and committed
-    when the request is scheduled (``commit``); images that must be encoded go to the runner with the output."""
-
-    def __init__(self, cache: Any) -> None:
-        self.cache = cache
-        self.rows = 0  # encoder rows this step computes
-        self.plans: dict[str, tuple[int, list]] = {}  # request id -> (range start, images to encode)
-        self.encode: list = []
-
-    def plan(self, req: Request, start: int, n: int, chunked: bool) -> int:
-        granted, todo, _ = self.cache.plan(req, start, n, self.rows)
-        if granted < n and not chunked:
-            granted, todo = 0, []
-        self.plans[req.request_id] = (start, todo)
-        return granted
-
-    def commit(self, req: Request, n: int) -> None:
-        plan = self.plans.pop(req.request_id, None)
-        if plan is None:
-            return
-        start, todo = plan
-        self.cache.commit(req, start, n, todo)
-        self.rows += sum(f.length for f in todo)
-        self.encode.extend(todo)
-
-    def finish(self, out: SchedulerOutput) -> None:
-        entries = self.cache.entries
-        out.free_encoder_mm_hashes = self.cache.take_freed()
-        out.scheduled_encoder_inputs = [f for f in self.encode if f.identifier in entries]

@@ -110,6 +110,42 @@ class EncoderCacheManager:
         for mm_hash in list(self.held.get(req.request_id, ())):
             self._release(req.request_id, mm_hash)
 
+    def step(self) -> "EncoderStep":
+        """The bookkeeping of one schedule() call."""
+        return EncoderStep(self)
+
     def take_freed(self) -> list[str]:
         out, self.freed = self.freed, []
         return out
+
+
+class EncoderStep:
+    """One schedule() call's encoder decisions: a request's range is planned with its token count (``plan``),
+    committed when the request is scheduled (``commit``); images to encode go to the runner with the output."""
+
+    def __init__(self, cache: EncoderCacheManager) -> None:
+        self.cache = cache
+        self.rows = 0  # encoder rows this step computes
+        self.plans: dict[str, tuple[int, list]] = {}  # request id -> (range start, images to encode)
+        self.encode: list = []
+
+    def plan(self, req, start: int, n: int, chunked: bool) -> int:
+        granted, todo, _ = self.cache.plan(req, start, n, self.rows)
+        if granted < n and not chunked:
+            granted, todo = 0, []
+        self.plans[req.request_id] = (start, todo)
+        return granted
+
+    def commit(self, req, n: int) -> None:
+        plan = self.plans.pop(req.request_id, None)
+        if plan is None:
+            return
+        start, todo = plan
+        self.cache.commit(req, start, n, todo)
+        self.rows += sum(f.length for f in todo)
+        self.encode.extend(todo)
+
+    def finish(self, out) -> None:
+        entries = self.cache.entries
+        out.free_encoder_mm_hashes = self.cache.take_freed()
+        out.scheduled_encoder_inputs = [f for f in self.encode if f.identifier in entries]
