@@ -205,3 +205,13 @@ def test_llava_abort_releases_encoder_cache_references(llava):
     engine.abort_request("r")
     assert enc.held == {} and all(not r for r in enc.refs.values())
     assert len(enc.entries) == 1  # kept (unreferenced) for a later request with the same image
+
+
+def test_llava_parallel_sampling_shares_the_encoder_output(llava):
+    path, _, _ = llava
+    req = (Q, [make_image(52, 44, 60)])
+    ref = _ref(llava, [req])[0]
+    llm = LLM(model=path, dtype="float32", num_kv_blocks=64)
+    out = llm.generate(_prompts([req]), SamplingParams(n=3, temperature=0.0, max_tokens=N, ignore_eos=True))[0]
+    assert [c.token_ids for c in out.outputs] == [ref] * 3
+    assert llm.llm_engine.core.worker.runner.encoder_runner.num_encoded == 1
