@@ -140,9 +140,13 @@ def test_server_chat_images_and_bad_input(llava, server, media_server):
         err = r.json()["error"]
         assert err["param"] is not None and err["param"].startswith(param), (param, err)
         assert msg in err["message"], (msg, err)
-    # The server still serves.
-    assert chat(image_msg("What is this?", [data_url(a)])).choices[0].message.content == \
-        tok.decode(_hf_chat(llava, "What is this?", [a])[1])
+    # The server still serves, streaming too.
+    want = tok.decode(_hf_chat(llava, "What is this?", [a])[1])
+    assert chat(image_msg("What is this?", [data_url(a)])).choices[0].message.content == want
+    stream = client.chat.completions.create(model=model, messages=image_msg("What is this?", [data_url(a)]),
+                                            max_tokens=N, temperature=0.0, stream=True,
+                                            extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
 
 
 def test_cli_generate_image(llava, tmp_path):
