@@ -26,6 +26,8 @@ BUILTIN_MODELS: dict[str, str] = {
     "MistralForSequenceClassification": "model_registry.models.llama_pooling:LlamaForSequenceClassification",
     "BertModel": "model_registry.models.bert:BertModel",
     "BertForSequenceClassification": "model_registry.models.bert:BertForSequenceClassification",
+    # Multimodal decoders: images in the prompt.
+    "LlavaForConditionalGeneration": "model_registry.models.llava:LlavaForConditionalGeneration",
     # Encoder-decoder: speech in, text out.
     "WhisperForConditionalGeneration": "model_registry.models.whisper:WhisperForConditionalGeneration",
 }

@@ -29,7 +29,8 @@ def _plugin_manager(*plugins):
 def test_builtin_plugin_registers_the_llama_family_lazily():
     reg = build_registry(_plugin_manager(builtin))
     assert reg.architectures() == sorted(["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                                          "WhisperForConditionalGeneration", "BertModel",
+                                          "WhisperForConditionalGeneration", "LlavaForConditionalGeneration",
+                                          "BertModel",
                                           "BertForSequenceClassification", "LlamaModel", "Qwen2Model",
                                           "LlamaForSequenceClassification", "Qwen2ForSequenceClassification",
                                           "MistralForSequenceClassification"])

@@ -19,6 +19,8 @@ class ProcessedPrompt:
     num_encoder_tokens: int = 0  # positions of the encoder output (cross-attention K/V length)
     cache_salt: str | None = None  # isolates this prompt's prefix-cache blocks from other salts (tenants)
     lora_adapter: Any = None  # vllite_core.lora.adapter.LoRAAdapter the request runs with (None: the base)
+    # Multimodal decoders: one vllite_core.multimodal.MultiModalFeature per image (placeholder range, hash, pixels).
+    mm_features: list | None = None
 
 
 @dataclass

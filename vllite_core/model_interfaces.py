@@ -66,6 +66,24 @@ class SupportsMultiModal(ProcessesPrompts, Protocol):
     """Takes images (or other media) in its prompts."""
 
 
+class SupportsMultiModalDecoder(SupportsMultiModal, Protocol):
+    """A decoder that reads media through embeddings in its prompt (Llava): ``process_prompt`` expands each
+    item's placeholder and records ``ProcessedPrompt.mm_features``; the runner calls ``embed_multimodal`` on the
+    items the scheduler encodes (kept in the encoder cache) and passes ``forward(..., inputs_embeds=)`` with
+    their rows in place of the placeholders."""
+
+    supported_modalities: tuple[str, ...]  # e.g. ("image",)
+
+    def embed_multimodal(self, data: list[Any]) -> "list[torch.Tensor]":
+        """Per item (its ``MultiModalFeature.data``), its embeddings [feature length, hidden]."""
+
+    def embed_input_ids(self, input_ids: "torch.Tensor") -> "torch.Tensor": ...
+
+    @classmethod
+    def image_token_id(cls, hf_config: Any) -> int:
+        """The placeholder token that stands for an image in a prompt (chat puts one per image part)."""
+
+
 class SupportsTranscription(Protocol):
     """Serves ``LLM.transcribe`` and ``/v1/audio/transcriptions``."""
 
@@ -111,6 +129,7 @@ class ModelCapabilities:
     processes_prompts: bool = False
     is_encoder_decoder: bool = False
     supports_multimodal: bool = False
+    is_multimodal_decoder: bool = False  # media as prompt embeddings: encoder cache, image-aware block hashes
     supports_transcription: bool = False
     supports_lora: bool = False
     is_stateful: bool = False
@@ -119,6 +138,8 @@ class ModelCapabilities:
 
 _DECLARATIONS: dict[str, tuple[type, tuple[str, ...]]] = {
     "is_encoder_decoder": (SupportsEncoderDecoder, ("process_prompt", "get_max_model_len", "encode", "cross_kv")),
+    "is_multimodal_decoder": (SupportsMultiModalDecoder, ("process_prompt", "supported_modalities",
+                                                          "embed_multimodal", "embed_input_ids", "image_token_id")),
     "supports_multimodal": (SupportsMultiModal, ("process_prompt",)),
     "supports_transcription": (SupportsTranscription, ("max_audio_seconds", "language_detection_prompt")),
     "supports_lora": (SupportsLoRA, ("lora_targets",)),

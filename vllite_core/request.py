@@ -91,6 +91,8 @@ class Request:
     structured_output: Any = None
     # The LoRA adapter (vllite_core.lora.adapter.LoRAAdapter) the request runs with; None: the base model.
     lora_adapter: Any = None
+    # Multimodal: one vllite_core.multimodal.MultiModalFeature per image (placeholder range, content hash, pixels).
+    mm_features: list = field(default_factory=list)
 
     @property
     def lora_int_id(self) -> int:

@@ -168,8 +168,8 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(hf_config.hidden_size, float(getattr(hf_config, "rms_norm_eps", 1e-6)), dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: list[AttentionMetadata]) -> torch.Tensor:
-        x = F.embedding(input_ids, self.embed_tokens)
+                attn_metadata: list[AttentionMetadata], inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        x = F.embedding(input_ids, self.embed_tokens) if inputs_embeds is None else inputs_embeds
         rope = self.rotary_emb.lookup(positions, x.dtype)  # shared by every layer
         residual = None
         for layer, kv_cache, md in zip(self.layers, kv_caches, attn_metadata, strict=True):
@@ -219,9 +219,13 @@ class LlamaForCausalLM(nn.Module, SupportsLoRA):
         return attention_specs(self.num_layers, block_size, self.num_kv_heads, self.head_size, dtype, windows)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: list[AttentionMetadata]) -> torch.Tensor:
-        """Hidden states [T, hidden_size] for the flattened tokens of every request in the step."""
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+                attn_metadata: list[AttentionMetadata], inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden_size] for the flattened tokens of every request in the step (a multimodal
+        wrapper passes ``inputs_embeds`` with image rows in place of their placeholders)."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.model.embed_tokens)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the rows the sampler needs."""

@@ -26,6 +26,8 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field."""
 
 
+from vllite_core.multimodal.config import MultiModalConfig  # noqa: E402  (it raises ConfigError)
+
 QUANTIZATION_METHODS = ("int8",)  # vllite_core.quantization
 
 
@@ -192,6 +194,7 @@ class VlliteConfig:
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     enforce_eager: bool = False
     lora_config: LoRAConfig | None = None  # None: LoRA off
+    multimodal_config: MultiModalConfig = field(default_factory=MultiModalConfig)
 
     def finalize(self, max_model_len: int) -> None:
         """Apply the cross-field rules once the model's context length is known."""
@@ -255,6 +258,13 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Multimodal models (vllite_core.multimodal.MultiModalConfig).
+    limit_mm_per_prompt: dict | str | None = None
+    allowed_media_domains: list[str] = field(default_factory=list)  # http(s) image URLs from these ("*": any)
+    media_fetch_timeout: float = 5.0
+    max_media_bytes: int = 20 * 1024 * 1024
+    max_image_pixels: int = 4096 * 4096
+    encoder_cache_size: int | None = None
 
     ALIASES = {"num_gpu_blocks_override": "num_kv_blocks", "memory_utilization": "gpu_memory_utilization"}
     REJECTED = {
@@ -306,4 +316,9 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             lora_config=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora
             else None,
+            multimodal_config=MultiModalConfig(
+                limit_mm_per_prompt=self.limit_mm_per_prompt or {}, max_image_pixels=self.max_image_pixels,
+                allowed_media_domains=list(self.allowed_media_domains or []),
+                media_fetch_timeout=self.media_fetch_timeout, max_media_bytes=self.max_media_bytes,
+                encoder_cache_size=self.encoder_cache_size),
         )

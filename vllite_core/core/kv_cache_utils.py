@@ -11,6 +11,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
+from vllite_core.multimodal.features import mm_block_keys
+
 # A block hash is the sha256 digest of (parent hash, token ids, extra keys).
 # It is chained (each block's hash covers its whole prefix), and deterministic
 # across processes and runs, unlike Python's salted hash().
@@ -72,12 +74,16 @@ def hash_block_tokens(
     return h.digest()
 
 
-def block_extra_keys(request: Any, block_index: int) -> tuple:
+def block_extra_keys(request: Any, block_index: int, block_size: int = 0) -> tuple:
     """The extra hash keys of one block of a request: the cache salt on the first block (the chain carries
-    it to every later block), the request's per-block keys (a LoRA identity) on every block."""
+    it to every later block), the request's per-block keys (a LoRA identity) on every block, and the content
+    hashes and relative offsets of the images whose placeholders the block holds."""
     keys = tuple(request.block_extra_keys)
     if block_index == 0 and request.cache_salt is not None:
         keys = (("cache_salt", request.cache_salt),) + keys
+    features = getattr(request, "mm_features", None)
+    if features:
+        keys += mm_block_keys(features, block_index * block_size, (block_index + 1) * block_size)
     return keys
 
 
@@ -92,7 +98,7 @@ def make_block_hasher(block_size: int) -> Callable[[Any], list[BlockHash]]:
         new: list[BlockHash] = []
         for i in range(start, end):
             parent = hash_block_tokens(parent, tokens[i * block_size:(i + 1) * block_size],
-                                       block_extra_keys(request, i))
+                                       block_extra_keys(request, i, block_size))
             new.append(parent)
         return new
 

@@ -23,6 +23,7 @@ class NewRequestData:
     num_encoder_tokens: int = 0
     pooling_params: Any = None  # a pooling request's PoolingParams (it samples nothing)
     lora_adapter: Any = None  # vllite_core.lora.adapter.LoRAAdapter, None: the base model
+    mm_features: list = field(default_factory=list)  # vllite_core.multimodal.MultiModalFeature per image
 
 
 @dataclass
@@ -44,6 +45,10 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     # Structured output: allowed tokens of the structured requests that sample (structured_output.GrammarBitmask).
     grammar_bitmask: Any = None
+    # Multimodal: images whose encoder runs in this step (MultiModalFeature, data included), and the content
+    # hashes the runner's encoder cache drops before that.
+    scheduled_encoder_inputs: list = field(default_factory=list)
+    free_encoder_mm_hashes: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -38,11 +38,14 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 kv_cache_manager: KVCacheManager, max_model_len: int, max_loras: int = 0) -> None:
+                 kv_cache_manager: KVCacheManager, max_model_len: int, max_loras: int = 0,
+                 encoder_cache: Any = None) -> None:
         self.config = scheduler_config
         self.max_loras = max_loras  # distinct LoRA adapters among running requests (0: LoRA off)
         self.cache_config = cache_config
         self.kv = kv_cache_manager
+        # Multimodal models: the encoder cache (vllite_core.multimodal.encoder_cache.EncoderCacheManager).
+        self.encoder_cache = encoder_cache
         self.max_model_len = max_model_len
         self.policy = scheduler_config.policy
         self.requests: dict[str, Request] = {}
@@ -79,6 +82,8 @@ class Scheduler:
 
     def _free(self, req: Request) -> None:
         self.kv.free(req)
+        if self.encoder_cache is not None:
+            self.encoder_cache.release_all(req)
         self.finished_req_ids.add(req.request_id)
         self.requests.pop(req.request_id, None)
 
@@ -109,6 +114,8 @@ class Scheduler:
         """Recompute later: free the blocks, keep the tokens, back to the waiting queue."""
         self.running.remove(victim)
         self.kv.free(victim)
+        if self.encoder_cache is not None:
+            self.encoder_cache.release_all(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
@@ -310,6 +317,7 @@ class _Step:
         self.running: list[Request] = []
         self.new: list[Request] = []
         self.new_block_ids: dict[str, list[list[int]]] = {}  # per request, per cache group
+        self.encoder = sched.encoder_cache.step() if sched.encoder_cache is not None else None
 
     def chunk(self, req: Request, remaining: int, recount: bool = True) -> int:
         """Tokens to give ``req`` now: its remaining tokens within the budget, long prefills capped."""
@@ -321,6 +329,10 @@ class _Step:
                     return 0
                 self.long.append(req)
             n = min(n, self.threshold)
+        if self.encoder is not None and req.mm_features and n > 0:
+            n = self.encoder.plan(req, req.num_tokens - remaining, n, self.sched.config.enable_chunked_prefill)
+            if n <= 0:
+                self.release_long(req)
         return n
 
     def release_long(self, req: Request) -> None:
@@ -332,11 +344,15 @@ class _Step:
         self.new_block_ids[req.request_id] = blocks
         self.out.num_scheduled_tokens[req.request_id] = n
         self.budget -= n
+        if self.encoder is not None:
+            self.encoder.commit(req, n)
 
     def schedule_new(self, req: Request, n: int) -> None:
         self.new.append(req)
         self.out.num_scheduled_tokens[req.request_id] = n
         self.budget -= n
+        if self.encoder is not None:
+            self.encoder.commit(req, n)
 
     def preempt(self, victim: Request, admitting: bool = False) -> None:
         rid = victim.request_id
@@ -363,11 +379,15 @@ class _Step:
             if have is None:
                 continue
             extra = min(req.num_tokens - req.num_computed_tokens - have, self.budget)
+            if self.encoder is not None and req.mm_features and extra > 0:
+                extra = self.encoder.plan(req, req.num_computed_tokens + have, extra, True)
             if extra <= 0:
                 continue
             blocks = kv.allocate_slots(req, have + extra)
             if blocks is None:
                 continue
+            if self.encoder is not None:
+                self.encoder.commit(req, extra)
             if rid in self.new_block_ids:
                 for have_ids, ids in zip(self.new_block_ids[rid], blocks):
                     have_ids.extend(ids)
@@ -382,12 +402,14 @@ class _Step:
                 sampling_params=req.sampling_params, block_ids=sched.kv.get_block_ids(req),
                 num_computed_tokens=req.num_computed_tokens, eos_token_id=req.eos_token_id,
                 encoder_inputs=req.encoder_inputs, num_encoder_tokens=req.num_encoder_tokens,
-                pooling_params=req.pooling_params, lora_adapter=req.lora_adapter))
+                pooling_params=req.pooling_params, lora_adapter=req.lora_adapter, mm_features=req.mm_features))
         for req in self.running:
             out.scheduled_cached_reqs.append(CachedRequestData(
                 req_id=req.request_id, new_block_ids=self.new_block_ids[req.request_id],
                 num_computed_tokens=req.num_computed_tokens))
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        if self.encoder is not None:
+            self.encoder.finish(out)
         out.preempted_req_ids |= {r.request_id for r in self.preempted}
         # A request preempted and re-admitted in the same step is simply new to the runner.
         out.preempted_req_ids -= {r.request_id for r in self.new}
@@ -397,3 +419,4 @@ class _Step:
         for rid, n in out.num_scheduled_tokens.items():
             sched.requests[rid].num_computed_tokens += n
         return out
+

@@ -68,9 +68,12 @@ def _derive_max_model_len(config: VlliteConfig, hf_config: Any, model_cls: Any =
     limit = None
     if config.model_config.capabilities.is_encoder_decoder:  # the decoder's positions differ from the encoder's
         limit = int(model_cls.get_max_model_len(hf_config))
+    # A multimodal config nests its decoder's (get_text_config returns the config itself for a text model).
+    text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     for key in () if limit else ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length"):
-        if getattr(hf_config, key, None):
-            limit = int(getattr(hf_config, key))
+        value = getattr(hf_config, key, None) or getattr(text_config, key, None)
+        if value:
+            limit = int(value)
             break
     asked = config.model_config.max_model_len
     if asked is None:
@@ -80,6 +83,18 @@ def _derive_max_model_len(config: VlliteConfig, hf_config: Any, model_cls: Any =
     if limit is not None and asked > limit:
         raise ConfigError(f"max_model_len: {asked} is larger than the model's context length ({limit})")
     return asked
+
+
+def _encoder_cache(config: VlliteConfig) -> Any:
+    """A multimodal model's encoder cache: as many rows as the step budget unless configured (vLLM sizes both
+    the encoder's step budget and its cache from max_num_batched_tokens)."""
+    if not config.model_config.capabilities.is_multimodal_decoder:
+        return None
+    from vllite_core.multimodal.encoder_cache import EncoderCacheManager
+
+    budget = config.scheduler_config.max_num_batched_tokens
+    size = config.multimodal_config.encoder_cache_size or budget
+    return EncoderCacheManager(cache_size=size, budget=min(size, budget))
 
 
 class EngineCore:
@@ -123,7 +138,8 @@ class EngineCore:
                                                groups=groups)
         cc.enable_prefix_caching = self.kv_cache_manager.enable_caching
         self.scheduler = Scheduler(config.scheduler_config, cc, self.kv_cache_manager, max_model_len,
-                                   max_loras=config.lora_config.max_loras if config.lora_config else 0)
+                                   max_loras=config.lora_config.max_loras if config.lora_config else 0,
+                                   encoder_cache=_encoder_cache(config))
         self.model_info = ModelInfo(source, hf_config, arch, max_model_len, num_blocks)
         self.model_cls = model_cls
         self.step_times = StepTimes()

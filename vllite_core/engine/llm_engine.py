@@ -91,7 +91,10 @@ class LLMEngine:
             return prompt
         ctx = ctx or self.input_context
         salt = parse_cache_salt(prompt)
-        if self.config.model_config.capabilities.processes_prompts:
+        caps = self.config.model_config.capabilities
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            self._check_multi_modal_data(prompt)
+        if caps.processes_prompts:
             try:
                 processed = self.model_cls.process_prompt(prompt, ctx)
             except (InvalidRequestError, ValueError, TypeError, KeyError) as e:
@@ -103,7 +106,36 @@ class LLMEngine:
             processed = ProcessedPrompt(prompt_token_ids=ids, prompt=text)
         if salt is not None:
             processed.cache_salt = salt
+        if processed.mm_features:
+            self._check_mm_features(processed.mm_features)
         return processed
+
+    def _check_multi_modal_data(self, prompt: dict) -> None:
+        """Media for a model that takes none, or beyond the engine's limits: refused with the field named."""
+        from vllite_core.multimodal.errors import MediaError
+        from vllite_core.multimodal.images import check_mm_prompt
+
+        caps = self.config.model_config.capabilities
+        if caps.is_multimodal_decoder:
+            check_mm_prompt(prompt, self.model_cls.supported_modalities, self.config.multimodal_config)
+        elif not caps.processes_prompts:  # an encoder-decoder model's prompt processor reads its own media
+            raise MediaError("multi_modal_data", f"{self.core.model_info.architecture} is a text-only model: it "
+                             "does not take images")
+
+    def _check_mm_features(self, features: list) -> None:
+        """Images the encoder could never schedule would wait forever: refuse them now. Without chunked
+        prefill a prompt's images must all fit one step."""
+        from vllite_core.multimodal.errors import MediaError
+
+        enc = self.core.scheduler.encoder_cache
+        if enc is None:
+            return
+        rows = [f.length for f in features]
+        if not self.config.scheduler_config.enable_chunked_prefill:
+            rows = [sum(rows)]
+        if max(rows) > enc.budget:
+            raise MediaError("multi_modal_data", f"{max(rows)} image embedding rows do not fit the encoder budget "
+                             f"of {enc.budget} rows per step (raise max_num_batched_tokens or encoder_cache_size)")
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         return parse_prompt(prompt, self.tokenizer)
@@ -189,7 +221,8 @@ class LLMEngine:
                                           priority=priority, max_tokens=max_tokens,
                                           encoder_inputs=processed.encoder_inputs,
                                           num_encoder_tokens=processed.num_encoder_tokens,
-                                          cache_salt=processed.cache_salt, **kw, **_lora_fields(processed)))
+                                          cache_salt=processed.cache_salt, mm_features=processed.mm_features or [],
+                                          **kw, **_lora_fields(processed)))
         return request_id
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:

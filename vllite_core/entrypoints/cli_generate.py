@@ -34,6 +34,9 @@ def add_generate_parser(sub: Any) -> None:
     p.add_argument("--input", help="JSONL file: one {\"prompt\": ...} or {\"prompt_token_ids\": [...]} per line")
     p.add_argument("--output", help="write results as JSONL here (default: print)")
     p.add_argument("--chat-template", action="store_true", help="wrap each prompt as a user chat message")
+    p.add_argument("--image", action="append", default=None, metavar="PATH",
+                   help="image file given to every prompt (repeatable; multimodal models): the prompt holds the "
+                        "model's placeholder (<image>) per image, or --chat-template puts the images in the message")
     _add_sampling_args(p)
     add_engine_args(p)
     p.set_defaults(func=run_generate)
@@ -42,6 +45,9 @@ def add_generate_parser(sub: Any) -> None:
 def add_chat_parser(sub: Any) -> None:
     p = sub.add_parser("chat", help="interactive chat in the terminal, streaming tokens")
     p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--image", action="append", default=None, metavar="PATH",
+                   help="image for the first message (repeatable; multimodal models); '/image PATH' in the chat "
+                        "attaches one to the next message")
     _add_sampling_args(p)
     add_engine_args(p)
     p.set_defaults(func=run_chat, max_tokens=512)
@@ -73,9 +79,18 @@ def run_generate(ns: argparse.Namespace) -> int:
     params = _sampling_params(ns)
     llm = LLM.from_engine(LLMEngine.from_engine_args(engine_args_from_namespace(ns)))
     shown = [p if isinstance(p, str) else p.get("prompt") for p in prompts]
-    if ns.chat_template:
-        prompts = [{"prompt": llm.apply_chat_template([{"role": "user", "content": text}])} for text in shown]
-    outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
+    images = _load_images(ns.image or [])
+    if ns.chat_template and images:
+        parts = [{"type": "image_pil", "image_pil": im} for im in images]
+        outputs = llm.chat([[{"role": "user", "content": parts + [{"type": "text", "text": text}]}]
+                            for text in shown], params)
+    else:
+        if ns.chat_template:
+            prompts = [{"prompt": llm.apply_chat_template([{"role": "user", "content": text}])} for text in shown]
+        if images:
+            prompts = [{**(p if isinstance(p, dict) else {"prompt": p}), "multi_modal_data": {"image": images}}
+                       for p in prompts]
+        outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
     sink = open(ns.output, "w") if ns.output else None
     for text, out in zip(shown, outputs):
         comp = out.outputs[0]
@@ -96,15 +111,32 @@ def run_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _load_images(paths: list[str]) -> list[Any]:
+    from PIL import Image, UnidentifiedImageError
+
+    images = []
+    for path in paths:
+        try:
+            with Image.open(path) as im:
+                images.append(im.convert("RGB"))
+        except (OSError, UnidentifiedImageError) as e:
+            raise SystemExit(f"vllite generate: --image {path}: {e}")
+    return images
+
+
 def run_chat(ns: argparse.Namespace) -> int:
     from vllite_core.engine.llm_engine import LLMEngine
 
     engine = LLMEngine.from_engine_args(engine_args_from_namespace(ns))
     params = _sampling_params(ns)
-    history: list[dict[str, str]] = []
+    from vllite_core.engine.errors import InvalidRequestError
+    from vllite_core.multimodal.chat import chat_engine_prompt
+
+    history: list[dict[str, Any]] = []
     if ns.system:
         history.append({"role": "system", "content": ns.system})
-    print("vllite chat: type a message, Ctrl-D to quit.", file=sys.stderr)
+    pending = _load_images(ns.image or [])  # images for the next user message
+    print("vllite chat: type a message, '/image PATH' to attach an image, Ctrl-D to quit.", file=sys.stderr)
     n = 0
     while True:
         try:
@@ -114,10 +146,26 @@ def run_chat(ns: argparse.Namespace) -> int:
             return 0
         if not user.strip():
             continue
-        history.append({"role": "user", "content": user})
-        prompt = engine.tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
-        n += 1
-        rid = engine.add_request(f"chat-{n}", prompt, params)
+        if user.startswith("/image "):
+            try:
+                pending += _load_images([user[len("/image "):].strip()])
+            except SystemExit as e:
+                print(e, file=sys.stderr)
+            continue
+        content: Any = user
+        if pending:
+            content = [{"type": "image_pil", "image_pil": im} for im in pending] + [{"type": "text", "text": user}]
+        history.append({"role": "user", "content": content})
+        try:
+            prompt = chat_engine_prompt(engine, history, lambda msgs: engine.tokenizer.apply_chat_template(
+                msgs, tokenize=False, add_generation_prompt=True))
+            n += 1
+            rid = engine.add_request(f"chat-{n}", prompt, params)
+        except InvalidRequestError as e:
+            print(f"error: {e}", file=sys.stderr)
+            history.pop()
+            continue
+        pending = []
         reply = ""
         while engine.has_unfinished_requests():
             for out in engine.step(delta=True):

@@ -88,9 +88,17 @@ class LLM:
         if continue_final_message:
             kwargs["continue_final_message"] = True
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[index]
-        prompts = [{"prompt": self.apply_chat_template(c, add_generation_prompt, chat_template, **kwargs)}
-                   for c in convs]
+        prompts = [self._chat_prompt(c, add_generation_prompt, chat_template, kwargs) for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+
+    def _chat_prompt(self, conversation: Conversation, add_generation_prompt: bool, chat_template: str | None,
+                     kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The rendered conversation; image parts (``image_url``, ``image_pil``) become placeholders with their
+        images in ``multi_modal_data`` (vllite_core.multimodal.chat)."""
+        from vllite_core.multimodal.chat import chat_engine_prompt
+
+        return chat_engine_prompt(self.llm_engine, list(conversation), lambda msgs: self.apply_chat_template(
+            msgs, add_generation_prompt, chat_template, **kwargs))
 
     def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True,
                             chat_template: str | None = None, **kwargs: Any) -> str:

@@ -70,6 +70,8 @@ class StepInputs:
     sample_rows: np.ndarray  # batch rows that sample, in logits order
     # Requests wanting prompt logprobs in this step: (row, first token index, num tokens, first position).
     prompt_lp: list[tuple[int, int, int, int]]
+    # Multimodal: (flat token indices, encoder embedding rows) replacing those tokens' embeddings.
+    mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class ModelRunner:
@@ -109,6 +111,12 @@ class ModelRunner:
         self.pooler_config = config.model_config.pooler_config
         self.pooling_params: dict[str, Any] = {}  # of the pooling requests in the batch
         # Multi-LoRA: adapter slots attached to the model's linear layers (vllite_core/lora/slots.py).
+        # Multimodal models: encoder outputs by image content hash (vllite_core/multimodal/runner.py).
+        self.encoder_runner = None
+        if self.capabilities.is_multimodal_decoder:
+            from vllite_core.multimodal.runner import EncoderRunner
+
+            self.encoder_runner = EncoderRunner(model)
         self.lora = None
         if config.lora_config is not None:
             from vllite_core.lora.slots import LoRASlots
@@ -170,8 +178,11 @@ class ModelRunner:
     # ---- the step ---------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
         b = self.batch
+        enc = self.encoder_runner
         for rid in so.finished_req_ids:
             b.remove(rid)
+            if enc is not None:
+                enc.remove_request(rid)
             self.generators.pop(rid, None)
             self.pooling_params.pop(rid, None)
         for rid in so.preempted_req_ids:
@@ -190,6 +201,10 @@ class ModelRunner:
             b.add(state, new.token_ids, new.block_ids, new.num_computed_tokens, new.num_encoder_tokens)
             if new.pooling_params is not None:
                 self.pooling_params[new.req_id] = new.pooling_params
+            if enc is not None:
+                enc.add_request(new.req_id, new.mm_features)
+        if enc is not None:
+            enc.update(so.free_encoder_mm_hashes, so.scheduled_encoder_inputs)
         if self.cross_layers:
             fresh = [n for n in so.scheduled_new_reqs if n.num_encoder_tokens]
             if fresh:
@@ -253,11 +268,15 @@ class ModelRunner:
         wants = (b.num_prompt_logprobs[rows] >= 0) & (computed < b.num_prompt[rows])
         for i in np.nonzero(wants)[0]:
             prompt_lp.append((int(rows[i]), int(starts[i]), int(num_sched[i]), int(computed[i])))
+        mm_embeds = None
+        if self.encoder_runner is not None:
+            mm_embeds = self.encoder_runner.gather([b.states[r].req_id for r in rows.tolist()], computed, num_sched,
+                                                   starts)
         return StepInputs(input_ids=torch.as_tensor(input_ids, device=self.device),
                           positions=torch.as_tensor(positions, device=self.device),
                           layer_metadata=[group_metadata[g] for g in self.group_of_layer],
                           logits_indices=torch.as_tensor(cu[sampling] - 1, device=self.device),
-                          sample_rows=rows[sampling], prompt_lp=prompt_lp)
+                          sample_rows=rows[sampling], prompt_lp=prompt_lp, mm_embeds=mm_embeds)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inp: StepInputs) -> None:
         """Logprobs of each prompt token given the ones before it; raw, as prompt tokens are not sampled."""
@@ -323,7 +342,13 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return out
         inp = self._prepare_inputs(so)
-        hidden = self.model_forward(inp.input_ids, inp.positions, self.kv_caches, inp.layer_metadata)
+        if inp.mm_embeds is not None:  # image rows replace their placeholders' embeddings (eager: not a decode)
+            embeds = self.model.embed_input_ids(inp.input_ids)
+            embeds[inp.mm_embeds[0]] = inp.mm_embeds[1].to(embeds.dtype)
+            hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.layer_metadata,
+                                inputs_embeds=embeds)
+        else:
+            hidden = self.model_forward(inp.input_ids, inp.positions, self.kv_caches, inp.layer_metadata)
         b = self.batch
         # Every scheduled token is now in the cache.
         for rid, n in so.num_scheduled_tokens.items():

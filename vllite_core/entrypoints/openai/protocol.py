@@ -83,12 +83,24 @@ class TextPart(_Strict):
     text: str
 
 
+class ImageURL(_Strict):
+    url: str
+    detail: str | None = None  # accepted, ignored (the model's processor decides the resolution)
+
+
+class ImageURLPart(_Strict):
+    """An image: a data: URL, or http(s) when the server allows its domain (--allowed-media-domains)."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ChatMessage(BaseModel):
     """One message; extra keys (tool_calls, ...) go to the chat template untouched."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[Annotated[TextPart | ImageURLPart, Field(discriminator="type")]] | None = None
     name: str | None = None
 
 

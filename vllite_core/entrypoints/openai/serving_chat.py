@@ -13,7 +13,7 @@ from starlette.responses import Response
 from vllite_core.entrypoints.openai.chat_reasoning import DeltaSplitter, message_fields
 from vllite_core.entrypoints.openai.errors import bad_request, from_exception
 from vllite_core.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_json
-from vllite_core.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from vllite_core.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, TextPart
 from vllite_core.entrypoints.openai.sampling import to_sampling_params
 from vllite_core.entrypoints.openai.serving_common import (
     SSE_DONE,
@@ -38,7 +38,7 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     for m in messages:
         d = m.model_dump(exclude_none=True)
         if isinstance(m.content, list):
-            d["content"] = "\n".join(p.text for p in m.content)
+            d["content"] = "\n".join(getattr(p, "text", "") for p in m.content)
         out.append(d)
     return out
 
@@ -84,20 +84,27 @@ def _encode_plain(tokenizer: Any, text: str) -> list[int]:
 
 def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage], text: str, add_generation_prompt: bool = True,
                     continue_final_message: bool = False, chat_template: str | None = None,
-                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                    template_kwargs: dict[str, Any] | None = None, image_marker: Any = None) -> list[int]:
     """The token ids of ``text`` (``render_chat`` of these messages), where only the template's own
     special tokens are control tokens: special-token text inside message content is tokenized as
     plain text, so a user cannot forge a turn. When no content holds special-token text this is the
     ordinary tokenization. Otherwise the messages are rendered again with a random placeholder per
     such content; the template's text around the placeholders has its special tokens parsed, the
     contents do not. A template that changes content (so the placeholders cannot be mapped back onto
-    ``text``) makes such a request a 400 rather than a guess."""
+    ``text``) makes such a request a 400 rather than a guess. ``image_marker`` (multimodal.chat.ImageMarker):
+    its text in a content becomes the model's image placeholder token."""
+    def encode_plain(t: str) -> list[int]:
+        return image_marker.encode(t, lambda p: _encode_plain(tokenizer, p)) if image_marker else \
+            _encode_plain(tokenizer, t)
+
     specials = _special_tokens(tokenizer)
     dicts = messages_to_dicts(messages)
     marked = [i for i, d in enumerate(dicts) if isinstance(d.get("content"), str)
               and any(tok in d["content"] for tok in specials)]
-    if not marked:
-        return list(tokenizer.encode(text, add_special_tokens=False))  # the template has the special tokens
+    if not marked:  # the template has the special tokens
+        if image_marker is not None:
+            return image_marker.encode(text, lambda t: list(tokenizer.encode(t, add_special_tokens=False)))
+        return list(tokenizer.encode(text, add_special_tokens=False))
     nonce = secrets.token_hex(8)
     holders = {f"\u27e6{nonce}:{i}\u27e7": dicts[i]["content"] for i in marked}
     for holder, i in zip(holders, marked):
@@ -122,17 +129,17 @@ def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage], text: str, add_
             continue
         for k, part in enumerate(special_re.split(piece)):
             if k % 2:  # one of the template's own special tokens
-                ids += _encode_plain(tokenizer, plain)
+                ids += encode_plain(plain)
                 plain = ""
                 ids.append(specials[part])
             else:
                 plain += part
-    return ids + _encode_plain(tokenizer, plain)
+    return ids + encode_plain(plain)
 
 
 def chat_prompt(tokenizer: Any, req: Any, allow_special_tokens_in_content: bool | None = None,
                 default_template: str | None = None,
-                tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
+                tools: list[dict[str, Any]] | None = None, image_marker: Any = None) -> tuple[str, list[int]]:
     """(rendered text, token ids) of a chat request's messages, as chat feeds them to the model
     (``chat_prompt_ids`` unless the request opts out with ``allow_special_tokens_in_content``).
     ``default_template``: the server's --chat-template, used when the request names none.
@@ -146,8 +153,10 @@ def chat_prompt(tokenizer: Any, req: Any, allow_special_tokens_in_content: bool 
     if allow_special_tokens_in_content is None:
         allow_special_tokens_in_content = bool(getattr(req, "allow_special_tokens_in_content", False))
     if allow_special_tokens_in_content:  # opt-out: special-token text in content is parsed
-        return text, list(tokenizer.encode(text, add_special_tokens=False))  # the template has the special tokens
-    return text, chat_prompt_ids(tokenizer, req.messages, text, req.add_generation_prompt, cont, template, kwargs)
+        encode = lambda t: list(tokenizer.encode(t, add_special_tokens=False))  # noqa: E731
+        return text, image_marker.encode(text, encode) if image_marker else encode(text)
+    return text, chat_prompt_ids(tokenizer, req.messages, text, req.add_generation_prompt, cont, template, kwargs,
+                                 image_marker)
 
 
 def echo_text(req: ChatCompletionRequest) -> str:
@@ -167,6 +176,31 @@ class ChatServer:
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
 
+    async def _images(self, req: ChatCompletionRequest) -> tuple[ChatCompletionRequest, Any, list[Any]]:
+        """Image parts replaced by a marker the tokenization turns into the model's placeholder token, and the
+        images loaded (data URLs decoded, allowed http(s) URLs fetched off the event loop)."""
+        import asyncio
+
+        from vllite_core.multimodal import chat as mm_chat
+
+        parts = [p for m in req.messages if isinstance(m.content, list) for p in m.content if p.type == "image_url"]
+        if not parts:
+            return req, None, []
+        engine = self.state.engine.engine
+        if not engine.config.model_config.capabilities.is_multimodal_decoder:
+            raise bad_request(f"{engine.core.model_info.architecture} is a text-only model: it does not take "
+                              "images", "messages.content.image_url")
+        marker = mm_chat.ImageMarker.new(engine.model_cls.image_token_id(engine.core.model_info.hf_config))
+        images = await asyncio.to_thread(mm_chat.load_images, [p.image_url.url for p in parts],
+                                         engine.config.multimodal_config)
+        messages = []
+        for m in req.messages:
+            if isinstance(m.content, list) and any(p.type == "image_url" for p in m.content):
+                content = [TextPart(type="text", text=marker.text) if p.type == "image_url" else p for p in m.content]
+                m = m.model_copy(update={"content": content})
+            messages.append(m)
+        return req.model_copy(update={"messages": messages}), marker, images
+
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         st = self.state
         st.check_model(req.model)
@@ -175,15 +209,23 @@ class ChatServer:
         if plan.mode == "auto" and not (st.enable_auto_tool_choice and st.tool_parser is not None):
             raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
                               "tool_choice")
+        req, marker, images = await self._images(req)
         # Template rendering and tokenizing are CPU work: on the engine's prep thread, with its tokenizer.
         text, ids = await st.engine.run_prep(chat_prompt, st.engine.prep_tokenizer, req, None, st.chat_template,
-                                             plan.template_tools)
+                                             plan.template_tools, marker)
+        prompt: Any = {"prompt_token_ids": ids, "prompt": text}
+        if images:
+            prompt["multi_modal_data"] = {"image": images}
+            prompt["prompt"] = text.replace(marker.text, self.tokenizer.convert_ids_to_tokens(marker.token_id))
+            # The model's processor expands the placeholders (off the event loop): usage counts the expanded prompt.
+            prompt = await st.engine.run_prep(st.engine.engine.process_prompt, prompt, st.engine._prep_ctx)
+            ids = prompt.prompt_token_ids
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = to_sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                                     st.engine.engine.default_sampling_params)
         apply_structured_outputs(st.engine, req, params, plan)
         rid = new_id("chatcmpl")
-        streams = await add_streams(st.engine, [{"prompt_token_ids": ids, "prompt": text}], params, rid, req.priority,
+        streams = await add_streams(st.engine, [prompt], params, rid, req.priority,
                               req.cache_salt, st.lora_request(req.model))
         ctx = _Ctx(self, req, rid, len(ids), ToolOutput(plan, st.tool_parser))
         if req.stream:

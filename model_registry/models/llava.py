@@ -1,0 +1,177 @@
+"""Llava: a CLIP vision tower, a two-layer projector, and a built-in decoder (the Llama family), for the engine.
+
+Prompts carry ``<image>`` placeholders, one per image; ``process_prompt`` expands each to the number of patch
+embeddings the tower gives and records the ranges as ``MultiModalFeature``s. The runner asks
+``embed_multimodal`` for an image's embeddings when the scheduled range first reaches it, caches them by the
+image's content hash, and passes the step's token embeddings, placeholders replaced, as ``inputs_embeds``.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from model_registry.models.clip import CLIPVisionTower, Linear, activation
+from model_registry.models.llama import LlamaForCausalLM, _copy
+from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
+from vllite_core.core.kv_cache_spec import KVCacheSpec
+from vllite_core.engine.errors import InvalidRequestError
+from vllite_core.inputs import InputContext, ProcessedPrompt
+from vllite_core.model_interfaces import SupportsMultiModalDecoder
+from vllite_core.multimodal.features import MultiModalFeature, expand_placeholders
+from vllite_core.multimodal.images import hash_image, prompt_images
+
+
+def _feature_layers(hf_config: Any) -> list[int]:
+    """The tower's hidden-state indices Llava reads (0: embeddings, i: after layer i), negatives resolved."""
+    layers = hf_config.vision_feature_layer
+    layers = [layers] if isinstance(layers, int) else list(layers)
+    n = hf_config.vision_config.num_hidden_layers
+    return [layer if layer >= 0 else n + 1 + layer for layer in layers]
+
+
+class LlavaProjector(nn.Module):
+    def __init__(self, cin: int, cout: int, act: str, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.linear_1 = Linear(cin, cout, dtype, bias)
+        self.linear_2 = Linear(cout, cout, dtype, bias)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(self.act(self.linear_1(x)))
+
+
+class LlavaForConditionalGeneration(nn.Module, SupportsMultiModalDecoder):
+    supported_modalities = ("image",)
+
+    def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = hf_config
+        vc, tc = hf_config.vision_config, hf_config.text_config
+        if getattr(vc, "model_type", "clip_vision_model") != "clip_vision_model":
+            raise NotImplementedError(f"Llava with a {vc.model_type} vision tower is not supported (CLIP only)")
+        if hf_config.vision_feature_select_strategy not in ("default", "full"):
+            raise NotImplementedError(f"vision_feature_select_strategy {hf_config.vision_feature_select_strategy!r}")
+        self.feature_layers = _feature_layers(hf_config)
+        self.drop_cls = hf_config.vision_feature_select_strategy == "default"
+        self.vision_tower = CLIPVisionTower(vc, dtype, num_layers=max(self.feature_layers))
+        self.multi_modal_projector = LlavaProjector(
+            vc.hidden_size * len(self.feature_layers), tc.hidden_size, hf_config.projector_hidden_act,
+            bool(getattr(hf_config, "multimodal_projector_bias", True)), dtype)
+        self.language_model = LlamaForCausalLM(tc, attn_backend, dtype)
+        self.vocab_size: int = tc.vocab_size
+        self.dtype = dtype
+
+    # ---- prompts -----------------------------------------------------------------------------------
+    @classmethod
+    def image_token_id(cls, hf_config: Any) -> int:
+        """The placeholder token chat puts where an image goes."""
+        return int(hf_config.image_token_index)
+
+    @staticmethod
+    def num_image_tokens(hf_config: Any) -> int:
+        vc = hf_config.vision_config
+        n = (vc.image_size // vc.patch_size) ** 2
+        return n if hf_config.vision_feature_select_strategy == "default" else n + 1
+
+    @classmethod
+    def process_prompt(cls, prompt: Any, ctx: InputContext) -> ProcessedPrompt:
+        """``{"prompt": "USER: <image>\\n...", "multi_modal_data": {"image": img or [imgs]}}`` (or
+        ``prompt_token_ids`` holding one ``image_token_index`` per image): each placeholder is expanded to the
+        image's embedding count; pixels come from the folder's image processor (transformers' PIL backend)."""
+        c, tok = ctx.hf_config, ctx.tokenizer
+        images = prompt_images(prompt, cls.supported_modalities)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
+                raise InvalidRequestError("prompt_token_ids", "must be a list of integers")
+            text, ids = prompt.get("prompt"), list(ids)
+        else:
+            text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+            if not isinstance(text, str):
+                raise InvalidRequestError("prompt", f"must be a string, got {type(text).__name__}")
+            ids = list(tok.encode(text, add_special_tokens=True))
+        image_id = int(c.image_token_index)
+        found = ids.count(image_id)
+        if found != len(images):
+            raise InvalidRequestError("multi_modal_data", f"the prompt has {found} image placeholder(s) "
+                                      f"({tok.convert_ids_to_tokens(image_id)!r}) for {len(images)} image(s)")
+        if not images:
+            return ProcessedPrompt(prompt_token_ids=ids, prompt=text)
+        pixels = cls.pixel_values(images, ctx)
+        n = cls.num_image_tokens(c)
+        ids, offsets = expand_placeholders(ids, image_id, [n] * len(images))
+        features = [MultiModalFeature("image", hash_image(img), off, n, pixels[i])
+                    for i, (img, off) in enumerate(zip(images, offsets))]
+        return ProcessedPrompt(prompt_token_ids=ids, prompt=text, mm_features=features)
+
+    @classmethod
+    def pixel_values(cls, images: list, ctx: InputContext) -> torch.Tensor:
+        try:
+            processor = ctx.processor("image_processor")
+        except OSError as e:
+            raise InvalidRequestError("multi_modal_data", f"cannot load the model's image processor "
+                                      f"(preprocessor_config.json): {e}") from e
+        pixels = processor(images, return_tensors="pt")["pixel_values"]
+        size = ctx.hf_config.vision_config.image_size
+        if tuple(pixels.shape[-2:]) != (size, size):
+            raise InvalidRequestError("multi_modal_data", f"the image processor gives {tuple(pixels.shape[-2:])} "
+                                      f"pixels, the vision tower takes {size}x{size}")
+        return pixels
+
+    # ---- the engine's model contract ---------------------------------------------------------------
+    @torch.inference_mode()
+    def embed_multimodal(self, pixel_values: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per image, its projected patch embeddings [num_image_tokens, text hidden]."""
+        dev = self.multi_modal_projector.linear_1.weight.device
+        pixels = torch.stack([p for p in pixel_values]).to(dev, self.dtype)
+        states = self.vision_tower(pixels, self.feature_layers)
+        if self.drop_cls:
+            states = [s[:, 1:] for s in states]
+        out = self.multi_modal_projector(torch.cat(states, dim=-1))
+        return list(out.unbind(0))
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.embed_input_ids(input_ids)
+
+    def get_kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> list[KVCacheSpec]:
+        return self.language_model.get_kv_cache_specs(block_size, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                attn_metadata: list[AttentionMetadata], inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        return self.language_model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds=inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden_states)
+
+    def ensure_positions(self, max_model_len: int) -> None:
+        self.language_model.ensure_positions(max_model_len)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """HF names, old (``language_model.model.*``) or new (``model.language_model.*``) layout."""
+        text: list[tuple[str, torch.Tensor]] = []
+        vision: list[tuple[str, torch.Tensor]] = []
+        loaded: set[str] = set()
+        proj = dict(self.multi_modal_projector.named_parameters())
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if name.startswith("vision_tower."):
+                vision.append((name.removeprefix("vision_tower."), tensor))
+            elif name.startswith("multi_modal_projector."):
+                sub = name.removeprefix("multi_modal_projector.")
+                if sub not in proj:
+                    raise ValueError(f"checkpoint has projector weights this model does not know: {name}")
+                _copy(proj[sub].data, tensor, name)
+                loaded.add("multi_modal_projector." + sub)
+            elif name.startswith("language_model."):
+                sub = name.removeprefix("language_model.")
+                text.append((sub if sub.startswith(("model.", "lm_head")) else "model." + sub, tensor))
+            elif name.startswith("lm_head."):
+                text.append((name, tensor))
+            else:
+                raise ValueError(f"checkpoint has weights this model does not know: {name}")
+        loaded |= {"vision_tower." + n for n in self.vision_tower.load(vision, _copy)}
+        loaded |= {"language_model." + n for n in self.language_model.load_weights(text)}
+        return loaded

@@ -1,0 +1,50 @@
+"""One image of a request, as the scheduler, the KV cache manager and the runner see it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+
+@dataclass(eq=False)
+class MultiModalFeature:
+    """An image's placeholder range in the prompt and what its encoder needs.
+
+    ``identifier`` is the content hash: it keys the encoder cache (shared across requests) and goes into the
+    hash of every KV block the range overlaps. ``data`` is the model's processed input (pixels), opaque to
+    the core and given back to ``model.embed_multimodal``."""
+
+    modality: str
+    identifier: str
+    offset: int  # first placeholder token's position in the prompt
+    length: int  # placeholder tokens = embedding rows the encoder produces
+    data: Any = None
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+    def overlaps(self, start: int, end: int) -> bool:
+        return self.offset < end and start < self.end
+
+
+def expand_placeholders(token_ids: Sequence[int], placeholder_id: int, lengths: Sequence[int]
+                        ) -> tuple[list[int], list[int]]:
+    """Each occurrence of ``placeholder_id`` (one per item, in order) repeated ``lengths[i]`` times; returns
+    (expanded ids, each item's offset). The caller has checked the counts agree."""
+    out: list[int] = []
+    offsets: list[int] = []
+    item = 0
+    for tok in token_ids:
+        if tok == placeholder_id:
+            offsets.append(len(out))
+            out.extend([placeholder_id] * lengths[item])
+            item += 1
+        else:
+            out.append(tok)
+    return out, offsets
+
+
+def mm_block_keys(features: Sequence[MultiModalFeature], start: int, end: int) -> tuple:
+    """Extra hash keys of the block holding tokens [start, end): each overlapping image's content hash and its
+    offset relative to the block (equal placeholder tokens of different images never hash alike)."""
+    return tuple(("mm", f.identifier, f.offset - start) for f in features if f.overlaps(start, end))
