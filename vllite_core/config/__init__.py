@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from vllite_core.config.speculative import SpeculativeConfig
 from vllite_core.model_interfaces import ModelCapabilities
 
 logger = logging.getLogger("vllite.config")
@@ -185,6 +186,7 @@ class VlliteConfig:
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     enforce_eager: bool = False
     lora_config: LoRAConfig | None = None  # None: LoRA off
+    speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def finalize(self, max_model_len: int) -> None:
         """Apply the cross-field rules once the model's context length is known."""
@@ -205,6 +207,12 @@ class VlliteConfig:
         if sc.max_num_batched_tokens < sc.max_num_seqs and sc.enable_chunked_prefill:
             # One token per running request must fit in a step.
             sc.max_num_seqs = sc.max_num_batched_tokens
+        if self.speculative_config is not None:
+            why = ("an encoder-decoder model" if caps.is_encoder_decoder else "a model with recurrent state"
+                   if caps.is_stateful else "a pooling model" if caps.is_pooling else None)
+            if why:
+                raise ConfigError(f"speculative_config: {why} cannot verify draft tokens (its per-request state "
+                                  "cannot step back over rejected ones / it generates nothing)")
 
 
 @dataclass
@@ -247,6 +255,7 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    speculative_config: dict | str | None = None  # {"method": "ngram", "num_speculative_tokens": 4, ...}
 
     ALIASES = {"num_gpu_blocks_override": "num_kv_blocks", "memory_utilization": "gpu_memory_utilization"}
     REJECTED = {
@@ -298,4 +307,5 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             lora_config=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora
             else None,
+            speculative_config=SpeculativeConfig.from_value(self.speculative_config),
         )
