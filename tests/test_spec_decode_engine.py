@@ -187,3 +187,57 @@ def test_sampling_distribution_unchanged(tiny_vocab, kw):
             continue
         p = chi2_contingency(table)[1]
         assert p > 1e-3 / POSITIONS, (pos, table)
+
+
+# ---- the server ------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_server_speculative_config_and_metrics(tiny_path):
+    """`vllite serve --speculative-config JSON`: a greedy completion equals the offline engine's without
+    speculation, and /metrics carries vLLM's spec_decode counters equal to the offline spec engine's."""
+    import json
+
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+    from server_harness import ServerProcess
+
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]
+    sp = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    plain = LLM(model=tiny_path, dtype="float32", num_kv_blocks=64).generate([{"prompt_token_ids": prompt}], sp)
+    spec = LLM(model=tiny_path, dtype="float32", num_kv_blocks=64, speculative_config=NGRAM)
+    spec.generate([{"prompt_token_ids": prompt}], sp)
+    want = spec.llm_engine.get_stats().spec_decoding
+    srv = ServerProcess(["--model", tiny_path, "--dtype", "float32", "--num-kv-blocks", "64",
+                         "--speculative-config", json.dumps(NGRAM)])
+    try:
+        url = srv.wait_ready(timeout=180)
+        r = httpx.post(url + "/v1/completions", json={"model": tiny_path, "prompt": prompt, "max_tokens": 60,
+                                                      "temperature": 0, "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == plain[0].outputs[0].text
+        fams = {f.name: f for f in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text)}
+    finally:
+        srv.stop()
+
+    def value(name, **labels):
+        return sum(s.value for s in fams[name].samples
+                   if s.name.endswith("_total") and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    assert want.num_drafts > 0
+    assert value("vllm:spec_decode_num_drafts", engine="0") == want.num_drafts
+    assert value("vllm:spec_decode_num_draft_tokens", engine="0") == want.num_draft_tokens
+    assert value("vllm:spec_decode_num_accepted_tokens", engine="0") == want.num_accepted_tokens
+    assert [value("vllm:spec_decode_num_accepted_tokens_per_pos", position=str(p)) for p in range(K)] == \
+        want.num_accepted_tokens_per_pos
+
+
+def test_server_rejects_bad_speculative_config(tiny_path):
+    from server_harness import ServerProcess
+
+    srv = ServerProcess(["--model", tiny_path, "--speculative-config",
+                         '{"method": "ngram", "num_speculative_tokens": 0}'])
+    try:
+        rc = srv.proc.wait(timeout=120)
+    finally:
+        srv.stop()
+    assert rc != 0 and "num_speculative_tokens" in srv.output

@@ -127,7 +127,7 @@ class Scheduler:
         idx = 0
         while idx < len(self.running) and step.budget > 0:
             req = self.running[idx]
-            num_new = step.chunk(req, req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens)
+            num_new = step.chunk(req, req.num_tokens - req.num_computed_tokens, len(req.spec_token_ids))
             if num_new <= 0:
                 idx += 1
                 continue
@@ -339,9 +339,10 @@ class _Step:
         self.new: list[Request] = []
         self.new_block_ids: dict[str, list[list[int]]] = {}  # per request, per cache group
 
-    def chunk(self, req: Request, remaining: int, recount: bool = True) -> int:
-        """Tokens to give ``req`` now: its remaining tokens within the budget, long prefills capped."""
-        n = min(remaining, self.budget)
+    def chunk(self, req: Request, remaining: int, num_drafts: int = 0, recount: bool = True) -> int:
+        """Tokens to give ``req`` now: its remaining tokens (and drafts) within the budget, long prefills
+        capped (drafts never make a decode a long prefill)."""
+        n = min(remaining + num_drafts, self.budget)
         if self.threshold and remaining > self.threshold:
             if recount:
                 if len(self.long) >= self.max_long:
