@@ -46,8 +46,18 @@ def reference():
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2, ignore_eos=True)
     outs = llm.generate(PROMPTS, sp)
     stop = llm.generate(PROMPTS[:4], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop=["\n", "."]))
-    yield {"outs": outs, "stop": stop, "tok": llm.get_tokenizer()}
+    yield {"outs": outs, "stop": stop, "tok": llm.get_tokenizer(), "structured": _structured(llm)}
     del llm
+
+
+def _structured(llm):
+    """A structured-output request in a batch with copy-heavy ones (it is not speculated, they are)."""
+    from vllite_core.sampling_params import StructuredOutputsParams
+
+    plain = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    choice = SamplingParams(temperature=0.0, max_tokens=8,
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no", "maybe not"]))
+    return _tokens(llm.generate(["Is the sky blue? Answer yes or no:", *PROMPTS[:3]], [choice, plain, plain, plain]))
 
 
 def _check_same(outs, reference, logprobs=True):
@@ -94,6 +104,7 @@ def test_greedy_identical_batched_chunked_with_counters(reference):
     stop = llm.generate(PROMPTS[:4], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop=["\n", "."]))
     assert _tokens(stop) == _tokens(reference["stop"])
     assert [o.outputs[0].text for o in stop] == [o.outputs[0].text for o in reference["stop"]]
+    assert _structured(llm) == reference["structured"]
 
 
 @pytest.mark.slow
