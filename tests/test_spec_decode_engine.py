@@ -150,7 +150,7 @@ def test_seeded_sampling_reproducible(tiny_vocab):
 # ---- lossless sampling on a tiny vocabulary -------------------------------------------------------------
 
 TINY_V = 8
-N_DRAWS = 2000
+N_DRAWS = 4000
 POSITIONS = 4
 
 
@@ -183,7 +183,7 @@ def _draws(path, spec, **kw):
 @pytest.mark.parametrize("kw", [{}, {"logit_bias": {5: 1.5, 2: -2.0}, "top_p": 0.8},
                                 {"frequency_penalty": 0.8, "presence_penalty": 0.3}])
 def test_sampling_distribution_unchanged(tiny_vocab, kw):
-    """Chi-square homogeneity test per position (2000 draws each way), Bonferroni over the positions at
+    """Chi-square homogeneity test per position (4000 draws each way), Bonferroni over the positions at
     family-wise level 1e-3; seeds are fixed, so the test is deterministic and fails only if spec sampling
     changes the distribution (a wrong history extension shifts a penalised position's law by far more)."""
     from scipy.stats import chi2_contingency
