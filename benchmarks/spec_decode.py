@@ -62,6 +62,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--repeats", type=int, default=2, help="alternate no-spec / spec runs; the best of each counts")
+    ap.add_argument("--workloads", default="copy_batch1,copy_batch16,random_greedy_batch16,random_sampled_batch16",
+                    help="comma-separated subset to run")
     ap.add_argument("--enforce-eager", action="store_true", help="no graph capture for either engine")
     a = ap.parse_args()
     from vllite_core.entrypoints.llm import LLM
@@ -81,6 +83,8 @@ def main() -> None:
     for name, prompts, batch, params in (("copy_batch1", copy[:4], 1, sp), ("copy_batch16", copy, 16, sp),
                                          ("random_greedy_batch16", rand, 16, sp),
                                          ("random_sampled_batch16", rand, 16, sampled)):
+        if name not in a.workloads.split(","):
+            continue
         before = spec.llm_engine.get_stats().spec_decoding
         tps_b = tps_s = 0.0
         for rep in range(a.repeats):  # alternated, so both engines see the same machine load on average

@@ -65,7 +65,7 @@ def verify(runner: Any, hidden: torch.Tensor, inp: Any, drafts: list[list[int]],
         extra = [drafts[i][:j] for i in live.tolist() for j in range(int(counts[i]))]
         draft_ids = torch.tensor([t for i in live.tolist() for t in (*drafts[i], -1)], dtype=torch.long,
                                  device=runner.device)
-        idx = torch.as_tensor(inp.logits_indices[sel], device=runner.device)
+        idx = inp.logits_indices[torch.as_tensor(sel, device=inp.logits_indices.device)]
         logits = runner.model.compute_logits(hidden[idx])  # afresh each try: a processor may write into them
         md = build_sampling_metadata(b, vrows, logits.shape[-1], runner.device, runner.logits_processors, grammar,
                                      extra_outputs=extra)
