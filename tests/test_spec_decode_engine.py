@@ -296,3 +296,20 @@ def test_greedy_identical_under_processors(tiny_vocab, processors):
         out = _greedy(spec)
         assert out == _greedy(base) and all(a != b for o in out for a, b in zip(o, o[1:]))
     assert spec.llm_engine.get_stats().spec_decoding.num_accepted_tokens > 0
+
+
+def test_bench_throughput_reports_spec_counters(tiny_path, tmp_path):
+    import json
+
+    from vllite_core.entrypoints.cli import main
+
+    out = tmp_path / "tp.json"
+    rc = main(["bench", "throughput", "--model", tiny_path, "--num-prompts", "4", "--input-len", "12",
+               "--output-len", "24", "--num-kv-blocks", "64", "--max-model-len", "128", "--dtype", "float32",
+               "--speculative-config", json.dumps(NGRAM), "--output-json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["output_tokens"] == 96  # speculation never overshoots max_tokens
+    assert res["engine"]["speculative_config"]["num_speculative_tokens"] == K
+    sd = res["spec_decode"]
+    assert sum(sd["num_accepted_tokens_per_pos"]) == sd["num_accepted_tokens"] <= sd["num_draft_tokens"]
