@@ -117,6 +117,9 @@ class Request:
         self.num_cached_blocks: list[int] = []
         self.block_hashes: list[bytes] = []  # of every full block, extended as tokens are appended
         self.block_hasher: BlockHasher | None = None
+        # Speculative decoding: drafts to verify in the next step. They are not tokens of the request (never
+        # hashed, never in all_token_ids) until verification accepts them.
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

@@ -67,6 +67,7 @@ def engine_facts(engine: Any) -> dict[str, Any]:
         "enforce_eager": cfg.enforce_eager,
         "num_kv_blocks": core.model_info.num_kv_blocks,
         "startup_s": getattr(engine, "bench_startup_s", None),
+        "speculative_config": vars(cfg.speculative_config).copy() if cfg.speculative_config else None,
     }
     fwd = getattr(runner, "model_forward", None)
     if fwd is not None and hasattr(fwd, "describe"):
@@ -164,6 +165,13 @@ def throughput(engine: Any, requests: list[BenchRequest], repeats: int = 1, warm
     if keep_tokens:
         result["first_tokens"] = best.first_tokens
     result["machine"]["load_average_after"] = machine_facts()["load_average"]
+    sd = engine.get_stats().spec_decoding
+    if sd is not None:  # cumulative over warm-up and every run
+        result["spec_decode"] = {"num_drafts": sd.num_drafts, "num_draft_tokens": sd.num_draft_tokens,
+                                 "num_accepted_tokens": sd.num_accepted_tokens,
+                                 "num_accepted_tokens_per_pos": sd.num_accepted_tokens_per_pos,
+                                 "acceptance_rate": sd.acceptance_rate,
+                                 "mean_acceptance_length": sd.mean_acceptance_length}
     return result
 
 

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from vllite_core.config.speculative import SpeculativeConfig
 from vllite_core.model_interfaces import ModelCapabilities
 
 logger = logging.getLogger("vllite.config")
@@ -195,6 +196,7 @@ class VlliteConfig:
     enforce_eager: bool = False
     lora_config: LoRAConfig | None = None  # None: LoRA off
     multimodal_config: MultiModalConfig = field(default_factory=MultiModalConfig)
+    speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def finalize(self, max_model_len: int) -> None:
         """Apply the cross-field rules once the model's context length is known."""
@@ -215,6 +217,12 @@ class VlliteConfig:
         if sc.max_num_batched_tokens < sc.max_num_seqs and sc.enable_chunked_prefill:
             # One token per running request must fit in a step.
             sc.max_num_seqs = sc.max_num_batched_tokens
+        if self.speculative_config is not None:
+            why = ("an encoder-decoder model" if caps.is_encoder_decoder else "a model with recurrent state"
+                   if caps.is_stateful else "a pooling model" if caps.is_pooling else None)
+            if why:
+                raise ConfigError(f"speculative_config: {why} cannot verify draft tokens (its per-request state "
+                                  "cannot step back over rejected ones / it generates nothing)")
 
 
 @dataclass
@@ -265,6 +273,7 @@ class EngineArgs:
     max_media_bytes: int = 20 * 1024 * 1024
     max_image_pixels: int = 4096 * 4096
     encoder_cache_size: int | None = None
+    speculative_config: dict | str | None = None  # {"method": "ngram", "num_speculative_tokens": 4, ...}
 
     ALIASES = {"num_gpu_blocks_override": "num_kv_blocks", "memory_utilization": "gpu_memory_utilization"}
     REJECTED = {
@@ -321,4 +330,5 @@ class EngineArgs:
                 allowed_media_domains=list(self.allowed_media_domains or []),
                 media_fetch_timeout=self.media_fetch_timeout, max_media_bytes=self.max_media_bytes,
                 encoder_cache_size=self.encoder_cache_size),
+            speculative_config=SpeculativeConfig.from_value(self.speculative_config),
         )

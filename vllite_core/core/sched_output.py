@@ -43,6 +43,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     finished_req_ids: set[str] = field(default_factory=set)  # finished/aborted since the last step
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Speculative decoding: the draft tokens scheduled (after the known tokens) per request, to verify.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # Structured output: allowed tokens of the structured requests that sample (structured_output.GrammarBitmask).
     grammar_bitmask: Any = None
     # Multimodal: images whose encoder runs in this step (MultiModalFeature, data included), and the content

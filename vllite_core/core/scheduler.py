@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllite_core.config import CacheConfig, SchedulerConfig
@@ -18,6 +18,7 @@ from vllite_core.core.kv_cache_manager import KVCacheManager
 from vllite_core.core.request_queue import create_request_queue
 from vllite_core.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllite_core.request import Request, RequestStatus
+from vllite_core.spec_decode.metrics import SpecDecodingStats
 
 logger = logging.getLogger("vllite.scheduler")
 
@@ -30,6 +31,7 @@ class SchedulerStats:
     num_preemptions_total: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    spec_decoding: SpecDecodingStats | None = field(default=None)  # None: speculative decoding off
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -39,7 +41,7 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  kv_cache_manager: KVCacheManager, max_model_len: int, max_loras: int = 0,
-                 encoder_cache: Any = None) -> None:
+                 encoder_cache: Any = None, num_spec_tokens: int = 0) -> None:
         self.config = scheduler_config
         self.max_loras = max_loras  # distinct LoRA adapters among running requests (0: LoRA off)
         self.cache_config = cache_config
@@ -56,6 +58,8 @@ class Scheduler:
         # Structured output faults found outside the model (a grammar that failed to compile, a token its
         # grammar refuses): request id -> reason; the core reports them with the step's failures.
         self.grammar_errors: dict[str, str] = {}
+        # Speculative decoding (num_spec_tokens > 0): drafts are scheduled tokens, counted here once verified.
+        self.spec_stats = SpecDecodingStats(num_spec_tokens) if num_spec_tokens else None
 
     # ---- intake -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -118,6 +122,7 @@ class Scheduler:
             self.encoder_cache.release_all(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        victim.spec_token_ids = []  # it re-prefills; drafts come again after its next sample
         victim.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.prepend(victim)
@@ -128,7 +133,7 @@ class Scheduler:
         idx = 0
         while idx < len(self.running) and step.budget > 0:
             req = self.running[idx]
-            num_new = step.chunk(req, req.num_tokens - req.num_computed_tokens)
+            num_new = step.chunk(req, req.num_tokens - req.num_computed_tokens, len(req.spec_token_ids))
             if num_new <= 0:
                 idx += 1
                 continue
@@ -234,11 +239,13 @@ class Scheduler:
 
     # ---- after the forward pass -------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]],
-                           failed: dict[str, str] | None = None, pooled: Any = ()) -> list[Request]:
+                           failed: dict[str, str] | None = None, pooled: Any = (),
+                           spec_token_ids: dict[str, list[int]] | None = None) -> list[Request]:
         """Append each request's sampled token, apply token-level stop rules; requests that failed in the
         step (``failed``: id -> reason) finish with FINISHED_ERROR and free their blocks. Returns the
         requests that got a token or failed. Pooling requests in ``pooled`` (ids) finished their prompt:
-        they finish (stopped) with their pooled output, no token appended."""
+        they finish (stopped) with their pooled output, no token appended. ``spec_token_ids``: the drafts
+        proposed for each request's next step; a request's list of sampled tokens is cut at its stop."""
         updated: list[Request] = []
         stopped: list[Request] = []
         for rid in [*(failed or ()), *self.grammar_errors]:
@@ -259,17 +266,27 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING or not tokens:
                 continue
-            (tok,) = tokens  # one token per request and step (speculative decoding will bring several)
-            req.append_output_token_ids(tok)
-            if req.structured_output is not None and not req.structured_output.accept(tok):
-                req.status = RequestStatus.FINISHED_ERROR
-                self.grammar_errors[rid] = f"structured_outputs: token {tok} is not allowed by the grammar"
-            elif not self._check_stop(req, tok) and req.structured_output is not None \
-                    and req.structured_output.is_terminated():
-                req.status = RequestStatus.FINISHED_STOPPED  # the grammar is complete: nothing may follow
+            drafts = out.scheduled_spec_decode_tokens.get(rid)
+            if drafts:  # tokens: the accepted drafts and one more; rejected positions get computed again
+                req.num_computed_tokens -= len(drafts) + 1 - len(tokens)
+                if self.spec_stats is not None:
+                    self.spec_stats.observe(len(drafts), len(tokens) - 1)
+            for kept, tok in enumerate(tokens, start=1):
+                req.append_output_token_ids(tok)
+                if req.structured_output is not None and not req.structured_output.accept(tok):
+                    req.status = RequestStatus.FINISHED_ERROR
+                    self.grammar_errors[rid] = f"structured_outputs: token {tok} is not allowed by the grammar"
+                elif not self._check_stop(req, tok) and req.structured_output is not None \
+                        and req.structured_output.is_terminated():
+                    req.status = RequestStatus.FINISHED_STOPPED  # the grammar is complete: nothing may follow
+                if req.status.finished:
+                    del tokens[kept:]  # what follows a stop is never output (as without speculation)
+                    break
             updated.append(req)
             if req.status.finished:
                 stopped.append(req)
+            elif spec_token_ids is not None:
+                self._set_drafts(req, spec_token_ids.get(rid))
         for req in stopped:
             if req in self.running:
                 self.running.remove(req)
@@ -277,6 +294,15 @@ class Scheduler:
                 self.waiting.remove(req)
             self._free(req)
         return updated
+
+    def _set_drafts(self, req: Request, drafts: list[int] | None) -> None:
+        """Keep the drafts that cannot overshoot: k drafts yield up to k + 1 tokens, within max_tokens and
+        max_model_len. Structured-output requests are not speculated (their grammar mask is per position)."""
+        if not drafts or req.structured_output is not None:
+            req.spec_token_ids = []
+            return
+        room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
+        req.spec_token_ids = drafts[:max(room, 0)]
 
     def _check_stop(self, req: Request, tok: int) -> bool:
         params = req.sampling_params
@@ -298,7 +324,8 @@ class Scheduler:
         pcs = self.kv.prefix_cache_stats
         return SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting),
                               kv_cache_usage=self.kv.usage, num_preemptions_total=self.num_preemptions_total,
-                              prefix_cache_queries=pcs.queries, prefix_cache_hits=pcs.hits)
+                              prefix_cache_queries=pcs.queries, prefix_cache_hits=pcs.hits,
+                              spec_decoding=self.spec_stats.copy() if self.spec_stats is not None else None)
 
 
 class _Step:
@@ -319,9 +346,10 @@ class _Step:
         self.new_block_ids: dict[str, list[list[int]]] = {}  # per request, per cache group
         self.encoder = sched.encoder_cache.step() if sched.encoder_cache is not None else None
 
-    def chunk(self, req: Request, remaining: int, recount: bool = True) -> int:
-        """Tokens to give ``req`` now: its remaining tokens within the budget, long prefills capped."""
-        n = min(remaining, self.budget)
+    def chunk(self, req: Request, remaining: int, num_drafts: int = 0, recount: bool = True) -> int:
+        """Tokens to give ``req`` now: its remaining tokens (and drafts) within the budget, long prefills
+        capped (drafts never make a decode a long prefill)."""
+        n = min(remaining + num_drafts, self.budget)
         if self.threshold and remaining > self.threshold:
             if recount:
                 if len(self.long) >= self.max_long:
@@ -340,6 +368,9 @@ class _Step:
             self.long.remove(req)
 
     def schedule_running(self, req: Request, n: int, blocks: list[list[int]]) -> None:
+        num_drafts = n - (req.num_tokens - req.num_computed_tokens)  # the budget may cut the drafts short
+        if num_drafts > 0:
+            self.out.scheduled_spec_decode_tokens[req.request_id] = req.spec_token_ids[:num_drafts]
         self.running.append(req)
         self.new_block_ids[req.request_id] = blocks
         self.out.num_scheduled_tokens[req.request_id] = n
@@ -358,6 +389,7 @@ class _Step:
         rid = victim.request_id
         if rid in self.out.num_scheduled_tokens:  # undo its place in this step
             self.budget += self.out.num_scheduled_tokens.pop(rid)
+            self.out.scheduled_spec_decode_tokens.pop(rid, None)
             self.new_block_ids.pop(rid, None)
             for lst in (self.running, self.new):
                 if victim in lst:

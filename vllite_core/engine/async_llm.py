@@ -86,6 +86,7 @@ class EngineSnapshot:
     num_preemptions_total: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    spec_decoding: Any = None  # vllite_core.spec_decode.metrics.SpecDecodingStats; None: speculation off
 
 
 @dataclass
@@ -411,7 +412,7 @@ class AsyncLLM:
         kv = core.kv_cache_manager
         self.snapshot = EngineSnapshot(s.num_running, s.num_waiting, s.kv_cache_usage, kv.get_num_free_blocks(),
                                        kv.num_usable_blocks, s.num_preemptions_total, s.prefix_cache_queries,
-                                       s.prefix_cache_hits)
+                                       s.prefix_cache_hits, s.spec_decoding)
 
     def _apply(self, cmds: list[_Add | _Abort]) -> list[tuple[str, BaseException]]:
         failed = []

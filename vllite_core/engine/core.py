@@ -111,6 +111,10 @@ class EngineCore:
         self.platform = platform
         platform.check_and_update_config(config)
         pm.hook.vllite_check_config(config=config)
+        if config.speculative_config is not None:  # an unknown method fails before any model is loaded
+            from vllite_core.spec_decode.registry import resolve_proposer_factory
+
+            resolve_proposer_factory(config.speculative_config, pm)
 
         mc = config.model_config
         source = resolve_model_source(mc.model, mc.revision, mc.download_dir, mc.gguf_file)
@@ -139,7 +143,9 @@ class EngineCore:
         cc.enable_prefix_caching = self.kv_cache_manager.enable_caching
         self.scheduler = Scheduler(config.scheduler_config, cc, self.kv_cache_manager, max_model_len,
                                    max_loras=config.lora_config.max_loras if config.lora_config else 0,
-                                   encoder_cache=_encoder_cache(config))
+                                   encoder_cache=_encoder_cache(config),
+                                   num_spec_tokens=config.speculative_config.num_speculative_tokens
+                                   if config.speculative_config else 0)
         self.model_info = ModelInfo(source, hf_config, arch, max_model_len, num_blocks)
         self.model_cls = model_cls
         self.step_times = StepTimes()
@@ -179,14 +185,16 @@ class EngineCore:
         result = self.worker.execute_model(so)
         t2 = time.perf_counter()
         updated = self.scheduler.update_from_output(so, result.sampled_token_ids, result.failed,
-                                                    result.pooler_output)
+                                                    result.pooler_output, result.spec_token_ids)
         errors = {**sched.grammar_errors, **result.failed}
         sched.grammar_errors = {}
         outputs = []
         for req in updated:
+            new_ids = result.sampled_token_ids.get(req.request_id, [])
+            new_lps = result.logprobs.get(req.request_id)
             outputs.append(EngineCoreOutput(
-                request_id=req.request_id, new_token_ids=result.sampled_token_ids.get(req.request_id, []),
-                new_logprobs=result.logprobs.get(req.request_id),
+                request_id=req.request_id, new_token_ids=new_ids,
+                new_logprobs=new_lps[:len(new_ids)] if new_lps is not None else None,
                 prompt_logprobs=result.prompt_logprobs.get(req.request_id),
                 finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
                 num_cached_tokens=max(req.num_cached_tokens, 0), first_scheduled_time=req.first_scheduled_time,

@@ -129,13 +129,12 @@ class OutputProcessor:
                                                for lp in out.prompt_logprobs]
             if out.pooling_output is not None:
                 st.pooling_output = out.pooling_output
-            child.token_ids.extend(out.new_token_ids)
+            new_ids, stop = self._detokenize(child, out.new_token_ids)
+            child.token_ids.extend(new_ids)
             if out.new_logprobs and child.logprobs is not None:
-                for lp in out.new_logprobs:
+                for lp in out.new_logprobs[:len(new_ids)]:
                     child.logprobs.append(self._decode_logprobs(lp.token_ids, lp.values, lp.sampled_rank))
                     child.cumulative_logprob = (child.cumulative_logprob or 0.0) + lp.values[0]
-            child.detok.add_tokens(out.new_token_ids)
-            stop = child.detok.check_stop()
             if stop is not None:
                 child.finish_reason, child.stop_reason = "stop", stop
                 if out.finish_reason is None:
@@ -155,6 +154,20 @@ class OutputProcessor:
                 for cid in st.children:
                     self.child_to_parent.pop(cid, None)
         return results, to_stop
+
+    @staticmethod
+    def _detokenize(child: CompletionState, new_ids: list[int]) -> tuple[list[int], str | None]:
+        """Add a step's tokens; returns the ones kept and the stop string found. Several tokens in a step
+        (speculative decoding) are checked one by one, so nothing after a stop string is output."""
+        if len(new_ids) <= 1 or not child.detok.params.stop:
+            child.detok.add_tokens(new_ids)
+            return new_ids, child.detok.check_stop()
+        for j, tid in enumerate(new_ids):
+            child.detok.add_tokens([tid])
+            stop = child.detok.check_stop()
+            if stop is not None:
+                return new_ids[:j + 1], stop
+        return new_ids, None
 
     def _make_output(self, st: RequestOutputState, copy: bool = True) -> RequestOutput:
         """The cumulative output (all text and tokens so far)."""

@@ -54,6 +54,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument("--structured-outputs-backend", dest="structured_outputs_backend", default=None,
                                help="structured output backend for the engine: auto | xgrammar | guidance | outlines")
             continue
+        if f.name == "speculative_config":
+            group.add_argument("--speculative-config", dest="speculative_config", type=_json_object, default=None,
+                               help="speculative decoding as JSON (vLLM's): '{\"method\": \"ngram\", "
+                               '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}\'')
+            continue
         if hint is bool:
             group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
                                help=_HELP.get(f.name))

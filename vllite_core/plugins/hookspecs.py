@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 PROJECT = "vllite"
 # 1.1: reasoning parsers, structured output backends, tool parsers (hooks); an attention backend that
 # lists fp8 KV caches takes k_scale / v_scale in forward (vllite_core/attention/kv_quant.py)
-VLLITE_PLUGIN_API: tuple[int, int] = (1, 1)
+# 1.2: speculative decoding proposers (vllite_register_spec_proposers)
+VLLITE_PLUGIN_API: tuple[int, int] = (1, 2)
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -83,4 +84,17 @@ def vllite_register_tool_parsers() -> "dict[str, type]":
 
     A parser class follows ``vllite_core.tool_parsers.base.ToolParser``: it turns a model's text into
     tool calls, whole and streamed. The built-ins (hermes, llama3_json) register here too.
+    """
+
+
+@hookspec
+def vllite_register_spec_proposers() -> "dict[str, Any]":
+    """Return speculative-decoding proposers by method name: ``{"mymethod": factory}``.
+
+    ``factory(spec_config, vllite_config)`` builds an object following
+    ``vllite_core.spec_decode.proposer.Proposer``: after each step it proposes up to
+    ``num_speculative_tokens`` draft tokens per request from the batch's token history; the
+    target model verifies them by rejection sampling (lossless whatever the proposer does).
+    ``speculative_config={"method": "mymethod", ...}`` selects it. The built-in ngram
+    proposer registers here too; a later plugin's name replaces an earlier one's.
     """

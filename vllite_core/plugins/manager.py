@@ -37,6 +37,7 @@ BUILTIN_PLUGINS: tuple[tuple[str, str, str], ...] = (
     ("builtin-reasoning", PLUGINS_GROUP, "vllite_core.reasoning.builtin"),
     ("builtin-structured-output", PLUGINS_GROUP, "vllite_core.structured_output.builtin"),
     ("builtin-tool-parsers", PLUGINS_GROUP, "vllite_core.tool_parsers.builtin"),
+    ("builtin-spec-proposers", PLUGINS_GROUP, "vllite_core.spec_decode.builtin"),
 )
 
 

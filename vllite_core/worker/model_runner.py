@@ -59,6 +59,8 @@ class ModelRunnerOutput:
     failed: dict[str, str] = field(default_factory=dict)
     # Pooling requests whose prompt ended in this step: their result (they sampled nothing).
     pooler_output: dict[str, Any] = field(default_factory=dict)
+    # Speculative decoding: the drafts proposed for each request's next step.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -72,6 +74,8 @@ class StepInputs:
     prompt_lp: list[tuple[int, int, int, int]]
     # Multimodal: (flat token indices, encoder embedding rows) replacing those tokens' embeddings.
     mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Speculative decoding: the drafts each sample row verifies in this step (None: no row has any).
+    drafts: list[list[int]] | None = None
 
 
 class ModelRunner:
@@ -123,6 +127,11 @@ class ModelRunner:
 
             lc = config.lora_config
             self.lora = LoRASlots(model, lc.max_loras, lc.max_lora_rank, dtype, device)
+        self.proposer = None  # speculative decoding (vllite_core/spec_decode)
+        if config.speculative_config is not None:
+            from vllite_core.spec_decode.registry import resolve_proposer_factory
+
+            self.proposer = resolve_proposer_factory(config.speculative_config)(config.speculative_config, config)
 
     def _table_width(self, spec: KVCacheSpec) -> int:
         """Block-table columns a group needs: sliding-window tables keep dead slots (as the null block)."""
@@ -213,6 +222,9 @@ class ModelRunner:
             row = b.index[c.req_id]
             b.append_blocks(row, c.new_block_ids)
             b.num_computed[row] = c.num_computed_tokens
+        for rid, drafts in so.scheduled_spec_decode_tokens.items():  # inputs past the known tokens
+            row, n = b.index[rid], len(drafts)
+            b.token_ids[row, b.num_tokens[row]:b.num_tokens[row] + n] = drafts
 
     def _metadata(self, query_start_loc: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray,
                   slot_mapping: np.ndarray, max_query_len: int, num_tokens: int,
@@ -264,6 +276,13 @@ class ModelRunner:
             group_metadata.append(self._metadata(query_start_loc, seq_lens, table, slot_mapping, max_query_len,
                                                  total))
         sampling = seq_lens >= b.num_tokens[rows]
+        logits_indices = cu[sampling] - 1
+        drafts = None
+        if so.scheduled_spec_decode_tokens:
+            from vllite_core.spec_decode.verify import logits_indices as spec_logits_indices
+
+            drafts = [so.scheduled_spec_decode_tokens.get(b.states[r].req_id, []) for r in rows[sampling]]
+            logits_indices = spec_logits_indices(logits_indices, np.array([len(d) for d in drafts], dtype=np.int64))
         prompt_lp = []
         wants = (b.num_prompt_logprobs[rows] >= 0) & (computed < b.num_prompt[rows])
         for i in np.nonzero(wants)[0]:
@@ -275,8 +294,8 @@ class ModelRunner:
         return StepInputs(input_ids=torch.as_tensor(input_ids, device=self.device),
                           positions=torch.as_tensor(positions, device=self.device),
                           layer_metadata=[group_metadata[g] for g in self.group_of_layer],
-                          logits_indices=torch.as_tensor(cu[sampling] - 1, device=self.device),
-                          sample_rows=rows[sampling], prompt_lp=prompt_lp, mm_embeds=mm_embeds)
+                          logits_indices=torch.as_tensor(logits_indices, device=self.device),
+                          sample_rows=rows[sampling], prompt_lp=prompt_lp, mm_embeds=mm_embeds, drafts=drafts)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inp: StepInputs) -> None:
         """Logprobs of each prompt token given the ones before it; raw, as prompt tokens are not sampled."""
@@ -360,25 +379,37 @@ class ModelRunner:
         if self.pooler_config is not None:
             self._pool(hidden, inp, so, out)
             return out
-        sample_rows, sampled = self._sample(hidden, inp, out, so.grammar_bitmask)
-        if sampled is None:
-            return out
-        tokens = sampled.sampled_token_ids.tolist()
-        lp = sampled.logprobs
-        lp_ids = lp.token_ids.tolist() if lp is not None else None
-        lp_vals = lp.values.tolist() if lp is not None else None
-        lp_ranks = lp.ranks.tolist() if lp is not None else None
-        for i, row in enumerate(sample_rows.tolist()):
+        if inp.drafts is not None:
+            from vllite_core.spec_decode.verify import verify
+
+            results = [(r.row, r.token_ids, r.logprobs, r.num_drafts)
+                       for r in verify(self, hidden, inp, inp.drafts, out, so.grammar_bitmask)]
+        else:
+            sample_rows, sampled = self._sample(hidden, inp, out, so.grammar_bitmask)
+            if sampled is None:
+                return out
+            tokens = sampled.sampled_token_ids.tolist()
+            lp = sampled.logprobs
+            lps = zip(lp.token_ids.tolist(), lp.values.tolist(), lp.ranks.tolist()) if lp is not None else None
+            results = [(row, [tokens[i]], [next(lps)] if lps is not None else None, 0)
+                       for i, row in enumerate(sample_rows.tolist())]
+        for row, toks, lps_row, num_drafts in results:
             st = b.states[row]
             assert st is not None
-            tok = tokens[i]
-            b.append_token(row, tok)
-            st.output_token_ids.append(tok)
-            out.sampled_token_ids[st.req_id] = [tok]
+            for tok in toks:
+                b.append_token(row, tok)
+            st.output_token_ids.extend(toks)
+            b.num_computed[row] -= num_drafts + 1 - len(toks)  # rejected drafts: their slots are rewritten later
+            out.sampled_token_ids[st.req_id] = toks
             k = int(b.num_logprobs[row])
-            if lp_ids is not None and k >= 0:
-                out.logprobs[st.req_id] = [SampleLogprobs(lp_ids[i][:k + 1], lp_vals[i][:k + 1], lp_ranks[i])]
-            if b.num_prompt_logprobs[row] >= 0 and len(st.output_token_ids) == 1:
+            if lps_row is not None and k >= 0:
+                out.logprobs[st.req_id] = [SampleLogprobs(ids[:k + 1], vals[:k + 1], rank)
+                                           for ids, vals, rank in lps_row]
+            if b.num_prompt_logprobs[row] >= 0 and len(st.output_token_ids) == len(toks):
                 out.prompt_logprobs[st.req_id] = st.prompt_logprobs
                 st.prompt_logprobs = []
+        if self.proposer is not None:
+            from vllite_core.spec_decode.verify import propose
+
+            out.spec_token_ids = propose(self.proposer, b, np.array([r[0] for r in results], dtype=np.int64))
         return out

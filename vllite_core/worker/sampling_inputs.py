@@ -33,11 +33,17 @@ def _counts(lists: list[list[int]], vocab: int) -> torch.Tensor:
 
 
 def build_sampling_metadata(b: InputBatch, rows: np.ndarray, vocab: int, device: torch.device,
-                            processors: list[Any], grammar: Any = None) -> SamplingMetadata:
+                            processors: list[Any], grammar: Any = None,
+                            extra_outputs: list[list[int]] | None = None) -> SamplingMetadata:
+    """``rows`` may repeat a batch row (speculative decoding verifies several positions of a request);
+    ``extra_outputs[i]`` then extends row i's output history (the drafts before that position), so
+    penalties, bad words, min_tokens and processors see what a non-speculative step would."""
     temp = b.temperature[rows]
     greedy = temp < GREEDY_EPS
     top_k, top_p, min_p = b.top_k[rows], b.top_p[rows], b.min_p[rows]
     states = [b.states[r] for r in rows]
+    histories = [st.output_token_ids for st in states] if extra_outputs is None else \
+        [st.output_token_ids + extra if extra else st.output_token_ids for st, extra in zip(states, extra_outputs)]
     gens = {i: st.generator for i, st in enumerate(states)
             if st is not None and st.generator is not None and not greedy[i]}
     nlp = b.num_logprobs[rows]
@@ -53,7 +59,7 @@ def build_sampling_metadata(b: InputBatch, rows: np.ndarray, vocab: int, device:
     outputs = None
     pres, freq, rep = b.presence[rows], b.frequency[rows], b.repetition[rows]
     if bool((pres != 0).any() or (freq != 0).any() or (rep != 1).any()):
-        outputs = [st.output_token_ids for st in states]
+        outputs = histories
         md.output_counts = _counts(outputs, vocab).to(device)
         if bool((pres != 0).any()):
             md.presence = torch.as_tensor(pres, device=device)
@@ -65,7 +71,7 @@ def build_sampling_metadata(b: InputBatch, rows: np.ndarray, vocab: int, device:
             md.seen_mask = (_counts(prompts, vocab) > 0).to(device) | (md.output_counts > 0)
 
     if bool(b.has_constraints[rows].any()):
-        _add_constraints(md, states, b.has_constraints[rows], vocab, device)
+        _add_constraints(md, states, histories, b.has_constraints[rows], vocab, device)
 
     if grammar is not None:
         _add_grammar(md, states, grammar, device)
@@ -75,12 +81,12 @@ def build_sampling_metadata(b: InputBatch, rows: np.ndarray, vocab: int, device:
         md.batch_info = BatchInfo(
             req_ids=[st.req_id for st in states], params=[st.sampling_params for st in states],
             prompt_token_ids=[b.token_ids[r, :b.num_prompt[r]].tolist() for r in rows],
-            output_token_ids=outputs if outputs is not None else [st.output_token_ids for st in states])
+            output_token_ids=histories)
     return md
 
 
-def _add_constraints(md: SamplingMetadata, states: list[Any], flagged: np.ndarray, vocab: int,
-                     device: torch.device) -> None:
+def _add_constraints(md: SamplingMetadata, states: list[Any], histories: list[list[int]], flagged: np.ndarray,
+                     vocab: int, device: torch.device) -> None:
     ban_rows: list[int] = []
     ban_ids: list[int] = []
     bias_rows: list[int] = []
@@ -91,7 +97,7 @@ def _add_constraints(md: SamplingMetadata, states: list[Any], flagged: np.ndarra
         if not flagged[i]:
             continue
         p = st.sampling_params
-        out = st.output_token_ids
+        out = histories[i]
         if p.allowed_token_ids:
             if allowed is None:
                 allowed = torch.ones(len(states), vocab, dtype=torch.bool)

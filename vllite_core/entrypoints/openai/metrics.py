@@ -78,6 +78,20 @@ class _EngineCollector(Collector):
         g.add_metric([_ENGINE, *info.values()], 1.0)
         return g
 
+    def _spec_decoding(self, sd) -> Iterator[Metric]:
+        """vLLM's speculative-decoding counters (vllite_core.spec_decode.metrics.SpecDecodingStats)."""
+        c = CounterMetricFamily
+        yield from self._both(c, "spec_decode_num_drafts", "Verification rounds (requests x steps with drafts).",
+                              sd.num_drafts)
+        yield from self._both(c, "spec_decode_num_draft_tokens", "Draft tokens verified.", sd.num_draft_tokens)
+        yield from self._both(c, "spec_decode_num_accepted_tokens", "Draft tokens accepted.", sd.num_accepted_tokens)
+        for prefix, labels in (("vllite", [self.model]), ("vllm", [self.model, _ENGINE])):
+            m = c(f"{prefix}:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by draft position.",
+                  labels=["model_name", *(["engine"] if prefix == "vllm" else []), "position"])
+            for pos, n in enumerate(sd.num_accepted_tokens_per_pos):
+                m.add_metric([*labels, str(pos)], n)
+            yield m
+
     def collect(self) -> Iterator[Metric]:
         s = self.engine.snapshot
         ls = self.engine.loop_stats
@@ -98,6 +112,8 @@ class _EngineCollector(Collector):
         yield from self._both(c, "prefix_cache_hits", "Prefix-cache hits (tokens).", s.prefix_cache_hits)
         yield from self._both(c, "num_preemptions", "Preemptions (recompute) since start.", s.num_preemptions_total)
         yield from self._both(c, "engine_loop_steps", "Engine loop steps.", ls.steps, vllm=False)
+        if s.spec_decoding is not None:
+            yield from self._spec_decoding(s.spec_decoding)
         yield self._cache_info()
         loop = CounterMetricFamily("vllite:engine_loop_seconds", "Engine loop wall time by phase "
                                    "(step: LLMEngine.step; other: inbox and hand-off; idle: asleep; "

@@ -1,0 +1,97 @@
+"""The model runner's speculative part: verify the step's drafts, propose the next ones.
+
+Verification turns each request with k drafts into k + 1 sampling rows (one per position, the output
+history extended by the drafts before it, see ``build_sampling_metadata``), runs the rejection sampler on
+them, and keeps each request's accepted drafts plus the token after them. A fault of one request (a
+processor raising on its row, a row with no finite logit) fails that request alone, as in plain sampling.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllite_core.sample.rejection_sampler import rejection_sample
+from vllite_core.sample.sampler import RowFaults
+from vllite_core.spec_decode.proposer import Proposer
+from vllite_core.worker.input_batch import InputBatch
+from vllite_core.worker.sampling_inputs import build_sampling_metadata
+
+logger = logging.getLogger("vllite.spec_decode")
+
+
+@dataclass
+class VerifiedRow:
+    row: int  # batch row
+    token_ids: list[int]  # accepted drafts, then the emitted (recovered or bonus) token
+    logprobs: list[tuple[list[int], list[float], int]] | None  # per token: (ids, values, rank), uncut
+    num_drafts: int
+
+
+def logits_indices(ends: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
+    """Hidden-state rows to compute logits for: the last ``num_drafts + 1`` of each sampling request."""
+    counts = num_drafts + 1
+    first = np.repeat(ends - num_drafts, counts)
+    return first + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
+def propose(proposer: Proposer, b: InputBatch, rows: np.ndarray) -> dict[str, list[int]]:
+    """Drafts for the requests in ``rows`` (those that just sampled), by request id."""
+    if len(rows) == 0:
+        return {}
+    num_tokens = b.num_tokens[rows]
+    drafts = proposer.propose(b.token_ids[rows, :int(num_tokens.max())], num_tokens)
+    return {b.states[r].req_id: d for r, d in zip(rows.tolist(), drafts) if d}  # type: ignore[union-attr]
+
+
+def verify(runner: Any, hidden: torch.Tensor, inp: Any, drafts: list[list[int]], out: Any,
+           grammar: Any = None) -> list[VerifiedRow]:
+    """Sample every row of ``inp.sample_rows`` (``drafts[i]``: the drafts of sample row i, maybe none)."""
+    b: InputBatch = runner.batch
+    rows = inp.sample_rows
+    counts = np.array([len(d) + 1 for d in drafts], dtype=np.int64)
+    offsets = np.cumsum(counts) - counts
+    alive = np.ones(len(rows), dtype=bool)
+    while True:
+        live = np.nonzero(alive)[0]
+        if len(live) == 0:
+            return []
+        sel = np.concatenate([np.arange(offsets[i], offsets[i] + counts[i]) for i in live])
+        owner = np.repeat(live, counts[live])  # virtual row -> sample row
+        vrows = rows[owner]
+        extra = [drafts[i][:j] for i in live.tolist() for j in range(int(counts[i]))]
+        draft_ids = torch.tensor([t for i in live.tolist() for t in (*drafts[i], -1)], dtype=torch.long,
+                                 device=runner.device)
+        idx = inp.logits_indices[torch.as_tensor(sel, device=inp.logits_indices.device)]
+        logits = runner.model.compute_logits(hidden[idx])  # afresh each try: a processor may write into them
+        md = build_sampling_metadata(b, vrows, logits.shape[-1], runner.device, runner.logits_processors, grammar,
+                                     extra_outputs=extra)
+        try:
+            v = rejection_sample(runner.sampler, logits, md, draft_ids)
+            break
+        except RowFaults as f:
+            for vr, msg in f.rows.items():
+                i = int(owner[vr])
+                if alive[i]:
+                    alive[i] = False
+                    st = b.states[rows[i]]
+                    assert st is not None
+                    out.failed[st.req_id] = msg
+                    logger.warning("request %s failed: %s", st.req_id, msg)
+    accepted = v.accepted.cpu().numpy()
+    tokens = v.token_ids.tolist()
+    lp = v.logprobs
+    lp_rows = list(zip(lp.token_ids.tolist(), lp.values.tolist(), lp.ranks.tolist())) if lp is not None else None
+    result = []
+    pos = 0
+    for i in live.tolist():
+        c = int(counts[i])
+        # Accepted drafts: the leading run of accepted rows (the bonus row is never "accepted").
+        num_acc = int(np.argmin(accepted[pos:pos + c]))
+        result.append(VerifiedRow(int(rows[i]), tokens[pos:pos + num_acc + 1],
+                                  lp_rows[pos:pos + num_acc + 1] if lp_rows is not None else None, c - 1))
+        pos += c
+    return result
