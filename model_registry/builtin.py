@@ -26,6 +26,9 @@ BUILTIN_MODELS: dict[str, str] = {
     "MistralForSequenceClassification": "model_registry.models.llama_pooling:LlamaForSequenceClassification",
     "BertModel": "model_registry.models.bert:BertModel",
     "BertForSequenceClassification": "model_registry.models.bert:BertForSequenceClassification",
+    # State-space models and hybrids: a per-request recurrent state (vllite_core/state_cache.py).
+    "MambaForCausalLM": "model_registry.models.mamba:MambaForCausalLM",
+    "FalconMambaForCausalLM": "model_registry.models.mamba:FalconMambaForCausalLM",
     # Encoder-decoder: speech in, text out.
     "WhisperForConditionalGeneration": "model_registry.models.whisper:WhisperForConditionalGeneration",
 }

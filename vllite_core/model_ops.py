@@ -64,6 +64,66 @@ class ModelOps:
                 y.index_add_(0, idx, F.linear(F.linear(x.index_select(0, idx), a), b))
         return y
 
+    # ---- recurrent layers (Mamba and hybrids) -------------------------------------------------
+    # A step's tokens arrive flattened; ``query_start_loc`` (host list, R + 1 entries) splits them into the
+    # R requests, and each request's state row (gathered by the caller, zero for a fresh request) comes in
+    # and is updated in place, so chunked prefill and decode continue where the last step stopped.
+
+    def causal_conv1d(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      conv_state: torch.Tensor, query_start_loc: list[int], activation: str | None) -> torch.Tensor:
+        """Causal depthwise conv over each request's tokens: ``x`` [T, C], ``weight`` [C, K], ``conv_state``
+        [R, C, K-1] (the request's last K-1 inputs, updated in place). Returns [T, C]."""
+        k = weight.shape[-1]
+        if len(query_start_loc) - 1 == x.shape[0]:  # one token per request (decode): all rows at once
+            window = torch.cat([conv_state, x[:, :, None]], dim=-1)
+            conv_state.copy_(window[:, :, 1:])
+            y = (window * weight).sum(-1)
+            if bias is not None:
+                y = y + bias
+            return _activate(y, activation)
+        out = torch.empty_like(x)
+        for r, (start, end) in enumerate(zip(query_start_loc[:-1], query_start_loc[1:])):
+            seq = torch.cat([conv_state[r], x[start:end].t()], dim=-1)  # [C, K-1 + L]
+            out[start:end] = F.conv1d(seq[None], weight[:, None, :], bias, groups=weight.shape[0])[0].t()
+            conv_state[r].copy_(seq[:, seq.shape[1] - (k - 1):])
+        return _activate(out, activation)
+
+    def selective_scan(self, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                       D: torch.Tensor | None, z: torch.Tensor | None, dt_bias: torch.Tensor | None,
+                       ssm_state: torch.Tensor, query_start_loc: list[int]) -> torch.Tensor:
+        """Mamba-1 selective scan: ``x``, ``dt``, ``z`` [T, Dm], ``A`` [Dm, N], ``B``, ``C`` [T, N],
+        ``ssm_state`` [R, Dm, N] (updated in place). h = exp(dt A) h + dt B x; y = C h + D x, gated by silu(z)."""
+        if dt_bias is not None:
+            dt = dt + dt_bias
+        dt = F.softplus(dt).float()
+        dA = torch.exp(A.float()[None] * dt[:, :, None])  # [T, Dm, N]
+        dBx = dt[:, :, None] * B.float()[:, None, :] * x.float()[:, :, None]
+        if len(query_start_loc) - 1 == x.shape[0]:  # decode: one step for every request at once
+            h = ssm_state.float() * dA + dBx
+            ssm_state.copy_(h)
+            y = torch.matmul(h.to(C.dtype), C[:, :, None])[..., 0]
+        else:
+            y = torch.empty_like(x)
+            for r, (start, end) in enumerate(zip(query_start_loc[:-1], query_start_loc[1:])):
+                h = ssm_state[r].float()
+                for t in range(start, end):
+                    h = dA[t] * h + dBx[t]
+                    y[t] = torch.matmul(h.to(C.dtype), C[t])
+                ssm_state[r].copy_(h)
+        if D is not None:
+            y = y + x * D
+        if z is not None:
+            y = y * F.silu(z)
+        return y.to(x.dtype)
+
+
+def _activate(x: torch.Tensor, activation: str | None) -> torch.Tensor:
+    if activation is None:
+        return x
+    if activation in ("silu", "swish"):
+        return F.silu(x)
+    raise NotImplementedError(f"activation {activation!r} after a causal conv1d (silu only)")
+
 
 def rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin (the HF/NeoX layout: the two halves of each head are paired)."""
