@@ -1,0 +1,128 @@
+"""Mamba and hybrid models on the engine: greedy tokens identical to Hugging Face (fp32) with several requests
+of different lengths in a step, prompts split by a small chunk budget, staggered arrivals, and preemption
+(which drops the recurrent state and recomputes it).
+
+The reference is HF's own forward over the whole sequence at every step (no HF cache): HF ``generate``
+with its recurrent cache is not a safe reference here, since for a prompt shorter than ``conv_kernel - 1``
+tokens it diverges from HF's own uncached forward (checked on transformers 5.24)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_reference import hf_greedy_with
+from tiny_models import save_tiny
+
+from vllite_core import LLM, SamplingParams
+
+MAX_TOKENS = 10
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+PROMPT_LENS = (2, 17, 40, 75)
+
+
+def _configs():
+    import transformers as tf
+
+    common = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2)
+    return {
+        "mamba": lambda: tf.MambaConfig(**common, state_size=8, conv_kernel=4, expand=2,
+                                        architectures=["MambaForCausalLM"]),
+        "falcon_mamba": lambda: tf.FalconMambaConfig(**common, state_size=8, conv_kernel=4, expand=2,
+                                                     architectures=["FalconMambaForCausalLM"]),
+    }
+
+
+ARCHS = list(_configs())
+# Hybrids (attention beside state layers) -> KV blocks small enough to preempt in the pressure test.
+HYBRIDS: dict[str, int] = {}
+
+
+def _hf_reference(hf, prompts):
+    return [hf_greedy_with(hf, p, MAX_TOKENS, lambda logits, *_: logits) for p in prompts]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def tiny(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    hf = save_tiny(path, _configs()[request.param]())
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    return request.param, str(path), hf, prompts, _hf_reference(hf, prompts)
+
+
+def test_greedy_matches_hf_with_chunked_prefill(tiny):
+    _, path, _, prompts, ref = tiny
+    # A 24-token budget splits the longer prompts into chunks beside the others' decodes.
+    llm = LLM(model=path, dtype="float32", max_model_len=256, max_num_batched_tokens=24, num_kv_blocks=64)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert llm.llm_engine.core.kv_cache_manager.enable_caching is False
+
+
+def test_staggered_arrivals_under_cache_pressure(tiny):
+    """Few blocks, later arrivals more urgent. A pure state-space model holds one block per request for its
+    whole life, so requests wait for a state block (max_num_seqs is lowered to what fits) and no running
+    request ever needs another; a hybrid's attention layers grow, run out of blocks and preempt, and the
+    preempted request's state is dropped and recomputed from zero. Every request still matches HF."""
+    name, path, _, prompts, ref = tiny
+    hybrid = name in HYBRIDS
+    llm = LLM(model=path, dtype="float32", max_model_len=256, max_num_batched_tokens=32,
+              num_kv_blocks=HYBRIDS.get(name, 3), scheduling_policy="priority")
+    engine = llm.llm_engine
+    done: dict[str, list[int]] = {}
+    arrivals = {0: [0, 1], 3: [2], 5: [3]}  # step -> prompts arriving; later ones are more urgent
+    max_running = 0
+    for step in range(400):
+        for i in arrivals.get(step, []):
+            engine.add_request(f"r{i}", {"prompt_token_ids": prompts[i]}, GREEDY, priority=2 - i)
+        if step > max(arrivals) and not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        max_running = max(max_running, len(engine.core.scheduler.running))
+    assert done == {f"r{i}": ref[i] for i in range(len(prompts))}
+    if hybrid:
+        assert engine.core.stats().num_preemptions_total > 0
+    else:
+        assert max_running == 2
+    kv = engine.core.kv_cache_manager
+    assert kv.get_num_free_blocks() == kv.num_usable_blocks
+
+
+def _state_bytes_per_request(hf_config) -> int:
+    """Recurrent state of one request from the HF config alone (float32): per layer the conv window
+    (kernel - 1 inputs of every channel) and the SSM state."""
+    c = hf_config
+    return c.num_hidden_layers * 4 * c.intermediate_size * ((c.conv_kernel - 1) + c.state_size)
+
+
+def test_memory_budget_bounds_concurrent_requests(tiny, caplog):
+    name, path, hf, prompts, ref = tiny
+    per_request = _state_bytes_per_request(hf.config)
+    with caplog.at_level("INFO"):
+        llm = LLM(model=path, dtype="float32", max_model_len=256, kv_cache_memory=int(4.5 * per_request))
+    # One block per request in the (single) state group: 4 blocks, one of them the null block.
+    assert llm.llm_engine.core.model_info.num_kv_blocks == 4
+    assert llm.llm_engine.config.scheduler_config.max_num_seqs == 3
+    assert "max_num_seqs lowered from 256 to 3" in caplog.text
+    assert f"{per_request} bytes of recurrent state per request" in caplog.text
+    assert "prefix caching is turned off" in caplog.text
+    engine = llm.llm_engine
+    for i, p in enumerate(prompts + prompts):
+        engine.add_request(f"r{i}", {"prompt_token_ids": p}, GREEDY)
+    running, done = [], {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        running.append(len(engine.core.scheduler.running))
+    assert max(running) == 3
+    assert done == {f"r{i}": (ref + ref)[i] for i in range(2 * len(prompts))}
+
+
+def test_fp8_cache_is_a_config_error_naming_model_and_option(tiny):
+    from vllite_core.config import ConfigError
+
+    name, path, hf, _, _ = tiny
+    with pytest.raises(ConfigError, match=rf"kv_cache_dtype.*{hf.config.architectures[0]}"):
+        LLM(model=path, dtype="float32", max_model_len=256, kv_cache_dtype="fp8")
