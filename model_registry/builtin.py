@@ -29,6 +29,7 @@ BUILTIN_MODELS: dict[str, str] = {
     # State-space models and hybrids: a per-request recurrent state (vllite_core/state_cache.py).
     "MambaForCausalLM": "model_registry.models.mamba:MambaForCausalLM",
     "FalconMambaForCausalLM": "model_registry.models.mamba:FalconMambaForCausalLM",
+    "Mamba2ForCausalLM": "model_registry.models.mamba2:Mamba2ForCausalLM",
     # Encoder-decoder: speech in, text out.
     "WhisperForConditionalGeneration": "model_registry.models.whisper:WhisperForConditionalGeneration",
 }

@@ -28,6 +28,8 @@ def _configs():
                                         architectures=["MambaForCausalLM"]),
         "falcon_mamba": lambda: tf.FalconMambaConfig(**common, state_size=8, conv_kernel=4, expand=2,
                                                      architectures=["FalconMambaForCausalLM"]),
+        "mamba2": lambda: tf.Mamba2Config(**common, state_size=16, conv_kernel=4, expand=2, num_heads=8, head_dim=16,
+                                          n_groups=1, chunk_size=16, architectures=["Mamba2ForCausalLM"]),
     }
 
 
@@ -93,6 +95,10 @@ def _state_bytes_per_request(hf_config) -> int:
     """Recurrent state of one request from the HF config alone (float32): per layer the conv window
     (kernel - 1 inputs of every channel) and the SSM state."""
     c = hf_config
+    if c.model_type == "mamba2":  # conv over x, B and C; SSM state per head
+        inner = c.num_heads * c.head_dim
+        conv = (inner + 2 * c.n_groups * c.state_size) * (c.conv_kernel - 1)
+        return c.num_hidden_layers * 4 * (conv + inner * c.state_size)
     return c.num_hidden_layers * 4 * c.intermediate_size * ((c.conv_kernel - 1) + c.state_size)
 
 
