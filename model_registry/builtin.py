@@ -30,6 +30,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "MambaForCausalLM": "model_registry.models.mamba:MambaForCausalLM",
     "FalconMambaForCausalLM": "model_registry.models.mamba:FalconMambaForCausalLM",
     "Mamba2ForCausalLM": "model_registry.models.mamba2:Mamba2ForCausalLM",
+    "JambaForCausalLM": "model_registry.models.jamba:JambaForCausalLM",
     # Encoder-decoder: speech in, text out.
     "WhisperForConditionalGeneration": "model_registry.models.whisper:WhisperForConditionalGeneration",
 }

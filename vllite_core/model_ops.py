@@ -144,6 +144,19 @@ class ModelOps:
         return y
 
 
+    def moe(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
+            topk_ids: torch.Tensor) -> torch.Tensor:
+        """Mixture of SwiGLU experts: ``x`` [T, H]; ``gate_up`` [E, 2I, H] and ``down`` [E, H, I] stacked
+        expert weights; each token goes to its ``topk_ids`` [T, k] experts, their outputs summed with
+        ``topk_weights`` [T, k] (routing, normalised or not, is the model's). Returns [T, H]."""
+        out = torch.zeros_like(x)
+        for e in torch.unique(topk_ids).tolist():
+            tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+            h = self.silu_and_mul(F.linear(x[tok], gate_up[e]))
+            h = F.linear(h, down[e]) * topk_weights[tok, slot, None]
+            out.index_add_(0, tok, h.to(out.dtype))
+        return out
+
 
 def _activate(x: torch.Tensor, activation: str | None) -> torch.Tensor:
     if activation is None:

@@ -52,7 +52,11 @@ def _unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class MambaMixer(nn.Module):
-    def __init__(self, c: Any, dtype: torch.dtype, rms_eps: float | None = None) -> None:
+    """``c`` carries Mamba's config names (hybrids pass theirs renamed). ``rms_eps`` set: dt, B and C are
+    RMS-normalised before the scan, with weights (``dt_layernorm`` ...: Jamba) when ``norm_weights``."""
+
+    def __init__(self, c: Any, dtype: torch.dtype, rms_eps: float | None = None, norm_weights: bool = False
+                 ) -> None:
         super().__init__()
         self.intermediate = c.intermediate_size
         self.state_size = c.state_size
@@ -67,6 +71,12 @@ class MambaMixer(nn.Module):
         self.A_log = _param(self.intermediate, self.state_size, dtype=dtype)
         self.D = _param(self.intermediate, dtype=dtype)
         self.out_proj = Linear(self.intermediate, c.hidden_size, bool(c.use_bias), dtype)
+        self.norm_weights = norm_weights
+        if norm_weights:
+            assert rms_eps is not None
+            self.dt_layernorm = RMSNorm(self.dt_rank, rms_eps, dtype)
+            self.b_layernorm = RMSNorm(self.state_size, rms_eps, dtype)
+            self.c_layernorm = RMSNorm(self.state_size, rms_eps, dtype)
         self._ops = current_model_ops()
 
     @property
@@ -80,7 +90,9 @@ class MambaMixer(nn.Module):
         xs = ops.causal_conv1d(xs.contiguous(), self.conv1d.weight[:, 0, :], self.conv1d.bias, conv_state, qsl,
                                self.activation)
         dt, B, C = self.x_proj(xs).split([self.dt_rank, self.state_size, self.state_size], dim=-1)
-        if self.rms_eps is not None:
+        if self.norm_weights:
+            dt, B, C = self.dt_layernorm(dt), self.b_layernorm(B), self.c_layernorm(C)
+        elif self.rms_eps is not None:
             B, C, dt = _unit_rms(B, self.rms_eps), _unit_rms(C, self.rms_eps), _unit_rms(dt, self.rms_eps)
         dt = F.linear(dt, self.dt_proj.weight)  # the bias is added in float32 inside the scan
         A = -torch.exp(self.A_log.float())
