@@ -31,6 +31,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "FalconMambaForCausalLM": "model_registry.models.mamba:FalconMambaForCausalLM",
     "Mamba2ForCausalLM": "model_registry.models.mamba2:Mamba2ForCausalLM",
     "JambaForCausalLM": "model_registry.models.jamba:JambaForCausalLM",
+    "Lfm2ForCausalLM": "model_registry.models.lfm2:Lfm2ForCausalLM",
     # Encoder-decoder: speech in, text out.
     "WhisperForConditionalGeneration": "model_registry.models.whisper:WhisperForConditionalGeneration",
 }

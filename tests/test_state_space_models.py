@@ -35,12 +35,15 @@ def _configs():
                                         expert_layer_offset=1, num_experts=2, num_experts_per_tok=1,
                                         mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
                                         architectures=["JambaForCausalLM"]),
+        "lfm2": lambda: tf.Lfm2Config(**common, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                                      layer_types=["conv", "full_attention"], conv_L_cache=3,
+                                      max_position_embeddings=256, architectures=["Lfm2ForCausalLM"]),
     }
 
 
 ARCHS = list(_configs())
 # Hybrids (attention beside state layers) -> KV blocks small enough to preempt in the pressure test.
-HYBRIDS: dict[str, int] = {"jamba": 10}
+HYBRIDS: dict[str, int] = {"jamba": 10, "lfm2": 10}
 
 
 def _hf_reference(hf, prompts):
