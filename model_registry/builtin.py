@@ -32,6 +32,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "Mamba2ForCausalLM": "model_registry.models.mamba2:Mamba2ForCausalLM",
     "JambaForCausalLM": "model_registry.models.jamba:JambaForCausalLM",
     "Lfm2ForCausalLM": "model_registry.models.lfm2:Lfm2ForCausalLM",
+    "NemotronHForCausalLM": "model_registry.models.nemotron_h:NemotronHForCausalLM",
     # Encoder-decoder: speech in, text out.
     "WhisperForConditionalGeneration": "model_registry.models.whisper:WhisperForConditionalGeneration",
 }

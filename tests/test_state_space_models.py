@@ -38,12 +38,17 @@ def _configs():
         "lfm2": lambda: tf.Lfm2Config(**common, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
                                       layer_types=["conv", "full_attention"], conv_L_cache=3,
                                       max_position_embeddings=256, architectures=["Lfm2ForCausalLM"]),
+        "nemotron_h": lambda: tf.NemotronHConfig(**common, hybrid_override_pattern="M*", num_attention_heads=4,
+                                                 num_key_value_heads=2, head_dim=16, mamba_num_heads=8,
+                                                 mamba_head_dim=16, ssm_state_size=16, n_groups=1, chunk_size=16,
+                                                 intermediate_size=96, max_position_embeddings=256,
+                                                 architectures=["NemotronHForCausalLM"]),
     }
 
 
 ARCHS = list(_configs())
 # Hybrids (attention beside state layers) -> KV blocks small enough to preempt in the pressure test.
-HYBRIDS: dict[str, int] = {"jamba": 10, "lfm2": 10}
+HYBRIDS: dict[str, int] = {"jamba": 10, "lfm2": 10, "nemotron_h": 10}
 
 
 def _hf_reference(hf, prompts):
