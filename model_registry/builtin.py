@@ -33,6 +33,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "JambaForCausalLM": "model_registry.models.jamba:JambaForCausalLM",
     "Lfm2ForCausalLM": "model_registry.models.lfm2:Lfm2ForCausalLM",
     "NemotronHForCausalLM": "model_registry.models.nemotron_h:NemotronHForCausalLM",
+    "GraniteMoeHybridForCausalLM": "model_registry.models.granite_moe_hybrid:GraniteMoeHybridForCausalLM",
     # Encoder-decoder: speech in, text out.
     "WhisperForConditionalGeneration": "model_registry.models.whisper:WhisperForConditionalGeneration",
 }

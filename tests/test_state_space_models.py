@@ -43,12 +43,20 @@ def _configs():
                                                  mamba_head_dim=16, ssm_state_size=16, n_groups=1, chunk_size=16,
                                                  intermediate_size=96, max_position_embeddings=256,
                                                  architectures=["NemotronHForCausalLM"]),
+        # Granite's multipliers away from 1 and RoPE on, so each is exercised.
+        "granite_moe_hybrid": lambda: tf.GraniteMoeHybridConfig(
+            **common, layer_types=["mamba", "attention"], num_local_experts=2, num_experts_per_tok=1,
+            intermediate_size=96, shared_intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+            mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16,
+            embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=1.5,
+            position_embedding_type="rope", max_position_embeddings=256,
+            architectures=["GraniteMoeHybridForCausalLM"]),
     }
 
 
 ARCHS = list(_configs())
 # Hybrids (attention beside state layers) -> KV blocks small enough to preempt in the pressure test.
-HYBRIDS: dict[str, int] = {"jamba": 10, "lfm2": 10, "nemotron_h": 10}
+HYBRIDS: dict[str, int] = {"jamba": 10, "lfm2": 10, "nemotron_h": 10, "granite_moe_hybrid": 10}
 
 
 def _hf_reference(hf, prompts):
