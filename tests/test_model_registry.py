@@ -27,7 +27,8 @@ def _plugin_manager(*plugins):
 
 
 STATE_SPACE_ARCHITECTURES = ["MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM", "JambaForCausalLM",
-                             "Lfm2ForCausalLM", "NemotronHForCausalLM", "GraniteMoeHybridForCausalLM"]
+                             "Lfm2ForCausalLM", "NemotronHForCausalLM", "GraniteMoeHybridForCausalLM",
+                             "FalconH1ForCausalLM"]
 
 
 def test_builtin_plugin_registers_the_llama_family_lazily():

@@ -51,12 +51,21 @@ def _configs():
             embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=1.5,
             position_embedding_type="rope", max_position_embeddings=256,
             architectures=["GraniteMoeHybridForCausalLM"]),
+        # muP multipliers away from 1 and the gated norm on, so each is exercised.
+        "falcon_h1": lambda: tf.FalconH1Config(
+            **common, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, mamba_d_ssm=128,
+            mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16,
+            mamba_rms_norm=True, mamba_norm_before_gate=False, ssm_multipliers=[1.5, 0.5, 2.0, 0.8, 1.2],
+            ssm_in_multiplier=1.3, ssm_out_multiplier=0.7, attention_in_multiplier=0.9,
+            attention_out_multiplier=1.1, key_multiplier=0.6, mlp_multipliers=[1.4, 0.6], embedding_multiplier=2.0,
+            lm_head_multiplier=0.8, max_position_embeddings=256, architectures=["FalconH1ForCausalLM"]),
     }
 
 
 ARCHS = list(_configs())
 # Hybrids (attention beside state layers) -> KV blocks small enough to preempt in the pressure test.
-HYBRIDS: dict[str, int] = {"jamba": 10, "lfm2": 10, "nemotron_h": 10, "granite_moe_hybrid": 10}
+HYBRIDS: dict[str, int] = {"jamba": 10, "lfm2": 10, "nemotron_h": 10, "granite_moe_hybrid": 10,
+                             "falcon_h1": 10}
 
 
 def _hf_reference(hf, prompts):
