@@ -35,6 +35,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "NemotronHForCausalLM": "model_registry.models.nemotron_h:NemotronHForCausalLM",
     "GraniteMoeHybridForCausalLM": "model_registry.models.granite_moe_hybrid:GraniteMoeHybridForCausalLM",
     "FalconH1ForCausalLM": "model_registry.models.falcon_h1:FalconH1ForCausalLM",
+    "Zamba2ForCausalLM": "model_registry.models.zamba2:Zamba2ForCausalLM",
     # Encoder-decoder: speech in, text out.
     "WhisperForConditionalGeneration": "model_registry.models.whisper:WhisperForConditionalGeneration",
 }

@@ -28,7 +28,7 @@ def _plugin_manager(*plugins):
 
 STATE_SPACE_ARCHITECTURES = ["MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM", "JambaForCausalLM",
                              "Lfm2ForCausalLM", "NemotronHForCausalLM", "GraniteMoeHybridForCausalLM",
-                             "FalconH1ForCausalLM"]
+                             "FalconH1ForCausalLM", "Zamba2ForCausalLM"]
 
 
 def test_builtin_plugin_registers_the_llama_family_lazily():

@@ -59,13 +59,20 @@ def _configs():
             ssm_in_multiplier=1.3, ssm_out_multiplier=0.7, attention_in_multiplier=0.9,
             attention_out_multiplier=1.1, key_multiplier=0.6, mlp_multipliers=[1.4, 0.6], embedding_multiplier=2.0,
             lm_head_multiplier=0.8, max_position_embeddings=256, architectures=["FalconH1ForCausalLM"]),
+        # Attention adapters and RoPE on; three layers, two of them hybrid sharing one block (tied weights).
+        "zamba2": lambda: tf.Zamba2Config(
+            vocab_size=512, hidden_size=64, num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "hybrid"],
+            hybrid_layer_ids=[1, 2], num_mem_blocks=1, n_mamba_heads=8, mamba_headdim=16, mamba_d_state=16,
+            mamba_ngroups=1, chunk_size=16, intermediate_size=96, num_attention_heads=4, num_key_value_heads=4,
+            adapter_rank=8, use_shared_attention_adapter=True, use_mem_rope=True, max_position_embeddings=256,
+            architectures=["Zamba2ForCausalLM"]),
     }
 
 
 ARCHS = list(_configs())
 # Hybrids (attention beside state layers) -> KV blocks small enough to preempt in the pressure test.
 HYBRIDS: dict[str, int] = {"jamba": 10, "lfm2": 10, "nemotron_h": 10, "granite_moe_hybrid": 10,
-                             "falcon_h1": 10}
+                             "falcon_h1": 10, "zamba2": 10}
 
 
 def _hf_reference(hf, prompts):
