@@ -151,6 +151,7 @@ def test_memory_budget_bounds_concurrent_requests(tiny, caplog):
     assert llm.llm_engine.config.scheduler_config.max_num_seqs == 3
     assert "max_num_seqs lowered from 256 to 3" in caplog.text
     assert f"{per_request} bytes of recurrent state per request" in caplog.text
+    assert f"enable_prefix_caching: {hf.config.architectures[0]} keeps a recurrent state" in caplog.text
     assert "prefix caching is turned off" in caplog.text
     engine = llm.llm_engine
     for i, p in enumerate(prompts + prompts):
@@ -171,3 +172,77 @@ def test_fp8_cache_is_a_config_error_naming_model_and_option(tiny):
     name, path, hf, _, _ = tiny
     with pytest.raises(ConfigError, match=rf"kv_cache_dtype.*{hf.config.architectures[0]}"):
         LLM(model=path, dtype="float32", max_model_len=256, kv_cache_dtype="fp8")
+
+
+def test_ssd_chunked_scan_matches_the_recurrence():
+    """The chunked Mamba-2 scan against the plain step-by-step recurrence (float64, written here), with an
+    initial state and lengths that leave a partial last chunk."""
+    from vllite_core.model_ops import ssd_chunked
+
+    g = torch.Generator().manual_seed(0)
+    L, H, P, N = 37, 4, 3, 5
+    x, B, C = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((L, H, P), (L, H, N), (L, H, N)))
+    dt = torch.rand(L, H, generator=g, dtype=torch.float64)
+    A = -torch.rand(H, generator=g, dtype=torch.float64)
+    h0 = torch.randn(H, P, N, generator=g, dtype=torch.float64)
+    h, ys = h0.clone(), []
+    for t in range(L):
+        h = torch.exp(dt[t] * A)[:, None, None] * h + (dt[t][:, None] * x[t])[..., None] * B[t][:, None, :]
+        ys.append(torch.einsum("hpn,hn->hp", h, C[t]))
+    for chunk in (1, 4, 16, 64):
+        y, final = ssd_chunked(x, dt, A, B, C, chunk, h0)
+        torch.testing.assert_close(y, torch.stack(ys))
+        torch.testing.assert_close(final, h)
+
+
+def test_decode_steps_continue_a_prefill():
+    """Conv and both scans: a sequence split into a prefill and then single-token steps (the decode
+    paths, two requests at once) gives the outputs and final states of one pass over the whole sequence."""
+    from vllite_core.model_ops import ModelOps
+
+    ops, g = ModelOps(), torch.Generator().manual_seed(1)
+    T, D, N, K = 9, 6, 4, 4
+    x = torch.randn(2, T, D, generator=g, dtype=torch.float64)
+    w = torch.randn(D, K, generator=g, dtype=torch.float64)
+    bias = torch.randn(D, generator=g, dtype=torch.float64)
+    whole = torch.zeros(2, D, K - 1, dtype=torch.float64)
+    y_whole = ops.causal_conv1d(x.reshape(-1, D), w, bias, whole, [0, T, 2 * T], "silu")
+    split = torch.zeros(2, D, K - 1, dtype=torch.float64)
+    y_pre = ops.causal_conv1d(x[:, :5].reshape(-1, D), w, bias, split, [0, 5, 10], "silu").view(2, 5, D)
+    y_steps = [ops.causal_conv1d(x[:, t], w, bias, split, [0, 1, 2], "silu") for t in range(5, T)]
+    torch.testing.assert_close(torch.cat([y_pre, torch.stack(y_steps, 1)], 1), y_whole.view(2, T, D))
+    torch.testing.assert_close(split, whole)
+
+    dt, z = (torch.randn(2, T, D, generator=g, dtype=torch.float64) for _ in range(2))
+    Bm, Cm = (torch.randn(2, T, N, generator=g, dtype=torch.float64) for _ in range(2))
+    A, Dv = -torch.rand(D, N, generator=g, dtype=torch.float64), torch.randn(D, generator=g, dtype=torch.float64)
+    flat = [t.reshape(2 * T, -1) for t in (x, dt, Bm, Cm, z)]
+    s_whole = torch.zeros(2, D, N, dtype=torch.float64)
+    y_whole = ops.selective_scan(flat[0], flat[1], A, flat[2], flat[3], Dv, flat[4], None, s_whole, [0, T, 2 * T])
+    s_split = torch.zeros(2, D, N, dtype=torch.float64)
+    pre = [t[:, :5].reshape(10, -1) for t in (x, dt, Bm, Cm, z)]
+    y_pre = ops.selective_scan(pre[0], pre[1], A, pre[2], pre[3], Dv, pre[4], None, s_split, [0, 5, 10])
+    y_steps = [ops.selective_scan(x[:, t], dt[:, t], A, Bm[:, t], Cm[:, t], Dv, z[:, t], None, s_split, [0, 1, 2])
+               for t in range(5, T)]
+    torch.testing.assert_close(torch.cat([y_pre.view(2, 5, D), torch.stack(y_steps, 1)], 1), y_whole.view(2, T, D))
+    torch.testing.assert_close(s_split, s_whole)
+
+    H, P = 3, 2
+    xh = torch.randn(2, T, H, P, generator=g, dtype=torch.float64)
+    dth = torch.randn(2, T, H, generator=g, dtype=torch.float64)
+    Bh, Ch = (torch.randn(2, T, 1, N, generator=g, dtype=torch.float64) for _ in range(2))
+    Ah, Dh, bh = -torch.rand(H, generator=g, dtype=torch.float64), torch.randn(H, dtype=torch.float64), \
+        torch.randn(H, generator=g, dtype=torch.float64)
+    lim = (0.0, float("inf"))
+    h_whole = torch.zeros(2, H, P, N, dtype=torch.float64)
+    y_whole = ops.ssd_scan(xh.reshape(2 * T, H, P), dth.reshape(2 * T, H), Ah, Bh.reshape(2 * T, 1, N),
+                           Ch.reshape(2 * T, 1, N), Dh, bh, lim, 4, h_whole, [0, T, 2 * T])
+    h_split = torch.zeros(2, H, P, N, dtype=torch.float64)
+    y_pre = ops.ssd_scan(xh[:, :5].reshape(10, H, P), dth[:, :5].reshape(10, H), Ah, Bh[:, :5].reshape(10, 1, N),
+                         Ch[:, :5].reshape(10, 1, N), Dh, bh, lim, 4, h_split, [0, 5, 10])
+    y_steps = [ops.ssd_scan(xh[:, t], dth[:, t], Ah, Bh[:, t], Ch[:, t], Dh, bh, lim, 4, h_split, [0, 1, 2])
+               for t in range(5, T)]
+    # The SSD op computes in float32 (as the models do): float32 tolerances.
+    torch.testing.assert_close(torch.cat([y_pre.view(2, 5, H, P), torch.stack(y_steps, 1)], 1),
+                               y_whole.view(2, T, H, P), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h_split, h_whole, rtol=1e-5, atol=1e-5)

@@ -75,8 +75,14 @@ def scatter_states(cache: torch.Tensor, md: StateMetadata, states: list[torch.Te
 # ---- engine start-up ------------------------------------------------------------------------------
 
 def check_state_options(config: Any, architecture: str) -> None:
-    """Options a recurrent-state model cannot honour: a ConfigError naming the model and the option."""
-    kv_dtype = config.cache_config.kv_cache_dtype
+    """Options a recurrent-state model cannot honour: a ConfigError naming the model and the option; prefix
+    caching is turned off with a log line that names the model (a state cannot be rebuilt from cached KV)."""
+    cc = config.cache_config
+    if cc.enable_prefix_caching:
+        logger.warning("enable_prefix_caching: %s keeps a recurrent state per request, which cannot be "
+                       "prefix-cached: prefix caching is turned off", architecture)
+        cc.enable_prefix_caching = False
+    kv_dtype = cc.kv_cache_dtype
     if kv_dtype != "auto":
         raise ConfigError(f"kv_cache_dtype: {architecture} keeps a recurrent state (Mamba layers) that is not "
                           f"quantised; kv_cache_dtype={kv_dtype!r} is not supported for it, use 'auto'")
