@@ -33,6 +33,7 @@ class StateMetadata:
     state_indices: torch.Tensor  # [R] int64: each request's block in the state group
     has_initial_state: torch.Tensor  # [R] bool: False starts the request from zero state
     max_query_len: int
+    any_fresh: bool = True  # some request starts from zero state (host copy: no device sync to skip zeroing)
 
     @property
     def num_reqs(self) -> int:
@@ -50,26 +51,34 @@ def build_state_metadata(state_blocks: np.ndarray, num_computed: np.ndarray, que
     return StateMetadata(
         num_actual_tokens=num_tokens, query_start_loc_cpu=query_start_loc.tolist(),
         state_indices=torch.as_tensor(state_blocks.astype(np.int64), device=device),
-        has_initial_state=torch.as_tensor(num_computed > 0, device=device), max_query_len=int(max_query_len))
+        has_initial_state=torch.as_tensor(num_computed > 0, device=device), max_query_len=int(max_query_len),
+        any_fresh=bool((num_computed == 0).any()))
 
 
-def gather_states(cache: torch.Tensor, md: StateMetadata, shapes: tuple[tuple[int, ...], ...]
-                  ) -> list[torch.Tensor]:
+class GatheredStates(list):
+    """The step's requests' state tensors, ``[R, *shape]`` views into one gathered copy of their rows
+    (``rows``); the ops update the views in place, so writing ``rows`` back returns every state at once."""
+
+    rows: torch.Tensor
+
+
+def gather_states(cache: torch.Tensor, md: StateMetadata, shapes: tuple[tuple[int, ...], ...]) -> GatheredStates:
     """Copies of the step's requests' state tensors, ``[R, *shape]`` each, zero for fresh requests."""
-    rows = cache.index_select(0, md.state_indices)
-    rows = rows * md.has_initial_state[:, None].to(rows.dtype)
-    out, start = [], 0
+    rows = cache.index_select(0, md.state_indices)  # one contiguous copy of every state of the layer
+    if md.any_fresh:
+        rows.mul_(md.has_initial_state[:, None].to(rows.dtype))
+    out, start = GatheredStates(), 0
     for shape in shapes:
         n = math.prod(shape)
-        out.append(rows[:, start:start + n].reshape(-1, *shape).contiguous())
+        out.append(rows[:, start:start + n].view(-1, *shape))
         start += n
+    out.rows = rows
     return out
 
 
-def scatter_states(cache: torch.Tensor, md: StateMetadata, states: list[torch.Tensor]) -> None:
-    """Write the updated state tensors back to the requests' blocks."""
-    rows = torch.cat([s.reshape(s.shape[0], -1).to(cache.dtype) for s in states], dim=1)
-    cache.index_copy_(0, md.state_indices, rows)
+def scatter_states(cache: torch.Tensor, md: StateMetadata, states: GatheredStates) -> None:
+    """Write the (updated in place) states back to the requests' blocks."""
+    cache.index_copy_(0, md.state_indices, states.rows)
 
 
 # ---- engine start-up ------------------------------------------------------------------------------

@@ -83,7 +83,8 @@ class FalconH1Mixer(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: torch.Tensor, md: StateMetadata) -> torch.Tensor:
         d, ops, qsl = self.d, self._ops, md.query_start_loc_cpu
-        conv_state, ssm_state = gather_states(cache, md, tuple(self.state_shapes))
+        states = gather_states(cache, md, tuple(self.state_shapes))
+        conv_state, ssm_state = states
         proj = self.in_proj(x * self.in_multiplier) * self.mup_vector
         gate, xbc, dt = proj.split([d.intermediate, d.conv_dim, d.num_heads], dim=-1)
         xbc = ops.causal_conv1d(xbc.contiguous(), self.conv1d.weight[:, 0, :], self.conv1d.bias, conv_state, qsl,
@@ -94,7 +95,7 @@ class FalconH1Mixer(nn.Module):
         y = ops.ssd_scan(xs.reshape(t, d.num_heads, d.head_dim), dt, -torch.exp(self.A_log.float()),
                          B.reshape(t, d.n_groups, d.state_size), C.reshape(t, d.n_groups, d.state_size), self.D,
                          self.dt_bias, d.dt_limit, d.chunk_size, ssm_state, qsl)
-        scatter_states(cache, md, [conv_state, ssm_state])
+        scatter_states(cache, md, states)
         y = y.reshape(t, d.intermediate).to(x.dtype)
         y = self.norm(y, gate) if self.norm is not None else y * F.silu(gate)
         return self.out_proj(y)

@@ -41,11 +41,12 @@ class ShortConv(nn.Module):
         return [(self.hidden, self.kernel - 1)]
 
     def forward(self, x: torch.Tensor, cache: torch.Tensor, md: StateMetadata) -> torch.Tensor:
-        (conv_state,) = gather_states(cache, md, tuple(self.state_shapes))
+        states = gather_states(cache, md, tuple(self.state_shapes))
+        (conv_state,) = states
         B, C, h = self.in_proj(x).chunk(3, dim=-1)
         h = self._ops.causal_conv1d((B * h).contiguous(), self.conv.weight[:, 0, :], self.conv.bias, conv_state,
                                     md.query_start_loc_cpu, None)
-        scatter_states(cache, md, [conv_state])
+        scatter_states(cache, md, states)
         return self.out_proj(C * h)
 
 

@@ -85,7 +85,8 @@ class MambaMixer(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: torch.Tensor, md: StateMetadata) -> torch.Tensor:
         ops, qsl = self._ops, md.query_start_loc_cpu
-        conv_state, ssm_state = gather_states(cache, md, tuple(self.state_shapes))
+        states = gather_states(cache, md, tuple(self.state_shapes))
+        conv_state, ssm_state = states
         xs, gate = self.in_proj(x).chunk(2, dim=-1)
         xs = ops.causal_conv1d(xs.contiguous(), self.conv1d.weight[:, 0, :], self.conv1d.bias, conv_state, qsl,
                                self.activation)
@@ -98,7 +99,7 @@ class MambaMixer(nn.Module):
         A = -torch.exp(self.A_log.float())
         y = ops.selective_scan(xs, dt, A, B.contiguous(), C.contiguous(), self.D.float(), gate,
                                self.dt_proj.bias.float(), ssm_state, qsl)
-        scatter_states(cache, md, [conv_state, ssm_state])
+        scatter_states(cache, md, states)
         return self.out_proj(y)
 
 
