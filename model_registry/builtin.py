@@ -28,6 +28,16 @@ BUILTIN_MODELS: dict[str, str] = {
     "BertForSequenceClassification": "model_registry.models.bert:BertForSequenceClassification",
     # Multimodal decoders: images in the prompt.
     "LlavaForConditionalGeneration": "model_registry.models.llava:LlavaForConditionalGeneration",
+    # State-space models and hybrids: a per-request recurrent state (vllite_core/state_cache.py).
+    "MambaForCausalLM": "model_registry.models.mamba:MambaForCausalLM",
+    "FalconMambaForCausalLM": "model_registry.models.mamba:FalconMambaForCausalLM",
+    "Mamba2ForCausalLM": "model_registry.models.mamba2:Mamba2ForCausalLM",
+    "JambaForCausalLM": "model_registry.models.jamba:JambaForCausalLM",
+    "Lfm2ForCausalLM": "model_registry.models.lfm2:Lfm2ForCausalLM",
+    "NemotronHForCausalLM": "model_registry.models.nemotron_h:NemotronHForCausalLM",
+    "GraniteMoeHybridForCausalLM": "model_registry.models.granite_moe_hybrid:GraniteMoeHybridForCausalLM",
+    "FalconH1ForCausalLM": "model_registry.models.falcon_h1:FalconH1ForCausalLM",
+    "Zamba2ForCausalLM": "model_registry.models.zamba2:Zamba2ForCausalLM",
     # Encoder-decoder: speech in, text out.
     "WhisperForConditionalGeneration": "model_registry.models.whisper:WhisperForConditionalGeneration",
 }

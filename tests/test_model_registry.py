@@ -26,6 +26,11 @@ def _plugin_manager(*plugins):
     return pm
 
 
+STATE_SPACE_ARCHITECTURES = ["MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM", "JambaForCausalLM",
+                             "Lfm2ForCausalLM", "NemotronHForCausalLM", "GraniteMoeHybridForCausalLM",
+                             "FalconH1ForCausalLM", "Zamba2ForCausalLM"]
+
+
 def test_builtin_plugin_registers_the_llama_family_lazily():
     reg = build_registry(_plugin_manager(builtin))
     assert reg.architectures() == sorted(["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
@@ -33,7 +38,7 @@ def test_builtin_plugin_registers_the_llama_family_lazily():
                                           "BertModel",
                                           "BertForSequenceClassification", "LlamaModel", "Qwen2Model",
                                           "LlamaForSequenceClassification", "Qwen2ForSequenceClassification",
-                                          "MistralForSequenceClassification"])
+                                          "MistralForSequenceClassification", *STATE_SPACE_ARCHITECTURES])
     assert all(isinstance(reg.entry(a).target, str) for a in reg.architectures())  # lazy "module:Class"
     assert builtin.VLLITE_PLUGIN_API == hookspecs.VLLITE_PLUGIN_API
     arch, cls = reg.resolve_for_config(SimpleNamespace(architectures=["Qwen2ForCausalLM"]))

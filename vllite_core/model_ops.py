@@ -78,6 +78,107 @@ class ModelOps:
                 y.index_add_(0, idx, F.linear(F.linear(x.index_select(0, idx), a), b))
         return y
 
+    # ---- recurrent layers (Mamba and hybrids) -------------------------------------------------
+    # A step's tokens arrive flattened; ``query_start_loc`` (host list, R + 1 entries) splits them into the
+    # R requests, and each request's state row (gathered by the caller, zero for a fresh request) comes in
+    # and is updated in place, so chunked prefill and decode continue where the last step stopped.
+
+    def causal_conv1d(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      conv_state: torch.Tensor, query_start_loc: list[int], activation: str | None) -> torch.Tensor:
+        """Causal depthwise conv over each request's tokens: ``x`` [T, C], ``weight`` [C, K], ``conv_state``
+        [R, C, K-1] (the request's last K-1 inputs, updated in place). Returns [T, C]."""
+        k = weight.shape[-1]
+        if len(query_start_loc) - 1 == x.shape[0]:  # one token per request (decode): all rows at once
+            window = torch.cat([conv_state, x[:, :, None]], dim=-1)
+            conv_state.copy_(window[:, :, 1:])
+            y = (window * weight).sum(-1)
+            if bias is not None:
+                y = y + bias
+            return _activate(y, activation)
+        out = torch.empty_like(x)
+        for r, (start, end) in enumerate(zip(query_start_loc[:-1], query_start_loc[1:])):
+            seq = torch.cat([conv_state[r], x[start:end].t()], dim=-1)  # [C, K-1 + L]
+            out[start:end] = F.conv1d(seq[None], weight[:, None, :], bias, groups=weight.shape[0])[0].t()
+            conv_state[r].copy_(seq[:, seq.shape[1] - (k - 1):])
+        return _activate(out, activation)
+
+    def selective_scan(self, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                       D: torch.Tensor | None, z: torch.Tensor | None, dt_bias: torch.Tensor | None,
+                       ssm_state: torch.Tensor, query_start_loc: list[int]) -> torch.Tensor:
+        """Mamba-1 selective scan: ``x``, ``dt``, ``z`` [T, Dm], ``A`` [Dm, N], ``B``, ``C`` [T, N],
+        ``ssm_state`` [R, Dm, N] (updated in place). h = exp(dt A) h + dt B x; y = C h + D x, gated by silu(z)."""
+        if dt_bias is not None:
+            dt = dt + dt_bias
+        dt = F.softplus(dt).float()
+        dA = torch.exp(A.float()[None] * dt[:, :, None])  # [T, Dm, N]
+        dBx = dt[:, :, None] * B.float()[:, None, :] * x.float()[:, :, None]
+        if len(query_start_loc) - 1 == x.shape[0]:  # decode: one step for every request at once
+            h = ssm_state.float() * dA + dBx
+            ssm_state.copy_(h)
+            y = torch.matmul(h.to(C.dtype), C[:, :, None])[..., 0]
+        else:
+            y = torch.empty_like(x)
+            for r, (start, end) in enumerate(zip(query_start_loc[:-1], query_start_loc[1:])):
+                h = ssm_state[r].float()
+                for t in range(start, end):
+                    h = dA[t] * h + dBx[t]
+                    y[t] = torch.matmul(h.to(C.dtype), C[t])
+                ssm_state[r].copy_(h)
+        if D is not None:
+            y = y + x * D
+        if z is not None:
+            y = y * F.silu(z)
+        return y.to(x.dtype)
+
+    def ssd_scan(self, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                 D: torch.Tensor | None, dt_bias: torch.Tensor, dt_limit: tuple[float, float], chunk_size: int,
+                 ssm_state: torch.Tensor, query_start_loc: list[int]) -> torch.Tensor:
+        """Mamba-2 scan (scalar decay per head): ``x`` [T, H, P], ``dt`` [T, H] (before bias and softplus),
+        ``A`` [H], ``B``, ``C`` [T, G, N] (G groups of heads), ``ssm_state`` [R, H, P, N] (updated in place).
+        Prefill runs the chunked state-space-duality form (``ssd_chunked``); decode one recurrent step.
+        Returns float32 [T, H, P]."""
+        dt = F.softplus(dt.float() + dt_bias.float()).clamp(dt_limit[0], dt_limit[1])
+        heads, groups = x.shape[1], B.shape[1]
+        B = B.float().repeat_interleave(heads // groups, dim=1)  # [T, H, N]
+        C = C.float().repeat_interleave(heads // groups, dim=1)
+        x32, A = x.float(), A.float()
+        if len(query_start_loc) - 1 == x.shape[0]:  # decode: h = exp(dt A) h + dt B x for every request
+            dA = torch.exp(dt * A)[:, :, None, None]
+            h = ssm_state.float() * dA + (dt[:, :, None] * x32)[..., None] * B[:, :, None, :]
+            ssm_state.copy_(h)
+            y = torch.matmul(h, C[..., None])[..., 0]
+        else:
+            y = torch.empty_like(x32)
+            for r, (start, end) in enumerate(zip(query_start_loc[:-1], query_start_loc[1:])):
+                y[start:end], final = ssd_chunked(x32[start:end], dt[start:end], A, B[start:end], C[start:end],
+                                                  chunk_size, ssm_state[r].float())
+                ssm_state[r].copy_(final)
+        if D is not None:
+            y = y + x32 * D.float()[:, None]
+        return y
+
+
+    def moe(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
+            topk_ids: torch.Tensor) -> torch.Tensor:
+        """Mixture of SwiGLU experts: ``x`` [T, H]; ``gate_up`` [E, 2I, H] and ``down`` [E, H, I] stacked
+        expert weights; each token goes to its ``topk_ids`` [T, k] experts, their outputs summed with
+        ``topk_weights`` [T, k] (routing, normalised or not, is the model's). Returns [T, H]."""
+        out = torch.zeros_like(x)
+        for e in torch.unique(topk_ids).tolist():
+            tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+            h = self.silu_and_mul(F.linear(x[tok], gate_up[e]))
+            h = F.linear(h, down[e]) * topk_weights[tok, slot, None]
+            out.index_add_(0, tok, h.to(out.dtype))
+        return out
+
+
+def _activate(x: torch.Tensor, activation: str | None) -> torch.Tensor:
+    if activation is None:
+        return x
+    if activation in ("silu", "swish"):
+        return F.silu(x)
+    raise NotImplementedError(f"activation {activation!r} after a causal conv1d (silu only)")
+
 
 def rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin (the HF/NeoX layout: the two halves of each head are paired)."""
@@ -102,3 +203,39 @@ def use_model_ops(ops: ModelOps) -> Iterator[ModelOps]:
         yield ops
     finally:
         _current.reset(token)
+
+
+def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                chunk_size: int, h0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence through the Mamba-2 recurrence h_t = exp(a_t) h_{t-1} + dt_t B_t x_t, y_t = C_t h_t with
+    a_t = dt_t A, in chunks of ``chunk_size``: inside a chunk it is a masked, decay-weighted C.B product
+    (matmuls); across chunks the state is carried by one decay per chunk. ``x`` [L, H, P], ``dt`` [L, H],
+    ``B``, ``C`` [L, H, N], ``h0`` [H, P, N]. Returns (y [L, H, P], final state [H, P, N])."""
+    length = x.shape[0]
+    pad = (-length) % chunk_size
+    if pad:
+        x, dt, B, C = (F.pad(t, (0,) * (2 * t.dim() - 2) + (0, pad)) for t in (x, dt, B, C))
+    nc = x.shape[0] // chunk_size
+    xs = (x * dt[..., None]).view(nc, chunk_size, *x.shape[1:])  # dt x: [c, l, H, P]
+    a = (dt * A).view(nc, chunk_size, -1)  # [c, l, H]
+    B, C = B.view(nc, chunk_size, *B.shape[1:]), C.view(nc, chunk_size, *C.shape[1:])
+    cum = torch.cumsum(a, dim=1)  # [c, l, H]: decay from the chunk start to l (inclusive)
+    # Intra-chunk: y[l] = sum_{s <= l} exp(cum[l] - cum[s]) (C[l] . B[s]) dt[s] x[s].
+    causal = torch.tril(torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=x.device))
+    diff = cum[:, :, None, :] - cum[:, None, :, :]  # [c, l, s, H]
+    decay = torch.exp(diff.masked_fill(~causal[None, :, :, None], float("-inf")))
+    scores = torch.einsum("clhn,cshn->clsh", C, B) * decay
+    y = torch.einsum("clsh,cshp->clhp", scores, xs)
+    # Each chunk's own contribution to the state at its end, then the carried state chunk by chunk.
+    to_end = torch.exp(cum[:, -1:, :] - cum)  # [c, l, H]
+    chunk_states = torch.einsum("clhn,clh,clhp->chpn", B, to_end, xs)
+    chunk_decay = torch.exp(cum[:, -1, :])  # [c, H]
+    h = h0
+    starts = []
+    for c in range(nc):
+        starts.append(h)
+        h = chunk_decay[c][:, None, None] * h + chunk_states[c]
+    start_states = torch.stack(starts)  # [c, H, P, N]: the state entering each chunk
+    y = y + torch.einsum("clhn,chpn->clhp", C, start_states) * torch.exp(cum)[..., None]
+    # The padded tail (dt = 0: no decay, no input) leaves the final state as it was.
+    return y.reshape(nc * chunk_size, *x.shape[1:])[:length], h

@@ -12,6 +12,7 @@ tensors.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -92,13 +93,22 @@ class CrossAttentionSpec(KVCacheSpec):
 @dataclass(frozen=True)
 class StateSpec(KVCacheSpec):
     """A fixed per-request state (recurrent layers: convolution and SSM states) of ``state_bytes`` bytes,
-    held in one block for the request's lifetime. It cannot be prefix-cached. The model runner does not
-    allocate it yet: the Mamba/hybrid models bring that path."""
+    held in one block for the request's lifetime. It cannot be prefix-cached. ``state_shapes`` are the
+    layer's state tensors (e.g. conv ``(channels, kernel - 1)`` and SSM ``(channels, state_size)``), laid
+    side by side in one row of ``dtype`` per block (``vllite_core/state_cache.py``)."""
 
     kind: ClassVar[str] = "state"
     cacheable: ClassVar[bool] = False
 
     state_bytes: int = 0
+    state_shapes: tuple[tuple[int, ...], ...] = ()
+
+    @classmethod
+    def of(cls, block_size: int, state_shapes: list[tuple[int, ...]], dtype: Any) -> "StateSpec":
+        """The spec of a layer keeping ``state_shapes`` tensors of ``dtype`` per request."""
+        shapes = tuple(tuple(int(d) for d in s) for s in state_shapes)
+        elems = sum(math.prod(s) for s in shapes)
+        return cls(block_size, 0, 0, dtype, state_bytes=elems * dtype.itemsize, state_shapes=shapes)
 
     @property
     def page_bytes(self) -> int:

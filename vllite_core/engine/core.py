@@ -17,6 +17,7 @@ from vllite_core.core.scheduler import Scheduler, SchedulerStats
 from vllite_core.model_interfaces import model_capabilities
 from vllite_core.pooling import setup as pooling_setup
 from vllite_core.request import Request, RequestStatus
+from vllite_core.state_cache import check_state_options, limit_max_num_seqs
 from vllite_core.worker.model_runner import SampleLogprobs
 from vllite_core.worker.worker import Worker
 
@@ -122,6 +123,8 @@ class EngineCore:
         arch, model_cls = build_registry(pm).resolve_for_config(hf_config)
         model_cls = pooling_setup.resolve_model_class(arch, model_cls, mc.runner, mc.convert)
         mc.capabilities = model_capabilities(model_cls)
+        if mc.capabilities.is_stateful:
+            check_state_options(config, arch)
         if mc.capabilities.is_pooling:
             pooling_setup.setup_pooling(config, source.path, hf_config, model_cls)
         if config.lora_config is not None and not config.model_config.capabilities.supports_lora:
@@ -141,6 +144,7 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, max_model_len,
                                                groups=groups)
         cc.enable_prefix_caching = self.kv_cache_manager.enable_caching
+        limit_max_num_seqs(config, groups, num_blocks)
         self.scheduler = Scheduler(config.scheduler_config, cc, self.kv_cache_manager, max_model_len,
                                    max_loras=config.lora_config.max_loras if config.lora_config else 0,
                                    encoder_cache=_encoder_cache(config),

@@ -47,9 +47,10 @@ class ModelForward:
                 max_model_len: int, device: torch.device) -> None:
         """Ask the platform for decode runners (nothing under ``enforce_eager``, with several cache groups, with
         LoRA on: the per-step adapter grouping is not captured, nor with ``calculate_kv_scales``: a capture
-        would measure its dummy batch and bake the scales in)."""
+        would measure its dummy batch and bake the scales in, nor for models with a recurrent state: the
+        capture's dummy inputs are attention metadata)."""
         if (config.enforce_eager or not kv_caches or num_groups != 1 or config.lora_config is not None
-                or config.cache_config.calculate_kv_scales):
+                or config.cache_config.calculate_kv_scales or config.model_config.capabilities.is_stateful):
             return
         sizes = capture_sizes(config.scheduler_config.max_num_seqs)
         max_blocks = cdiv(max_model_len, block_size)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from vllite_core.attention import AttentionBackend, AttentionMetadata
-from vllite_core.config import ConfigError, VlliteConfig
+from vllite_core.config import VlliteConfig
 from vllite_core.core.kv_cache_spec import (
     CrossAttentionSpec,
     KVCacheSpec,
@@ -32,6 +32,7 @@ from vllite_core.core.kv_cache_spec import (
 )
 from vllite_core.core.sched_output import SchedulerOutput
 from vllite_core.sample.sampler import RowFaults, Sampler, SamplerOutput, gather_logprobs
+from vllite_core.state_cache import build_state_metadata, state_tensor_shape
 from vllite_core.utils import cdiv
 from vllite_core.worker.graph_runner import ModelForward
 from vllite_core.worker.input_batch import InputBatch, RowState
@@ -98,9 +99,6 @@ class ModelRunner:
         for g, group in enumerate(self.kv_cache_groups):
             for layer in group.layers:
                 self.group_of_layer[layer] = g
-            if isinstance(group.spec, StateSpec):
-                raise ConfigError(f"{type(model).__name__}: state caches ({group.spec.kind}) have no runner "
-                                  "support yet")
         self.tensor_plan = plan_kv_tensors(self.kv_cache_groups, len(self.kv_cache_specs))
         self.cross_layers = [i for i, s in enumerate(self.kv_cache_specs) if isinstance(s, CrossAttentionSpec)]
         self.batch = InputBatch(config.scheduler_config.max_num_seqs, self.max_model_len, self.block_size,
@@ -141,6 +139,8 @@ class ModelRunner:
 
     # ---- KV cache ---------------------------------------------------------------------
     def _tensor_shape(self, spec: KVCacheSpec, num_blocks: int) -> tuple[int, ...]:
+        if isinstance(spec, StateSpec):
+            return state_tensor_shape(spec, num_blocks)
         return self.attn_backend.get_kv_cache_shape(num_blocks, self.block_size, spec.num_kv_heads, spec.head_size)
 
     def kv_cache_bytes_per_block(self) -> int:
@@ -180,7 +180,9 @@ class ModelRunner:
         md = self._metadata(np.array([0, n]), np.array([n]), np.arange(1, blocks, dtype=np.int32)[None, :],
                             (pos // self.block_size + 1) * self.block_size + pos % self.block_size, n, n)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, torch.as_tensor(pos, device=self.device), caches, [md] * len(caches))
+        state_md = build_state_metadata(np.array([1]), np.array([0]), np.array([0, n]), n, n, self.device)
+        mds = [state_md if isinstance(spec, StateSpec) else md for spec in self.kv_cache_specs]
+        hidden = self.model(ids, torch.as_tensor(pos, device=self.device), caches, mds)
         self.model.compute_logits(hidden[-1:])
         del caches, hidden
 
@@ -270,6 +272,10 @@ class ModelRunner:
                 table = b.block_tables[g][rows, :max(1, cdiv(int(enc_lens.max()), bs))]
                 group_metadata.append(self._metadata(query_start_loc, enc_lens, table, np.zeros(0, dtype=np.int64),
                                                      max_query_len, total, prepare=False))
+                continue
+            if isinstance(group.spec, StateSpec):  # one block per request: its recurrent state
+                group_metadata.append(build_state_metadata(b.block_tables[g][rows, 0], computed, query_start_loc,
+                                                            max_query_len, total, self.device))
                 continue
             table = b.block_tables[g][rows, :cdiv(int(seq_lens.max()), bs)]
             slot_mapping = table[req_idx, positions // bs].astype(np.int64) * bs + positions % bs
