@@ -176,6 +176,38 @@ class LoRAConfig:
             raise ConfigError(f"max_cpu_loras: {self.max_cpu_loras} is less than max_loras={self.max_loras}")
 
 
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is spread over processes (vLLM's names): ``tensor_parallel_size`` ranks, each one
+    worker, run by ``distributed_executor_backend``: ``uni`` (the worker in the engine's process), ``mp``
+    (one process per rank on this machine) or ``ray`` (Ray actors, across a Ray cluster's nodes).
+    None picks ``uni`` for one rank, ``mp`` for more."""
+
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ConfigError(f"tensor_parallel_size: must be an integer >= 1, got {tp!r}")
+        backend = self.distributed_executor_backend
+        if backend is None:
+            self.distributed_executor_backend = "uni" if tp == 1 else "mp"
+        elif backend not in EXECUTOR_BACKENDS:
+            raise ConfigError(f"distributed_executor_backend: must be one of {', '.join(EXECUTOR_BACKENDS)}, "
+                              f"got {backend!r}")
+        elif backend == "uni" and tp > 1:
+            raise ConfigError(f"distributed_executor_backend: 'uni' runs one worker, but tensor_parallel_size="
+                              f"{tp} needs {tp}; use 'mp' or 'ray'")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+
 @dataclass
 class VlliteConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
@@ -185,6 +217,7 @@ class VlliteConfig:
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     enforce_eager: bool = False
     lora_config: LoRAConfig | None = None  # None: LoRA off
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
     def finalize(self, max_model_len: int) -> None:
         """Apply the cross-field rules once the model's context length is known."""
@@ -247,6 +280,8 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # uni | mp | ray (None: uni for one rank, else mp)
 
     ALIASES = {"num_gpu_blocks_override": "num_kv_blocks", "memory_utilization": "gpu_memory_utilization"}
     REJECTED = {
@@ -298,4 +333,5 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             lora_config=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora
             else None,
+            parallel_config=ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend),
         )
