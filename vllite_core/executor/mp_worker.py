@@ -63,6 +63,12 @@ def _picklable(e: BaseException) -> BaseException | None:
 
 def main() -> None:
     _die_with_parent()
+    import logging
+    import os
+
+    # The engine process's level for vllite's loggers; lines say which worker wrote them.
+    logging.basicConfig(format=f"%(levelname)s %(name)s (worker pid {os.getpid()}): %(message)s")
+    logging.getLogger("vllite").setLevel(int(os.environ.get("VLLITE_WORKER_LOG_LEVEL", logging.WARNING)))
     conn = Connection(int(sys.argv[1]))
     try:
         serve(conn)

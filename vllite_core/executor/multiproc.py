@@ -78,6 +78,7 @@ class MultiprocExecutor(Executor):
         env = dict(os.environ)
         # The parent's sys.path, so the workers import the same vllite (a checkout, a test's tmp plugin).
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        env["VLLITE_WORKER_LOG_LEVEL"] = str(logging.getLogger("vllite").getEffectiveLevel())
         for rank in range(world):
             mine, theirs = socket.socketpair()
             proc = subprocess.Popen([sys.executable, "-m", "vllite_core.executor.mp_worker", str(theirs.fileno())],
