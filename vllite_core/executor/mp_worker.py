@@ -1,9 +1,9 @@
 """Main of one worker process of the ``mp`` executor: ``python -m vllite_core.executor.mp_worker FD``.
 
 FD is this process's end of a socket pair the executor made: requests come in as pickled
-``(method, args)``, each answered with ``("ok", result)`` (rank 0's result; the others answer None
-for ``execute_model``) or ``("error", traceback)``. When the engine process goes away the socket
-closes and this process exits; on Linux it is also killed with its parent.
+``(method, args)``, each answered with ``("ok", result)`` or ``("error", (summary, traceback,
+exception))``. When the engine process goes away the socket closes and this process exits; on Linux
+it is also killed with its parent.
 """
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ def serve(conn: Connection) -> None:
     from vllite_core.executor.wrapper import WorkerWrapper
 
     wrapper = WorkerWrapper()
-    rank = -1
     while True:
         try:
             method, args = pickle.loads(conn.recv_bytes())
@@ -38,12 +37,7 @@ def serve(conn: Connection) -> None:
             conn.send(("ok", None))
             return
         try:
-            result = wrapper.call(method, *args)
-            if method == "init_worker":
-                rank = args[2].rank
-            if method == "execute_model" and rank != 0:
-                result = None  # only rank 0's output is used: do not ship the others'
-            reply = ("ok", result)
+            reply = ("ok", wrapper.call(method, *args))
         except BaseException as e:  # noqa: BLE001 - every failure goes back to the engine, named
             reply = ("error", (f"{type(e).__name__}: {e}", traceback.format_exc(), _picklable(e)))
         try:

@@ -64,8 +64,12 @@ class WorkerWrapper:
         return ModelFacts(int(runner.model.vocab_size), runner.kv_cache_groups, runner.kv_cache_dtype)
 
     def call(self, method: str, *args: Any) -> Any:
-        """A method of this wrapper, else of the worker."""
+        """A method of this wrapper, else of the worker. Only rank 0's step output is used: the other
+        ranks return None rather than ship theirs."""
         target = getattr(self, method, None)
         if target is None:
             target = getattr(self.worker, method)
-        return target(*args)
+        result = target(*args)
+        if method == "execute_model" and self.rank_info is not None and self.rank_info.rank != 0:
+            return None
+        return result
