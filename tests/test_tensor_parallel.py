@@ -206,3 +206,32 @@ def test_mp_executor_with_one_rank_matches_uni(tiny_path):
     uni = LLM(tiny_path, dtype="float32", num_kv_blocks=32)
     assert got == [o.outputs[0].token_ids for o in _generate(uni, prompts, SamplingParams(temperature=0, max_tokens=8))]
     assert np.all([len(g) == 8 for g in got])
+
+
+# ---- the layout, as `vllite env` prints it -------------------------------------------------------
+
+def test_env_prints_the_parallel_layout(capsys):
+    from vllite_core.entrypoints.cli import main
+
+    assert main(["env", "--device", "cpu", "--tensor-parallel-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "parallel:      2 rank(s), mp executor, 1 node(s), collectives gloo" in out
+    assert "rank 0: worker process 1 of 2 on this host" in out and "rank 1: worker process 2 of 2" in out
+
+
+def test_env_layout_json_and_a_bad_layout(capsys):
+    import json
+
+    from vllite_core.entrypoints.cli import main
+    from vllite_core.platforms.resolve import current_platform
+
+    assert main(["env", "--device", "cpu", "--json", "--tensor-parallel-size", "3",
+                 "--distributed-executor-backend", "ray"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["parallel"]["backend"] == "ray" and data["parallel"]["ranks"] == 3
+    n = current_platform().device_count() + 1
+    assert main(["env", "--device", "cpu", "--tensor-parallel-size", str(n)]) == 0
+    assert f"error: {n} ranks need {n} devices on this host" in capsys.readouterr().out
+    assert main(["env", "--device", "cpu", "--tensor-parallel-size", "2", "--distributed-executor-backend",
+                 "uni"]) == 1
+    assert "distributed_executor_backend: 'uni' runs one worker" in capsys.readouterr().err

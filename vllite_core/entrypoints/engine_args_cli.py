@@ -29,6 +29,10 @@ _HELP = {
     "logits_processors": "global logits processor as module:attr (repeatable)",
     "runner": "auto | generate | pooling (pooling: embeddings / scores; auto: what the architecture is)",
     "convert": "auto | none | embed | classify | reward: serve a causal LM as a pooling model",
+    "tensor_parallel_size": "shard the model over N ranks (one worker and one device each)",
+    "distributed_executor_backend": "uni (one worker in the engine process) | mp (one process per rank on this "
+                                    "machine) | ray (Ray actors over a Ray cluster); default: uni for one rank, "
+                                    "mp for more",
 }
 
 
