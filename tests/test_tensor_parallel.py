@@ -198,6 +198,12 @@ def test_a_worker_failing_to_load_names_its_rank(tmp_path):
         LLM(str(tmp_path), dtype="float32", tensor_parallel_size=2, num_kv_blocks=16)
 
 
+@pytest.mark.slow
+def test_a_config_error_inside_a_worker_comes_back_as_one(tiny_path):
+    with pytest.raises(ConfigError, match=r"num_kv_blocks: 1 blocks cannot hold one request.*\(worker rank \d\)"):
+        LLM(tiny_path, dtype="float32", tensor_parallel_size=2, num_kv_blocks=1)
+
+
 def test_mp_executor_with_one_rank_matches_uni(tiny_path):
     prompts = [[1, 2, 3, 4, 5], list(range(40, 80))]
     mp = LLM(tiny_path, dtype="float32", distributed_executor_backend="mp", num_kv_blocks=32)
