@@ -24,7 +24,7 @@ from torch import nn
 
 from vllite_core.distributed import get_tp
 from vllite_core.distributed.sharding import VocabShard, shard_heads, shard_vocab, split
-from vllite_core.model_ops import current_model_ops
+from vllite_core.model_ops import ModelOps, current_model_ops
 
 
 @torch.no_grad()
@@ -54,11 +54,12 @@ class Segment:
 class ParallelLinear(nn.Module):
     """y = x W^T + b over this rank's slice; uninitialised storage (every weight comes from the checkpoint)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 ops: ModelOps | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
-        self._ops = current_model_ops()
+        self._ops = ops or current_model_ops()  # a model may pin its own (Whisper: plain torch)
         self._state: dict = {}
         self.lora = None  # a vllite_core.lora.slots.LoRALayer when the engine serves adapters (one rank only)
         self.weight.weight_loader = self.load  # type: ignore[attr-defined]
@@ -78,14 +79,15 @@ class ColumnParallelLinear(ParallelLinear):
     counts (one unnamed tensor when None), each split the same way: a rank holds its part of each, in order."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 segments: dict[str | None, Segment] | None = None) -> None:
+                 segments: dict[str | None, Segment] | None = None, ops: ModelOps | None = None,
+                 out_range: tuple[int, int] | None = None) -> None:
         tp = get_tp()
         if segments is None:
-            start, stop = split(out_features, tp.world_size, tp.rank)
+            start, stop = out_range or split(out_features, tp.world_size, tp.rank)
             segments = {None: Segment(0, start, stop - start, out_features)}
         self.segments = segments
         local = sum(s.length for s in segments.values())
-        super().__init__(in_features, local, bias, dtype)
+        super().__init__(in_features, local, bias, dtype, ops)
 
     @torch.no_grad()
     def load(self, param: torch.Tensor, src: torch.Tensor, shard: str | None, name: str) -> None:
@@ -128,12 +130,12 @@ class RowParallelLinear(ParallelLinear):
     """Input columns ``[in_start, in_stop)`` of ``in_features`` on this rank; outputs summed over ranks."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 in_range: tuple[int, int] | None = None) -> None:
+                 in_range: tuple[int, int] | None = None, ops: ModelOps | None = None) -> None:
         tp = get_tp()
         self.in_features = in_features
         self.in_range = in_range or split(in_features, tp.world_size, tp.rank)
         self.tp = tp
-        super().__init__(self.in_range[1] - self.in_range[0], out_features, bias, dtype)
+        super().__init__(self.in_range[1] - self.in_range[0], out_features, bias, dtype, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:

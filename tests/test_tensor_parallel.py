@@ -171,12 +171,11 @@ def test_more_ranks_than_the_platform_has_devices(tmp_path):
         LLM(str(tmp_path), dtype="float32", tensor_parallel_size=n)
 
 
-def test_a_model_without_tensor_parallel_support_is_refused(tmp_path):
-    from tiny_whisper import save_tiny_whisper
+def test_a_model_without_tensor_parallel_support_is_refused():
+    from tiny_pooling import minilm_path  # BERT (all-MiniLM-L6-v2): a built-in that does not declare it
 
-    save_tiny_whisper(tmp_path)
-    with pytest.raises(ConfigError, match="WhisperForConditionalGeneration does not support tensor parallelism"):
-        LLM(str(tmp_path), dtype="float32", tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="BertModel does not support tensor parallelism"):
+        LLM(minilm_path(), tensor_parallel_size=2)
 
 
 def test_lora_needs_the_in_process_worker(tiny_path):
@@ -212,6 +211,27 @@ def test_mp_executor_with_one_rank_matches_uni(tiny_path):
     uni = LLM(tiny_path, dtype="float32", num_kv_blocks=32)
     assert got == [o.outputs[0].token_ids for o in _generate(uni, prompts, SamplingParams(temperature=0, max_tokens=8))]
     assert np.all([len(g) == 8 for g in got])
+
+
+# ---- Whisper (encoder-decoder): heads of the encoder, the decoder and cross attention split ----------
+
+def test_whisper_tp2_matches_hf(tmp_path):
+    from test_whisper import hf_whisper_greedy
+    from tiny_whisper import save_tiny_whisper, tone
+    from transformers import WhisperFeatureExtractor
+
+    hf = save_tiny_whisper(tmp_path)
+    fe = WhisperFeatureExtractor.from_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", tensor_parallel_size=2, num_kv_blocks=64 + 2 * -(-1500 // 16))
+    try:
+        audios = [tone(1.5, 300), tone(4.0, 700, chirp_to=1500)]
+        outs = llm.generate([{"multi_modal_data": {"audio": a}} for a in audios],
+                            SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        for out, audio in zip(outs, audios):
+            features = fe(audio, sampling_rate=16000, return_tensors="pt").input_features
+            assert out.outputs[0].token_ids == hf_whisper_greedy(hf, features, out.prompt_token_ids, 8)
+    finally:
+        llm.llm_engine.core.shutdown()
 
 
 # ---- the layout, as `vllite env` prints it -------------------------------------------------------
