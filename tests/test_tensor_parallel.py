@@ -183,6 +183,18 @@ def test_lora_needs_the_in_process_worker(tiny_path):
         LLM(tiny_path, dtype="float32", tensor_parallel_size=2, enable_lora=True)
 
 
+def test_a_worker_that_exits_names_its_exit_code_and_last_error_line(tmp_path, monkeypatch, tiny_path):
+    from vllite_core.executor import multiproc
+
+    (tmp_path / "exiting_worker.py").write_text("import sys\nsys.stderr.write('CUDA error: out of memory\\n')\n"
+                                                 "sys.exit(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # the workers get the engine's sys.path
+    monkeypatch.setattr(multiproc, "WORKER_MODULE", "exiting_worker")
+    with pytest.raises(WorkerDiedError, match=r"worker rank \d .*exited with code 3; its last error line: "
+                                              r"CUDA error: out of memory"):
+        LLM(tiny_path, dtype="float32", tensor_parallel_size=2, num_kv_blocks=16)
+
+
 @pytest.mark.slow
 def test_a_worker_failing_to_load_names_its_rank(tmp_path):
     import json

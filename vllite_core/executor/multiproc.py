@@ -10,6 +10,7 @@ other ranks are then stopped, so nothing waits on a lost peer.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import pickle
@@ -17,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from multiprocessing.connection import Connection, wait
@@ -28,6 +30,8 @@ from vllite_core.executor.errors import WorkerDiedError
 from vllite_core.executor.wrapper import RankInfo
 
 logger = logging.getLogger("vllite.executor")
+
+WORKER_MODULE = "vllite_core.executor.mp_worker"  # each rank's process runs `python -m WORKER_MODULE FD`
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -45,6 +49,24 @@ def exit_description(code: int | None) -> str:
         except ValueError:
             return f"it was killed by signal {-code}"
     return f"it exited with code {code}"
+
+
+def _tee_stderr(proc: subprocess.Popen, rank: int) -> collections.deque[str]:
+    """Copy a worker's stderr to ours as it comes, keeping its last lines for the error if it dies."""
+    tail: collections.deque[str] = collections.deque(maxlen=20)
+
+    def pump() -> None:
+        assert proc.stderr is not None
+        for raw in iter(proc.stderr.readline, b""):
+            line = raw.decode(errors="replace")
+            tail.append(line)
+            try:
+                sys.stderr.write(line)
+            except (OSError, ValueError):  # our stderr closed (shutting down)
+                pass
+
+    threading.Thread(target=pump, name=f"vllite-worker-{rank}-stderr", daemon=True).start()
+    return tail
 
 
 def _stop(procs: list[subprocess.Popen], conns: list[Connection]) -> None:
@@ -75,15 +97,17 @@ class MultiprocExecutor(Executor):
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
         self.dead: WorkerDiedError | None = None
+        self.stderr_tails: list[collections.deque[str]] = []  # each worker's last stderr lines
         env = dict(os.environ)
         # The parent's sys.path, so the workers import the same vllite (a checkout, a test's tmp plugin).
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         env["VLLITE_WORKER_LOG_LEVEL"] = str(logging.getLogger("vllite").getEffectiveLevel())
         for rank in range(world):
             mine, theirs = socket.socketpair()
-            proc = subprocess.Popen([sys.executable, "-m", "vllite_core.executor.mp_worker", str(theirs.fileno())],
-                                    pass_fds=[theirs.fileno()], env=env)
+            proc = subprocess.Popen([sys.executable, "-m", WORKER_MODULE, str(theirs.fileno())],
+                                    pass_fds=[theirs.fileno()], env=env, stderr=subprocess.PIPE)
             theirs.close()
+            self.stderr_tails.append(_tee_stderr(proc, rank))
             self.procs.append(proc)
             self.conns.append(Connection(mine.detach()))
         self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
@@ -147,7 +171,9 @@ class MultiprocExecutor(Executor):
             code = proc.wait(timeout=2)
         except subprocess.TimeoutExpired:
             code = None
-        return f"the worker process (pid {proc.pid}) died: {exit_description(code)}"
+        last = next((ln for ln in reversed(self.stderr_tails[rank]) if ln.strip()), None)
+        return (f"the worker process (pid {proc.pid}) died: {exit_description(code)}"
+                + (f"; its last error line: {last.strip()}" if last else ""))
 
     def _fail(self, rank: int, cause: str, details: str | None = None) -> None:
         self.dead = WorkerDiedError(rank, self.node, cause)
