@@ -7,6 +7,7 @@
 #   conformance.txt/.xml   the kit with the Triton backend (the default)
 #   conformance-sdpa.txt   the kit's contract + attention checks with the SDPA fallback
 #   throughput.json/.txt   offline generation and attention kernel timings
+#   mp.txt                 the mp executor (one worker process) against the in-process worker
 #   summary.txt            one line per step: PASS / FAIL / SKIP
 # Exit status: 0 when every step passed.
 set -uo pipefail
@@ -18,7 +19,7 @@ SUMMARY="$OUT_DIR/summary.txt"
 : > "$SUMMARY"
 STATUS=0
 note() { echo "$1" | tee -a "$SUMMARY"; }
-SKIP=" ${GPU_CHECK_SKIP:-} "  # e.g. GPU_CHECK_SKIP="bench aot": steps to leave out (kit, bench, sdpa, aot)
+SKIP=" ${GPU_CHECK_SKIP:-} "  # e.g. GPU_CHECK_SKIP="bench aot": steps to leave out (kit, bench, sdpa, aot, mp)
 step() {  # step KEY NAME TIMEOUT_S LOGFILE CMD...
   local key=$1 name=$2 limit=$3 log=$4; shift 4
   local t0=$SECONDS
@@ -93,6 +94,10 @@ step sdpa "conformance kit on cuda (sdpa fallback: contract + attention)" 120 "$
 # 5. The kernels also compile for the other GPU families (ahead of time, no such GPU needed).
 step aot "triton kernels compile for sm_80 and gfx942" 120 "$OUT_DIR/aot.txt" \
   "$VPY" -m vllite_triton_kernels.aot cuda:80 hip:gfx942
+
+# 6. The mp executor on the GPU: one rank in a worker process, tokens equal to the in-process worker's.
+step mp "mp executor (tensor_parallel_size=1) on cuda equals uni" 240 "$OUT_DIR/mp.txt" \
+  "$VPY" scripts/gpu_mp_check.py
 
 note "results in $OUT_DIR"
 exit $STATUS

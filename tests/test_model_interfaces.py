@@ -21,9 +21,9 @@ def test_builtin_and_plugin_models_declare_what_they_are():
     from model_registry.models.llama import LlamaForCausalLM
     from model_registry.models.whisper import WhisperForConditionalGeneration
 
-    assert model_capabilities(LlamaForCausalLM) == ModelCapabilities(supports_lora=True)
+    assert model_capabilities(LlamaForCausalLM) == ModelCapabilities(supports_lora=True, supports_tensor_parallel=True)
     assert model_capabilities(WhisperForConditionalGeneration) == ModelCapabilities(
-        processes_prompts=True, is_encoder_decoder=True, supports_transcription=True)
+        processes_prompts=True, is_encoder_decoder=True, supports_transcription=True, supports_tensor_parallel=True)
     assert model_capabilities(BartForConditionalGeneration) == ModelCapabilities(
         processes_prompts=True, is_encoder_decoder=True)
     assert model_capabilities(Florence2ForConditionalGeneration) == ModelCapabilities(

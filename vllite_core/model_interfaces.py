@@ -104,6 +104,15 @@ class SupportsLoRA(Protocol):
         module holding it, its first and past-last output rows there: fused q/k/v, gate/up)."""
 
 
+class SupportsTensorParallel(Protocol):
+    """Its layers shard over tensor-parallel ranks (``model_registry.parallel_layers``): built on each rank,
+    it holds and loads that rank's slice. A model class that does not declare it runs on one rank only."""
+
+    @classmethod
+    def check_tensor_parallel(cls, hf_config: Any, tensor_parallel_size: int) -> None:
+        """Raise ``ConfigError`` (naming ``tensor_parallel_size``) if this checkpoint cannot be split so."""
+
+
 class IsStateful(Protocol):
     """Keeps a recurrent state per request (Mamba and hybrids, ``StateSpec`` layers): no prefix caching."""
 
@@ -132,6 +141,7 @@ class ModelCapabilities:
     is_multimodal_decoder: bool = False  # media as prompt embeddings: encoder cache, image-aware block hashes
     supports_transcription: bool = False
     supports_lora: bool = False
+    supports_tensor_parallel: bool = False
     is_stateful: bool = False
     is_pooling: bool = False
 
@@ -143,6 +153,7 @@ _DECLARATIONS: dict[str, tuple[type, tuple[str, ...]]] = {
     "supports_multimodal": (SupportsMultiModal, ("process_prompt",)),
     "supports_transcription": (SupportsTranscription, ("max_audio_seconds", "language_detection_prompt")),
     "supports_lora": (SupportsLoRA, ("lora_targets",)),
+    "supports_tensor_parallel": (SupportsTensorParallel, ("check_tensor_parallel",)),
     "is_stateful": (IsStateful, ()),
     "is_pooling": (IsPooling, ("pool", "pooling_task", "default_pooling_type", "is_bidirectional")),
     # Last: the Protocols above that build on it name themselves in the error.

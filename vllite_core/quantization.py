@@ -7,8 +7,9 @@ scaled back (``ModelOps.int8_linear``). Integer dot products are the fast path o
 twice bf16's rate on the hosts measured) and halve the weight bytes a decode step streams. The LM head
 and embeddings stay in the model dtype (logits are where rounding shows most).
 
-A model takes part by giving its linear layers a ``quantize_int8()`` method (the built-in Llama family
-does); a model with none is a ConfigError at start.
+A model takes part by listing the method in ``supported_quantization`` and giving its linear layers a
+``quantize_int8()`` method (the built-in Llama family's parallel linears); any other model is a
+ConfigError at start.
 """
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ def quantize_model(model: torch.nn.Module, method: str) -> int:
     if method not in QUANTIZATION_METHODS:
         raise ConfigError(f"quantization: must be one of {', '.join(QUANTIZATION_METHODS)}, got {method!r}")
     layers = [m for m in model.modules() if callable(getattr(m, "quantize_int8", None))]
-    if not layers:
-        raise ConfigError(f"quantization: {type(model).__name__} has no layers that support {method!r}")
+    if method not in getattr(model, "supported_quantization", ()) or not layers:
+        raise ConfigError(f"quantization: {type(model).__name__} does not support {method!r}")
     before = sum(m.weight.numel() * m.weight.element_size() for m in layers)
     for m in layers:
         m.quantize_int8()

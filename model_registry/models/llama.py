@@ -13,14 +13,23 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from model_registry.models.rope import RotaryEmbedding
+from model_registry.parallel_layers import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    gather_logits,
+    load_parameter,
+    vocab_embedding,
+    vocab_parameter,
+)
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
 from vllite_core.attention.kv_quant import KVScales, kv_scale_name
 from vllite_core.core.kv_cache_spec import KVCacheSpec, attention_specs
-from vllite_core.model_interfaces import SupportsLoRA
+from vllite_core.distributed.sharding import check_heads
+from vllite_core.model_interfaces import SupportsLoRA, SupportsTensorParallel
 from vllite_core.model_ops import current_model_ops
 
 
@@ -34,21 +43,9 @@ class Linear(nn.Module):
         self._ops = current_model_ops()
         self._state: dict = {}
         self.lora = None  # a vllite_core.lora.slots.LoRALayer when the engine serves adapters
-        self.weight_scale: torch.Tensor | None = None  # float32 [out] once quantize_int8() has run
-
-    def quantize_int8(self) -> None:
-        """Replace the weight by int8 values and a scale per output row (``quantization="int8"``)."""
-        from vllite_core.quantization import quantize_rows_int8
-
-        q, self.weight_scale = quantize_rows_int8(self.weight.data)
-        self.weight = nn.Parameter(q, requires_grad=False)
-        self._state = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_scale is None:
-            y = self._ops.linear(x, self.weight, self.bias, self._state)
-        else:
-            y = self._ops.int8_linear(x, self.weight, self.weight_scale, self.bias, self._state)
+        y = self._ops.linear(x, self.weight, self.bias, self._state)
         return y if self.lora is None else self.lora(x, y)
 
 
@@ -85,18 +82,22 @@ class LlamaAttention(nn.Module):
                  sliding_window: int | None) -> None:
         super().__init__()
         c = hf_config
-        self.num_heads = c.num_attention_heads
-        self.num_kv_heads = getattr(c, "num_key_value_heads", None) or self.num_heads
-        self.head_size = getattr(c, "head_dim", None) or c.hidden_size // self.num_heads
+        num_heads = c.num_attention_heads
+        num_kv_heads = getattr(c, "num_key_value_heads", None) or num_heads
+        self.head_size = getattr(c, "head_dim", None) or c.hidden_size // num_heads
+        is_qwen2 = getattr(c, "model_type", "") == "qwen2"
+        qkv_bias = is_qwen2 or bool(getattr(c, "attention_bias", False))
+        o_bias = not is_qwen2 and bool(getattr(c, "attention_bias", False))
+        # This rank's heads (all of them on one rank): vllite_core.distributed.sharding.shard_heads.
+        self.qkv_proj = QKVParallelLinear(c.hidden_size, self.head_size, num_heads, num_kv_heads, qkv_bias, dtype)
+        heads = self.qkv_proj.heads
+        self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
         self.q_size = self.num_heads * self.head_size
         self.kv_size = self.num_kv_heads * self.head_size
         self.scale = self.head_size ** -0.5
         self.sliding_window = sliding_window
-        is_qwen2 = getattr(c, "model_type", "") == "qwen2"
-        qkv_bias = is_qwen2 or bool(getattr(c, "attention_bias", False))
-        o_bias = not is_qwen2 and bool(getattr(c, "attention_bias", False))
-        self.qkv_proj = Linear(c.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, dtype)
-        self.o_proj = Linear(self.q_size, c.hidden_size, o_bias, dtype)
+        q_cols = (heads.q_start * self.head_size, heads.q_start * self.head_size + self.q_size)
+        self.o_proj = RowParallelLinear(num_heads * self.head_size, c.hidden_size, o_bias, dtype, q_cols)
         self.attn_backend = attn_backend
         self.kv_scales = KVScales()  # float8 caches only: the checkpoint's, 1.0, or the first batch's
         self._ops = current_model_ops()
@@ -122,9 +123,11 @@ class LlamaMLP(nn.Module):
         if act not in ("silu", "swish"):
             raise NotImplementedError(f"hidden_act {act!r} is not supported by the Llama implementation (silu only)")
         bias = bool(getattr(hf_config, "mlp_bias", False))
-        self.intermediate_size = hf_config.intermediate_size
-        self.gate_up_proj = Linear(hf_config.hidden_size, 2 * self.intermediate_size, bias, dtype)
-        self.down_proj = Linear(self.intermediate_size, hf_config.hidden_size, bias, dtype)
+        size = hf_config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(hf_config.hidden_size, {"gate": size, "up": size}, bias,
+                                                       dtype)
+        self.intermediate_size = self.gate_up_proj.segments["gate"].length  # this rank's part
+        self.down_proj = RowParallelLinear(size, hf_config.hidden_size, bias, dtype)
         self._ops = current_model_ops()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -157,8 +160,8 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
-        self.embed_tokens = nn.Parameter(torch.empty(hf_config.vocab_size, hf_config.hidden_size, dtype=dtype),
-                                         requires_grad=False)
+        # This rank's block of token rows (the whole table on one rank).
+        self.embed_tokens, self.vocab_shard = vocab_parameter(hf_config.vocab_size, hf_config.hidden_size, dtype)
         num_layers = hf_config.num_hidden_layers
         head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         self.rotary_emb = RotaryEmbedding(hf_config, head_size)
@@ -169,7 +172,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: list[AttentionMetadata], inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        x = F.embedding(input_ids, self.embed_tokens) if inputs_embeds is None else inputs_embeds
+        x = vocab_embedding(input_ids, self.embed_tokens, self.vocab_shard) if inputs_embeds is None else inputs_embeds
         rope = self.rotary_emb.lookup(positions, x.dtype)  # shared by every layer
         residual = None
         for layer, kv_cache, md in zip(self.layers, kv_caches, attn_metadata, strict=True):
@@ -188,8 +191,10 @@ _STACKED = (
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
-class LlamaForCausalLM(nn.Module, SupportsLoRA):
+class LlamaForCausalLM(nn.Module, SupportsLoRA, SupportsTensorParallel):
     """Engine model for LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM checkpoints."""
+
+    supported_quantization = ("int8",)  # vllite_core.quantization
 
     def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
@@ -209,8 +214,13 @@ class LlamaForCausalLM(nn.Module, SupportsLoRA):
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
-            self.lm_head = nn.Parameter(torch.empty(self.vocab_size, self.hidden_size, dtype=dtype),
-                                        requires_grad=False)
+            self.lm_head = vocab_parameter(self.vocab_size, self.hidden_size, dtype)[0]
+
+    @classmethod
+    def check_tensor_parallel(cls, hf_config: Any, tensor_parallel_size: int) -> None:
+        """SupportsTensorParallel: ConfigError when the heads cannot be split over the ranks."""
+        heads = hf_config.num_attention_heads
+        check_heads(heads, getattr(hf_config, "num_key_value_heads", None) or heads, tensor_parallel_size)
 
     def get_kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> list[KVCacheSpec]:
         """One self-attention cache per layer: sliding-window layers get their own group, whose blocks
@@ -225,11 +235,12 @@ class LlamaForCausalLM(nn.Module, SupportsLoRA):
         return self.model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.model.embed_tokens)
+        return vocab_embedding(input_ids, self.model.embed_tokens, self.model.vocab_shard)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the rows the sampler needs."""
-        return self._ops.linear(hidden_states, self.lm_head, None, self._head_state).float()
+        local = self._ops.linear(hidden_states, self.lm_head, None, self._head_state)
+        return gather_logits(local, self.model.vocab_shard).float()
 
     def ensure_positions(self, max_model_len: int) -> None:
         """Grow the RoPE tables to ``max_model_len`` positions (needed only beyond max_position_embeddings
@@ -294,11 +305,11 @@ class LlamaForCausalLM(nn.Module, SupportsLoRA):
                 unexpected.append(hf_name)
                 continue
             if stacked is None:
-                _copy(params[target].data, tensor, hf_name)
+                load_parameter(params[target], tensor, None, hf_name)
                 loaded.add(target)
                 continue
             _, fused, shard = stacked
-            _copy(params[target].data[self._shard_slice(shard)], tensor, hf_name)
+            load_parameter(params[target], tensor, shard, hf_name)
             seen = shards_seen.setdefault(target, set())
             seen.add(shard)
             if seen == shards_needed[fused]:

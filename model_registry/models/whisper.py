@@ -30,10 +30,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model_registry.parallel_layers import ColumnParallelLinear, RowParallelLinear, load_parameter
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
 from vllite_core.core.kv_cache_spec import CrossAttentionSpec, FullAttentionSpec, KVCacheSpec
+from vllite_core.distributed import get_tp
+from vllite_core.distributed.sharding import check_heads, shard_heads
 from vllite_core.inputs import InputContext, ProcessedPrompt
-from vllite_core.model_interfaces import SupportsEncoderDecoder, SupportsTranscription
+from vllite_core.model_interfaces import SupportsEncoderDecoder, SupportsTensorParallel, SupportsTranscription
+from vllite_core.model_ops import ModelOps
 
 logger = logging.getLogger("vllite.model_registry")
 
@@ -44,6 +48,9 @@ _ENCODER_BATCH = 16  # encoder inputs run together per forward (bounds the activ
 
 
 # ---- layers -------------------------------------------------------------------------------
+_TORCH_OPS = ModelOps()  # Whisper's matmuls stay plain F.linear (the numerics its tests match HF with)
+
+
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
@@ -83,17 +90,21 @@ class Conv1d(nn.Module):
 
 
 class Attention(nn.Module):
-    """q/k/v/out projections (k without bias); how attention is computed is up to the caller."""
+    """q/k/v/out projections (k without bias); how attention is computed is up to the caller. Under
+    tensor parallelism a rank holds some heads: q/k/v column-parallel, out row-parallel."""
 
     def __init__(self, dim: int, num_heads: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.num_heads = num_heads
+        tp = get_tp()
         self.head_dim = dim // num_heads
+        heads = shard_heads(num_heads, num_heads, tp.world_size, tp.rank)
+        self.num_heads = heads.num_heads
         self.scaling = self.head_dim ** -0.5
-        self.q_proj = Linear(dim, dim, True, dtype)
-        self.k_proj = Linear(dim, dim, False, dtype)
-        self.v_proj = Linear(dim, dim, True, dtype)
-        self.out_proj = Linear(dim, dim, True, dtype)
+        cols = (heads.q_start * self.head_dim, (heads.q_start + heads.num_heads) * self.head_dim)
+        self.q_proj = ColumnParallelLinear(dim, dim, True, dtype, ops=_TORCH_OPS, out_range=cols)
+        self.k_proj = ColumnParallelLinear(dim, dim, False, dtype, ops=_TORCH_OPS, out_range=cols)
+        self.v_proj = ColumnParallelLinear(dim, dim, True, dtype, ops=_TORCH_OPS, out_range=cols)
+        self.out_proj = RowParallelLinear(dim, dim, True, dtype, in_range=cols, ops=_TORCH_OPS)
 
     def query(self, x: torch.Tensor) -> torch.Tensor:
         """Scaled queries [..., H, D] (scaled before the product, as Whisper does)."""
@@ -110,8 +121,8 @@ class EncoderLayer(nn.Module):
         d = cfg.d_model
         self.self_attn = Attention(d, cfg.encoder_attention_heads, dtype)
         self.self_attn_layer_norm = LayerNorm(d, dtype)
-        self.fc1 = Linear(d, cfg.encoder_ffn_dim, True, dtype)
-        self.fc2 = Linear(cfg.encoder_ffn_dim, d, True, dtype)
+        self.fc1 = ColumnParallelLinear(d, cfg.encoder_ffn_dim, True, dtype, ops=_TORCH_OPS)
+        self.fc2 = RowParallelLinear(cfg.encoder_ffn_dim, d, True, dtype, ops=_TORCH_OPS)
         self.final_layer_norm = LayerNorm(d, dtype)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # [B, S, d], full (bidirectional) attention
@@ -137,8 +148,8 @@ class DecoderLayer(nn.Module):
         self.self_attn_layer_norm = LayerNorm(d, dtype)
         self.encoder_attn = Attention(d, cfg.decoder_attention_heads, dtype)
         self.encoder_attn_layer_norm = LayerNorm(d, dtype)
-        self.fc1 = Linear(d, cfg.decoder_ffn_dim, True, dtype)
-        self.fc2 = Linear(cfg.decoder_ffn_dim, d, True, dtype)
+        self.fc1 = ColumnParallelLinear(d, cfg.decoder_ffn_dim, True, dtype, ops=_TORCH_OPS)
+        self.fc2 = RowParallelLinear(cfg.decoder_ffn_dim, d, True, dtype, ops=_TORCH_OPS)
         self.final_layer_norm = LayerNorm(d, dtype)
 
     def forward(self, h: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
@@ -199,7 +210,8 @@ class WhisperDecoder(nn.Module):
 
 
 # ---- the model --------------------------------------------------------------------------
-class WhisperForConditionalGeneration(nn.Module, SupportsEncoderDecoder, SupportsTranscription):
+class WhisperForConditionalGeneration(nn.Module, SupportsEncoderDecoder, SupportsTranscription,
+                                      SupportsTensorParallel):
 
     def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
@@ -210,7 +222,10 @@ class WhisperForConditionalGeneration(nn.Module, SupportsEncoderDecoder, Support
         self.config = cfg
         self.dtype = dtype
         self.num_layers = cfg.decoder_layers
-        self.num_kv_heads = cfg.decoder_attention_heads  # no GQA: self- and cross-attention share the shape
+        # No GQA: self- and cross-attention share the shape (this rank's heads under tensor parallelism).
+        tp = get_tp()
+        self.num_kv_heads = shard_heads(cfg.decoder_attention_heads, cfg.decoder_attention_heads, tp.world_size,
+                                        tp.rank).num_heads
         self.head_size = cfg.d_model // cfg.decoder_attention_heads
         self.max_encoder_len = int(cfg.max_source_positions)
         self.vocab_size = int(cfg.vocab_size)
@@ -225,6 +240,12 @@ class WhisperForConditionalGeneration(nn.Module, SupportsEncoderDecoder, Support
             self.model.encoder.embed_positions.weight.copy_(sinusoids(cfg.max_source_positions, cfg.d_model))
 
     # ---- engine contract --------------------------------------------------------------------
+    @classmethod
+    def check_tensor_parallel(cls, hf_config: Any, tensor_parallel_size: int) -> None:
+        """SupportsTensorParallel: heads split whole over ranks (the vocabulary stays on every rank)."""
+        for heads in (hf_config.encoder_attention_heads, hf_config.decoder_attention_heads):
+            check_heads(heads, heads, tensor_parallel_size)
+
     @classmethod
     def get_max_model_len(cls, hf_config: Any) -> int:
         """The decoder's positions (the encoder's are a separate, fixed window)."""
@@ -307,11 +328,7 @@ class WhisperForConditionalGeneration(nn.Module, SupportsEncoderDecoder, Support
             if target is None:
                 unexpected.append(name)
                 continue
-            if tuple(target.shape) != tuple(tensor.shape):
-                raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} does not match the "
-                                 f"model's {tuple(target.shape)}")
-            with torch.no_grad():
-                target.data.copy_(tensor.to(target.dtype))
+            load_parameter(target, tensor.to(target.dtype), None, name)  # this rank's slice of a sharded one
             loaded.add(name)
         if unexpected:
             shown = ", ".join(unexpected[:8]) + (" ..." if len(unexpected) > 8 else "")

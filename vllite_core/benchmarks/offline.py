@@ -54,12 +54,15 @@ def build_engine(engine_args: Any) -> Any:
 
 def engine_facts(engine: Any) -> dict[str, Any]:
     core = engine.core
-    runner = core.worker.runner
     cfg = engine.config
+    # The runner lives in this process with the uni executor only; the others run it in each rank's worker.
+    dtype = core.worker.runner.dtype if core.worker is not None else cfg.model_config.dtype
     facts = {
         "architecture": core.model_info.architecture,
         "model": cfg.model_config.model or "(embedded SmolLM2-135M-Instruct)",
-        "dtype": str(runner.dtype).replace("torch.", ""),
+        "dtype": str(dtype).replace("torch.", ""),
+        "tensor_parallel_size": cfg.parallel_config.tensor_parallel_size,
+        "executor": core.executor.backend,
         "platform": core.platform.name,
         "max_num_seqs": cfg.scheduler_config.max_num_seqs,
         "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
@@ -69,7 +72,7 @@ def engine_facts(engine: Any) -> dict[str, Any]:
         "startup_s": getattr(engine, "bench_startup_s", None),
         "speculative_config": vars(cfg.speculative_config).copy() if cfg.speculative_config else None,
     }
-    fwd = getattr(runner, "model_forward", None)
+    fwd = getattr(core.worker.runner, "model_forward", None) if core.worker is not None else None
     if fwd is not None and hasattr(fwd, "describe"):
         facts["graphs"] = fwd.describe()
     return facts

@@ -66,6 +66,9 @@ class StepProfiler:
 
     def attach(self, llm_engine: Any) -> "StepProfiler":
         core = llm_engine.core
+        if core.worker is None:
+            raise ValueError("distributed_executor_backend: the per-step profile times the model runner in this "
+                             "process, which only the uni executor has")
         runner = core.worker.runner
         self._wrap(core.scheduler, "schedule", "schedule")
         self._wrap(runner, "_update_states", "prepare")

@@ -186,6 +186,38 @@ class LoRAConfig:
             raise ConfigError(f"max_cpu_loras: {self.max_cpu_loras} is less than max_loras={self.max_loras}")
 
 
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is spread over processes (vLLM's names): ``tensor_parallel_size`` ranks, each one
+    worker, run by ``distributed_executor_backend``: ``uni`` (the worker in the engine's process), ``mp``
+    (one process per rank on this machine) or ``ray`` (Ray actors, across a Ray cluster's nodes).
+    None picks ``uni`` for one rank, ``mp`` for more."""
+
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ConfigError(f"tensor_parallel_size: must be an integer >= 1, got {tp!r}")
+        backend = self.distributed_executor_backend
+        if backend is None:
+            self.distributed_executor_backend = "uni" if tp == 1 else "mp"
+        elif backend not in EXECUTOR_BACKENDS:
+            raise ConfigError(f"distributed_executor_backend: must be one of {', '.join(EXECUTOR_BACKENDS)}, "
+                              f"got {backend!r}")
+        elif backend == "uni" and tp > 1:
+            raise ConfigError(f"distributed_executor_backend: 'uni' runs one worker, but tensor_parallel_size="
+                              f"{tp} needs {tp}; use 'mp' or 'ray'")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+
 @dataclass
 class VlliteConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
@@ -197,6 +229,7 @@ class VlliteConfig:
     lora_config: LoRAConfig | None = None  # None: LoRA off
     multimodal_config: MultiModalConfig = field(default_factory=MultiModalConfig)
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
     def finalize(self, max_model_len: int) -> None:
         """Apply the cross-field rules once the model's context length is known."""
@@ -274,6 +307,8 @@ class EngineArgs:
     max_image_pixels: int = 4096 * 4096
     encoder_cache_size: int | None = None
     speculative_config: dict | str | None = None  # {"method": "ngram", "num_speculative_tokens": 4, ...}
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # uni | mp | ray (None: uni for one rank, else mp)
 
     ALIASES = {"num_gpu_blocks_override": "num_kv_blocks", "memory_utilization": "gpu_memory_utilization"}
     REJECTED = {
@@ -331,4 +366,5 @@ class EngineArgs:
                 media_fetch_timeout=self.media_fetch_timeout, max_media_bytes=self.max_media_bytes,
                 encoder_cache_size=self.encoder_cache_size),
             speculative_config=SpeculativeConfig.from_value(self.speculative_config),
+            parallel_config=ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend),
         )

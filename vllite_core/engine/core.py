@@ -19,7 +19,6 @@ from vllite_core.pooling import setup as pooling_setup
 from vllite_core.request import Request, RequestStatus
 from vllite_core.state_cache import check_state_options, limit_max_num_seqs
 from vllite_core.worker.model_runner import SampleLogprobs
-from vllite_core.worker.worker import Worker
 
 logger = logging.getLogger("vllite.engine")
 
@@ -130,17 +129,30 @@ class EngineCore:
         if config.lora_config is not None and not config.model_config.capabilities.supports_lora:
             raise ConfigError(f"enable_lora: {arch} does not support LoRA adapters (its model class does not "
                               "declare SupportsLoRA)")
+        from vllite_core.distributed.checks import check_parallel_config
+        from vllite_core.executor import make_executor
+
+        check_parallel_config(config, platform, arch, model_cls, hf_config)
         max_model_len = _derive_max_model_len(config, hf_config, model_cls)
         config.finalize(max_model_len)
         if mc.pooler_config is not None:
             pooling_setup.size_encoder_cache(config, mc.pooler_config)
 
-        self.worker = Worker(config, platform, pm)
-        self.worker.load_model(source, hf_config, arch, model_cls)
-        num_blocks = self.worker.determine_num_kv_blocks()
-        self.worker.initialize_kv_cache(num_blocks)
+        # The workers (one per tensor-parallel rank) run where the executor puts them.
+        self.executor = make_executor(config, platform)
+        try:
+            self.executor.load_model(source, hf_config, arch, model_cls)
+            num_blocks = self.executor.determine_num_kv_blocks()
+            self.executor.initialize_kv_cache(num_blocks)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.worker = self.executor.driver_worker  # the in-process worker (uni executor), else None
+        facts = self.executor.facts
+        assert facts is not None
+        self.vocab_size = facts.vocab_size
         cc = config.cache_config
-        groups = self.worker.runner.kv_cache_groups
+        groups = facts.kv_cache_groups
         self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, max_model_len,
                                                groups=groups)
         cc.enable_prefix_caching = self.kv_cache_manager.enable_caching
@@ -157,8 +169,10 @@ class EngineCore:
         self.structured_output: Any = None
         kinds = ", ".join(f"{g.spec.kind} x{len(g.layers)}" for g in groups)
         logger.info("engine ready: %s on %s, max_model_len=%d, %d KV blocks of %d tokens (%d tokens, %s cache), "
-                    "cache groups: %s", arch, platform.name, max_model_len, num_blocks, cc.block_size,
-                    num_blocks * cc.block_size, str(self.worker.runner.kv_cache_dtype).replace("torch.", ""), kinds)
+                    "cache groups: %s, %s executor, tensor_parallel_size=%d", arch, platform.name, max_model_len,
+                    num_blocks, cc.block_size, num_blocks * cc.block_size,
+                    str(facts.kv_cache_dtype).replace("torch.", ""), kinds, self.executor.backend,
+                    config.parallel_config.tensor_parallel_size)
 
     def add_request(self, request: Request) -> None:
         so = request.sampling_params.structured_outputs
@@ -186,7 +200,7 @@ class EngineCore:
         if so.is_empty and not so.finished_req_ids and not so.preempted_req_ids and not sched.grammar_errors:
             self._wait_for_grammars()
             return []
-        result = self.worker.execute_model(so)
+        result = self.executor.execute_model(so)
         t2 = time.perf_counter()
         updated = self.scheduler.update_from_output(so, result.sampled_token_ids, result.failed,
                                                     result.pooler_output, result.spec_token_ids)
@@ -224,3 +238,7 @@ class EngineCore:
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
+
+    def shutdown(self) -> None:
+        """Stop the workers (other processes / actors for the mp and ray executors)."""
+        self.executor.shutdown()

@@ -34,7 +34,7 @@ class LLMEngine:
         self.max_model_len = info.max_model_len
         # What the model can emit (part of every engine model's contract: nested configs such as
         # Florence-2's have no top-level vocab_size).
-        self.vocab_size = int(self.core.worker.runner.model.vocab_size)
+        self.vocab_size = self.core.vocab_size
         self.eos_token_id = self._eos_token_id(info.hf_config)
         gen = load_generation_defaults(info.source, config.model_config.generation_config)
         # The model's recommended sampling values (vLLM's get_diff_sampling_param) and the EOS ids its

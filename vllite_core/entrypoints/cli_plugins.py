@@ -37,6 +37,10 @@ def add_env_parser(subparsers: "argparse._SubParsersAction") -> argparse.Argumen
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--device", default=None, metavar="NAME",
                    help="resolve this platform explicitly (as the engine would with --device NAME)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="show the parallel layout an engine with N ranks would use here")
+    p.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
+                   help="executor of that layout (default: uni for one rank, mp for more)")
     p.set_defaults(func=run_env)
     return p
 
@@ -96,6 +100,21 @@ def _env_report(resolved: ResolvedPlatform | None, candidates: list[PlatformCand
     return report
 
 
+def _add_layout(report: dict[str, Any], resolved: ResolvedPlatform | None, args: argparse.Namespace) -> str | None:
+    """The planned parallel layout into ``report``; a bad setting's message (ConfigError) instead."""
+    from vllite_core.config import ConfigError
+    from vllite_core.distributed.layout import planned_layout
+
+    if resolved is None:
+        return None
+    try:
+        report["parallel"] = planned_layout(resolved.platform, args.tensor_parallel_size,
+                                            args.distributed_executor_backend)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
 def run_env(args: argparse.Namespace) -> int:
     resolved: ResolvedPlatform | None = None
     error: str | None = None
@@ -107,6 +126,7 @@ def run_env(args: argparse.Namespace) -> int:
     except PluginError as exc:
         error, candidates = str(exc), diagnose_platforms()
     report = _env_report(resolved, candidates, error)
+    error = _add_layout(report, resolved, args) or error
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     else:
@@ -129,6 +149,10 @@ def _print_env(report: dict[str, Any], resolved: ResolvedPlatform | None,
         print(f"dtypes:        {', '.join(facts['supported_dtypes'])}")
         print(f"kv dtypes:     {', '.join(facts['kv_cache_dtypes'])}")
         print(f"dist backend:  {facts['dist_backend']}")
+        if "parallel" in report:
+            from vllite_core.distributed.layout import format_layout
+
+            print("\n".join(format_layout(report["parallel"])))
     else:
         print("platform:      none resolved")
     print(f"torch:         {report['torch']}")

@@ -95,6 +95,9 @@ def run_serve(ns: argparse.Namespace) -> int:
     sock = bind_socket(ns.host, ns.port)  # a busy port fails now, not after loading the model
     try:
         engine = AsyncLLM(LLMEngine.from_engine_args(engine_args_from_namespace(ns)))
+        from vllite_core.distributed.layout import format_layout
+
+        print("\n".join(format_layout(engine.engine.core.executor.layout)), flush=True)
     except KeyboardInterrupt:
         sock.close()
         print("vllite: stopped while loading the model", flush=True)

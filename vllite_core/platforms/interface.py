@@ -16,6 +16,7 @@ import torch
 if TYPE_CHECKING:
     from vllite_core.attention import AttentionBackend
     from vllite_core.config import VlliteConfig
+    from vllite_core.distributed.communicator import Communicator
     from vllite_core.model_ops import ModelOps
 
 
@@ -110,6 +111,20 @@ class Platform(ABC):
         largest batch) has shown the peak activation memory, within the configured
         utilization fraction or the explicit ``kv_cache_memory``."""
 
+    # ---- tensor parallelism ---------------------------------------------------------
+    def device_count(self) -> int:
+        """Devices one node can give tensor-parallel ranks (one rank per device); default: what
+        ``detect()`` lists."""
+        return max(1, len(self.detect().devices))
+
+    def make_communicator(self, group: Any) -> "Communicator":
+        """The tensor-parallel group's collectives (all-reduce, all-gather, broadcast) over the process
+        group ``group`` (None: every rank), which the engine joined with ``dist_backend``. Return a
+        ``vllite_core.distributed.communicator.Communicator`` subclass to use the device's own library."""
+        from vllite_core.distributed.communicator import Communicator
+
+        return Communicator(group)
+
     # ---- graphs -------------------------------------------------------------------
     def capture_graphs(
         self,
@@ -152,6 +167,7 @@ class Platform(ABC):
             "total_memory": self.total_memory(),
             "devices": det.devices,
             "dist_backend": self.dist_backend,
+            "device_count": self.device_count(),
             "supported_dtypes": [str(d).replace("torch.", "") for d in self.supported_dtypes()],
             "kv_cache_dtypes": self.supported_kv_cache_dtypes(),
             "pid": os.getpid(),

@@ -24,7 +24,9 @@ if TYPE_CHECKING:
 PROJECT = "vllite"
 # 1.1: reasoning parsers, structured output backends, tool parsers (hooks); an attention backend that
 # lists fp8 KV caches takes k_scale / v_scale in forward (vllite_core/attention/kv_quant.py)
-# 1.2: speculative decoding proposers (vllite_register_spec_proposers)
+# 1.2: speculative decoding proposers (vllite_register_spec_proposers); tensor parallelism:
+# Platform.device_count() and Platform.make_communicator() (defaults provided), the SupportsTensorParallel
+# model capability (vllite_core/model_interfaces.py)
 VLLITE_PLUGIN_API: tuple[int, int] = (1, 2)
 
 hookspec = pluggy.HookspecMarker(PROJECT)

@@ -35,7 +35,10 @@ class Worker:
         self.config = config
         self.platform = platform
         self.pm = plugin_manager
-        self.device = platform.device()
+        from vllite_core.distributed import get_tp
+
+        self.tp = get_tp()  # this process's rank (0 of 1 unless an executor made it one of several)
+        self.device = platform.device(self.tp.local_rank)
         self.runner: ModelRunner | None = None
 
     def load_model(self, source: Any, hf_config: Any, architecture: str, model_cls: type) -> None:
@@ -64,7 +67,12 @@ class Worker:
         # The one place the cache dtype is decided: the platform maps kv_cache_dtype for the model dtype.
         kv_dtype = self.platform.kv_cache_torch_dtype(self.config.cache_config.kv_cache_dtype, dtype)
         configure_kv_scales(model, kv_dtype, self.config.cache_config.calculate_kv_scales)
-        self.runner = ModelRunner(self.config, model, backend, self.device, dtype, kv_dtype, processors)
+        runner_cls: type[ModelRunner] = ModelRunner
+        if self.tp.world_size > 1:
+            from vllite_core.worker.tp_runner import TensorParallelModelRunner
+
+            runner_cls = TensorParallelModelRunner
+        self.runner = runner_cls(self.config, model, backend, self.device, dtype, kv_dtype, processors)
 
     def determine_num_kv_blocks(self) -> int:
         assert self.runner is not None

@@ -210,8 +210,11 @@ class CpuPlatform(Platform):
         from_env = kvcache_space_from_env()
         if from_env is not None:
             return from_env
+        from vllite_core.distributed import get_tp
+
+        ranks = get_tp().local_world_size  # tensor-parallel ranks on this host share its memory
         rss_before, peak_before = current_rss(), peak_rss()
-        total = self.total_memory()
+        total = self.total_memory() // ranks
         tokens = config.scheduler_config.max_num_batched_tokens
         # Skipping the profile run (a forward pass of max_num_batched_tokens, 1.5-7 s of start-up) is safe
         # when even a generous bound on what it could show leaves the capped cache room: packed weight
@@ -228,17 +231,19 @@ class CpuPlatform(Platform):
         if peak_after > peak_before:  # the activation peak happened during profiling
             used = max(used, peak_after)
         budget = int(cc.memory_utilization * total) - used
-        logger.info("cpu memory: total %.2f GiB, process uses %.2f GiB after profiling (grew %.2f GiB), "
-                    "budget %.2f GiB", total / GiB, used / GiB, (used - rss_before) / GiB, budget / GiB)
+        logger.info("cpu memory: total %.2f GiB%s, process uses %.2f GiB after profiling (grew %.2f GiB), "
+                    "budget %.2f GiB", total / GiB, f" (this rank's 1/{ranks})" if ranks > 1 else "", used / GiB,
+                    (used - rss_before) / GiB, budget / GiB)
         if budget <= 0:
             raise ConfigError(
                 f"memory_utilization: {cc.memory_utilization} of {total / GiB:.2f} GiB leaves no room for the KV "
                 f"cache (the process already uses {used / GiB:.2f} GiB); raise it, or set kv_cache_memory "
                 f"or {KVCACHE_SPACE_ENV}")
-        if budget > DEFAULT_KV_CACHE_CAP:
-            logger.info("cpu KV cache capped at %d GiB; set kv_cache_memory or %s for more",
-                        DEFAULT_KV_CACHE_CAP // GiB, KVCACHE_SPACE_ENV)
-        return min(budget, DEFAULT_KV_CACHE_CAP)
+        cap = DEFAULT_KV_CACHE_CAP // ranks
+        if budget > cap:
+            logger.info("cpu KV cache capped at %.1f GiB per rank; set kv_cache_memory or %s for more",
+                        cap / GiB, KVCACHE_SPACE_ENV)
+        return min(budget, cap)
 
     def check_and_update_config(self, config: "VlliteConfig") -> None:
         kv = config.cache_config.kv_cache_dtype
@@ -249,8 +254,16 @@ class CpuPlatform(Platform):
         if threads is not None and threads <= 0:
             raise ConfigError(f"num_threads: must be positive, got {threads}")
 
+    def device_count(self) -> int:
+        """Tensor-parallel ranks on this host: one per usable core (each rank computes with its own threads)."""
+        return usable_cpus()
+
     def init_device(self, config: "VlliteConfig") -> None:
-        torch.set_num_threads(config.device_config.num_threads or usable_cpus())
+        """torch threads: ``num_threads``, else this rank's share of the cores (all of them on one rank)."""
+        from vllite_core.distributed import get_tp
+
+        share = max(1, usable_cpus() // get_tp().local_world_size)
+        torch.set_num_threads(config.device_config.num_threads or share)
 
     def capture_graphs(self, forward: Callable[..., Any], batch_sizes: list[int],
                        make_inputs: Callable[[int], dict[str, Any]],

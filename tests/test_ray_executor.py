@@ -1,0 +1,105 @@
+"""The ray executor on a local Ray cluster of two nodes (``ray start --head`` plus ``ray start --address``,
+one CPU each, both on 127.0.0.1, started here and stopped afterwards): tensor parallelism over two
+actors on two nodes gives Hugging Face's greedy tokens; a lost actor fails the step naming its rank
+and node; no ray package / no cluster is a clear ConfigError."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from hf_reference import hf_greedy
+from test_tensor_parallel import QWEN2
+from tiny_models import save_tiny
+
+from vllite_core import LLM, SamplingParams
+from vllite_core.config import ConfigError
+from vllite_core.executor.errors import WorkerDiedError
+from vllite_core.executor.multiproc import free_port
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.slow
+
+RAY = os.path.join(os.path.dirname(sys.executable), "ray")
+NODE_ARGS = ["--num-cpus=1", "--object-store-memory=100000000", "--block", "--disable-usage-stats"]
+
+
+def _start(args: list[str], tmp: str) -> subprocess.Popen:
+    # Own session: the node's daemons are stopped with its process group, not by name.
+    return subprocess.Popen([RAY, "start", *args, *NODE_ARGS], start_new_session=True, cwd=tmp,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+
+
+def _alive_nodes(address: str) -> int:
+    out = subprocess.run([RAY, "status", f"--address={address}"], capture_output=True, text=True, timeout=60)
+    return out.stdout.split("Pending:")[0].count("node_") if out.returncode == 0 else 0
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("ray"))
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    nodes = [_start(["--head", f"--port={port}", "--include-dashboard=false"], tmp)]
+    try:
+        deadline = time.monotonic() + 120
+        while _alive_nodes(address) < 1 and time.monotonic() < deadline:
+            time.sleep(1)
+        nodes.append(_start([f"--address={address}"], tmp))
+        while _alive_nodes(address) < 2 and time.monotonic() < deadline:
+            time.sleep(1)
+        assert _alive_nodes(address) == 2, "the local two-node Ray cluster did not come up"
+        yield address
+    finally:
+        for p in reversed(nodes):
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+                p.wait(30)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    from transformers import Qwen2Config
+
+    path = tmp_path_factory.mktemp("tiny-qwen2-ray")
+    hf = save_tiny(path, Qwen2Config(**QWEN2, architectures=["Qwen2ForCausalLM"]))
+    gen = torch.Generator().manual_seed(9)
+    return str(path), hf, [torch.randint(0, 509, (n,), generator=gen).tolist() for n in (4, 37)]
+
+
+def test_no_cluster_is_a_config_error(monkeypatch, tiny_path):
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{free_port()}")
+    with pytest.raises(ConfigError, match="no Ray cluster reachable"):
+        LLM(tiny_path, dtype="float32", tensor_parallel_size=2, distributed_executor_backend="ray")
+
+
+def test_ray_not_installed_is_a_config_error(monkeypatch, tiny_path):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
+    with pytest.raises(ConfigError, match="needs the ray package"):
+        LLM(tiny_path, dtype="float32", tensor_parallel_size=2, distributed_executor_backend="ray")
+
+
+def test_two_nodes_match_hf_and_a_lost_actor_names_its_rank(cluster, qwen2, monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", cluster)
+    path, hf, prompts = qwen2
+    llm = LLM(path, dtype="float32", tensor_parallel_size=2, distributed_executor_backend="ray", num_kv_blocks=64,
+              max_num_batched_tokens=16)
+    try:
+        executor = llm.llm_engine.core.executor
+        assert executor.layout["nodes"] == 2 and executor.layout["ranks"] == 2
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 8) for p in prompts]
+        ray.kill(executor.actors[1])
+        with pytest.raises(WorkerDiedError, match=r"worker rank 1 on node \w+") as info:
+            llm.generate([{"prompt_token_ids": prompts[0]}], params)
+        assert info.value.rank == 1
+    finally:
+        llm.llm_engine.core.shutdown()

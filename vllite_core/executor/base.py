@@ -1,0 +1,48 @@
+"""Executors run the model's workers for the engine core: in its own process (``uni``), one process per
+rank on this machine (``mp``), or Ray actors across a cluster (``ray``). The core calls the same five
+methods whichever runs; every rank gets every call and the results come from rank 0."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from vllite_core.config import VlliteConfig
+from vllite_core.core.sched_output import SchedulerOutput
+from vllite_core.executor.wrapper import ModelFacts
+from vllite_core.worker.model_runner import ModelRunnerOutput
+
+
+class Executor(ABC):
+    backend: str = "abstract"
+
+    def __init__(self, config: VlliteConfig, platform: Any) -> None:
+        self.config = config
+        self.platform = platform
+        self.facts: ModelFacts | None = None
+        self.layout: dict[str, Any] = {}  # ranks, processes, nodes, devices (what `vllite serve` prints)
+
+    @abstractmethod
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        """Call ``method`` on every rank's worker (``WorkerWrapper.call``); the results in rank order."""
+
+    def load_model(self, source: Any, hf_config: Any, architecture: str, model_cls: type) -> None:
+        self.collective_rpc("load_model", source, hf_config, architecture)
+        self.facts = self.collective_rpc("model_facts")[0]
+
+    def determine_num_kv_blocks(self) -> int:
+        """Each rank sizes its own cache (its KV heads, its memory); every rank must hold them all."""
+        return min(self.collective_rpc("determine_num_kv_blocks"))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.collective_rpc("initialize_kv_cache", num_blocks)
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.collective_rpc("execute_model", so)[0]
+
+    @property
+    def driver_worker(self) -> Any:
+        """The in-process worker (``uni`` only; the others hold theirs in other processes)."""
+        return None
+
+    def shutdown(self) -> None:
+        """Stop the workers (idempotent)."""

@@ -1,0 +1,75 @@
+"""One rank's worker behind an RPC surface: the same calls whether it runs in a process of the mp
+executor (``mp_worker.py``) or in a Ray actor (``ray_executor.py``)."""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class RankInfo:
+    """Where a rank sits: its global rank, its device index and rank count on its node, the group's
+    rendezvous address."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    init_method: str
+
+
+@dataclass
+class ModelFacts:
+    """What the engine process needs to know of the model the workers hold."""
+
+    vocab_size: int
+    kv_cache_groups: Any
+    kv_cache_dtype: Any
+
+
+class WorkerWrapper:
+    """Builds the rank's ``Worker`` after joining the tensor-parallel group; forwards calls to it."""
+
+    def __init__(self) -> None:
+        self.worker: Any = None
+        self.rank_info: RankInfo | None = None
+
+    def init_worker(self, config: Any, platform: Any, info: RankInfo) -> str:
+        """Join the group, build the worker; returns this node's host name."""
+        from vllite_core.distributed import init_tensor_parallel
+        from vllite_core.plugins.manager import get_plugin_manager
+        from vllite_core.worker.worker import Worker
+
+        os.environ["LOCAL_RANK"] = str(info.local_rank)  # platforms pick their device by it
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(info.rank), str(info.world_size)
+        self.rank_info = info
+        init_tensor_parallel(info.rank, info.world_size, info.local_rank, info.local_world_size, info.init_method,
+                             platform)
+        self.worker = Worker(config, platform, get_plugin_manager())
+        return socket.gethostname()
+
+    def load_model(self, source: Any, hf_config: Any, architecture: str) -> None:
+        from model_registry.registry import build_registry
+        from vllite_core.pooling import setup as pooling_setup
+
+        mc = self.worker.config.model_config
+        arch, model_cls = build_registry(self.worker.pm).resolve_for_config(hf_config)
+        model_cls = pooling_setup.resolve_model_class(arch, model_cls, mc.runner, mc.convert)
+        self.worker.load_model(source, hf_config, architecture, model_cls)
+
+    def model_facts(self) -> ModelFacts:
+        runner = self.worker.runner
+        return ModelFacts(int(runner.model.vocab_size), runner.kv_cache_groups, runner.kv_cache_dtype)
+
+    def call(self, method: str, *args: Any) -> Any:
+        """A method of this wrapper, else of the worker. Only rank 0's step output is used: the other
+        ranks return None rather than ship theirs."""
+        target = getattr(self, method, None)
+        if target is None:
+            target = getattr(self.worker, method)
+        result = target(*args)
+        if method == "execute_model" and self.rank_info is not None and self.rank_info.rank != 0:
+            return None
+        return result
