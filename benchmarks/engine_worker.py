@@ -32,6 +32,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--kv-space-gib", type=float, default=2.0)
     ap.add_argument("--prefix-caching", action="store_true")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--quantization", default=None, help="vllite: quantization= (int8)")
     ap.add_argument("--vllm-memory-utilization", type=float, default=0.3)
     return ap.parse_args()
 
@@ -48,7 +49,7 @@ class VlliteEngine:
         self.SamplingParams = SamplingParams
         kw = dict(dtype=a.dtype, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                   enable_prefix_caching=a.prefix_caching, kv_cache_memory=int(a.kv_space_gib * (1 << 30)),
-                  enforce_eager=a.enforce_eager)
+                  enforce_eager=a.enforce_eager, quantization=a.quantization)
         if a.threads:
             kw["num_threads"] = a.threads
         self.llm = LLM(a.model, **kw)
