@@ -338,7 +338,10 @@ def test_fresh_blocks_never_take_another_groups_hit() -> None:
     a.append_output_token_ids(9)
     assert mgr.allocate_slots(a, 1) == [[], []]  # the window moved on: sliding block 4 (cached) is released
     mgr.free(a)
-    assert [b.block_id for b in mgr.block_pool.free_block_queue.get_all_free_blocks()] == [4, 3, 2, 1, 6, 5]
+    # a's blocks without a hash (3, 6: the partial tails) went to the front, to be handed out first.
+    assert [b.block_id for b in mgr.block_pool.free_block_queue.get_all_free_blocks()] == [6, 3, 4, 2, 1, 5]
+    c = make_request("c", [77])
+    assert mgr.allocate_slots(c, 1) == [[6], [3]]  # now the sliding group's cached block 4 is next out
     b = make_request("b", list(range(4)) + [99])
     hit, n = mgr.get_computed_blocks(b)
     assert n == 4 and [[blk.block_id for blk in h] for h in hit.blocks] == [[1], [4]]
@@ -348,7 +351,7 @@ def test_fresh_blocks_never_take_another_groups_hit() -> None:
     assert sliding_ids[0] == 4  # the hit
     assert set(full_ids).isdisjoint(sliding_ids), f"a block in both groups: {full_ids} {sliding_ids}"
     assert mgr.block_pool.blocks[4].ref_cnt == 1
-    mgr.check_integrity([b])
+    mgr.check_integrity([b, c])
 
 
 @pytest.mark.parametrize("caching", [True, False])
@@ -460,8 +463,8 @@ class GroupsMachine(RuleBasedStateMachine):
                     continue
                 ref, h, g = states[bid]
                 states[bid] = (ref - 1, h, g)
-                if ref == 1:
-                    free.append(bid)
+                if ref == 1:  # a block with no hash goes to the front (handed out first), a cached one last
+                    free.insert(0, bid) if h is None else free.append(bid)
                 tables[SLIDING][i] = 0
         return states, free, index, tables, cached
 

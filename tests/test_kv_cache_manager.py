@@ -309,11 +309,15 @@ def test_eviction_order_lru_tail_first() -> None:
     mgr.free(a)  # older free
     mgr.free(b)  # newer free
     order = [blk.block_id for blk in mgr.block_pool.free_block_queue.get_all_free_blocks()]
-    # Never-used first, then a's blocks tail first, then b's tail first.
-    assert order == [8, 4, 3, 2, 1, 7, 6, 5]
-    # Allocating 3 fresh blocks takes 8, 4 and 3: a's third block is evicted.
+    # Blocks without a hash (the partial tails 4 and 7: nothing can hit them) first, newest free first,
+    # then never-used 8, then a's cached blocks tail first, then b's tail first.
+    assert order == [7, 4, 8, 3, 2, 1, 6, 5]
+    # Allocating 3 fresh blocks takes 7, 4 and 8: no cached block is evicted.
     x = make_request("x", [50] * 12)
-    assert mgr.allocate_slots(x, 12) == [[8, 4, 3]]
+    assert mgr.allocate_slots(x, 12) == [[7, 4, 8]]
+    # The next one evicts a's third block (a was freed first).
+    y = make_request("y", [60] * 4)
+    assert mgr.allocate_slots(y, 4) == [[3]]
     _, blocks, n = hit_blocks(mgr, make_request("a2", toks(12) + [0]))
     assert [blk.block_id for blk in blocks] == [1, 2]
     assert n == 8  # blocks 1 and 2 still hit; block 3's hash is gone

@@ -210,6 +210,18 @@ class FreeKVCacheBlockQueue:
         self._tail.prev_free = block
         self.num_free_blocks += 1
 
+    def appendleft(self, block: KVCacheBlock) -> None:
+        """Add ``block`` at the front: it will be handed out first."""
+        if block.prev_free is not None:
+            raise ValueError(f"{block!r} is already in the free queue")
+        first = self._head.next_free
+        assert first is not None
+        self._head.next_free = block
+        block.prev_free = self._head
+        block.next_free = first
+        first.prev_free = block
+        self.num_free_blocks += 1
+
     def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Append blocks in order (the first given is evicted first among them)."""
         for block in blocks:
