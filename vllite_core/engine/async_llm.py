@@ -241,8 +241,50 @@ class AsyncLLM:
         self._stopping = False
         self._ids = itertools.count()
         self._take_snapshot()
+        # An engine core in its own process (core_client.py): wake the loop when it dies, so the open
+        # requests fail at once even while the loop sleeps; a post wakes its wait for outputs.
+        self._wake_core: Callable[[], None] | None = getattr(engine.core, "wake", None)
+        if hasattr(engine.core, "on_failure"):
+            engine.core.on_failure.append(self._wake_loop)
         self._thread = threading.Thread(target=self._run, name="vllite-engine-loop", daemon=True)
         self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, args: Any, data_parallel_size: int = 1,
+                         multiprocess: bool | None = None) -> "AsyncLLM":
+        """The server's engine: its core(s) in their own processes unless ``multiprocess`` is False or
+        VLLITE_ENABLE_V1_MULTIPROCESSING=0 (then in this process, on the engine-loop thread).
+        ``data_parallel_size`` > 1 needs the engine-core processes."""
+        from vllite_core.config import ConfigError
+        from vllite_core.engine.core_client import EngineCoreClient, multiprocessing_enabled
+
+        if multiprocess is None:
+            multiprocess = multiprocessing_enabled(default=True)
+        if not multiprocess:
+            if data_parallel_size != 1:
+                raise ConfigError(f"data_parallel_size: {data_parallel_size} needs the engine cores in their own "
+                                  "processes (VLLITE_ENABLE_V1_MULTIPROCESSING=1)")
+            return cls(LLMEngine.from_engine_args(args))
+        client = EngineCoreClient(args.create_config(), data_parallel_size)
+        try:
+            return cls(LLMEngine(client.config, core=client))
+        except BaseException:
+            client.close()
+            raise
+
+    def layout(self) -> dict[str, Any]:
+        """The process layout: this (API) process, and each engine core's process and data-parallel rank."""
+        core = self.engine.core
+        if hasattr(core, "layout"):
+            return core.layout()
+        import os
+
+        return {"api_pid": os.getpid(), "data_parallel_size": 1,
+                "engine_cores": [{"dp_rank": 0, "pid": os.getpid(), "in_process": True}]}
+
+    def _wake_loop(self) -> None:
+        with self._cond:
+            self._cond.notify()
 
     # ---- asyncio side -------------------------------------------------------------------
     @property
@@ -353,6 +395,8 @@ class AsyncLLM:
         with self._cond:
             self._inbox.append(cmd)
             self._cond.notify()
+        if self._wake_core is not None:
+            self._wake_core()
 
     def _dispatch(self, outputs: list[RequestOutput], failed: list[tuple[str, BaseException]]) -> None:
         for out in outputs:
@@ -456,7 +500,8 @@ class AsyncLLM:
                 except Exception as e:
                     logger.exception("engine step failed (a fault of no single request); the engine is dead")
                     self.dead = e
-                    failed.append(("", EngineDeadError(f"the engine died: a step failed with {e!r}")))
+                    failed.append(("", e if isinstance(e, EngineDeadError)
+                                   else EngineDeadError(f"the engine died: a step failed with {e!r}")))
                 step_s = time.perf_counter() - t1
                 st.step_s += step_s
                 st.steps += 1
@@ -484,3 +529,5 @@ class AsyncLLM:
             self._cond.notify()
         self._thread.join(timeout=10)
         self._prep.shutdown(wait=False, cancel_futures=True)
+        if hasattr(self.engine.core, "close"):
+            self.engine.core.close()

@@ -134,6 +134,18 @@ class EngineCore:
                     "cache groups: %s", arch, platform.name, max_model_len, num_blocks, cc.block_size,
                     num_blocks * cc.block_size, str(self.worker.runner.kv_cache_dtype).replace("torch.", ""), kinds)
 
+    @property
+    def vocab_size(self) -> int:
+        """What the model can emit (part of every engine model's contract: nested configs such as
+        Florence-2's have no top-level vocab_size)."""
+        return int(self.worker.runner.model.vocab_size)
+
+    def lora_layout(self) -> tuple[dict, dict]:
+        """(targets, in_features) of the model's LoRA layers: what an adapter is checked against."""
+        from vllite_core.lora.registry import lora_layout
+
+        return lora_layout(self.worker.runner.model)
+
     def add_request(self, request: Request) -> None:
         so = request.sampling_params.structured_outputs
         if so is not None and self.structured_output is not None:
