@@ -18,6 +18,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quant_shape_to_byte_shape
 
+from model_registry.gguf_dequant import dequantize_blocks
+
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 
@@ -82,6 +84,9 @@ class GGUFFile:
     def dequantize(self, name: str) -> np.ndarray:
         """One tensor as a float32 array of shape ``tensors[name].shape`` (a fresh, writable copy)."""
         info = self.tensors[name]
+        fast = dequantize_blocks(self.raw(name), info.ggml_type, info.shape)
+        if fast is not None:
+            return fast.numpy()
         out = dequantize(self.raw(name), info.ggml_type)
         out = np.array(out, dtype=np.float32, copy=True) if out.dtype != np.float32 or not out.flags.writeable \
             else out

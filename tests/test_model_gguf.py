@@ -185,3 +185,19 @@ def test_qwen2_gguf_quantized_with_bias(tmp_path):
     bias = torch.cat([ref[f"model.layers.0.self_attn.{x}_proj.bias"] for x in "qkv"])
     assert torch.equal(layer.self_attn.qkv_proj.bias, bias)
     assert torch.equal(model.lm_head, ref["lm_head.weight"])
+
+
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0])
+def test_whole_tensor_dequantisation_is_bit_identical_to_gguf(qtype):
+    """model_registry.gguf_dequant against gguf's own numpy dequantisation, on blocks gguf quantised."""
+    from model_registry.gguf_dequant import dequantize_blocks
+
+    rng = np.random.default_rng(int(qtype))
+    w = (rng.standard_normal((48, 96)) * rng.uniform(0.01, 3.0, (48, 1))).astype(np.float32)
+    w[3] = 0.0  # an all-zero block row: scale 0
+    raw = quantize(w, qtype)
+    want = dequantize(raw, qtype).reshape(w.shape)
+    got = dequantize_blocks(raw, qtype, w.shape)
+    assert got.dtype == torch.float32 and got.shape == w.shape
+    assert np.array_equal(got.numpy(), want)
+    assert dequantize_blocks(raw, GGMLQuantizationType.Q6_K, w.shape) is None  # left to gguf.quants

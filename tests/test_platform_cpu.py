@@ -84,9 +84,24 @@ def test_memory_env_size(cpu, monkeypatch):
 
 def test_memory_profiled_budget_is_capped(cpu, monkeypatch):
     monkeypatch.delenv("VLLITE_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.setattr(cpu_mod, "current_rss", lambda: GiB)
     calls = []
-    got = cpu.determine_available_memory(VlliteConfig(), lambda: calls.append(1))
-    assert calls == [1] and 0 < got <= cpu_mod.DEFAULT_KV_CACHE_CAP
+    # 6 GiB of room: the bound on the profile's peak (2 x 1 GiB held + 2 GiB for 2,048 tokens + 1 GiB) leaves
+    # less than the 4 GiB cap, so it runs, and the budget it gives is capped.
+    monkeypatch.setattr(CpuPlatform, "total_memory", lambda self, index=0: 7 * GiB)
+    cfg = VlliteConfig(cache_config=CacheConfig(memory_utilization=1.0))
+    got = cpu.determine_available_memory(cfg, lambda: calls.append(1))
+    assert calls == [1] and got == cpu_mod.DEFAULT_KV_CACHE_CAP
+
+
+def test_memory_profile_is_skipped_when_the_cap_fits_beside_any_peak(cpu, monkeypatch):
+    monkeypatch.delenv("VLLITE_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.setattr(cpu_mod, "current_rss", lambda: GiB)
+    monkeypatch.setattr(CpuPlatform, "total_memory", lambda self, index=0: 9 * GiB)  # 4 + 5 GiB bound
+    calls = []
+    cfg = VlliteConfig(cache_config=CacheConfig(memory_utilization=1.0))
+    assert cpu.determine_available_memory(cfg, lambda: calls.append(1)) == cpu_mod.DEFAULT_KV_CACHE_CAP
+    assert calls == []
 
 
 def test_memory_profile_growth_is_subtracted(cpu, monkeypatch):

@@ -55,6 +55,11 @@ class AttentionBackend(ABC):
         """Shape of one layer's KV cache tensor. Default: K and V stacked on dim 0."""
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
+    def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A zero-filled cache tensor. A platform whose memory can be handed out zeroed on first touch
+        overrides this so that start-up does not write the whole budget."""
+        return torch.zeros(shape, dtype=dtype, device=device)
+
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
         """Store K/V rows at their slots (default layout). Used for encoder outputs of

@@ -132,7 +132,7 @@ class ModelRunner:
                    for spec in self.tensor_plan.tensor_specs)
 
     def _allocate_caches(self, num_blocks: int) -> list[torch.Tensor]:
-        tensors = [torch.zeros(self._tensor_shape(spec, num_blocks), dtype=spec.dtype, device=self.device)
+        tensors = [self.attn_backend.allocate_kv_cache(self._tensor_shape(spec, num_blocks), spec.dtype, self.device)
                    for spec in self.tensor_plan.tensor_specs]
         return [tensors[t] for t in self.tensor_plan.tensor_of_layer]
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -53,6 +54,15 @@ class TorchPagedAttention(AttentionBackend):
     """PyTorch SDPA over a paged KV cache laid out as ``(2, num_blocks, block_size, num_kv_heads, head_size)``."""
 
     name = "torch_paged"
+
+    def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Zeroed by the OS on first touch (``calloc``, through numpy) instead of written at start: on the
+        VMs measured here the first write to fresh memory runs at 0.25-0.45 GB/s, so ``torch.zeros`` of the
+        default 4 GiB cache took 9-16 s of start-up. Untouched blocks cost no memory until used."""
+        if device.type != "cpu":
+            return super().allocate_kv_cache(shape, dtype, device)
+        nbytes = int(np.prod(shape)) * dtype.itemsize
+        return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         metadata.extra = self._plan(metadata)

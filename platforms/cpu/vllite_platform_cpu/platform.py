@@ -26,6 +26,7 @@ GiB = 1 << 30
 # Without an explicit size, the KV cache takes at most this much host memory:
 # the profiled budget on a big host would otherwise starve everything else.
 DEFAULT_KV_CACHE_CAP = 4 * GiB
+_PROFILE_BYTES_PER_TOKEN = 1 << 20
 KVCACHE_SPACE_ENV = "VLLITE_CPU_KVCACHE_SPACE"  # GiB, like vLLM's VLLM_CPU_KVCACHE_SPACE
 FUSED_OPS_ENV = "VLLITE_CPU_FUSED_OPS"  # 0: torch pointwise ops instead of the C++ kernels
 ONEDNN_ENV = "VLLITE_CPU_ONEDNN"  # 0: F.linear instead of oneDNN-prepacked weights
@@ -210,12 +211,22 @@ class CpuPlatform(Platform):
         if from_env is not None:
             return from_env
         rss_before, peak_before = current_rss(), peak_rss()
+        total = self.total_memory()
+        tokens = config.scheduler_config.max_num_batched_tokens
+        # Skipping the profile run (a forward pass of max_num_batched_tokens, 1.5-7 s of start-up) is safe
+        # when even a generous bound on what it could show leaves the capped cache room: packed weight
+        # copies no larger than everything held now, and 1 MiB of activations per token.
+        bound = 2 * rss_before + tokens * _PROFILE_BYTES_PER_TOKEN + GiB
+        if int(cc.memory_utilization * total) - bound >= DEFAULT_KV_CACHE_CAP:
+            logger.info("cpu memory: total %.2f GiB, process uses %.2f GiB; the %d GiB KV cache cap fits beside "
+                        "a %.2f GiB bound on the peak, so no profile run", total / GiB, rss_before / GiB,
+                        DEFAULT_KV_CACHE_CAP // GiB, bound / GiB)
+            return DEFAULT_KV_CACHE_CAP
         profile_run()
         rss_after, peak_after = current_rss(), peak_rss()
         used = rss_after
         if peak_after > peak_before:  # the activation peak happened during profiling
             used = max(used, peak_after)
-        total = self.total_memory()
         budget = int(cc.memory_utilization * total) - used
         logger.info("cpu memory: total %.2f GiB, process uses %.2f GiB after profiling (grew %.2f GiB), "
                     "budget %.2f GiB", total / GiB, used / GiB, (used - rss_before) / GiB, budget / GiB)
