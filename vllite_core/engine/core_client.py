@@ -35,8 +35,16 @@ import zmq
 from vllite_core.config import ConfigError
 from vllite_core.core.scheduler import SchedulerStats
 from vllite_core.engine.core import EngineCoreOutput, StepTimes
-from vllite_core.engine.core_messages import (EngineCoreAbort, EngineCoreFailed, EngineCoreOutputs, EngineCoreReady,
-                                              EngineCoreRequest, EngineCoreStats, EngineCoreUtility, EngineMessage)
+from vllite_core.engine.core_messages import (
+    EngineCoreAbort,
+    EngineCoreFailed,
+    EngineCoreOutputs,
+    EngineCoreReady,
+    EngineCoreRequest,
+    EngineCoreStats,
+    EngineCoreUtility,
+    EngineMessage,
+)
 from vllite_core.engine.errors import EngineDeadError
 from vllite_core.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 
@@ -149,6 +157,7 @@ class EngineCoreClient:
             e.proc.start()
             e.sock = self._ctx.socket(zmq.PUSH)
             e.sock.setsockopt(zmq.LINGER, 0)
+            e.sock.setsockopt(zmq.SNDHWM, 0)  # no limit: a send fails (never blocks) only without a peer
             e.sock.bind(e.input_addr)
         try:
             info = self._wait_ready()
@@ -206,9 +215,14 @@ class EngineCoreClient:
     def _pick(self) -> _Engine:
         return min(self.engines, key=lambda e: (e.unfinished, e.index))
 
-    def _send(self, eng: _Engine, msg: Any) -> None:
+    def _send(self, eng: _Engine, msg: Any) -> bool:
+        """Never blocks: False when the engine is not connected (not started yet, or gone)."""
         with self._send_lock:
-            eng.sock.send_multipart(self._encoder.encode(msg), copy=False)
+            try:
+                eng.sock.send_multipart(self._encoder.encode(msg), flags=zmq.NOBLOCK, copy=False)
+                return True
+            except zmq.Again:
+                return False
 
     def add_request(self, request: Any) -> None:
         self._raise_if_dead()
@@ -225,7 +239,9 @@ class EngineCoreClient:
                                 request.num_encoder_tokens, request.cache_salt, tuple(request.block_extra_keys),
                                 pooling, lora)
         eng = self._pick()
-        self._send(eng, msg)
+        if not self._send(eng, msg):
+            self._died = self._died or eng
+            self._raise_if_dead()
         self._owner[request.request_id] = eng
         eng.unfinished += 1
 

@@ -25,8 +25,16 @@ from typing import Any
 import zmq
 
 from vllite_core.engine.core import EngineCoreOutput
-from vllite_core.engine.core_messages import (ClientMessage, EngineCoreAbort, EngineCoreFailed, EngineCoreOutputs,
-                                              EngineCoreReady, EngineCoreRequest, EngineCoreStats, EngineCoreUtility)
+from vllite_core.engine.core_messages import (
+    ClientMessage,
+    EngineCoreAbort,
+    EngineCoreFailed,
+    EngineCoreOutputs,
+    EngineCoreReady,
+    EngineCoreRequest,
+    EngineCoreStats,
+    EngineCoreUtility,
+)
 from vllite_core.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 logger = logging.getLogger("vllite.engine_core")

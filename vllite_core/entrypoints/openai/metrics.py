@@ -48,7 +48,7 @@ def _one_thread_cpu(tid: int) -> float:
     return sum(t.user_time + t.system_time for t in psutil.Process().threads() if t.id == tid)
 
 
-_ENGINE = "0"  # vLLM's engine label: the data-parallel rank; one engine here
+_ENGINE = "0"  # vLLM's engine label: the data-parallel rank (per-request metrics all carry engine "0")
 
 
 class _EngineCollector(Collector):
@@ -58,15 +58,27 @@ class _EngineCollector(Collector):
         self.api_tid = api_tid
         self.api_cpu_base = 0.0  # what the API thread spent before serving (loading the model)
 
-    def _both(self, family: type, name: str, doc: str, value: float, vllm: bool = True) -> Iterator[Metric]:
-        """``vllite:NAME`` and, where vLLM has the metric, ``vllm:NAME`` with vLLM's labels."""
+    def _both(self, family: type, name: str, doc: str, value: float, vllm: bool = True,
+              field: str | None = None) -> Iterator[Metric]:
+        """``vllite:NAME`` (all engines together) and, where vLLM has the metric, ``vllm:NAME`` with vLLM's
+        labels: with data-parallel engine cores, one sample per engine (``field`` of its own numbers)."""
         m = family(f"vllite:{name}", doc, labels=["model_name"])
         m.add_metric([self.model], value)
         yield m
         if vllm:
             m = family(f"vllm:{name}", doc, labels=["model_name", "engine"])
-            m.add_metric([self.model, _ENGINE], value)
+            per_engine = self._per_engine()
+            if field is not None and len(per_engine) > 1:
+                for index, stats in enumerate(per_engine):
+                    m.add_metric([self.model, str(index)], getattr(stats, field))
+            else:
+                m.add_metric([self.model, _ENGINE], value)
             yield m
+
+    def _per_engine(self) -> list:
+        """Each engine core's latest numbers (core_client.EngineCoreStats); empty for an in-process engine."""
+        core = self.engine.engine.core
+        return core.engine_stats() if hasattr(core, "engine_stats") else []
 
     def _cache_info(self) -> GaugeMetricFamily:
         cfg = self.engine.engine.config.cache_config
@@ -82,21 +94,26 @@ class _EngineCollector(Collector):
         s = self.engine.snapshot
         ls = self.engine.loop_stats
         g, c = GaugeMetricFamily, CounterMetricFamily
-        yield from self._both(g, "num_requests_running", "Requests in the running batch.", s.num_running)
-        yield from self._both(g, "num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
+        yield from self._both(g, "num_requests_running", "Requests in the running batch.", s.num_running,
+                              field="num_running")
+        yield from self._both(g, "num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting,
+                              field="num_waiting")
         yield from self._both(g, "num_requests_in_flight", "Requests the API is streaming.",
                               self.engine.num_in_flight, vllm=False)
         yield from self._both(g, "kv_cache_usage_perc", "Fraction of KV blocks held by requests (0-1).",
-                              s.kv_cache_usage)
+                              s.kv_cache_usage, field="kv_cache_usage")
         yield from self._both(g, "kv_cache_free_blocks", "KV blocks free (cached-but-free counts as free).",
                               s.num_free_blocks, vllm=False)
         yield from self._both(g, "kv_cache_total_blocks", "Usable KV blocks.", s.num_total_blocks, vllm=False)
         hit_rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
         yield from self._both(g, "prefix_cache_hit_rate", "Prefix-cache hits / queries (tokens) since start.",
                               hit_rate, vllm=False)
-        yield from self._both(c, "prefix_cache_queries", "Prefix-cache queries (tokens).", s.prefix_cache_queries)
-        yield from self._both(c, "prefix_cache_hits", "Prefix-cache hits (tokens).", s.prefix_cache_hits)
-        yield from self._both(c, "num_preemptions", "Preemptions (recompute) since start.", s.num_preemptions_total)
+        yield from self._both(c, "prefix_cache_queries", "Prefix-cache queries (tokens).", s.prefix_cache_queries,
+                              field="prefix_cache_queries")
+        yield from self._both(c, "prefix_cache_hits", "Prefix-cache hits (tokens).", s.prefix_cache_hits,
+                              field="prefix_cache_hits")
+        yield from self._both(c, "num_preemptions", "Preemptions (recompute) since start.", s.num_preemptions_total,
+                              field="num_preemptions_total")
         yield from self._both(c, "engine_loop_steps", "Engine loop steps.", ls.steps, vllm=False)
         yield self._cache_info()
         loop = CounterMetricFamily("vllite:engine_loop_seconds", "Engine loop wall time by phase "
