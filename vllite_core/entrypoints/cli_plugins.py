@@ -37,6 +37,8 @@ def add_env_parser(subparsers: "argparse._SubParsersAction") -> argparse.Argumen
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--device", default=None, metavar="NAME",
                    help="resolve this platform explicitly (as the engine would with --device NAME)")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="show the process layout `vllite serve` would start with this many engine cores")
     p.set_defaults(func=run_env)
     return p
 
@@ -96,6 +98,21 @@ def _env_report(resolved: ResolvedPlatform | None, candidates: list[PlatformCand
     return report
 
 
+def _process_layout(data_parallel_size: int) -> dict[str, Any]:
+    """What `vllite serve` starts (VLLITE_ENABLE_V1_MULTIPROCESSING decides) and where the offline LLM runs."""
+    from vllite_core.engine.core_client import multiprocessing_enabled
+
+    mp = multiprocessing_enabled(default=True)
+    if mp:
+        ranks = ", ".join(f"DP rank {r}" for r in range(data_parallel_size))
+        serve = (f"vllite serve: API server process + {data_parallel_size} engine core "
+                 f"process{'es' if data_parallel_size != 1 else ''} ({ranks}), ZMQ ipc + msgpack")
+    else:
+        serve = "vllite serve: API server and engine core in one process (VLLITE_ENABLE_V1_MULTIPROCESSING=0)"
+    return {"multiprocessing": mp, "data_parallel_size": data_parallel_size, "serve": serve,
+            "offline": "in-process (engine core in the caller's process)"}
+
+
 def run_env(args: argparse.Namespace) -> int:
     resolved: ResolvedPlatform | None = None
     error: str | None = None
@@ -107,6 +124,7 @@ def run_env(args: argparse.Namespace) -> int:
     except PluginError as exc:
         error, candidates = str(exc), diagnose_platforms()
     report = _env_report(resolved, candidates, error)
+    report["process_layout"] = _process_layout(args.data_parallel_size)
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     else:
@@ -131,6 +149,9 @@ def _print_env(report: dict[str, Any], resolved: ResolvedPlatform | None,
         print(f"dist backend:  {facts['dist_backend']}")
     else:
         print("platform:      none resolved")
+    lay = report["process_layout"]
+    print(f"processes:     {lay['serve']}")
+    print(f"               offline LLM: {lay['offline']}")
     print(f"torch:         {report['torch']}")
     print(f"vllite:        {report['vllite']} (plugin API {report['plugin_api']}), python {report['python']}")
     chosen_cls = type(resolved.platform) if resolved is not None else None
