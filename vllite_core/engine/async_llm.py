@@ -107,6 +107,7 @@ class FinishedRequest:
     n: int = 1
     max_tokens: int | None = None
     max_generation_tokens: int = 0  # of the longest completion
+    engine_index: int = 0  # the data-parallel engine core that served it (vLLM's ``engine`` label)
 
 
 @dataclass
@@ -436,6 +437,9 @@ class AsyncLLM:
         the other requests' outputs."""
         try:
             rec = stream.report(out, aborted)
+            engine_of = getattr(self.engine.core, "engine_of", None)
+            if engine_of is not None:
+                rec.engine_index = engine_of(stream.request_id)
         except Exception:
             logger.exception("request report failed")
             return

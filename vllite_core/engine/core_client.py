@@ -27,6 +27,7 @@ import signal
 import tempfile
 import threading
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -52,6 +53,7 @@ logger = logging.getLogger("vllite.engine_core_client")
 
 MULTIPROCESSING_ENV = ("VLLITE_ENABLE_V1_MULTIPROCESSING", "VLLM_ENABLE_V1_MULTIPROCESSING")
 _POLL_MS = 100  # the longest step() waits before it returns (so AsyncLLM's inbox is never starved)
+_ROUTES_KEPT = 65536  # request -> engine routes remembered for the per-engine request metrics
 _STOP_S = 5.0  # how long close() waits for an engine core to exit before it terminates it
 
 
@@ -94,6 +96,8 @@ class _Engine:
     pid: int | None = None
     stats: EngineCoreStats = field(default_factory=EngineCoreStats)
     unfinished: int = 0  # requests sent, not yet finished or aborted
+    sent: int = 0  # messages sent to it
+    applied: int = 0  # messages it said it applied (its stats are current once this equals sent)
     last_error: str | None = None  # the last error line the process sent (EngineCoreFailed)
 
     def describe(self) -> str:
@@ -141,6 +145,7 @@ class EngineCoreClient:
         self._closed = False
         self._died: _Engine | None = None
         self._owner: dict[str, _Engine] = {}  # engine request id -> the engine that has it
+        self._routes: OrderedDict[str, int] = OrderedDict()  # recent request ids -> engine index (for metrics)
         self.on_failure: list[Callable[[], None]] = []  # called (monitor thread) when an engine process exits
         self.step_times = StepTimes()
         self.structured_output: Any = None  # set by LLMEngine; the grammars compile in the engine processes
@@ -220,6 +225,7 @@ class EngineCoreClient:
         with self._send_lock:
             try:
                 eng.sock.send_multipart(self._encoder.encode(msg), flags=zmq.NOBLOCK, copy=False)
+                eng.sent += 1
                 return True
             except zmq.Again:
                 return False
@@ -244,6 +250,16 @@ class EngineCoreClient:
             self._raise_if_dead()
         self._owner[request.request_id] = eng
         eng.unfinished += 1
+        rid = request.request_id
+        self._routes[rid] = eng.index
+        if "#" in rid:  # a parallel-sampling child "id#i": its parent is what the API reports on
+            self._routes[rid.rpartition("#")[0]] = eng.index
+        while len(self._routes) > _ROUTES_KEPT:
+            self._routes.popitem(last=False)
+
+    def engine_of(self, request_id: str) -> int:
+        """The engine index a (recent) request was sent to; 0 when unknown."""
+        return self._routes.get(request_id, 0)
 
     def _forget(self, request_ids: Iterable[str]) -> dict[int, list[str]]:
         by_engine: dict[int, list[str]] = {}
@@ -266,7 +282,8 @@ class EngineCoreClient:
                 self._send(self.engines[index], EngineCoreAbort(ids, stopped=True))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._owner) or self._died is not None
+        """Requests in flight, or messages (aborts) whose effect on the engine's numbers is not back yet."""
+        return bool(self._owner) or self._died is not None or any(e.applied < e.sent for e in self.engines)
 
     def remove_lora(self, lora_int_id: int) -> None:
         """Drop an adapter from every engine's cache (running requests keep the one they hold)."""
@@ -306,6 +323,7 @@ class EngineCoreClient:
             if not isinstance(msg, EngineCoreOutputs):
                 continue
             eng.stats = msg.stats
+            eng.applied = msg.num_applied
             if msg.stepped:
                 self.step_times.steps += 1
             for out in msg.outputs:

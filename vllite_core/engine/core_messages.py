@@ -70,6 +70,7 @@ class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True):
     outputs: list[EngineCoreOutput]
     stats: EngineCoreStats
     stepped: bool = True  # False: only the stats changed (an abort freed blocks)
+    num_applied: int = 0  # client messages applied so far: the client waits for these numbers to catch up
 
 
 class EngineCoreReady(msgspec.Struct, tag="ready", array_like=True):

@@ -77,6 +77,7 @@ class EngineCoreProc:
         self.core = self.engine.core
         self.encoder = MsgpackEncoder()
         self.decoder = MsgpackDecoder(ClientMessage)
+        self.num_applied = 0
 
     def info(self) -> CoreInfo:
         e = self.engine
@@ -143,10 +144,11 @@ class EngineCoreProc:
                     refused.append(EngineCoreOutput(msg.request_id, [], finish_reason="error",
                                                     error=last_error_line(e)))
                 applied = True
+                self.num_applied += 1
             outputs = self.core.step() if self.core.has_unfinished_requests() else []
             outputs = refused + outputs
             if outputs or applied:
-                msg = EngineCoreOutputs(self.engine_index, outputs, self.stats(), stepped=bool(outputs))
+                msg = EngineCoreOutputs(self.engine_index, outputs, self.stats(), bool(outputs), self.num_applied)
                 out.send_multipart(self.encoder.encode(msg), copy=False)
 
 

@@ -48,7 +48,7 @@ def _one_thread_cpu(tid: int) -> float:
     return sum(t.user_time + t.system_time for t in psutil.Process().threads() if t.id == tid)
 
 
-_ENGINE = "0"  # vLLM's engine label: the data-parallel rank (per-request metrics all carry engine "0")
+_ENGINE = "0"  # vLLM's engine label: the data-parallel rank of the engine core (one engine: "0")
 
 
 class _EngineCollector(Collector):
@@ -143,13 +143,13 @@ class _Twin:
         if not extra:  # present (at 0) from the start
             list(self.children())
 
-    def children(self, *extra: str):
+    def children(self, *extra: str, engine: str = _ENGINE):
         yield self.own.labels(self.model, *extra)
         if self.vllm is not None:
-            yield self.vllm.labels(self.model, _ENGINE, *extra)
+            yield self.vllm.labels(self.model, engine, *extra)
 
-    def add(self, value: float, *extra: str) -> None:
-        for m in self.children(*extra):
+    def add(self, value: float, *extra: str, engine: str = _ENGINE) -> None:
+        for m in self.children(*extra, engine=engine):
             if self.kind is Counter:
                 m.inc(value)
             else:
@@ -201,24 +201,25 @@ class ServerMetrics:
         self._collector.api_cpu_base = _one_thread_cpu(native_id)
 
     def observe(self, rec: FinishedRequest) -> None:
+        e = str(rec.engine_index)  # vLLM's engine label: the data-parallel engine core that served it
         for reason in rec.finish_reasons:
-            self.success.add(1, reason)
-        self.prompt_tokens.add(rec.num_prompt_tokens)
-        self.generation_tokens.add(rec.num_generation_tokens)
-        self.req_prompt.add(rec.num_prompt_tokens)
-        self.req_gen.add(rec.num_generation_tokens)
-        self.req_max_gen.add(rec.max_generation_tokens)
-        self.param_n.add(rec.n)
+            self.success.add(1, reason, engine=e)
+        self.prompt_tokens.add(rec.num_prompt_tokens, engine=e)
+        self.generation_tokens.add(rec.num_generation_tokens, engine=e)
+        self.req_prompt.add(rec.num_prompt_tokens, engine=e)
+        self.req_gen.add(rec.num_generation_tokens, engine=e)
+        self.req_max_gen.add(rec.max_generation_tokens, engine=e)
+        self.param_n.add(rec.n, engine=e)
         if rec.max_tokens is not None:
-            self.param_max_tokens.add(rec.max_tokens)
-        self.e2e.add(rec.e2e_s)
+            self.param_max_tokens.add(rec.max_tokens, engine=e)
+        self.e2e.add(rec.e2e_s, engine=e)
         for hist, value in ((self.ttft, rec.ttft_s), (self.tpot, rec.tpot_s), (self.queue, rec.queue_s),
                             (self.prefill, rec.prefill_s), (self.decode, rec.decode_s),
                             (self.inference, rec.inference_s)):
             if value is not None:
-                hist.add(value)
+                hist.add(value, engine=e)
         for gap in rec.inter_token_s:
-            self.itl.add(gap)
+            self.itl.add(gap, engine=e)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
