@@ -385,6 +385,7 @@ class EngineCoreClient:
         for s in ready:
             if s in sentinels:
                 eng = sentinels[s]
+                eng.proc.join(5)  # its pipe closes a moment before it can be reaped (the exit code known)
                 logger.error("%s exited (%s)", eng.describe(), describe_exit(eng.proc.exitcode))
                 self._died = self._died or eng
                 break
