@@ -205,6 +205,7 @@ class EngineCoreClient:
                     raise EngineStartupError(f"{eng.describe()} failed to start: {msg.text}")
                 if isinstance(msg, EngineCoreReady):
                     eng.pid = msg.pid
+                    eng.stats = msg.stats
                     infos[msg.engine_index] = pickle.loads(msg.info)
                 continue
             for eng in self.engines:

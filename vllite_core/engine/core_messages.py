@@ -77,6 +77,7 @@ class EngineCoreReady(msgspec.Struct, tag="ready", array_like=True):
     engine_index: int
     pid: int
     info: bytes  # pickled core_proc.CoreInfo: the finalized config, ModelInfo, vocab size, model class...
+    stats: EngineCoreStats  # the numbers before any request (all blocks free)
 
 
 class EngineCoreFailed(msgspec.Struct, tag="failed", array_like=True):

@@ -177,7 +177,8 @@ def run_engine_core(config: Any, engine_index: int, input_addr: str, output_addr
     inp = ctx.socket(zmq.PULL)
     inp.setsockopt(zmq.LINGER, 0)
     inp.connect(input_addr)
-    out.send_multipart(encoder.encode(EngineCoreReady(engine_index, os.getpid(), pickle.dumps(proc.info()))))
+    out.send_multipart(encoder.encode(EngineCoreReady(engine_index, os.getpid(), pickle.dumps(proc.info()),
+                                                      proc.stats())))
     code = 0
     try:
         proc.run(inp, out)
