@@ -27,7 +27,7 @@ import signal
 import tempfile
 import threading
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -145,6 +145,7 @@ class EngineCoreClient:
         self._closed = False
         self._died: _Engine | None = None
         self._owner: dict[str, _Engine] = {}  # engine request id -> the engine that has it
+        self._pending: deque[EngineCoreOutputs] = deque()  # arrived, not yet handed out by step()
         self._routes: OrderedDict[str, int] = OrderedDict()  # recent request ids -> engine index (for metrics)
         self.on_failure: list[Callable[[], None]] = []  # called (monitor thread) when an engine process exits
         self.step_times = StepTimes()
@@ -284,7 +285,8 @@ class EngineCoreClient:
 
     def has_unfinished_requests(self) -> bool:
         """Requests in flight, or messages (aborts) whose effect on the engine's numbers is not back yet."""
-        return bool(self._owner) or self._died is not None or any(e.applied < e.sent for e in self.engines)
+        return (bool(self._owner) or bool(self._pending) or self._died is not None
+                or any(e.applied < e.sent for e in self.engines))
 
     def remove_lora(self, lora_int_id: int) -> None:
         """Drop an adapter from every engine's cache (running requests keep the one they hold)."""
@@ -293,45 +295,49 @@ class EngineCoreClient:
                 self._send(eng, EngineCoreUtility("remove_lora", [lora_int_id]))
 
     def step(self) -> list[EngineCoreOutput]:
-        """The outputs that arrived within _POLL_MS (maybe none); EngineDeadError once an engine is gone."""
+        """One engine step's outputs (maybe none, after _POLL_MS without news); EngineDeadError once an
+        engine is gone. One step per call, as in-process, so each step's tokens reach the streams (and the
+        inter-token metrics) as a step of their own even when several arrived together."""
         self._raise_if_dead()
-        events = dict(self._poller.poll(_POLL_MS))
-        if self._wake_r in events:
-            try:
-                os.read(self._wake_r, 4096)
-            except BlockingIOError:
-                pass
-        outputs: list[EngineCoreOutput] = []
-        if self._out in events:
-            outputs = self._drain()
+        if not self._pending:
+            events = dict(self._poller.poll(_POLL_MS))
+            if self._wake_r in events:
+                try:
+                    os.read(self._wake_r, 4096)
+                except BlockingIOError:
+                    pass
+            if self._out in events:
+                self._drain()
+        while self._pending:
+            msg = self._pending.popleft()
+            eng = self.engines[msg.engine_index]
+            eng.stats = msg.stats
+            eng.applied = msg.num_applied
+            for out in msg.outputs:
+                if out.finish_reason is not None and self._owner.get(out.request_id) is eng:
+                    del self._owner[out.request_id]
+                    eng.unfinished -= 1
+            if msg.stepped or msg.outputs:
+                self.step_times.steps += 1
+                return msg.outputs
         self._raise_if_dead()
-        return outputs
+        return []
 
-    def _drain(self) -> list[EngineCoreOutput]:
-        outputs: list[EngineCoreOutput] = []
+    def _drain(self) -> None:
+        """Everything that arrived, in order, into ``_pending`` (a failure report marks its engine dead)."""
         while True:
             try:
                 frames = self._out.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return outputs
+                return
             msg = self._decoder.decode([f.buffer for f in frames])
             eng = self.engines[msg.engine_index]
             if isinstance(msg, EngineCoreFailed):
                 eng.last_error = msg.text
                 eng.proc.join(5)
                 self._died = self._died or eng
-                continue
-            if not isinstance(msg, EngineCoreOutputs):
-                continue
-            eng.stats = msg.stats
-            eng.applied = msg.num_applied
-            if msg.stepped:
-                self.step_times.steps += 1
-            for out in msg.outputs:
-                if out.finish_reason is not None and self._owner.get(out.request_id) is eng:
-                    del self._owner[out.request_id]
-                    eng.unfinished -= 1
-            outputs.extend(msg.outputs)
+            elif isinstance(msg, EngineCoreOutputs):
+                self._pending.append(msg)
 
     def _raise_if_dead(self) -> None:
         eng = self._died
