@@ -38,6 +38,7 @@ from vllite_core.core.scheduler import SchedulerStats
 from vllite_core.engine.core import EngineCoreOutput, StepTimes
 from vllite_core.engine.core_messages import (
     EngineCoreAbort,
+    EngineCoreBatch,
     EngineCoreFailed,
     EngineCoreOutputs,
     EngineCoreReady,
@@ -145,6 +146,7 @@ class EngineCoreClient:
         self._closed = False
         self._died: _Engine | None = None
         self._owner: dict[str, _Engine] = {}  # engine request id -> the engine that has it
+        self._outbox: dict[int, list[Any]] = {}  # engine index -> messages queued for it (sent by flush)
         self._pending: deque[EngineCoreOutputs] = deque()  # arrived, not yet handed out by step()
         self._routes: OrderedDict[str, int] = OrderedDict()  # recent request ids -> engine index (for metrics)
         self.on_failure: list[Callable[[], None]] = []  # called (monitor thread) when an engine process exits
@@ -222,12 +224,22 @@ class EngineCoreClient:
     def _pick(self) -> _Engine:
         return min(self.engines, key=lambda e: (e.unfinished, e.index))
 
-    def _send(self, eng: _Engine, msg: Any) -> bool:
+    def _queue(self, eng: _Engine, msg: Any) -> None:
+        """Sent with the others queued before the next ``step`` (or ``flush``), as one message."""
+        self._outbox.setdefault(eng.index, []).append(msg)
+
+    def flush(self) -> None:
+        outbox, self._outbox = self._outbox, {}
+        for index, msgs in outbox.items():
+            if self._died is None and not self._send(self.engines[index], msgs):
+                self._died = self.engines[index]
+
+    def _send(self, eng: _Engine, msgs: list[Any]) -> bool:
         """Never blocks: False when the engine is not connected (not started yet, or gone)."""
         with self._send_lock:
             try:
-                eng.sock.send_multipart(self._encoder.encode(msg), flags=zmq.NOBLOCK, copy=False)
-                eng.sent += 1
+                eng.sock.send_multipart(self._encoder.encode(EngineCoreBatch(msgs)), flags=zmq.NOBLOCK, copy=False)
+                eng.sent += len(msgs)
                 return True
             except zmq.Again:
                 return False
@@ -247,9 +259,7 @@ class EngineCoreClient:
                                 request.num_encoder_tokens, request.cache_salt, tuple(request.block_extra_keys),
                                 pooling, lora)
         eng = self._pick()
-        if not self._send(eng, msg):
-            self._died = self._died or eng
-            self._raise_if_dead()
+        self._queue(eng, msg)
         self._owner[request.request_id] = eng
         eng.unfinished += 1
         rid = request.request_id
@@ -274,30 +284,29 @@ class EngineCoreClient:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for index, ids in self._forget(request_ids).items():
-            if self._died is None:
-                self._send(self.engines[index], EngineCoreAbort(ids))
+            self._queue(self.engines[index], EngineCoreAbort(ids))
 
     def finish_request(self, request_id: str, status: Any) -> None:
         """Only the API's stop-string check finishes a request from this side: it stops in the engine."""
         for index, ids in self._forget([request_id]).items():
-            if self._died is None:
-                self._send(self.engines[index], EngineCoreAbort(ids, stopped=True))
+            self._queue(self.engines[index], EngineCoreAbort(ids, stopped=True))
 
     def has_unfinished_requests(self) -> bool:
         """Requests in flight, or messages (aborts) whose effect on the engine's numbers is not back yet."""
-        return (bool(self._owner) or bool(self._pending) or self._died is not None
+        return (bool(self._owner) or bool(self._pending) or bool(self._outbox) or self._died is not None
                 or any(e.applied < e.sent for e in self.engines))
 
     def remove_lora(self, lora_int_id: int) -> None:
         """Drop an adapter from every engine's cache (running requests keep the one they hold)."""
-        for eng in self.engines:
+        for eng in self.engines:  # from another thread: sent at once, on its own
             if self._died is None:
-                self._send(eng, EngineCoreUtility("remove_lora", [lora_int_id]))
+                self._send(eng, [EngineCoreUtility("remove_lora", [lora_int_id])])
 
     def step(self) -> list[EngineCoreOutput]:
         """One engine step's outputs (maybe none, after _POLL_MS without news); EngineDeadError once an
         engine is gone. One step per call, as in-process, so each step's tokens reach the streams (and the
         inter-token metrics) as a step of their own even when several arrived together."""
+        self.flush()
         self._raise_if_dead()
         if not self._pending:
             events = dict(self._poller.poll(_POLL_MS))
@@ -414,7 +423,7 @@ class EngineCoreClient:
         for eng in self.engines:
             if eng.proc.is_alive() and eng.sock is not None:
                 try:
-                    self._send(eng, EngineCoreUtility("shutdown"))
+                    self._send(eng, [EngineCoreUtility("shutdown")])
                 except zmq.ZMQError:
                     pass
         for eng in self.engines:

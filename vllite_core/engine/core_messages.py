@@ -47,6 +47,13 @@ class EngineCoreUtility(msgspec.Struct, tag="utility", array_like=True):
 ClientMessage = EngineCoreRequest | EngineCoreAbort | EngineCoreUtility
 
 
+class EngineCoreBatch(msgspec.Struct, tag="batch", array_like=True):
+    """What the client queued since its last send, in order, in one ZMQ message: the prompts of one
+    multi-prompt request reach the scheduler together (the same batch as in-process)."""
+
+    messages: list[ClientMessage]
+
+
 class EngineCoreStats(msgspec.Struct, array_like=True):
     """The scheduler's numbers after a step (what AsyncLLM's snapshot and /metrics read)."""
 

@@ -26,8 +26,8 @@ import zmq
 
 from vllite_core.engine.core import EngineCoreOutput
 from vllite_core.engine.core_messages import (
-    ClientMessage,
     EngineCoreAbort,
+    EngineCoreBatch,
     EngineCoreFailed,
     EngineCoreOutputs,
     EngineCoreReady,
@@ -76,7 +76,7 @@ class EngineCoreProc:
         self.engine = LLMEngine(config)
         self.core = self.engine.core
         self.encoder = MsgpackEncoder()
-        self.decoder = MsgpackDecoder(ClientMessage)
+        self.decoder = MsgpackDecoder(EngineCoreBatch)
         self.num_applied = 0
 
     def info(self) -> CoreInfo:
@@ -133,18 +133,18 @@ class EngineCoreProc:
             refused: list[EngineCoreOutput] = []
             while inp.poll(0):
                 frames = [f.buffer for f in inp.recv_multipart(copy=False)]
-                msg = self.decoder.decode(frames)
-                try:
-                    if not self._apply(msg):
-                        return
-                except Exception as e:  # checked by the API already, so unexpected: this request alone fails
-                    if not isinstance(msg, EngineCoreRequest):
-                        raise
-                    logger.exception("engine core refused request %s", msg.request_id)
-                    refused.append(EngineCoreOutput(msg.request_id, [], finish_reason="error",
-                                                    error=last_error_line(e)))
-                applied = True
-                self.num_applied += 1
+                for msg in self.decoder.decode(frames).messages:
+                    try:
+                        if not self._apply(msg):
+                            return
+                    except Exception as e:  # checked by the API already, so unexpected: this request alone fails
+                        if not isinstance(msg, EngineCoreRequest):
+                            raise
+                        logger.exception("engine core refused request %s", msg.request_id)
+                        refused.append(EngineCoreOutput(msg.request_id, [], finish_reason="error",
+                                                        error=last_error_line(e)))
+                    applied = True
+                    self.num_applied += 1
             outputs = self.core.step() if self.core.has_unfinished_requests() else []
             outputs = refused + outputs
             if outputs or applied:
