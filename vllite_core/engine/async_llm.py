@@ -245,6 +245,7 @@ class AsyncLLM:
         # An engine core in its own process (core_client.py): wake the loop when it dies, so the open
         # requests fail at once even while the loop sleeps; a post wakes its wait for outputs.
         self._wake_core: Callable[[], None] | None = getattr(engine.core, "wake", None)
+        self._wake_pending = False
         if hasattr(engine.core, "on_failure"):
             engine.core.on_failure.append(self._wake_loop)
         self._thread = threading.Thread(target=self._run, name="vllite-engine-loop", daemon=True)
@@ -396,6 +397,20 @@ class AsyncLLM:
         with self._cond:
             self._inbox.append(cmd)
             self._cond.notify()
+        if self._wake_core is not None and not self._wake_pending:
+            # Once per turn of the asyncio loop, after what this turn posts (the prompts of one request
+            # reach the engine core in one message): a pipe write would hand the GIL to the loop thread
+            # after the first post.
+            self._wake_pending = True
+            try:
+                if self._aloop is None:
+                    raise RuntimeError("no asyncio loop yet")
+                self._aloop.call_soon(self._wake_now)
+            except RuntimeError:  # no loop, or it is closed: wake at once
+                self._wake_now()
+
+    def _wake_now(self) -> None:
+        self._wake_pending = False
         if self._wake_core is not None:
             self._wake_core()
 
