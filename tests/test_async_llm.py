@@ -115,9 +115,10 @@ def test_delta_view_reports_finish_once_and_skips_empty_news():
 
 
 def _record_salts(engine: LLMEngine) -> dict[str, str | None]:
-    """request id -> the cache_salt of the Request the scheduler was given."""
+    """request id -> the cache_salt of the Request the engine core was given (in this process, or the
+    EngineCoreClient that sends it to an engine-core process)."""
     seen: dict[str, str | None] = {}
-    sched = engine.core.scheduler
+    sched = engine.core
     add = sched.add_request
 
     def recording(request):
