@@ -17,7 +17,6 @@ import logging
 import os
 import pickle
 import sys
-import time
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -190,5 +189,4 @@ def run_engine_core(config: Any, engine_index: int, input_addr: str, output_addr
         inp.close()
         out.close()
         ctx.term()
-        time.sleep(0)
     sys.exit(code)
