@@ -10,6 +10,7 @@ import pytest
 from vllite_core import LLM, SamplingParams
 from vllite_core.config import EngineArgs
 from vllite_core.engine.async_llm import AsyncLLM, RequestStream
+from vllite_core.engine.core_client import multiprocessing_enabled
 from vllite_core.engine.errors import InvalidRequestError, PromptTooLongError
 from vllite_core.engine.llm_engine import LLMEngine
 from vllite_core.outputs import CompletionOutput, RequestOutput
@@ -19,9 +20,9 @@ ENGINE = dict(dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64)
 
 @pytest.fixture
 def allm(tiny_path):
-    engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(model=tiny_path, scheduling_policy="priority",
-                                                               **ENGINE))
-    a = AsyncLLM(engine)
+    # In this process by default; VLLITE_ENABLE_V1_MULTIPROCESSING=1 runs the file against an engine-core process.
+    args = EngineArgs.from_kwargs(model=tiny_path, scheduling_policy="priority", **ENGINE)
+    a = AsyncLLM.from_engine_args(args, multiprocess=multiprocessing_enabled(default=False))
     yield a
     a.close()
 
@@ -114,9 +115,10 @@ def test_delta_view_reports_finish_once_and_skips_empty_news():
 
 
 def _record_salts(engine: LLMEngine) -> dict[str, str | None]:
-    """request id -> the cache_salt of the Request the scheduler was given."""
+    """request id -> the cache_salt of the Request the engine core was given (in this process, or the
+    EngineCoreClient that sends it to an engine-core process)."""
     seen: dict[str, str | None] = {}
-    sched = engine.core.scheduler
+    sched = engine.core
     add = sched.add_request
 
     def recording(request):

@@ -108,6 +108,7 @@ class FinishedRequest:
     n: int = 1
     max_tokens: int | None = None
     max_generation_tokens: int = 0  # of the longest completion
+    engine_index: int = 0  # the data-parallel engine core that served it (vLLM's ``engine`` label)
 
 
 @dataclass
@@ -242,8 +243,51 @@ class AsyncLLM:
         self._stopping = False
         self._ids = itertools.count()
         self._take_snapshot()
+        # An engine core in its own process (core_client.py): wake the loop when it dies, so the open
+        # requests fail at once even while the loop sleeps; a post wakes its wait for outputs.
+        self._wake_core: Callable[[], None] | None = getattr(engine.core, "wake", None)
+        self._wake_pending = False
+        if hasattr(engine.core, "on_failure"):
+            engine.core.on_failure.append(self._wake_loop)
         self._thread = threading.Thread(target=self._run, name="vllite-engine-loop", daemon=True)
         self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, args: Any, data_parallel_size: int = 1,
+                         multiprocess: bool | None = None) -> "AsyncLLM":
+        """The server's engine: its core(s) in their own processes unless ``multiprocess`` is False or
+        VLLITE_ENABLE_V1_MULTIPROCESSING=0 (then in this process, on the engine-loop thread).
+        ``data_parallel_size`` > 1 needs the engine-core processes."""
+        from vllite_core.config import ConfigError
+        from vllite_core.engine.core_client import EngineCoreClient, multiprocessing_enabled
+
+        if multiprocess is None:
+            multiprocess = multiprocessing_enabled(default=True)
+        if not multiprocess:
+            if data_parallel_size != 1:
+                raise ConfigError(f"data_parallel_size: {data_parallel_size} needs the engine cores in their own "
+                                  "processes (VLLITE_ENABLE_V1_MULTIPROCESSING=1)")
+            return cls(LLMEngine.from_engine_args(args))
+        client = EngineCoreClient(args.create_config(), data_parallel_size)
+        try:
+            return cls(LLMEngine(client.config, core=client))
+        except BaseException:
+            client.close()
+            raise
+
+    def layout(self) -> dict[str, Any]:
+        """The process layout: this (API) process, and each engine core's process and data-parallel rank."""
+        core = self.engine.core
+        if hasattr(core, "layout"):
+            return core.layout()
+        import os
+
+        return {"api_pid": os.getpid(), "data_parallel_size": 1,
+                "engine_cores": [{"dp_rank": 0, "pid": os.getpid(), "in_process": True}]}
+
+    def _wake_loop(self) -> None:
+        with self._cond:
+            self._cond.notify()
 
     # ---- asyncio side -------------------------------------------------------------------
     @property
@@ -354,6 +398,22 @@ class AsyncLLM:
         with self._cond:
             self._inbox.append(cmd)
             self._cond.notify()
+        if self._wake_core is not None and not self._wake_pending:
+            # Once per turn of the asyncio loop, after what this turn posts (the prompts of one request
+            # reach the engine core in one message): a pipe write would hand the GIL to the loop thread
+            # after the first post.
+            self._wake_pending = True
+            try:
+                if self._aloop is None:
+                    raise RuntimeError("no asyncio loop yet")
+                self._aloop.call_soon(self._wake_now)
+            except RuntimeError:  # no loop, or it is closed: wake at once
+                self._wake_now()
+
+    def _wake_now(self) -> None:
+        self._wake_pending = False
+        if self._wake_core is not None:
+            self._wake_core()
 
     def _dispatch(self, outputs: list[RequestOutput], failed: list[tuple[str, BaseException]]) -> None:
         for out in outputs:
@@ -393,6 +453,9 @@ class AsyncLLM:
         the other requests' outputs."""
         try:
             rec = stream.report(out, aborted)
+            engine_of = getattr(self.engine.core, "engine_of", None)
+            if engine_of is not None:
+                rec.engine_index = engine_of(stream.request_id)
         except Exception:
             logger.exception("request report failed")
             return
@@ -457,7 +520,8 @@ class AsyncLLM:
                 except Exception as e:
                     logger.exception("engine step failed (a fault of no single request); the engine is dead")
                     self.dead = e
-                    failed.append(("", EngineDeadError(f"the engine died: a step failed with {e!r}")))
+                    failed.append(("", e if isinstance(e, EngineDeadError)
+                                   else EngineDeadError(f"the engine died: a step failed with {e!r}")))
                 step_s = time.perf_counter() - t1
                 st.step_s += step_s
                 st.steps += 1
@@ -485,3 +549,5 @@ class AsyncLLM:
             self._cond.notify()
         self._thread.join(timeout=10)
         self._prep.shutdown(wait=False, cancel_futures=True)
+        if hasattr(self.engine.core, "close"):
+            self.engine.core.close()

@@ -174,6 +174,18 @@ class EngineCore:
                     str(facts.kv_cache_dtype).replace("torch.", ""), kinds, self.executor.backend,
                     config.parallel_config.tensor_parallel_size)
 
+    @property
+    def vocab_size(self) -> int:
+        """What the model can emit (part of every engine model's contract: nested configs such as
+        Florence-2's have no top-level vocab_size)."""
+        return int(self.worker.runner.model.vocab_size)
+
+    def lora_layout(self) -> tuple[dict, dict]:
+        """(targets, in_features) of the model's LoRA layers: what an adapter is checked against."""
+        from vllite_core.lora.registry import lora_layout
+
+        return lora_layout(self.worker.runner.model)
+
     def add_request(self, request: Request) -> None:
         so = request.sampling_params.structured_outputs
         if so is not None and self.structured_output is not None:

@@ -23,12 +23,14 @@ PromptType = str | dict[str, Any]
 
 
 class LLMEngine:
-    def __init__(self, config: VlliteConfig, platform: Any = None) -> None:
+    def __init__(self, config: VlliteConfig, platform: Any = None, core: Any = None) -> None:
+        """``core``: an engine core that already runs (the API process passes its EngineCoreClient, whose
+        cores live in their own processes, with the config they finalized); by default one is built here."""
         from model_registry.generation_config import load_generation_defaults
         from model_registry.source import load_tokenizer
 
         self.config = config
-        self.core = EngineCore(config, platform)
+        self.core = core if core is not None else EngineCore(config, platform)
         info = self.core.model_info
         self.tokenizer = load_tokenizer(info.source, config.model_config.tokenizer)
         self.max_model_len = info.max_model_len
@@ -56,7 +58,7 @@ class LLMEngine:
         if config.lora_config is not None:
             from vllite_core.lora.registry import LoRARegistry
 
-            self.lora_registry = LoRARegistry(self.core.worker.runner.model, config.lora_config)
+            self.lora_registry = LoRARegistry(self.core.lora_layout(), config.lora_config)
 
     def _structured_output_manager(self) -> Any:
         from vllite_core.plugins.manager import get_plugin_manager

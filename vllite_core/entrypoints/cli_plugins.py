@@ -41,6 +41,8 @@ def add_env_parser(subparsers: "argparse._SubParsersAction") -> argparse.Argumen
                    help="show the parallel layout an engine with N ranks would use here")
     p.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
                    help="executor of that layout (default: uni for one rank, mp for more)")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="show the process layout `vllite serve` would start with this many engine cores")
     p.set_defaults(func=run_env)
     return p
 
@@ -113,6 +115,19 @@ def _add_layout(report: dict[str, Any], resolved: ResolvedPlatform | None, args:
     except ConfigError as e:
         return str(e)
     return None
+def _process_layout(data_parallel_size: int) -> dict[str, Any]:
+    """What `vllite serve` starts (VLLITE_ENABLE_V1_MULTIPROCESSING decides) and where the offline LLM runs."""
+    from vllite_core.engine.core_client import multiprocessing_enabled
+
+    mp = multiprocessing_enabled(default=True)
+    if mp:
+        ranks = ", ".join(f"DP rank {r}" for r in range(data_parallel_size))
+        serve = (f"vllite serve: API server process + {data_parallel_size} engine core "
+                 f"process{'es' if data_parallel_size != 1 else ''} ({ranks}), ZMQ ipc + msgpack")
+    else:
+        serve = "vllite serve: API server and engine core in one process (VLLITE_ENABLE_V1_MULTIPROCESSING=0)"
+    return {"multiprocessing": mp, "data_parallel_size": data_parallel_size, "serve": serve,
+            "offline": "in-process (engine core in the caller's process)"}
 
 
 def run_env(args: argparse.Namespace) -> int:
@@ -127,6 +142,7 @@ def run_env(args: argparse.Namespace) -> int:
         error, candidates = str(exc), diagnose_platforms()
     report = _env_report(resolved, candidates, error)
     error = _add_layout(report, resolved, args) or error
+    report["process_layout"] = _process_layout(args.data_parallel_size)
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     else:
@@ -155,6 +171,9 @@ def _print_env(report: dict[str, Any], resolved: ResolvedPlatform | None,
             print("\n".join(format_layout(report["parallel"])))
     else:
         print("platform:      none resolved")
+    lay = report["process_layout"]
+    print(f"processes:     {lay['serve']}")
+    print(f"               offline LLM: {lay['offline']}")
     print(f"torch:         {report['torch']}")
     print(f"vllite:        {report['vllite']} (plugin API {report['plugin_api']}), python {report['python']}")
     chosen_cls = type(resolved.platform) if resolved is not None else None

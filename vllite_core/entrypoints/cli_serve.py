@@ -60,13 +60,15 @@ def add_serve_parser(sub: Any) -> None:
     g.add_argument("--lora-allowed-root", default=None, metavar="DIR",
                    help="with VLLM_ALLOW_RUNTIME_LORA_UPDATING set: the only directory /v1/load_lora_adapter may "
                    "load adapters from (without it runtime loads are refused)")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine cores behind this API server, each a full copy of the model in its own process; "
+                   "a request goes to the least loaded one (needs VLLITE_ENABLE_V1_MULTIPROCESSING=1, the default)")
     add_engine_args(p)
     p.set_defaults(func=run_serve)
 
 
 def run_serve(ns: argparse.Namespace) -> int:
     from vllite_core.engine.async_llm import AsyncLLM
-    from vllite_core.engine.llm_engine import LLMEngine
     from vllite_core.entrypoints.openai.api_server import bind_socket, default_model_name, serve
     from vllite_core.entrypoints.openai.serving_common import DEFAULT_MAX_BODY_BYTES
 
@@ -92,16 +94,28 @@ def run_serve(ns: argparse.Namespace) -> int:
         lora_modules = [parse_lora_module(m) for m in ns.lora_modules or []]
     except ValueError as e:
         raise SystemExit(f"vllite serve: {e}") from None
+    if ns.data_parallel_size < 1:
+        raise SystemExit("vllite serve: --data-parallel-size must be at least 1")
     sock = bind_socket(ns.host, ns.port)  # a busy port fails now, not after loading the model
     try:
-        engine = AsyncLLM(LLMEngine.from_engine_args(engine_args_from_namespace(ns)))
-        from vllite_core.distributed.layout import format_layout
-
-        print("\n".join(format_layout(engine.engine.core.executor.layout)), flush=True)
+        engine = AsyncLLM.from_engine_args(engine_args_from_namespace(ns), ns.data_parallel_size)
     except KeyboardInterrupt:
         sock.close()
         print("vllite: stopped while loading the model", flush=True)
         return 130
+    except BaseException as e:
+        sock.close()
+        if isinstance(e, SystemExit):
+            raise
+        # the engine core's own error text, whether it failed here or in its process
+        raise SystemExit(f"vllite serve: the engine failed to start: {type(e).__name__}: {e}") from None
+    print(describe_layout(engine.layout()), flush=True)
+    core = engine.engine.core  # in this process, or the client of the engine-core processes
+    parallel = core.executor.layout if hasattr(core, "executor") else core.parallel_layout
+    if parallel:
+        from vllite_core.distributed.layout import format_layout
+
+        print("\n".join(format_layout(parallel)), flush=True)
     loras = None
     if ns.enable_lora:
         try:
@@ -121,6 +135,16 @@ def run_serve(ns: argparse.Namespace) -> int:
           chat_template=chat_template, reasoning_parser=reasoning_parser,
           enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser, loras=loras)
     return 0
+
+
+def describe_layout(layout: dict[str, Any]) -> str:
+    """One start-up line: which process serves HTTP and which run the engine cores (by DP rank)."""
+    cores = layout["engine_cores"]
+    if cores and cores[0].get("in_process"):
+        return f"vllite: process layout: API server and engine core in pid {layout['api_pid']} (in-process engine)"
+    ranks = ", ".join(f"DP rank {c['dp_rank']} pid {c['pid']}" for c in cores)
+    return (f"vllite: process layout: API server pid {layout['api_pid']}; {len(cores)} engine core "
+            f"process{'es' if len(cores) != 1 else ''} ({ranks})")
 
 
 def _frontend_options(ns: argparse.Namespace) -> tuple[str | None, str | None]:

@@ -21,12 +21,18 @@ from vllite_core.lora.request import LoRARequest
 logger = logging.getLogger("vllite.lora")
 
 
+def lora_layout(model: Any) -> tuple[dict[str, tuple[str, int, int]], dict[str, int]]:
+    """The model's LoRA targets and each target layer's input width: all an adapter is checked
+    against, so a process without the model (the API process) can check adapters too."""
+    targets = model.lora_targets()
+    modules = dict(model.named_modules())
+    return targets, {eng: int(modules[eng].weight.shape[1]) for eng, _, _ in targets.values()}
+
+
 class LoRARegistry:
-    def __init__(self, model: Any, config: LoRAConfig) -> None:
+    def __init__(self, layout: tuple[dict, dict], config: LoRAConfig) -> None:
         self.config = config
-        self.targets = model.lora_targets()
-        modules = dict(model.named_modules())
-        self.in_features = {eng: int(modules[eng].weight.shape[1]) for eng, _, _ in self.targets.values()}
+        self.targets, self.in_features = layout
         self._cache: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self._lock = threading.Lock()
         self.load_times: dict[str, float] = {}  # adapter name -> seconds of its last load from disk

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import os
 import secrets
 import signal
 import socket
@@ -432,6 +433,15 @@ def _make_server(config: Any, state: ServerState, drain_s: float) -> Any:
     return Server(config)
 
 
+KEEP_ALIVE_ENV = ("VLLITE_KEEP_ALIVE_ON_ENGINE_DEATH", "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH")
+ENGINE_DEATH_GRACE_S = 2.0  # /health answers 503 this long after the engine died, then the server exits 1
+
+
+def keep_alive_on_engine_death() -> bool:
+    """vLLM's VLLM_KEEP_ALIVE_ON_ENGINE_DEATH: after the engine died, keep answering (503) until stopped."""
+    return any(os.environ.get(n, "").strip().lower() in ("1", "true", "yes", "on") for n in KEEP_ALIVE_ENV)
+
+
 def serve(engine: AsyncLLM, model_names: list[str], sock: socket.socket, api_key: str | None = None,
           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "info", access_log: bool = True, *,
           shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
@@ -459,8 +469,12 @@ def serve(engine: AsyncLLM, model_names: list[str], sock: socket.socket, api_key
     server = _make_server(config, state, shutdown_timeout)
 
     def _engine_died(exc: BaseException) -> None:  # every stream has failed already; a supervisor restarts us
-        logger.error("the engine died (%r): the server stops", exc)
-        server.should_exit = True
+        if keep_alive_on_engine_death():
+            logger.error("the engine died (%r): the server stays up (%s), answering 503", exc, KEEP_ALIVE_ENV[0])
+            return
+        # /health answers 503 for a moment first, so that a probe (or a test) sees why, then the server stops
+        logger.error("the engine died (%r): the server stops in %g s", exc, ENGINE_DEATH_GRACE_S)
+        asyncio.get_running_loop().call_later(ENGINE_DEATH_GRACE_S, setattr, server, "should_exit", True)
 
     engine.on_dead.append(_engine_died)
     t0 = time.monotonic()

@@ -48,7 +48,7 @@ def _one_thread_cpu(tid: int) -> float:
     return sum(t.user_time + t.system_time for t in psutil.Process().threads() if t.id == tid)
 
 
-_ENGINE = "0"  # vLLM's engine label: the data-parallel rank; one engine here
+_ENGINE = "0"  # vLLM's engine label: the data-parallel rank of the engine core (one engine: "0")
 
 
 class _EngineCollector(Collector):
@@ -58,15 +58,27 @@ class _EngineCollector(Collector):
         self.api_tid = api_tid
         self.api_cpu_base = 0.0  # what the API thread spent before serving (loading the model)
 
-    def _both(self, family: type, name: str, doc: str, value: float, vllm: bool = True) -> Iterator[Metric]:
-        """``vllite:NAME`` and, where vLLM has the metric, ``vllm:NAME`` with vLLM's labels."""
+    def _both(self, family: type, name: str, doc: str, value: float, vllm: bool = True,
+              field: str | None = None) -> Iterator[Metric]:
+        """``vllite:NAME`` (all engines together) and, where vLLM has the metric, ``vllm:NAME`` with vLLM's
+        labels: with data-parallel engine cores, one sample per engine (``field`` of its own numbers)."""
         m = family(f"vllite:{name}", doc, labels=["model_name"])
         m.add_metric([self.model], value)
         yield m
         if vllm:
             m = family(f"vllm:{name}", doc, labels=["model_name", "engine"])
-            m.add_metric([self.model, _ENGINE], value)
+            per_engine = self._per_engine()
+            if field is not None and len(per_engine) > 1:
+                for index, stats in enumerate(per_engine):
+                    m.add_metric([self.model, str(index)], getattr(stats, field))
+            else:
+                m.add_metric([self.model, _ENGINE], value)
             yield m
+
+    def _per_engine(self) -> list:
+        """Each engine core's latest numbers (core_client.EngineCoreStats); empty for an in-process engine."""
+        core = self.engine.engine.core
+        return core.engine_stats() if hasattr(core, "engine_stats") else []
 
     def _cache_info(self) -> GaugeMetricFamily:
         cfg = self.engine.engine.config.cache_config
@@ -96,21 +108,26 @@ class _EngineCollector(Collector):
         s = self.engine.snapshot
         ls = self.engine.loop_stats
         g, c = GaugeMetricFamily, CounterMetricFamily
-        yield from self._both(g, "num_requests_running", "Requests in the running batch.", s.num_running)
-        yield from self._both(g, "num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
+        yield from self._both(g, "num_requests_running", "Requests in the running batch.", s.num_running,
+                              field="num_running")
+        yield from self._both(g, "num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting,
+                              field="num_waiting")
         yield from self._both(g, "num_requests_in_flight", "Requests the API is streaming.",
                               self.engine.num_in_flight, vllm=False)
         yield from self._both(g, "kv_cache_usage_perc", "Fraction of KV blocks held by requests (0-1).",
-                              s.kv_cache_usage)
+                              s.kv_cache_usage, field="kv_cache_usage")
         yield from self._both(g, "kv_cache_free_blocks", "KV blocks free (cached-but-free counts as free).",
                               s.num_free_blocks, vllm=False)
         yield from self._both(g, "kv_cache_total_blocks", "Usable KV blocks.", s.num_total_blocks, vllm=False)
         hit_rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
         yield from self._both(g, "prefix_cache_hit_rate", "Prefix-cache hits / queries (tokens) since start.",
                               hit_rate, vllm=False)
-        yield from self._both(c, "prefix_cache_queries", "Prefix-cache queries (tokens).", s.prefix_cache_queries)
-        yield from self._both(c, "prefix_cache_hits", "Prefix-cache hits (tokens).", s.prefix_cache_hits)
-        yield from self._both(c, "num_preemptions", "Preemptions (recompute) since start.", s.num_preemptions_total)
+        yield from self._both(c, "prefix_cache_queries", "Prefix-cache queries (tokens).", s.prefix_cache_queries,
+                              field="prefix_cache_queries")
+        yield from self._both(c, "prefix_cache_hits", "Prefix-cache hits (tokens).", s.prefix_cache_hits,
+                              field="prefix_cache_hits")
+        yield from self._both(c, "num_preemptions", "Preemptions (recompute) since start.", s.num_preemptions_total,
+                              field="num_preemptions_total")
         yield from self._both(c, "engine_loop_steps", "Engine loop steps.", ls.steps, vllm=False)
         if s.spec_decoding is not None:
             yield from self._spec_decoding(s.spec_decoding)
@@ -142,13 +159,13 @@ class _Twin:
         if not extra:  # present (at 0) from the start
             list(self.children())
 
-    def children(self, *extra: str):
+    def children(self, *extra: str, engine: str = _ENGINE):
         yield self.own.labels(self.model, *extra)
         if self.vllm is not None:
-            yield self.vllm.labels(self.model, _ENGINE, *extra)
+            yield self.vllm.labels(self.model, engine, *extra)
 
-    def add(self, value: float, *extra: str) -> None:
-        for m in self.children(*extra):
+    def add(self, value: float, *extra: str, engine: str = _ENGINE) -> None:
+        for m in self.children(*extra, engine=engine):
             if self.kind is Counter:
                 m.inc(value)
             else:
@@ -200,24 +217,25 @@ class ServerMetrics:
         self._collector.api_cpu_base = _one_thread_cpu(native_id)
 
     def observe(self, rec: FinishedRequest) -> None:
+        e = str(rec.engine_index)  # vLLM's engine label: the data-parallel engine core that served it
         for reason in rec.finish_reasons:
-            self.success.add(1, reason)
-        self.prompt_tokens.add(rec.num_prompt_tokens)
-        self.generation_tokens.add(rec.num_generation_tokens)
-        self.req_prompt.add(rec.num_prompt_tokens)
-        self.req_gen.add(rec.num_generation_tokens)
-        self.req_max_gen.add(rec.max_generation_tokens)
-        self.param_n.add(rec.n)
+            self.success.add(1, reason, engine=e)
+        self.prompt_tokens.add(rec.num_prompt_tokens, engine=e)
+        self.generation_tokens.add(rec.num_generation_tokens, engine=e)
+        self.req_prompt.add(rec.num_prompt_tokens, engine=e)
+        self.req_gen.add(rec.num_generation_tokens, engine=e)
+        self.req_max_gen.add(rec.max_generation_tokens, engine=e)
+        self.param_n.add(rec.n, engine=e)
         if rec.max_tokens is not None:
-            self.param_max_tokens.add(rec.max_tokens)
-        self.e2e.add(rec.e2e_s)
+            self.param_max_tokens.add(rec.max_tokens, engine=e)
+        self.e2e.add(rec.e2e_s, engine=e)
         for hist, value in ((self.ttft, rec.ttft_s), (self.tpot, rec.tpot_s), (self.queue, rec.queue_s),
                             (self.prefill, rec.prefill_s), (self.decode, rec.decode_s),
                             (self.inference, rec.inference_s)):
             if value is not None:
-                hist.add(value)
+                hist.add(value, engine=e)
         for gap in rec.inter_token_s:
-            self.itl.add(gap)
+            self.itl.add(gap, engine=e)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

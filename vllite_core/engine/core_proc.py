@@ -1,0 +1,193 @@
+"""The engine-core process: one EngineCore behind two ZMQ sockets (vLLM's EngineCoreProc).
+
+It pulls requests from its input socket and pushes each step's ``EngineCoreOutputs`` (token
+ids, logprobs, pooled tensors as raw frames, the scheduler's numbers) to the API process. It
+builds an ``LLMEngine`` for its core, its structured-output compiler (the grammar's tokenizer
+lives here) and its LoRA adapter cache, and never uses that engine's detokenizer: text is
+the API process's job (its OutputProcessor), as in vLLM.
+
+Start-up failure is sent back as the exception itself (the API re-raises it with its original
+text) and the process exits 1. A step that fails with a fault of no single request is sent the
+same way (``EngineCoreFailed``) before the process exits 1; the client names it to every open
+request. The process also exits when the API process that started it is gone.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from vllite_core.engine.core import EngineCoreOutput
+from vllite_core.engine.core_messages import (
+    EngineCoreAbort,
+    EngineCoreBatch,
+    EngineCoreFailed,
+    EngineCoreOutputs,
+    EngineCoreReady,
+    EngineCoreRequest,
+    EngineCoreStats,
+    EngineCoreUtility,
+)
+from vllite_core.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+logger = logging.getLogger("vllite.engine_core")
+
+_PARENT_CHECK_MS = 1000  # how often an idle engine checks that the API process still exists
+
+
+@dataclass
+class CoreInfo:
+    """What the API process's LLMEngine needs from the engine (sent once, when it is ready)."""
+
+    config: Any  # the VlliteConfig after the engine finalized it (max_model_len, blocks, capabilities)
+    model_info: Any  # engine.core.ModelInfo
+    model_cls: Any  # the model class (prompt processing for encoder-decoder / multimodal models)
+    vocab_size: int
+    lora_layout: Any  # (targets, in_features) for the API's adapter checks, None without LoRA
+    platform: str
+    pid: int
+    parallel_layout: Any = None  # the executor's ranks, processes and devices (vllite_core.distributed.layout)
+
+
+def last_error_line(exc: BaseException) -> str:
+    lines = traceback.format_exception_only(type(exc), exc)
+    return lines[-1].strip() if lines else repr(exc)
+
+
+def _picklable(exc: BaseException) -> Any:
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return f"{type(exc).__name__}: {exc}"
+
+
+class EngineCoreProc:
+    def __init__(self, config: Any, engine_index: int) -> None:
+        from vllite_core.engine.llm_engine import LLMEngine
+
+        self.engine_index = engine_index
+        self.engine = LLMEngine(config)
+        self.core = self.engine.core
+        self.encoder = MsgpackEncoder()
+        self.decoder = MsgpackDecoder(EngineCoreBatch)
+        self.num_applied = 0
+
+    def info(self) -> CoreInfo:
+        e = self.engine
+        return CoreInfo(e.config, self.core.model_info, self.core.model_cls, e.vocab_size,
+                        self.core.lora_layout() if e.lora_registry is not None else None,
+                        self.core.platform.name, os.getpid(), self.core.executor.layout)
+
+    def stats(self) -> EngineCoreStats:
+        s, kv, st = self.core.stats(), self.core.kv_cache_manager, self.core.step_times
+        return EngineCoreStats(s.num_running, s.num_waiting, s.kv_cache_usage, kv.get_num_free_blocks(),
+                               kv.num_usable_blocks, s.num_preemptions_total, s.prefix_cache_queries,
+                               s.prefix_cache_hits, st.steps, st.tokens, st.schedule, st.execute, st.update)
+
+    def _apply(self, msg: Any) -> bool:
+        """Apply one client message; False when it asks the process to stop."""
+        from vllite_core.request import Request, RequestStatus
+
+        if isinstance(msg, EngineCoreRequest):
+            adapter = None
+            if msg.lora_request is not None:
+                adapter = self.engine.lora_registry.resolve(pickle.loads(msg.lora_request))
+            pooling = pickle.loads(msg.pooling_params) if msg.pooling_params is not None else None
+            self.core.add_request(Request(
+                msg.request_id, msg.prompt_token_ids, pickle.loads(msg.sampling_params), eos_token_id=msg.eos_token_id,
+                priority=msg.priority, arrival_time=msg.arrival_time, max_tokens=msg.max_tokens,
+                encoder_inputs=msg.encoder_inputs, num_encoder_tokens=msg.num_encoder_tokens,
+                cache_salt=msg.cache_salt, block_extra_keys=tuple(msg.block_extra_keys),
+                pooling_params=pooling, lora_adapter=adapter))
+        elif isinstance(msg, EngineCoreAbort):
+            if msg.stopped:
+                for rid in msg.request_ids:
+                    self.core.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+            else:
+                self.core.abort_requests(msg.request_ids)
+        elif isinstance(msg, EngineCoreUtility):
+            if msg.method == "shutdown":
+                return False
+            if msg.method == "remove_lora" and self.engine.lora_registry is not None:
+                self.engine.lora_registry.remove(int(msg.args[0]))
+        return True
+
+    def run(self, inp: zmq.Socket, out: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        poller.register(inp, zmq.POLLIN)
+        parent = os.getppid()
+        while True:
+            busy = self.core.has_unfinished_requests()
+            applied = False
+            if not poller.poll(0 if busy else _PARENT_CHECK_MS):
+                if not busy and os.getppid() != parent:
+                    logger.warning("the API process is gone: the engine core stops")
+                    return
+            refused: list[EngineCoreOutput] = []
+            while inp.poll(0):
+                frames = [f.buffer for f in inp.recv_multipart(copy=False)]
+                for msg in self.decoder.decode(frames).messages:
+                    try:
+                        if not self._apply(msg):
+                            return
+                    except Exception as e:  # checked by the API already, so unexpected: this request alone fails
+                        if not isinstance(msg, EngineCoreRequest):
+                            raise
+                        logger.exception("engine core refused request %s", msg.request_id)
+                        refused.append(EngineCoreOutput(msg.request_id, [], finish_reason="error",
+                                                        error=last_error_line(e)))
+                    applied = True
+                    self.num_applied += 1
+            outputs = self.core.step() if self.core.has_unfinished_requests() else []
+            outputs = refused + outputs
+            if outputs or applied:
+                msg = EngineCoreOutputs(self.engine_index, outputs, self.stats(), bool(outputs), self.num_applied)
+                out.send_multipart(self.encoder.encode(msg), copy=False)
+
+
+def _configure_logging() -> None:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=os.environ.get("VLLITE_LOG_LEVEL", "INFO"),
+                            format=f"%(levelname)s %(name)s[engine {os.getpid()}]: %(message)s")
+
+
+def run_engine_core(config: Any, engine_index: int, input_addr: str, output_addr: str) -> None:
+    """The process's entry point (multiprocessing, spawn)."""
+    _configure_logging()
+    ctx = zmq.Context()
+    out = ctx.socket(zmq.PUSH)
+    out.setsockopt(zmq.LINGER, 5000)
+    out.connect(output_addr)
+    encoder = MsgpackEncoder()
+    try:
+        proc = EngineCoreProc(config, engine_index)
+    except BaseException as e:  # start-up failed: the API re-raises this with its original text
+        traceback.print_exc()
+        out.send_multipart(encoder.encode(EngineCoreFailed(engine_index, _picklable(e), last_error_line(e))))
+        out.close()
+        ctx.term()
+        sys.exit(1)
+    inp = ctx.socket(zmq.PULL)
+    inp.setsockopt(zmq.LINGER, 0)
+    inp.connect(input_addr)
+    out.send_multipart(encoder.encode(EngineCoreReady(engine_index, os.getpid(), pickle.dumps(proc.info()),
+                                                      proc.stats())))
+    code = 0
+    try:
+        proc.run(inp, out)
+    except BaseException as e:  # a fault of no single request: the client fails every open request with it
+        logger.exception("engine core %d: a step failed; the engine core stops", engine_index)
+        out.send_multipart(encoder.encode(EngineCoreFailed(engine_index, _picklable(e), last_error_line(e))))
+        code = 1
+    finally:
+        inp.close()
+        out.close()
+        ctx.term()
+    sys.exit(code)
