@@ -150,6 +150,8 @@ class EngineCore:
         self.worker = self.executor.driver_worker  # the in-process worker (uni executor), else None
         facts = self.executor.facts
         assert facts is not None
+        # What the model can emit (part of every engine model's contract: nested configs such as
+        # Florence-2's have no top-level vocab_size).
         self.vocab_size = facts.vocab_size
         cc = config.cache_config
         groups = facts.kv_cache_groups
@@ -173,12 +175,6 @@ class EngineCore:
                     num_blocks, cc.block_size, num_blocks * cc.block_size,
                     str(facts.kv_cache_dtype).replace("torch.", ""), kinds, self.executor.backend,
                     config.parallel_config.tensor_parallel_size)
-
-    @property
-    def vocab_size(self) -> int:
-        """What the model can emit (part of every engine model's contract: nested configs such as
-        Florence-2's have no top-level vocab_size)."""
-        return int(self.worker.runner.model.vocab_size)
 
     def lora_layout(self) -> tuple[dict, dict]:
         """(targets, in_features) of the model's LoRA layers: what an adapter is checked against."""
