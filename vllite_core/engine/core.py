@@ -85,16 +85,24 @@ def _derive_max_model_len(config: VlliteConfig, hf_config: Any, model_cls: Any =
     return asked
 
 
-def _encoder_cache(config: VlliteConfig) -> Any:
-    """A multimodal model's encoder cache: as many rows as the step budget unless configured (vLLM sizes both
-    the encoder's step budget and its cache from max_num_batched_tokens)."""
+def encoder_cache_geometry(config: VlliteConfig) -> tuple[int, int] | None:
+    """(cache rows, rows per step) of a multimodal model's encoder cache: as many rows as the step budget
+    unless configured (vLLM sizes both the encoder's step budget and its cache from max_num_batched_tokens).
+    None for other models. The API process checks prompts against it without the engine's scheduler."""
     if not config.model_config.capabilities.is_multimodal_decoder:
+        return None
+    budget = config.scheduler_config.max_num_batched_tokens
+    size = config.multimodal_config.encoder_cache_size or budget
+    return size, min(size, budget)
+
+
+def _encoder_cache(config: VlliteConfig) -> Any:
+    geometry = encoder_cache_geometry(config)
+    if geometry is None:
         return None
     from vllite_core.multimodal.encoder_cache import EncoderCacheManager
 
-    budget = config.scheduler_config.max_num_batched_tokens
-    size = config.multimodal_config.encoder_cache_size or budget
-    return EncoderCacheManager(cache_size=size, budget=min(size, budget))
+    return EncoderCacheManager(cache_size=geometry[0], budget=geometry[1])
 
 
 class EngineCore:

@@ -258,7 +258,7 @@ class EngineCoreClient:
                                 pickle.dumps(request.sampling_params), request.eos_token_id, request.priority,
                                 request.arrival_time, request.max_tokens, request.encoder_inputs,
                                 request.num_encoder_tokens, request.cache_salt, tuple(request.block_extra_keys),
-                                pooling, lora)
+                                pooling, lora, pickle.dumps(request.mm_features) if request.mm_features else None)
         eng = self._pick()
         self._queue(eng, msg)
         self._owner[request.request_id] = eng

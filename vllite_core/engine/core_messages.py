@@ -32,6 +32,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add", array_like=True, omit_default
     block_extra_keys: tuple = ()
     pooling_params: bytes | None = None  # pickled PoolingParams
     lora_request: bytes | None = None  # pickled LoRARequest: the engine resolves it with its own adapter cache
+    mm_features: bytes | None = None  # pickled list of MultiModalFeature (image pixels as tensors, hashes, ranges)
 
 
 class EngineCoreAbort(msgspec.Struct, tag="abort", array_like=True):

@@ -105,7 +105,8 @@ class EngineCoreProc:
                 priority=msg.priority, arrival_time=msg.arrival_time, max_tokens=msg.max_tokens,
                 encoder_inputs=msg.encoder_inputs, num_encoder_tokens=msg.num_encoder_tokens,
                 cache_salt=msg.cache_salt, block_extra_keys=tuple(msg.block_extra_keys),
-                pooling_params=pooling, lora_adapter=adapter))
+                pooling_params=pooling, lora_adapter=adapter,
+                mm_features=pickle.loads(msg.mm_features) if msg.mm_features is not None else []))
         elif isinstance(msg, EngineCoreAbort):
             if msg.stopped:
                 for rid in msg.request_ids:

@@ -7,7 +7,7 @@ import logging
 from typing import Any, Iterable
 
 from vllite_core.config import EngineArgs, VlliteConfig
-from vllite_core.engine.core import EngineCore
+from vllite_core.engine.core import EngineCore, encoder_cache_geometry
 from vllite_core.engine.errors import EngineDeadError, InvalidRequestError, PromptTooLongError
 from vllite_core.engine.output_processor import OutputProcessor, child_request_ids
 from vllite_core.inputs import InputContext, ProcessedPrompt
@@ -129,15 +129,16 @@ class LLMEngine:
         prefill a prompt's images must all fit one step."""
         from vllite_core.multimodal.errors import MediaError
 
-        enc = self.core.scheduler.encoder_cache
-        if enc is None:
+        geometry = encoder_cache_geometry(self.config)
+        if geometry is None:
             return
+        budget = geometry[1]
         rows = [f.length for f in features]
         if not self.config.scheduler_config.enable_chunked_prefill:
             rows = [sum(rows)]
-        if max(rows) > enc.budget:
+        if max(rows) > budget:
             raise MediaError("multi_modal_data", f"{max(rows)} image embedding rows do not fit the encoder budget "
-                             f"of {enc.budget} rows per step (raise max_num_batched_tokens or encoder_cache_size)")
+                             f"of {budget} rows per step (raise max_num_batched_tokens or encoder_cache_size)")
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         return parse_prompt(prompt, self.tokenizer)
