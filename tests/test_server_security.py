@@ -41,8 +41,9 @@ def tiny_path(tmp_path_factory):
     from transformers import LlamaConfig
 
     path = tmp_path_factory.mktemp("tiny-llama-sec")
-    # A long context, so that a stream can outlast the shutdown drain in the subprocess test.
-    save_tiny(path, LlamaConfig(**{**TINY, "max_position_embeddings": 4096}, architectures=["LlamaForCausalLM"]))
+    # A long context, so that a stream outlasts the shutdown drain in the subprocess test (4,000 tokens did not:
+    # with the engine core in its own process this model streams them in under the 5 s drain on a quiet box).
+    save_tiny(path, LlamaConfig(**{**TINY, "max_position_embeddings": 32768}, architectures=["LlamaForCausalLM"]))
     return str(path)
 
 
@@ -282,11 +283,11 @@ def _stream_until_end(url: str, body: dict, out: list, started: threading.Event)
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_drains_then_ends_streams_cleanly(tiny_path, sig):
-    srv = ServerProcess(["--model", tiny_path, "--dtype", "float32", "--num-kv-blocks", "256",
+    srv = ServerProcess(["--model", tiny_path, "--dtype", "float32", "--num-kv-blocks", "8192",
                          "--shutdown-timeout", "5"])
     try:
         url = srv.wait_ready(120)
-        long = {"prompt": "in the", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        long = {"prompt": "in the", "max_tokens": 30000, "ignore_eos": True, "stream": True}
         results: list = []
         threads = []
         for _ in range(4):
