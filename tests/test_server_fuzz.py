@@ -89,7 +89,11 @@ def _post(client: TestClient, path: str, body) -> int:
     if r.status_code >= 400:
         assert "error" in r.json(), (path, raw[:500], r.text[:500])
     elif r.status_code == 200:
-        assert r.json(), raw[:500]
+        kind = r.headers.get("content-type", "")
+        if kind.startswith("text/event-stream"):  # "stream": true was generated: events, ending in [DONE]
+            assert r.text.rstrip().endswith("data: [DONE]"), (raw[:500], r.text[-500:])
+        else:
+            assert r.content and r.json(), (raw[:500], kind, r.text[:500])
     return r.status_code
 
 

@@ -377,7 +377,7 @@ class EngineCoreClient:
         return SchedulerStats(sum(s.num_running for s in all_stats), sum(s.num_waiting for s in all_stats),
                               used / total if total else 0.0, sum(s.num_preemptions_total for s in all_stats),
                               sum(s.prefix_cache_queries for s in all_stats),
-                              sum(s.prefix_cache_hits for s in all_stats))
+                              sum(s.prefix_cache_hits for s in all_stats), _spec_decoding(all_stats))
 
     def engine_stats(self) -> list[EngineCoreStats]:
         return [e.stats for e in self.engines]
@@ -448,3 +448,16 @@ class EngineCoreClient:
             except OSError:
                 pass
         atexit.unregister(self.close)
+
+
+def _spec_decoding(all_stats: list[EngineCoreStats]) -> Any:
+    """The engines' speculative-decoding counters summed (None when no engine speculates)."""
+    rows = [s.spec_decoding for s in all_stats if s.spec_decoding]
+    if not rows:
+        return None
+    from vllite_core.spec_decode.metrics import SpecDecodingStats
+
+    k = rows[0][0]
+    total = [sum(col) for col in zip(*rows)]
+    return SpecDecodingStats(k, total[1], total[2], total[3], total[4:4 + k])
+

@@ -71,6 +71,9 @@ class EngineCoreStats(msgspec.Struct, array_like=True):
     schedule_s: float = 0.0
     execute_s: float = 0.0
     update_s: float = 0.0
+    # Speculative decoding counters (SpecDecodingStats) as [k, drafts, draft tokens, accepted, *accepted per
+    # position]; None when speculation is off.
+    spec_decoding: list[int] | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True):
