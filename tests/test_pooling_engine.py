@@ -230,3 +230,35 @@ def test_generative_model_serves_no_pooling_task(tiny_path):
         llm.embed([{"prompt_token_ids": [5, 6, 7]}])
     assert e.value.param == "model" and "generative" in str(e.value)
     assert len(llm.generate([{"prompt_token_ids": [5, 6, 7]}])[0].outputs[0].token_ids) > 0
+
+
+def test_pooling_fault_fails_only_that_request(qwen2_path):
+    """A model whose pooling raises for one request: that request fails, the rest of its batch are
+    pooled as before and the engine keeps serving (the fault never leaves the runner)."""
+    path, ref = qwen2_path
+    # No prefix cache: the fault below is keyed on the rows a prompt runs in this step.
+    llm = LLM(path, runner="pooling", dtype="float32", num_kv_blocks=64, enable_prefix_caching=False)
+    model = llm.llm_engine.core.worker.runner.model
+    real_pool = model.pool
+    bad_len = len(PROMPTS[1])
+    assert sum(len(p) == bad_len for p in PROMPTS) == 1
+
+    def pool(hidden, cfg):
+        if any(h.shape[0] == bad_len for h in hidden):
+            raise RuntimeError("pool exploded")
+        return real_pool(hidden, cfg)
+
+    model.pool = pool
+    outs = llm.encode([{"prompt_token_ids": p} for p in PROMPTS], PoolingParams(normalize=False),
+                      pooling_task="embed")
+    for i, o in enumerate(outs):
+        if i == 1:
+            assert o.finished and o.outputs is None and "pool exploded" in o.error
+        else:
+            assert o.error is None and (o.outputs.data - ref[i]).abs().max() <= 1e-5
+    embs = llm.embed([{"prompt_token_ids": p} for p in PROMPTS[:3]], PoolingParams(normalize=False))
+    assert embs[1].outputs is None and "pool exploded" in embs[1].error
+    assert (torch.tensor(embs[2].outputs.embedding) - ref[2]).abs().max() <= 1e-5
+    model.pool = real_pool
+    again = llm.embed([{"prompt_token_ids": PROMPTS[1]}], PoolingParams(normalize=False))
+    assert (torch.tensor(again[0].outputs.embedding) - ref[1]).abs().max() <= 1e-5

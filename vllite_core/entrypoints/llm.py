@@ -199,14 +199,15 @@ class LLM:
         if cfg is not None and cfg.task == "embed":
             texts = [t for pair in pairs for t in pair]
             embs = self.encode(texts, pooling_params, use_tqdm, "embed", truncate_prompt_tokens)
-            return [ScoringRequestOutput.from_score(a.request_id, sc.cosine(a.outputs.data, b.outputs.data),
-                                                    a.prompt_token_ids + b.prompt_token_ids)
+            return [ScoringRequestOutput.from_score(a.request_id, None if a.error or b.error else
+                                                    sc.cosine(a.outputs.data, b.outputs.data),
+                                                    a.prompt_token_ids + b.prompt_token_ids, a.error or b.error)
                     for a, b in zip(embs[0::2], embs[1::2])]
         tok = self.get_tokenizer()
         outs = self.encode([sc.pair_prompt(tok, a, b) for a, b in pairs], pooling_params, use_tqdm, "score",
                            truncate_prompt_tokens)
-        return [ScoringRequestOutput.from_score(o.request_id, float(o.outputs.data[0]), o.prompt_token_ids)
-                for o in outs]
+        return [ScoringRequestOutput.from_score(o.request_id, None if o.error else float(o.outputs.data[0]),
+                                                o.prompt_token_ids, o.error) for o in outs]
 
     def _next_id(self) -> str:
         self._counter += 1

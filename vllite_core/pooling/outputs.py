@@ -42,6 +42,7 @@ class PoolingRequestOutput:
     prompt_token_ids: list[int]
     finished: bool = True
     prompt: str | None = None
+    error: str | None = None  # why the request failed in the engine (then ``outputs`` is None)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -53,8 +54,8 @@ class EmbeddingRequestOutput(PoolingRequestOutput):
 
     @classmethod
     def from_base(cls, out: PoolingRequestOutput) -> "EmbeddingRequestOutput":
-        return cls(out.request_id, EmbeddingOutput(out.outputs.data.tolist()), out.prompt_token_ids, out.finished,
-                   out.prompt)
+        return cls(out.request_id, out.outputs and EmbeddingOutput(out.outputs.data.tolist()), out.prompt_token_ids,
+                   out.finished, out.prompt, out.error)
 
 
 class ClassificationRequestOutput(PoolingRequestOutput):
@@ -62,19 +63,30 @@ class ClassificationRequestOutput(PoolingRequestOutput):
 
     @classmethod
     def from_base(cls, out: PoolingRequestOutput) -> "ClassificationRequestOutput":
-        return cls(out.request_id, ClassificationOutput(out.outputs.data.tolist()), out.prompt_token_ids,
-                   out.finished, out.prompt)
+        return cls(out.request_id, out.outputs and ClassificationOutput(out.outputs.data.tolist()),
+                   out.prompt_token_ids, out.finished, out.prompt, out.error)
 
 
 class ScoringRequestOutput(PoolingRequestOutput):
     outputs: ScoringOutput
 
     @classmethod
-    def from_score(cls, request_id: str, score: float, prompt_token_ids: list[int]) -> "ScoringRequestOutput":
-        return cls(request_id, ScoringOutput(float(score)), prompt_token_ids, True, None)
+    def from_score(cls, request_id: str, score: float | None, prompt_token_ids: list[int],
+                   error: str | None = None) -> "ScoringRequestOutput":
+        """``error``: a pair whose pooling failed in the engine (no score)."""
+        return cls(request_id, None if error else ScoringOutput(float(score)), prompt_token_ids, True, None, error)
+
+
+def pooling_error(out: Any) -> str | None:
+    """Why the engine failed this pooling request (it finished with no pooled result), or None."""
+    if out.pooling_output is not None:
+        return None
+    return next((c.error for c in out.outputs if c.error), None) or "the request failed in the engine"
 
 
 def as_pooling_output(out: Any) -> PoolingRequestOutput:
-    """The engine's RequestOutput of a finished pooling request, as a PoolingRequestOutput."""
-    return PoolingRequestOutput(out.request_id, PoolingOutput(out.pooling_output), list(out.prompt_token_ids),
-                                out.finished, out.prompt)
+    """The engine's RequestOutput of a finished pooling request, as a PoolingRequestOutput; one that
+    failed in the engine has ``outputs=None`` and its ``error`` (the rest of the batch are unaffected)."""
+    err = pooling_error(out)
+    return PoolingRequestOutput(out.request_id, None if err else PoolingOutput(out.pooling_output),
+                                list(out.prompt_token_ids), out.finished, out.prompt, err)

@@ -358,7 +358,20 @@ class ModelRunner:
             assert st is not None
             n = so.num_scheduled_tokens[st.req_id]
             segments.append((st.req_id, end + 1 - n, n))
-        out.pooler_output = pooled_outputs(self.model, self.pooler_config, hidden, segments, self.pooling_params)
+        try:
+            out.pooler_output = pooled_outputs(self.model, self.pooler_config, hidden, segments, self.pooling_params)
+            return
+        except Exception as e:  # noqa: BLE001 - a model's pooling fault fails requests, never the engine
+            logger.warning("pooling failed for a batch of %d requests (%s: %s); pooling each alone",
+                           len(segments), type(e).__name__, e)
+        out.pooler_output = {}
+        for seg in segments:  # one request at a time: only the ones that fault fail
+            try:
+                out.pooler_output.update(pooled_outputs(self.model, self.pooler_config, hidden, [seg],
+                                                        self.pooling_params))
+            except Exception as e:  # noqa: BLE001
+                out.failed[seg[0]] = f"pooling failed: {type(e).__name__}: {e}"
+                logger.warning("request %s failed: %s", seg[0], out.failed[seg[0]])
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
