@@ -23,6 +23,21 @@ class NgramProposer:
         num_rows = len(num_tokens)
         if num_rows == 0:
             return []
+        # Any match ends at an earlier copy of the last token: rows without one (most rows of a history that
+        # never repeats) are answered without building the match tables, the cost when nothing is proposed.
+        last = token_ids[np.arange(num_rows), num_tokens - 1]
+        earlier = np.arange(token_ids.shape[1])[None, :] < (num_tokens - 1)[:, None]
+        keep = np.nonzero(((token_ids == last[:, None]) & earlier).any(axis=1))[0]
+        if len(keep) < num_rows:
+            drafts: list[list[int]] = [[] for _ in range(num_rows)]
+            if len(keep):
+                for i, d in zip(keep.tolist(), self._match(token_ids[keep], num_tokens[keep])):
+                    drafts[i] = d
+            return drafts
+        return self._match(token_ids, num_tokens)
+
+    def _match(self, token_ids: np.ndarray, num_tokens: np.ndarray) -> list[list[int]]:
+        num_rows = len(num_tokens)
         width, max_n = int(num_tokens.max()), self.max_n
         toks = torch.from_numpy(np.ascontiguousarray(token_ids[:, :width]))
         lens = torch.from_numpy(num_tokens.astype(np.int64))
