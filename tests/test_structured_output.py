@@ -267,3 +267,22 @@ def test_bitmask_apply_matches_numpy_unpackbits():
     assert torch.equal(out[[1, 3]], logits[[1, 3]])  # rows without a grammar are untouched
     full = apply_token_bitmask(logits[:3], torch.arange(3), bm)
     assert torch.equal(full, torch.where(torch.from_numpy(allowed), logits[:3], float("-inf")))
+
+
+@pytest.mark.slow
+def test_preemption_and_chunked_prefill_keep_outputs_valid_and_equal(llm):
+    """A KV cache too small for the batch (preemption by recompute: the matcher state must follow the
+    recomputed tokens) and a 32-token step budget under long prompts (chunked prefill): greedy outputs
+    validate with jsonschema and equal the unpressured engine's tokens."""
+    pad = " ".join(f"item{i}" for i in range(120))  # a prompt of a few hundred tokens: several chunks
+    prompts = [prompt(llm, f"{pad}\nReply with a small JSON value number {i}.") for i in range(8)]
+    params = [so_params(60, False, i, json=SCHEMAS[i], disable_any_whitespace=True) for i in range(8)]
+    reference = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    # No prefix cache: the shared padding would otherwise fit the batch into the 60 blocks.
+    small = LLM(dtype="float32", max_model_len=1024, num_kv_blocks=60, max_num_batched_tokens=32,
+                enable_chunked_prefill=True, enable_prefix_caching=False)
+    outs = small.generate(prompts, params)
+    assert small.llm_engine.core.stats().num_preemptions_total > 0
+    for i, out in enumerate(outs):
+        jsonschema.validate(json.loads(out.outputs[0].text), SCHEMAS[i])
+    assert [o.outputs[0].token_ids for o in outs] == reference
