@@ -102,6 +102,7 @@ class RequestGrammar:
         if self._mask is None:
             self._mask = torch.zeros(1, bitmask_words(self.manager.vocab_size), dtype=torch.int32)
         if not self._mask_valid:
+            self._mask.zero_()  # a backend may only set the allowed bits
             self.matcher.fill_bitmask(self._mask, 0)
             self._mask_valid = True
         words = self._mask[0]
