@@ -284,6 +284,7 @@ def test_preemption_and_chunked_prefill_keep_outputs_valid_and_equal(llm):
                 enable_chunked_prefill=True, enable_prefix_caching=False, jump_forward=True)
     outs = small.generate(prompts, params)
     assert small.llm_engine.core.stats().num_preemptions_total > 0
+    assert small.llm_engine.core.stats().num_jump_forward_tokens > 0
     for i, out in enumerate(outs):
         jsonschema.validate(json.loads(out.outputs[0].text), SCHEMAS[i])
     assert [o.outputs[0].token_ids for o in outs] == reference
