@@ -272,17 +272,90 @@ def test_bitmask_apply_matches_numpy_unpackbits():
 @pytest.mark.slow
 def test_preemption_and_chunked_prefill_keep_outputs_valid_and_equal(llm):
     """A KV cache too small for the batch (preemption by recompute: the matcher state must follow the
-    recomputed tokens) and a 32-token step budget under long prompts (chunked prefill): greedy outputs
-    validate with jsonschema and equal the unpressured engine's tokens."""
+    recomputed tokens) and a 32-token step budget under long prompts (chunked prefill), with jump-forward
+    on: greedy outputs validate with jsonschema and equal the unpressured engine's tokens."""
     pad = " ".join(f"item{i}" for i in range(120))  # a prompt of a few hundred tokens: several chunks
     prompts = [prompt(llm, f"{pad}\nReply with a small JSON value number {i}.") for i in range(8)]
     params = [so_params(60, False, i, json=SCHEMAS[i], disable_any_whitespace=True) for i in range(8)]
     reference = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     # No prefix cache: the shared padding would otherwise fit the batch into the 60 blocks.
+    # Jump-forward on as well: jumped tokens are computed in 32-token chunks and recomputed after preemption.
     small = LLM(dtype="float32", max_model_len=1024, num_kv_blocks=60, max_num_batched_tokens=32,
-                enable_chunked_prefill=True, enable_prefix_caching=False)
+                enable_chunked_prefill=True, enable_prefix_caching=False, jump_forward=True)
     outs = small.generate(prompts, params)
     assert small.llm_engine.core.stats().num_preemptions_total > 0
+    assert small.llm_engine.core.stats().num_jump_forward_tokens > 0
     for i, out in enumerate(outs):
         jsonschema.validate(json.loads(out.outputs[0].text), SCHEMAS[i])
     assert [o.outputs[0].token_ids for o in outs] == reference
+
+
+# Long fixed keys, enums and a const: stretches where the grammar allows one token only.
+JF_SCHEMAS = [
+    {"type": "object", "properties": {
+        "customer_full_name": {"type": "string", "maxLength": 16},
+        "preferred_contact_method": {"enum": ["electronic_mail_message", "telephone_call_in_the_evening"]},
+        "account_status_description": {"const": "active_and_in_good_standing"}},
+     "required": ["customer_full_name", "preferred_contact_method", "account_status_description"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {
+        "status_of_the_shipment": {"enum": ["delivered_to_the_recipient", "returned_to_the_sender"]},
+        "number_of_parcels_in_the_shipment": {"type": "integer", "minimum": 1, "maximum": 9}},
+     "required": ["status_of_the_shipment", "number_of_parcels_in_the_shipment"], "additionalProperties": False},
+    {"type": "array", "minItems": 2, "maxItems": 2, "items": {
+        "type": "object", "properties": {"international_article_number": {"type": "integer", "minimum": 0,
+                                                                          "maximum": 99}},
+        "required": ["international_article_number"], "additionalProperties": False}},
+]
+
+
+@pytest.fixture(scope="module")
+def llm_jf():
+    return LLM(dtype="float32", max_model_len=1024, num_kv_blocks=256, max_num_seqs=16, jump_forward=True)
+
+
+def _generate_counting(llm, prompts, params):
+    core = llm.llm_engine.core
+    steps, jumped = core.step_times.steps, core.stats().num_jump_forward_tokens
+    outs = llm.generate(prompts, params)
+    return outs, core.step_times.steps - steps, core.stats().num_jump_forward_tokens - jumped
+
+
+@pytest.mark.slow
+def test_jump_forward_keeps_greedy_tokens_and_validates(llm, llm_jf):
+    """Greedy outputs with jump-forward are token-identical to the engine without it (a token the mask
+    alone allows is the one greedy picks), validate with jsonschema, take fewer steps; max_tokens holds
+    (a capped request stops at exactly max_tokens, never past it); sampled children validate too."""
+    p = prompt(llm, "Reply with a JSON value.")
+    greedy = [so_params(120, False, i, json=s, disable_any_whitespace=True) for i, s in enumerate(JF_SCHEMAS)]
+    greedy.append(so_params(21, False, 0, json=JF_SCHEMAS[0], disable_any_whitespace=True))
+    ref, ref_steps, ref_jumped = _generate_counting(llm, [p] * len(greedy), greedy)
+    outs, steps, jumped = _generate_counting(llm_jf, [p] * len(greedy), greedy)
+    assert ref_jumped == 0 and jumped > 0
+    assert steps < ref_steps
+    for r, o in zip(ref, outs):
+        assert list(o.outputs[0].token_ids) == list(r.outputs[0].token_ids)
+    for i, s in enumerate(JF_SCHEMAS):
+        assert outs[i].outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(outs[i].outputs[0].text), s)
+    capped = outs[-1].outputs[0]
+    assert capped.finish_reason == "length" and len(capped.token_ids) == 21
+    sampled = SamplingParams(n=2, temperature=0.9, seed=5, max_tokens=120, structured_outputs=StructuredOutputsParams(
+        json=JF_SCHEMAS[0], disable_any_whitespace=True))
+    for c in llm_jf.generate([p], sampled)[0].outputs:
+        jsonschema.validate(json.loads(c.text), JF_SCHEMAS[0])
+
+
+def test_jump_forward_option_and_flag():
+    import argparse
+
+    from vllite_core.config import EngineArgs
+    from vllite_core.entrypoints.engine_args_cli import add_engine_args, engine_args_from_namespace
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert not engine_args_from_namespace(parser.parse_args([])).create_config().structured_outputs_config.jump_forward
+    args = engine_args_from_namespace(parser.parse_args(["--jump-forward"]))
+    assert args.create_config().structured_outputs_config.jump_forward
+    cfg = EngineArgs(structured_outputs_config={"jump_forward": True}).create_config()
+    assert cfg.structured_outputs_config.jump_forward

@@ -67,55 +67,62 @@ def test_response_format_json_object_and_completions_fields(client):
     assert re.fullmatch(r"\d{3}-\d{4}", c.choices[0].text)
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_tool_choice_required(client, stream):
+def test_tool_choice_required(client):
     kw = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required", max_tokens=120,
               temperature=0, parallel_tool_calls=False)  # at most one call: the small model repeats calls
-    calls = _calls(client, kw, stream)
+    calls = _calls_streamed_and_not(client, kw)
     assert calls and all(name in ("get_weather", "get_time") for name, _ in calls)
     for name, args in calls:
         schema = (WEATHER if name == "get_weather" else TIME)["function"]["parameters"]
         jsonschema.validate(args, schema)
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_tool_choice_named(client, stream):
+def test_tool_choice_named(client):
     kw = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], max_tokens=60, temperature=0,
               tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    calls = _calls(client, kw, stream)
+    calls = _calls_streamed_and_not(client, kw)
     assert [name for name, _ in calls] == ["get_weather"]
     jsonschema.validate(calls[0][1], WEATHER["function"]["parameters"])
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_tool_choice_auto_hermes(client, stream):
+def test_tool_choice_auto_hermes(client):
     # The small model does not call tools on its own: the hermes format is forced with a regex, so the
     # output goes through the serve-time parser exactly as a tool-calling model's would.
     forced = r'<tool_call>\{"name": "get_time", "arguments": \{"zone": "(UTC|CET)"\}\}</tool_call>'
     kw = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="auto", max_tokens=100, temperature=0,
               extra_body={"structured_outputs": {"regex": forced}})
-    calls = _calls(client, kw, stream)
+    calls = _calls_streamed_and_not(client, kw)
     assert len(calls) == 1 and calls[0][0] == "get_time" and calls[0][1]["zone"] in ("UTC", "CET")
 
 
-def _calls(client, kw, stream) -> list[tuple[str, dict]]:
-    if not stream:
-        r = client.chat.completions.create(**kw)
-        assert r.choices[0].finish_reason == "tool_calls"
-        assert all(c.id and c.type == "function" for c in r.choices[0].message.tool_calls)
-        return [(c.function.name, json.loads(c.function.arguments)) for c in r.choices[0].message.tool_calls]
+def _calls_streamed_and_not(client, kw) -> list[tuple[str, dict]]:
+    """The tool calls of a greedy request, asked plainly and streamed: the streamed call's first delta
+    has id, type and name, its arguments then come in several fragments whose concatenation is exactly
+    the plain response's arguments (the same greedy text). Returns (name, parsed arguments) per call."""
+    r = client.chat.completions.create(**kw)
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert all(c.id and c.type == "function" for c in r.choices[0].message.tool_calls)
+    plain = [(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls]
     acc: dict[int, dict] = {}
     finish = None
     for chunk in client.chat.completions.create(stream=True, **kw):
         for ch in chunk.choices:
             for tc in ch.delta.tool_calls or []:
-                slot = acc.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
-                slot["id"] = slot["id"] or tc.id
-                slot["name"] += tc.function.name or ""
-                slot["arguments"] += tc.function.arguments or ""
+                if tc.index not in acc:  # the call's first delta: its header
+                    assert tc.id and tc.type == "function" and tc.function.name
+                    acc[tc.index] = {"name": tc.function.name, "arguments": "", "fragments": 0}
+                else:
+                    assert tc.id is None and not tc.function.name
+                slot = acc[tc.index]
+                if tc.function.arguments:
+                    slot["arguments"] += tc.function.arguments
+                    slot["fragments"] += 1
             finish = ch.finish_reason or finish
-    assert finish == "tool_calls" and all(s["id"] for s in acc.values())
-    return [(s["name"], json.loads(s["arguments"])) for _, s in sorted(acc.items())]
+    assert finish == "tool_calls"
+    streamed = [(s["name"], s["arguments"]) for _, s in sorted(acc.items())]
+    assert streamed == plain
+    assert all(s["fragments"] > 1 for s in acc.values()), acc
+    return [(name, json.loads(args)) for name, args in plain]
 
 
 BAD = [

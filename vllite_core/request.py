@@ -120,6 +120,9 @@ class Request:
         # Speculative decoding: drafts to verify in the next step. They are not tokens of the request (never
         # hashed, never in all_token_ids) until verification accepts them.
         self.spec_token_ids: list[int] = []
+        # Jump-forward (structured output): tokens the scheduler appended without sampling that the model
+        # runner has not been told about yet (sent with the request's next schedule).
+        self.jumped_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

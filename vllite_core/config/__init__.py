@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 from vllite_core.config.speculative import SpeculativeConfig
@@ -142,9 +142,12 @@ class StructuredOutputsConfig:
     disable_fallback: bool = False  # auto: never fall back to another backend
     disable_any_whitespace: bool = False  # JSON: no free whitespace (every request)
     disable_additional_properties: bool = False
+    # Beyond vLLM: where the grammar allows exactly one token, append it without a sampling step
+    # (vllite_core/structured_output/jump_forward.py).
+    jump_forward: bool = False
 
     KEYS = ("backend", "compile_timeout_s", "max_compile_threads", "disable_fallback", "disable_any_whitespace",
-            "disable_additional_properties")
+            "disable_additional_properties", "jump_forward")
 
     @classmethod
     def from_value(cls, value: Any) -> "StructuredOutputsConfig":
@@ -295,6 +298,7 @@ class EngineArgs:
     convert: str = "auto"
     quantization: str | None = None
     structured_outputs_config: dict | None = None  # {"backend": "auto" | "xgrammar" | "guidance" | "outlines", ...}
+    jump_forward: bool = False  # structured output: append grammar-forced tokens without sampling them
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
@@ -333,6 +337,12 @@ class EngineArgs:
             out[key] = value
         return cls(**out)
 
+    def _structured_outputs_config(self) -> StructuredOutputsConfig:
+        cfg = StructuredOutputsConfig.from_value(self.structured_outputs_config)
+        if self.jump_forward:
+            cfg = replace(cfg, jump_forward=True)
+        return cfg
+
     def create_config(self) -> VlliteConfig:
         return VlliteConfig(
             model_config=ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
@@ -356,7 +366,7 @@ class EngineArgs:
                                              max_num_partial_prefills=self.max_num_partial_prefills,
                                              long_prefill_token_threshold=self.long_prefill_token_threshold),
             device_config=DeviceConfig(device=self.device, num_threads=self.num_threads),
-            structured_outputs_config=StructuredOutputsConfig.from_value(self.structured_outputs_config),
+            structured_outputs_config=self._structured_outputs_config(),
             enforce_eager=self.enforce_eager,
             lora_config=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora
             else None,

@@ -33,6 +33,8 @@ class CachedRequestData:
     req_id: str
     new_block_ids: list[list[int]]  # blocks appended to each cache group's table
     num_computed_tokens: int
+    # Tokens the scheduler appended without the runner sampling them (jump-forward), to append to its copy.
+    new_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

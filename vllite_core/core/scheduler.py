@@ -19,6 +19,7 @@ from vllite_core.core.request_queue import create_request_queue
 from vllite_core.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllite_core.request import Request, RequestStatus
 from vllite_core.spec_decode.metrics import SpecDecodingStats
+from vllite_core.structured_output.jump_forward import can_jump, next_forced_token
 
 logger = logging.getLogger("vllite.scheduler")
 
@@ -32,6 +33,7 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     spec_decoding: SpecDecodingStats | None = field(default=None)  # None: speculative decoding off
+    num_jump_forward_tokens: int = 0  # structured output tokens appended without sampling (jump-forward)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -60,6 +62,7 @@ class Scheduler:
         self.grammar_errors: dict[str, str] = {}
         # Speculative decoding (num_spec_tokens > 0): drafts are scheduled tokens, counted here once verified.
         self.spec_stats = SpecDecodingStats(num_spec_tokens) if num_spec_tokens else None
+        self.num_jump_forward_tokens = 0
 
     # ---- intake -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -123,6 +126,7 @@ class Scheduler:
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.spec_token_ids = []  # it re-prefills; drafts come again after its next sample
+        victim.jumped_token_ids = []  # the runner gets every token again when it resumes
         victim.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.prepend(victim)
@@ -282,6 +286,8 @@ class Scheduler:
                 if req.status.finished:
                     del tokens[kept:]  # what follows a stop is never output (as without speculation)
                     break
+            if not req.status.finished and can_jump(req):
+                self._jump_forward(req, tokens)
             updated.append(req)
             if req.status.finished:
                 stopped.append(req)
@@ -294,6 +300,30 @@ class Scheduler:
                 self.waiting.remove(req)
             self._free(req)
         return updated
+
+    def _jump_forward(self, req: Request, tokens: list[int]) -> None:
+        """Append the tokens the request's grammar forces from here (structured_output/jump_forward.py) to
+        the request and to ``tokens`` (the step's output), within max_tokens and max_model_len, applying
+        the stop rules to each; the runner computes them with the request's next schedule."""
+        g = req.structured_output
+        while True:
+            room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
+            tok = next_forced_token(req, room)
+            if tok is None:
+                return
+            req.append_output_token_ids(tok)
+            req.jumped_token_ids.append(tok)
+            tokens.append(tok)
+            self.num_jump_forward_tokens += 1
+            if not g.accept(tok):  # the backend's mask allowed only this token: a backend fault
+                req.status = RequestStatus.FINISHED_ERROR
+                self.grammar_errors[req.request_id] = f"structured_outputs: forced token {tok} was refused"
+                return
+            if self._check_stop(req, tok):
+                return
+            if g.is_terminated():
+                req.status = RequestStatus.FINISHED_STOPPED
+                return
 
     def _set_drafts(self, req: Request, drafts: list[int] | None) -> None:
         """Keep the drafts that cannot overshoot: k drafts yield up to k + 1 tokens, within max_tokens and
@@ -325,7 +355,8 @@ class Scheduler:
         return SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting),
                               kv_cache_usage=self.kv.usage, num_preemptions_total=self.num_preemptions_total,
                               prefix_cache_queries=pcs.queries, prefix_cache_hits=pcs.hits,
-                              spec_decoding=self.spec_stats.copy() if self.spec_stats is not None else None)
+                              spec_decoding=self.spec_stats.copy() if self.spec_stats is not None else None,
+                              num_jump_forward_tokens=self.num_jump_forward_tokens)
 
 
 class _Step:
@@ -429,6 +460,7 @@ class _Step:
     def finish(self) -> SchedulerOutput:
         sched, out = self.sched, self.out
         for req in self.new:
+            req.jumped_token_ids = []  # in token_ids below
             out.scheduled_new_reqs.append(NewRequestData(
                 req_id=req.request_id, token_ids=list(req.all_token_ids), num_prompt_tokens=req.num_prompt_tokens,
                 sampling_params=req.sampling_params, block_ids=sched.kv.get_block_ids(req),
@@ -438,7 +470,8 @@ class _Step:
         for req in self.running:
             out.scheduled_cached_reqs.append(CachedRequestData(
                 req_id=req.request_id, new_block_ids=self.new_block_ids[req.request_id],
-                num_computed_tokens=req.num_computed_tokens))
+                num_computed_tokens=req.num_computed_tokens, new_token_ids=req.jumped_token_ids))
+            req.jumped_token_ids = []
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         if self.encoder is not None:
             self.encoder.finish(out)

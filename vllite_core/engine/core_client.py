@@ -377,7 +377,8 @@ class EngineCoreClient:
         return SchedulerStats(sum(s.num_running for s in all_stats), sum(s.num_waiting for s in all_stats),
                               used / total if total else 0.0, sum(s.num_preemptions_total for s in all_stats),
                               sum(s.prefix_cache_queries for s in all_stats),
-                              sum(s.prefix_cache_hits for s in all_stats), _spec_decoding(all_stats))
+                              sum(s.prefix_cache_hits for s in all_stats), _spec_decoding(all_stats),
+                              sum(s.num_jump_forward_tokens for s in all_stats))
 
     def engine_stats(self) -> list[EngineCoreStats]:
         return [e.stats for e in self.engines]

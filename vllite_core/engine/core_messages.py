@@ -74,6 +74,7 @@ class EngineCoreStats(msgspec.Struct, array_like=True):
     # Speculative decoding counters (SpecDecodingStats) as [k, drafts, draft tokens, accepted, *accepted per
     # position]; None when speculation is off.
     spec_decoding: list[int] | None = None
+    num_jump_forward_tokens: int = 0  # structured output tokens appended without sampling
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True):

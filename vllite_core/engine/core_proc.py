@@ -92,7 +92,8 @@ class EngineCoreProc:
                                         sd.num_accepted_tokens, *sd.num_accepted_tokens_per_pos]
         return EngineCoreStats(s.num_running, s.num_waiting, s.kv_cache_usage, kv.get_num_free_blocks(),
                                kv.num_usable_blocks, s.num_preemptions_total, s.prefix_cache_queries,
-                               s.prefix_cache_hits, st.steps, st.tokens, st.schedule, st.execute, st.update, spec)
+                               s.prefix_cache_hits, st.steps, st.tokens, st.schedule, st.execute, st.update, spec,
+                               s.num_jump_forward_tokens)
 
     def _apply(self, msg: Any) -> bool:
         """Apply one client message; False when it asks the process to stop."""

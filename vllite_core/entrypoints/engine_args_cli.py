@@ -31,6 +31,8 @@ _HELP = {
     "quantization": "int8: linear weights quantized to int8 per output channel at load, activations per token "
                     "at run time (W8A8; the LM head stays in the model dtype)",
     "convert": "auto | none | embed | classify | reward: serve a causal LM as a pooling model",
+    "jump_forward": "structured output: where the grammar allows exactly one token, append it without a "
+                    "sampling step (outputs unchanged; requests asking for logprobs never jump)",
     "tensor_parallel_size": "shard the model over N ranks (one worker and one device each)",
     "distributed_executor_backend": "uni (one worker in the engine process) | mp (one process per rank on this "
                                     "machine) | ray (Ray actors over a Ray cluster); default: uni for one rank, "

@@ -64,6 +64,11 @@ class RequestGrammar:
         self.deadline = time.monotonic() + timeout_s
         self.matcher: GrammarMatcher | None = None
         self.error: str | None = None
+        self.jump_forward = manager.config.jump_forward
+        # The allowed tokens at the matcher's position, when already known (filled to look for a forced
+        # token): the step's bitmask copies this row instead of asking the backend again.
+        self._mask: torch.Tensor | None = None
+        self._mask_valid = False
 
     def poll(self) -> bool:
         """True once the matcher is ready; False while compiling. A failure sets ``error``."""
@@ -82,7 +87,33 @@ class RequestGrammar:
 
     def accept(self, token_id: int) -> bool:
         assert self.matcher is not None
+        self._mask_valid = False
         return self.matcher.accept_token(token_id)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        if self._mask_valid:
+            bitmask[row] = self._mask[0]  # type: ignore[index]
+        else:
+            self.matcher.fill_bitmask(bitmask, row)  # type: ignore[union-attr]
+
+    def forced_token(self) -> int | None:
+        """The one token the grammar allows next (EOS included), or None when it allows several."""
+        assert self.matcher is not None
+        if self._mask is None:
+            self._mask = torch.zeros(1, bitmask_words(self.manager.vocab_size), dtype=torch.int32)
+        if not self._mask_valid:
+            self._mask.zero_()  # a backend may only set the allowed bits
+            self.matcher.fill_bitmask(self._mask, 0)
+            self._mask_valid = True
+        words = self._mask[0]
+        nonzero = torch.nonzero(words)
+        if nonzero.numel() != 1:
+            return None
+        i = int(nonzero[0, 0])
+        w = int(words[i]) & 0xFFFFFFFF
+        if w & (w - 1):
+            return None
+        return i * 32 + w.bit_length() - 1
 
     def is_terminated(self) -> bool:
         return self.matcher is not None and self.matcher.is_terminated()
@@ -194,7 +225,7 @@ class StructuredOutputManager:
         bitmask = torch.zeros(len(sampling), bitmask_words(self.vocab_size), dtype=torch.int32)
         rows = {}
         for i, (rid, g) in enumerate(sampling):
-            g.matcher.fill_bitmask(bitmask, i)  # type: ignore[union-attr]
+            g.fill_bitmask(bitmask, i)
             rows[rid] = i
         return GrammarBitmask(rows, bitmask)
 

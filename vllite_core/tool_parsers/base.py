@@ -1,9 +1,12 @@
 """The tool-parser contract and the streaming wrapper every parser shares.
 
 A parser implements ``parse(text, final)``: the assistant content that is certainly not part of a
-tool call, and the tool calls that are complete. ``ToolParserStream`` calls it on the text so far at
-each streamed delta and sends only what is new: content deltas, then each tool call once, whole, as
-an OpenAI tool-call delta (index, id, type, name and arguments), which clients accumulate as usual.
+tool call, and the tool calls that are complete; and ``partial_calls(text)``: the calls as far as they
+are generated, each as (name or None, arguments text so far). ``ToolParserStream`` calls both on the
+text so far at each streamed delta and sends only what is new: content deltas, and tool-call deltas
+shaped as OpenAI's (``CallStream``): first index, id, type and function name, then argument fragments
+as they arrive; the fragments of a call concatenate to its final arguments (the raw JSON text of the
+arguments, which the non-streamed response carries too).
 """
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ import json
 import secrets
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+from vllite_core.tool_parsers.partial_json import scan_call
 
 
 @dataclass
@@ -46,6 +51,24 @@ class ToolParser:
         tail that could still become a tool call."""
         raise NotImplementedError
 
+    def partial_calls(self, text: str) -> list[tuple[str | None, str]]:
+        """The calls in ``text`` as far as generated: (name, or None while unknown; arguments so far, a
+        prefix of the final arguments). By default the complete calls only (they stream whole)."""
+        return [(c.name, c.arguments) for c in self.parse(text, final=False).calls]
+
+    @staticmethod
+    def call_from_text(body: str) -> ToolCall | None:
+        """The JSON text of one call -> ToolCall with the raw text of its arguments (None if not a call)."""
+        try:
+            obj = json.loads(body)
+        except ValueError:
+            return None
+        call = ToolParser.call_from_json(obj)
+        scanned = scan_call(body, 0)
+        if call is not None and scanned is not None and scanned.done:
+            call.arguments = scanned.arguments
+        return call
+
     @staticmethod
     def call_from_json(obj: Any, args_key: str = "arguments") -> ToolCall | None:
         """{"name": ..., "arguments"|"parameters": {...}} -> ToolCall (None if it is not one)."""
@@ -55,21 +78,41 @@ class ToolParser:
         return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args))
 
 
+class CallStream:
+    """The tool-call deltas of one streamed choice, OpenAI-shaped: a call's first delta carries index, id,
+    type and function name (with the arguments known so far, often ""), later ones argument fragments."""
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []  # arguments sent, per call index
+
+    def deltas(self, calls: list[tuple[str | None, str]]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for i, (name, args) in enumerate(calls):
+            if name is None:
+                break  # calls stream in order: nothing after one whose name is still unknown
+            if i == len(self.sent):
+                out.append(ToolCall(name, args).as_openai(i))
+                self.sent.append(args)
+            elif len(args) > len(self.sent[i]) and args.startswith(self.sent[i]):
+                out.append({"index": i, "function": {"arguments": args[len(self.sent[i]):]}})
+                self.sent[i] = args
+        return out
+
+
 class ToolParserStream:
-    """One streamed choice: feed it the text so far, get the content delta and the new tool calls."""
+    """One streamed choice: feed it the text so far, get the content delta and the tool-call deltas."""
 
     def __init__(self, parser: ToolParser) -> None:
         self.parser = parser
         self.sent_content = 0
-        self.sent_calls = 0
+        self.calls = CallStream()
 
     def feed(self, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
         parsed = self.parser.parse(text, final)
         content = parsed.content[self.sent_content:] if len(parsed.content) > self.sent_content else ""
         self.sent_content = max(self.sent_content, len(parsed.content))
-        new = [c.as_openai(self.sent_calls + i) for i, c in enumerate(parsed.calls[self.sent_calls:])]
-        self.sent_calls = max(self.sent_calls, len(parsed.calls))
-        return content, new
+        calls = [(c.name, c.arguments) for c in parsed.calls] if final else self.parser.partial_calls(text)
+        return content, self.calls.deltas(calls)
 
 
 def load_tool_parsers(plugin_manager: Any) -> dict[str, type]:

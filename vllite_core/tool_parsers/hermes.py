@@ -1,11 +1,11 @@
 """Hermes-style tool calls (Qwen, Hermes, SmolLM2's own template): ``<tool_call>{json}</tool_call>``."""
 from __future__ import annotations
 
-import json
 import re
 from typing import ClassVar
 
 from vllite_core.tool_parsers.base import ParsedText, ToolCall, ToolParser
+from vllite_core.tool_parsers.partial_json import scan_call
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
@@ -42,9 +42,19 @@ class HermesToolParser(ToolParser):
             return ParsedText(text, [])  # nothing parsed as a call: it was all content
         return ParsedText(text[:first], calls)
 
+    def partial_calls(self, text: str) -> list[tuple[str | None, str]]:
+        out: list[tuple[str | None, str]] = []
+        pos = text.find(OPEN)
+        while pos >= 0:
+            call = scan_call(text, pos + len(OPEN))
+            if call is None:  # not JSON after the tag: nothing to stream (the final parse decides)
+                break
+            out.append((call.name, call.arguments))
+            if not call.done:
+                break
+            pos = text.find(OPEN, call.end)
+        return out
+
 
 def _load(body: str) -> ToolCall | None:
-    try:
-        return ToolParser.call_from_json(json.loads(body))
-    except ValueError:
-        return None
+    return ToolParser.call_from_text(body)

@@ -224,6 +224,10 @@ class ModelRunner:
             row = b.index[c.req_id]
             b.append_blocks(row, c.new_block_ids)
             b.num_computed[row] = c.num_computed_tokens
+            if c.new_token_ids:  # jump-forward: tokens the scheduler appended without sampling
+                for tok in c.new_token_ids:
+                    b.append_token(row, tok)
+                b.states[row].output_token_ids.extend(c.new_token_ids)  # type: ignore[union-attr]
         for rid, drafts in so.scheduled_spec_decode_tokens.items():  # inputs past the known tokens
             row, n = b.index[rid], len(drafts)
             b.token_ids[row, b.num_tokens[row]:b.num_tokens[row] + n] = drafts

@@ -177,8 +177,30 @@ def tool_calls_from_output(plan: ToolPlan, text: str) -> list[dict[str, Any]]:
     if plan.mode == "named":
         return [ToolCall(plan.name or "", text.strip()).as_openai()]
     try:
-        items = json.loads(text)
+        json.loads(text)
     except ValueError:
         return []
-    return [ToolCall(c["name"], json.dumps(c.get("parameters", {}))).as_openai() for c in items
-            if isinstance(c, dict) and isinstance(c.get("name"), str)]
+    return [ToolCall(name, args).as_openai() for name, args in required_calls(text) if name is not None]
+
+
+def required_calls(text: str) -> list[tuple[str | None, str]]:
+    """The calls of a ``required`` output (``[{"name": ..., "parameters": {...}}, ...]``) as far as
+    ``text`` holds them: (name or None while unknown, raw text of the parameters so far)."""
+    from vllite_core.tool_parsers.partial_json import scan_call, skip_ws
+
+    pos = skip_ws(text, 0)
+    if not text.startswith("[", pos):
+        return []
+    out: list[tuple[str | None, str]] = []
+    pos += 1
+    while True:
+        call = scan_call(text, pos, keys=("parameters",))
+        if call is None:
+            return out
+        out.append((call.name, call.arguments))
+        if not call.done:
+            return out
+        pos = skip_ws(text, call.end)
+        if not text.startswith(",", pos):
+            return out
+        pos += 1

@@ -1,16 +1,17 @@
 """Chat responses with tool calls: the message (or stream delta) for each choice's text.
 
 ``required`` / named: the text is the JSON the tool schema enforced; it becomes ``tool_calls``
-(a stream holds it back and sends the calls when the choice finishes). ``auto``: the serve-time
-tool parser splits content from calls, as the text streams. Choices that called tools finish
-with ``finish_reason: "tool_calls"``.
+(streamed as it is generated: the named function's header at once, its arguments token by token;
+under ``required`` each call once its name is read). ``auto``: the serve-time tool parser splits
+content from calls, as the text streams. Arguments are the raw JSON text the model wrote, streamed
+and not alike. Choices that called tools finish with ``finish_reason: "tool_calls"``.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from vllite_core.entrypoints.openai.structured import ToolPlan, tool_calls_from_output
-from vllite_core.tool_parsers.base import ToolParserStream
+from vllite_core.entrypoints.openai.structured import ToolPlan, required_calls, tool_calls_from_output
+from vllite_core.tool_parsers.base import CallStream, ToolParserStream
 
 
 class ToolOutput:
@@ -19,6 +20,7 @@ class ToolOutput:
         self.parser = parser_cls() if plan.mode == "auto" and parser_cls is not None else None
         self.texts: dict[int, str] = {}
         self.streams: dict[int, ToolParserStream] = {}
+        self.call_streams: dict[int, CallStream] = {}  # required / named
         self.called: set[int] = set()
 
     def _finish(self, finish: str | None, calls: bool) -> str | None:
@@ -43,12 +45,18 @@ class ToolOutput:
         text = self.texts[index] = self.texts.get(index, "") + piece
         final = finish is not None
         if self.plan.mode in ("required", "named"):
-            if not final:
-                return {}, None
-            calls = tool_calls_from_output(self.plan, text)
-            for i, c in enumerate(calls):
-                c["index"] = i
-            return ({"tool_calls": calls} if calls else {"content": text}), self._finish(finish, bool(calls))
+            if self.plan.mode == "named":  # the text is the arguments; surrounding whitespace is not
+                partial = [(self.plan.name, text.strip())]
+            elif final:
+                partial = [(c["function"]["name"], c["function"]["arguments"])
+                           for c in tool_calls_from_output(self.plan, text)]
+            else:
+                partial = required_calls(text)
+            stream = self.call_streams.setdefault(index, CallStream())
+            deltas = stream.deltas(partial)
+            if final and not stream.sent:  # no call came out (cut short): the text is content
+                return {"content": text}, finish
+            return ({"tool_calls": deltas} if deltas else {}), self._finish(finish, True) if final else None
         stream = self.streams.setdefault(index, ToolParserStream(self.parser))
         content, calls = stream.feed(text, final)
         if calls:
