@@ -84,6 +84,16 @@ class SupportsMultiModalDecoder(SupportsMultiModal, Protocol):
         """The placeholder token that stands for an image in a prompt (chat puts one per image part)."""
 
 
+class SupportsMRoPE(Protocol):
+    """Rotary positions in three dimensions (temporal, height, width: Qwen2-VL). The runner asks once per
+    request for its prompt's positions and the delta its later tokens add to their index (vLLM's names), and
+    passes ``forward`` [3, T] positions in steps holding such prompt tokens, [T] (index + delta) otherwise."""
+
+    def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list[Any]
+                                  ) -> "tuple[torch.Tensor, int]":
+        """([3, len(input_tokens)] positions of the prompt, the delta of every token after it)."""
+
+
 class SupportsTranscription(Protocol):
     """Serves ``LLM.transcribe`` and ``/v1/audio/transcriptions``."""
 
@@ -139,6 +149,7 @@ class ModelCapabilities:
     is_encoder_decoder: bool = False
     supports_multimodal: bool = False
     is_multimodal_decoder: bool = False  # media as prompt embeddings: encoder cache, image-aware block hashes
+    uses_mrope: bool = False  # three-dimensional rotary positions, a per-request position delta
     supports_transcription: bool = False
     supports_lora: bool = False
     supports_tensor_parallel: bool = False
@@ -151,6 +162,7 @@ _DECLARATIONS: dict[str, tuple[type, tuple[str, ...]]] = {
     "is_multimodal_decoder": (SupportsMultiModalDecoder, ("process_prompt", "supported_modalities",
                                                           "embed_multimodal", "embed_input_ids", "image_token_id")),
     "supports_multimodal": (SupportsMultiModal, ("process_prompt",)),
+    "uses_mrope": (SupportsMRoPE, ("get_mrope_input_positions",)),
     "supports_transcription": (SupportsTranscription, ("max_audio_seconds", "language_detection_prompt")),
     "supports_lora": (SupportsLoRA, ("lora_targets",)),
     "supports_tensor_parallel": (SupportsTensorParallel, ("check_tensor_parallel",)),
