@@ -15,11 +15,11 @@ PATCH, MERGE = 14, 2
 MAX_PIXELS = 28 * 28 * 12  # at most 12 merged tokens per image: small grids, several shapes
 
 
-def qwen_vl_config(kind: str, ids: dict[str, int]):
+def qwen_vl_config(kind: str, ids: dict[str, int], eos: int):
     """``kind``: "qwen2_vl" or "qwen2_5_vl"; the vision width equals the text width (64)."""
-    text = {**TINY, "vocab_size": max(ids.values()) + 1, "num_key_value_heads": 2,
+    text = {**TINY, "vocab_size": max(ids.values()) + 1, "bos_token_id": eos, "eos_token_id": eos,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}}
-    common = dict(image_token_id=ids[IMAGE_PAD], video_token_id=ids[IMAGE_PAD] - 3,
+    common = dict(bos_token_id=eos, eos_token_id=eos, image_token_id=ids[IMAGE_PAD], video_token_id=ids[IMAGE_PAD] - 3,
                   vision_start_token_id=ids[VISION_START], vision_end_token_id=ids[VISION_END])
     if kind == "qwen2_vl":
         from transformers import Qwen2VLConfig
@@ -45,7 +45,7 @@ def save_tiny_qwen_vl(path, kind: str = "qwen2_vl", seed: int = 0):
     tok = load_tokenizer(resolve_model_source(None))
     tok.add_special_tokens({"additional_special_tokens": [VISION_START, IMAGE_PAD, VISION_END]})
     ids = {t: tok.convert_tokens_to_ids(t) for t in (VISION_START, IMAGE_PAD, VISION_END)}
-    config = qwen_vl_config(kind, ids)
+    config = qwen_vl_config(kind, ids, tok.eos_token_id)
     cls = Qwen2VLForConditionalGeneration if kind == "qwen2_vl" else Qwen2_5_VLForConditionalGeneration
     torch.manual_seed(seed)
     model = cls(config).to(torch.float32)
@@ -71,18 +71,23 @@ def image_processor(path):
     return Qwen2VLImageProcessorPil.from_pretrained(path)
 
 
+def hf_inputs(tok, proc, pad: int, text: str, images) -> tuple[list[int], dict]:
+    """The prompt's ids with each ``pad`` expanded to its image's merged patches, and the pixel inputs."""
+    ids = tok.encode(text)
+    if not images:
+        return ids, {}
+    px = proc(images, return_tensors="pt")
+    grids = px["image_grid_thw"]
+    counts = iter((grids.prod(-1) // MERGE ** 2).tolist())
+    ids = [t for i in ids for t in ([pad] * next(counts) if i == pad else [i])]
+    return ids, dict(pixel_values=px["pixel_values"], image_grid_thw=grids)
+
+
 @torch.inference_mode()
 def hf_qwen_vl_greedy(model, tok, proc, text: str, images, max_new_tokens: int) -> list[int]:
     """HF ``generate`` (greedy, EOS ignored) on hand-built inputs: the new tokens."""
-    ids = tok.encode(text)
     pad = model.config.image_token_id
-    kwargs = {}
-    if images:
-        px = proc(images, return_tensors="pt")
-        grids = px["image_grid_thw"]
-        counts = iter((grids.prod(-1) // MERGE ** 2).tolist())
-        ids = [t for i in ids for t in ([pad] * next(counts) if i == pad else [i])]
-        kwargs = dict(pixel_values=px["pixel_values"], image_grid_thw=grids)
+    ids, kwargs = hf_inputs(tok, proc, pad, text, images)
     input_ids = torch.tensor([ids])
     kwargs["mm_token_type_ids"] = (input_ids == pad).int()
     out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
