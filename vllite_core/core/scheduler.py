@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from vllite_core.config import CacheConfig, SchedulerConfig
@@ -32,6 +32,7 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     spec_decoding: SpecDecodingStats | None = field(default=None)  # None: speculative decoding off
+    mm_cache: Any = None  # multimodal.encoder_cache.EncoderCacheStats (a copy); None: not a multimodal model
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -325,7 +326,8 @@ class Scheduler:
         return SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting),
                               kv_cache_usage=self.kv.usage, num_preemptions_total=self.num_preemptions_total,
                               prefix_cache_queries=pcs.queries, prefix_cache_hits=pcs.hits,
-                              spec_decoding=self.spec_stats.copy() if self.spec_stats is not None else None)
+                              spec_decoding=self.spec_stats.copy() if self.spec_stats is not None else None,
+                              mm_cache=replace(self.encoder_cache.stats) if self.encoder_cache is not None else None)
 
 
 class _Step:

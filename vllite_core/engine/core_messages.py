@@ -74,6 +74,8 @@ class EngineCoreStats(msgspec.Struct, array_like=True):
     # Speculative decoding counters (SpecDecodingStats) as [k, drafts, draft tokens, accepted, *accepted per
     # position]; None when speculation is off.
     spec_decoding: list[int] | None = None
+    # Encoder cache counters (EncoderCacheStats) as [queries, hits, evictions]; None for text-only models.
+    mm_cache: list[int] | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True):
