@@ -3,8 +3,12 @@ tiny random checkpoints: greedy tokens identical to ``generate`` (fp32; pixels a
 image processor, placeholders expanded by hand as its processor would) for a batch of prompts with one and two
 images of different sizes and a text-only one in the same steps; the same with a step budget that cuts image
 placeholder ranges and a KV cache small enough to preempt (the position delta survives recompute); and a second
-request with an earlier image, served from the prefix and encoder caches."""
+request with an earlier image, served from the prefix and encoder caches; ``LLM.chat`` with ``image_url`` parts
+(each written as vision start, placeholder, vision end)."""
 from __future__ import annotations
+
+import base64
+import io
 
 import pytest
 from tiny_bart import make_image
@@ -21,6 +25,13 @@ REQUESTS = [(Q, [make_image(40, 30, 0)]), (Q, [make_image(90, 60, 1)]),
                                                                             make_image(20, 70, 3)]),
             ("A prompt without any picture", []), (f"{IMAGE}Say it.", [make_image(56, 56, 4)])]
 LATER = (f"Look: {IMAGE}Describe it.", [make_image(90, 60, 1)])  # REQUESTS[1]'s image, other text around it
+CHAT_IMAGES = [make_image(60, 45, 5), make_image(30, 80, 6)]
+
+
+def _chat_text(tok, n_images: int, text: str) -> str:
+    """The template rendered as vllite renders image parts: each image's tokens, then the text, one per line."""
+    content = "\n".join([IMAGE] * n_images + [text])
+    return tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
 
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
@@ -33,7 +44,8 @@ def qwen(request, tmp_path_factory):
     tok, proc = AutoTokenizer.from_pretrained(path), image_processor(path)
     ref = [hf_qwen_vl_greedy(hf, tok, proc, text, images, N) for text, images in REQUESTS + [LATER]]
     ids = [hf_inputs(tok, proc, hf.config.image_token_id, text, images)[0] for text, images in REQUESTS]
-    return str(path), ref, ids
+    chat = hf_qwen_vl_greedy(hf, tok, proc, _chat_text(tok, 2, "Compare them."), CHAT_IMAGES, N)
+    return str(path), ref + [chat], ids
 
 
 def _prompts(requests):
@@ -46,7 +58,7 @@ def test_qwen_vl_greedy_matches_hf_mixed_batch(qwen):
     llm = LLM(model=path, dtype="float32", num_kv_blocks=64, block_size=4)
     outs = llm.generate(_prompts(REQUESTS), GREEDY)
     assert [o.prompt_token_ids for o in outs] == ids
-    assert [o.outputs[0].token_ids for o in outs] == ref[:-1]
+    assert [o.outputs[0].token_ids for o in outs] == ref[:len(REQUESTS)]
     assert ref[0] != ref[1]  # the image matters
     # The same prompt again: prefix blocks reused, the generated tokens' positions still carry the image's delta.
     core = llm.llm_engine.core
@@ -57,7 +69,7 @@ def test_qwen_vl_greedy_matches_hf_mixed_batch(qwen):
     # Its image under other text: no prefix shared, the encoder output is found in the encoder cache.
     hits = stats.hits
     later = llm.generate(_prompts([LATER]), GREEDY)[0]
-    assert later.outputs[0].token_ids == ref[-1] and later.num_cached_tokens == 0
+    assert later.outputs[0].token_ids == ref[len(REQUESTS)] and later.num_cached_tokens == 0
     assert runner.num_encoded == encoded and stats.hits == hits + 1
 
 
@@ -81,6 +93,21 @@ def test_qwen_vl_chunks_split_images_and_preemption(qwen):
 
     mrope.step_positions = spy
     outs = llm.generate(_prompts(REQUESTS), GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == ref[:-1]
+    assert [o.outputs[0].token_ids for o in outs] == ref[:len(REQUESTS)]
     assert cuts, "no chunk ended inside an image's placeholders"
     assert core.scheduler.num_preemptions_total > 0
+
+
+def _data_url(img) -> str:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_qwen_vl_chat_image_parts(qwen):
+    path, ref, _ = qwen
+    llm = LLM(model=path, dtype="float32", num_kv_blocks=64)
+    parts = [{"type": "image_url", "image_url": {"url": _data_url(im)}} for im in CHAT_IMAGES]
+    out = llm.chat([{"role": "user", "content": parts + [{"type": "text", "text": "Compare them."}]}], GREEDY)[0]
+    assert out.outputs[0].token_ids == ref[-1]
+    assert out.prompt.count(IMAGE) == 2

@@ -81,7 +81,13 @@ class SupportsMultiModalDecoder(SupportsMultiModal, Protocol):
 
     @classmethod
     def image_token_id(cls, hf_config: Any) -> int:
-        """The placeholder token that stands for an image in a prompt (chat puts one per image part)."""
+        """The placeholder token that stands for an image in a prompt (one per image; the model expands it)."""
+
+    @classmethod
+    def chat_image_token_ids(cls, hf_config: Any) -> list[int]:
+        """What a chat prompt holds per image part: the placeholder alone unless the model wraps it
+        (Qwen2-VL: vision start, placeholder, vision end). Inherited by the classes that declare the Protocol."""
+        return [cls.image_token_id(hf_config)]
 
 
 class SupportsMRoPE(Protocol):

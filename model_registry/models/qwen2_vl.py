@@ -50,6 +50,12 @@ class Qwen2VLForConditionalGeneration(nn.Module, SupportsMultiModalDecoder, Supp
         return int(hf_config.image_token_id)
 
     @classmethod
+    def chat_image_token_ids(cls, hf_config: Any) -> list[int]:
+        """``<|vision_start|><|image_pad|><|vision_end|>``, as Qwen's chat template writes an image."""
+        return [int(hf_config.vision_start_token_id), cls.image_token_id(hf_config),
+                int(hf_config.vision_end_token_id)]
+
+    @classmethod
     def process_prompt(cls, prompt: Any, ctx: InputContext) -> ProcessedPrompt:
         """``<|vision_start|><|image_pad|><|vision_end|>`` per image in the text (or one ``image_token_id``
         per image in ``prompt_token_ids``); each ``<|image_pad|>`` is expanded to the image's merged patches.

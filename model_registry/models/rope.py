@@ -177,7 +177,7 @@ class MRotaryEmbedding(RotaryEmbedding):
         if sum(mrope_section) != head_size // 2:
             raise ValueError(f"mrope_section {mrope_section} must sum to head_size / 2 = {head_size // 2}")
         half = torch.cat([torch.full((n,), i % 3, dtype=torch.int64) for i, n in enumerate(mrope_section)])
-        self.axis = torch.cat([half, half])  # column -> which of the three positions rotates it
+        self.register_buffer("axis", torch.cat([half, half]), persistent=False)  # column -> its position's axis
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if positions.dim() == 1:
@@ -185,7 +185,7 @@ class MRotaryEmbedding(RotaryEmbedding):
         if positions.device.type == "cpu" and positions.numel():
             self.ensure_positions(int(positions.max()) + 1)
         t = positions.shape[1]
-        index = self.axis.to(positions.device).view(1, 1, -1).expand(1, t, -1)
+        index = self.axis.view(1, 1, -1).expand(1, t, -1)
 
         def pick(table: torch.Tensor) -> torch.Tensor:
             return table[positions].gather(0, index).squeeze(0).to(dtype)  # [3, T, D] -> [T, D]
