@@ -33,11 +33,11 @@ class RMSNorm(nn.Module):
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """NeoX rotary in float32 on [N, heads, D] with [N, D] tables."""
+    """NeoX rotary in float32 on [heads, N, D] with [N, D] tables."""
     xf = x.float()
     half = xf.shape[-1] // 2
     rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
-    return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+    return (xf * cos + rotated * sin).to(x.dtype)
 
 
 class VisionAttention(nn.Module):
@@ -49,13 +49,12 @@ class VisionAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cu: list[int]) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)
-        q, k = _rotate(q, *rope), _rotate(k, *rope)
+        q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).permute(1, 2, 0, 3).unbind(0)  # [heads, n, D] each
+        q, k, v = _rotate(q, *rope), _rotate(k, *rope), v.contiguous()
         out = torch.empty_like(q)
         for a, b in zip(cu[:-1], cu[1:]):  # bidirectional, within one image (or window)
-            out[a:b] = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
-                                                      v[a:b].transpose(0, 1)).transpose(0, 1)
-        return self.proj(out.reshape(n, -1))
+            out[:, a:b] = F.scaled_dot_product_attention(q[None, :, a:b], k[None, :, a:b], v[None, :, a:b])[0]
+        return self.proj(out.transpose(0, 1).reshape(n, -1))
 
 
 class VisionMLP(nn.Module):
