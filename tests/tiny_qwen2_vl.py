@@ -33,7 +33,7 @@ def qwen_vl_config(kind: str, ids: dict[str, int], eos: int):
     vision = dict(depth=3, hidden_size=64, out_hidden_size=64, intermediate_size=80, num_heads=4, patch_size=PATCH,
                   spatial_merge_size=MERGE, temporal_patch_size=2, hidden_act="silu", window_size=56,
                   fullatt_block_indexes=[1])
-    return Qwen2_5_VLConfig(text_config=text, vision_config=vision,
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True,  # as the 3B model
                             architectures=["Qwen2_5_VLForConditionalGeneration"], **common)
 
 

@@ -9,6 +9,7 @@ the runner keeps per request (``get_mrope_input_positions``) for the tokens it g
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 from typing import Any
 
@@ -35,7 +36,9 @@ class Qwen2VLForConditionalGeneration(nn.Module, SupportsMultiModalDecoder, Supp
     def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = hf_config
-        tc = hf_config.get_text_config()
+        tc = copy.copy(hf_config.get_text_config())
+        # transformers 5 keeps tie_word_embeddings on the outer config only (Qwen2-VL-2B ties its head).
+        tc.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.visual = Qwen2VisionTransformer(hf_config.vision_config, self.v25, dtype)
         self.merge = int(hf_config.vision_config.spatial_merge_size)
         self.language_model = LlamaForCausalLM(tc, attn_backend, dtype)
