@@ -25,6 +25,7 @@ REQUESTS = [(Q, [make_image(40, 30, 0)]), (Q, [make_image(90, 60, 1)]),
                                                                             make_image(20, 70, 3)]),
             ("A prompt without any picture", []), (f"{IMAGE}Say it.", [make_image(56, 56, 4)])]
 LATER = (f"Look: {IMAGE}Describe it.", [make_image(90, 60, 1)])  # REQUESTS[1]'s image, other text around it
+MIDDLE = (f"USER: {IMAGE}Which colour is it? ASSISTANT:", [make_image(90, 60, 1)])  # ... other text after it
 CHAT_IMAGES = [make_image(60, 45, 5), make_image(30, 80, 6)]
 
 
@@ -36,16 +37,17 @@ def _chat_text(tok, n_images: int, text: str) -> str:
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
 def qwen(request, tmp_path_factory):
-    """(checkpoint folder, its HF greedy outputs for REQUESTS, the hand-expanded prompt ids)."""
+    """(checkpoint folder, its HF greedy outputs (REQUESTS, LATER, MIDDLE, the chat), REQUESTS' hand-expanded
+    prompt ids, the image placeholder id)."""
     from transformers import AutoTokenizer
 
     path = tmp_path_factory.mktemp(request.param)
     hf = save_tiny_qwen_vl(path, request.param)
     tok, proc = AutoTokenizer.from_pretrained(path), image_processor(path)
-    ref = [hf_qwen_vl_greedy(hf, tok, proc, text, images, N) for text, images in REQUESTS + [LATER]]
+    ref = [hf_qwen_vl_greedy(hf, tok, proc, text, images, N) for text, images in REQUESTS + [LATER, MIDDLE]]
     ids = [hf_inputs(tok, proc, hf.config.image_token_id, text, images)[0] for text, images in REQUESTS]
     chat = hf_qwen_vl_greedy(hf, tok, proc, _chat_text(tok, 2, "Compare them."), CHAT_IMAGES, N)
-    return str(path), ref + [chat], ids
+    return str(path), ref + [chat], ids, hf.config.image_token_id
 
 
 def _prompts(requests):
@@ -54,7 +56,7 @@ def _prompts(requests):
 
 
 def test_qwen_vl_greedy_matches_hf_mixed_batch(qwen):
-    path, ref, ids = qwen
+    path, ref, ids, pad_id = qwen
     llm = LLM(model=path, dtype="float32", num_kv_blocks=64, block_size=4)
     outs = llm.generate(_prompts(REQUESTS), GREEDY)
     assert [o.prompt_token_ids for o in outs] == ids
@@ -71,12 +73,19 @@ def test_qwen_vl_greedy_matches_hf_mixed_batch(qwen):
     later = llm.generate(_prompts([LATER]), GREEDY)[0]
     assert later.outputs[0].token_ids == ref[len(REQUESTS)] and later.num_cached_tokens == 0
     assert runner.num_encoded == encoded and stats.hits == hits + 1
+    # Same text up to the image, other text after it: the prefix hit ends inside the image's placeholders, the
+    # rest of them (and their 3D positions) are computed from the cached encoder output.
+    middle = llm.generate(_prompts([MIDDLE]), GREEDY)[0]
+    pad = [i for i, t in enumerate(middle.prompt_token_ids) if t == pad_id]
+    assert pad[0] < middle.num_cached_tokens <= pad[-1]
+    assert middle.outputs[0].token_ids == ref[len(REQUESTS) + 1]
+    assert runner.num_encoded == encoded and stats.hits == hits + 2
 
 
 def test_qwen_vl_chunks_split_images_and_preemption(qwen):
     """A 7-token step budget cuts image placeholder ranges across steps (seen by the runner's position
     builder), 14 blocks of 4 tokens for five requests force preemptions: tokens are still HF's."""
-    path, ref, _ = qwen
+    path, ref, _, _ = qwen
     llm = LLM(model=path, dtype="float32", num_kv_blocks=14, block_size=4, max_num_batched_tokens=7,
               long_prefill_token_threshold=0)
     core = llm.llm_engine.core
@@ -105,7 +114,7 @@ def _data_url(img) -> str:
 
 
 def test_qwen_vl_chat_image_parts(qwen):
-    path, ref, _ = qwen
+    path, ref, _, _ = qwen
     llm = LLM(model=path, dtype="float32", num_kv_blocks=64)
     parts = [{"type": "image_url", "image_url": {"url": _data_url(im)}} for im in CHAT_IMAGES]
     out = llm.chat([{"role": "user", "content": parts + [{"type": "text", "text": "Compare them."}]}], GREEDY)[0]
