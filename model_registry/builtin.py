@@ -28,6 +28,8 @@ BUILTIN_MODELS: dict[str, str] = {
     "BertForSequenceClassification": "model_registry.models.bert:BertForSequenceClassification",
     # Multimodal decoders: images in the prompt.
     "LlavaForConditionalGeneration": "model_registry.models.llava:LlavaForConditionalGeneration",
+    "Qwen2VLForConditionalGeneration": "model_registry.models.qwen2_vl:Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration": "model_registry.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
     # State-space models and hybrids: a per-request recurrent state (vllite_core/state_cache.py).
     "MambaForCausalLM": "model_registry.models.mamba:MambaForCausalLM",
     "FalconMambaForCausalLM": "model_registry.models.mamba:FalconMambaForCausalLM",

@@ -129,7 +129,7 @@ def test_llava_encoder_cache_evicts_least_recently_used(llava):
         assert set(enc.entries) == set(runner.cache)  # the runner mirrors the scheduler
         assert enc.used <= 8
     # 0, 1 encoded; 2 evicts 0; 1 hits; 0 is encoded again (evicting 2).
-    assert runner.num_encoded == 4 and enc.stats.hits == 1
+    assert runner.num_encoded == 4 and enc.stats.hits == 1 and enc.stats.evictions == 2
 
 
 def test_llava_bad_inputs(llava, tiny_path):

@@ -8,6 +8,7 @@ import functools
 import http.server
 import io
 import threading
+import time
 
 import httpx
 import openai
@@ -147,6 +148,35 @@ def test_server_chat_images_and_bad_input(llava, server, media_server):
                                             max_tokens=N, temperature=0.0, stream=True,
                                             extra_body={"ignore_eos": True})
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
+
+
+def _mm_counters(server: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server + "/metrics", timeout=30).text
+    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name.startswith(("vllm:mm_cache_", "vllite:mm_cache_"))}
+
+
+def test_server_metrics_count_encoder_cache(server):
+    """The same data-URL image twice (other text, so its placeholders are recomputed): two encoder-cache
+    queries, the second a hit, in /metrics under vLLM's names (counted in the engine-core process)."""
+    client = openai.OpenAI(base_url=server + "/v1", api_key="none")
+    model = client.models.list().data[0].id
+    before = _mm_counters(server)
+    url = data_url(make_image(52, 41, 90))  # an image no other test sends
+    for text in ("What is this?", "Describe the colours."):
+        client.chat.completions.create(model=model, messages=image_msg(text, [url]), max_tokens=2)
+    deadline = time.monotonic() + 30
+    while True:  # the engine's numbers reach the API process with its next outputs
+        after = _mm_counters(server)
+        delta = {k: after[k] - before[k] for k in after}
+        if delta["vllm:mm_cache_queries_total"] >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert delta["vllm:mm_cache_queries_total"] == delta["vllite:mm_cache_queries_total"] == 2
+    assert delta["vllm:mm_cache_hits_total"] == delta["vllite:mm_cache_hits_total"] == 1
+    assert delta["vllite:mm_cache_evictions_total"] == 0  # room for both (evictions: tests/test_llava.py)
 
 
 def test_cli_generate_image(llava, tmp_path):

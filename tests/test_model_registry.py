@@ -35,6 +35,7 @@ def test_builtin_plugin_registers_the_llama_family_lazily():
     reg = build_registry(_plugin_manager(builtin))
     assert reg.architectures() == sorted(["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                                           "WhisperForConditionalGeneration", "LlavaForConditionalGeneration",
+                                          "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
                                           "BertModel",
                                           "BertForSequenceClassification", "LlamaModel", "Qwen2Model",
                                           "LlamaForSequenceClassification", "Qwen2ForSequenceClassification",

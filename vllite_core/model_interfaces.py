@@ -81,7 +81,23 @@ class SupportsMultiModalDecoder(SupportsMultiModal, Protocol):
 
     @classmethod
     def image_token_id(cls, hf_config: Any) -> int:
-        """The placeholder token that stands for an image in a prompt (chat puts one per image part)."""
+        """The placeholder token that stands for an image in a prompt (one per image; the model expands it)."""
+
+    @classmethod
+    def chat_image_token_ids(cls, hf_config: Any) -> list[int]:
+        """What a chat prompt holds per image part: the placeholder alone unless the model wraps it
+        (Qwen2-VL: vision start, placeholder, vision end). Inherited by the classes that declare the Protocol."""
+        return [cls.image_token_id(hf_config)]
+
+
+class SupportsMRoPE(Protocol):
+    """Rotary positions in three dimensions (temporal, height, width: Qwen2-VL). The runner asks once per
+    request for its prompt's positions and the delta its later tokens add to their index (vLLM's names), and
+    passes ``forward`` [3, T] positions in steps holding such prompt tokens, [T] (index + delta) otherwise."""
+
+    def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list[Any]
+                                  ) -> "tuple[torch.Tensor, int]":
+        """([3, len(input_tokens)] positions of the prompt, the delta of every token after it)."""
 
 
 class SupportsTranscription(Protocol):
@@ -139,6 +155,7 @@ class ModelCapabilities:
     is_encoder_decoder: bool = False
     supports_multimodal: bool = False
     is_multimodal_decoder: bool = False  # media as prompt embeddings: encoder cache, image-aware block hashes
+    uses_mrope: bool = False  # three-dimensional rotary positions, a per-request position delta
     supports_transcription: bool = False
     supports_lora: bool = False
     supports_tensor_parallel: bool = False
@@ -151,6 +168,7 @@ _DECLARATIONS: dict[str, tuple[type, tuple[str, ...]]] = {
     "is_multimodal_decoder": (SupportsMultiModalDecoder, ("process_prompt", "supported_modalities",
                                                           "embed_multimodal", "embed_input_ids", "image_token_id")),
     "supports_multimodal": (SupportsMultiModal, ("process_prompt",)),
+    "uses_mrope": (SupportsMRoPE, ("get_mrope_input_positions",)),
     "supports_transcription": (SupportsTranscription, ("max_audio_seconds", "language_detection_prompt")),
     "supports_lora": (SupportsLoRA, ("lora_targets",)),
     "supports_tensor_parallel": (SupportsTensorParallel, ("check_tensor_parallel",)),

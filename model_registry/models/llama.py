@@ -85,7 +85,7 @@ class LlamaAttention(nn.Module):
         num_heads = c.num_attention_heads
         num_kv_heads = getattr(c, "num_key_value_heads", None) or num_heads
         self.head_size = getattr(c, "head_dim", None) or c.hidden_size // num_heads
-        is_qwen2 = getattr(c, "model_type", "") == "qwen2"
+        is_qwen2 = getattr(c, "model_type", "") in ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
         qkv_bias = is_qwen2 or bool(getattr(c, "attention_bias", False))
         o_bias = not is_qwen2 and bool(getattr(c, "attention_bias", False))
         # This rank's heads (all of them on one rank): vllite_core.distributed.sharding.shard_heads.

@@ -15,13 +15,14 @@ from torch import nn
 
 from model_registry.models.clip import CLIPVisionTower, Linear, activation
 from model_registry.models.llama import LlamaForCausalLM, _copy
+from model_registry.models.mm_prompt import image_processor, placeholder_prompt
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
 from vllite_core.core.kv_cache_spec import KVCacheSpec
 from vllite_core.engine.errors import InvalidRequestError
 from vllite_core.inputs import InputContext, ProcessedPrompt
 from vllite_core.model_interfaces import SupportsMultiModalDecoder
 from vllite_core.multimodal.features import MultiModalFeature, expand_placeholders
-from vllite_core.multimodal.images import hash_image, prompt_images
+from vllite_core.multimodal.images import hash_image
 
 
 def _feature_layers(hf_config: Any) -> list[int]:
@@ -81,23 +82,9 @@ class LlavaForConditionalGeneration(nn.Module, SupportsMultiModalDecoder):
         """``{"prompt": "USER: <image>\\n...", "multi_modal_data": {"image": img or [imgs]}}`` (or
         ``prompt_token_ids`` holding one ``image_token_index`` per image): each placeholder is expanded to the
         image's embedding count; pixels come from the folder's image processor (transformers' PIL backend)."""
-        c, tok = ctx.hf_config, ctx.tokenizer
-        images = prompt_images(prompt, cls.supported_modalities)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
-                raise InvalidRequestError("prompt_token_ids", "must be a list of integers")
-            text, ids = prompt.get("prompt"), list(ids)
-        else:
-            text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
-            if not isinstance(text, str):
-                raise InvalidRequestError("prompt", f"must be a string, got {type(text).__name__}")
-            ids = list(tok.encode(text, add_special_tokens=True))
+        c = ctx.hf_config
         image_id = int(c.image_token_index)
-        found = ids.count(image_id)
-        if found != len(images):
-            raise InvalidRequestError("multi_modal_data", f"the prompt has {found} image placeholder(s) "
-                                      f"({tok.convert_ids_to_tokens(image_id)!r}) for {len(images)} image(s)")
+        text, ids, images = placeholder_prompt(prompt, ctx, image_id, cls.supported_modalities)
         if not images:
             return ProcessedPrompt(prompt_token_ids=ids, prompt=text)
         pixels = cls.pixel_values(images, ctx)
@@ -109,12 +96,7 @@ class LlavaForConditionalGeneration(nn.Module, SupportsMultiModalDecoder):
 
     @classmethod
     def pixel_values(cls, images: list, ctx: InputContext) -> torch.Tensor:
-        try:
-            processor = ctx.processor("image_processor")
-        except OSError as e:
-            raise InvalidRequestError("multi_modal_data", f"cannot load the model's image processor "
-                                      f"(preprocessor_config.json): {e}") from e
-        pixels = processor(images, return_tensors="pt")["pixel_values"]
+        pixels = image_processor(ctx)(images, return_tensors="pt")["pixel_values"]
         size = ctx.hf_config.vision_config.image_size
         if tuple(pixels.shape[-2:]) != (size, size):
             raise InvalidRequestError("multi_modal_data", f"the image processor gives {tuple(pixels.shape[-2:])} "

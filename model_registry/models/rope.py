@@ -31,6 +31,8 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
             params.setdefault(k, v)
     if "rope_type" not in params:
         params["rope_type"] = params.pop("type", "default") or "default"
+    if params["rope_type"] == "mrope":  # Qwen2-VL's legacy name: default frequencies, sections (MRotaryEmbedding)
+        params["rope_type"] = "default"
     if "rope_theta" not in params:
         params["rope_theta"] = getattr(hf_config, "rope_theta", None) or 10000.0
     if params["rope_type"] in ("llama3", "yarn"):
@@ -163,3 +165,29 @@ class RotaryEmbedding(torch.nn.Module):
             self.ensure_positions(int(positions.max()) + 1)
         return self.cos_cache.index_select(0, positions).to(dtype), self.sin_cache.index_select(0, positions).to(dtype)
 
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal RoPE (Qwen2-VL): a token has three positions (temporal, height, width); the rotary columns are
+    split in ``mrope_section`` bands, band i rotating by position i % 3. ``lookup`` takes [3, T] positions, or [T]
+    when all three are equal (text, and every token after the prompt), which is plain RoPE."""
+
+    def __init__(self, hf_config: Any, head_size: int, mrope_section: list[int]) -> None:
+        super().__init__(hf_config, head_size)
+        if sum(mrope_section) != head_size // 2:
+            raise ValueError(f"mrope_section {mrope_section} must sum to head_size / 2 = {head_size // 2}")
+        half = torch.cat([torch.full((n,), i % 3, dtype=torch.int64) for i, n in enumerate(mrope_section)])
+        self.register_buffer("axis", torch.cat([half, half]), persistent=False)  # column -> its position's axis
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return super().lookup(positions, dtype)
+        if positions.device.type == "cpu" and positions.numel():
+            self.ensure_positions(int(positions.max()) + 1)
+        t = positions.shape[1]
+        index = self.axis.view(1, 1, -1).expand(1, t, -1)
+
+        def pick(table: torch.Tensor) -> torch.Tensor:
+            return table[positions].gather(0, index).squeeze(0).to(dtype)  # [3, T, D] -> [T, D]
+
+        return pick(self.cos_cache), pick(self.sin_cache)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from vllite_core.config import CacheConfig, SchedulerConfig
@@ -34,6 +34,7 @@ class SchedulerStats:
     prefix_cache_hits: int
     spec_decoding: SpecDecodingStats | None = field(default=None)  # None: speculative decoding off
     num_jump_forward_tokens: int = 0  # structured output tokens appended without sampling (jump-forward)
+    mm_cache: Any = None  # multimodal.encoder_cache.EncoderCacheStats (a copy); None: not a multimodal model
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -356,7 +357,8 @@ class Scheduler:
                               kv_cache_usage=self.kv.usage, num_preemptions_total=self.num_preemptions_total,
                               prefix_cache_queries=pcs.queries, prefix_cache_hits=pcs.hits,
                               spec_decoding=self.spec_stats.copy() if self.spec_stats is not None else None,
-                              num_jump_forward_tokens=self.num_jump_forward_tokens)
+                              num_jump_forward_tokens=self.num_jump_forward_tokens,
+                              mm_cache=replace(self.encoder_cache.stats) if self.encoder_cache is not None else None)
 
 
 class _Step:

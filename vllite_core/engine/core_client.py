@@ -378,7 +378,8 @@ class EngineCoreClient:
                               used / total if total else 0.0, sum(s.num_preemptions_total for s in all_stats),
                               sum(s.prefix_cache_queries for s in all_stats),
                               sum(s.prefix_cache_hits for s in all_stats), _spec_decoding(all_stats),
-                              sum(s.num_jump_forward_tokens for s in all_stats))
+                              sum(s.num_jump_forward_tokens for s in all_stats),
+                              _mm_cache(all_stats))
 
     def engine_stats(self) -> list[EngineCoreStats]:
         return [e.stats for e in self.engines]
@@ -449,6 +450,16 @@ class EngineCoreClient:
             except OSError:
                 pass
         atexit.unregister(self.close)
+
+
+def _mm_cache(all_stats: list[EngineCoreStats]) -> Any:
+    """The engines' encoder-cache counters summed (None for a text-only model)."""
+    rows = [s.mm_cache for s in all_stats if s.mm_cache]
+    if not rows:
+        return None
+    from vllite_core.multimodal.encoder_cache import EncoderCacheStats
+
+    return EncoderCacheStats(*(sum(col) for col in zip(*rows)))
 
 
 def _spec_decoding(all_stats: list[EngineCoreStats]) -> Any:

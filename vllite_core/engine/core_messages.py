@@ -75,6 +75,8 @@ class EngineCoreStats(msgspec.Struct, array_like=True):
     # position]; None when speculation is off.
     spec_decoding: list[int] | None = None
     num_jump_forward_tokens: int = 0  # structured output tokens appended without sampling
+    # Encoder cache counters (EncoderCacheStats) as [queries, hits, evictions]; None for text-only models.
+    mm_cache: list[int] | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True):

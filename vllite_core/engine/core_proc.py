@@ -90,10 +90,12 @@ class EngineCoreProc:
         sd = s.spec_decoding
         spec = None if sd is None else [sd.num_spec_tokens, sd.num_drafts, sd.num_draft_tokens,
                                         sd.num_accepted_tokens, *sd.num_accepted_tokens_per_pos]
+        mm = None if s.mm_cache is None else [s.mm_cache.queries, s.mm_cache.hits, s.mm_cache.evictions]
         return EngineCoreStats(s.num_running, s.num_waiting, s.kv_cache_usage, kv.get_num_free_blocks(),
                                kv.num_usable_blocks, s.num_preemptions_total, s.prefix_cache_queries,
                                s.prefix_cache_hits, st.steps, st.tokens, st.schedule, st.execute, st.update, spec,
-                               s.num_jump_forward_tokens)
+                               s.num_jump_forward_tokens,
+                               mm)
 
     def _apply(self, msg: Any) -> bool:
         """Apply one client message; False when it asks the process to stop."""

@@ -21,22 +21,30 @@ PARAM = "messages.content"
 @dataclass
 class ImageMarker:
     text: str  # what stands for an image in the rendered prompt
-    token_id: int  # the model's placeholder token
+    token_ids: list[int]  # what replaces it: the model's placeholder token, maybe wrapped (Qwen2-VL)
 
     @classmethod
-    def new(cls, token_id: int) -> "ImageMarker":
-        return cls(f"\u27e6image:{secrets.token_hex(6)}\u27e7", token_id)
+    def new(cls, token_ids: list[int]) -> "ImageMarker":
+        return cls(f"\u27e6image:{secrets.token_hex(6)}\u27e7", list(token_ids))
+
+    @classmethod
+    def for_engine(cls, engine: Any) -> "ImageMarker":
+        return cls.new(engine.model_cls.chat_image_token_ids(engine.core.model_info.hf_config))
 
     def encode(self, text: str, encode: Callable[[str], list[int]]) -> list[int]:
-        """``encode`` of each piece of ``text`` between markers, a placeholder token for each marker."""
+        """``encode`` of each piece of ``text`` between markers, the image's tokens for each marker."""
         if self.text not in text:
             return encode(text)
         ids: list[int] = []
         for k, piece in enumerate(text.split(self.text)):
             if k:
-                ids.append(self.token_id)
+                ids += self.token_ids
             ids += encode(piece) if piece else []
         return ids
+
+    def show(self, text: str, tokenizer: Any) -> str:
+        """The rendered prompt with each marker written as its tokens."""
+        return text.replace(self.text, "".join(tokenizer.convert_ids_to_tokens(self.token_ids)))
 
 
 def part_image_url(part: dict) -> str:
@@ -96,7 +104,7 @@ def chat_engine_prompt(engine: Any, messages: list[dict], render: Callable[[list
         return {"prompt": render(messages)}
     marker = None
     if engine.config.model_config.capabilities.is_multimodal_decoder:
-        marker = ImageMarker.new(engine.model_cls.image_token_id(engine.core.model_info.hf_config))
+        marker = ImageMarker.for_engine(engine)
     flat, sources = flatten_messages(messages, marker.text if marker else None)
     text = render(flat)
     if not sources or marker is None:
@@ -104,5 +112,5 @@ def chat_engine_prompt(engine: Any, messages: list[dict], render: Callable[[list
     images = load_images(sources, engine.config.multimodal_config)
     tok = engine.tokenizer
     ids = marker.encode(text, lambda t: list(tok.encode(t, add_special_tokens=False)))
-    shown = text.replace(marker.text, tok.convert_ids_to_tokens(marker.token_id))
+    shown = marker.show(text, tok)
     return {"prompt_token_ids": ids, "prompt": shown, "multi_modal_data": {"image": images}}

@@ -17,10 +17,12 @@ from vllite_core.multimodal.features import MultiModalFeature
 
 @dataclass
 class EncoderCacheStats:
-    """Image lookups (an image reached by a request's scheduled range) and how many found the output cached."""
+    """Image lookups (an image reached by a request's scheduled range), how many found the output cached, and
+    outputs evicted to make room (vLLM's mm_cache_queries / mm_cache_hits count items the same way)."""
 
     queries: int = 0
     hits: int = 0
+    evictions: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -91,6 +93,7 @@ class EncoderCacheManager:
             self.used -= self.entries.pop(victim)
             self.refs.pop(victim, None)
             self.freed.append(victim)
+            self.stats.evictions += 1
         self.entries[mm_hash] = rows
         self.used += rows
 

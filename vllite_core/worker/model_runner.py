@@ -119,6 +119,11 @@ class ModelRunner:
             from vllite_core.multimodal.runner import EncoderRunner
 
             self.encoder_runner = EncoderRunner(model)
+        self.mrope = None  # three-dimensional rotary positions (vllite_core/multimodal/mrope.py)
+        if self.capabilities.uses_mrope:
+            from vllite_core.multimodal.mrope import MRopePositions
+
+            self.mrope = MRopePositions(model)
         self.lora = None
         if config.lora_config is not None:
             from vllite_core.lora.slots import LoRASlots
@@ -194,6 +199,8 @@ class ModelRunner:
             b.remove(rid)
             if enc is not None:
                 enc.remove_request(rid)
+            if self.mrope is not None:
+                self.mrope.remove_request(rid)
             self.generators.pop(rid, None)
             self.pooling_params.pop(rid, None)
         for rid in so.preempted_req_ids:
@@ -214,6 +221,8 @@ class ModelRunner:
                 self.pooling_params[new.req_id] = new.pooling_params
             if enc is not None:
                 enc.add_request(new.req_id, new.mm_features)
+            if self.mrope is not None:
+                self.mrope.add_request(new.req_id, new.token_ids, new.num_prompt_tokens, new.mm_features)
         if enc is not None:
             enc.update(so.free_encoder_mm_hashes, so.scheduled_encoder_inputs)
         if self.cross_layers:
@@ -298,11 +307,14 @@ class ModelRunner:
         for i in np.nonzero(wants)[0]:
             prompt_lp.append((int(rows[i]), int(starts[i]), int(num_sched[i]), int(computed[i])))
         mm_embeds = None
+        model_positions = positions
         if self.encoder_runner is not None:
-            mm_embeds = self.encoder_runner.gather([b.states[r].req_id for r in rows.tolist()], computed, num_sched,
-                                                   starts)
+            req_ids = [b.states[r].req_id for r in rows.tolist()]
+            mm_embeds = self.encoder_runner.gather(req_ids, computed, num_sched, starts)
+            if self.mrope is not None:
+                model_positions = self.mrope.step_positions(req_ids, positions, starts, num_sched)
         return StepInputs(input_ids=torch.as_tensor(input_ids, device=self.device),
-                          positions=torch.as_tensor(positions, device=self.device),
+                          positions=torch.as_tensor(model_positions, device=self.device),
                           layer_metadata=[group_metadata[g] for g in self.group_of_layer],
                           logits_indices=torch.as_tensor(logits_indices, device=self.device),
                           sample_rows=rows[sampling], prompt_lp=prompt_lp, mm_embeds=mm_embeds, drafts=drafts)
@@ -389,6 +401,8 @@ class ModelRunner:
             embeds[inp.mm_embeds[0]] = inp.mm_embeds[1].to(embeds.dtype)
             hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.layer_metadata,
                                 inputs_embeds=embeds)
+        elif inp.positions.dim() > 1:  # M-RoPE prompt positions (a prompt's last tokens may look like a decode)
+            hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.layer_metadata)
         else:
             hidden = self.model_forward(inp.input_ids, inp.positions, self.kv_caches, inp.layer_metadata)
         b = self.batch

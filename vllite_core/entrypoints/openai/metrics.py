@@ -131,6 +131,13 @@ class _EngineCollector(Collector):
         yield from self._both(c, "engine_loop_steps", "Engine loop steps.", ls.steps, vllm=False)
         if s.spec_decoding is not None:
             yield from self._spec_decoding(s.spec_decoding)
+        if s.mm_cache is not None:  # the encoder cache, counted in images (vLLM's multi-modal cache counters)
+            yield from self._both(c, "mm_cache_queries", "Multi-modal (encoder) cache queries, in images.",
+                                  s.mm_cache.queries)
+            yield from self._both(c, "mm_cache_hits", "Multi-modal (encoder) cache hits, in images.",
+                                  s.mm_cache.hits)
+            yield from self._both(c, "mm_cache_evictions", "Encoder outputs evicted to make room.",
+                                  s.mm_cache.evictions, vllm=False)
         yield self._cache_info()
         loop = CounterMetricFamily("vllite:engine_loop_seconds", "Engine loop wall time by phase "
                                    "(step: LLMEngine.step; other: inbox and hand-off; idle: asleep; "

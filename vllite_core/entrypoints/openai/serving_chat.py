@@ -190,7 +190,7 @@ class ChatServer:
         if not engine.config.model_config.capabilities.is_multimodal_decoder:
             raise bad_request(f"{engine.core.model_info.architecture} is a text-only model: it does not take "
                               "images", "messages.content.image_url")
-        marker = mm_chat.ImageMarker.new(engine.model_cls.image_token_id(engine.core.model_info.hf_config))
+        marker = mm_chat.ImageMarker.for_engine(engine)
         images = await asyncio.to_thread(mm_chat.load_images, [p.image_url.url for p in parts],
                                          engine.config.multimodal_config)
         messages = []
@@ -216,7 +216,7 @@ class ChatServer:
         prompt: Any = {"prompt_token_ids": ids, "prompt": text}
         if images:
             prompt["multi_modal_data"] = {"image": images}
-            prompt["prompt"] = text.replace(marker.text, self.tokenizer.convert_ids_to_tokens(marker.token_id))
+            prompt["prompt"] = marker.show(text, self.tokenizer)
             # The model's processor expands the placeholders (off the event loop): usage counts the expanded prompt.
             prompt = await st.engine.run_prep(st.engine.engine.process_prompt, prompt, st.engine._prep_ctx)
             ids = prompt.prompt_token_ids
