@@ -150,3 +150,122 @@ def test_bad_draft_config(pair, tiny_draft):
             speculative_config={"model": "/nonexistent/draft", "num_speculative_tokens": K})
     with pytest.raises(ConfigError, match="speculative_config.model"):
         LLM(model=pair[0], speculative_config={"method": "draft_model", "num_speculative_tokens": K})
+
+
+# ---- eagle: a random EAGLE-1 head (EAGLE's checkpoint names) ---------------------------------------------
+
+def _eagle_head(path, target_cfg, seed):
+    """A random EAGLE-1 Llama head saved in EAGLE's format (no layer-0 input norm, no embedding of its own)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(**{**target_cfg, "num_hidden_layers": 1})
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    hd = h // cfg.num_attention_heads
+    shapes = {"fc.weight": (h, 2 * h), "fc.bias": (h,),
+              "layers.0.self_attn.q_proj.weight": (cfg.num_attention_heads * hd, h),
+              "layers.0.self_attn.k_proj.weight": (cfg.num_key_value_heads * hd, h),
+              "layers.0.self_attn.v_proj.weight": (cfg.num_key_value_heads * hd, h),
+              "layers.0.self_attn.o_proj.weight": (h, cfg.num_attention_heads * hd),
+              "layers.0.mlp.gate_proj.weight": (inter, h), "layers.0.mlp.up_proj.weight": (inter, h),
+              "layers.0.mlp.down_proj.weight": (h, inter), "layers.0.post_attention_layernorm.weight": (h,)}
+    g = torch.Generator().manual_seed(seed)
+    tensors = {n: (torch.rand(s, generator=g) + 0.5 if n.endswith("norm.weight") else
+                   torch.randn(s, generator=g) * 0.15).contiguous() for n, s in shapes.items()}
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    cfg.save_pretrained(path)
+    return str(path), tensors
+
+
+@pytest.fixture(scope="module")
+def eagle(tmp_path_factory):
+    return _eagle_head(tmp_path_factory.mktemp("eagle") / "head", TINY, 11)[0]
+
+
+def test_eagle_greedy_identical_chunked_prefix_cached_under_pressure(pair, reference, eagle):
+    common = dict(model=pair[0], dtype="float32", num_threads=2, enforce_eager=True, max_num_batched_tokens=64,
+                  enable_prefix_caching=True, max_model_len=128,
+                  speculative_config={"method": "eagle", "model": eagle, "num_speculative_tokens": K})
+    roomy = LLM(**common, num_kv_blocks=256)
+    assert _greedy(roomy) == reference
+    tight = LLM(**common, num_kv_blocks=22)
+    assert _greedy(tight) == reference
+    stats = tight.llm_engine.get_stats()
+    assert stats.num_preemptions_total > 0
+    assert stats.spec_decoding.num_draft_tokens > 100
+    tight.llm_engine.core.kv_cache_manager.check_integrity([])
+
+
+def _eagle_replay(target_path, tensors, outs, prompts, target_cfg):
+    """The EAGLE-1 head's greedy drafts recomputed from scratch with transformers' Llama layer (no KV cache):
+    row i reads (embedding of token i + 1, the HF target's last hidden state at i); accepted while equal."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    tm = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
+    cfg = LlamaConfig(**{**target_cfg, "num_hidden_layers": 1})
+    cfg._attn_implementation = "eager"
+    layer = LlamaDecoderLayer(cfg, 0).eval()
+    layer.load_state_dict({n[len("layers.0."):]: t for n, t in tensors.items() if n.startswith("layers.0.")},
+                          strict=False)
+    layer.input_layernorm = torch.nn.Identity()
+    rope = LlamaRotaryEmbedding(cfg)
+    fc = torch.nn.Linear(2 * cfg.hidden_size, cfg.hidden_size)
+    fc.load_state_dict({"weight": tensors["fc.weight"], "bias": tensors["fc.bias"]})
+
+    def head(tokens, feats):
+        x = fc(torch.cat([tm.model.embed_tokens(torch.tensor(tokens)), feats], dim=-1))[None]
+        n = x.shape[1]
+        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        pos = torch.arange(n)[None]
+        out = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=rope(x, pos))
+        return (out[0] if isinstance(out, tuple) else out)[0]
+
+    drafts = draft_tokens = accepted = 0
+    per_pos = [0] * K
+    with torch.no_grad():
+        for prompt, out in zip(prompts, outs):
+            n = 1
+            while n < len(out):
+                room = MAX_TOKENS - n - 1
+                if room <= 0:
+                    n += 1
+                    continue
+                seq = prompt + out[:n]
+                hid = tm.model(torch.tensor([seq])).last_hidden_state[0]
+                tokens, feats, guess = seq[1:], hid[:-1], []
+                for _ in range(min(K, room)):
+                    g = head(tokens, feats)[-1]
+                    guess.append(int(tm.lm_head(g).argmax()))
+                    tokens, feats = tokens + guess[-1:], torch.cat([feats, g[None]])
+                a = 0
+                while a < len(guess) and guess[a] == out[n + a]:
+                    a += 1
+                drafts, draft_tokens, accepted = drafts + 1, draft_tokens + len(guess), accepted + a
+                for p in range(a):
+                    per_pos[p] += 1
+                n += a + 1
+    return drafts, draft_tokens, accepted, per_pos
+
+
+def test_eagle_counters_equal_replay(tiny_vocab, tmp_path):  # noqa: F811
+    import json
+
+    target_cfg = {k: v for k, v in json.load(open(f"{tiny_vocab}/config.json")).items()
+                  if k in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+                           "num_key_value_heads", "max_position_embeddings", "rms_norm_eps")}
+    head, tensors = _eagle_head(tmp_path / "head", target_cfg, 12)
+    prompts = [[3, 4, 5, 3, 4, 5, 3, 4], [6, 2, 6, 2, 6], [7, 3, 2, 5, 4, 6, 2, 3, 7, 5, 4]]
+    base = _greedy(LLM(model=tiny_vocab, dtype="float32", num_kv_blocks=64, num_threads=2, enforce_eager=True),
+                   prompts)
+    spec = LLM(model=tiny_vocab, dtype="float32", num_kv_blocks=64, num_threads=2, enforce_eager=True,
+               max_num_seqs=1, speculative_config={"method": "eagle", "model": head, "num_speculative_tokens": K})
+    outs = _greedy(spec, prompts)
+    assert outs == base
+    sd = spec.llm_engine.get_stats().spec_decoding
+    want = _eagle_replay(tiny_vocab, tensors, outs, prompts, target_cfg)
+    assert (sd.num_drafts, sd.num_draft_tokens, sd.num_accepted_tokens, sd.num_accepted_tokens_per_pos) == want
+    assert sd.num_accepted_tokens > 0

@@ -9,6 +9,7 @@ VLLITE_PLUGIN_API = (1, 2)
 @hookimpl
 def vllite_register_spec_proposers() -> dict[str, object]:
     from vllite_core.spec_decode.draft_model import DraftModelProposer
+    from vllite_core.spec_decode.eagle import EagleProposer
     from vllite_core.spec_decode.ngram import NgramProposer
 
-    return {"ngram": NgramProposer, "draft_model": DraftModelProposer}
+    return {"ngram": NgramProposer, "draft_model": DraftModelProposer, "eagle": EagleProposer}
