@@ -269,3 +269,16 @@ def test_eagle_counters_equal_replay(tiny_vocab, tmp_path):  # noqa: F811
     want = _eagle_replay(tiny_vocab, tensors, outs, prompts, target_cfg)
     assert (sd.num_drafts, sd.num_draft_tokens, sd.num_accepted_tokens, sd.num_accepted_tokens_per_pos) == want
     assert sd.num_accepted_tokens > 0
+
+
+def test_seeded_sampling_reproducible_with_draft(tiny_vocab, tiny_draft):  # noqa: F811
+    runs = []
+    for _ in range(2):
+        llm = LLM(model=tiny_vocab, dtype="float32", num_kv_blocks=128, num_threads=2, enforce_eager=True,
+                  speculative_config={"model": tiny_draft, "num_speculative_tokens": K})
+        sp = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True, n=4,
+                            detokenize=False)
+        outs = llm.generate([{"prompt_token_ids": [3, 4, 5, 3, 4, 5, 3, 4]}] * 3, sp)
+        runs.append([[c.token_ids for c in o.outputs] for o in outs])
+        assert llm.llm_engine.get_stats().spec_decoding.num_accepted_tokens > 0
+    assert runs[0] == runs[1]

@@ -120,6 +120,7 @@ def test_rejection_sampler_greedy_and_bonus():
     ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 0}, "prompt_lookup_min"),
     ({"method": "ngram", "num_speculative_tokens": 3, "lookahead": 2}, "lookahead"),
     ({"method": "draft_model", "num_speculative_tokens": 3}, "model"),
+    ({"method": "eagle", "num_speculative_tokens": 3}, "model"),
     ("{not json", "JSON"),
     (["ngram"], "must be a dict"),
 ])
@@ -133,6 +134,10 @@ def test_config_defaults_and_json():
                      ).create_config().speculative_config
     assert (cfg.method, cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max) == ("ngram", 3, 4, 4)
     assert EngineArgs().create_config().speculative_config is None
+    # Only a model given: the method is inferred from its name, as vLLM does.
+    for model, method in (("/m/draft-1b", "draft_model"), ("/m/EAGLE-LLaMA3-8B", "eagle")):
+        cfg = EngineArgs(speculative_config={"model": model, "num_speculative_tokens": 2}).create_config()
+        assert cfg.speculative_config.method == method
 
 
 def test_cli_flag_parses_json():
@@ -152,7 +157,7 @@ def test_cli_flag_parses_json():
 def test_unknown_method_fails_at_engine_start(tiny_path):
     from vllite_core.entrypoints.llm import LLM
 
-    with pytest.raises(ConfigError, match="unknown method 'eagle9'.*known: ngram"):
+    with pytest.raises(ConfigError, match="unknown method 'eagle9'.*known: draft_model, eagle, ngram"):
         LLM(model=tiny_path, speculative_config={"method": "eagle9", "num_speculative_tokens": 2})
 
 
@@ -162,4 +167,9 @@ def test_builtin_proposer_registered_through_the_hook():
     from vllite_core.spec_decode.registry import spec_proposer_factories
 
     assert VLLITE_PLUGIN_API >= (1, 2)
-    assert spec_proposer_factories(get_plugin_manager())["ngram"] is NgramProposer
+    from vllite_core.spec_decode.draft_model import DraftModelProposer
+    from vllite_core.spec_decode.eagle import EagleProposer
+
+    found = spec_proposer_factories(get_plugin_manager())
+    assert (found["ngram"], found["draft_model"], found["eagle"]) == (NgramProposer, DraftModelProposer,
+                                                                      EagleProposer)
