@@ -124,12 +124,12 @@ def test_counters_equal_replay_of_draft(tiny_vocab, tiny_draft):  # noqa: F811
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kw", [{}, {"logit_bias": {5: 1.5, 2: -2.0}, "top_p": 0.8}])
-def test_sampling_distribution_unchanged_with_draft_q(tiny_vocab, tiny_draft, kw):  # noqa: F811
+def test_sampling_distribution_unchanged_with_draft_q(tiny_vocab, tiny_draft):  # noqa: F811
     """The ngram test's chi-square harness with a draft model's real q (family-wise level 1e-3 over the
     positions): a verifier using a one-hot q, or a q that is not what the draft sampled from, shifts the law."""
     from scipy.stats import chi2_contingency
 
+    kw = {"logit_bias": {5: 1.5, 2: -2.0}, "top_p": 0.8}
     base, _ = _draws(tiny_vocab, None, **kw)
     spec, sd = _draws(tiny_vocab, {"model": tiny_draft, "num_speculative_tokens": K}, **kw)
     assert sd.num_draft_tokens > N_DRAWS and sd.num_accepted_tokens > N_DRAWS // 2

@@ -87,8 +87,11 @@ def test_rejection_sampler_is_lossless(kw, drafter):
     torch.manual_seed(1)
     q = torch.softmax(torch.tensor([0.0, 1.0, 0.5, 2.0, -1.0, 0.3, 1.1, 0.0]), -1)  # a proposer unlike p
     drafts = torch.multinomial(q, n, replacement=True)
-    probs = q.repeat(n, 1) if drafter == "probs" else None
-    out = rejection_sample(Sampler(), LOGITS.repeat(n, 1), metadata(n, **kw), drafts, probs)
+    # n requests of one draft each: the draft's row, then the bonus row (-1); the draft rows are checked.
+    rows = torch.stack([drafts, torch.full_like(drafts, -1)], dim=1).flatten()
+    probs = q.repeat(2 * n, 1) if drafter == "probs" else None
+    both = rejection_sample(Sampler(), LOGITS.repeat(2 * n, 1), metadata(2 * n, **kw), rows, probs)
+    out = type(both)(both.token_ids[0::2], both.accepted[0::2], None)
     freq = torch.bincount(out.token_ids, minlength=V).float() / n
     want = target(**kw)
     assert float((freq - want).abs().sum()) / 2 < 0.015  # total variation (sampling noise is about 0.005)
