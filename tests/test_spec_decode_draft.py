@@ -37,14 +37,20 @@ def pair(tmp_path_factory):
     return target, draft
 
 
-def _greedy(llm, prompts=PROMPTS, max_tokens=MAX_TOKENS):
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
-    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+def _greedy(llm, prompts=PROMPTS, max_tokens=MAX_TOKENS, logprobs=None):
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False, logprobs=logprobs)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    if logprobs is None:
+        return tokens
+    return tokens, [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
 
 
 @pytest.fixture(scope="module")
 def reference(pair):
-    return _greedy(LLM(model=pair[0], dtype="float32", num_kv_blocks=256, num_threads=2, enforce_eager=True))
+    llm = LLM(model=pair[0], dtype="float32", num_kv_blocks=256, num_threads=2, enforce_eager=True)
+    tokens, logprobs = _greedy(llm, logprobs=1)
+    return tokens, logprobs
 
 
 @pytest.mark.parametrize("which", ["itself", "small"])
@@ -55,11 +61,13 @@ def test_greedy_identical_chunked_prefix_cached_under_pressure(pair, reference, 
                   enable_prefix_caching=True, max_model_len=128)
     roomy = LLM(**common, num_kv_blocks=256, speculative_config={"model": draft, "num_speculative_tokens": K})
     assert type(roomy.llm_engine.core.worker.runner.proposer).__name__ == "DraftModelProposer"  # inferred
-    assert _greedy(roomy) == reference
+    tokens, logprobs = _greedy(roomy, logprobs=1)
+    assert tokens == reference[0]  # and the accepted tokens' logprobs are the plain engine's
+    assert np.allclose(np.concatenate(logprobs), np.concatenate(reference[1]), atol=1e-4)
     assert roomy.llm_engine.get_stats().prefix_cache_hits > 0
     tight = LLM(**common, num_kv_blocks=22,
                 speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": K})
-    assert _greedy(tight) == reference
+    assert _greedy(tight) == reference[0]
     stats = tight.llm_engine.get_stats()
     assert stats.num_preemptions_total > 0
     tight.llm_engine.core.kv_cache_manager.check_integrity([])
@@ -189,9 +197,9 @@ def test_eagle_greedy_identical_chunked_prefix_cached_under_pressure(pair, refer
                   enable_prefix_caching=True, max_model_len=128,
                   speculative_config={"method": "eagle", "model": eagle, "num_speculative_tokens": K})
     roomy = LLM(**common, num_kv_blocks=256)
-    assert _greedy(roomy) == reference
+    assert _greedy(roomy) == reference[0]
     tight = LLM(**common, num_kv_blocks=22)
-    assert _greedy(tight) == reference
+    assert _greedy(tight) == reference[0]
     stats = tight.llm_engine.get_stats()
     assert stats.num_preemptions_total > 0
     assert stats.spec_decoding.num_draft_tokens > 100
