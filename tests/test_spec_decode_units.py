@@ -176,3 +176,20 @@ def test_builtin_proposer_registered_through_the_hook():
     found = spec_proposer_factories(get_plugin_manager())
     assert (found["ngram"], found["draft_model"], found["eagle"]) == (NgramProposer, DraftModelProposer,
                                                                       EagleProposer)
+
+
+def test_first_unaccepted_row_per_request():
+    """The rows whose sample is kept: per request (ending at its bonus row), the first not accepted."""
+    from vllite_core.sample.rejection_sampler import _first_unaccepted
+
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        sizes = torch.randint(0, 4, (6,), generator=gen).tolist()  # drafts per request
+        draft_ids = torch.tensor([t for k in sizes for t in [*range(k), -1]])
+        accepted = (torch.rand(len(draft_ids), generator=gen) < 0.6) & (draft_ids >= 0)
+        want, pos = [], 0
+        for k in sizes:
+            first = next(j for j in range(k + 1) if not bool(accepted[pos + j]))
+            want += [j == first for j in range(k + 1)]
+            pos += k + 1
+        assert _first_unaccepted(accepted, draft_ids).tolist() == want
