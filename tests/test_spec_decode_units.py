@@ -87,8 +87,11 @@ def test_rejection_sampler_is_lossless(kw, drafter):
     torch.manual_seed(1)
     q = torch.softmax(torch.tensor([0.0, 1.0, 0.5, 2.0, -1.0, 0.3, 1.1, 0.0]), -1)  # a proposer unlike p
     drafts = torch.multinomial(q, n, replacement=True)
-    probs = q.repeat(n, 1) if drafter == "probs" else None
-    out = rejection_sample(Sampler(), LOGITS.repeat(n, 1), metadata(n, **kw), drafts, probs)
+    # n requests of one draft each: the draft's row, then the bonus row (-1); the draft rows are checked.
+    rows = torch.stack([drafts, torch.full_like(drafts, -1)], dim=1).flatten()
+    probs = q.repeat(2 * n, 1) if drafter == "probs" else None
+    both = rejection_sample(Sampler(), LOGITS.repeat(2 * n, 1), metadata(2 * n, **kw), rows, probs)
+    out = type(both)(both.token_ids[0::2], both.accepted[0::2], None)
     freq = torch.bincount(out.token_ids, minlength=V).float() / n
     want = target(**kw)
     assert float((freq - want).abs().sum()) / 2 < 0.015  # total variation (sampling noise is about 0.005)
@@ -120,6 +123,7 @@ def test_rejection_sampler_greedy_and_bonus():
     ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 0}, "prompt_lookup_min"),
     ({"method": "ngram", "num_speculative_tokens": 3, "lookahead": 2}, "lookahead"),
     ({"method": "draft_model", "num_speculative_tokens": 3}, "model"),
+    ({"method": "eagle", "num_speculative_tokens": 3}, "model"),
     ("{not json", "JSON"),
     (["ngram"], "must be a dict"),
 ])
@@ -133,6 +137,10 @@ def test_config_defaults_and_json():
                      ).create_config().speculative_config
     assert (cfg.method, cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max) == ("ngram", 3, 4, 4)
     assert EngineArgs().create_config().speculative_config is None
+    # Only a model given: the method is inferred from its name, as vLLM does.
+    for model, method in (("/m/draft-1b", "draft_model"), ("/m/EAGLE-LLaMA3-8B", "eagle")):
+        cfg = EngineArgs(speculative_config={"model": model, "num_speculative_tokens": 2}).create_config()
+        assert cfg.speculative_config.method == method
 
 
 def test_cli_flag_parses_json():
@@ -152,7 +160,7 @@ def test_cli_flag_parses_json():
 def test_unknown_method_fails_at_engine_start(tiny_path):
     from vllite_core.entrypoints.llm import LLM
 
-    with pytest.raises(ConfigError, match="unknown method 'eagle9'.*known: ngram"):
+    with pytest.raises(ConfigError, match="unknown method 'eagle9'.*known: draft_model, eagle, ngram"):
         LLM(model=tiny_path, speculative_config={"method": "eagle9", "num_speculative_tokens": 2})
 
 
@@ -162,4 +170,26 @@ def test_builtin_proposer_registered_through_the_hook():
     from vllite_core.spec_decode.registry import spec_proposer_factories
 
     assert VLLITE_PLUGIN_API >= (1, 2)
-    assert spec_proposer_factories(get_plugin_manager())["ngram"] is NgramProposer
+    from vllite_core.spec_decode.draft_model import DraftModelProposer
+    from vllite_core.spec_decode.eagle import EagleProposer
+
+    found = spec_proposer_factories(get_plugin_manager())
+    assert (found["ngram"], found["draft_model"], found["eagle"]) == (NgramProposer, DraftModelProposer,
+                                                                      EagleProposer)
+
+
+def test_first_unaccepted_row_per_request():
+    """The rows whose sample is kept: per request (ending at its bonus row), the first not accepted."""
+    from vllite_core.sample.rejection_sampler import _first_unaccepted
+
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        sizes = torch.randint(0, 4, (6,), generator=gen).tolist()  # drafts per request
+        draft_ids = torch.tensor([t for k in sizes for t in [*range(k), -1]])
+        accepted = (torch.rand(len(draft_ids), generator=gen) < 0.6) & (draft_ids >= 0)
+        want, pos = [], 0
+        for k in sizes:
+            first = next(j for j in range(k + 1) if not bool(accepted[pos + j]))
+            want += [j == first for j in range(k + 1)]
+            pos += k + 1
+        assert _first_unaccepted(accepted, draft_ids).tolist() == want

@@ -26,7 +26,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 0
     prompt_lookup_min: int | None = None  # ngram: shortest suffix that may match
     prompt_lookup_max: int | None = None  # ngram: longest suffix, tried first
-    model: str | None = None  # draft_model: the draft's folder
+    model: str | None = None  # draft_model / eagle: the draft model's (or EAGLE head's) folder
 
     @classmethod
     def from_value(cls, value: Any) -> "SpeculativeConfig | None":
@@ -44,6 +44,8 @@ class SpeculativeConfig:
         unknown = [k for k in value if k not in known]
         if unknown:
             raise _error(f"speculative_config: unknown key {unknown[0]!r} (known: {', '.join(known)})")
+        if "method" not in value and value.get("model"):
+            value = {**value, "method": infer_method(str(value["model"]))}
         cfg = cls(**value)
         cfg._check()
         return cfg
@@ -70,5 +72,18 @@ class SpeculativeConfig:
             if lo > hi:  # type: ignore[operator]
                 raise _error(f"speculative_config: prompt_lookup_min ({lo}) is larger than prompt_lookup_max ({hi})")
             self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
-        elif self.method == "draft_model" and not self.model:
-            raise _error("speculative_config.model: method 'draft_model' needs the draft model's path")
+        elif self.method in MODEL_METHODS and not self.model:
+            raise _error(f"speculative_config.model: method {self.method!r} needs the draft model's path")
+
+
+# Methods whose proposer is a model loaded from speculative_config.model.
+MODEL_METHODS = ("draft_model", "eagle")
+
+
+def infer_method(model: str) -> str:
+    """The method of a config that names only ``model`` (as vLLM does): an EAGLE head by its name, else a
+    draft model."""
+    name = model.lower()
+    if "eagle3" in name:
+        return "eagle3"  # not built: reported as an unknown method
+    return "eagle" if "eagle" in name else "draft_model"

@@ -46,7 +46,10 @@ class KVCacheManager:
         enable_caching: bool = True,
         max_model_len: int | None = None,
         groups: list[KVCacheGroup] | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> None:
+        """``num_lookahead_tokens``: slots held past every step's tokens (a draft model or EAGLE head writes
+        its own drafts' KV there while proposing; speculative decoding only)."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if groups is None:  # one full-attention group (the geometry does not matter to the bookkeeping)
@@ -60,6 +63,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.max_model_len = max_model_len
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.groups = groups
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.managers = [make_group_manager(i, g.spec, self.block_pool, enable_caching) for i, g in enumerate(groups)]
@@ -151,9 +155,12 @@ class KVCacheManager:
         num_slots = num_computed + num_new_tokens
         if self.max_model_len is not None and num_slots > self.max_model_len:
             num_slots = self.max_model_len
+        num_held = num_slots + self.num_lookahead_tokens  # only this step's tokens are hashed, never lookahead
+        if self.max_model_len is not None and num_held > self.max_model_len:
+            num_held = self.max_model_len
         for m in self.managers:
             m.release_unneeded(request, num_computed)
-        need = [m.num_new_blocks(request, num_slots, len(hits[m.group_id])) for m in self.managers]
+        need = [m.num_new_blocks(request, num_held, len(hits[m.group_id])) for m in self.managers]
         total = sum(need)
         if total or any(hits):
             # Touching a free cached block removes it from the free queue, so it

@@ -119,14 +119,20 @@ class EngineCore:
         self.platform = platform
         platform.check_and_update_config(config)
         pm.hook.vllite_check_config(config=config)
+        proposer_factory = None
         if config.speculative_config is not None:  # an unknown method fails before any model is loaded
             from vllite_core.spec_decode.registry import resolve_proposer_factory
 
-            resolve_proposer_factory(config.speculative_config, pm)
+            proposer_factory = resolve_proposer_factory(config.speculative_config, pm)
 
         mc = config.model_config
         source = resolve_model_source(mc.model, mc.revision, mc.download_dir, mc.gguf_file)
         hf_config = load_hf_config(source)
+        if config.speculative_config is not None and hasattr(proposer_factory, "check_config"):
+            proposer_factory.check_config(config.speculative_config, hf_config)  # a draft model: path, vocabulary
+            if config.parallel_config.tensor_parallel_size > 1:
+                raise ConfigError(f"speculative_config.method: {config.speculative_config.method!r} runs its model "
+                                  "on one rank; tensor_parallel_size > 1 is not supported with it (ngram is)")
         arch, model_cls = build_registry(pm).resolve_for_config(hf_config)
         model_cls = pooling_setup.resolve_model_class(arch, model_cls, mc.runner, mc.convert)
         mc.capabilities = model_capabilities(model_cls)
@@ -163,8 +169,11 @@ class EngineCore:
         self.vocab_size = facts.vocab_size
         cc = config.cache_config
         groups = facts.kv_cache_groups
+        sc = config.speculative_config
+        lookahead = sc.num_speculative_tokens if sc is not None and getattr(proposer_factory, "needs_lookahead",
+                                                                             False) else 0
         self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, max_model_len,
-                                               groups=groups)
+                                               groups=groups, num_lookahead_tokens=lookahead)
         cc.enable_prefix_caching = self.kv_cache_manager.enable_caching
         limit_max_num_seqs(config, groups, num_blocks)
         self.scheduler = Scheduler(config.scheduler_config, cc, self.kv_cache_manager, max_model_len,

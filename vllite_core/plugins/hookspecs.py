@@ -99,4 +99,7 @@ def vllite_register_spec_proposers() -> "dict[str, Any]":
     target model verifies them by rejection sampling (lossless whatever the proposer does).
     ``speculative_config={"method": "mymethod", ...}`` selects it. The built-in ngram
     proposer registers here too; a later plugin's name replaces an earlier one's.
+    A proposer with a model of its own follows ``vllite_core.spec_decode.model_proposer.ModelProposer``
+    instead (``draft_model``, ``eagle``): the runner loads it, gives its KV pages the target's block ids,
+    and calls ``propose_step`` after each step.
     """

@@ -12,7 +12,8 @@ from. Then, per row with a draft d:
 
 A bonus row emits a sample of p (the argmax for greedy rows). The caller keeps each request's accepted
 prefix and the token after it. Seeded rows draw from their own generator in row order, so a seeded
-request is reproducible.
+request is reproducible. Only the first unaccepted row of each request draws its sample: the caller keeps
+nothing after it, so a round where nothing is accepted costs one sample per request, not k + 1.
 """
 from __future__ import annotations
 
@@ -27,19 +28,42 @@ from vllite_core.sampling_params import GREEDY_EPS
 
 @dataclass
 class VerifyOutput:
-    token_ids: torch.Tensor  # int64 [R]: the draft where accepted, else the token emitted at that position
+    # int64 [R]: the draft where accepted, else the token emitted there; only the first unaccepted row of a
+    # request is sampled (the caller keeps nothing after it), later unaccepted rows hold the argmax
+    token_ids: torch.Tensor
     accepted: torch.Tensor  # bool [R]: the row's draft was accepted (always False on bonus rows)
     logprobs: LogprobsTensors | None  # of token_ids, in the sampler's logprobs mode
 
 
-def _draws(n: int, md: SamplingMetadata, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One uniform per row and one Exp(1) per row and token; seeded rows from their own generator."""
-    u = torch.rand(n, device=like.device)
-    e = torch.empty_like(like).exponential_()
+def _uniforms(n: int, md: SamplingMetadata, device: torch.device) -> torch.Tensor:
+    """One uniform per row; seeded rows from their own generator."""
+    u = torch.rand(n, device=device)
     for row, gen in md.generators.items():
-        u[row] = torch.rand(1, generator=gen, device=like.device)[0]
-        e[row].exponential_(generator=gen)
-    return u, e
+        u[row] = torch.rand(1, generator=gen, device=device)[0]
+    return u
+
+
+def _exponentials(rows: torch.Tensor, vocab: int, md: SamplingMetadata, like: torch.Tensor) -> torch.Tensor:
+    """Exp(1) draws [len(rows), vocab] for the given rows; seeded rows from their own generator."""
+    e = torch.empty(len(rows), vocab, dtype=like.dtype, device=like.device)
+    seeded = [(i, md.generators[r]) for i, r in enumerate(rows.tolist()) if r in md.generators]
+    if len(seeded) < len(rows):
+        e.exponential_()
+    for i, gen in seeded:
+        e[i].exponential_(generator=gen)
+    return e
+
+
+def _first_unaccepted(accepted: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
+    """Rows whose emitted token is kept: per request (rows up to and including its bonus row), the first
+    row not accepted. Only these need a sample of the residual (or of p, on a bonus row)."""
+    starts = torch.ones_like(accepted)
+    starts[1:] = draft_ids[:-1] < 0
+    rej = (~accepted).long()
+    before = rej.cumsum(0) - rej  # rejections before each row, over the whole batch
+    seg = starts.long().cumsum(0) - 1
+    at_start = before[starts.nonzero().squeeze(1)]
+    return ~accepted & (before == at_start[seg])
 
 
 def rejection_sample(sampler: Sampler, logits: torch.Tensor, md: SamplingMetadata, draft_ids: torch.Tensor,
@@ -63,19 +87,25 @@ def rejection_sample(sampler: Sampler, logits: torch.Tensor, md: SamplingMetadat
         p_d = probs.gather(1, d.unsqueeze(1)).squeeze(1)
         if draft_probs is None:
             q_d = torch.ones_like(p_d)
-            residual = probs.clone()
-            rows = has_draft.nonzero().squeeze(1)
-            residual[rows, d[rows]] = 0.0
         else:
             q = torch.where(has_draft.unsqueeze(1), draft_probs.float(), 0.0)
             q_d = q.gather(1, d.unsqueeze(1)).squeeze(1)
-            residual = (probs - q).clamp(min=0.0)
-        u, e = _draws(len(d), md, probs)
+        u = _uniforms(len(d), md, probs.device)
         random_accept = has_draft & (u * q_d < p_d)
-        recovered = residual.div_(e).argmax(dim=-1)  # the exponential race: a sample of residual / sum
         greedy = md.temperature < GREEDY_EPS
         accepted = torch.where(greedy, greedy_accept, random_accept)
-        emitted = torch.where(greedy, argmax, recovered)
+        emitted = argmax.clone()
+        # Only the first unaccepted row of each random request is kept: only those sample, by the
+        # exponential race (argmax of residual / Exp(1) is a sample of residual / sum).
+        rows = (_first_unaccepted(accepted, draft_ids) & ~greedy).nonzero().squeeze(1)
+        if len(rows):
+            if draft_probs is None:
+                residual = probs[rows]
+                drafted = has_draft[rows].nonzero().squeeze(1)
+                residual[drafted, d[rows][drafted]] = 0.0
+            else:
+                residual = (probs[rows] - q[rows]).clamp(min=0.0)
+            emitted[rows] = residual.div_(_exponentials(rows, probs.shape[-1], md, probs)).argmax(dim=-1)
     token_ids = torch.where(accepted, d, emitted)
     lp = None
     if want:

@@ -8,6 +8,8 @@ VLLITE_PLUGIN_API = (1, 2)
 
 @hookimpl
 def vllite_register_spec_proposers() -> dict[str, object]:
+    from vllite_core.spec_decode.draft_model import DraftModelProposer
+    from vllite_core.spec_decode.eagle import EagleProposer
     from vllite_core.spec_decode.ngram import NgramProposer
 
-    return {"ngram": NgramProposer}
+    return {"ngram": NgramProposer, "draft_model": DraftModelProposer, "eagle": EagleProposer}

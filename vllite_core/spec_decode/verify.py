@@ -47,6 +47,26 @@ def propose(proposer: Proposer, b: InputBatch, rows: np.ndarray) -> dict[str, li
     return {b.states[r].req_id: d for r, d in zip(rows.tolist(), drafts) if d}  # type: ignore[union-attr]
 
 
+def draft_probs(runner: Any, req_ids: list[str], drafts: list[list[int]], draft_ids: torch.Tensor, vocab: int
+                ) -> torch.Tensor | None:
+    """q of every virtual row (request i: its drafts' rows, then its bonus row) from the proposer's kept
+    probabilities; None when it keeps none (q one-hot at each draft, as for ngram). A request without kept q
+    (greedy) is one-hot too; bonus rows are zero."""
+    kept = getattr(runner.proposer, "draft_probs", None)
+    if not kept:
+        return None
+    q = torch.zeros(len(draft_ids), vocab, dtype=torch.float32, device=draft_ids.device)
+    has = (draft_ids >= 0).nonzero().squeeze(1)
+    q[has, draft_ids[has]] = 1.0
+    pos = 0
+    for rid, d in zip(req_ids, drafts):
+        qr = kept.get(rid)
+        if d and qr is not None and len(qr) >= len(d):
+            q[pos:pos + len(d)] = qr[:len(d)]
+        pos += len(d) + 1
+    return q
+
+
 def verify(runner: Any, hidden: torch.Tensor, inp: Any, drafts: list[list[int]], out: Any,
            grammar: Any = None) -> list[VerifiedRow]:
     """Sample every row of ``inp.sample_rows`` (``drafts[i]``: the drafts of sample row i, maybe none)."""
@@ -69,8 +89,10 @@ def verify(runner: Any, hidden: torch.Tensor, inp: Any, drafts: list[list[int]],
         logits = runner.model.compute_logits(hidden[idx])  # afresh each try: a processor may write into them
         md = build_sampling_metadata(b, vrows, logits.shape[-1], runner.device, runner.logits_processors, grammar,
                                      extra_outputs=extra)
+        q = None if md.all_greedy else draft_probs(runner, [b.states[rows[i]].req_id for i in live.tolist()],
+                                                   [drafts[i] for i in live.tolist()], draft_ids, logits.shape[-1])
         try:
-            v = rejection_sample(runner.sampler, logits, md, draft_ids)
+            v = rejection_sample(runner.sampler, logits, md, draft_ids, q)
             break
         except RowFaults as f:
             for vr, msg in f.rows.items():

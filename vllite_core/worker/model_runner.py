@@ -77,6 +77,11 @@ class StepInputs:
     mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
     # Speculative decoding: the drafts each sample row verifies in this step (None: no row has any).
     drafts: list[list[int]] | None = None
+    # The scheduled batch rows in input order, their computed tokens before the step and first input index
+    # (a model-based proposer runs the same tokens, vllite_core/spec_decode/model_proposer.py).
+    rows: np.ndarray | None = None
+    computed: np.ndarray | None = None
+    query_start: np.ndarray | None = None
 
 
 class ModelRunner:
@@ -150,8 +155,9 @@ class ModelRunner:
 
     def kv_cache_bytes_per_block(self) -> int:
         """Memory one block id costs in every cache tensor (in the backend's layout)."""
-        return sum(int(np.prod(self._tensor_shape(spec, 1))) * spec.dtype.itemsize
-                   for spec in self.tensor_plan.tensor_specs)
+        own = sum(int(np.prod(self._tensor_shape(spec, 1))) * spec.dtype.itemsize
+                  for spec in self.tensor_plan.tensor_specs)
+        return own + (self.proposer.kv_bytes_per_block() if hasattr(self.proposer, "kv_bytes_per_block") else 0)
 
     def _allocate_caches(self, num_blocks: int) -> list[torch.Tensor]:
         tensors = [self.attn_backend.allocate_kv_cache(self._tensor_shape(spec, num_blocks), spec.dtype, self.device)
@@ -160,6 +166,8 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = self._allocate_caches(num_blocks)
+        if hasattr(self.proposer, "initialize_kv_cache"):  # a draft model's pages of the same block ids
+            self.proposer.initialize_kv_cache(self, num_blocks)
 
     def _run_encoders(self, new_reqs: list[Any]) -> None:
         """Encoder once per admitted request; its per-layer K/V go to the request's cross-attention blocks."""
@@ -317,7 +325,8 @@ class ModelRunner:
                           positions=torch.as_tensor(model_positions, device=self.device),
                           layer_metadata=[group_metadata[g] for g in self.group_of_layer],
                           logits_indices=torch.as_tensor(logits_indices, device=self.device),
-                          sample_rows=rows[sampling], prompt_lp=prompt_lp, mm_embeds=mm_embeds, drafts=drafts)
+                          sample_rows=rows[sampling], prompt_lp=prompt_lp, mm_embeds=mm_embeds, drafts=drafts,
+                          rows=rows, computed=computed, query_start=starts)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inp: StepInputs) -> None:
         """Logprobs of each prompt token given the ones before it; raw, as prompt tokens are not sampled."""
@@ -389,6 +398,23 @@ class ModelRunner:
                 out.failed[seg[0]] = f"pooling failed: {type(e).__name__}: {e}"
                 logger.warning("request %s failed: %s", seg[0], out.failed[seg[0]])
 
+    def _sample_step(self, hidden: torch.Tensor, inp: StepInputs, so: SchedulerOutput, out: ModelRunnerOutput
+                     ) -> list[tuple[int, list[int], list | None, int]]:
+        """(row, tokens, their logprobs, drafts verified) of each row that got tokens in this step."""
+        if inp.drafts is not None:
+            from vllite_core.spec_decode.verify import verify
+
+            return [(r.row, r.token_ids, r.logprobs, r.num_drafts)
+                    for r in verify(self, hidden, inp, inp.drafts, out, so.grammar_bitmask)]
+        sample_rows, sampled = self._sample(hidden, inp, out, so.grammar_bitmask)
+        if sampled is None:
+            return []
+        tokens = sampled.sampled_token_ids.tolist()
+        lp = sampled.logprobs
+        lps = zip(lp.token_ids.tolist(), lp.values.tolist(), lp.ranks.tolist()) if lp is not None else None
+        return [(row, [tokens[i]], [next(lps)] if lps is not None else None, 0)
+                for i, row in enumerate(sample_rows.tolist())]
+
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
@@ -411,25 +437,10 @@ class ModelRunner:
             b.num_computed[b.index[rid]] += n
         if inp.prompt_lp:
             self._prompt_logprobs(hidden, inp)
-        if len(inp.sample_rows) == 0:
-            return out
-        if self.pooler_config is not None:
+        if len(inp.sample_rows) and self.pooler_config is not None:
             self._pool(hidden, inp, so, out)
             return out
-        if inp.drafts is not None:
-            from vllite_core.spec_decode.verify import verify
-
-            results = [(r.row, r.token_ids, r.logprobs, r.num_drafts)
-                       for r in verify(self, hidden, inp, inp.drafts, out, so.grammar_bitmask)]
-        else:
-            sample_rows, sampled = self._sample(hidden, inp, out, so.grammar_bitmask)
-            if sampled is None:
-                return out
-            tokens = sampled.sampled_token_ids.tolist()
-            lp = sampled.logprobs
-            lps = zip(lp.token_ids.tolist(), lp.values.tolist(), lp.ranks.tolist()) if lp is not None else None
-            results = [(row, [tokens[i]], [next(lps)] if lps is not None else None, 0)
-                       for i, row in enumerate(sample_rows.tolist())]
+        results = self._sample_step(hidden, inp, so, out) if len(inp.sample_rows) else []
         for row, toks, lps_row, num_drafts in results:
             st = b.states[row]
             assert st is not None
@@ -445,8 +456,12 @@ class ModelRunner:
             if b.num_prompt_logprobs[row] >= 0 and len(st.output_token_ids) == len(toks):
                 out.prompt_logprobs[st.req_id] = st.prompt_logprobs
                 st.prompt_logprobs = []
-        if self.proposer is not None:
-            from vllite_core.spec_decode.verify import propose
+        if self.proposer is not None and (results or hasattr(self.proposer, "propose_step")):
+            sampled_rows = np.array([r[0] for r in results], dtype=np.int64)
+            if hasattr(self.proposer, "propose_step"):  # a model of its own: runs on this step's tokens
+                out.spec_token_ids = self.proposer.propose_step(self, inp, hidden, sampled_rows)
+            else:
+                from vllite_core.spec_decode.verify import propose
 
-            out.spec_token_ids = propose(self.proposer, b, np.array([r[0] for r in results], dtype=np.int64))
+                out.spec_token_ids = propose(self.proposer, b, sampled_rows)
         return out

@@ -73,6 +73,9 @@ class Worker:
 
             runner_cls = TensorParallelModelRunner
         self.runner = runner_cls(self.config, model, backend, self.device, dtype, kv_dtype, processors)
+        if hasattr(self.runner.proposer, "load_model"):  # speculative decoding with a draft model of its own
+            with use_model_ops(ops):
+                self.runner.proposer.load_model(self.runner)
 
     def determine_num_kv_blocks(self) -> int:
         assert self.runner is not None
