@@ -1,5 +1,6 @@
 """Small C++ kernels for the CPU (paged attention of ``csrc/attention.cpp``, the AVX2 float32 GEMM of
-``csrc/gemm.cpp`` and the fused pointwise ops of ``csrc/pointwise.cpp``), compiled when the package is
+``csrc/gemm.cpp``, the fused pointwise ops of ``csrc/pointwise.cpp``, the int8 passes of ``csrc/quant.cpp``
+and the GGUF block linear of ``csrc/gguf.cpp``), compiled when the package is
 installed, for several instruction sets, and picked at run time for this CPU.
 
 ``paged_attention`` computes attention for the query rows of selected requests
@@ -305,3 +306,10 @@ def dequantize_int32(out: torch.Tensor, acc: torch.Tensor, x_scale: torch.Tensor
                      bias: torch.Tensor | None) -> None:
     """``out = acc * x_scale[:, None] * w_scale + bias`` (float32 math, one rounding to ``out``'s dtype)."""
     load().dequantize_int32(out, acc, x_scale, w_scale, bias)
+
+
+def gguf_linear(out: torch.Tensor, x: torch.Tensor, type_id: int, qs: torch.Tensor, d: torch.Tensor,
+                m: torch.Tensor | None, bias: torch.Tensor | None) -> None:
+    """float32 ``out = x @ W.T + bias`` from GGUF blocks (``vllite_core.quantization.GGUFWeight``'s layout;
+    ``type_id`` ggml's: Q4_0 2, Q4_1 3, Q8_0 8), ``x`` quantized per 32-block to int8 (csrc/gguf.cpp)."""
+    load().gguf_linear(out, x, int(type_id), qs, d, m, bias)
