@@ -106,9 +106,10 @@ def test_repack_matches_gguf_quants():
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
-@pytest.mark.parametrize("shape", [(37, 96), (3, 32), (64, 576)])
+@pytest.mark.parametrize("shape", [(37, 96), (3, 32), (64, 576), (17, 1536)])
 def test_kernel_matches_float64(qtype, shape):
-    """Every ISA variant, rows 1..17 and 70 (two row blocks), odd column counts, with and without bias."""
+    """Every ISA variant, both paths (int8 activations; with AVX2 also dequantised float32 panels), rows 1..17
+    and 70 (two int8 row blocks), odd column counts (panel and tile remainders), with and without bias."""
     from vllite_platform_cpu import kernels
 
     variants = _variants()
@@ -135,12 +136,17 @@ def test_kernel_matches_float64(qtype, shape):
         bound = 0.5 * xd.astype(np.float64) @ wabs.T
         mag = np.abs(xn) @ np.abs(wd).T + np.abs(b)
         for v in variants:
-            out = torch.empty(rows, n)
-            kernels.load_variant(v).gguf_linear(out, x, w.type_id, w.qs, w.d, w.m, bias)
-            got = out.numpy().astype(np.float64)
-            np.testing.assert_array_less(np.abs(got - same), 1e-5 * mag + 1e-6, err_msg=f"{v} {rows} rows")
-            np.testing.assert_array_less(np.abs(got - exact), bound * 1.0001 + 1e-5 * mag + 1e-6,
-                                         err_msg=f"{v} {rows} rows")
+            mod = kernels.load_variant(v)
+            for min_rows in (1 << 30, 1):  # the int8 path at every row count, then the float32 panel path
+                out = torch.empty(rows, n)
+                mod.gguf_linear(out, x, w.type_id, w.qs, w.d, w.m, bias, min_rows)
+                got = out.numpy().astype(np.float64)
+                what = f"{v} {rows} rows, gemm_min_rows {min_rows}"
+                if min_rows == 1 and mod.avx2_gemm_available():  # dequantised weights, float32 sums
+                    np.testing.assert_array_less(np.abs(got - exact), 1e-5 * mag + 1e-6, err_msg=what)
+                    continue
+                np.testing.assert_array_less(np.abs(got - same), 1e-5 * mag + 1e-6, err_msg=what)
+                np.testing.assert_array_less(np.abs(got - exact), bound * 1.0001 + 1e-5 * mag + 1e-6, err_msg=what)
 
 
 def test_reference_op_and_cpu_op():

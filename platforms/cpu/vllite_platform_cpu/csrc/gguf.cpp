@@ -32,8 +32,20 @@
 #define VLLITE_GGUF_AVX2 1
 #endif
 
+// The weights a panel is dequantised to are the dequantised load's: d * q, then + m, each rounded.
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
 namespace vllite_cpu {
 namespace VLLITE_CPU_ISA {
+
+#ifdef VLLITE_GGUF_AVX2
+void avx2_gemm_panel(const float* A, int64_t M, int64_t K, const float* panel, float* C, int64_t ldc,
+                     const float* bias, int64_t ncols);  // gemm.cpp
+#endif
 
 namespace gguf_impl {
 
@@ -153,6 +165,78 @@ static inline void tile(const Weights& w, int64_t n0, const Acts& a, int64_t r0,
     for (int c = 0; c < C; ++c) out[r * ldo + c] = hsum(acc[r][c]);
 }
 
+// One block of column n as 32 float32 weights (the dequantised load's values).
+static inline void dequant_block(const Weights& w, int64_t n, int64_t b, float* out) {
+  const __m256 d = _mm256_set1_ps(w.d[n * w.nb + b]);
+  __m128i q[2];  // 32 bytes: int8 (Q8_0) or unsigned nibble values
+  bool is_signed = w.type == GGML_Q8_0;
+  if (is_signed) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs + n * w.ldq + b * QK));
+    q[0] = _mm256_castsi256_si128(v);
+    q[1] = _mm256_extracti128_si256(v, 1);
+  } else {
+    const __m256i v = unpack_nibbles(w.qs + n * w.ldq + b * (QK / 2));
+    q[0] = _mm256_castsi256_si128(v);
+    q[1] = _mm256_extracti128_si256(v, 1);
+  }
+  const __m256 m = w.type == GGML_Q4_1 ? _mm256_set1_ps(w.m[n * w.nb + b]) : _mm256_setzero_ps();
+  const __m256 eight = _mm256_set1_ps(8.f);
+  for (int h = 0; h < 2; ++h)
+    for (int j = 0; j < 2; ++j) {
+      const __m128i part = j ? _mm_srli_si128(q[h], 8) : q[h];
+      const __m256 f = _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(part) : _mm256_cvtepu8_epi32(part));
+      __m256 v;
+      if (w.type == GGML_Q4_0)
+        v = _mm256_mul_ps(d, _mm256_sub_ps(f, eight));
+      else if (w.type == GGML_Q4_1)
+        v = _mm256_add_ps(_mm256_mul_ps(d, f), m);
+      else
+        v = _mm256_mul_ps(d, f);
+      _mm256_store_ps(out + h * 16 + j * 8, v);
+    }
+}
+
+// r[i] (8 floats each) transposed in place.
+static inline void transpose8(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
+constexpr int64_t NR = 16;  // columns per float32 panel (gemm.cpp's)
+
+// panel [K][16] float32 = the weights of columns n0 .. n0 + ncols (zero beyond), the layout of gemm.cpp's panels.
+static void dequant_panel(const Weights& w, int64_t n0, int64_t ncols, float* panel) {
+  alignas(32) float col[NR][QK];
+  for (int64_t b = 0; b < w.nb; ++b) {
+    for (int64_t j = 0; j < NR; ++j) {
+      if (j < ncols)
+        dequant_block(w, n0 + j, b, col[j]);
+      else
+        std::fill(col[j], col[j] + QK, 0.f);
+    }
+    for (int64_t half = 0; half < 2; ++half)
+      for (int64_t k8 = 0; k8 < QK; k8 += 8) {
+        __m256 r[8];
+        for (int i = 0; i < 8; ++i) r[i] = _mm256_load_ps(col[half * 8 + i] + k8);
+        transpose8(r);  // r[t] = columns half*8 .. +8 at k = k8 + t
+        for (int t = 0; t < 8; ++t) _mm256_storeu_ps(panel + (b * QK + k8 + t) * NR + half * 8, r[t]);
+      }
+  }
+}
+
 template <bool Q8>
 static void tile_any(int64_t rows, int64_t cols, const Weights& w, int64_t n0, const Acts& a, int64_t r0, float* out,
                      int64_t ldo) {
@@ -200,8 +284,10 @@ static void tile_scalar(int64_t rows, int64_t cols, const Weights& w, int64_t n0
 }  // namespace gguf_impl
 
 // out [M, N] float32 = x [M, K] float32 @ W^T (+ bias), W given by its GGUF blocks (the layout above).
+// From gemm_min_rows rows on (AVX2 variants), dequantised panels and the float32 GEMM instead (the caller's
+// choice: kernels.py's GGUF_GEMM_MIN_ROWS).
 void gguf_linear(at::Tensor out, at::Tensor x, int64_t type, at::Tensor qs, at::Tensor d, std::optional<at::Tensor> m,
-                 std::optional<at::Tensor> bias) {
+                 std::optional<at::Tensor> bias, int64_t gemm_min_rows) {
   using namespace gguf_impl;
   TORCH_CHECK(type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q8_0, "gguf_linear: type must be Q4_0, Q4_1 or Q8_0");
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && qs.dim() == 2 && d.dim() == 2 && x.is_contiguous() && out.is_contiguous()
@@ -230,6 +316,27 @@ void gguf_linear(at::Tensor out, at::Tensor x, int64_t type, at::Tensor qs, at::
   const int64_t nb = K / QK;
   const Weights w{type, static_cast<const uint8_t*>(qs.data_ptr()), qs.size(1), d.data_ptr<float>(), mp, nb};
 
+#ifdef VLLITE_GGUF_AVX2
+  if (M >= gemm_min_rows) {
+    // Many rows: each task dequantises one 16-column panel to float32 (in L1/L2) and runs the float32 GEMM
+    // micro-kernel over its row block; the weights are still read as blocks, and the input is not rounded.
+    constexpr int64_t MC = 96;
+    const int64_t P = (N + NR - 1) / NR, row_blocks = (M + MC - 1) / MC;
+    const float* xp = x.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, row_blocks * P, 1, [&](int64_t tb, int64_t te) {
+      std::vector<float> panel_buf(K * NR + 8);
+      float* panel = panel_buf.data();
+      for (int64_t t = tb; t < te; ++t) {
+        const int64_t m0 = (t / P) * MC, m1 = std::min(M, m0 + MC), n0 = (t % P) * NR;
+        const int64_t ncols = std::min(NR, N - n0);
+        dequant_panel(w, n0, ncols, panel);
+        avx2_gemm_panel(xp + m0 * K, m1 - m0, K, panel, op + m0 * N + n0, N, bp ? bp + n0 : nullptr, ncols);
+      }
+    });
+    return;
+  }
+#endif
   std::vector<int8_t> xq(M * K);
   std::vector<float> xd(M * nb), xs(M * nb);
   const float* xp = x.data_ptr<float>();

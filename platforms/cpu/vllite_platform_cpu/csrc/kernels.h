@@ -25,7 +25,7 @@
   void dequantize_int32(at::Tensor out, at::Tensor acc, at::Tensor x_scale, at::Tensor w_scale,                     \
                         std::optional<at::Tensor> bias);                                                   \
   void gguf_linear(at::Tensor out, at::Tensor x, int64_t type, at::Tensor qs, at::Tensor d,                         \
-                   std::optional<at::Tensor> m, std::optional<at::Tensor> bias);
+                   std::optional<at::Tensor> m, std::optional<at::Tensor> bias, int64_t gemm_min_rows);
 
 namespace vllite_cpu {
 namespace isa_default {
