@@ -289,9 +289,10 @@ static void tile_scalar(int64_t rows, int64_t cols, const Weights& w, int64_t n0
 void gguf_linear(at::Tensor out, at::Tensor x, int64_t type, at::Tensor qs, at::Tensor d, std::optional<at::Tensor> m,
                  std::optional<at::Tensor> bias, int64_t gemm_min_rows) {
   using namespace gguf_impl;
-  TORCH_CHECK(type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q8_0, "gguf_linear: type must be Q4_0, Q4_1 or Q8_0");
-  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && qs.dim() == 2 && d.dim() == 2 && x.is_contiguous() && out.is_contiguous()
-                  && qs.is_contiguous() && d.is_contiguous() && x.scalar_type() == at::kFloat
+  TORCH_CHECK(type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q8_0,
+              "gguf_linear: type must be Q4_0, Q4_1 or Q8_0");
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && qs.dim() == 2 && d.dim() == 2 && x.is_contiguous()
+                  && out.is_contiguous() && qs.is_contiguous() && d.is_contiguous() && x.scalar_type() == at::kFloat
                   && out.scalar_type() == at::kFloat && d.scalar_type() == at::kFloat,
               "gguf_linear: float32 contiguous x [M, K], out [M, N], d [N, K/32]; contiguous qs");
   const int64_t M = x.size(0), K = x.size(1), N = out.size(0) == M ? out.size(1) : -1;
@@ -341,7 +342,8 @@ void gguf_linear(at::Tensor out, at::Tensor x, int64_t type, at::Tensor qs, at::
   std::vector<float> xd(M * nb), xs(M * nb);
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) quantize_row(xp + r * K, nb, xq.data() + r * K, xd.data() + r * nb, xs.data() + r * nb);
+    for (int64_t r = b; r < e; ++r)
+      quantize_row(xp + r * K, nb, xq.data() + r * K, xd.data() + r * nb, xs.data() + r * nb);
   });
   const Acts a{xq.data(), xd.data(), xs.data(), K, nb};
 
