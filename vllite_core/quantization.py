@@ -9,7 +9,7 @@ and embeddings stay in the model dtype (logits are where rounding shows most).
 
 ``gguf``: vLLM's name for running a GGUF checkpoint's quantized weights as they are. The linear layers whose
 tensors are Q8_0, Q4_0 or Q4_1 keep their 32-weight blocks (``GGUFWeight``: the packed values plus a float32
-scale, and minimum for Q4_1, per block) instead of the dequantised float copy: 0.53-1.06 bytes per weight
+scale, and minimum for Q4_1, per block) instead of the dequantised float copy: 0.63-1.13 bytes per weight
 instead of 4. ``ModelOps.gguf_linear`` computes from them (the reference dequantises; the CPU platform's
 kernel quantizes the activations per block to int8 and sums integer products, as llama.cpp does). Other
 layers and tensor types stay as loaded. Only a GGUF checkpoint can use it.
