@@ -63,6 +63,9 @@ class ParallelLinear(nn.Module):
         self._state: dict = {}
         self.lora = None  # a vllite_core.lora.slots.LoRALayer when the engine serves adapters (one rank only)
         self.weight_scale: torch.Tensor | None = None  # float32 [out] once quantize_int8() has run
+        self.gguf_weight = None  # a vllite_core.quantization.GGUFWeight once use_gguf_weight() has run
+        # The checkpoint tensor that filled each shard of the weight (quantization="gguf" reads it again).
+        self.checkpoint_names: dict[str | None, str] = {}
         self.weight.weight_loader = self.load  # type: ignore[attr-defined]
         if self.bias is not None:
             self.bias.weight_loader = self.load  # type: ignore[attr-defined]
@@ -75,7 +78,16 @@ class ParallelLinear(nn.Module):
         self.weight = nn.Parameter(q, requires_grad=False)
         self._state = {}
 
+    def use_gguf_weight(self, w) -> None:
+        """Compute from GGUF blocks (``quantization="gguf"``) and drop the float weight: ``weight`` becomes
+        the packed values (its first dimension still the output features)."""
+        self.gguf_weight = w
+        self.weight = nn.Parameter(w.qs, requires_grad=False)
+        self._state = {}
+
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.gguf_weight is not None:
+            return self._ops.gguf_linear(x, self.gguf_weight, bias, self._state)
         if self.weight_scale is None:
             return self._ops.linear(x, self.weight, bias, self._state)
         return self._ops.int8_linear(x, self.weight, self.weight_scale, bias, self._state)
@@ -109,6 +121,8 @@ class ColumnParallelLinear(ParallelLinear):
             raise ValueError(f"weight {name}: {type(self).__name__} has no shard {shard!r}")
         seg = self.segments[shard]
         _check_full(src, 0, seg.full, name)
+        if param is self.weight:
+            self.checkpoint_names[shard] = name
         copy_checked(param.data[seg.dst_start:seg.dst_start + seg.length],
                      src[seg.src_start:seg.src_start + seg.length], name)
 
@@ -163,6 +177,7 @@ class RowParallelLinear(ParallelLinear):
             copy_checked(param.data, src, name)
             return
         _check_full(src, 1, self.in_features, name)
+        self.checkpoint_names[None] = name
         copy_checked(param.data, src[:, self.in_range[0]:self.in_range[1]], name)
 
 

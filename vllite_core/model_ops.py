@@ -41,6 +41,15 @@ class ModelOps:
             y = y + bias.float()
         return y.to(x.dtype)
 
+    def gguf_linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None, state: dict) -> torch.Tensor:
+        """``x @ W.T + bias`` with W a ``vllite_core.quantization.GGUFWeight`` (GGUF blocks). Here the blocks are
+        dequantised on every call and multiplied in float32 (the exact weights; slow, a reference): a
+        platform's kernel computes from the blocks."""
+        from vllite_core.quantization import dequantize_gguf
+
+        y = F.linear(x.float(), dequantize_gguf(weight), None if bias is None else bias.float())
+        return y.to(x.dtype)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)

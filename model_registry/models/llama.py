@@ -194,7 +194,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb
 class LlamaForCausalLM(nn.Module, SupportsLoRA, SupportsTensorParallel):
     """Engine model for LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM checkpoints."""
 
-    supported_quantization = ("int8",)  # vllite_core.quantization
+    supported_quantization = ("int8", "gguf")  # vllite_core.quantization
 
     def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
@@ -211,6 +211,7 @@ class LlamaForCausalLM(nn.Module, SupportsLoRA, SupportsTensorParallel):
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self._ops = current_model_ops()
         self._head_state: dict = {}
+        self.gguf_head = None  # the LM head's GGUF blocks under quantization="gguf" (model_registry.gguf_blocks)
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
@@ -239,7 +240,10 @@ class LlamaForCausalLM(nn.Module, SupportsLoRA, SupportsTensorParallel):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the rows the sampler needs."""
-        local = self._ops.linear(hidden_states, self.lm_head, None, self._head_state)
+        if self.gguf_head is not None:
+            local = self._ops.gguf_linear(hidden_states, self.gguf_head, None, self._head_state)
+        else:
+            local = self._ops.linear(hidden_states, self.lm_head, None, self._head_state)
         return gather_logits(local, self.model.vocab_shard).float()
 
     def ensure_positions(self, max_model_len: int) -> None:

@@ -4,8 +4,8 @@
 
 ``--no-build-isolation``: the kernels compile against the torch of the environment they will run in
 (pyproject's build requirements leave torch out, so an isolated build never downloads another one).
-``vllite_platform_cpu._C`` holds csrc/bindings.cpp (baseline flags) and attention.cpp, gemm.cpp and
-pointwise.cpp compiled once per variant of ``vllite_platform_cpu/isa.py`` with that variant's flags and
+``vllite_platform_cpu._C`` holds csrc/bindings.cpp (baseline flags) and the kernel files (``isa.KERNEL_SOURCES``)
+compiled once per variant of ``vllite_platform_cpu/isa.py`` with that variant's flags and
 namespace (all compiles in parallel, ``MAX_JOBS`` or one per CPU at a time); ``kernels.py`` picks the
 variant at run time. The objects are linked lowest variant first:
 where several variants emit the same inline function (the standard library's, c10's), the linker keeps

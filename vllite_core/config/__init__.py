@@ -29,7 +29,7 @@ class ConfigError(ValueError):
 
 from vllite_core.multimodal.config import MultiModalConfig  # noqa: E402  (it raises ConfigError)
 
-QUANTIZATION_METHODS = ("int8",)  # vllite_core.quantization
+QUANTIZATION_METHODS = ("int8", "gguf")  # vllite_core.quantization
 
 
 @dataclass
@@ -54,7 +54,7 @@ class ModelConfig:
     generation_config: str = "auto"
     runner: str = "auto"  # auto | generate | pooling (vLLM's --runner)
     convert: str = "auto"  # auto | none | embed | classify | reward: a causal LM used as a pooling model
-    quantization: str | None = None  # None | "int8" (vllite_core.quantization: W8A8, dynamic activations)
+    quantization: str | None = None  # None | "int8" (W8A8) | "gguf" (GGUF blocks kept): vllite_core.quantization
     pooler_config: Any = None  # vllite_core.pooling.PoolerConfig of a pooling model; set when the engine starts
     # What the resolved model class declares (vllite_core.model_interfaces); set when the engine starts.
     capabilities: ModelCapabilities = field(default_factory=ModelCapabilities)

@@ -29,7 +29,8 @@ _HELP = {
     "logits_processors": "global logits processor as module:attr (repeatable)",
     "runner": "auto | generate | pooling (pooling: embeddings / scores; auto: what the architecture is)",
     "quantization": "int8: linear weights quantized to int8 per output channel at load, activations per token "
-                    "at run time (W8A8; the LM head stays in the model dtype)",
+                    "at run time (W8A8; the LM head stays in the model dtype); gguf: a GGUF checkpoint's Q8_0/Q4_0/"
+                    "Q4_1 linear weights kept in their blocks and computed from them",
     "convert": "auto | none | embed | classify | reward: serve a causal LM as a pooling model",
     "jump_forward": "structured output: where the grammar allows exactly one token, append it without a "
                     "sampling step (outputs unchanged; requests asking for logprobs never jump)",

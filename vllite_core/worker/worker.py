@@ -57,7 +57,7 @@ class Worker:
             if self.config.model_config.quantization:
                 from vllite_core.quantization import quantize_model
 
-                quantize_model(model, self.config.model_config.quantization)
+                quantize_model(model, self.config.model_config.quantization, source)
         model.eval()
         logger.info("loaded %s (%s, %s) in %.1fs, attention backend %s, model ops %s", architecture, dtype,
                     self.platform.name, time.perf_counter() - t0, backend.name, ops.name)

@@ -113,6 +113,17 @@ static inline void tile_rows(int64_t rows, const float* A, int64_t lda, const fl
 }  // namespace avx2_gemm_impl
 #endif
 
+#ifdef VLLITE_AVX2_GEMM
+// C[0:M, 0:ncols] = A[0:M, 0:K] (rows K apart) * panel [K][16] (+ bias), rows of C ldc apart: the micro-kernel
+// over one packed panel, for a caller that makes its own panels (gguf.cpp dequantises GGUF blocks into them).
+void avx2_gemm_panel(const float* A, int64_t M, int64_t K, const float* panel, float* C, int64_t ldc,
+                     const float* bias, int64_t ncols) {
+  using namespace avx2_gemm_impl;
+  for (int64_t m = 0; m < M; m += MR)
+    tile_rows(std::min(MR, M - m), A + m * K, K, panel, K, C + m * ldc, ldc, bias, ncols, nullptr);
+}
+#endif
+
 bool avx2_gemm_available() {
 #ifdef VLLITE_AVX2_GEMM
   return true;

@@ -1,7 +1,7 @@
 // The entry points of every ISA variant of the kernels, as bindings.cpp registers them.
 //
-// attention.cpp, gemm.cpp and pointwise.cpp define them inside vllite_cpu::VLLITE_CPU_ISA; the build
-// compiles those files once per variant (vllite_platform_cpu/isa.py), each into its own namespace.
+// attention.cpp, gemm.cpp, pointwise.cpp, quant.cpp and gguf.cpp define them inside vllite_cpu::VLLITE_CPU_ISA;
+// the build compiles those files once per variant (vllite_platform_cpu/isa.py), each into its own namespace.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -23,7 +23,9 @@
   void rotary(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin);                                          \
   void quantize_rows_int8(at::Tensor q, at::Tensor scale, at::Tensor x);                                            \
   void dequantize_int32(at::Tensor out, at::Tensor acc, at::Tensor x_scale, at::Tensor w_scale,                     \
-                        std::optional<at::Tensor> bias);
+                        std::optional<at::Tensor> bias);                                                   \
+  void gguf_linear(at::Tensor out, at::Tensor x, int64_t type, at::Tensor qs, at::Tensor d,                         \
+                   std::optional<at::Tensor> m, std::optional<at::Tensor> bias, int64_t gemm_min_rows);
 
 namespace vllite_cpu {
 namespace isa_default {
