@@ -30,12 +30,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--prefill", action="store_true", help="profile the first steps (prefill) instead")
     ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the engine's, all cores)")
     a = ap.parse_args()
     logging.disable(logging.WARNING)
     from vllite_core import LLM, SamplingParams
     from vllite_core.benchmarks.datasets import random_token_ids
 
     kw = {"model": a.model} if a.model else {}
+    if a.threads:
+        kw["num_threads"] = a.threads
     llm = LLM(**kw, dtype=a.dtype, max_model_len=a.input_len + a.output_len + 16, max_num_seqs=a.batch,
               enable_prefix_caching=False)
     engine = llm.llm_engine
