@@ -1,6 +1,7 @@
 """Small C++ kernels for the CPU (paged attention of ``csrc/attention.cpp``, the AVX2 float32 GEMM of
-``csrc/gemm.cpp`` and the fused pointwise ops of ``csrc/pointwise.cpp``), compiled when the package is
-installed, for several instruction sets, and picked at run time for this CPU.
+``csrc/gemm.cpp``, the fused pointwise ops of ``csrc/pointwise.cpp``, the int8 passes of ``csrc/quant.cpp``
+and the encoder (BERT) attention and add + LayerNorm of ``csrc/encoder.cpp``), compiled when the package
+is installed, for several instruction sets, and picked at run time for this CPU.
 
 ``paged_attention`` computes attention for the query rows of selected requests
 straight from the paged KV cache: no gathered copy of the context (the torch-ops
@@ -15,7 +16,7 @@ read once for all their query heads, rows ahead prefetched. Scores and sums are 
 cache dtype (float32, bfloat16, float16, or float8 e4m3fn / e5m2 widened in registers, its per-layer
 scales folded into the query and the output); softmax is online across key chunks.
 
-Build: ``pip install --no-build-isolation -e platforms/cpu`` (``setup.py``) compiles the three kernel
+Build: ``pip install --no-build-isolation -e platforms/cpu`` (``setup.py``) compiles the kernel
 files once per ISA variant of ``isa.py`` (x86-64: ``default``, ``avx2`` (+FMA/F16C/BMI2), ``avx512``
 (F/BW/VL/DQ), ``avx512_bf16``; other CPUs: ``default``), each with its own flags and C++ namespace,
 into one module, ``vllite_platform_cpu._C``, with one submodule per variant. No ``-march=native``: the
