@@ -200,3 +200,53 @@ def test_avx2_gemm_chosen_only_on_avx2_hosts_without_avx512(monkeypatch):
     assert not cpu_platform.use_avx2_gemm({"avx", "sse4_2"})
     monkeypatch.setenv(cpu_platform.AVX2_GEMM_ENV, "0")
     assert not cpu_platform.use_avx2_gemm({"avx2", "fma"})
+
+
+@needs_avx2_gemm
+@pytest.mark.parametrize("rows", [1, 7, 200])
+@pytest.mark.parametrize("shape", [(1536, 384), (37, 20)])
+def test_avx2_gemm_gelu_matches_float64(rows, shape):
+    # The GELU epilogue (its own exp and torch's erf approximation) against float64 erf-GELU of the float64 GEMM.
+    n, k = shape
+    g = torch.Generator().manual_seed(rows + n)
+    x, w, b = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g) / k ** 0.5, torch.randn(n, generator=g)
+    with torch.inference_mode():
+        got = AVX2.linear_gelu(x, w, b, {})
+        torch.testing.assert_close(got, F.gelu(F.linear(x.double(), w.double(), b.double())).float(),
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 9, 300])
+def test_add_layer_norm_matches_float64(rows):
+    g = torch.Generator().manual_seed(rows)
+    x, r = torch.randn(rows, 384, generator=g) * 3, torch.randn(rows, 384, generator=g)
+    w, b = torch.randn(384, generator=g), torch.randn(384, generator=g)
+    ref = F.layer_norm((x + r).double(), (384,), w.double(), b.double(), 1e-12).float()
+    with torch.inference_mode():
+        got = FAST.add_layer_norm(x.clone(), r, w, b, 1e-12)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_encoder_attention_matches_float64_sdpa_per_prompt():
+    # Prompts of 1 to 130 tokens (and an empty one) packed in one step; head sizes a multiple of the vector
+    # width (the vector paths) and not (the plain sums). Reference: SDPA in float64, prompt by prompt.
+    from vllite_core.attention.encoder import PackedPrompts
+
+    g = torch.Generator().manual_seed(0)
+    lens = [1, 2, 3, 7, 8, 9, 16, 17, 50, 0, 130]
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    prompts = PackedPrompts(starts, torch.device("cpu"))
+    for heads, size in ((12, 32), (3, 20)):
+        qkv = torch.randn(starts[-1], 3, heads, size, generator=g) * 2
+        with torch.inference_mode():
+            got = FAST.encoder_attention(qkv, prompts, size ** -0.5)
+            torch_path = ModelOps().encoder_attention(qkv, prompts, size ** -0.5)
+        ref = torch.empty_like(got)
+        for a, e in zip(starts[:-1], starts[1:]):
+            if e > a:
+                q, k, v = (qkv[a:e, i].double().transpose(0, 1) for i in range(3))
+                ref[a:e] = F.scaled_dot_product_attention(q, k, v).transpose(0, 1).float()
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch_path, ref, rtol=1e-5, atol=1e-5)

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from vllite_core.attention.encoder import PackedPrompts, padded_attention
+
 
 class ModelOps:
     """Torch reference implementations; every method returns new tensors or documents what it mutates."""
@@ -49,6 +51,22 @@ class ModelOps:
 
         y = F.linear(x.float(), dequantize_gguf(weight), None if bias is None else bias.float())
         return y.to(x.dtype)
+
+    def linear_gelu(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    state: dict) -> torch.Tensor:
+        """``gelu(x @ weight.T + bias)`` with torch's exact (erf) GELU: an encoder's intermediate layer, which a
+        platform may fuse into its GEMM (no pass of its own over the widest activation)."""
+        return F.gelu(self.linear(x, weight, bias, state))
+
+    def add_layer_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                       eps: float) -> torch.Tensor:
+        """``layer_norm(x + residual)`` (post-LN residual blocks); an implementation may reuse ``x``'s storage."""
+        return F.layer_norm(x + residual, x.shape[-1:], weight, bias, eps)
+
+    def encoder_attention(self, qkv: torch.Tensor, prompts: PackedPrompts, scale: float) -> torch.Tensor:
+        """Bidirectional attention within each prompt of the step: ``qkv`` [T, 3, heads, head_size] (the fused
+        projection) -> [T, heads, head_size]. Torch's SDPA over prompts padded into buckets."""
+        return padded_attention(qkv, prompts, scale)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         h = x.float()

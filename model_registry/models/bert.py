@@ -3,10 +3,10 @@
 
 Every token attends to the whole prompt (no causal mask), so a prompt runs in one step (the engine turns
 chunked prefill and prefix caching off for it) and no K/V is kept: attention works on the step's own
-q/k/v, each request's rows padded to the step's longest and masked, through torch's
-``scaled_dot_product_attention`` (hardware-neutral). Absolute position and token type embeddings, post-LN
-residual blocks, as in transformers. Token type ids arrive in the prompt ids' high bits
-(``vllite_core.pooling.token_types``).
+packed q/k/v (``ModelOps.encoder_attention``: the platform's kernel, or torch's SDPA over padded buckets).
+The residual add + LayerNorm and the intermediate layer's GELU go through ``ModelOps`` too, so a platform
+can fuse them. Absolute position and token type embeddings, post-LN residual blocks, as in transformers.
+Token type ids arrive in the prompt ids' high bits (``vllite_core.pooling.token_types``).
 """
 from __future__ import annotations
 
@@ -19,8 +19,10 @@ from torch import nn
 
 from model_registry.models.llama import Linear, _copy
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
+from vllite_core.attention.encoder import PackedPrompts
 from vllite_core.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec
 from vllite_core.model_interfaces import IsPooling
+from vllite_core.model_ops import current_model_ops
 from vllite_core.pooling.pooler import pool_tokens
 from vllite_core.pooling.token_types import split_token_types
 
@@ -35,43 +37,14 @@ class LayerNorm(nn.Module):
     def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight, self.bias, self.eps = _param(size, dtype=dtype), _param(size, dtype=dtype), eps
+        self._ops = current_model_ops()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
 
-
-class PaddedBatch:
-    """The step's requests sorted by length and cut into buckets of similar lengths, each padded to its own
-    longest and masked (little padding, few attention calls); built once per step from the metadata's host
-    copies and shared by every layer."""
-
-    BUCKET = 16  # requests per bucket
-
-    def __init__(self, md: AttentionMetadata, device: torch.device) -> None:
-        qsl = md.query_start_loc_cpu
-        spans = sorted(((b - a, a) for a, b in zip(qsl[:-1], qsl[1:])), reverse=True)
-        self.buckets: list[tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]] = []
-        for i in range(0, len(spans), self.BUCKET):
-            group = spans[i:i + self.BUCKET]
-            longest = group[0][0]
-            # Padding rows repeat the request's first token (masked out as keys, dropped as queries).
-            gather = torch.tensor([[start + min(j, n - 1) for j in range(longest)] for n, start in group])
-            valid = torch.tensor([[j < n for j in range(longest)] for n, _ in group])
-            uniform = bool(valid.all())
-            mask = None if uniform else valid[:, None, None, :].to(device)
-            rows = None if uniform else valid.view(-1).nonzero().view(-1).to(device)
-            dest = torch.cat([torch.arange(start, start + n) for n, start in group]).to(device)
-            self.buckets.append((len(group), gather.view(-1).to(device), mask, rows, dest))
-
-    def attend(self, qkv: torch.Tensor) -> torch.Tensor:
-        """[T, 3, heads, head_size] -> each request's attention over its own tokens, [T, heads, head_size]."""
-        out = torch.empty(qkv.shape[0], *qkv.shape[2:], dtype=qkv.dtype, device=qkv.device)
-        for num_reqs, gather, mask, rows, dest in self.buckets:
-            padded = qkv.index_select(0, gather).view(num_reqs, -1, *qkv.shape[1:])  # [B, L, 3, H, D]
-            q, k, v = (padded[:, :, i].transpose(1, 2) for i in range(3))
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(-1, *qkv.shape[2:])
-            out[dest] = o if rows is None else o.index_select(0, rows)
-        return out
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``norm(x + residual)``; may reuse ``x``'s storage."""
+        return self._ops.add_layer_norm(x, residual, self.weight, self.bias, self.eps)
 
 
 class BertLayer(nn.Module):
@@ -89,13 +62,18 @@ class BertLayer(nn.Module):
         if act not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
             raise NotImplementedError(f"hidden_act {act!r} is not supported by the BERT implementation")
         self.approximate = "none" if act == "gelu" else "tanh"
+        self._ops = current_model_ops()
 
-    def forward(self, x: torch.Tensor, batch: PaddedBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, prompts: PackedPrompts) -> torch.Tensor:
         t, h = x.shape
-        ctx = batch.attend(self.qkv(x).view(t, 3, self.num_heads, self.head_size)).reshape(t, h)
-        x = self.attn_norm(self.attn_out(ctx) + x)
-        y = self.out(F.gelu(self.intermediate(x), approximate=self.approximate))
-        return self.out_norm(y + x)
+        qkv = self.qkv(x).view(t, 3, self.num_heads, self.head_size)
+        ctx = self._ops.encoder_attention(qkv, prompts, self.head_size ** -0.5).reshape(t, h)
+        x = self.attn_norm.add_forward(self.attn_out(ctx), x)
+        if self.approximate == "none":
+            mid = self._ops.linear_gelu(x, self.intermediate.weight, self.intermediate.bias, self.intermediate._state)
+        else:
+            mid = F.gelu(self.intermediate(x), approximate=self.approximate)
+        return self.out_norm.add_forward(self.out(mid), x)
 
 
 class BertModel(nn.Module, IsPooling):
@@ -131,9 +109,9 @@ class BertModel(nn.Module, IsPooling):
         x = (F.embedding(ids, self.word_embeddings) + F.embedding(positions, self.position_embeddings)
              + F.embedding(types, self.token_type_embeddings))
         x = self.embed_norm(x)
-        batch = PaddedBatch(attn_metadata[0], x.device)
+        prompts = PackedPrompts(attn_metadata[0].query_start_loc_cpu, x.device)
         for layer in self.layers:
-            x = layer(x, batch)
+            x = layer(x, prompts)
         return x
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

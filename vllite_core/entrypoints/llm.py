@@ -150,9 +150,11 @@ class LLM:
         """The model's pooled output per prompt (``.outputs.data``, a float32 tensor)."""
         from vllite_core.pooling import PoolingParams
         from vllite_core.pooling.outputs import as_pooling_output
+        from vllite_core.pooling.requests import batch_tokenize
 
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        prompts = batch_tokenize(self.get_tokenizer(), list(prompts))
         params = pooling_params or PoolingParams()
         if truncate_prompt_tokens is not None:
             params = PoolingParams(**{**params.__dict__, "truncate_prompt_tokens": truncate_prompt_tokens})

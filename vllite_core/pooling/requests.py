@@ -35,6 +35,21 @@ def check_task(engine: Any, params: PoolingParams) -> str:
     return task
 
 
+def batch_tokenize(tokenizer: Any, prompts: list[Any]) -> list[Any]:
+    """Text prompts tokenized in one call of a fast tokenizer, each as ``{"prompt": text, "prompt_token_ids":
+    ids}`` (what ``encode(text)`` gives, with the special tokens): one pass through the Rust tokenizer instead of
+    a Python round trip per prompt, which was most of the host time of embedding many short sentences. Other
+    prompts, and empty strings (refused by the prompt check), stay as they are."""
+    texts = [i for i, p in enumerate(prompts) if isinstance(p, str) and p]
+    if len(texts) < 2 or not getattr(tokenizer, "is_fast", False):
+        return prompts
+    encoded = tokenizer([prompts[i] for i in texts], add_special_tokens=True)["input_ids"]
+    out = list(prompts)
+    for i, ids in zip(texts, encoded):
+        out[i] = {"prompt": prompts[i], "prompt_token_ids": list(ids)}
+    return out
+
+
 def prepare_pooling_prompt(engine: Any, prompt: Any, params: PoolingParams, ctx: Any = None) -> ProcessedPrompt:
     """The prompt's token ids, truncated as asked, checked against the model (a typed error naming the
     field otherwise). ``ctx`` gives another thread's tokenizer."""

@@ -1,7 +1,8 @@
 """Small C++ kernels for the CPU (paged attention of ``csrc/attention.cpp``, the AVX2 float32 GEMM of
 ``csrc/gemm.cpp``, the fused pointwise ops of ``csrc/pointwise.cpp``, the int8 passes of ``csrc/quant.cpp``
-and the GGUF block linear of ``csrc/gguf.cpp``), compiled when the package is
-installed, for several instruction sets, and picked at run time for this CPU.
+the GGUF block linear of ``csrc/gguf.cpp`` and the encoder (BERT) attention and add + LayerNorm of
+``csrc/encoder.cpp``), compiled when the package is installed, for several instruction sets, and picked at
+run time for this CPU.
 
 ``paged_attention`` computes attention for the query rows of selected requests
 straight from the paged KV cache: no gathered copy of the context (the torch-ops
@@ -16,7 +17,7 @@ read once for all their query heads, rows ahead prefetched. Scores and sums are 
 cache dtype (float32, bfloat16, float16, or float8 e4m3fn / e5m2 widened in registers, its per-layer
 scales folded into the query and the output); softmax is online across key chunks.
 
-Build: ``pip install --no-build-isolation -e platforms/cpu`` (``setup.py``) compiles the three kernel
+Build: ``pip install --no-build-isolation -e platforms/cpu`` (``setup.py``) compiles the kernel
 files once per ISA variant of ``isa.py`` (x86-64: ``default``, ``avx2`` (+FMA/F16C/BMI2), ``avx512``
 (F/BW/VL/DQ), ``avx512_bf16``; other CPUs: ``default``), each with its own flags and C++ namespace,
 into one module, ``vllite_platform_cpu._C``, with one submodule per variant. No ``-march=native``: the
@@ -26,7 +27,8 @@ supports, from the module's own CPUID check; ``VLLITE_CPU_ISA=default|avx2|avx51
 for tests and benchmarks.
 
 Fallback: when that module is missing or does not import (installed without torch or a compiler at
-build time, or built for another torch), the chosen variant alone is compiled on first use from the
+build time, or built for another torch), or lacks an entry point of ``ENTRY_POINTS`` (built from older
+sources), the chosen variant alone is compiled on first use from the
 same files (shipped in the package) with the same flags, through ``torch.utils.cpp_extension.load``,
 into ``~/.cache/vllite/torch_extensions`` (``VLLITE_CACHE_ROOT`` or ``XDG_CACHE_HOME`` move it); the
 build is keyed by the sources, the flags, torch's and Python's versions and the environment
@@ -52,6 +54,11 @@ from vllite_platform_cpu import isa
 
 logger = logging.getLogger("vllite.platforms.cpu.kernels")
 
+# Every variant's functions (bindings.cpp): an installed module lacking one was built from older sources
+# (an editable install not rebuilt since), so the first-use build from these sources takes its place.
+ENTRY_POINTS = ("paged_attention", "avx2_gemm_available", "avx2_gemm_pack", "avx2_gemm", "avx2_gemm_gelu",
+                "small_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary", "quantize_rows_int8",
+                "dequantize_int32", "encoder_attention", "add_layer_norm", "gguf_linear")
 KERNEL_ENV = "VLLITE_CPU_ATTENTION_KERNEL"  # 0: no C++ kernels (torch ops)
 ISA_ENV = "VLLITE_CPU_ISA"  # the highest variant to use: default, avx2, avx512 or avx512_bf16
 
@@ -93,6 +100,9 @@ def _installed() -> tuple[Any, str | None]:
             running = running.group(0) if running else torch.__version__
             if built_for and built_for != running:
                 raise ImportError(f"built for torch {built_for}, this is torch {running}: reinstall platforms/cpu")
+            missing = sorted({f for v in mod.variants for f in ENTRY_POINTS if not hasattr(getattr(mod, v), f)})
+            if missing:
+                raise ImportError(f"built from older sources (no {', '.join(missing)}): reinstall platforms/cpu")
             _installed_state = (mod, None)
         except Exception as e:  # noqa: BLE001 - missing, or an ABI mismatch (undefined symbol...)
             _installed_state = (None, _short(e))
@@ -295,6 +305,23 @@ def avx2_gemm_pack(weight: torch.Tensor) -> torch.Tensor:
 def avx2_gemm(out: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> None:
     """float32 ``out = x @ weight.T + bias`` with the weight packed by ``avx2_gemm_pack``."""
     load().avx2_gemm(out, x, packed, bias)
+
+
+def avx2_gemm_gelu(out: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """float32 ``out = gelu(x @ weight.T + bias)`` (torch's exact GELU, applied to each tile as it is stored)."""
+    load().avx2_gemm_gelu(out, x, packed, bias)
+
+
+def encoder_attention(out: torch.Tensor, qkv: torch.Tensor, cu_seqlens: torch.Tensor, scale: float) -> None:
+    """float32 bidirectional attention within each packed prompt: ``qkv`` [T, 3, H, D] -> ``out`` [T, H, D];
+    ``cu_seqlens`` int64 [B + 1] on the host."""
+    load().encoder_attention(out, qkv, cu_seqlens, scale)
+
+
+def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                   eps: float) -> None:
+    """float32 ``x = layer_norm(x + residual) * weight + bias``, in place in ``x``."""
+    load().add_layer_norm(x, residual, weight, bias, eps)
 
 
 def quantize_rows_int8(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from vllite_core.attention.encoder import PackedPrompts
 from vllite_core.model_ops import ModelOps
 from vllite_core.quantization import quantize_rows_int8
 from vllite_platform_cpu import kernels
@@ -92,6 +93,45 @@ class CpuModelOps(ModelOps):
         else:
             out = F.linear(xg, state["packed"], state["bias"])
         return out if dt == gemm_dt else out.to(dt)
+
+    def linear_gelu(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    state: dict) -> torch.Tensor:
+        """float32 on the AVX2 GEMM: the GELU applied to each output tile in registers before it is stored."""
+        if not (self.avx2_gemm and x.dim() == 2 and x.dtype == weight.dtype == torch.float32
+                and x.device.type == "cpu" and not torch.is_grad_enabled()
+                and (bias is None or bias.dtype == torch.float32)):
+            return super().linear_gelu(x, weight, bias, state)
+        self._avx2_pack(weight, bias, state)
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+        kernels.avx2_gemm_gelu(out, x.contiguous(), state["packed"], state["bias"])
+        return out
+
+    def add_layer_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                       eps: float) -> torch.Tensor:
+        """float32 rows: one pass per row, in place in ``x``."""
+        if not (self._rows_ok(x) and self._rows_ok(residual) and x.shape == residual.shape
+                and x.dtype == residual.dtype == weight.dtype == bias.dtype == torch.float32
+                and weight.is_contiguous() and bias.is_contiguous()):
+            return super().add_layer_norm(x, residual, weight, bias, eps)
+        kernels.add_layer_norm(x, residual, weight, bias, eps)
+        return x
+
+    def encoder_attention(self, qkv: torch.Tensor, prompts: PackedPrompts, scale: float) -> torch.Tensor:
+        """float32: the C++ kernel reads each (prompt, head)'s rows of ``qkv`` where they lie (no padded copies)."""
+        if not (self.fused and qkv.dim() == 4 and qkv.dtype == torch.float32 and qkv.device.type == "cpu"
+                and qkv.is_contiguous() and not torch.is_grad_enabled()):
+            return super().encoder_attention(qkv, prompts, scale)
+        out = torch.empty(qkv.shape[0], *qkv.shape[2:], dtype=torch.float32)
+        kernels.encoder_attention(out, qkv, prompts.cu_seqlens, scale)
+        return out
+
+    def _avx2_pack(self, weight: torch.Tensor, bias: torch.Tensor | None, state: dict) -> None:
+        """The float32 weight's GEMM panels and bias in ``state``, remade when either changes."""
+        key = (weight.data_ptr(), weight._version, None if bias is None else (bias.data_ptr(), bias._version))
+        if state.get("key") != key:
+            state["packed"] = kernels.avx2_gemm_pack(weight.detach().float())
+            state["bias"] = None if bias is None else bias.float().contiguous()
+            state["key"] = key
 
     def int8_linear(self, x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
                     bias: torch.Tensor | None, state: dict) -> torch.Tensor:

@@ -337,6 +337,7 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
     from vllite_core.entrypoints.openai.serving_transcription import router as transcription_router
 
     app.include_router(transcription_router)  # POST /v1/audio/transcriptions (speech models)
+    from vllite_core.entrypoints.openai.serving_pooling import OPENAPI_MODELS as pooling_models
     from vllite_core.entrypoints.openai.serving_pooling import router as pooling_router
 
     app.include_router(pooling_router)  # /v1/embeddings /pooling /classify /score /rerank (pooling models)
@@ -347,7 +348,8 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
 
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             comps = schema.setdefault("components", {}).setdefault("schemas", {})
-            for m in (CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest):
+            for m in (CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest,
+                      *pooling_models):
                 js = m.model_json_schema(ref_template="#/components/schemas/{model}")
                 comps.update(js.pop("$defs", {}))
                 comps[m.__name__] = js

@@ -58,6 +58,9 @@ std::vector<std::string> cpu_features() {
     s.def("avx2_gemm_available", &vllite_cpu::ns::avx2_gemm_available);                  \
     s.def("avx2_gemm_pack", &vllite_cpu::ns::avx2_gemm_pack);                            \
     s.def("avx2_gemm", &vllite_cpu::ns::avx2_gemm);                                      \
+    s.def("avx2_gemm_gelu", &vllite_cpu::ns::avx2_gemm_gelu);                            \
+    s.def("encoder_attention", &vllite_cpu::ns::encoder_attention);                      \
+    s.def("add_layer_norm", &vllite_cpu::ns::add_layer_norm);                            \
     s.def("small_linear", &vllite_cpu::ns::small_linear);                                \
     s.def("rms_norm", &vllite_cpu::ns::rms_norm);                                        \
     s.def("add_rms_norm", &vllite_cpu::ns::add_rms_norm);                                \

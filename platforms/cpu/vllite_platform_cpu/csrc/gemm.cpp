@@ -30,6 +30,42 @@ constexpr int64_t NR = 16;  // output columns per panel: two ymm vectors
 constexpr int64_t MR = 6;   // rows per micro-tile
 constexpr int64_t MC = 96;  // rows per task: a 96 x K input block stays in L2
 
+// exp(x) for x <= 0 (GELU's exp(-z^2)): x = n ln2 + r, |r| <= ln2 / 2, e^r by Cephes' degree-6 polynomial,
+// 2^n put in the exponent bits; about one ulp. Inline (a call to ATen's Sleef exp per vector was slower).
+static inline __m256 exp_neg(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// torch's exact GELU, x * 0.5 * (1 + erf(x / sqrt(2))), with the erf torch's vectorised path uses
+// (Abramowitz and Stegun 7.1.26: sign(z) (1 - (a1 t + ... + a5 t^5) exp(-z^2)), t = 1 / (1 + p |z|)).
+static inline __m256 gelu(__m256 x) {
+  const __m256 z = _mm256_mul_ps(x, _mm256_set1_ps(0.70710678118654752f));
+  const __m256 sign = _mm256_and_ps(z, _mm256_set1_ps(-0.f));
+  const __m256 az = _mm256_xor_ps(z, sign);
+  const __m256 t = _mm256_div_ps(_mm256_set1_ps(1.f), _mm256_fmadd_ps(_mm256_set1_ps(0.3275911f), az,
+                                                                        _mm256_set1_ps(1.f)));
+  __m256 r = _mm256_fmadd_ps(_mm256_set1_ps(1.061405429f), t, _mm256_set1_ps(-1.453152027f));
+  r = _mm256_fmadd_ps(r, t, _mm256_set1_ps(1.421413741f));
+  r = _mm256_fmadd_ps(r, t, _mm256_set1_ps(-0.284496736f));
+  r = _mm256_fmadd_ps(r, t, _mm256_set1_ps(0.254829592f));
+  const __m256 e = exp_neg(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(z, z)));
+  const __m256 erf = _mm256_xor_ps(_mm256_fnmadd_ps(_mm256_mul_ps(e, t), r, _mm256_set1_ps(1.f)), sign);
+  return _mm256_mul_ps(_mm256_mul_ps(x, _mm256_set1_ps(0.5f)), _mm256_add_ps(_mm256_set1_ps(1.f), erf));
+}
+
 // Named accumulators: GCC spilled an array of them to the stack on every FMA.
 #define VG_DECL(r) __m256 c##r##0 = _mm256_setzero_ps(), c##r##1 = _mm256_setzero_ps();
 #define VG_FMA(r)                                          \
@@ -44,11 +80,30 @@ constexpr int64_t MC = 96;  // rows per task: a 96 x K input block stays in L2
     o[r][1] = c##r##1;   \
   }
 
-// C[0:R, 0:ncols] = A[0:R, 0:K] * B[0:K, 0:16] (+ bias); rows of A lda apart, rows of C ldc apart.
-// prefetch: the next panel (same K x 16 layout), fetched into L2 one row per k step; may be null.
+// GELU in place over a stored tile (still in L1), rows ldc apart. Out of line: inlined into the tile, its
+// constants were kept in registers through the K loop and the accumulators spilled.
+__attribute__((noinline)) static void gelu_tile(float* C, int64_t ldc, int rows, int64_t ncols) {
+  for (int r = 0; r < rows; ++r) {
+    float* c = C + r * ldc;
+    if (ncols == NR) {
+      _mm256_storeu_ps(c, gelu(_mm256_loadu_ps(c)));
+      _mm256_storeu_ps(c + 8, gelu(_mm256_loadu_ps(c + 8)));
+    } else {
+      alignas(32) float t[NR] = {0.f};
+      for (int64_t j = 0; j < ncols; ++j) t[j] = c[j];
+      _mm256_store_ps(t, gelu(_mm256_load_ps(t)));
+      _mm256_store_ps(t + 8, gelu(_mm256_load_ps(t + 8)));
+      for (int64_t j = 0; j < ncols; ++j) c[j] = t[j];
+    }
+  }
+}
+
+// C[0:R, 0:ncols] = A[0:R, 0:K] * B[0:K, 0:16] (+ bias, then GELU when gelu_out); rows of A lda apart, rows of C
+// ldc apart. prefetch: the next panel (same K x 16 layout), fetched into L2 one row per k step; may be null.
 template <int R>
 static inline void tile(const float* __restrict A, int64_t lda, const float* __restrict B, int64_t K,
-                        float* __restrict C, int64_t ldc, const float* bias, int64_t ncols, const float* prefetch) {
+                        float* __restrict C, int64_t ldc, const float* bias, int64_t ncols, const float* prefetch,
+                        bool gelu_out) {
   VG_DECL(0)
   VG_DECL(1)
   VG_DECL(2)
@@ -94,20 +149,21 @@ static inline void tile(const float* __restrict A, int64_t lda, const float* __r
       for (int64_t j = 0; j < ncols; ++j) C[r * ldc + j] = t[j];
     }
   }
+  if (gelu_out) gelu_tile(C, ldc, R, ncols);
 }
 #undef VG_DECL
 #undef VG_FMA
 #undef VG_OUT
 
 static inline void tile_rows(int64_t rows, const float* A, int64_t lda, const float* B, int64_t K, float* C,
-                             int64_t ldc, const float* bias, int64_t ncols, const float* prefetch) {
+                             int64_t ldc, const float* bias, int64_t ncols, const float* prefetch, bool gelu) {
   switch (rows) {
-    case 6: tile<6>(A, lda, B, K, C, ldc, bias, ncols, prefetch); break;
-    case 5: tile<5>(A, lda, B, K, C, ldc, bias, ncols, prefetch); break;
-    case 4: tile<4>(A, lda, B, K, C, ldc, bias, ncols, prefetch); break;
-    case 3: tile<3>(A, lda, B, K, C, ldc, bias, ncols, prefetch); break;
-    case 2: tile<2>(A, lda, B, K, C, ldc, bias, ncols, prefetch); break;
-    default: tile<1>(A, lda, B, K, C, ldc, bias, ncols, prefetch); break;
+    case 6: tile<6>(A, lda, B, K, C, ldc, bias, ncols, prefetch, gelu); break;
+    case 5: tile<5>(A, lda, B, K, C, ldc, bias, ncols, prefetch, gelu); break;
+    case 4: tile<4>(A, lda, B, K, C, ldc, bias, ncols, prefetch, gelu); break;
+    case 3: tile<3>(A, lda, B, K, C, ldc, bias, ncols, prefetch, gelu); break;
+    case 2: tile<2>(A, lda, B, K, C, ldc, bias, ncols, prefetch, gelu); break;
+    default: tile<1>(A, lda, B, K, C, ldc, bias, ncols, prefetch, gelu); break;
   }
 }
 }  // namespace avx2_gemm_impl
@@ -152,8 +208,8 @@ at::Tensor avx2_gemm_pack(at::Tensor w) {
   return out;
 }
 
-// out[M, N] = x[M, K] @ W^T (+ bias), W packed by avx2_gemm_pack; float32, contiguous.
-void avx2_gemm(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias) {
+// out[M, N] = x[M, K] @ W^T (+ bias), then GELU when gelu; W packed by avx2_gemm_pack; float32, contiguous.
+static void gemm(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias, bool gelu) {
 #ifdef VLLITE_AVX2_GEMM
   using namespace avx2_gemm_impl;
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && packed.dim() == 3 && packed.size(2) == NR
@@ -182,12 +238,21 @@ void avx2_gemm(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<at
       const float* next = p + 1 < P ? panel + K * NR : nullptr;
       for (int64_t m = m0; m < m1; m += MR)
         tile_rows(std::min(MR, m1 - m), A + m * K, K, panel, K, C + m * N + n0, N, bp ? bp + n0 : nullptr, ncols,
-                  m == m0 ? next : nullptr);
+                  m == m0 ? next : nullptr, gelu);
     }
   });
 #else
   TORCH_CHECK(false, "avx2_gemm: built without AVX2/FMA");
 #endif
+}
+
+void avx2_gemm(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias) {
+  gemm(out, x, packed, bias, false);
+}
+
+// gelu(x @ W^T + bias) (torch's exact GELU), the activation applied to each output tile as it is stored.
+void avx2_gemm_gelu(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias) {
+  gemm(out, x, packed, bias, true);
 }
 
 }  // namespace VLLITE_CPU_ISA

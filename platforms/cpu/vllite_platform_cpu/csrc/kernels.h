@@ -1,7 +1,8 @@
 // The entry points of every ISA variant of the kernels, as bindings.cpp registers them.
 //
-// attention.cpp, gemm.cpp, pointwise.cpp, quant.cpp and gguf.cpp define them inside vllite_cpu::VLLITE_CPU_ISA;
-// the build compiles those files once per variant (vllite_platform_cpu/isa.py), each into its own namespace.
+// attention.cpp, gemm.cpp, pointwise.cpp, quant.cpp, gguf.cpp and encoder.cpp define them inside
+// vllite_cpu::VLLITE_CPU_ISA; the build compiles those files once per variant (vllite_platform_cpu/isa.py),
+// each into its own namespace.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -16,6 +17,9 @@
   bool avx2_gemm_available();                                                                                       \
   at::Tensor avx2_gemm_pack(at::Tensor w);                                                                          \
   void avx2_gemm(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at::Tensor> bias);                  \
+  void avx2_gemm_gelu(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at::Tensor> bias);             \
+  void encoder_attention(at::Tensor out, at::Tensor qkv, at::Tensor cu_seqlens, double scale);                      \
+  void add_layer_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, at::Tensor bias, double eps);           \
   void small_linear(at::Tensor out, at::Tensor x, at::Tensor w, std::optional<at::Tensor> bias);                    \
   void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);                                       \
   void add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);                              \
