@@ -53,6 +53,9 @@ logger = logging.getLogger("vllite.platforms.cpu.kernels")
 
 KERNEL_ENV = "VLLITE_CPU_ATTENTION_KERNEL"  # 0: no C++ kernels (torch ops)
 ISA_ENV = "VLLITE_CPU_ISA"  # the highest variant to use: default, avx2, avx512 or avx512_bf16
+# Every function csrc/bindings.cpp gives each variant: an installed module lacking one is stale.
+ENTRY_POINTS = ("paged_attention", "avx2_gemm_available", "avx2_gemm_pack", "avx2_gemm", "small_linear", "rms_norm",
+                "add_rms_norm", "silu_and_mul", "rotary", "quantize_rows_int8", "dequantize_int32", "lora_add")
 
 _lock = threading.RLock()
 _module: Any = None
@@ -92,6 +95,9 @@ def _installed() -> tuple[Any, str | None]:
             running = running.group(0) if running else torch.__version__
             if built_for and built_for != running:
                 raise ImportError(f"built for torch {built_for}, this is torch {running}: reinstall platforms/cpu")
+            missing = [f for f in ENTRY_POINTS for v in mod.variants if not hasattr(getattr(mod, v), f)]
+            if missing:  # sources newer than the build (a kernel added since): build them instead
+                raise ImportError(f"built from older sources (no {missing[0]}): reinstall platforms/cpu")
             _installed_state = (mod, None)
         except Exception as e:  # noqa: BLE001 - missing, or an ABI mismatch (undefined symbol...)
             _installed_state = (None, _short(e))
@@ -294,6 +300,13 @@ def avx2_gemm_pack(weight: torch.Tensor) -> torch.Tensor:
 def avx2_gemm(out: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> None:
     """float32 ``out = x @ weight.T + bias`` with the weight packed by ``avx2_gemm_pack``."""
     load().avx2_gemm(out, x, packed, bias)
+
+
+def lora_add(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, order: torch.Tensor,
+             seg_slots: list[int], seg_starts: list[int], ranks: list[int]) -> None:
+    """Multi-LoRA in place (``csrc/lora.cpp``): ``y[t] += x[t] @ lora_a[s, :r].T @ lora_b[s, :r]`` for the rows
+    ``t`` in ``order[seg_starts[i]:seg_starts[i + 1]]`` of slot ``s = seg_slots[i]``, ``r = ranks[s]``."""
+    load().lora_add(y, x, lora_a, lora_b, order, seg_slots, seg_starts, ranks)
 
 
 def quantize_rows_int8(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> None:

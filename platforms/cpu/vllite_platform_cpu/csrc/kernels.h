@@ -1,12 +1,13 @@
 // The entry points of every ISA variant of the kernels, as bindings.cpp registers them.
 //
-// attention.cpp, gemm.cpp and pointwise.cpp define them inside vllite_cpu::VLLITE_CPU_ISA; the build
-// compiles those files once per variant (vllite_platform_cpu/isa.py), each into its own namespace.
+// attention.cpp, gemm.cpp, pointwise.cpp, quant.cpp and lora.cpp define them inside vllite_cpu::VLLITE_CPU_ISA;
+// the build compiles those files once per variant (vllite_platform_cpu/isa.py), each into its own namespace.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <vector>
 
 // One variant's functions, declared in the enclosing namespace.
 #define VLLITE_CPU_DECLARE_KERNELS                                                                                  \
@@ -23,7 +24,9 @@
   void rotary(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin);                                          \
   void quantize_rows_int8(at::Tensor q, at::Tensor scale, at::Tensor x);                                            \
   void dequantize_int32(at::Tensor out, at::Tensor acc, at::Tensor x_scale, at::Tensor w_scale,                     \
-                        std::optional<at::Tensor> bias);
+                        std::optional<at::Tensor> bias);                                                    \
+  void lora_add(at::Tensor y, at::Tensor x, at::Tensor lora_a, at::Tensor lora_b, at::Tensor order,                 \
+                std::vector<int64_t> seg_slots, std::vector<int64_t> seg_starts, std::vector<int64_t> ranks);
 
 namespace vllite_cpu {
 namespace isa_default {
