@@ -23,73 +23,76 @@ namespace lora_impl {
 
 constexpr int64_t MT = 4;  // rows per task
 
-// h[i * r + j] = x_i . a_j for M rows and r rank rows of length n.
+// h[i * r + j] = x_i . a_j for M rows and r rank rows of length n: JR rank rows at a time, each A vector
+// loaded once for the M rows (M * JR accumulators), one horizontal sum per (row, rank row).
+template <typename T, int M, int JR>
+static inline void shrink_block(const T* const* xr, const T* a, int64_t n, int64_t r, int64_t j, float* h) {
+  const T* aj[JR];
+  for (int q = 0; q < JR; ++q) aj[q] = a + (j + q) * n;
+  AVec c[M][JR];
+  for (int i = 0; i < M; ++i)
+    for (int q = 0; q < JR; ++q) c[i][q] = AVec(0.f);
+  int64_t k = 0;
+  for (; k + VL <= n; k += VL) {
+    AVec av[JR];
+    for (int q = 0; q < JR; ++q) av[q] = avec_load(aj[q] + k);
+    for (int i = 0; i < M; ++i) {
+      const AVec xv = avec_load(xr[i] + k);
+      for (int q = 0; q < JR; ++q) c[i][q] = at::vec::fmadd(xv, av[q], c[i][q]);
+    }
+  }
+  for (int i = 0; i < M; ++i)
+    for (int q = 0; q < JR; ++q) {
+      alignas(64) float t[VL];
+      c[i][q].store(t);
+      float sum = 0.f;
+      for (int64_t l = 0; l < VL; ++l) sum += t[l];
+      for (int64_t kk = k; kk < n; ++kk) sum += static_cast<float>(xr[i][kk]) * static_cast<float>(aj[q][kk]);
+      h[i * r + j + q] = sum;
+    }
+}
+
 template <typename T, int M>
 static inline void shrink(const T* const* xr, const T* a, int64_t n, int64_t r, float* h) {
   int64_t j = 0;
-  for (; j + 2 <= r; j += 2) {
-    const T* a0 = a + j * n;
-    const T* a1 = a0 + n;
-    AVec c0[M], c1[M];
-    for (int i = 0; i < M; ++i) c0[i] = c1[i] = AVec(0.f);
-    int64_t k = 0;
-    for (; k + VL <= n; k += VL) {
-      const AVec v0 = avec_load(a0 + k), v1 = avec_load(a1 + k);
-      for (int i = 0; i < M; ++i) {
-        const AVec xv = avec_load(xr[i] + k);
-        c0[i] = at::vec::fmadd(xv, v0, c0[i]);
-        c1[i] = at::vec::fmadd(xv, v1, c1[i]);
-      }
-    }
-    for (int i = 0; i < M; ++i) {
-      alignas(64) float t0[VL], t1[VL];
-      c0[i].store(t0);
-      c1[i].store(t1);
-      float s0 = 0.f, s1 = 0.f;
-      for (int64_t l = 0; l < VL; ++l) {
-        s0 += t0[l];
-        s1 += t1[l];
-      }
-      for (int64_t kk = k; kk < n; ++kk) {
-        const float xv = static_cast<float>(xr[i][kk]);
-        s0 += xv * static_cast<float>(a0[kk]);
-        s1 += xv * static_cast<float>(a1[kk]);
-      }
-      h[i * r + j] = s0;
-      h[i * r + j + 1] = s1;
-    }
-  }
-  for (; j < r; ++j) {
-    const T* a0 = a + j * n;
-    for (int i = 0; i < M; ++i) {
-      float s = 0.f;
-      for (int64_t kk = 0; kk < n; ++kk) s += static_cast<float>(xr[i][kk]) * static_cast<float>(a0[kk]);
-      h[i * r + j] = s;
-    }
-  }
+  for (; j + 3 <= r; j += 3) shrink_block<T, M, 3>(xr, a, n, r, j, h);
+  for (; j < r; ++j) shrink_block<T, M, 1>(xr, a, n, r, j, h);
 }
 
-// y_i += sum_j h[i * r + j] * b_j for M rows; b rows of length n (the layer's outputs).
-template <typename T, int M>
-static inline void expand(T* const* yr, const T* b, int64_t n, int64_t r, const float* h) {
-  int64_t o = 0;
-  for (; o + VL <= n; o += VL) {
-    AVec c[M];
-    for (int i = 0; i < M; ++i) c[i] = AVec(0.f);
-    for (int64_t j = 0; j < r; ++j) {
-      const AVec bv = avec_load(b + j * n + o);
-      for (int i = 0; i < M; ++i) c[i] = at::vec::fmadd(AVec(h[i * r + j]), bv, c[i]);
-    }
+// y_i[o : o + NC * VL] += sum_j h[i * r + j] * b_j[o : ...] for M rows: an M x NC tile of accumulators,
+// each B vector loaded once for the M rows and each h value broadcast once for the NC vectors.
+template <typename T, int M, int NC>
+static inline void expand_block(T* const* yr, const T* b, int64_t n, int64_t r, const float* h, int64_t o) {
+  AVec c[M][NC];
+  for (int i = 0; i < M; ++i)
+    for (int q = 0; q < NC; ++q) c[i][q] = AVec(0.f);
+  for (int64_t j = 0; j < r; ++j) {
+    AVec bv[NC];
+    for (int q = 0; q < NC; ++q) bv[q] = avec_load(b + j * n + o + q * VL);
     for (int i = 0; i < M; ++i) {
-      if constexpr (std::is_same_v<T, float>) {
-        (AVec::loadu(yr[i] + o) + c[i]).store(yr[i] + o);
-      } else {
-        alignas(64) float t[VL];
-        c[i].store(t);
-        for (int64_t l = 0; l < VL; ++l) yr[i][o + l] = static_cast<T>(static_cast<float>(yr[i][o + l]) + t[l]);
-      }
+      const AVec hv(h[i * r + j]);
+      for (int q = 0; q < NC; ++q) c[i][q] = at::vec::fmadd(hv, bv[q], c[i][q]);
     }
   }
+  for (int i = 0; i < M; ++i)
+    for (int q = 0; q < NC; ++q) {
+      T* yp = yr[i] + o + q * VL;
+      if constexpr (std::is_same_v<T, float>) {
+        (AVec::loadu(yp) + c[i][q]).store(yp);
+      } else {
+        alignas(64) float t[VL];
+        c[i][q].store(t);
+        for (int64_t l = 0; l < VL; ++l) yp[l] = static_cast<T>(static_cast<float>(yp[l]) + t[l]);
+      }
+    }
+}
+
+template <typename T, int M>
+static inline void expand(T* const* yr, const T* b, int64_t n, int64_t r, const float* h) {
+  // M x 3 vectors: 12 accumulators at M = 4 (with three B vectors and a broadcast: 16 AVX2 registers).
+  int64_t o = 0;
+  for (; o + 3 * VL <= n; o += 3 * VL) expand_block<T, M, 3>(yr, b, n, r, h, o);
+  for (; o + VL <= n; o += VL) expand_block<T, M, 1>(yr, b, n, r, h, o);
   for (; o < n; ++o)
     for (int i = 0; i < M; ++i) {
       float s = 0.f;
