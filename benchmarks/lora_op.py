@@ -5,9 +5,11 @@ down 1536->576 rank 16), ``--batch`` rows spread over ``--slots`` adapters (roun
 decode batch is). Variants take turns, best of ``--rounds``: the per-slot loop the op used to be
 (index_select, two matmuls, index_add per slot), the torch default of ``ModelOps.lora_add`` (one gather,
 two matmuls per segment, one scatter-add), and the CPU platform's C++ kernel when it is built. Also
-the base product of the same layers (``F.linear``), to put the LoRA time in proportion.
+the base product of the same layers (``F.linear``), to put the LoRA time in proportion. Timed in
+this process's CPU seconds (``time.process_time``, all threads; run with OMP_WAIT_POLICY=PASSIVE), which
+other tenants of a shared machine barely inflate; ``--threads 1`` compares the kernels' own speed.
 
-    python benchmarks/lora_op.py [--batch 64] [--slots 4] [--rank 16] [--rounds 5] [--threads 2]
+    python benchmarks/lora_op.py [--batch 64] [--slots 4] [--rank 16] [--rounds 5] [--threads 1]
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--num-layers", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     gen = torch.Generator().manual_seed(0)
@@ -77,12 +79,12 @@ def main() -> None:
     best = {k: float("inf") for k in variants}
     for _ in range(a.rounds):
         for name, fn in variants.items():
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             for layer in layers:
                 fn(*layer)
-            best[name] = min(best[name], time.perf_counter() - t0)
+            best[name] = min(best[name], time.process_time() - t0)
     print(json.dumps({"batch": a.batch, "slots": a.slots, "rank": a.rank, "layers": len(layers),
-                      "threads": a.threads, "ms_per_step": {k: round(v * 1e3, 2) for k, v in best.items()},
+                      "threads": a.threads, "cpu_ms_per_step": {k: round(v * 1e3, 2) for k, v in best.items()},
                       "over_base_linear": {k: round(v / best["base_linear"], 3) for k, v in best.items()}}, indent=2))
 
 

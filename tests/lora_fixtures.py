@@ -66,7 +66,7 @@ def _op_layer(ops, dtype) -> LoRALayer:
     return layer
 
 
-def _op_reference(x: torch.Tensor, y: torch.Tensor, token_slots: list[int]) -> torch.Tensor:
+def op_reference(x: torch.Tensor, y: torch.Tensor, token_slots: list[int]) -> torch.Tensor:
     want = y.double().clone()
     for t, s in enumerate(token_slots):
         if s < 0:
@@ -91,4 +91,4 @@ def op_case(ops, dtype: torch.dtype, token_slots: list[int]):
     y = torch.randn(len(token_slots), OUT, generator=gen).to(dtype)
     layer = _op_layer(ops, dtype)
     layer.slots.mapping = build_mapping(np.array(token_slots), len(OP_ADAPTERS), "cpu")
-    return layer, x, y, _op_reference(x, y, token_slots)
+    return layer, x, y, op_reference(x, y, token_slots)

@@ -25,6 +25,8 @@ class ModelOps:
     """Torch reference implementations; every method returns new tensors or documents what it mutates."""
 
     name = "torch"
+    # lora_add reads the step's LoRAMapping from its device tensors only (a captured graph may replay it).
+    lora_graph_safe = False
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                state: dict) -> torch.Tensor:
@@ -76,6 +78,9 @@ class ModelOps:
         layer); ``mapping`` (``vllite_core.lora.mapping``) groups the step's adapted rows by slot. Row t of
         slot s gets ``x[t] @ lora_a[s].T @ lora_b[s]``. Here: one gather, one shrink and one expand per
         active slot on its contiguous segment, one scatter-add."""
+        if mapping.static:
+            raise RuntimeError("lora_add: a graph's mapping needs an op that reads only its device tensors "
+                               "(lora_graph_safe)")
         order, identity = mapping.order, mapping.identity
         xs = x if identity else x.index_select(0, order)
         delta = y.new_empty(xs.shape[0], y.shape[1])

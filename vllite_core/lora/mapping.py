@@ -5,6 +5,10 @@ Built once per step by the runner (never per layer): the adapted tokens' indices
 and one expand per segment (or one fused kernel over all of them) instead of a loop over requests.
 Host lists serve the torch path and the CPU kernel; the per-slot ``seg_start`` / ``seg_len`` tensors
 (fixed size ``max_loras``) serve device kernels, whose grid then does not depend on the step.
+
+A captured decode graph reads a ``static`` mapping instead: buffers made once per captured batch size
+and refilled in place before every replay (``fill_static``); only its device tensors are current, so
+only ops that read nothing else (``ModelOps.lora_graph_safe``) may run under a graph.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ class LoRAMapping:
     starts: list[int]  # len(slots) + 1: slot slots[i]'s tokens are order[starts[i]:starts[i + 1]]
     seg_start: torch.Tensor  # int32 [max_loras]: each slot's first position in ``order`` (0 when inactive)
     seg_len: torch.Tensor  # int32 [max_loras]: its token count (0 when inactive)
+    static: bool = False  # a captured graph's buffers: order has num_tokens entries, host lists are not current
 
     @property
     def segments(self) -> list[tuple[int, int, int]]:
@@ -48,3 +53,21 @@ def build_mapping(token_slots: np.ndarray, max_loras: int, device: torch.device 
         num_tokens=len(token_slots), order=torch.as_tensor(order, device=device), identity=identity,
         slots=slots.tolist(), starts=[*first.tolist(), len(order)],
         seg_start=torch.as_tensor(seg_start, device=device), seg_len=torch.as_tensor(seg_len, device=device))
+
+
+def static_mapping(num_tokens: int, max_loras: int, device: torch.device | str) -> LoRAMapping:
+    """The buffers a decode graph of ``num_tokens`` rows is captured with (no row adapted until filled)."""
+    return LoRAMapping(
+        num_tokens=num_tokens, order=torch.zeros(num_tokens, dtype=torch.int64, device=device), identity=False,
+        slots=list(range(max_loras)), starts=[], seg_start=torch.zeros(max_loras, dtype=torch.int32, device=device),
+        seg_len=torch.zeros(max_loras, dtype=torch.int32, device=device), static=True)
+
+
+def fill_static(dst: LoRAMapping, src: LoRAMapping | None) -> None:
+    """Write the step's mapping (``src``; None: no adapted row) into a graph's buffers, in place."""
+    if src is None:
+        dst.seg_len.zero_()
+        return
+    dst.order[:src.order.shape[0]].copy_(src.order, non_blocking=True)
+    dst.seg_start.copy_(src.seg_start, non_blocking=True)
+    dst.seg_len.copy_(src.seg_len, non_blocking=True)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from vllite_core.lora.adapter import LoRAAdapter
-from vllite_core.lora.mapping import LoRAMapping, build_mapping
+from vllite_core.lora.mapping import LoRAMapping, build_mapping, fill_static, static_mapping
 from vllite_core.model_ops import current_model_ops
 
 
@@ -38,7 +38,7 @@ class LoRALayer:
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         m = self.slots.mapping
-        if m is None or not any(self.rank[s] for s in m.slots):
+        if m is None or (not m.static and not any(self.rank[s] for s in m.slots)):
             return y
         return self.ops.lora_add(y, x, self.lora_a, self.lora_b, self.rank, m)
 
@@ -79,6 +79,7 @@ class LoRASlots:
             mod.lora = layer
             self.layers.append(layer)
         self.loads = 0
+        self.static: dict[int, LoRAMapping] = {}  # captured decode batch size -> its graph's mapping buffers
 
     def activate(self, adapters: list[LoRAAdapter]) -> dict[int, int]:
         """Make every adapter of the step resident (at most ``max_loras``); lora_int_id -> slot."""
@@ -117,6 +118,24 @@ class LoRASlots:
 
     def clear_step(self) -> None:
         self.mapping = None
+
+    # ---- decode graphs: only where every layer's op reads the mapping from device tensors alone -------
+    @property
+    def graph_safe(self) -> bool:
+        return all(getattr(layer.ops, "lora_graph_safe", False) for layer in self.layers)
+
+    def _static(self, batch_size: int) -> LoRAMapping:
+        if batch_size not in self.static:
+            self.static[batch_size] = static_mapping(batch_size, self.max_loras, self.device)
+        return self.static[batch_size]
+
+    def use_static(self, batch_size: int) -> None:
+        """Point the layers at the buffers of the graph of ``batch_size`` rows (captured or replayed)."""
+        self.mapping = self._static(batch_size)
+
+    def fill_static(self, batch_size: int) -> None:
+        """Before a replay: copy this step's mapping (set by ``set_rows``) into that graph's buffers."""
+        fill_static(self._static(batch_size), self.mapping)
 
     def describe(self) -> dict[str, Any]:
         return {"max_loras": self.max_loras, "resident": list(self.slot_of), "loads": self.loads}

@@ -20,6 +20,7 @@ def _pow2_at_least(n: int, floor: int) -> int:
 
 class TritonModelOps(ModelOps):
     name = "triton"
+    lora_graph_safe = True  # the kernels read the mapping from its device tensors; a graph uses the full rank
 
     def __init__(self, block_m: int = 16, block_n: int = 64, block_k: int = 64) -> None:
         self.block_m, self.block_n, self.block_k = block_m, block_n, block_k
@@ -29,13 +30,15 @@ class TritonModelOps(ModelOps):
         if ((x.device.type == "cpu" and not interpreter_enabled()) or x.dim() != 2 or y.stride(-1) != 1
                 or lora_a.stride(-1) != 1 or lora_b.stride(-1) != 1 or not x.dtype == y.dtype == lora_a.dtype):
             return super().lora_add(y, x, lora_a, lora_b, ranks, mapping)
-        sgmv_add(y, x if x.stride(-1) == 1 else x.contiguous(), lora_a, lora_b,
-                    max(ranks[s] for s in mapping.slots), mapping, self.block_m, self.block_n, self.block_k)
+        # Under a graph the slots' ranks may change between replays: every rank row (zero past a slot's own).
+        rank = lora_a.shape[1] if mapping.static else max(ranks[s] for s in mapping.slots)
+        sgmv_add(y, x if x.stride(-1) == 1 else x.contiguous(), lora_a, lora_b, rank, mapping, self.block_m,
+                 self.block_n, self.block_k)
         return y
 
 
 def sgmv_add(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, rank: int,
-                mapping: LoRAMapping, block_m: int = 16, block_n: int = 64, block_k: int = 64) -> None:
+             mapping: LoRAMapping, block_m: int = 16, block_n: int = 64, block_k: int = 64) -> None:
     """``y[t] += x[t] @ lora_a[s, :rank].T @ lora_b[s, :rank]`` for every row t of every slot s of ``mapping``
     (rank rows past a slot's own must be zero): the shrink kernel into a float32 buffer, then the expand."""
     from vllite_triton_kernels.lora_kernels import lora_expand_kernel, lora_shrink_kernel
