@@ -53,27 +53,25 @@ def main() -> None:
             cap = fused * a.rank
             layers.append((torch.randn(a.batch, d_in, generator=gen), torch.randn(d_out, d_in, generator=gen) * 0.02,
                            torch.randn(a.slots, cap, d_in, generator=gen) * 0.02,
-                           torch.randn(a.slots, cap, d_out, generator=gen) * 0.02, [cap] * a.slots))
+                           torch.randn(a.slots, cap, d_out, generator=gen) * 0.02, [cap] * a.slots,
+                           torch.zeros(a.batch, d_out)))  # the base output the update is added to
     m = build_mapping(np.arange(a.batch) % a.slots, a.slots, "cpu")
-    variants = {"base_linear": lambda x, w, la, lb, r: F.linear(x, w),
-                "per_slot_loop": lambda x, w, la, lb, r: per_slot_loop(torch.zeros(x.shape[0], w.shape[0]), x, la, lb,
-                                                                       r, m),
-                "torch_default": lambda x, w, la, lb, r: ModelOps().lora_add(torch.zeros(x.shape[0], w.shape[0]), x,
-                                                                             la, lb, r, m)}
+    variants = {"base_linear": lambda x, w, la, lb, r, y: F.linear(x, w),
+                "per_slot_loop": lambda x, w, la, lb, r, y: per_slot_loop(y, x, la, lb, r, m),
+                "torch_default": lambda x, w, la, lb, r, y: ModelOps().lora_add(y, x, la, lb, r, m)}
     try:
         from vllite_platform_cpu import kernels
         from vllite_platform_cpu.model_ops import CpuModelOps
 
         if kernels.available():
             ops = CpuModelOps(fused=True, packed_linear=False)
-            variants["cpu_kernel"] = lambda x, w, la, lb, r: ops.lora_add(torch.zeros(x.shape[0], w.shape[0]), x,
-                                                                          la, lb, r, m)
+            variants["cpu_kernel"] = lambda x, w, la, lb, r, y: ops.lora_add(y, x, la, lb, r, m)
     except ImportError:
         pass
     ref = None
     for name, fn in variants.items():  # the LoRA variants agree
         if name != "base_linear":
-            out = fn(*layers[0])
+            out = fn(*layers[0][:-1], torch.zeros_like(layers[0][-1]))
             ref = out if ref is None else ref
             assert torch.allclose(out, ref, atol=1e-4), name
     best = {k: float("inf") for k in variants}
