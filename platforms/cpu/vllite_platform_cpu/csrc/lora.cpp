@@ -67,10 +67,6 @@ static inline void expand_block(T* const* yr, const T* b, int64_t n, int64_t r, 
   for (int i = 0; i < M; ++i)
     for (int q = 0; q < NC; ++q) c[i][q] = AVec(0.f);
   for (int64_t j = 0; j < r; ++j) {
-    // B's rows are r interleaved streams advancing NC vectors per block: too many for the hardware
-    // prefetcher when B comes from memory (a decode step reads every adapter's B once), so ask for the
-    // block two ahead.
-    __builtin_prefetch(b + j * n + o + 2 * NC * VL);
     AVec bv[NC];
     for (int q = 0; q < NC; ++q) bv[q] = avec_load(b + j * n + o + q * VL);
     for (int i = 0; i < M; ++i) {
