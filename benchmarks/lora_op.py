@@ -36,6 +36,7 @@ def per_slot_loop(y, x, a, b, ranks, m):
     return y
 
 
+@torch.inference_mode()  # as the engine runs (the CPU kernels leave autograd's cases to torch)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, default=64)
@@ -47,14 +48,15 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     gen = torch.Generator().manual_seed(0)
-    layers = []
-    for _ in range(a.num_layers):
-        for d_in, d_out, fused in LAYERS:
-            cap = fused * a.rank
-            layers.append((torch.randn(a.batch, d_in, generator=gen), torch.randn(d_out, d_in, generator=gen) * 0.02,
-                           torch.randn(a.slots, cap, d_in, generator=gen) * 0.02,
-                           torch.randn(a.slots, cap, d_out, generator=gen) * 0.02, [cap] * a.slots,
-                           torch.zeros(a.batch, d_out)))  # the base output the update is added to
+    # The base weights first, then every adapter tensor, as an engine allocates them (model, then slots).
+    shapes = [(d_in, d_out, fused * a.rank) for _ in range(a.num_layers) for d_in, d_out, fused in LAYERS]
+    base = [(torch.randn(a.batch, d_in, generator=gen), torch.randn(d_out, d_in, generator=gen) * 0.02)
+            for d_in, d_out, _ in shapes]
+    adapters = [(torch.randn(a.slots, cap, d_in, generator=gen) * 0.02,
+                 torch.randn(a.slots, cap, d_out, generator=gen) * 0.02, [cap] * a.slots,
+                 torch.zeros(a.batch, d_out))  # the base output the update is added to
+                for d_in, d_out, cap in shapes]
+    layers = [b + ad for b, ad in zip(base, adapters)]
     m = build_mapping(np.arange(a.batch) % a.slots, a.slots, "cpu")
     variants = {"base_linear": lambda x, w, la, lb, r, y: F.linear(x, w),
                 "per_slot_loop": lambda x, w, la, lb, r, y: per_slot_loop(y, x, la, lb, r, m),
