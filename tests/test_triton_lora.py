@@ -92,7 +92,8 @@ def test_decode_graphs_with_lora_read_each_steps_adapters():
     forward = ModelForward(model, SimpleNamespace(prepare=lambda md: None), 1)
     forward.lora = slots
     config = SimpleNamespace(enforce_eager=False, lora_config=object(),
-                             scheduler_config=SimpleNamespace(max_num_seqs=8), cache_config=SimpleNamespace(calculate_kv_scales=False),
+                             scheduler_config=SimpleNamespace(max_num_seqs=8),
+                             cache_config=SimpleNamespace(calculate_kv_scales=False),
                              model_config=SimpleNamespace(capabilities=SimpleNamespace(is_stateful=False)))
     platform = SimpleNamespace(capture_graphs=lambda fwd, sizes, make_inputs, cfg: capture_runners(
         fwd, sizes, make_inputs, eager_capture))
