@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from lora_fixtures import OP_STEPS, op_case
+from lora_fixtures import OP_ADAPTERS, OP_STEPS, op_case
 
-from vllite_core.lora.mapping import build_mapping
+from vllite_core.lora.mapping import build_mapping, static_mapping
 from vllite_core.model_ops import ModelOps
 
 torch.set_num_threads(2)
@@ -54,3 +54,14 @@ def test_mapping_groups_rows_by_slot():
     assert m.segments == [(0, 0, 2), (2, 2, 4), (3, 4, 5)]
     assert m.seg_start.tolist() == [0, 0, 2, 4] and m.seg_len.tolist() == [2, 0, 2, 1]
     assert build_mapping(np.array([1, 1, 3]), 4, "cpu").identity
+
+
+@pytest.mark.parametrize("ops", _ops())
+def test_static_mapping_needs_a_graph_safe_op(ops):
+    """These ops read the mapping's host lists: under a captured graph they would replay a stale step, so a
+    graph's static mapping is refused (and ModelForward captures nothing for them)."""
+    layer, x, y, _ = op_case(ops, torch.float32, OP_STEPS["mixed"])
+    layer.slots.mapping = static_mapping(x.shape[0], len(OP_ADAPTERS), "cpu")
+    assert not ops.lora_graph_safe
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="lora_graph_safe"):
+        layer(x, y)

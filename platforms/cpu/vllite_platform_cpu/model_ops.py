@@ -148,8 +148,10 @@ class CpuModelOps(ModelOps):
 
     def lora_add(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                  ranks: list[int], mapping: LoRAMapping) -> torch.Tensor:
-        """Every slot's shrink and expand in one C++ call (``csrc/lora.cpp``) instead of ~10 torch ops."""
-        if not (self._rows_ok(x) and self._rows_ok(y) and x.dtype == y.dtype == lora_a.dtype == lora_b.dtype
+        """Every slot's shrink and expand in one C++ call (``csrc/lora.cpp``) instead of ~10 torch ops. It reads
+        the mapping's host lists, so a graph's static mapping goes to the torch default (which refuses it)."""
+        if not (not mapping.static and self._rows_ok(x) and self._rows_ok(y)
+                and x.dtype == y.dtype == lora_a.dtype == lora_b.dtype
                 and x.dtype in _KERNEL_DTYPES and lora_a.is_contiguous() and lora_b.is_contiguous()):
             return super().lora_add(y, x, lora_a, lora_b, ranks, mapping)
         kernels.lora_add(y, x, lora_a, lora_b, mapping.order, mapping.slots, mapping.starts, ranks)
