@@ -3,8 +3,11 @@
 One process, one run: an engine without LoRA and an engine with ``enable_lora`` take turns on
 the same 64 prompts (greedy, ``ignore_eos``); the LoRA engine's batch has 16 requests for each of
 4 random adapters (all seven projections, rank 16, PEFT's file format). Best of ``--rounds`` per
-engine; the ratio is what to read (the machine is shared and noisy). Also the first request with a
-new adapter (load from disk, checks, slot copy) against the same request once it is resident.
+engine; the ratio is what to read (the machine is shared and noisy). Beside wall time, the process's
+CPU seconds (all threads; run with OMP_WAIT_POLICY=PASSIVE so idle threads sleep): other tenants of
+a shared machine stretch wall time but barely the CPU time the work itself takes. Also the first
+request with a new adapter (load from disk, checks, slot copy) against the same request once it is
+resident.
 
     python benchmarks/lora.py [--model PATH] [--batch 64] [--input-len 32] [--output-len 32]
 """
@@ -39,10 +42,11 @@ def write_adapter(path: str, model, rank: int, seed: int) -> None:
                    "bias": "none", "use_rslora": False, "fan_in_fan_out": False}, f)
 
 
-def timed(llm: LLM, prompts, sp, loras) -> tuple[float, int]:
-    t0 = time.perf_counter()
+def timed(llm: LLM, prompts, sp, loras) -> tuple[float, int, float]:
+    """(wall seconds, tokens, this process's CPU seconds: all its threads, what other tenants cannot inflate)."""
+    c0, t0 = time.process_time(), time.perf_counter()
     outs = llm.generate(prompts, sp, lora_request=loras)
-    return time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs)
+    return time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs), time.process_time() - c0
 
 
 def main() -> None:
@@ -72,21 +76,21 @@ def main() -> None:
         reqs.append(LoRARequest(f"a{i}", i + 1, os.path.join(tmp, f"a{i}")))
     # First request with a new adapter vs the same once resident (1 output token).
     one = SamplingParams(temperature=0.0, max_tokens=1)
-    cold, _ = timed(lora, prompts[:1], one, reqs[-1])
-    warm, _ = timed(lora, prompts[:1], one, reqs[-1])
+    cold = timed(lora, prompts[:1], one, reqs[-1])[0]
+    warm = timed(lora, prompts[:1], one, reqs[-1])[0]
     disk_load = lora.llm_engine.lora_registry.load_times[reqs[-1].lora_name]
     mixed_loras = [reqs[i % a.num_adapters] for i in range(a.batch)]
     timed(base, prompts[:4], sp, None)  # warm-up both
     timed(lora, prompts[:4], sp, mixed_loras[:4])
-    best = {"base": float("inf"), "lora_engine_base_only": float("inf"), "mixed": float("inf")}
+    runs = {"base": (base, None), "lora_engine_base_only": (lora, None), "mixed": (lora, mixed_loras)}
+    best = {k: float("inf") for k in runs}
+    best_cpu = {k: float("inf") for k in runs}
     tokens = 0
     for _ in range(a.rounds):
-        t, tokens = timed(base, prompts, sp, None)
-        best["base"] = min(best["base"], t)
-        t, _ = timed(lora, prompts, sp, None)
-        best["lora_engine_base_only"] = min(best["lora_engine_base_only"], t)
-        t, _ = timed(lora, prompts, sp, mixed_loras)
-        best["mixed"] = min(best["mixed"], t)
+        for name, (llm, loras) in runs.items():
+            t, tokens, cpu = timed(llm, prompts, sp, loras)
+            best[name] = min(best[name], t)
+            best_cpu[name] = min(best_cpu[name], cpu)
     tput = {k: tokens / v for k, v in best.items()}
     report = {
         "model": a.model or "SmolLM2-135M-Instruct (embedded)", "dtype": str(model.dtype), "batch": a.batch,
@@ -96,6 +100,8 @@ def main() -> None:
         "overhead_pct": round(100 * (1 - tput["mixed"] / tput["base"]), 1),
         "lora_engine_base_only_over_base": round(tput["lora_engine_base_only"] / tput["base"], 3),
         "mixed_over_lora_engine_base_only": round(tput["mixed"] / tput["lora_engine_base_only"], 3),
+        "cpu_s": {k: round(v, 2) for k, v in best_cpu.items()},
+        "cpu_overhead_pct": round(100 * (best_cpu["mixed"] / best_cpu["base"] - 1), 1),
         "first_request_new_adapter_s": round(cold, 4), "same_request_adapter_resident_s": round(warm, 4),
         "adapter_disk_load_and_check_s": round(disk_load, 4),
     }

@@ -1,6 +1,6 @@
 """Multi-LoRA offline: a batch mixing three PEFT adapters and the base model against peft on HF
 (greedy tokens identical, logprobs within 1e-4), more adapters than slots, the prefix-cache
-identity of adapters, refused adapters, and the segmented ``lora_add`` op."""
+identity of adapters, refused adapters (the op itself: test_lora_ops.py)."""
 from __future__ import annotations
 
 import json
@@ -17,7 +17,6 @@ from vllite_core import LLM, LoRARequest, SamplingParams
 from vllite_core.engine.errors import InvalidRequestError
 from vllite_core.lora.errors import LoRAError
 from vllite_core.lora.request import LoRARequest as LoRARequestDirect
-from vllite_core.model_ops import ModelOps
 
 NEW = 12
 HI = {"prompt_token_ids": [1, 2, 3]}
@@ -186,22 +185,3 @@ def test_lora_request_without_enable_lora(setup):
     llm = LLM(model=str(setup["root"] / "base"), dtype="float32", num_kv_blocks=32)
     with pytest.raises(InvalidRequestError, match="enable_lora"):
         llm.generate(HI, _sp(), lora_request=setup["reqs"]["qv-r4"])
-
-
-def test_lora_add_matches_a_per_row_reference():
-    """The torch default of the op (and so any platform inheriting it): each row gets its slot's update."""
-    torch.manual_seed(0)
-    t, d_in, d_out, slots, r = 10, 8, 6, 3, 4
-    x, y = torch.randn(t, d_in), torch.randn(t, d_out)
-    a, b = torch.randn(slots, r, d_in), torch.randn(slots, d_out, r)
-    token_slot = [0, 2, -1, 2, 0, 0, -1, 2, 2, 0]
-    ranks = {0: 4, 2: 3}
-    want = y.clone()
-    for i, s in enumerate(token_slot):
-        if s >= 0:
-            want[i] += b[s, :, :ranks[s]] @ (a[s, :ranks[s]] @ x[i])
-    groups = [(s, ranks[s], torch.tensor([i for i, v in enumerate(token_slot) if v == s])) for s in ranks]
-    got = ModelOps().lora_add(y.clone(), x, a, b, groups)
-    assert torch.allclose(got, want, atol=1e-5)
-    whole = ModelOps().lora_add(y.clone(), x, a, b, [(1, 2, None)])
-    assert torch.allclose(whole, y + x @ a[1, :2].T @ b[1, :, :2].T, atol=1e-5)

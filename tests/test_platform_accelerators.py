@@ -379,3 +379,20 @@ def test_tpu_memory_from_xla(monkeypatch):
     assert cls().total_memory() == 16 << 30
     runners = cls().capture_graphs(lambda **kw: kw["x"] * 2, [2, 1], lambda bs: {"x": torch.ones(bs)}, VlliteConfig())
     assert sorted(runners) == [1, 2] and runners[2](x=torch.full((2,), 3.0)).tolist() == [6.0, 6.0]
+
+
+@pytest.mark.parametrize("name", ["cuda", "rocm", "xpu"])
+def test_model_ops_follow_the_attention_choice(name, monkeypatch):
+    """Triton attention: TritonModelOps (multi-LoRA's shrink/expand kernels, graph-safe); the SDPA fallback:
+    the torch ops."""
+    from vllite_triton_kernels import TritonModelOps
+
+    from vllite_core.model_ops import ModelOps
+
+    _, cls = load(name)
+    p = cls()
+    monkeypatch.setattr(cls, "attention_choice", lambda self: ("triton", "chosen"))
+    ops = p.model_ops(VlliteConfig())
+    assert isinstance(ops, TritonModelOps) and ops.lora_graph_safe
+    monkeypatch.setattr(cls, "attention_choice", lambda self: ("sdpa", "fallback"))
+    assert type(p.model_ops(VlliteConfig())) is ModelOps

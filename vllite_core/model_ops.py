@@ -12,17 +12,23 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from vllite_core.attention.encoder import PackedPrompts, padded_attention
 
+if TYPE_CHECKING:
+    from vllite_core.lora.mapping import LoRAMapping
+
 
 class ModelOps:
     """Torch reference implementations; every method returns new tensors or documents what it mutates."""
 
     name = "torch"
+    # lora_add reads the step's LoRAMapping from its device tensors only (a captured graph may replay it).
+    lora_graph_safe = False
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                state: dict) -> torch.Tensor:
@@ -92,18 +98,26 @@ class ModelOps:
         return rotate_neox(q, cos, sin), rotate_neox(k, cos, sin)
 
     def lora_add(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                 groups: list[tuple[int, int, torch.Tensor | None]]) -> torch.Tensor:
-        """Multi-LoRA: add each group's low-rank update to the base output ``y`` [T, out] in place and return it.
-        ``lora_a`` [slots, R, in] and ``lora_b`` [slots, out, R] are the stacked adapters; a group
-        ``(slot, rank, idx)`` gives ``y[idx] += x[idx] @ lora_a[slot, :rank].T @ lora_b[slot, :, :rank].T``
-        (``idx`` None: every row). One shrink and one expand per active slot (segmented, not per request)."""
-        for slot, rank, idx in groups:
-            a, b = lora_a[slot, :rank], lora_b[slot, :, :rank]
-            if idx is None:
-                y.add_(F.linear(F.linear(x, a), b))
+                 ranks: list[int], mapping: LoRAMapping) -> torch.Tensor:
+        """Multi-LoRA: add every adapted row's low-rank update to the base output ``y`` [T, out] in place and
+        return it. ``lora_a`` [slots, R, in] and ``lora_b`` [slots, R, out] (B transposed, scaling folded in)
+        are the stacked adapters, zero past each slot's rank ``ranks[slot]`` (0: the slot does not adapt this
+        layer); ``mapping`` (``vllite_core.lora.mapping``) groups the step's adapted rows by slot. Row t of
+        slot s gets ``x[t] @ lora_a[s].T @ lora_b[s]``. Here: one gather, one shrink and one expand per
+        active slot on its contiguous segment, one scatter-add."""
+        if mapping.static:
+            raise RuntimeError("lora_add: a graph's mapping needs an op that reads only its device tensors "
+                               "(lora_graph_safe)")
+        order, identity = mapping.order, mapping.identity
+        xs = x if identity else x.index_select(0, order)
+        delta = y.new_empty(xs.shape[0], y.shape[1])
+        for slot, start, end in mapping.segments:
+            r = ranks[slot]
+            if r == 0:
+                delta[start:end].zero_()
             else:
-                y.index_add_(0, idx, F.linear(F.linear(x.index_select(0, idx), a), b))
-        return y
+                torch.mm(F.linear(xs[start:end], lora_a[slot, :r]), lora_b[slot, :r], out=delta[start:end])
+        return y.add_(delta) if identity else y.index_add_(0, order, delta)
 
     # ---- recurrent layers (Mamba and hybrids) -------------------------------------------------
     # A step's tokens arrive flattened; ``query_start_loc`` (host list, R + 1 entries) splits them into the

@@ -1,14 +1,14 @@
-"""Device-side adapter slots and the per-step token grouping the LoRA layers read.
+"""Device-side adapter slots and the per-step token mapping the LoRA layers read.
 
 Every adapted engine layer owns stacked ``lora_a`` [max_loras, R, in] and ``lora_b``
-[max_loras, out, R] tensors (R = max_lora_rank times the projections fused in the layer: 3 for
-qkv, 2 for gate/up). A slot holds one adapter: its projections' A rows packed one after another
-and their B columns placed at each projection's output rows, so one shrink and one expand per
-slot cover the fused layer. Slots are handed out least-recently-used first. Each step the runner
-says which slot every token uses (-1: the base model); the step's groups (slot, token indices) are
-built once and every layer adds ``x[idx] A_s^T B_s^T`` to its base output through the platform's
-``ModelOps.lora_add`` (a loop over the step's active slots, at most ``max_loras``, never over
-requests).
+[max_loras, R, out] (B transposed) tensors (R = max_lora_rank times the projections fused in the
+layer: 3 for qkv, 2 for gate/up). A slot holds one adapter: its projections' A rows packed one after
+another and their B rows placed at each projection's output columns, the rest zero, so one shrink and
+one expand per slot cover the fused layer. B is stored transposed so that a slot's first ``r`` rank
+rows are contiguous in both tensors and the expand is a row update (axpy) per rank. Slots are handed
+out least-recently-used first. Each step the runner says which slot every token uses (-1: the base
+model); the step's ``LoRAMapping`` (tokens grouped by slot) is built once and every layer adds
+``x[t] A_s^T B_s^T`` to its base output through the platform's ``ModelOps.lora_add``.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from vllite_core.lora.adapter import LoRAAdapter
+from vllite_core.lora.mapping import LoRAMapping, build_mapping, fill_static, static_mapping
 from vllite_core.model_ops import current_model_ops
 
 
@@ -31,15 +32,15 @@ class LoRALayer:
         self.key = key
         cap = num_fused * slots.max_lora_rank
         self.lora_a = torch.zeros(slots.max_loras, cap, in_features, dtype=slots.dtype, device=slots.device)
-        self.lora_b = torch.zeros(slots.max_loras, out_features, cap, dtype=slots.dtype, device=slots.device)
+        self.lora_b = torch.zeros(slots.max_loras, cap, out_features, dtype=slots.dtype, device=slots.device)
         self.rank = [0] * slots.max_loras  # packed rank of each slot in this layer (0: not adapted)
         self.ops = ops or current_model_ops()  # the platform's ops the layer was built with
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        groups = [(s, self.rank[s], idx) for s, idx in self.slots.groups if self.rank[s]]
-        if not groups:
+        m = self.slots.mapping
+        if m is None or (not m.static and not any(self.rank[s] for s in m.slots)):
             return y
-        return self.ops.lora_add(y, x, self.lora_a, self.lora_b, groups)
+        return self.ops.lora_add(y, x, self.lora_a, self.lora_b, self.rank, m)
 
     @torch.no_grad()
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
@@ -50,7 +51,7 @@ class LoRALayer:
         for u in ups:
             r = u.lora_a.shape[0]
             self.lora_a[slot, r0:r0 + r].copy_(u.lora_a)
-            self.lora_b[slot, u.out_start:u.out_end, r0:r0 + r].copy_(u.lora_b)
+            self.lora_b[slot, r0:r0 + r, u.out_start:u.out_end].copy_(u.lora_b.T)
             r0 += r
         self.rank[slot] = r0
 
@@ -65,7 +66,7 @@ class LoRASlots:
         self.dtype = dtype
         self.device = device
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, least recently used first
-        self.groups: list[tuple[int, torch.Tensor | None]] = []  # this step: (slot, token indices or None = all)
+        self.mapping: LoRAMapping | None = None  # this step's tokens grouped by slot (None: no adapted token)
         self.layers: list[LoRALayer] = []
         fused: dict[str, int] = {}
         for _, (engine_name, _, _) in model.lora_targets().items():
@@ -78,6 +79,7 @@ class LoRASlots:
             mod.lora = layer
             self.layers.append(layer)
         self.loads = 0
+        self.static: dict[int, LoRAMapping] = {}  # captured decode batch size -> its graph's mapping buffers
 
     def activate(self, adapters: list[LoRAAdapter]) -> dict[int, int]:
         """Make every adapter of the step resident (at most ``max_loras``); lora_int_id -> slot."""
@@ -112,18 +114,28 @@ class LoRASlots:
 
     def set_step(self, token_slots: np.ndarray) -> None:
         """Group the step's tokens by slot (-1: base model, no update)."""
-        self.groups = []
-        active = np.unique(token_slots)
-        active = active[active >= 0]
-        for s in active.tolist():
-            if len(active) == 1 and (token_slots == s).all():
-                self.groups.append((s, None))
-            else:
-                idx = np.nonzero(token_slots == s)[0]
-                self.groups.append((s, torch.as_tensor(idx, device=self.device)))
+        self.mapping = build_mapping(token_slots, self.max_loras, self.device)
 
     def clear_step(self) -> None:
-        self.groups = []
+        self.mapping = None
+
+    # ---- decode graphs: only where every layer's op reads the mapping from device tensors alone -------
+    @property
+    def graph_safe(self) -> bool:
+        return all(getattr(layer.ops, "lora_graph_safe", False) for layer in self.layers)
+
+    def _static(self, batch_size: int) -> LoRAMapping:
+        if batch_size not in self.static:
+            self.static[batch_size] = static_mapping(batch_size, self.max_loras, self.device)
+        return self.static[batch_size]
+
+    def use_static(self, batch_size: int) -> None:
+        """Point the layers at the buffers of the graph of ``batch_size`` rows (captured or replayed)."""
+        self.mapping = self._static(batch_size)
+
+    def fill_static(self, batch_size: int) -> None:
+        """Before a replay: copy this step's mapping (set by ``set_rows``) into that graph's buffers."""
+        fill_static(self._static(batch_size), self.mapping)
 
     def describe(self) -> dict[str, Any]:
         return {"max_loras": self.max_loras, "resident": list(self.slot_of), "loads": self.loads}

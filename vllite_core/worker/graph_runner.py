@@ -41,15 +41,18 @@ class ModelForward:
         self.capture_s: float | None = None
         self.graph_steps = 0
         self.eager_steps = 0
+        self.lora: Any = None  # the runner's LoRASlots when LoRA is on
 
     # ---- set-up ------------------------------------------------------------------------------
     def capture(self, platform: Any, config: Any, kv_caches: list[torch.Tensor], num_groups: int, block_size: int,
                 max_model_len: int, device: torch.device) -> None:
         """Ask the platform for decode runners (nothing under ``enforce_eager``, with several cache groups, with
-        LoRA on: the per-step adapter grouping is not captured, nor with ``calculate_kv_scales``: a capture
-        would measure its dummy batch and bake the scales in, nor for models with a recurrent state: the
-        capture's dummy inputs are attention metadata)."""
-        if (config.enforce_eager or not kv_caches or num_groups != 1 or config.lora_config is not None
+        LoRA on unless every adapted layer's op reads the step's mapping from device tensors alone
+        (``ModelOps.lora_graph_safe``: each graph then reads its own mapping buffers, refilled before each
+        replay), nor with ``calculate_kv_scales``: a capture would measure its dummy batch and bake the
+        scales in, nor for models with a recurrent state: the capture's dummy inputs are attention metadata)."""
+        lora = self.lora if config.lora_config is not None else None
+        if (config.enforce_eager or not kv_caches or num_groups != 1 or (lora is not None and not lora.graph_safe)
                 or config.cache_config.calculate_kv_scales or config.model_config.capabilities.is_stateful):
             return
         sizes = capture_sizes(config.scheduler_config.max_num_seqs)
@@ -58,12 +61,16 @@ class ModelForward:
 
         def forward(input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                     metadata: AttentionMetadata) -> torch.Tensor:
+            if lora is not None:
+                lora.use_static(int(input_ids.shape[0]))
             return model(input_ids, positions, kv_caches, [metadata] * num_layers)
 
         t0 = time.perf_counter()
         runners = platform.capture_graphs(
             forward, sizes, lambda bs: decode_inputs(bs, max_blocks, kv_caches, block_size, device), config)
         self.capture_s = time.perf_counter() - t0
+        if lora is not None:
+            lora.clear_step()
         self.runners = dict(runners or {})
         self.sizes = sorted(self.runners)
         if self.runners:
@@ -84,6 +91,8 @@ class ModelForward:
                         self.attn_backend.prepare(inputs["metadata"])
                     else:
                         inputs = {"input_ids": input_ids, "positions": positions, "metadata": metadata}
+                    if self.lora is not None:
+                        self.lora.fill_static(bs)  # this step's adapters into the graph's mapping buffers
                     hidden = self.runners[bs](kv_caches=kv_caches, **inputs)
                     self.graph_steps += 1
                     return hidden[:n]

@@ -135,6 +135,7 @@ class ModelRunner:
 
             lc = config.lora_config
             self.lora = LoRASlots(model, lc.max_loras, lc.max_lora_rank, dtype, device)
+            self.model_forward.lora = self.lora
         self.proposer = None  # speculative decoding (vllite_core/spec_decode)
         if config.speculative_config is not None:
             from vllite_core.spec_decode.registry import resolve_proposer_factory

@@ -129,6 +129,34 @@ def test_small_linear(name, wdtype, m, k, n):
 
 
 @pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lora_add(name, dtype):
+    """Multi-LoRA: rows grouped by slot in ``order``, each slot its own rank (one not adapting the layer),
+    rows outside every segment untouched; against float64 per-row math on the same (rounded) tensors."""
+    mod = kernels.load_variant(name)
+    g = torch.Generator().manual_seed(7)
+    t, d_in, d_out, cap = 23, 77, 45, 12  # not multiples of any vector width
+    x, y = torch.randn(t, d_in, generator=g).to(dtype), torch.randn(t, d_out, generator=g).to(dtype)
+    a = torch.randn(3, cap, d_in, generator=g).to(dtype)
+    b = (torch.randn(3, cap, d_out, generator=g) * 0.3).to(dtype)
+    ranks = [12, 0, 5]
+    segments = {2: [3, 0, 17, 9, 22, 5], 0: [1, 2, 4, 8, 11, 12, 13, 20, 21], 1: [6, 7]}
+    order = torch.tensor([r for s in sorted(segments) for r in segments[s]])
+    starts = [0, 9, 11, 17]
+    want = y.double().clone()
+    for s, rows in segments.items():
+        r = ranks[s]
+        for row in rows:
+            want[row] += (x[row].double() @ a[s, :r].double().T) @ b[s, :r].double()
+    got = y.clone()
+    mod.lora_add(got, x, a, b, order, [0, 1, 2], starts, ranks)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+    untouched = [r for r in range(t) if r not in segments[0] + segments[2]]
+    assert torch.equal(got[untouched], y[untouched])
+
+
+@pytest.mark.parametrize("name", VARIANTS)
 @pytest.mark.parametrize("m,k,n", [(1, 576, 1536), (5, 576, 49), (64, 100, 7), (200, 64, 33)])
 def test_avx2_gemm(name, m, k, n):
     mod = kernels.load_variant(name)

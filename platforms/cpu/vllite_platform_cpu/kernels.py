@@ -58,7 +58,8 @@ logger = logging.getLogger("vllite.platforms.cpu.kernels")
 # (an editable install not rebuilt since), so the first-use build from these sources takes its place.
 ENTRY_POINTS = ("paged_attention", "avx2_gemm_available", "avx2_gemm_pack", "avx2_gemm", "avx2_gemm_gelu",
                 "small_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary", "quantize_rows_int8",
-                "dequantize_int32", "encoder_attention", "add_layer_norm", "gguf_linear")
+                "dequantize_int32", "encoder_attention", "add_layer_norm", "gguf_linear",
+                "lora_add")
 KERNEL_ENV = "VLLITE_CPU_ATTENTION_KERNEL"  # 0: no C++ kernels (torch ops)
 ISA_ENV = "VLLITE_CPU_ISA"  # the highest variant to use: default, avx2, avx512 or avx512_bf16
 
@@ -322,6 +323,13 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
                    eps: float) -> None:
     """float32 ``x = layer_norm(x + residual) * weight + bias``, in place in ``x``."""
     load().add_layer_norm(x, residual, weight, bias, eps)
+
+
+def lora_add(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, order: torch.Tensor,
+             seg_slots: list[int], seg_starts: list[int], ranks: list[int]) -> None:
+    """Multi-LoRA in place (``csrc/lora.cpp``): ``y[t] += x[t] @ lora_a[s, :r].T @ lora_b[s, :r]`` for the rows
+    ``t`` in ``order[seg_starts[i]:seg_starts[i + 1]]`` of slot ``s = seg_slots[i]``, ``r = ranks[s]``."""
+    load().lora_add(y, x, lora_a, lora_b, order, seg_slots, seg_starts, ranks)
 
 
 def quantize_rows_int8(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> None:

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from vllite_core.attention.encoder import PackedPrompts
+from vllite_core.lora.mapping import LoRAMapping
 from vllite_core.model_ops import ModelOps
 from vllite_core.quantization import quantize_rows_int8
 from vllite_platform_cpu import kernels
@@ -196,6 +197,17 @@ class CpuModelOps(ModelOps):
             return super().rotary(q, k, cos, sin)
         kernels.rotary(q, k, cos, sin)
         return q, k
+
+    def lora_add(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                 ranks: list[int], mapping: LoRAMapping) -> torch.Tensor:
+        """Every slot's shrink and expand in one C++ call (``csrc/lora.cpp``) instead of ~10 torch ops. It reads
+        the mapping's host lists, so a graph's static mapping goes to the torch default (which refuses it)."""
+        if not (not mapping.static and self._rows_ok(x) and self._rows_ok(y)
+                and x.dtype == y.dtype == lora_a.dtype == lora_b.dtype
+                and x.dtype in _KERNEL_DTYPES and lora_a.is_contiguous() and lora_b.is_contiguous()):
+            return super().lora_add(y, x, lora_a, lora_b, ranks, mapping)
+        kernels.lora_add(y, x, lora_a, lora_b, mapping.order, mapping.slots, mapping.starts, ranks)
+        return y
 
     def _rows_ok(self, x: torch.Tensor) -> bool:
         return (self.fused and x.device.type == "cpu" and x.dim() == 2 and x.stride(-1) == 1

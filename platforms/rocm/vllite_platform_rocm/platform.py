@@ -22,6 +22,7 @@ from vllite_core.platforms.interface import Detection, Platform
 if TYPE_CHECKING:
     from vllite_core.attention import AttentionBackend
     from vllite_core.config import VlliteConfig
+    from vllite_core.model_ops import ModelOps
 
 logger = logging.getLogger("vllite.platforms.rocm")
 
@@ -175,6 +176,14 @@ class RocmPlatform(Platform):
         from vllite_core.attention.sdpa import SdpaPagedAttention
 
         return SdpaPagedAttention()
+
+    def model_ops(self, config: "VlliteConfig") -> "ModelOps":
+        """Triton's multi-LoRA shrink/expand kernels where attention runs in Triton; torch otherwise."""
+        if self.attention_choice()[0] == "triton":
+            from vllite_triton_kernels import TritonModelOps
+
+            return TritonModelOps()
+        return super().model_ops(config)
 
     # ---- memory and graphs (HIP serves torch.cuda's allocator and graph APIs) -------------
     def determine_available_memory(self, config: "VlliteConfig", profile_run: Callable[[], None]) -> int:

@@ -1,6 +1,6 @@
 // The entry points of every ISA variant of the kernels, as bindings.cpp registers them.
 //
-// attention.cpp, gemm.cpp, pointwise.cpp, quant.cpp, gguf.cpp and encoder.cpp define them inside
+// attention.cpp, gemm.cpp, pointwise.cpp, quant.cpp, gguf.cpp, encoder.cpp and lora.cpp define them inside
 // vllite_cpu::VLLITE_CPU_ISA; the build compiles those files once per variant (vllite_platform_cpu/isa.py),
 // each into its own namespace.
 #pragma once
@@ -8,6 +8,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <vector>
 
 // One variant's functions, declared in the enclosing namespace.
 #define VLLITE_CPU_DECLARE_KERNELS                                                                                  \
@@ -27,9 +28,11 @@
   void rotary(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin);                                          \
   void quantize_rows_int8(at::Tensor q, at::Tensor scale, at::Tensor x);                                            \
   void dequantize_int32(at::Tensor out, at::Tensor acc, at::Tensor x_scale, at::Tensor w_scale,                     \
-                        std::optional<at::Tensor> bias);                                                   \
+                        std::optional<at::Tensor> bias);                                                            \
   void gguf_linear(at::Tensor out, at::Tensor x, int64_t type, at::Tensor qs, at::Tensor d,                         \
-                   std::optional<at::Tensor> m, std::optional<at::Tensor> bias, int64_t gemm_min_rows);
+                   std::optional<at::Tensor> m, std::optional<at::Tensor> bias, int64_t gemm_min_rows);             \
+  void lora_add(at::Tensor y, at::Tensor x, at::Tensor lora_a, at::Tensor lora_b, at::Tensor order,                 \
+                std::vector<int64_t> seg_slots, std::vector<int64_t> seg_starts, std::vector<int64_t> ranks);
 
 namespace vllite_cpu {
 namespace isa_default {
