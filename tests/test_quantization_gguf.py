@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import smollm2_gguf_path
 
+from model_registry.source import default_model_source
 from vllite_core.config import ConfigError
 from vllite_core.model_ops import ModelOps
 from vllite_core.quantization import GGUFWeight, dequantize_gguf
@@ -92,7 +92,7 @@ def test_repack_matches_gguf_quants():
     from model_registry.gguf_blocks import repack
     from model_registry.gguf_file import GGUFFile
 
-    f = GGUFFile(smollm2_gguf_path())
+    f = GGUFFile(default_model_source().gguf_file)
     for name in ("blk.0.attn_q.weight", "blk.3.ffn_down.weight", "token_embd.weight"):
         info = f.tensors[name]
         raw = np.asarray(f.raw(name))[:200]
