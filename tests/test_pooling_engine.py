@@ -195,17 +195,21 @@ def qwen2_classifier(tmp_path_factory):
                                               architectures=["Qwen2ForSequenceClassification"]))
     with torch.no_grad():
         ref = torch.cat([model(torch.tensor([p])).logits for p in PROMPTS])
-    return str(path), ref
+        per_token = model.score(model.model(torch.tensor([PROMPTS[2]])).last_hidden_state)[0]
+    return str(path), ref, per_token
 
 
 def test_qwen2_sequence_classification(qwen2_classifier):
-    path, ref = qwen2_classifier
+    path, ref, per_token = qwen2_classifier
     llm = LLM(path, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     logits = torch.tensor([o.outputs.probs for o in llm.classify(prompts, PoolingParams(activation=False))])
     assert (logits - ref).abs().max() <= 1e-5
     probs = torch.tensor([o.outputs.probs for o in llm.classify(prompts)])
     assert (probs - ref.softmax(-1)).abs().max() <= 1e-5
+    # Per-token logits (a 40-token prompt in 16-token chunks), activated per token as classify does.
+    tokens = llm.encode(prompts[2], pooling_task="token_classify")[0].outputs.data
+    assert (tokens - per_token.softmax(-1)).abs().max() <= 1e-5
     with pytest.raises(InvalidRequestError) as e:
         llm.embed(prompts[:1])
     assert e.value.param == "task"
@@ -251,6 +255,9 @@ def test_bert_cross_encoder_score_and_classify(bert_cross_encoder):
     with torch.no_grad():
         one = model(**tok(PAIRS[1][1], return_tensors="pt")).logits[0]
     assert llm.classify([PAIRS[1][1]])[0].outputs.probs == pytest.approx(one.sigmoid().tolist(), abs=1e-5)
+    with pytest.raises(InvalidRequestError) as e:  # its head reads the pooled [CLS] state, not each token
+        llm.encode([PAIRS[1][1]], pooling_task="token_classify")
+    assert e.value.param == "task"
 
 
 def test_runner_and_convert_choices():
