@@ -184,6 +184,19 @@ def test_qwen2_token_embed_chunked_with_prefix_cache(qwen2_path, qwen2_token_ref
     assert (normed - F.normalize(qwen2_token_ref[-1], dim=-1)).abs().max() <= 1e-5
 
 
+def test_qwen2_token_embed_preempted(qwen2_path, qwen2_token_ref):
+    """A per-token request preempted mid-prompt drops the rows it kept and computes its prompt again."""
+    llm = LLM(qwen2_path[0], runner="pooling", dtype="float32", num_kv_blocks=6, max_num_batched_tokens=32,
+              long_prefill_token_threshold=8, max_num_partial_prefills=4)
+    prompts = TOKEN_PROMPTS + [FRESH]
+    outs = llm.encode([{"prompt_token_ids": p} for p in prompts], PoolingParams(normalize=False),
+                      pooling_task="token_embed")
+    assert llm.llm_engine.get_stats().num_preemptions_total > 0
+    for o, ref in zip(outs, qwen2_token_ref):
+        assert (o.outputs.data - ref).abs().max() <= 1e-5
+    assert not llm.llm_engine.core.worker.runner.token_rows
+
+
 # ---- sequence classification ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
