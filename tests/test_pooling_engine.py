@@ -136,6 +136,67 @@ def test_qwen2_embedding_chunked(qwen2_path):
     assert (torch.tensor([o.outputs.embedding for o in raw]) - ref).abs().max() <= 1e-5
 
 
+# ---- per-token pooling (token_embed) with chunked prefill and the prefix cache --------------------------
+
+SHARED = [(11 * j) % 400 + 9 for j in range(32)]  # two full blocks (block size 16)
+TOKEN_PROMPTS = [SHARED + [(5 * i + j) % 300 + 50 for j in range(n)] for i, n in enumerate((3, 21, 9))]
+FRESH = [(13 * j) % 450 + 7 for j in range(40)]  # computed first by a per-token request
+
+
+@pytest.fixture(scope="module")
+def qwen2_token_ref(qwen2_path):
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(qwen2_path[0], torch_dtype=torch.float32).eval()
+    with torch.no_grad():  # HF's final normed hidden state of every prompt token
+        return [model(torch.tensor([p])).last_hidden_state[0] for p in TOKEN_PROMPTS + [FRESH]]
+
+
+def test_qwen2_token_embed_chunked_with_prefix_cache(qwen2_path, qwen2_token_ref):
+    """Per-token requests are chunked (budget 16 splits every prompt) and take no prefix hits, while
+    last-token requests in the same batch hit the shared prefix, and later ones hit blocks that only a
+    per-token request computed."""
+    llm = LLM(qwen2_path[0], runner="pooling", dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16)
+    engine = llm.llm_engine
+    assert engine.config.scheduler_config.enable_chunked_prefill and engine.config.cache_config.enable_prefix_caching
+    tok, last = PoolingParams(normalize=False, task="token_embed"), PoolingParams(normalize=False, task="embed")
+    engine.add_request("warm", {"prompt_token_ids": TOKEN_PROMPTS[0]}, last)  # caches the shared prefix
+    llm._run(["warm"], False)
+    ids = []
+    for i, p in enumerate(TOKEN_PROMPTS):
+        ids += [engine.add_request(f"all{i}", {"prompt_token_ids": p}, tok),
+                engine.add_request(f"last{i}", {"prompt_token_ids": p}, last)]
+    outs = {o.request_id: o for o in llm._run(ids, False)}
+    for i, p in enumerate(TOKEN_PROMPTS):
+        every, one, ref = outs[f"all{i}"], outs[f"last{i}"], qwen2_token_ref[i]
+        assert every.num_cached_tokens == 0 and one.num_cached_tokens >= len(SHARED)
+        assert every.pooling_output.shape == ref.shape
+        assert (every.pooling_output - ref).abs().max() <= 1e-5
+        assert (one.pooling_output - ref[-1]).abs().max() <= 1e-5
+    fresh = llm.encode([{"prompt_token_ids": FRESH}], PoolingParams(normalize=False), pooling_task="token_embed")
+    assert (fresh[0].outputs.data - qwen2_token_ref[-1]).abs().max() <= 1e-5
+    engine.add_request("after", {"prompt_token_ids": FRESH}, last)
+    after = llm._run(["after"], False)[0]
+    assert after.num_cached_tokens == 32
+    assert (after.pooling_output - qwen2_token_ref[-1][-1]).abs().max() <= 1e-5
+    # Each token's embedding normalised on its own (the default for an embedding model).
+    normed = llm.encode([{"prompt_token_ids": FRESH}], pooling_task="token_embed")[0].outputs.data
+    assert (normed - F.normalize(qwen2_token_ref[-1], dim=-1)).abs().max() <= 1e-5
+
+
+def test_qwen2_token_embed_preempted(qwen2_path, qwen2_token_ref):
+    """A per-token request preempted mid-prompt drops the rows it kept and computes its prompt again."""
+    llm = LLM(qwen2_path[0], runner="pooling", dtype="float32", num_kv_blocks=6, max_num_batched_tokens=32,
+              long_prefill_token_threshold=8, max_num_partial_prefills=4)
+    prompts = TOKEN_PROMPTS + [FRESH]
+    outs = llm.encode([{"prompt_token_ids": p} for p in prompts], PoolingParams(normalize=False),
+                      pooling_task="token_embed")
+    assert llm.llm_engine.get_stats().num_preemptions_total > 0
+    for o, ref in zip(outs, qwen2_token_ref):
+        assert (o.outputs.data - ref).abs().max() <= 1e-5
+    assert not llm.llm_engine.core.worker.runner.token_rows
+
+
 # ---- sequence classification ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -147,17 +208,21 @@ def qwen2_classifier(tmp_path_factory):
                                               architectures=["Qwen2ForSequenceClassification"]))
     with torch.no_grad():
         ref = torch.cat([model(torch.tensor([p])).logits for p in PROMPTS])
-    return str(path), ref
+        per_token = model.score(model.model(torch.tensor([PROMPTS[2]])).last_hidden_state)[0]
+    return str(path), ref, per_token
 
 
 def test_qwen2_sequence_classification(qwen2_classifier):
-    path, ref = qwen2_classifier
+    path, ref, per_token = qwen2_classifier
     llm = LLM(path, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     logits = torch.tensor([o.outputs.probs for o in llm.classify(prompts, PoolingParams(activation=False))])
     assert (logits - ref).abs().max() <= 1e-5
     probs = torch.tensor([o.outputs.probs for o in llm.classify(prompts)])
     assert (probs - ref.softmax(-1)).abs().max() <= 1e-5
+    # Per-token logits (a 40-token prompt in 16-token chunks), activated per token as classify does.
+    tokens = llm.encode(prompts[2], pooling_task="token_classify")[0].outputs.data
+    assert (tokens - per_token.softmax(-1)).abs().max() <= 1e-5
     with pytest.raises(InvalidRequestError) as e:
         llm.embed(prompts[:1])
     assert e.value.param == "task"
@@ -203,6 +268,9 @@ def test_bert_cross_encoder_score_and_classify(bert_cross_encoder):
     with torch.no_grad():
         one = model(**tok(PAIRS[1][1], return_tensors="pt")).logits[0]
     assert llm.classify([PAIRS[1][1]])[0].outputs.probs == pytest.approx(one.sigmoid().tolist(), abs=1e-5)
+    with pytest.raises(InvalidRequestError) as e:  # its head reads the pooled [CLS] state, not each token
+        llm.encode([PAIRS[1][1]], pooling_task="token_classify")
+    assert e.value.param == "task"
 
 
 def test_runner_and_convert_choices():

@@ -110,8 +110,10 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.first_scheduled_time: float | None = None  # time.monotonic() of the first schedule
-        # Prompt logprobs are never served from the cache: recompute the whole prompt.
-        self.skip_prefix_cache = self.sampling_params.prompt_logprobs is not None
+        # Prompt logprobs and per-token pooling are never served from the cache: recompute the whole prompt
+        # (its full blocks are still cached for later requests).
+        self.skip_prefix_cache = (self.sampling_params.prompt_logprobs is not None
+                                  or bool(getattr(self.pooling_params, "per_token", False)))
         # Owned by the KV cache manager: blocks per cache group, and how many of each are indexed.
         self.kv_blocks: list[list[KVCacheBlock]] = []
         self.num_cached_blocks: list[int] = []

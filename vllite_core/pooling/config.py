@@ -29,13 +29,15 @@ class PoolerConfig:
 
     @property
     def supported_tasks(self) -> tuple[str, ...]:
-        return TASKS_OF[self.task]
+        # Per-token logits need a head that maps each token alone: a causal model's score head.
+        token = {"embed": ("token_embed",), "classify": () if self.bidirectional else ("token_classify",)}
+        return TASKS_OF[self.task] + token.get(self.task, ())
 
     @property
     def needs_whole_prompt(self) -> bool:
-        """Only a causal model pooling its last token can be chunked or served from the prefix cache:
-        the last chunk holds that token's state, and cached blocks only skip earlier tokens."""
-        return self.bidirectional or self.pooling_type != "LAST"
+        """A causal model pooling its last token or every token can be chunked: the runner keeps each chunk's
+        rows until the prompt is complete (ALL), or the last chunk holds the pooled state (LAST)."""
+        return self.bidirectional or self.pooling_type not in ("LAST", "ALL")
 
 
 def _read_json(path: Path) -> Any:
@@ -98,4 +100,8 @@ def apply_pooling_rules(config: Any, pooler: PoolerConfig) -> None:
         logger.warning("pooling model with %s needs every prompt in one step: chunked prefill and prefix caching "
                        "are turned off", why)
         sc.enable_chunked_prefill = False
+        cc.enable_prefix_caching = False
+    elif pooler.pooling_type == "ALL" and cc.enable_prefix_caching:
+        # Every request wants each token's state, which a cache hit skips: lookups would never be used.
+        logger.warning("pooling model with ALL pooling: prefix caching is turned off")
         cc.enable_prefix_caching = False

@@ -4,8 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-PoolingTask = Literal["embed", "classify", "score", "reward", "encode"]
-POOLING_TASKS = ("embed", "classify", "score", "reward", "encode")
+PoolingTask = Literal["embed", "classify", "score", "reward", "encode", "token_embed", "token_classify"]
+POOLING_TASKS = ("embed", "classify", "score", "reward", "encode", "token_embed", "token_classify")
+# Tasks answered per prompt token (vLLM's names): ALL pooling for that request, whatever the model's type.
+TOKEN_TASKS = ("token_embed", "token_classify")
 
 
 @dataclass
@@ -13,7 +15,8 @@ class PoolingParams:
     """``truncate_prompt_tokens``: keep only the last k prompt tokens (-1: max_model_len);
     ``dimensions``: matryoshka truncation of an embedding (then normalised); ``normalize``: L2-normalise an
     embedding (None: the model's default); ``activation``: softmax / sigmoid on class logits (None: yes for
-    classify and score, no for reward); ``task``: set by ``LLM.embed`` etc. (None: the model's first)."""
+    classify and score, no for reward); ``task``: set by ``LLM.embed`` etc. (None: the model's first); ``token_embed`` /
+    ``token_classify`` ask for one embedding / logits row per prompt token."""
 
     truncate_prompt_tokens: int | None = None
     dimensions: int | None = None
@@ -32,6 +35,11 @@ class PoolingParams:
             raise InvalidRequestError("dimensions", f"must be a positive integer, got {d!r}")
         if self.task is not None and self.task not in POOLING_TASKS:
             raise InvalidRequestError("task", f"must be one of {', '.join(POOLING_TASKS)}, got {self.task!r}")
+
+    @property
+    def per_token(self) -> bool:
+        """Its result has one row per prompt token: no prefix-cache hits (cached tokens' states are not kept)."""
+        return self.task in TOKEN_TASKS
 
     def with_task(self, task: PoolingTask) -> "PoolingParams":
         import dataclasses

@@ -2,6 +2,7 @@
 activation) that turns a model's raw pooled output into what the task returns."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ def finish(raw: torch.Tensor, params: PoolingParams, cfg: PoolerConfig) -> torch
     """The request's result on the host, in float32."""
     x = raw.float()
     task = params.task or cfg.task
+    task = {"token_embed": "embed", "token_classify": "classify"}.get(task, task)  # each row as that task
     if task == "encode" and cfg.task == "embed":  # an embedding model's pooled output is its embedding
         task = "embed"
     if task == "embed":
@@ -51,8 +53,15 @@ def finish(raw: torch.Tensor, params: PoolingParams, cfg: PoolerConfig) -> torch
     return x.cpu()
 
 
-def pooled_outputs(model: Any, cfg: PoolerConfig, hidden: torch.Tensor, segments: list[tuple[str, int, int]],
-                   params: dict[str, PoolingParams]) -> dict[str, torch.Tensor]:
-    """``segments``: (request id, first row, rows) of each request whose prompt ends in this step."""
-    raw = model.pool([hidden[start:start + n] for _, start, n in segments], cfg)
-    return {rid: finish(r, params[rid], cfg) for (rid, _, _), r in zip(segments, raw)}
+def pooled_outputs(model: Any, cfg: PoolerConfig, segments: list[tuple[str, torch.Tensor]],
+                   params: dict[str, PoolingParams], per_token: set[str]) -> dict[str, torch.Tensor]:
+    """``segments``: (request id, its hidden rows) of each request whose prompt ends in this step (the whole
+    prompt for the requests in ``per_token``, pooled with ALL whatever the model's type)."""
+    out: dict[str, torch.Tensor] = {}
+    for all_tokens in (False, True):
+        group = [(rid, h) for rid, h in segments if (rid in per_token) == all_tokens]
+        if group:
+            how = dataclasses.replace(cfg, pooling_type="ALL") if all_tokens else cfg
+            raw = model.pool([h for _, h in group], how)
+            out.update({rid: finish(r, params[rid], cfg) for (rid, _), r in zip(group, raw)})
+    return out

@@ -24,7 +24,7 @@ def check_task(engine: Any, params: PoolingParams) -> str:
         raise InvalidRequestError("task", f"{task} is not supported by this model, whose task is {cfg.task} "
                                   f"(it serves {', '.join(cfg.supported_tasks)})")
     if params.dimensions is not None:
-        if task != "embed":
+        if task not in ("embed", "token_embed"):
             raise InvalidRequestError("dimensions", f"only embeddings take dimensions, not {task}")
         hidden = int(engine.core.model_info.hf_config.hidden_size)
         if not cfg.is_matryoshka:

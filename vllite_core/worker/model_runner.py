@@ -117,6 +117,9 @@ class ModelRunner:
         self.model_forward = ModelForward(model, attn_backend, len(self.kv_cache_specs))
         self.pooler_config = config.model_config.pooler_config
         self.pooling_params: dict[str, Any] = {}  # of the pooling requests in the batch
+        # Requests pooled per token (ALL): their hidden rows of earlier prompt chunks, until the prompt is complete.
+        self.per_token: set[str] = set()
+        self.token_rows: dict[str, list[torch.Tensor]] = {}
         # Multi-LoRA: adapter slots attached to the model's linear layers (vllite_core/lora/slots.py).
         # Multimodal models: encoder outputs by image content hash (vllite_core/multimodal/runner.py).
         self.encoder_runner = None
@@ -212,8 +215,11 @@ class ModelRunner:
                 self.mrope.remove_request(rid)
             self.generators.pop(rid, None)
             self.pooling_params.pop(rid, None)
+            self.per_token.discard(rid)
+            self.token_rows.pop(rid, None)
         for rid in so.preempted_req_ids:
             b.remove(rid)
+            self.token_rows.pop(rid, None)  # it computes its prompt again from the start
         for new in so.scheduled_new_reqs:
             b.remove(new.req_id)  # resumed after preemption
             p = new.sampling_params
@@ -228,6 +234,9 @@ class ModelRunner:
             b.add(state, new.token_ids, new.block_ids, new.num_computed_tokens, new.num_encoder_tokens)
             if new.pooling_params is not None:
                 self.pooling_params[new.req_id] = new.pooling_params
+                self.token_rows.pop(new.req_id, None)
+                if new.pooling_params.per_token or self.pooler_config.pooling_type == "ALL":
+                    self.per_token.add(new.req_id)
             if enc is not None:
                 enc.add_request(new.req_id, new.mm_features)
             if self.mrope is not None:
@@ -374,8 +383,21 @@ class ModelRunner:
                 keep = torch.as_tensor(np.nonzero(alive)[0], device=inp.logits_indices.device)
                 logits = self.model.compute_logits(hidden[inp.logits_indices[keep]])
 
+    def _keep_token_rows(self, hidden: torch.Tensor, inp: StepInputs, so: SchedulerOutput) -> None:
+        """Per-token pooling requests in the middle of their prompt: keep this chunk's hidden rows (a copy:
+        the step's output buffer is reused)."""
+        assert inp.rows is not None and inp.query_start is not None
+        done = set(inp.sample_rows.tolist())
+        for row, start in zip(inp.rows.tolist(), inp.query_start.tolist()):
+            st = self.batch.states[row]
+            if row in done or st is None or st.req_id not in self.per_token:
+                continue
+            n = so.num_scheduled_tokens[st.req_id]
+            self.token_rows.setdefault(st.req_id, []).append(hidden[start:start + n].clone())
+
     def _pool(self, hidden: torch.Tensor, inp: StepInputs, so: SchedulerOutput, out: ModelRunnerOutput) -> None:
-        """Pooling requests whose prompt ended: the rows they ran in this step are pooled."""
+        """Pooling requests whose prompt ended: the rows they ran in this step are pooled (per-token
+        requests: after the rows kept from their earlier chunks)."""
         from vllite_core.pooling.pooler import pooled_outputs
 
         segments = []
@@ -383,9 +405,14 @@ class ModelRunner:
             st = self.batch.states[row]
             assert st is not None
             n = so.num_scheduled_tokens[st.req_id]
-            segments.append((st.req_id, end + 1 - n, n))
+            rows = hidden[end + 1 - n:end + 1]
+            earlier = self.token_rows.pop(st.req_id, None)
+            if earlier:
+                rows = torch.cat(earlier + [rows])
+            segments.append((st.req_id, rows))
+        cfg, params, per_token = self.pooler_config, self.pooling_params, self.per_token
         try:
-            out.pooler_output = pooled_outputs(self.model, self.pooler_config, hidden, segments, self.pooling_params)
+            out.pooler_output = pooled_outputs(self.model, cfg, segments, params, per_token)
             return
         except Exception as e:  # noqa: BLE001 - a model's pooling fault fails requests, never the engine
             logger.warning("pooling failed for a batch of %d requests (%s: %s); pooling each alone",
@@ -393,8 +420,7 @@ class ModelRunner:
         out.pooler_output = {}
         for seg in segments:  # one request at a time: only the ones that fault fail
             try:
-                out.pooler_output.update(pooled_outputs(self.model, self.pooler_config, hidden, [seg],
-                                                        self.pooling_params))
+                out.pooler_output.update(pooled_outputs(self.model, cfg, [seg], params, per_token))
             except Exception as e:  # noqa: BLE001
                 out.failed[seg[0]] = f"pooling failed: {type(e).__name__}: {e}"
                 logger.warning("request %s failed: %s", seg[0], out.failed[seg[0]])
@@ -438,6 +464,8 @@ class ModelRunner:
             b.num_computed[b.index[rid]] += n
         if inp.prompt_lp:
             self._prompt_logprobs(hidden, inp)
+        if self.per_token:
+            self._keep_token_rows(hidden, inp, so)
         if len(inp.sample_rows) and self.pooler_config is not None:
             self._pool(hidden, inp, so, out)
             return out
