@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from model_registry.models.clip import CLIPVisionTower, Linear, activation
+from model_registry.models.language_model_shell import LanguageModelShell
 from model_registry.models.llama import LlamaForCausalLM, _copy
 from model_registry.models.mm_prompt import image_processor, placeholder_prompt
-from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
-from vllite_core.core.kv_cache_spec import KVCacheSpec
+from vllite_core.attention.backend import AttentionBackend
 from vllite_core.engine.errors import InvalidRequestError
 from vllite_core.inputs import InputContext, ProcessedPrompt
 from vllite_core.model_interfaces import SupportsMultiModalDecoder
@@ -44,7 +44,7 @@ class LlavaProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class LlavaForConditionalGeneration(nn.Module, SupportsMultiModalDecoder):
+class LlavaForConditionalGeneration(LanguageModelShell, nn.Module, SupportsMultiModalDecoder):
     supported_modalities = ("image",)
 
     def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:
@@ -114,22 +114,6 @@ class LlavaForConditionalGeneration(nn.Module, SupportsMultiModalDecoder):
             states = [s[:, 1:] for s in states]
         out = self.multi_modal_projector(torch.cat(states, dim=-1))
         return list(out.unbind(0))
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed_input_ids(input_ids)
-
-    def get_kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> list[KVCacheSpec]:
-        return self.language_model.get_kv_cache_specs(block_size, dtype)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: list[AttentionMetadata], inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.language_model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds=inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden_states)
-
-    def ensure_positions(self, max_model_len: int) -> None:
-        self.language_model.ensure_positions(max_model_len)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """HF names, old (``language_model.model.*``) or new (``model.language_model.*``) layout."""

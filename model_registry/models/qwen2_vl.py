@@ -16,12 +16,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from model_registry.models.language_model_shell import LanguageModelShell
 from model_registry.models.llama import LlamaForCausalLM, _copy
 from model_registry.models.mm_prompt import image_processor, placeholder_prompt
 from model_registry.models.qwen2_vl_vision import Qwen2VisionTransformer
 from model_registry.models.rope import MRotaryEmbedding, rope_parameters
-from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
-from vllite_core.core.kv_cache_spec import KVCacheSpec
+from vllite_core.attention.backend import AttentionBackend
 from vllite_core.engine.errors import InvalidRequestError
 from vllite_core.inputs import InputContext, ProcessedPrompt
 from vllite_core.model_interfaces import SupportsMRoPE, SupportsMultiModalDecoder
@@ -29,7 +29,7 @@ from vllite_core.multimodal.features import MultiModalFeature, expand_placeholde
 from vllite_core.multimodal.images import hash_image
 
 
-class Qwen2VLForConditionalGeneration(nn.Module, SupportsMultiModalDecoder, SupportsMRoPE):
+class Qwen2VLForConditionalGeneration(LanguageModelShell, nn.Module, SupportsMultiModalDecoder, SupportsMRoPE):
     supported_modalities = ("image",)
     v25 = False  # Qwen2.5-VL's vision blocks (RMSNorm, gated MLP, window attention)
 
@@ -115,23 +115,6 @@ class Qwen2VLForConditionalGeneration(nn.Module, SupportsMultiModalDecoder, Supp
         patches = torch.cat([d["pixel_values"] for d in data]).to(dev, self.dtype)
         out = self.visual(patches, grids)
         return list(out.split([t * h * w // self.merge ** 2 for t, h, w in grids]))
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed_input_ids(input_ids)
-
-    def get_kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> list[KVCacheSpec]:
-        return self.language_model.get_kv_cache_specs(block_size, dtype)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: list[AttentionMetadata], inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """``positions`` is [3, T] when the step holds prompt tokens of a request with images, else [T]."""
-        return self.language_model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds=inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden_states)
-
-    def ensure_positions(self, max_model_len: int) -> None:
-        self.language_model.ensure_positions(max_model_len)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """HF names, new (``model.visual.*``, ``model.language_model.*``) or old (``visual.*``, ``model.*``)."""
