@@ -176,7 +176,7 @@ void avx2_gemm_panel(const float* A, int64_t M, int64_t K, const float* panel, f
                      const float* bias, int64_t ncols) {
   using namespace avx2_gemm_impl;
   for (int64_t m = 0; m < M; m += MR)
-    tile_rows(std::min(MR, M - m), A + m * K, K, panel, K, C + m * ldc, ldc, bias, ncols, nullptr);
+    tile_rows(std::min(MR, M - m), A + m * K, K, panel, K, C + m * ldc, ldc, bias, ncols, nullptr, false);
 }
 #endif
 
