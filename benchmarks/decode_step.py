@@ -23,6 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2")
+    ap.add_argument("--quantization", default=None, help="e.g. gguf, int8")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--input-len", type=int, default=128)
@@ -38,6 +39,8 @@ def main() -> None:
     kw = {"model": a.model} if a.model else {}
     if a.threads:
         kw["num_threads"] = a.threads
+    if a.quantization:
+        kw["quantization"] = a.quantization
     llm = LLM(**kw, dtype=a.dtype, max_model_len=a.input_len + a.steps + 16, max_num_seqs=1,
               enable_prefix_caching=False)
     engine = llm.llm_engine
