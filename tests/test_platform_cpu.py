@@ -10,7 +10,7 @@ from vllite_platform_cpu import VLLITE_PLUGIN_API, vllite_register_platforms
 from vllite_platform_cpu.platform import CpuPlatform
 
 from vllite_core.attention import AttentionBackend
-from vllite_core.config import CacheConfig, ConfigError, DeviceConfig, VlliteConfig
+from vllite_core.config import CacheConfig, ConfigError, DeviceConfig, ModelConfig, VlliteConfig
 
 torch.set_num_threads(1)
 GiB = 1 << 30
@@ -65,6 +65,21 @@ def test_kv_cache_dtype_check(cpu):
         cpu.check_and_update_config(VlliteConfig(cache_config=CacheConfig(kv_cache_dtype="int8")))
     with pytest.raises(ConfigError, match="num_threads"):
         cpu.check_and_update_config(VlliteConfig(device_config=DeviceConfig(num_threads=0)))
+
+
+@pytest.mark.parametrize("flags, slow", [({"avx2", "fma"}, True), ({"avx2", "avx_vnni"}, False),
+                                         ({"avx512f", "avx512_vnni"}, False), ({"amx_int8", "amx_tile"}, False)])
+def test_int8_without_vnni_warns(cpu, monkeypatch, caplog, flags, slow):
+    """int8 still runs where the CPU has no int8 dot products, but the user is told it is the slow choice."""
+    monkeypatch.setattr(cpu_mod.pyplatform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(cpu_mod, "cpu_flags", lambda: flags)
+    with caplog.at_level("WARNING", logger="vllite"):
+        cpu.check_and_update_config(VlliteConfig(model_config=ModelConfig(quantization="int8")))
+        cpu.check_and_update_config(VlliteConfig(model_config=ModelConfig(quantization="gguf")))
+    warned = [r for r in caplog.records if "int8" in r.getMessage()]
+    assert len(warned) == (1 if slow else 0)
+    if slow:
+        assert "VNNI" in warned[0].getMessage() and "gguf" in warned[0].getMessage()
 
 
 def test_memory_explicit_size_skips_profiling(cpu):
