@@ -276,11 +276,17 @@ def test_sources_ship_in_the_package():
     assert {isa.BINDINGS_SOURCE, *isa.KERNEL_SOURCES, "common.h", "kernels.h"} <= files
 
 
-def test_first_use_build_is_keyed_by_the_environment(monkeypatch):
+def test_first_use_build_is_keyed_by_the_environment(monkeypatch, tmp_path):
     v = isa.get("default")
     here = kernels._build_name(v)
     assert here == kernels._build_name(v) and here.startswith("vllite_cpu_default_")
     assert kernels._build_name(isa.get("avx2")) != here
+    # Another checkout with equal sources (a git worktree) gets its own folder: torch's build file names the
+    # sources by path, so a shared folder would be rewritten and recompiled on every start from either one.
+    copy = shutil.copytree(kernels.csrc_dir(), tmp_path / "csrc")
+    monkeypatch.setattr(kernels, "csrc_dir", lambda: str(copy))
+    assert kernels._build_name(v) != here
+    monkeypatch.undo()
     monkeypatch.setattr(sys, "prefix", sys.prefix + "-another-venv")
     assert kernels._build_name(v) != here
 

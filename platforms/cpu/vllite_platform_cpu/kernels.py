@@ -147,8 +147,11 @@ def _isa_cap() -> str | None:
 
 
 def _build_name(v: isa.Variant) -> str:
-    """The first-use build's name (and folder): what it is built from and for which environment."""
-    parts = [v.name, *isa.variant_flags(v), *isa.LINK_FLAGS, torch.__version__, sys.version, sys.prefix]
+    """The first-use build's name (and folder): what it is built from, where from, and for which environment.
+    The source folder is part of it because torch's build file names the sources by path: two checkouts
+    with equal sources sharing one folder would each rewrite it and recompile on every start."""
+    parts = [v.name, *isa.variant_flags(v), *isa.LINK_FLAGS, torch.__version__, sys.version, sys.prefix,
+             os.path.realpath(csrc_dir())]
     for src in (isa.BINDINGS_SOURCE, *isa.KERNEL_SOURCES, "common.h", "kernels.h"):
         with open(os.path.join(csrc_dir(), src), "rb") as f:
             parts.append(hashlib.sha256(f.read()).hexdigest())
