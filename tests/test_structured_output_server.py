@@ -17,7 +17,8 @@ pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
 ENGINE = ["--dtype", "float32", "--max-model-len", "1024", "--num-kv-blocks", "128", "--num-threads", "2",
-          "--structured-outputs-backend", "auto", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+          "--structured-outputs-backend", "auto", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+          "--jump-forward"]
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
           "required": ["name", "age"], "additionalProperties": False}
@@ -157,6 +158,24 @@ def test_invalid_schema_names_each_backend_and_server_still_serves(client, serve
     assert "xgrammar:" in msg and "guidance:" in msg and "outlines:" in msg
     ok = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4)
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def _jumped(server) -> float:
+    text = httpx.get(server + "/metrics", timeout=30).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllite:jump_forward_tokens"))
+
+
+def test_jump_forward_tokens_are_counted_in_metrics(client, server):
+    """The server runs with --jump-forward (so every structured test above runs through it); a schema with a
+    long constant key forces tokens, and /metrics counts them."""
+    before = _jumped(server)
+    schema = {"type": "object", "properties": {"temperature_in_degrees_celsius": {"type": "integer"}},
+              "required": ["temperature_in_degrees_celsius"], "additionalProperties": False}
+    r = client.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": schema}})
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    assert _jumped(server) > before
 
 
 def test_auto_tool_choice_needs_the_flags():

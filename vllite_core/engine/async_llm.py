@@ -88,6 +88,7 @@ class EngineSnapshot:
     prefix_cache_hits: int = 0
     spec_decoding: Any = None  # vllite_core.spec_decode.metrics.SpecDecodingStats; None: speculation off
     mm_cache: Any = None  # vllite_core.multimodal.encoder_cache.EncoderCacheStats; None: text-only model
+    num_jump_forward_tokens: int = 0  # structured output tokens appended without sampling (jump-forward)
 
 
 @dataclass
@@ -476,7 +477,8 @@ class AsyncLLM:
         kv = core.kv_cache_manager
         self.snapshot = EngineSnapshot(s.num_running, s.num_waiting, s.kv_cache_usage, kv.get_num_free_blocks(),
                                        kv.num_usable_blocks, s.num_preemptions_total, s.prefix_cache_queries,
-                                       s.prefix_cache_hits, s.spec_decoding, s.mm_cache)
+                                       s.prefix_cache_hits, s.spec_decoding, s.mm_cache,
+                                       s.num_jump_forward_tokens)
 
     def _apply(self, cmds: list[_Add | _Abort]) -> list[tuple[str, BaseException]]:
         failed = []

@@ -138,6 +138,9 @@ class _EngineCollector(Collector):
                                   s.mm_cache.hits)
             yield from self._both(c, "mm_cache_evictions", "Encoder outputs evicted to make room.",
                                   s.mm_cache.evictions, vllm=False)
+        if self.engine.engine.config.structured_outputs_config.jump_forward:
+            yield from self._both(c, "jump_forward_tokens", "Structured output tokens appended without a sampling "
+                                  "step (the grammar allowed exactly one).", s.num_jump_forward_tokens, vllm=False)
         yield self._cache_info()
         loop = CounterMetricFamily("vllite:engine_loop_seconds", "Engine loop wall time by phase "
                                    "(step: LLMEngine.step; other: inbox and hand-off; idle: asleep; "
