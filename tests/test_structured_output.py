@@ -131,6 +131,12 @@ def test_an_explicit_backend_never_falls_back(llm):
                                   eng.eos_token_id, get_plugin_manager())
     with pytest.raises(SamplingParamsError, match="outlines"):
         mgr.select(StructuredOutputsParams(grammar='root ::= "a"'))
+    # outlines-core drops numeric bounds from its regex: refused rather than followed unbounded
+    with pytest.raises(SamplingParamsError, match="outlines: numeric bounds are not enforced .*maximum"):
+        mgr.select(StructuredOutputsParams(json={"type": "object", "properties": {
+            "n": {"type": "integer", "minimum": 0, "maximum": 99}}}))
+    assert mgr.select(StructuredOutputsParams(json={"type": "object", "properties": {
+        "minimum": {"type": "integer"}}})) == "outlines"  # a property named "minimum" is no bound
 
 
 def test_backends_agree_on_allowed_tokens(llm):

@@ -11,12 +11,30 @@ import torch
 from vllite_core.sampling_params import StructuredOutputsParams
 from vllite_core.structured_output.backend import UnsupportedGrammar, choice_regex
 
+# Bounds outlines-core's schema-to-regex drops without a word (0.2.x): a schema with them would be
+# followed unbounded (it wrote 100000000000000 for a maximum of 99), so such a schema is not outlines' to take.
+_NUMERIC_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+
+
+def _numeric_bounds(node: Any) -> list[str]:
+    """The numeric bound keywords anywhere in a schema (a property merely named "minimum" holds a schema,
+    not a number, and does not count)."""
+    if isinstance(node, list):
+        return [k for item in node for k in _numeric_bounds(item)]
+    if not isinstance(node, dict):
+        return []
+    found = [k for k in _NUMERIC_BOUNDS if isinstance(node.get(k), (int, float)) and not isinstance(node.get(k), bool)]
+    return found + [k for v in node.values() for k in _numeric_bounds(v)]
+
 
 def _regex(params: StructuredOutputsParams) -> str:
     from outlines_core.json_schema import build_regex_from_schema
 
     if params.json is not None or params.json_object:
         schema = params.json if params.json is not None else '{"type": "object"}'
+        bounds = _numeric_bounds(json.loads(schema))
+        if bounds:
+            raise UnsupportedGrammar(f"outlines: numeric bounds are not enforced ({', '.join(sorted(set(bounds)))})")
         if params.disable_additional_properties:
             loaded = json.loads(schema)
             if isinstance(loaded, dict):
