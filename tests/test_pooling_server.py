@@ -96,6 +96,20 @@ def test_score_and_rerank_with_embeddings(minilm_server, st_model):
     assert np.abs(np.array(pooled["data"][0]["data"]) - emb[1].numpy()).max() <= 1e-5
 
 
+def test_pooling_route_serves_per_token_embeddings(minilm_server, st_model):
+    """vLLM's ``task`` on /pooling: token_embed gives one normalised row per prompt token (the encoder's
+    token states as sentence-transformers returns them, each normalised as an embedding is)."""
+    ref = st_model.encode(SENTENCES[:2], output_value="token_embeddings")
+    r = httpx.post(minilm_server + "/pooling", json={"input": SENTENCES[:2], "task": "token_embed"}, timeout=60)
+    assert r.status_code == 200, r.text
+    for d, tokens in zip(r.json()["data"], ref):
+        rows = np.array(d["data"], dtype=np.float32)
+        want = torch.nn.functional.normalize(tokens, dim=-1).numpy()
+        assert rows.shape == want.shape and np.abs(rows - want).max() <= 1e-5
+    r = httpx.post(minilm_server + "/pooling", json={"input": "hi", "task": "sing"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "task"
+
+
 @pytest.fixture(scope="module")
 def cross_encoder(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-bert-ce-server")

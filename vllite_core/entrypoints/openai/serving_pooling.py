@@ -47,6 +47,7 @@ class EmbeddingRequest(_PoolingRequest):
 
 class PoolingRequest(_PoolingRequest):
     input: Input
+    task: str | None = None  # vLLM's pooling task; None: "encode" (the model's own pooling)
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Int | None = None
     normalize: bool | None = None
@@ -152,7 +153,7 @@ async def _embeddings(state: ServerState, request: Request, req: EmbeddingReques
 
 async def _pooling(state: ServerState, request: Request, req: PoolingRequest) -> dict:
     params = PoolingParams(truncate_prompt_tokens=req.truncate_prompt_tokens, dimensions=req.dimensions,
-                           normalize=req.normalize, activation=req.activation, task="encode")
+                           normalize=req.normalize, activation=req.activation, task=req.task or "encode")
     cfg = state.engine.engine.config.model_config.pooler_config
     if req.encoding_format == "base64" and cfg is not None and cfg.task != "embed":
         raise bad_request(f"encoding_format: base64 is for embeddings; this model's task is {cfg.task}",
