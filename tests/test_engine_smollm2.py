@@ -9,8 +9,12 @@ from vllite_core import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
 
-LENGTHS = [5, 9, 17, 31, 48, 64, 100, 128, 150, 200, 256, 300, 400, 450, 512, 600]
-NEW_TOKENS = 64
+# Around the 16-token blocks and the 64-token chunks (5, 17, 31, 48, 64, 100, 129), and two long prompts that
+# take several chunks (300, 600; a chunk budget of 256 splits both mid-block). Every decode of NEW_TOKENS crosses
+# at least one block boundary. (The references cost one HF forward per token: more prompts of other lengths or
+# longer decodes would add minutes and no new case.)
+LENGTHS = [5, 9, 17, 31, 48, 64, 100, 129, 300, 600]
+NEW_TOKENS = 32
 
 
 def random_prompts(lengths, seed=0):
@@ -28,6 +32,12 @@ def reference(smollm2_hf, prompts):
     return [hf_greedy(smollm2_hf, p, NEW_TOKENS) for p in prompts]
 
 
+@pytest.fixture(scope="module")
+def default_llm():
+    """One engine with the default configuration for every test that needs no other one."""
+    return LLM(dtype="float32", max_model_len=1024)
+
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
@@ -37,38 +47,42 @@ def run(llm: LLM, prompts):
 
 
 @pytest.mark.parametrize("engine_kwargs", [
-    {},
+    None,
     {"max_num_batched_tokens": 64},
     {"enable_prefix_caching": False},
 ], ids=["default", "chunked-64", "no-prefix-cache"])
-def test_greedy_matches_hf(engine_kwargs, prompts, reference):
-    llm = LLM(dtype="float32", max_model_len=1024, **engine_kwargs)
+def test_greedy_matches_hf(engine_kwargs, prompts, reference, request):
+    if engine_kwargs is None:
+        llm = request.getfixturevalue("default_llm")
+    else:
+        llm = LLM(dtype="float32", max_model_len=1024, **engine_kwargs)
     got = run(llm, prompts)
     for i, (g, r) in enumerate(zip(got, reference)):
         assert g == r, (f"prompt {i} (len {len(prompts[i])}) diverged at "
                         f"{next(j for j in range(len(r)) if g[j] != r[j])}")
 
 
-def test_shared_prefixes_hit_the_cache(smollm2_hf):
+def test_shared_prefixes_hit_the_cache(smollm2_hf, default_llm):
     rs = np.random.RandomState(1)
     prefix = rs.randint(17, 49152, size=300).tolist()
     prompts = [prefix + rs.randint(17, 49152, size=n).tolist() for n in (3, 20, 47, 90)]
-    ref = [hf_greedy(smollm2_hf, p, 24) for p in prompts]
-    llm = LLM(dtype="float32", max_model_len=1024)
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ref = [hf_greedy(smollm2_hf, p, 12) for p in prompts]
+    llm = default_llm  # its earlier prompts share no prefix with these (the hits are counted from here)
+    hits_before = llm.llm_engine.core.stats().prefix_cache_hits
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     first = llm.generate([{"prompt_token_ids": prompts[0]}], params)
     rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params)
     outs = first + rest
     assert [o.outputs[0].token_ids for o in outs] == ref
     stats = llm.llm_engine.core.stats()
-    assert stats.prefix_cache_hits > 0 and stats.prefix_cache_hit_rate > 0
+    assert stats.prefix_cache_hits > hits_before and stats.prefix_cache_hit_rate > 0
     assert all(o.num_cached_tokens >= 288 for o in rest)  # 18 full blocks of the shared prefix
 
 
 def test_staggered_arrivals_match_running_alone(prompts, reference):
     llm = LLM(dtype="float32", max_model_len=1024, max_num_batched_tokens=256)
     engine = llm.llm_engine
-    picks = [0, 5, 9, 15]
+    picks = [0, 5, 8, 9]
     done = {}
     pending = list(picks)
     step = 0
@@ -84,8 +98,8 @@ def test_staggered_arrivals_match_running_alone(prompts, reference):
         assert done[f"r{i}"] == reference[i]
 
 
-def test_chat_and_text(smollm2_hf):
-    llm = LLM(dtype="float32", max_model_len=1024)
+def test_chat_and_text(smollm2_hf, default_llm):
+    llm = default_llm
     tok = llm.get_tokenizer()
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     out = llm.chat(msgs, SamplingParams(temperature=0.0, max_tokens=24))[0]

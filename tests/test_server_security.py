@@ -281,10 +281,64 @@ def _stream_until_end(url: str, body: dict, out: list, started: threading.Event)
     started.set()
 
 
+# The subprocess tests' servers, started at once (each start-up is two processes' imports, most of these tests'
+# time, and mostly one core's work): one per drain test (a signal ends it); the first also serves the
+# silent/slow connections test, which runs before its drain test.
+SERVER_ARGS = ["--dtype", "float32", "--num-kv-blocks", "8192", "--shutdown-timeout", "5",
+               "--header-read-timeout", "1"]
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_path):
+    started = {sig: ServerProcess(["--model", tiny_path, *SERVER_ARGS]) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield started
+    finally:
+        for srv in started.values():
+            srv.stop()
+
+
+def _closed_by_server(sock: socket.socket, trickle: bytes = b"", within_s: float = 20.0) -> bool:
+    """Send ``trickle`` a byte at a time (a slowloris) or nothing; True once the server closes."""
+    sock.settimeout(0.25)
+    deadline = time.monotonic() + within_s
+    sent = 0
+    while time.monotonic() < deadline:
+        try:
+            if sock.recv(1024) == b"":
+                return True
+        except socket.timeout:
+            pass
+        except ConnectionResetError:
+            return True
+        if sent < len(trickle):
+            try:
+                sock.send(trickle[sent:sent + 1])
+            except (BrokenPipeError, ConnectionResetError):
+                return True
+            sent += 1
+    return False
+
+
+def test_silent_and_slow_connections_are_closed(servers):
+    """A connection that sends no request, or its head a byte every 0.25 s, is closed after
+    --header-read-timeout; a normal request on the same server is served."""
+    srv = servers[signal.SIGTERM]
+    url = srv.wait_ready(120)
+    head = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Filler: " + b"a" * 200 + b"\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", srv.port)) as silent, \
+            socket.create_connection(("127.0.0.1", srv.port)) as slow:
+        assert _closed_by_server(silent)
+        assert _closed_by_server(slow, trickle=head)  # 220 bytes would take 55 s
+    with socket.create_connection(("127.0.0.1", srv.port)) as ok:  # a whole head at once is answered
+        ok.sendall(head)
+        assert ok.recv(1024).startswith(b"HTTP/1.1 200")
+    assert httpx.get(url + "/health").status_code == 200
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_drains_then_ends_streams_cleanly(tiny_path, sig):
-    srv = ServerProcess(["--model", tiny_path, "--dtype", "float32", "--num-kv-blocks", "8192",
-                         "--shutdown-timeout", "5"])
+def test_signal_drains_then_ends_streams_cleanly(servers, sig):
+    srv = servers[sig]
     try:
         url = srv.wait_ready(120)
         long = {"prompt": "in the", "max_tokens": 30000, "ignore_eos": True, "stream": True}
@@ -315,47 +369,5 @@ def test_signal_drains_then_ends_streams_cleanly(tiny_path, sig):
             assert json.loads(events[-2][6:])["error"]["code"] == "server_shutting_down"
         assert srv.output.count("server stopped") == 1, srv.output
         assert "Traceback" not in srv.output and "CancelledError" not in srv.output, srv.output
-    finally:
-        srv.stop()
-
-
-def _closed_by_server(sock: socket.socket, trickle: bytes = b"", within_s: float = 20.0) -> bool:
-    """Send ``trickle`` a byte at a time (a slowloris) or nothing; True once the server closes."""
-    sock.settimeout(0.25)
-    deadline = time.monotonic() + within_s
-    sent = 0
-    while time.monotonic() < deadline:
-        try:
-            if sock.recv(1024) == b"":
-                return True
-        except socket.timeout:
-            pass
-        except ConnectionResetError:
-            return True
-        if sent < len(trickle):
-            try:
-                sock.send(trickle[sent:sent + 1])
-            except (BrokenPipeError, ConnectionResetError):
-                return True
-            sent += 1
-    return False
-
-
-def test_silent_and_slow_connections_are_closed(tiny_path):
-    """A connection that sends no request, or its head a byte every 0.25 s, is closed after
-    --header-read-timeout; a normal request on the same server is served."""
-    srv = ServerProcess(["--model", tiny_path, "--dtype", "float32", "--num-kv-blocks", "64",
-                         "--header-read-timeout", "1"])
-    try:
-        url = srv.wait_ready(120)
-        head = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Filler: " + b"a" * 200 + b"\r\n\r\n"
-        with socket.create_connection(("127.0.0.1", srv.port)) as silent, \
-                socket.create_connection(("127.0.0.1", srv.port)) as slow:
-            assert _closed_by_server(silent)
-            assert _closed_by_server(slow, trickle=head)  # 220 bytes would take 55 s
-        with socket.create_connection(("127.0.0.1", srv.port)) as ok:  # a whole head at once is answered
-            ok.sendall(head)
-            assert ok.recv(1024).startswith(b"HTTP/1.1 200")
-        assert httpx.get(url + "/health").status_code == 200
     finally:
         srv.stop()
