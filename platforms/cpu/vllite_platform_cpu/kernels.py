@@ -58,7 +58,7 @@ logger = logging.getLogger("vllite.platforms.cpu.kernels")
 # (an editable install not rebuilt since), so the first-use build from these sources takes its place.
 ENTRY_POINTS = ("paged_attention", "avx2_gemm_available", "avx2_gemm_pack", "avx2_gemm", "avx2_gemm_gelu",
                 "small_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary", "quantize_rows_int8",
-                "dequantize_int32", "encoder_attention", "add_layer_norm", "gguf_linear",
+                "dequantize_int32", "encoder_attention", "add_layer_norm", "gguf_linear_x8",
                 "lora_add")
 KERNEL_ENV = "VLLITE_CPU_ATTENTION_KERNEL"  # 0: no C++ kernels (torch ops)
 ISA_ENV = "VLLITE_CPU_ISA"  # the highest variant to use: default, avx2, avx512 or avx512_bf16
@@ -350,11 +350,15 @@ def dequantize_int32(out: torch.Tensor, acc: torch.Tensor, x_scale: torch.Tensor
 # 3.3 / 14.0 / 13.1 at 1 row, 9.0 / 20.9 / 13.2 at 4, 16.0 / 17.0 / 14.3 at 8, 31.6 / 22.9 / 20.2 at 16,
 # 125.5 / 61.4 / 60.4 at 64.
 GGUF_GEMM_MIN_ROWS = 12
+# Block bytes a thread of the int8 path gets at least: a smaller call runs on the calling thread alone (waking
+# a sleeping thread costs more than it saves on a layer read in ~20 us).
+GGUF_GRAIN_BYTES = 1 << 18
 
 
-def gguf_linear(out: torch.Tensor, x: torch.Tensor, type_id: int, qs: torch.Tensor, d: torch.Tensor,
-                m: torch.Tensor | None, bias: torch.Tensor | None, gemm_min_rows: int = GGUF_GEMM_MIN_ROWS) -> None:
-    """float32 ``out = x @ W.T + bias`` from GGUF blocks (``vllite_core.quantization.GGUFWeight``'s layout;
-    ``type_id`` ggml's: Q4_0 2, Q4_1 3, Q8_0 8): below ``gemm_min_rows`` rows ``x`` quantized per 32-block to
-    int8 and integer dot products, from there dequantised panels and the float32 GEMM (csrc/gguf.cpp)."""
-    load().gguf_linear(out, x, int(type_id), qs, d, m, bias, int(gemm_min_rows))
+def gguf_linear(out: torch.Tensor, x: torch.Tensor, type_id: int, blocks: torch.Tensor, bias: torch.Tensor | None,
+                gemm_min_rows: int = GGUF_GEMM_MIN_ROWS, grain_bytes: int = GGUF_GRAIN_BYTES) -> None:
+    """float32 ``out = x @ W.T + bias`` from GGUF blocks (``vllite_core.quantization.GGUFWeight.blocks``, 8 rows
+    interleaved; ``type_id`` ggml's: Q4_0 2, Q4_1 3, Q8_0 8): below ``gemm_min_rows`` rows ``x`` quantized per
+    32-block to int8 and integer dot products, from there dequantised panels and the float32 GEMM
+    (csrc/gguf.cpp)."""
+    load().gguf_linear_x8(out, x, int(type_id), blocks, bias, int(gemm_min_rows), int(grain_bytes))
