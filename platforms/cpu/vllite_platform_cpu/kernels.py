@@ -344,21 +344,24 @@ def dequantize_int32(out: torch.Tensor, acc: torch.Tensor, x_scale: torch.Tensor
 
 
 # From this many rows on, the GGUF linear dequantises 16-column panels for the float32 GEMM (AVX2 variants) instead
-# of quantizing the input to int8: the int8 dot products (a float conversion and a scale per block beside each
-# maddubs) run at half the float32 GEMM's rate on AVX2, and the panels cost a dequantisation per row block.
-# Measured (10 layers' linears of the default model, one thread, CPU ms): int8 / panels / dense float32 GEMM
-# 3.3 / 14.0 / 13.1 at 1 row, 9.0 / 20.9 / 13.2 at 4, 16.0 / 17.0 / 14.3 at 8, 31.6 / 22.9 / 20.2 at 16,
-# 125.5 / 61.4 / 60.4 at 64.
-GGUF_GEMM_MIN_ROWS = 12
-# Block bytes a thread of the int8 path gets at least: a smaller call runs on the calling thread alone (waking
-# a sleeping thread costs more than it saves on a layer read in ~20 us).
-GGUF_GRAIN_BYTES = 1 << 18
+# of quantizing the input to int8 (which then is not rounded: prefill). With 8 rows' blocks interleaved (one
+# vector of 8 dot products per block, no horizontal sums) the int8 path is the faster one up to 64 rows on this
+# AVX2 host (benchmarks/gguf_linear_bw.py, all linears of a step, one thread, CPU ms, int8 / panels: 24 / 61 at
+# 8 rows, 65 / 91 at 16, 90 / 127 at 32, 179 / 224 at 64); it keeps all input rows' int8 values per group, so
+# longer inputs (prefill) take the panels.
+GGUF_GEMM_MIN_ROWS = 64
+# The int8 path splits a call over threads only above this many bytes of blocks (times 4-row tiles): below, waking
+# a sleeping thread costs about what it saves (qkv 0.35 MB, o 0.2, down 0.55 stay on one; gate_up 1.1 and the head
+# 30 MB split).
+GGUF_GRAIN_BYTES = 1 << 20
 
 
 def gguf_linear(out: torch.Tensor, x: torch.Tensor, type_id: int, blocks: torch.Tensor, bias: torch.Tensor | None,
-                gemm_min_rows: int = GGUF_GEMM_MIN_ROWS, grain_bytes: int = GGUF_GRAIN_BYTES) -> None:
+                gemm_min_rows: int | None = None, grain_bytes: int | None = None) -> None:
     """float32 ``out = x @ W.T + bias`` from GGUF blocks (``vllite_core.quantization.GGUFWeight.blocks``, 8 rows
     interleaved; ``type_id`` ggml's: Q4_0 2, Q4_1 3, Q8_0 8): below ``gemm_min_rows`` rows ``x`` quantized per
     32-block to int8 and integer dot products, from there dequantised panels and the float32 GEMM
     (csrc/gguf.cpp)."""
-    load().gguf_linear_x8(out, x, int(type_id), blocks, bias, int(gemm_min_rows), int(grain_bytes))
+    rows = GGUF_GEMM_MIN_ROWS if gemm_min_rows is None else gemm_min_rows
+    grain = GGUF_GRAIN_BYTES if grain_bytes is None else grain_bytes
+    load().gguf_linear_x8(out, x, int(type_id), blocks, bias, int(rows), int(grain))
