@@ -344,12 +344,12 @@ def dequantize_int32(out: torch.Tensor, acc: torch.Tensor, x_scale: torch.Tensor
 
 
 # From this many rows on, the GGUF linear dequantises 16-column panels for the float32 GEMM (AVX2 variants) instead
-# of quantizing the input to int8 (which then is not rounded: prefill). With 8 rows' blocks interleaved (one
-# vector of 8 dot products per block, no horizontal sums) the int8 path is the faster one up to 64 rows on this
-# AVX2 host (benchmarks/gguf_linear_bw.py, all linears of a step, one thread, CPU ms, int8 / panels: 24 / 61 at
-# 8 rows, 65 / 91 at 16, 90 / 127 at 32, 179 / 224 at 64); it keeps all input rows' int8 values per group, so
-# longer inputs (prefill) take the panels.
-GGUF_GEMM_MIN_ROWS = 64
+# of quantizing the input to int8, so a prompt's rows (prefill) are not rounded: on tests/test_quantization_gguf.py's
+# engine prompts, greedy tokens agree with the float32 engine's for 89 of 96 with 12 here, 61 of 96 with 64. Speed
+# alone would say 64: with 8 rows' blocks interleaved the int8 path is the faster one up to 64 rows on this AVX2
+# host (benchmarks/gguf_linear_bw.py, all linears of a step, one thread, CPU ms, int8 / panels: 24 / 61 at 8 rows,
+# 65 / 91 at 16, 90 / 127 at 32, 179 / 224 at 64).
+GGUF_GEMM_MIN_ROWS = 12
 # The int8 path splits a call over threads only above this many bytes of blocks (times 4-row tiles): below, waking
 # a sleeping thread costs about what it saves (qkv 0.35 MB, o 0.2, down 0.55 stay on one; gate_up 1.1 and the head
 # 30 MB split).
