@@ -262,7 +262,8 @@ static inline void dequant_record(const Weights& w, const uint8_t* rec, float* o
     }
   };
   if (w.type == GGML_Q8_0) {
-    for (int64_t t = 0; t < 8; ++t) emit(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * t)), 4 * t, true);
+    for (int64_t t = 0; t < 8; ++t)
+      emit(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * t)), 4 * t, true);
   } else {
     for (int64_t t = 0; t < 4; ++t) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * t));
