@@ -350,9 +350,10 @@ def dequantize_int32(out: torch.Tensor, acc: torch.Tensor, x_scale: torch.Tensor
 # host (benchmarks/gguf_linear_bw.py, all linears of a step, one thread, CPU ms, int8 / panels: 24 / 61 at 8 rows,
 # 65 / 91 at 16, 90 / 127 at 32, 179 / 224 at 64).
 GGUF_GEMM_MIN_ROWS = 12
-# The int8 path splits a call over threads only above this many bytes of blocks (times 4-row tiles): below, waking
-# a sleeping thread costs about what it saves (qkv 0.35 MB, o 0.2, down 0.55 stay on one; gate_up 1.1 and the head
-# 30 MB split).
+# The int8 path splits a call over threads only above this many bytes of blocks (times 4-row tiles): waking a
+# sleeping thread costs about what it saves on a small layer (qkv 0.35 MB, o 0.2, down 0.55 stay on one thread;
+# gate_up 1.1 and the head 30 MB split). Measured at 2 threads on a loaded 2-core host (benchmarks/gguf_linear_bw.py,
+# wall ms of a step's linears): 9.35 at 1 MiB, 9.9-11.4 at 64 and 256 KiB, 11.0 never split; noisy.
 GGUF_GRAIN_BYTES = 1 << 20
 
 
