@@ -23,7 +23,7 @@ from model_registry.gguf_file import GGUFFile
 from model_registry.gguf_weights import _PERMUTED_ARCHS, hf_name, unpermute_rotary
 from model_registry.parallel_layers import ParallelLinear, RowParallelLinear
 from vllite_core.config import ConfigError
-from vllite_core.quantization import GGUF_BLOCK, GGUFWeight
+from vllite_core.quantization import GGUF_BLOCK, GGUFWeight, pack_gguf
 
 logger = logging.getLogger("vllite.quantization")
 
@@ -31,17 +31,17 @@ _BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}  # bytes per block of 32 weights
 
 
 def repack(raw: np.ndarray, qtype: str) -> GGUFWeight:
-    """GGUF blocks, ``raw`` uint8 [N, K / 32 * bytes per block], as a ``GGUFWeight`` (scales widened to float32)."""
+    """GGUF blocks, ``raw`` uint8 [N, K / 32 * bytes per block], as a ``GGUFWeight`` (the same bytes, 8 rows'
+    blocks interleaved; fp16 scales kept)."""
     n = raw.shape[0]
-    blocks = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True))  # a copy: a memmap is read-only
-    blocks = blocks.view(n, -1, _BYTES[qtype])
-    d = blocks[:, :, 0:2].contiguous().view(torch.float16).float().reshape(n, -1)
+    blocks = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True)).view(n, -1, _BYTES[qtype])
+    d = blocks[:, :, 0:2].contiguous().view(torch.float16).reshape(n, -1)
     if qtype == "Q8_0":
-        return GGUFWeight(qtype, blocks[:, :, 2:].contiguous().view(torch.int8).reshape(n, -1), d)
+        return pack_gguf(qtype, blocks[:, :, 2:].contiguous().view(torch.int8).reshape(n, -1), d)
     if qtype == "Q4_0":
-        return GGUFWeight(qtype, blocks[:, :, 2:].reshape(n, -1).contiguous(), d)
-    m = blocks[:, :, 2:4].contiguous().view(torch.float16).float().reshape(n, -1)
-    return GGUFWeight(qtype, blocks[:, :, 4:].reshape(n, -1).contiguous(), d, m)
+        return pack_gguf(qtype, blocks[:, :, 2:].reshape(n, -1), d)
+    m = blocks[:, :, 2:4].contiguous().view(torch.float16).reshape(n, -1)
+    return pack_gguf(qtype, blocks[:, :, 4:].reshape(n, -1), d, m)
 
 
 def _rows(gguf: GGUFFile, name: str, heads: dict[str, int]) -> tuple[str, np.ndarray]:

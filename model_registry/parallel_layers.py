@@ -80,9 +80,9 @@ class ParallelLinear(nn.Module):
 
     def use_gguf_weight(self, w) -> None:
         """Compute from GGUF blocks (``quantization="gguf"``) and drop the float weight: ``weight`` becomes
-        the packed values (its first dimension still the output features)."""
+        the packed blocks (``GGUFWeight.blocks``: groups of 8 output features)."""
         self.gguf_weight = w
-        self.weight = nn.Parameter(w.qs, requires_grad=False)
+        self.weight = nn.Parameter(w.blocks, requires_grad=False)
         self._state = {}
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

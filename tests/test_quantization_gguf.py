@@ -14,45 +14,47 @@ import torch
 from model_registry.source import default_model_source
 from vllite_core.config import ConfigError
 from vllite_core.model_ops import ModelOps
-from vllite_core.quantization import GGUFWeight, dequantize_gguf
+from vllite_core.quantization import GGUF_GROUP, dequantize_gguf, pack_gguf, unpack_gguf
 
 torch.set_num_threads(1)
 
 QTYPES = ("Q8_0", "Q4_0", "Q4_1")
 
 
-def _random_weight(qtype: str, n: int, k: int, seed: int) -> GGUFWeight:
+def _random_fields(qtype: str, n: int, k: int, seed: int):
+    """GGUF's per-row fields: qs (int8 [N, K] or nibbles uint8 [N, K / 2]), fp16 d and (Q4_1) m [N, K / 32]."""
     g = torch.Generator().manual_seed(seed)
     nb = k // 32
-    d = (torch.rand(n, nb, generator=g) * 0.02 + 0.001).half().float()  # scales are fp16 in GGUF
+    d = (torch.rand(n, nb, generator=g) * 0.02 + 0.001).half()
     if qtype == "Q8_0":
         qs = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)  # -128 too: the sign trick's edge
-        return GGUFWeight(qtype, qs, d)
+        return qs, d, None
     qs = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
-    m = (torch.randn(n, nb, generator=g) * 0.05).half().float() if qtype == "Q4_1" else None
-    return GGUFWeight(qtype, qs, d, m)
+    m = (torch.randn(n, nb, generator=g) * 0.05).half() if qtype == "Q4_1" else None
+    return qs, d, m
 
 
-def _np_blocks(w: GGUFWeight) -> np.ndarray:
-    """Independent numpy decoding of the repacked layout: integer weight values [N, K] (Q4 nibbles 0..15)."""
-    qs = w.qs.numpy()
-    if w.qtype == "Q8_0":
-        return qs.astype(np.int64)
-    n = qs.shape[0]
-    b = qs.reshape(n, -1, 16).astype(np.int64)
-    return np.concatenate((b & 15, b >> 4), axis=2).reshape(n, -1)
+def _np_values(qtype: str, qs: torch.Tensor) -> np.ndarray:
+    """Integer weight values [N, K] from GGUF's row layout (Q4 nibbles 0..15: byte j = weights j, j + 16)."""
+    q = qs.numpy()
+    if qtype == "Q8_0":
+        return q.astype(np.int64)
+    b = q.reshape(q.shape[0], -1, 16).astype(np.int64)
+    return np.concatenate((b & 15, b >> 4), axis=2).reshape(q.shape[0], -1)
 
 
-def _np_dequant(w: GGUFWeight) -> np.ndarray:
-    q = _np_blocks(w).reshape(w.shape[0], -1, 32).astype(np.float64)
-    d = w.d.numpy().astype(np.float64)[:, :, None]
-    if w.qtype == "Q8_0":
-        out = d * q
-    elif w.qtype == "Q4_0":
-        out = d * (q - 8)
+def _np_dequant(qtype: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> np.ndarray:
+    q = _np_values(qtype, qs)
+    n = q.shape[0]
+    q = q.reshape(n, -1, 32).astype(np.float64)
+    dd = d.numpy().astype(np.float64)[:, :, None]
+    if qtype == "Q8_0":
+        out = dd * q
+    elif qtype == "Q4_0":
+        out = dd * (q - 8)
     else:
-        out = d * q + w.m.numpy().astype(np.float64)[:, :, None]
-    return out.reshape(w.shape)
+        out = dd * q + m.numpy().astype(np.float64)[:, :, None]
+    return out.reshape(n, -1)
 
 
 def _np_quantize_acts(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -64,16 +66,17 @@ def _np_quantize_acts(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.round(xb / xd[:, :, None]).astype(np.int64), xd
 
 
-def _np_quantized_linear(x: np.ndarray, w: GGUFWeight) -> np.ndarray:
+def _np_quantized_linear(x: np.ndarray, qtype: str, fields) -> np.ndarray:
     """The kernel's arithmetic in float64: exact integer block sums, scaled by both block scales."""
+    qs, d, m = fields
     xq, xd = _np_quantize_acts(x)
-    q = _np_blocks(w).reshape(w.shape[0], -1, 32)
-    if w.qtype == "Q4_0":
+    q = _np_values(qtype, qs).reshape(qs.shape[0], -1, 32)
+    if qtype == "Q4_0":
         q = q - 8
     dots = np.einsum("mbj,nbj->mnb", xq, q).astype(np.float64)
-    y = (dots * xd.astype(np.float64)[:, None, :] * w.d.numpy().astype(np.float64)[None]).sum(-1)
-    if w.qtype == "Q4_1":
-        y += (xq.sum(-1) * xd.astype(np.float64)) @ w.m.numpy().astype(np.float64).T
+    y = (dots * xd.astype(np.float64)[:, None, :] * d.numpy().astype(np.float64)[None]).sum(-1)
+    if qtype == "Q4_1":
+        y += (xq.sum(-1) * xd.astype(np.float64)) @ m.numpy().astype(np.float64).T
     return y
 
 
@@ -116,8 +119,8 @@ def test_kernel_matches_float64(qtype, shape):
     if not variants:
         pytest.skip(f"no CPU kernels: {kernels.error()}")
     n, k = shape
-    w = _random_weight(qtype, n, k, seed=n * k)
-    wd = _np_dequant(w)
+    fields = _random_fields(qtype, n, k, seed=n * k)
+    w, wd = pack_gguf(qtype, *fields), _np_dequant(qtype, *fields)
     assert np.array_equal(dequantize_gguf(w).numpy(), wd.astype(np.float32))
     g = torch.Generator().manual_seed(k)
     for rows in (*range(1, 18), 70):
@@ -128,7 +131,7 @@ def test_kernel_matches_float64(qtype, shape):
         xn = x.numpy().astype(np.float64)
         b = 0.0 if bias is None else bias.numpy().astype(np.float64)
         exact = xn @ wd.T + b  # the dequantised weights, unquantized input
-        same = _np_quantized_linear(x.numpy(), w) + b  # the kernel's own arithmetic
+        same = _np_quantized_linear(x.numpy(), qtype, fields) + b  # the kernel's own arithmetic
         _, xd = _np_quantize_acts(x.numpy())
         # |x - xd * xq| <= xd / 2 per element, so the activation rounding moves each output by at most
         # sum over blocks of (xd / 2) * sum |w| of the block; float32 sums add a relative 1e-5 of the magnitudes.
@@ -139,7 +142,7 @@ def test_kernel_matches_float64(qtype, shape):
             mod = kernels.load_variant(v)
             for min_rows in (1 << 30, 1):  # the int8 path at every row count, then the float32 panel path
                 out = torch.empty(rows, n)
-                mod.gguf_linear(out, x, w.type_id, w.qs, w.d, w.m, bias, min_rows)
+                mod.gguf_linear_x8(out, x, w.type_id, w.blocks, bias, min_rows, 1 << 30)
                 got = out.numpy().astype(np.float64)
                 what = f"{v} {rows} rows, gemm_min_rows {min_rows}"
                 if min_rows == 1 and mod.avx2_gemm_available():  # dequantised weights, float32 sums
@@ -149,19 +152,78 @@ def test_kernel_matches_float64(qtype, shape):
                 np.testing.assert_array_less(np.abs(got - exact), bound * 1.0001 + 1e-5 * mag + 1e-6, err_msg=what)
 
 
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_pack_layout(qtype):
+    """pack_gguf puts row r's weight k of a group where GGUFWeight documents it, zero rows pad the last group
+    (13 rows: 8 + 5), and unpack_gguf gives back the fields."""
+    n, k = 13, 64
+    qs, d, m = _random_fields(qtype, n, k, seed=7)
+    w = pack_gguf(qtype, qs, d, m)
+    rec = {"Q8_0": 272, "Q4_0": 144, "Q4_1": 160}[qtype]
+    assert w.shape == (n, k) and w.blocks.shape == (2, 2 * rec) and w.nbytes() == 2 * 2 * rec
+    blocks = w.blocks.numpy().reshape(2, 2, rec)
+    values = _np_values(qtype, qs)
+    q4 = qtype != "Q8_0"
+    for row in (0, 7, 8, 12):
+        g, r = divmod(row, GGUF_GROUP)
+        for b in range(2):
+            for j in range(32):
+                t, i = divmod(j % 16 if q4 else j, 4)
+                byte = int(blocks[g, b, 32 * t + 4 * r + i])
+                got = ((byte >> 4) if j >= 16 else (byte & 15)) if q4 else np.int8(np.uint8(byte))
+                assert got == values[row, 32 * b + j]
+            scales = blocks[g, b, 128 if q4 else 256:].view(np.float16)
+            assert scales[r] == d[row, b].item()
+            if qtype == "Q4_1":
+                assert scales[GGUF_GROUP + r] == m[row, b].item()
+    qb = 256 if not q4 else 128
+    pad = blocks[1].copy()  # the last group's rows 5..7 (past N): values and scales zero
+    chunks = pad[:, :qb].reshape(2, -1, GGUF_GROUP, 4)
+    assert not chunks[:, :, 5:].any() and not pad[:, qb:].reshape(2, -1, GGUF_GROUP, 2)[:, :, 5:].any()
+    back = unpack_gguf(w)
+    assert torch.equal(back[0], qs) and torch.equal(back[1], d.float())
+    assert (back[2] is None) == (m is None) and (m is None or torch.equal(back[2], m.float()))
+
+
+def test_kernel_split_over_threads():
+    """The int8 path's groups split over 2 threads (grain 1 byte) give the one-thread result bit for bit, with
+    a partial last group (70 rows: 8 groups + 6) and 1 to 9 input rows."""
+    variants = [v for v in _variants() if v != "default"] or _variants()
+    if not variants:
+        pytest.skip("no CPU kernels")
+    from vllite_platform_cpu import kernels
+
+    w = pack_gguf("Q4_1", *_random_fields("Q4_1", 70, 96, seed=3))
+    mod = kernels.load_variant(variants[-1])
+    before = torch.get_num_threads()
+    try:
+        for rows in (1, 5, 9):
+            x = torch.randn(rows, 96)
+            one, two = torch.empty(rows, 70), torch.empty(rows, 70)
+            torch.set_num_threads(1)
+            mod.gguf_linear_x8(one, x, w.type_id, w.blocks, None, 1 << 30, 1 << 30)
+            torch.set_num_threads(2)
+            mod.gguf_linear_x8(two, x, w.type_id, w.blocks, None, 1 << 30, 1)
+            assert torch.equal(one, two), rows
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_reference_op_and_cpu_op():
     """ModelOps.gguf_linear (dequantise, float32) and the CPU model op (the kernel; bfloat16 in and out)."""
     from vllite_platform_cpu.model_ops import CpuModelOps
 
-    w = _random_weight("Q4_1", 48, 64, seed=1)
+    fields = _random_fields("Q4_1", 48, 64, seed=1)
+    w = pack_gguf("Q4_1", *fields)
     x = torch.randn(3, 64)
     with torch.inference_mode():
         ref = ModelOps().gguf_linear(x, w, None, {})
-        np.testing.assert_allclose(ref.numpy(), x.numpy().astype(np.float64) @ _np_dequant(w).T, rtol=1e-5, atol=1e-5)
+        want = x.numpy().astype(np.float64) @ _np_dequant("Q4_1", *fields).T
+        np.testing.assert_allclose(ref.numpy(), want, rtol=1e-5, atol=1e-5)
         if _variants():
             got = CpuModelOps(fused=True, packed_linear=True).gguf_linear(x.bfloat16(), w, None, {})
             assert got.dtype == torch.bfloat16 and got.shape == (3, 48)
-            same = _np_quantized_linear(x.bfloat16().float().numpy(), w)
+            same = _np_quantized_linear(x.bfloat16().float().numpy(), "Q4_1", fields)
             np.testing.assert_allclose(got.float().numpy(), same, rtol=1e-2, atol=1e-2)
 
 

@@ -58,7 +58,7 @@ logger = logging.getLogger("vllite.platforms.cpu.kernels")
 # (an editable install not rebuilt since), so the first-use build from these sources takes its place.
 ENTRY_POINTS = ("paged_attention", "avx2_gemm_available", "avx2_gemm_pack", "avx2_gemm", "avx2_gemm_gelu",
                 "small_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary", "quantize_rows_int8",
-                "dequantize_int32", "encoder_attention", "add_layer_norm", "gguf_linear",
+                "dequantize_int32", "encoder_attention", "add_layer_norm", "gguf_linear_x8",
                 "lora_add")
 KERNEL_ENV = "VLLITE_CPU_ATTENTION_KERNEL"  # 0: no C++ kernels (torch ops)
 ISA_ENV = "VLLITE_CPU_ISA"  # the highest variant to use: default, avx2, avx512 or avx512_bf16
@@ -347,17 +347,25 @@ def dequantize_int32(out: torch.Tensor, acc: torch.Tensor, x_scale: torch.Tensor
 
 
 # From this many rows on, the GGUF linear dequantises 16-column panels for the float32 GEMM (AVX2 variants) instead
-# of quantizing the input to int8: the int8 dot products (a float conversion and a scale per block beside each
-# maddubs) run at half the float32 GEMM's rate on AVX2, and the panels cost a dequantisation per row block.
-# Measured (10 layers' linears of the default model, one thread, CPU ms): int8 / panels / dense float32 GEMM
-# 3.3 / 14.0 / 13.1 at 1 row, 9.0 / 20.9 / 13.2 at 4, 16.0 / 17.0 / 14.3 at 8, 31.6 / 22.9 / 20.2 at 16,
-# 125.5 / 61.4 / 60.4 at 64.
+# of quantizing the input to int8, so a prompt's rows (prefill) are not rounded: on tests/test_quantization_gguf.py's
+# engine prompts, greedy tokens agree with the float32 engine's for 89 of 96 with 12 here, 61 of 96 with 64. Speed
+# alone would say 64: with 8 rows' blocks interleaved the int8 path is the faster one up to 64 rows on this AVX2
+# host (benchmarks/gguf_linear_bw.py, all linears of a step, one thread, CPU ms, int8 / panels: 24 / 61 at 8 rows,
+# 65 / 91 at 16, 90 / 127 at 32, 179 / 224 at 64).
 GGUF_GEMM_MIN_ROWS = 12
+# The int8 path splits a call over threads only above this many bytes of blocks (times 4-row tiles): waking a
+# sleeping thread costs about what it saves on a small layer (qkv 0.35 MB, o 0.2, down 0.55 stay on one thread;
+# gate_up 1.1 and the head 30 MB split). Measured at 2 threads on a loaded 2-core host (benchmarks/gguf_linear_bw.py,
+# wall ms of a step's linears): 9.35 at 1 MiB, 9.9-11.4 at 64 and 256 KiB, 11.0 never split; noisy.
+GGUF_GRAIN_BYTES = 1 << 20
 
 
-def gguf_linear(out: torch.Tensor, x: torch.Tensor, type_id: int, qs: torch.Tensor, d: torch.Tensor,
-                m: torch.Tensor | None, bias: torch.Tensor | None, gemm_min_rows: int = GGUF_GEMM_MIN_ROWS) -> None:
-    """float32 ``out = x @ W.T + bias`` from GGUF blocks (``vllite_core.quantization.GGUFWeight``'s layout;
-    ``type_id`` ggml's: Q4_0 2, Q4_1 3, Q8_0 8): below ``gemm_min_rows`` rows ``x`` quantized per 32-block to
-    int8 and integer dot products, from there dequantised panels and the float32 GEMM (csrc/gguf.cpp)."""
-    load().gguf_linear(out, x, int(type_id), qs, d, m, bias, int(gemm_min_rows))
+def gguf_linear(out: torch.Tensor, x: torch.Tensor, type_id: int, blocks: torch.Tensor, bias: torch.Tensor | None,
+                gemm_min_rows: int | None = None, grain_bytes: int | None = None) -> None:
+    """float32 ``out = x @ W.T + bias`` from GGUF blocks (``vllite_core.quantization.GGUFWeight.blocks``, 8 rows
+    interleaved; ``type_id`` ggml's: Q4_0 2, Q4_1 3, Q8_0 8): below ``gemm_min_rows`` rows ``x`` quantized per
+    32-block to int8 and integer dot products, from there dequantised panels and the float32 GEMM
+    (csrc/gguf.cpp)."""
+    rows = GGUF_GEMM_MIN_ROWS if gemm_min_rows is None else gemm_min_rows
+    grain = GGUF_GRAIN_BYTES if grain_bytes is None else grain_bytes
+    load().gguf_linear_x8(out, x, int(type_id), blocks, bias, int(rows), int(grain))

@@ -162,7 +162,7 @@ class CpuModelOps(ModelOps):
                 and x.shape[1] % 32 == 0):
             return super().gguf_linear(x, weight, bias, state)
         out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
-        kernels.gguf_linear(out, x.float().contiguous(), weight.type_id, weight.qs, weight.d, weight.m,
+        kernels.gguf_linear(out, x.float().contiguous(), weight.type_id, weight.blocks,
                             None if bias is None else bias.float())
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 

@@ -68,7 +68,7 @@ std::vector<std::string> cpu_features() {
     s.def("rotary", &vllite_cpu::ns::rotary);                                            \
     s.def("quantize_rows_int8", &vllite_cpu::ns::quantize_rows_int8);                    \
     s.def("dequantize_int32", &vllite_cpu::ns::dequantize_int32);                        \
-    s.def("gguf_linear", &vllite_cpu::ns::gguf_linear);                                  \
+    s.def("gguf_linear_x8", &vllite_cpu::ns::gguf_linear_x8);                            \
     s.def("lora_add", &vllite_cpu::ns::lora_add);                                        \
     s.attr("name") = name;                                                               \
     variants.append(name);                                                               \

@@ -8,26 +8,36 @@
 // this is our own code): every input row, per block of 32 values, gets a float32 scale xd = max|x| / 127
 // and int8 values xq = round-half-even(x / xd). A block's contribution to an output is then
 //   Q8_0: d * xd * sum(q * xq)                       (q int8)
-//   Q4_0: d * xd * sum(q * xq) - 8 * d * xd * sum(xq)   (q the stored nibble, 0..15)
+//   Q4_0: d * (xd * sum(q * xq) - 8 * xd * sum(xq))   (q the stored nibble, 0..15)
 //   Q4_1: d * xd * sum(q * xq) + m * xd * sum(xq)
-// with the integer sums exact (AVX2: _mm256_maddubs_epi16 of unsigned weights by signed activations,
-// never saturating at these ranges: 2 * 15 * 127 and, for Q8_0 through the sign trick, 2 * 128 * 127),
-// and the float32 sums over blocks in lane order, then the bias.
+// with the integer sums exact and the float32 sums over blocks in order, then the bias.
 //
-// Layout (vllite_core.quantization.GGUFWeight, repacked once at load): qs [N, K/32 * 16] uint8 for the
-// 4-bit types, byte j of a block holding weight j (low nibble) and j + 16 (high nibble), as GGUF stores
-// them; qs [N, K] int8 for Q8_0; d (and m for Q4_1) [N, K/32] float32.
+// Layout (vllite_core.quantization.GGUFWeight, repacked once at load): groups of 8 output rows; per (group,
+// block) one record: the values in chunks of 32 bytes, byte 4r + i of chunk t holding row r's weight 4t + i
+// (Q8_0, 8 chunks; int8) or weights 4t + i (low nibble) and 16 + 4t + i (high nibble) (Q4, 4 chunks), then the
+// 8 rows' fp16 scales d and (Q4_1) minimums m. A group's records follow each other: one sequential stream.
 //
-// Work: tasks of (a block of up to 64 input rows, a chunk of output columns), the row block's quantized
-// activations staying in L2 while the chunk's weights stream once per row block; inside a task, tiles of
-// up to 4 rows x 2 columns keep their 8 accumulators in registers.
+// Why that layout (the idea of llama.cpp's repacked "x8" types): with 4 consecutive weights of each of the 8
+// rows in one register and the matching 4 activation bytes broadcast to every lane, _mm256_maddubs_epi16 then
+// _mm256_madd_epi16 leave row r's partial dot product in lane r: a block's 8 dot products come out as one
+// vector, scaled by the 8 scales (one vcvtph2ps) in one FMA, with no horizontal sums. Q4's 8 maddubs results
+// add up in int16 first (at most 8 * 2 * 15 * 127 = 30480); Q8_0 takes |q| and moves q's sign onto the
+// activation (llama.cpp's sign trick: maddubs needs one unsigned operand), each pair sum then up to
+// 2 * 128 * 127, so each chunk goes to int32 on its own. The unpacked weights serve up to 4 input rows.
+//
+// Work: the groups of output rows are split over threads in contiguous runs (one stream each), a call of at
+// most grain_bytes of blocks staying on the calling thread (waking a sleeping one costs more than it saves on a
+// layer read in a few tens of us). Input rows go 4 at a time over a group's records, which stay in L1.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
+
+#include <c10/util/Half.h>
 
 #include "common.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define VLLITE_GGUF_AVX2 1
 #endif
@@ -49,27 +59,31 @@ void avx2_gemm_panel(const float* A, int64_t M, int64_t K, const float* panel, f
 
 namespace gguf_impl {
 
-constexpr int64_t QK = 32;       // weights per block
-constexpr int64_t MB = 64;       // input rows per task
-constexpr int64_t RM = 4;        // rows per register tile
-constexpr int64_t RN = 2;        // columns per register tile
+constexpr int64_t QK = 32;  // weights per block
+constexpr int64_t G = 8;    // output rows per group
+constexpr int64_t RM = 4;   // input rows per tile
 constexpr int64_t GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8;  // ggml's type ids
 
 struct Weights {
   int64_t type;
-  const uint8_t* qs;  // int8 for Q8_0
-  int64_t ldq;        // bytes per output column
-  const float* d;
-  const float* m;  // Q4_1 only
-  int64_t nb;      // blocks per column
+  const uint8_t* p;  // [groups][nb][rec]
+  int64_t nb, rec;   // blocks per row, bytes per record
+  int64_t qbytes;    // value bytes of a record (256 or 128): the scales follow, then the minimums
+  const uint8_t* record(int64_t g, int64_t b) const { return p + (g * nb + b) * rec; }
 };
 
 struct Acts {
-  const int8_t* q;   // [M, K]
-  const float* d;    // [M, nb]
-  const float* s;    // [M, nb]: d * sum(q) of the block
+  const int8_t* q;  // [M, K]
+  const float* d;   // [M, nb]
+  const float* s;   // [M, nb]: d * sum(q) of the block
   int64_t K, nb;
 };
+
+static inline float half_at(const uint8_t* p, int64_t i) {
+  uint16_t bits;
+  std::memcpy(&bits, p + 2 * i, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
 
 // One row: per block scale and int8 values (round half to even), and d * sum(q).
 static inline void quantize_row(const float* x, int64_t nb, int8_t* q, float* d, float* s) {
@@ -107,232 +121,220 @@ static inline void quantize_row(const float* x, int64_t nb, int8_t* q, float* d,
   }
 }
 
-// The block-sum correction of the 4-bit types for one (row, column): sum over blocks of c_b * s_b.
-static inline float correction(const Weights& w, int64_t n, const float* s) {
-  if (w.type == GGML_Q8_0) return 0.f;
-  const float* c = (w.type == GGML_Q4_1 ? w.m : w.d) + n * w.nb;
-  float acc = 0.f;
-  for (int64_t b = 0; b < w.nb; ++b) acc += c[b] * s[b];
-  return w.type == GGML_Q4_1 ? acc : -8.f * acc;
+// Row r's weight k of a record (the integer value as stored: int8, or the nibble 0..15).
+static inline int32_t weight_at(const Weights& w, const uint8_t* rec, int64_t r, int64_t k) {
+  if (w.type == GGML_Q8_0) return static_cast<int8_t>(rec[(k / 4) * 32 + 4 * r + k % 4]);
+  const int64_t j = k % 16;
+  const uint8_t byte = rec[(j / 4) * 32 + 4 * r + j % 4];
+  return k < 16 ? (byte & 0x0f) : (byte >> 4);
+}
+
+// Plain C++: out[i * ldo + r] for rows r0 .. r0 + rows of the input and the group's 8 outputs.
+static void group_scalar(const Weights& w, int64_t g, const Acts& a, int64_t r0, int64_t rows, float* out,
+                         int64_t ldo) {
+  for (int64_t i = 0; i < rows; ++i) {
+    float acc[G] = {};
+    const int8_t* xq = a.q + (r0 + i) * a.K;
+    for (int64_t b = 0; b < w.nb; ++b) {
+      const uint8_t* rec = w.record(g, b);
+      const float xd = a.d[(r0 + i) * a.nb + b], xs = a.s[(r0 + i) * a.nb + b];
+      for (int64_t r = 0; r < G; ++r) {
+        int32_t dot = 0;
+        for (int64_t k = 0; k < QK; ++k) dot += weight_at(w, rec, r, k) * xq[b * QK + k];
+        const float d = half_at(rec + w.qbytes, r), v = xd * static_cast<float>(dot);
+        if (w.type == GGML_Q4_0)
+          acc[r] += d * (v - 8.f * xs);
+        else if (w.type == GGML_Q4_1)
+          acc[r] += d * v + half_at(rec + w.qbytes + 2 * G, r) * xs;
+        else
+          acc[r] += d * v;
+      }
+    }
+    for (int64_t r = 0; r < G; ++r) out[i * ldo + r] = acc[r];
+  }
 }
 
 #ifdef VLLITE_GGUF_AVX2
-static inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+static inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
 }
 
-// 16 bytes of nibbles -> 32 unsigned bytes in weight order (low nibbles first).
-static inline __m256i unpack_nibbles(const uint8_t* p) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(b), _mm_srli_epi16(b, 4), 1);
-  return _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
-}
-
-// out[r][c] (r < R, c < C) = the integer-dot part summed over blocks, for rows x0.. and columns n0...
-template <int R, int C, bool Q8>
-static inline void tile(const Weights& w, int64_t n0, const Acts& a, int64_t r0, float* out, int64_t ldo) {
-  __m256 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t b = 0; b < w.nb; ++b) {
-    __m256i wv[C], wa[C];
-    float wd[C];
-    for (int c = 0; c < C; ++c) {
-      const uint8_t* p = w.qs + (n0 + c) * w.ldq;
-      if constexpr (Q8) {
-        wv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + b * QK));
-        wa[c] = _mm256_sign_epi8(wv[c], wv[c]);  // |q| as unsigned bytes (-128 -> 128)
-      } else {
-        wa[c] = unpack_nibbles(p + b * (QK / 2));
-      }
-      wd[c] = w.d[(n0 + c) * w.nb + b];
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + (r0 + r) * a.K + b * QK));
-      const float xd = a.d[(r0 + r) * a.nb + b];
-      for (int c = 0; c < C; ++c) {
-        const __m256i xs = Q8 ? _mm256_sign_epi8(xv, wv[c]) : xv;
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wa[c], xs), ones);
-        acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(wd[c] * xd), _mm256_cvtepi32_ps(p), acc[r][c]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) out[r * ldo + c] = hsum(acc[r][c]);
-}
-
-// One block of column n as 32 float32 weights (the dequantised load's values).
-static inline void dequant_block(const Weights& w, int64_t n, int64_t b, float* out) {
-  const __m256 d = _mm256_set1_ps(w.d[n * w.nb + b]);
-  __m128i q[2];  // 32 bytes: int8 (Q8_0) or unsigned nibble values
-  bool is_signed = w.type == GGML_Q8_0;
-  if (is_signed) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs + n * w.ldq + b * QK));
-    q[0] = _mm256_castsi256_si128(v);
-    q[1] = _mm256_extracti128_si256(v, 1);
-  } else {
-    const __m256i v = unpack_nibbles(w.qs + n * w.ldq + b * (QK / 2));
-    q[0] = _mm256_castsi256_si128(v);
-    q[1] = _mm256_extracti128_si256(v, 1);
-  }
-  const __m256 m = w.type == GGML_Q4_1 ? _mm256_set1_ps(w.m[n * w.nb + b]) : _mm256_setzero_ps();
-  const __m256 eight = _mm256_set1_ps(8.f);
-  for (int h = 0; h < 2; ++h)
-    for (int j = 0; j < 2; ++j) {
-      const __m128i part = j ? _mm_srli_si128(q[h], 8) : q[h];
-      const __m256 f = _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(part) : _mm256_cvtepu8_epi32(part));
-      __m256 v;
-      if (w.type == GGML_Q4_0)
-        v = _mm256_mul_ps(d, _mm256_sub_ps(f, eight));
-      else if (w.type == GGML_Q4_1)
-        v = _mm256_add_ps(_mm256_mul_ps(d, f), m);
-      else
-        v = _mm256_mul_ps(d, f);
-      _mm256_store_ps(out + h * 16 + j * 8, v);
-    }
-}
-
-// r[i] (8 floats each) transposed in place.
-static inline void transpose8(__m256 r[8]) {
-  __m256 t[8], u[8];
-  for (int i = 0; i < 4; ++i) {
-    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 2; ++i) {
-    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
-    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
-    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
-  }
-}
-
-constexpr int64_t NR = 16;  // columns per float32 panel (gemm.cpp's)
-
-// panel [K][16] float32 = the weights of columns n0 .. n0 + ncols (zero beyond), the layout of gemm.cpp's panels.
-static void dequant_panel(const Weights& w, int64_t n0, int64_t ncols, float* panel) {
-  alignas(32) float col[NR][QK];
-  for (int64_t b = 0; b < w.nb; ++b) {
-    for (int64_t j = 0; j < NR; ++j) {
-      if (j < ncols)
-        dequant_block(w, n0 + j, b, col[j]);
-      else
-        std::fill(col[j], col[j] + QK, 0.f);
-    }
-    for (int64_t half = 0; half < 2; ++half)
-      for (int64_t k8 = 0; k8 < QK; k8 += 8) {
-        __m256 r[8];
-        for (int i = 0; i < 8; ++i) r[i] = _mm256_load_ps(col[half * 8 + i] + k8);
-        transpose8(r);  // r[t] = columns half*8 .. +8 at k = k8 + t
-        for (int t = 0; t < 8; ++t) _mm256_storeu_ps(panel + (b * QK + k8 + t) * NR + half * 8, r[t]);
-      }
-  }
-}
-
-template <bool Q8>
-static void tile_any(int64_t rows, int64_t cols, const Weights& w, int64_t n0, const Acts& a, int64_t r0, float* out,
-                     int64_t ldo) {
-#define VG_CASE(R)                                       \
-  case R:                                                \
-    if (cols == 2)                                       \
-      tile<R, 2, Q8>(w, n0, a, r0, out, ldo);            \
-    else                                                 \
-      tile<R, 1, Q8>(w, n0, a, r0, out, ldo);            \
-    break;
-  switch (rows) {
-    VG_CASE(4)
-    VG_CASE(3)
-    VG_CASE(2)
-    default: VG_CASE(1)
-  }
-#undef VG_CASE
-}
-#else
-// Plain C++: the same sums, one (row, column) at a time.
-static void tile_scalar(int64_t rows, int64_t cols, const Weights& w, int64_t n0, const Acts& a, int64_t r0,
-                        float* out, int64_t ldo) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) {
-      const int64_t n = n0 + c;
-      const int8_t* xq = a.q + (r0 + r) * a.K;
-      float acc = 0.f;
-      for (int64_t b = 0; b < w.nb; ++b) {
-        int32_t dot = 0;
-        if (w.type == GGML_Q8_0) {
-          const int8_t* q = reinterpret_cast<const int8_t*>(w.qs + n * w.ldq) + b * QK;
-          for (int64_t j = 0; j < QK; ++j) dot += int32_t(q[j]) * xq[b * QK + j];
-        } else {
-          const uint8_t* q = w.qs + n * w.ldq + b * (QK / 2);
-          for (int64_t j = 0; j < QK / 2; ++j)
-            dot += int32_t(q[j] & 0x0f) * xq[b * QK + j] + int32_t(q[j] >> 4) * xq[b * QK + j + QK / 2];
+// out[i * ldo + 0..8] = the group's 8 outputs for input rows r0 .. r0 + R.
+template <int R, int64_t TYPE>
+static inline void group_tile(const Weights& w, int64_t g, const Acts& a, int64_t r0, float* out, int64_t ldo) {
+  __m256 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);
+  const uint8_t* rec = w.record(g, 0);
+  for (int64_t b = 0; b < w.nb; ++b, rec += w.rec) {
+    // 8 records ahead (past the group's end too: the next group follows): 12.0 against 10.5 GB/s without,
+    // 9.0 at 4 records, 10.8 at 16 (benchmarks/gguf_linear_bw.py, one thread).
+    const char* ahead = reinterpret_cast<const char*>(rec + 8 * w.rec);
+    _mm_prefetch(ahead, _MM_HINT_T0);
+    _mm_prefetch(ahead + 64, _MM_HINT_T0);
+    _mm_prefetch(ahead + 128, _MM_HINT_T0);
+    if constexpr (TYPE == GGML_Q8_0) _mm_prefetch(ahead + 192, _MM_HINT_T0);
+    __m256i dot[R];
+    if constexpr (TYPE == GGML_Q8_0) {
+      for (int i = 0; i < R; ++i) dot[i] = _mm256_setzero_si256();
+      for (int t = 0; t < 8; ++t) {
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * t));
+        const __m256i qa = _mm256_sign_epi8(q, q);  // |q| as unsigned bytes (-128 -> 128)
+        for (int i = 0; i < R; ++i) {
+          const __m256i xs = _mm256_sign_epi8(bcast4(a.q + (r0 + i) * a.K + b * QK + 4 * t), q);
+          dot[i] = _mm256_add_epi32(dot[i], _mm256_madd_epi16(_mm256_maddubs_epi16(qa, xs), ones));
         }
-        acc += w.d[n * w.nb + b] * a.d[(r0 + r) * a.nb + b] * static_cast<float>(dot);
       }
-      out[r * ldo + c] = acc;
+    } else {
+      __m256i s16[R];
+      for (int i = 0; i < R; ++i) s16[i] = _mm256_setzero_si256();
+      for (int t = 0; t < 4; ++t) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * t));
+        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        for (int i = 0; i < R; ++i) {
+          const int8_t* xq = a.q + (r0 + i) * a.K + b * QK + 4 * t;
+          s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(lo, bcast4(xq)));
+          s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(hi, bcast4(xq + 16)));
+        }
+      }
+      for (int i = 0; i < R; ++i) dot[i] = _mm256_madd_epi16(s16[i], ones);
     }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + w.qbytes)));
+    __m256 m;
+    if constexpr (TYPE == GGML_Q4_1)
+      m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + w.qbytes + 2 * G)));
+    for (int i = 0; i < R; ++i) {
+      const __m256 xd = _mm256_set1_ps(a.d[(r0 + i) * a.nb + b]);
+      const __m256 v = _mm256_mul_ps(xd, _mm256_cvtepi32_ps(dot[i]));
+      if constexpr (TYPE == GGML_Q8_0) {
+        acc[i] = _mm256_fmadd_ps(d, v, acc[i]);
+      } else {
+        const __m256 xs = _mm256_set1_ps(a.s[(r0 + i) * a.nb + b]);
+        if constexpr (TYPE == GGML_Q4_0)
+          acc[i] = _mm256_fmadd_ps(d, _mm256_fnmadd_ps(_mm256_set1_ps(8.f), xs, v), acc[i]);
+        else
+          acc[i] = _mm256_add_ps(acc[i], _mm256_fmadd_ps(m, xs, _mm256_mul_ps(d, v)));
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + i * ldo, acc[i]);
+}
+
+template <int64_t TYPE>
+static void group_rows(int rows, const Weights& w, int64_t g, const Acts& a, int64_t r0, float* out, int64_t ldo) {
+  switch (rows) {
+    case 4: group_tile<4, TYPE>(w, g, a, r0, out, ldo); break;
+    case 3: group_tile<3, TYPE>(w, g, a, r0, out, ldo); break;
+    case 2: group_tile<2, TYPE>(w, g, a, r0, out, ldo); break;
+    default: group_tile<1, TYPE>(w, g, a, r0, out, ldo); break;
+  }
+}
+
+// A record's 32 x 8 weights as float32 (the dequantised load's values), k-major: out[k * ldo + r], r < 8.
+static inline void dequant_record(const Weights& w, const uint8_t* rec, float* out, int64_t ldo) {
+  // Each 128-bit lane of a chunk is 4 rows x 4 bytes; this shuffle makes it 4 bytes (rows) per weight, and the
+  // permute puts the two lanes' rows side by side: 8 bytes (rows 0..7) per weight.
+  const __m256i tr = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,  //
+                                      0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const __m256i lanes = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7), low = _mm256_set1_epi8(0x0f);
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + w.qbytes)));
+  const __m256 m = w.type == GGML_Q4_1
+                       ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + w.qbytes + 2 * G)))
+                       : _mm256_setzero_ps();
+  const __m256 eight = _mm256_set1_ps(8.f);
+  alignas(32) uint8_t bytes[32];
+  auto emit = [&](__m256i v, int64_t k0, bool is_signed) {  // v: 4 weights k0.. of the 8 rows, as 4r + i
+    _mm256_store_si256(reinterpret_cast<__m256i*>(bytes),
+                       _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(v, tr), lanes));
+    for (int64_t i = 0; i < 4; ++i) {
+      const __m128i b8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8 * i));
+      const __m256 f = _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(b8) : _mm256_cvtepu8_epi32(b8));
+      __m256 x;
+      if (w.type == GGML_Q4_0)
+        x = _mm256_mul_ps(d, _mm256_sub_ps(f, eight));
+      else if (w.type == GGML_Q4_1)
+        x = _mm256_add_ps(_mm256_mul_ps(d, f), m);
+      else
+        x = _mm256_mul_ps(d, f);
+      _mm256_storeu_ps(out + (k0 + i) * ldo, x);
+    }
+  };
+  if (w.type == GGML_Q8_0) {
+    for (int64_t t = 0; t < 8; ++t)
+      emit(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * t)), 4 * t, true);
+  } else {
+    for (int64_t t = 0; t < 4; ++t) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * t));
+      emit(_mm256_and_si256(v, low), 4 * t, false);
+      emit(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), 16 + 4 * t, false);
+    }
+  }
+}
+
+constexpr int64_t NR = 16;  // columns per float32 panel (gemm.cpp's): two groups
+
+// panel [K][16] float32 = the weights of groups 2p and 2p + 1 (zero past the last group), gemm.cpp's panel layout.
+static void dequant_panel(const Weights& w, int64_t groups, int64_t p, float* panel) {
+  for (int64_t h = 0; h < 2; ++h) {
+    const int64_t g = 2 * p + h;
+    for (int64_t b = 0; b < w.nb; ++b) {
+      float* o = panel + b * QK * NR + h * G;
+      if (g < groups) {
+        dequant_record(w, w.record(g, b), o, NR);
+      } else {
+        for (int64_t k = 0; k < QK; ++k) _mm256_storeu_ps(o + k * NR, _mm256_setzero_ps());
+      }
+    }
+  }
 }
 #endif
 
 }  // namespace gguf_impl
 
-// out [M, N] float32 = x [M, K] float32 @ W^T (+ bias), W given by its GGUF blocks (the layout above).
-// From gemm_min_rows rows on (AVX2 variants), dequantised panels and the float32 GEMM instead (the caller's
-// choice: kernels.py's GGUF_GEMM_MIN_ROWS).
-void gguf_linear(at::Tensor out, at::Tensor x, int64_t type, at::Tensor qs, at::Tensor d, std::optional<at::Tensor> m,
-                 std::optional<at::Tensor> bias, int64_t gemm_min_rows) {
+// out [M, N] float32 = x [M, K] float32 @ W^T (+ bias), W given by its GGUF blocks (the layout above). From
+// gemm_min_rows rows on (AVX2 variants), dequantised panels and the float32 GEMM instead (the caller's choice:
+// kernels.py's GGUF_GEMM_MIN_ROWS); below, a call over grain_bytes of blocks (times row tiles) is split.
+void gguf_linear_x8(at::Tensor out, at::Tensor x, int64_t type, at::Tensor blocks, std::optional<at::Tensor> bias,
+                    int64_t gemm_min_rows, int64_t grain_bytes) {
   using namespace gguf_impl;
   TORCH_CHECK(type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q8_0,
               "gguf_linear: type must be Q4_0, Q4_1 or Q8_0");
-  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && qs.dim() == 2 && d.dim() == 2 && x.is_contiguous()
-                  && out.is_contiguous() && qs.is_contiguous() && d.is_contiguous() && x.scalar_type() == at::kFloat
-                  && out.scalar_type() == at::kFloat && d.scalar_type() == at::kFloat,
-              "gguf_linear: float32 contiguous x [M, K], out [M, N], d [N, K/32]; contiguous qs");
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && blocks.dim() == 2 && x.is_contiguous() && out.is_contiguous()
+                  && blocks.is_contiguous() && x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat
+                  && blocks.scalar_type() == at::kByte,
+              "gguf_linear: float32 contiguous x [M, K], out [M, N]; contiguous uint8 blocks");
   const int64_t M = x.size(0), K = x.size(1), N = out.size(0) == M ? out.size(1) : -1;
-  TORCH_CHECK(N >= 0 && K % QK == 0 && qs.size(0) == N && d.size(0) == N && d.size(1) == K / QK,
-              "gguf_linear: shapes (K must be a multiple of 32)");
-  const bool q8 = type == GGML_Q8_0;
-  TORCH_CHECK(qs.scalar_type() == (q8 ? at::kChar : at::kByte) && qs.size(1) == (q8 ? K : K / 2),
-              "gguf_linear: qs must be int8 [N, K] (Q8_0) or uint8 [N, K/2] (Q4_0, Q4_1)");
-  const float* mp = nullptr;
-  if (type == GGML_Q4_1) {
-    TORCH_CHECK(m.has_value() && m->defined() && m->sizes() == d.sizes() && m->is_contiguous()
-                    && m->scalar_type() == at::kFloat,
-                "gguf_linear: Q4_1 needs float32 m like d");
-    mp = m->data_ptr<float>();
-  }
+  const int64_t qbytes = type == GGML_Q8_0 ? 256 : 128;
+  const int64_t rec = qbytes + 2 * G * (type == GGML_Q4_1 ? 2 : 1);
+  const int64_t nb = K / QK, groups = (N + G - 1) / G;
+  TORCH_CHECK(N >= 0 && K % QK == 0 && blocks.size(0) == groups && blocks.size(1) == nb * rec,
+              "gguf_linear: shapes (K a multiple of 32, blocks [ceil(N / 8), K / 32 * record bytes])");
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == at::kFloat, "gguf_linear: bias");
     bp = bias->data_ptr<float>();
   }
   if (M == 0 || N == 0) return;
-  const int64_t nb = K / QK;
-  const Weights w{type, static_cast<const uint8_t*>(qs.data_ptr()), qs.size(1), d.data_ptr<float>(), mp, nb};
+  const Weights w{type, blocks.data_ptr<uint8_t>(), nb, rec, qbytes};
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
 
 #ifdef VLLITE_GGUF_AVX2
   if (M >= gemm_min_rows) {
     // Many rows: each task dequantises one 16-column panel to float32 (in L1/L2) and runs the float32 GEMM
     // micro-kernel over its row block; the weights are still read as blocks, and the input is not rounded.
     constexpr int64_t MC = 96;
-    const int64_t P = (N + NR - 1) / NR, row_blocks = (M + MC - 1) / MC;
-    const float* xp = x.data_ptr<float>();
-    float* op = out.data_ptr<float>();
+    const int64_t P = (groups + 1) / 2, row_blocks = (M + MC - 1) / MC;
     at::parallel_for(0, row_blocks * P, 1, [&](int64_t tb, int64_t te) {
       std::vector<float> panel_buf(K * NR + 8);
       float* panel = panel_buf.data();
       for (int64_t t = tb; t < te; ++t) {
-        const int64_t m0 = (t / P) * MC, m1 = std::min(M, m0 + MC), n0 = (t % P) * NR;
-        const int64_t ncols = std::min(NR, N - n0);
-        dequant_panel(w, n0, ncols, panel);
-        avx2_gemm_panel(xp + m0 * K, m1 - m0, K, panel, op + m0 * N + n0, N, bp ? bp + n0 : nullptr, ncols);
+        const int64_t m0 = (t / P) * MC, m1 = std::min(M, m0 + MC), p = t % P, n0 = p * NR;
+        dequant_panel(w, groups, p, panel);
+        avx2_gemm_panel(xp + m0 * K, m1 - m0, K, panel, op + m0 * N + n0, N, bp ? bp + n0 : nullptr,
+                        std::min(NR, N - n0));
       }
     });
     return;
@@ -340,40 +342,37 @@ void gguf_linear(at::Tensor out, at::Tensor x, int64_t type, at::Tensor qs, at::
 #endif
   std::vector<int8_t> xq(M * K);
   std::vector<float> xd(M * nb), xs(M * nb);
-  const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r)
-      quantize_row(xp + r * K, nb, xq.data() + r * K, xd.data() + r * nb, xs.data() + r * nb);
-  });
+  for (int64_t r = 0; r < M; ++r)
+    quantize_row(xp + r * K, nb, xq.data() + r * K, xd.data() + r * nb, xs.data() + r * nb);
   const Acts a{xq.data(), xd.data(), xs.data(), K, nb};
 
-  float* op = out.data_ptr<float>();
-  // Column chunks of at least ~64K multiply-adds per row so small layers stay on one thread.
-  const int64_t chunk = std::max<int64_t>(RN, (65536 / K + RN - 1) / RN * RN);
-  const int64_t chunks = (N + chunk - 1) / chunk, row_blocks = (M + MB - 1) / MB;
-  at::parallel_for(0, row_blocks * chunks, 1, [&](int64_t tb, int64_t te) {
-    for (int64_t t = tb; t < te; ++t) {
-      const int64_t m0 = (t / chunks) * MB, m1 = std::min(M, m0 + MB);
-      const int64_t c0 = (t % chunks) * chunk, c1 = std::min(N, c0 + chunk);
-      for (int64_t n = c0; n < c1; n += RN) {
-        const int64_t cols = std::min(RN, c1 - n);
-        for (int64_t r = m0; r < m1; r += RM) {
-          const int64_t rows = std::min(RM, m1 - r);
-          float* o = op + r * N + n;
+  // Each thread a contiguous run of groups (one stream), all input rows; small calls on this thread alone.
+  const int64_t group_bytes = nb * rec * ((M + RM - 1) / RM);
+  const int64_t grain = std::max<int64_t>(1, (grain_bytes + group_bytes - 1) / group_bytes);
+  at::parallel_for(0, groups, grain, [&](int64_t gb, int64_t ge) {
+    alignas(32) float tmp[RM * G];
+    for (int64_t g = gb; g < ge; ++g) {
+      const int64_t n0 = g * G, cols = std::min(G, N - n0);
+      for (int64_t r = 0; r < M; r += RM) {
+        const int rows = static_cast<int>(std::min(RM, M - r));
+        const bool direct = cols == G;  // a full group writes straight into out
+        float* o = direct ? op + r * N + n0 : tmp;
+        const int64_t ldo = direct ? N : G;
 #ifdef VLLITE_GGUF_AVX2
-          if (q8)
-            tile_any<true>(rows, cols, w, n, a, r, o, N);
-          else
-            tile_any<false>(rows, cols, w, n, a, r, o, N);
+        if (type == GGML_Q8_0)
+          group_rows<GGML_Q8_0>(rows, w, g, a, r, o, ldo);
+        else if (type == GGML_Q4_1)
+          group_rows<GGML_Q4_1>(rows, w, g, a, r, o, ldo);
+        else
+          group_rows<GGML_Q4_0>(rows, w, g, a, r, o, ldo);
 #else
-          tile_scalar(rows, cols, w, n, a, r, o, N);
+        group_scalar(w, g, a, r, rows, o, ldo);
 #endif
-          for (int64_t i = 0; i < rows; ++i)
-            for (int64_t c = 0; c < cols; ++c) {
-              float v = o[i * N + c] + correction(w, n + c, xs.data() + (r + i) * nb);
-              o[i * N + c] = bp ? v + bp[n + c] : v;
-            }
-        }
+        for (int64_t i = 0; i < rows; ++i)
+          for (int64_t c = 0; c < cols; ++c) {
+            const float v = o[i * ldo + c];
+            op[(r + i) * N + n0 + c] = bp ? v + bp[n0 + c] : v;
+          }
       }
     }
   });
