@@ -57,6 +57,9 @@ class ParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                  ops: ModelOps | None = None) -> None:
         super().__init__()
+        # This rank's (out, in) widths: what LoRA sizes its slots by, whatever ``weight`` becomes (int8
+        # values, or GGUF blocks in groups of 8 rows).
+        self.local_features = (out_features, in_features)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         self._ops = ops or current_model_ops()  # a model may pin its own (Whisper: plain torch)

@@ -34,3 +34,23 @@ def test_smollm2_adapter_greedy_matches_peft(smollm2_hf, adapter):
     ids = tok.encode(tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True))
     chat = llm.chat(conv, sp, lora_request=req)
     assert chat[0].outputs[0].token_ids == hf_greedy(peft, ids, NEW)
+
+
+def _agreed(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+@pytest.mark.slow
+def test_gguf_blocks_take_the_same_adapter(smollm2_hf, adapter):
+    """quantization="gguf" keeps the linear weights as blocks; the adapter's slots are sized by the layers'
+    widths (not the blocks' shape) and its delta applies on top: output follows peft's, not the base's."""
+    peft, req = adapter
+    llm = LLM(dtype="float32", max_model_len=512, enable_lora=True, max_lora_rank=8, quantization="gguf")
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(t) for t in ("The capital of France is", "def fibonacci(n):")]
+    lora_ref = [hf_greedy(peft, p, NEW) for p in prompts]
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts * 2], sp, lora_request=[req, req, None, None])
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got[:2] != got[2:]
+    assert all(_agreed(g, r) >= 4 for g, r in zip(got[:2], lora_ref))

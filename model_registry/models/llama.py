@@ -254,7 +254,7 @@ class LlamaForCausalLM(nn.Module, SupportsLoRA, SupportsTensorParallel):
     def lora_targets(self) -> dict[str, tuple[str, int, int]]:
         """SupportsLoRA: each HF projection name -> (the engine layer holding it, its output rows there)."""
         out: dict[str, tuple[str, int, int]] = {}
-        down = self.model.layers[0].mlp.down_proj.weight.shape[0]
+        down = self.model.layers[0].mlp.down_proj.local_features[0]
         for i in range(self.num_layers):
             pre = f"model.layers.{i}."
             for hf, fused, shard in _STACKED:

@@ -26,7 +26,7 @@ def lora_layout(model: Any) -> tuple[dict[str, tuple[str, int, int]], dict[str, 
     against, so a process without the model (the API process) can check adapters too."""
     targets = model.lora_targets()
     modules = dict(model.named_modules())
-    return targets, {eng: int(modules[eng].weight.shape[1]) for eng, _, _ in targets.values()}
+    return targets, {eng: int(modules[eng].local_features[1]) for eng, _, _ in targets.values()}
 
 
 class LoRARegistry:

@@ -74,7 +74,7 @@ class LoRASlots:
         modules = dict(model.named_modules())
         for engine_name, n in fused.items():
             mod = modules[engine_name]
-            out_f, in_f = mod.weight.shape
+            out_f, in_f = mod.local_features
             layer = LoRALayer(self, engine_name, in_f, out_f, n, getattr(mod, "_ops", None))
             mod.lora = layer
             self.layers.append(layer)
