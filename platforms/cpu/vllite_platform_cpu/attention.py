@@ -48,6 +48,7 @@ class _Plan:
     kernel_args: tuple[torch.Tensor, ...] | None = None
     write_rows: torch.Tensor | None = None  # rows whose K/V are stored, when some slots are -1 (padding)
     slots: torch.Tensor | None = None  # the cache slots of the rows stored (the step's slot_mapping, padding dropped)
+    kernel_slots: torch.Tensor | None = None  # int64 slot of each row for the kernel's store (-1: padding)
     masks: dict[tuple[object, int | None], torch.Tensor | None] = field(default_factory=dict)
 
 
@@ -86,6 +87,7 @@ class TorchPagedAttention(AttentionBackend):
                 prefills.append(_Prefill(slice(starts[i], starts[i + 1]), seq_len, block_table[i, :-(-seq_len // bs)]))
         plan = _Plan(md.num_actual_tokens, None, None, None, prefills)
         slots = md.slot_mapping[:md.num_actual_tokens]
+        plan.kernel_slots = slots.to(torch.long).contiguous()
         if slots.numel() and int(slots.min()) < 0:
             plan.write_rows = torch.nonzero(slots >= 0).flatten()
             slots = slots[plan.write_rows]
@@ -126,6 +128,11 @@ class TorchPagedAttention(AttentionBackend):
         out = torch.zeros_like(query) if n < query.shape[0] else torch.empty_like(query)
         if kv_cache is None or kv_cache.numel() == 0:  # no cache yet (e.g. a profile run): context = new tokens
             return self._without_cache(query, key, value, metadata, out, scale, sliding_window)
+        if (plan.kernel_args is not None and kv_cache.dtype == query.dtype and k_scale == 1.0 and v_scale == 1.0
+                and query.stride(-1) == key.stride(-1) == value.stride(-1) == 1):  # store + attention: one call
+            _kernels.paged_attention_store(out, query, key, value, kv_cache, plan.kernel_slots, *plan.kernel_args,
+                                           scale, sliding_window or 0)
+            return out
         key_cache, value_cache = kv_cache.unbind(0)
         new_k, new_v = key, value
         if plan.write_rows is not None:  # padded rows (slot -1) write nowhere
