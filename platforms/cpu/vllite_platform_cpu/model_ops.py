@@ -175,7 +175,7 @@ class CpuModelOps(ModelOps):
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        if not (self._rows_ok(x) and self._rows_ok(residual) and x.shape == residual.shape
+        if not (self._rows_ok(x) and residual.is_cpu and x.shape == residual.shape and residual.stride(1) == 1
                 and x.dtype == residual.dtype == weight.dtype):
             return super().add_rms_norm(x, residual, weight, eps)
         kernels.add_rms_norm(x, residual, weight, eps)  # residual += x; x = norm(residual)
