@@ -228,6 +228,40 @@ def test_paged_attention(name, dtype, head_size, heads, kv_heads, q_lens, s_lens
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_store(name, dtype):
+    """The fused store writes each row's key/value at its slot (a -1 slot and rows past the slots nowhere), as
+    index_copy_ would, then attends over the cache as paged_attention does."""
+    mod = kernels.load_variant(name)
+    q_lens, s_lens = [1, 1, 5], [40, 17, 21]
+    q, kc, vc, table, seq, starts = _paged_case(64, 9, 3, q_lens, s_lens, dtype)
+    g = torch.Generator().manual_seed(1)
+    t = q.shape[0] + 1  # one padding row past the slots
+    qkv = torch.randn(t, 15, 64, generator=g).to(dtype)  # k and v as strided views of a fused projection
+    k, v = qkv[:, 9:12], qkv[:, 12:]
+    slots = []
+    for r in range(len(s_lens)):
+        for pos in range(s_lens[r] - q_lens[r], s_lens[r]):
+            blk = int(table[r, pos // 16])
+            slots.append(blk * 16 + pos % 16)
+    slots[3] = -1  # a padded row inside the step
+    slots = torch.tensor(slots, dtype=torch.int64)
+    kv = torch.stack([kc, vc])
+    ref = kv.clone()
+    keep = slots >= 0
+    ref[0].view(-1, 3, 64).index_copy_(0, slots[keep], k[:len(slots)][keep])
+    ref[1].view(-1, 3, 64).index_copy_(0, slots[keep], v[:len(slots)][keep])
+    out = torch.empty(t, 9, 64, dtype=dtype)
+    rid = torch.arange(len(s_lens), dtype=torch.int32)
+    qp = torch.cat([q, q[:1]])
+    mod.paged_attention_store(out, qp, k, v, kv, slots, table, seq, starts, rid, 0.125, 0)
+    assert torch.equal(kv, ref)
+    expect = torch.empty_like(qp)
+    mod.paged_attention(expect, qp, ref[0], ref[1], table, seq, starts, rid, 0.125, 0, 1.0, 1.0)
+    assert torch.equal(out[:q.shape[0]], expect[:q.shape[0]])
+
+
 def test_load_takes_the_highest_runnable_variant(fresh, monkeypatch):
     monkeypatch.delenv(kernels.ISA_ENV, raising=False)
     assert fresh.load() is not None

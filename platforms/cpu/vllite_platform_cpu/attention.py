@@ -47,6 +47,8 @@ class _Plan:
     # For the C++ kernel (int32, contiguous): the step's index tensors and every request with query rows.
     kernel_args: tuple[torch.Tensor, ...] | None = None
     write_rows: torch.Tensor | None = None  # rows whose K/V are stored, when some slots are -1 (padding)
+    slots: torch.Tensor | None = None  # the cache slots of the rows stored (the step's slot_mapping, padding dropped)
+    kernel_slots: torch.Tensor | None = None  # int64 slot of each row for the kernel's store (-1: padding)
     masks: dict[tuple[object, int | None], torch.Tensor | None] = field(default_factory=dict)
 
 
@@ -85,8 +87,11 @@ class TorchPagedAttention(AttentionBackend):
                 prefills.append(_Prefill(slice(starts[i], starts[i + 1]), seq_len, block_table[i, :-(-seq_len // bs)]))
         plan = _Plan(md.num_actual_tokens, None, None, None, prefills)
         slots = md.slot_mapping[:md.num_actual_tokens]
+        plan.kernel_slots = slots.to(torch.long).contiguous()
         if slots.numel() and int(slots.min()) < 0:
             plan.write_rows = torch.nonzero(slots >= 0).flatten()
+            slots = slots[plan.write_rows]
+        plan.slots = slots
         if _kernels.available() and (decode_idx or prefill_idx):
             i32 = torch.int32
             plan.kernel_args = (md.block_table.to(i32).contiguous(), md.seq_lens.to(i32).contiguous(),
@@ -123,14 +128,22 @@ class TorchPagedAttention(AttentionBackend):
         out = torch.zeros_like(query) if n < query.shape[0] else torch.empty_like(query)
         if kv_cache is None or kv_cache.numel() == 0:  # no cache yet (e.g. a profile run): context = new tokens
             return self._without_cache(query, key, value, metadata, out, scale, sliding_window)
-        num_kv_heads, head_size = key.shape[1], key.shape[2]
-        slots, new_k, new_v = metadata.slot_mapping[:n], key[:n], value[:n]
+        if (plan.kernel_args is not None and kv_cache.dtype == query.dtype and k_scale == 1.0 and v_scale == 1.0
+                and query.stride(-1) == key.stride(-1) == value.stride(-1) == 1):  # store + attention: one call
+            _kernels.paged_attention_store(out, query, key, value, kv_cache, plan.kernel_slots, *plan.kernel_args,
+                                           scale, sliding_window or 0)
+            return out
+        key_cache, value_cache = kv_cache.unbind(0)
+        new_k, new_v = key, value
         if plan.write_rows is not None:  # padded rows (slot -1) write nowhere
-            slots, new_k, new_v = slots[plan.write_rows], new_k[plan.write_rows], new_v[plan.write_rows]
-        store_scaled(kv_cache[0].view(-1, num_kv_heads, head_size), slots, new_k, k_scale)
-        store_scaled(kv_cache[1].view(-1, num_kv_heads, head_size), slots, new_v, v_scale)
+            new_k, new_v = key.index_select(0, plan.write_rows), value.index_select(0, plan.write_rows)
+        elif n < key.shape[0]:
+            new_k, new_v = key[:n], value[:n]
+        hkv, d = key.shape[1], key.shape[2]
+        store_scaled(key_cache.view(-1, hkv, d), plan.slots, new_k, k_scale)
+        store_scaled(value_cache.view(-1, hkv, d), plan.slots, new_v, v_scale)
         if plan.kernel_args is not None and _kernel_reads(kv_cache.dtype, query.dtype) and query.stride(-1) == 1:
-            _kernels.paged_attention(out, query, kv_cache[0], kv_cache[1], *plan.kernel_args, scale,
+            _kernels.paged_attention(out, query, key_cache, value_cache, *plan.kernel_args, scale,
                                      sliding_window or 0, k_scale, v_scale)
             return out
         if plan.decode_rows is not None:

@@ -59,7 +59,7 @@ logger = logging.getLogger("vllite.platforms.cpu.kernels")
 ENTRY_POINTS = ("paged_attention", "avx2_gemm_available", "avx2_gemm_pack", "avx2_gemm", "avx2_gemm_gelu",
                 "small_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary", "quantize_rows_int8",
                 "dequantize_int32", "encoder_attention", "add_layer_norm", "gguf_linear_x8",
-                "lora_add")
+                "lora_add", "paged_attention_store")
 KERNEL_ENV = "VLLITE_CPU_ATTENTION_KERNEL"  # 0: no C++ kernels (torch ops)
 ISA_ENV = "VLLITE_CPU_ISA"  # the highest variant to use: default, avx2, avx512 or avx512_bf16
 
@@ -270,6 +270,16 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
     assert mod is not None, error()
     mod.paged_attention(out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, req_ids,
                         float(scale), int(window), float(k_scale), float(v_scale))
+
+
+def paged_attention_store(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          kv_cache: torch.Tensor, slots: torch.Tensor, block_table: torch.Tensor,
+                          seq_lens: torch.Tensor, query_start_loc: torch.Tensor, req_ids: torch.Tensor, scale: float,
+                          window: int = 0) -> None:
+    """``paged_attention`` after storing ``key``/``value`` row t at cache slot ``slots[t]`` (int64; negative:
+    not stored) of ``kv_cache`` ``[2, blocks, block_size, Hkv, D]`` in the query's dtype: one call per layer."""
+    load().paged_attention_store(out, query, key, value, kv_cache, slots, block_table, seq_lens, query_start_loc,
+                                 req_ids, float(scale), int(window))
 
 
 def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:

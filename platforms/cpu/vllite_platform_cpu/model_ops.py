@@ -175,7 +175,7 @@ class CpuModelOps(ModelOps):
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        if not (self._rows_ok(x) and self._rows_ok(residual) and x.shape == residual.shape
+        if not (self._rows_ok(x) and residual.is_cpu and x.shape == residual.shape and residual.stride(1) == 1
                 and x.dtype == residual.dtype == weight.dtype):
             return super().add_rms_norm(x, residual, weight, eps)
         kernels.add_rms_norm(x, residual, weight, eps)  # residual += x; x = norm(residual)
@@ -190,8 +190,8 @@ class CpuModelOps(ModelOps):
 
     def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if not (self.fused and q.device.type == "cpu" and q.dim() == 3 and k.dim() == 3 and q.stride(-1) == 1
-                and k.stride(-1) == 1 and cos.dim() == 2 and cos.stride(-1) == 1 and sin.stride() == cos.stride()
+        if not (self.fused and q.is_cpu and q.dim() == 3 and k.dim() == 3 and q.stride(2) == 1
+                and k.stride(2) == 1 and cos.dim() == 2 and cos.stride(1) == 1 and sin.stride() == cos.stride()
                 and q.dtype == k.dtype == cos.dtype == sin.dtype and not torch.is_grad_enabled()):
             return super().rotary(q, k, cos, sin)
         kernels.rotary(q, k, cos, sin)
@@ -209,5 +209,6 @@ class CpuModelOps(ModelOps):
         return y
 
     def _rows_ok(self, x: torch.Tensor) -> bool:
-        return (self.fused and x.device.type == "cpu" and x.dim() == 2 and x.stride(-1) == 1
-                and not torch.is_grad_enabled())
+        # Cheapest checks first (``is_cpu`` is a flag, ``device.type`` builds a device object): they run
+        # several times per layer of every step.
+        return self.fused and x.is_cpu and x.dim() == 2 and x.stride(1) == 1 and not torch.is_grad_enabled()

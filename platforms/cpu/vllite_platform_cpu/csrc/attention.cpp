@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "common.h"
@@ -579,6 +580,48 @@ void paged_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache, at:
                                               query_start_loc, req_ids, scale, window, ks, vs);
     }
   });
+}
+
+// The step's new keys and values stored into the cache, then paged_attention over it: one call per layer
+// instead of two index_copy_ and their views (a batch-1 decode step spends microseconds per layer on each
+// small torch op, the store itself being a few hundred bytes). kv_cache [2, blocks, block_size, Hkv, D] in
+// the query's dtype; row t of key/value [T, Hkv, D] goes to slot slots[t] (block * block_size + offset),
+// rows t >= slots.size(0) and rows with a negative slot (padding) are not stored. Serial: at most a few
+// kilobytes per row.
+void paged_attention_store(at::Tensor out, at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor kv_cache,
+                           at::Tensor slots, at::Tensor block_table, at::Tensor seq_lens, at::Tensor query_start_loc,
+                           at::Tensor req_ids, double scale, int64_t window) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && key.dim() == 3 && value.sizes() == key.sizes()
+                  && key.size(1) == kv_cache.size(3) && key.size(2) == kv_cache.size(4)
+                  && key.scalar_type() == kv_cache.scalar_type() && value.scalar_type() == kv_cache.scalar_type()
+                  && key.stride(2) == 1 && value.stride(2) == 1 && kv_cache.stride(4) == 1,
+              "paged_attention_store: key/value [T, Hkv, D] in the cache's dtype, kv_cache [2, blocks, block_size, "
+              "Hkv, D]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous()
+                  && slots.size(0) <= key.size(0),
+              "paged_attention_store: slots must be int64 [<= T]");
+  const int64_t n = slots.size(0), hkv = key.size(1), D = key.size(2);
+  const int64_t bs = kv_cache.size(2), capacity = kv_cache.size(1) * bs;
+  const int64_t c1 = kv_cache.stride(1), c2 = kv_cache.stride(2), c3 = kv_cache.stride(3);
+  const int64_t half = kv_cache.stride(0);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t esize = kv_cache.element_size();
+  char* base = static_cast<char*>(kv_cache.data_ptr());
+  const char* kp = static_cast<const char*>(key.data_ptr());
+  const char* vp = static_cast<const char*>(value.data_ptr());
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t slot = sp[t];
+    if (slot < 0) continue;
+    TORCH_CHECK(slot < capacity, "paged_attention_store: slot ", slot, " beyond the cache's ", capacity);
+    const int64_t row = (slot / bs) * c1 + (slot % bs) * c2;
+    for (int64_t h = 0; h < hkv; ++h) {
+      std::memcpy(base + (row + h * c3) * esize, kp + (t * key.stride(0) + h * key.stride(1)) * esize, D * esize);
+      std::memcpy(base + (half + row + h * c3) * esize, vp + (t * value.stride(0) + h * value.stride(1)) * esize,
+                  D * esize);
+    }
+  }
+  paged_attention(out, query, kv_cache.select(0, 0), kv_cache.select(0, 1), block_table, seq_lens, query_start_loc,
+                  req_ids, scale, window, 1.0, 1.0);
 }
 
 }  // namespace VLLITE_CPU_ISA

@@ -55,6 +55,7 @@ std::vector<std::string> cpu_features() {
   do {                                                                                   \
     auto s = m.def_submodule(name, "CPU kernels compiled for the " name " ISA variant"); \
     s.def("paged_attention", &vllite_cpu::ns::paged_attention);                          \
+    s.def("paged_attention_store", &vllite_cpu::ns::paged_attention_store);              \
     s.def("avx2_gemm_available", &vllite_cpu::ns::avx2_gemm_available);                  \
     s.def("avx2_gemm_pack", &vllite_cpu::ns::avx2_gemm_pack);                            \
     s.def("avx2_gemm", &vllite_cpu::ns::avx2_gemm);                                      \

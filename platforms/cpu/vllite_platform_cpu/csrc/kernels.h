@@ -15,6 +15,9 @@
   void paged_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,              \
                        at::Tensor block_table, at::Tensor seq_lens, at::Tensor query_start_loc, at::Tensor req_ids, \
                        double scale, int64_t window, double k_scale, double v_scale);                               \
+  void paged_attention_store(at::Tensor out, at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor kv_cache, \
+                             at::Tensor slots, at::Tensor block_table, at::Tensor seq_lens,                         \
+                             at::Tensor query_start_loc, at::Tensor req_ids, double scale, int64_t window);         \
   bool avx2_gemm_available();                                                                                       \
   at::Tensor avx2_gemm_pack(at::Tensor w);                                                                          \
   void avx2_gemm(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at::Tensor> bias);                  \

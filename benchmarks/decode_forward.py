@@ -1,0 +1,104 @@
+"""The model forward alone on one captured decode step: how much of it is kernels, how much the rest.
+
+    PYTHONPATH=<tree>/platforms/cpu:<tree> .venv/bin/python benchmarks/decode_forward.py --threads 1 --quantization gguf
+
+Runs --batch requests of 128 random ids for a few steps, keeps the inputs of the last decode step's
+forward, then calls the model on them --iters times (after 20 warm-ups): wall and thread-CPU time per
+forward. --split also times every C++ kernel call (thread CPU time, so time the thread spends
+descheduled on a shared host is not counted) and prints what the forward spends outside them: the
+per-layer Python and small torch ops. Compare two trees by alternating runs (PYTHONPATH at each).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import time
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+KERNELS = ("gguf_linear", "avx2_gemm", "small_linear", "paged_attention", "paged_attention_store", "rms_norm",
+           "add_rms_norm", "silu_and_mul", "rotary")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2")
+    ap.add_argument("--quantization", default=None, help="e.g. gguf, int8")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--iters", type=int, default=300)
+    ap.add_argument("--split", action="store_true", help="also time each C++ kernel call")
+    a = ap.parse_args()
+    logging.disable(logging.WARNING)
+    from vllite_core import LLM, SamplingParams
+    from vllite_core.benchmarks.datasets import random_token_ids
+
+    kw = {"model": a.model} if a.model else {}
+    if a.quantization:
+        kw["quantization"] = a.quantization
+    llm = LLM(**kw, dtype=a.dtype, num_threads=a.threads, max_model_len=256, max_num_seqs=a.batch,
+              enable_prefix_caching=False)
+    engine = llm.llm_engine
+    runner = engine.core.worker.runner
+    captured = {}
+    inner = runner.model_forward
+
+    def record(*args, **kwargs):
+        captured["inputs"] = (args, kwargs)
+        return inner(*args, **kwargs)
+
+    runner.model_forward = record
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0)
+    for i, prompt in enumerate(random_token_ids(a.batch, 128)):
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
+    for _ in range(5):
+        engine.step()
+    args, kwargs = captured["inputs"]
+    model = runner.model
+
+    def run() -> tuple[list[float], list[float]]:
+        wall, cpu = [], []
+        for _ in range(a.iters):
+            c0, t0 = time.thread_time(), time.perf_counter()
+            model(*args, **kwargs)
+            wall.append(time.perf_counter() - t0)
+            cpu.append(time.thread_time() - c0)
+        return wall, cpu
+
+    with torch.inference_mode():
+        for _ in range(20):
+            model(*args, **kwargs)
+        wall, cpu = run()
+        print(f"forward, batch {a.batch}, {a.threads} thread(s): median {statistics.median(wall) * 1e3:.3f} ms, "
+              f"min {min(wall) * 1e3:.3f}; thread CPU median {statistics.median(cpu) * 1e3:.3f} ms")
+        if not a.split:
+            return
+        from vllite_platform_cpu import kernels
+
+        mod, spent = kernels.load(), {}
+        for name in KERNELS:
+            fn = getattr(mod, name, None)
+            if fn is None:
+                continue
+
+            def timed(*x, _fn=fn, _name=name):
+                c0 = time.thread_time()
+                out = _fn(*x)
+                spent[_name] = spent.get(_name, 0.0) + time.thread_time() - c0
+                return out
+
+            setattr(mod, name, timed)
+        _, cpu = run()
+        per = {k: v / a.iters * 1e3 for k, v in spent.items()}
+        total = statistics.mean(cpu) * 1e3
+        print("kernels, ms per forward: " + ", ".join(f"{k} {v:.3f}" for k, v in per.items())
+              + f"; forward {total:.3f}, outside the kernels {total - sum(per.values()):.3f} (thread CPU time)")
+
+
+if __name__ == "__main__":
+    main()
