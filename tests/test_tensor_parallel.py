@@ -72,6 +72,21 @@ def test_seeded_sampling_matches_one_rank(qwen2, tp2):
     assert [o.outputs[0].token_ids for o in _generate(tp2, prompts, params)] == expected
 
 
+def test_speculative_decoding_over_two_ranks_matches_hf(qwen2):
+    """ngram drafts verified on every rank (rank 0's verification shared): greedy tokens equal HF's."""
+    path, hf, _ = qwen2
+    prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 4]
+    llm = LLM(path, dtype="float32", tensor_parallel_size=2, num_kv_blocks=64,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                  "prompt_lookup_max": 3})
+    try:
+        outs = _generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+        assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 24) for p in prompts]
+        assert llm.llm_engine.core.stats().spec_decoding.num_draft_tokens > 0
+    finally:
+        llm.llm_engine.core.shutdown()
+
+
 def test_layout_names_two_worker_processes(tp2):
     layout = tp2.llm_engine.core.executor.layout
     assert layout["backend"] == "mp" and layout["ranks"] == 2 and layout["nodes"] == 1

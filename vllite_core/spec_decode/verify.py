@@ -103,7 +103,9 @@ def verify(runner: Any, hidden: torch.Tensor, inp: Any, drafts: list[list[int]],
                     assert st is not None
                     out.failed[st.req_id] = msg
                     logger.warning("request %s failed: %s", st.req_id, msg)
-    accepted = v.accepted.cpu().numpy()
+    accepted_ids = v.accepted.to(torch.int64)
+    runner.share_sampled(v.token_ids, accepted_ids)
+    accepted = accepted_ids.cpu().numpy().astype(bool)
     tokens = v.token_ids.tolist()
     lp = v.logprobs
     lp_rows = list(zip(lp.token_ids.tolist(), lp.values.tolist(), lp.ranks.tolist())) if lp is not None else None

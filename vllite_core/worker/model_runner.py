@@ -356,6 +356,10 @@ class ModelRunner:
             for ids, vals, rank in zip(lp.token_ids.tolist(), lp.values.tolist(), lp.ranks.tolist()):
                 st.prompt_logprobs.append(SampleLogprobs(ids, vals, rank))
 
+    def share_sampled(self, *tensors: torch.Tensor) -> None:
+        """Make sampled ids (and verification results) the same on every rank that runs this step; one
+        rank has nothing to share (tp_runner.py overrides it)."""
+
     def _sample(self, hidden: torch.Tensor, inp: StepInputs, out: ModelRunnerOutput, grammar: Any = None
                 ) -> tuple[np.ndarray, SamplerOutput | None]:
         """Sample the step's rows; rows the sampler reports as faulty fail (``out.failed``) and the rest
@@ -368,7 +372,9 @@ class ModelRunner:
         while True:
             md = build_sampling_metadata(b, rows, logits.shape[-1], self.device, self.logits_processors, grammar)
             try:
-                return rows, self.sampler.forward(logits, md)
+                sampled = self.sampler.forward(logits, md)
+                self.share_sampled(sampled.sampled_token_ids)
+                return rows, sampled
             except RowFaults as f:
                 where = np.nonzero(alive)[0]
                 for i, msg in f.rows.items():
