@@ -56,6 +56,7 @@ std::vector<std::string> cpu_features() {
     auto s = m.def_submodule(name, "CPU kernels compiled for the " name " ISA variant"); \
     s.def("paged_attention", &vllite_cpu::ns::paged_attention);                          \
     s.def("avx2_gemm_available", &vllite_cpu::ns::avx2_gemm_available);                  \
+    s.def("avx2_gemm_dtypes", &vllite_cpu::ns::avx2_gemm_dtypes);                        \
     s.def("avx2_gemm_pack", &vllite_cpu::ns::avx2_gemm_pack);                            \
     s.def("avx2_gemm", &vllite_cpu::ns::avx2_gemm);                                      \
     s.def("avx2_gemm_gelu", &vllite_cpu::ns::avx2_gemm_gelu);                            \
