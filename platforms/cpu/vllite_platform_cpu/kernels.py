@@ -57,8 +57,8 @@ logger = logging.getLogger("vllite.platforms.cpu.kernels")
 # Every variant's functions (bindings.cpp): an installed module lacking one was built from older sources
 # (an editable install not rebuilt since), so the first-use build from these sources takes its place.
 ENTRY_POINTS = ("paged_attention", "avx2_gemm_available", "avx2_gemm_dtypes", "avx2_gemm_pack", "avx2_gemm",
-                "avx2_gemm_gelu", "small_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary", "quantize_rows_int8",
-                "dequantize_int32", "encoder_attention", "add_layer_norm", "gguf_linear",
+                "avx2_gemm_gelu", "small_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary",
+                "quantize_rows_int8", "dequantize_int32", "encoder_attention", "add_layer_norm", "gguf_linear",
                 "lora_add")
 KERNEL_ENV = "VLLITE_CPU_ATTENTION_KERNEL"  # 0: no C++ kernels (torch ops)
 ISA_ENV = "VLLITE_CPU_ISA"  # the highest variant to use: default, avx2, avx512 or avx512_bf16
