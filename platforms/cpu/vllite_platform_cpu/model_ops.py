@@ -44,18 +44,17 @@ class CpuModelOps(ModelOps):
         any row count: its packed panels stream the weight from memory faster than oneDNN's kernel and,
         at 1-4 rows, than the weight-streaming kernel on the plain weight. So does every bfloat16/float16
         layer there (no native 16-bit math): its panels keep the 16-bit values, widened to float32 in
-        registers (half the bytes of float32 panels, no float32 copy). Otherwise up to
-        SMALL_LINEAR_MAX_ROWS rows go to that C++ kernel, which streams the weight as stored (a 16-bit
-        weight is widened in registers: half the bytes of a float32 copy, so it also keeps 16-bit
-        layers at 1-4 rows on an AVX2 host), and more rows to oneDNN's blocked layout, which made this
+        registers, so a decode step reads half the bytes of float32 panels and no float32 copy is kept.
+        Otherwise up to SMALL_LINEAR_MAX_ROWS rows go to that C++ kernel, which streams the weight as
+        stored (16-bit widened in registers), and more rows to oneDNN's blocked layout, which made this
         model's linear layers 1.1-1.3x faster than F.linear (MKL) at 64-2048 rows and the LM head 2x at
         64 rows. A packed copy is made on first use and remade when the weight changes (an in-place
         load bumps its version). On a CPU without native 16-bit math (``widen_16bit``) a
-        bfloat16/float16 layer multiplies a float32 copy of its weight with the widened input and
-        rounds the result: every product of two 16-bit floats is exact in float32, so this is the
+        bfloat16/float16 layer multiplies its exactly widened weight with the widened input in float32
+        and rounds the result: every product of two 16-bit floats is exact in float32, so this is the
         16-bit matmul's own arithmetic (float32 accumulation), at float32 speed instead of torch's
-        emulated 16-bit GEMM (6x slower on AVX2). That copy costs float32 memory beside the 16-bit
-        weight."""
+        emulated 16-bit GEMM (6x slower on AVX2). Only oneDNN's path (above 4 rows on a host without
+        the AVX2 GEMM) keeps a float32 copy of the weight for it."""
         dt = x.dtype
         if (x.dim() != 2 or dt != weight.dtype or dt not in _KERNEL_DTYPES or x.device.type != "cpu"
                 or torch.is_grad_enabled() or (bias is not None and bias.dtype != dt)):
