@@ -6,7 +6,8 @@
 float32, each weight its own tensor (540 MB in all, so every step reads them from DRAM as the engine
 does). The paths run in turns, one step each, and the median and best of --rounds are printed:
 ``onednn`` (torch's mkldnn packed linear), ``avx2`` (the CPU platform's AVX2 GEMM, where built),
-``small`` (the weight-streaming kernel, up to 4 rows).
+``small`` (the weight-streaming kernel, up to 4 rows); and the same layers in bfloat16 (270 MB, no native
+bf16 math assumed): ``avx2-bf16`` (the AVX2 GEMM's 16-bit panels, widened in registers) and ``small-bf16``.
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ def main() -> None:
     flops_per_row = sum(2 * w.numel() for w in weights)
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
     avx2 = [kernels.avx2_gemm_pack(w) for w in weights] if kernels.avx2_gemm_available() else None
+    weights16 = [w.bfloat16() for w in weights]
+    avx2_16 = [kernels.avx2_gemm_pack(w) for w in weights16] if torch.bfloat16 in kernels.avx2_gemm_dtypes() else None
     print(f"threads {torch.get_num_threads()}, weights {sum(w.numel() for w in weights) * 4 / 1e6:.0f} MB")
     for m in a.rows:
         xs = {k: torch.randn(m, k, generator=g) for k in (576, 1536)}
@@ -45,6 +48,12 @@ def main() -> None:
                                      for w, p in zip(weights, avx2)]
         if m <= 4:
             paths["small"] = lambda: [kernels.small_linear(outs[w.shape[0]], xs[w.shape[1]], w, None) for w in weights]
+        if avx2_16 is not None:
+            paths["avx2-bf16"] = lambda: [kernels.avx2_gemm(outs[w.shape[0]], xs[w.shape[1]], p, None)
+                                          for w, p in zip(weights16, avx2_16)]
+        if m <= 4:
+            paths["small-bf16"] = lambda: [kernels.small_linear(outs[w.shape[0]], xs[w.shape[1]], w, None)
+                                           for w in weights16]
         times: dict[str, list[float]] = {name: [] for name in paths}
         for _ in range(a.rounds + 1):  # the first round warms up
             for name, run in paths.items():

@@ -175,20 +175,34 @@ def test_avx2_gemm_matches_float64(rows, shape, bias):
 
 
 @needs_avx2_gemm
-@pytest.mark.parametrize("rows", [1, 64])
-def test_avx2_gemm_widened_16bit(rows):
-    # bf16 without native math at 64 rows: the widened float32 copy through the AVX2 GEMM, rounded once;
-    # at 1 row the small-row kernel still reads the bf16 weight itself (half the bytes).
-    g = torch.Generator().manual_seed(rows)
-    x, w, b = (torch.randn(*s, generator=g).bfloat16() for s in ((rows, 576), (1000, 576), (1000,)))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17, 70])
+@pytest.mark.parametrize("shape", [(49, 77), (33, 576)])
+def test_avx2_gemm_16bit_panels_match_float64(dtype, rows, shape):
+    # bf16/fp16 without native math: the weight packed as 16-bit panels (no float32 copy) and widened in
+    # registers, at every row count (the 6-row tiles' remainders, odd N and K). The GEMM's float32 output is
+    # float64 arithmetic on the widened values to float32 rounding; the layer's output is that rounded once.
+    n, k = shape
+    g = torch.Generator().manual_seed(rows * 7 + n)
+    x, w, b = (torch.randn(*s, generator=g).to(dtype) for s in ((rows, k), (n, k), (n,)))
     ops = CpuModelOps(fused=True, packed_linear=True, widen_16bit=True, avx2_gemm=True)
     state: dict = {}
+
+    def exact():
+        return x.double() @ w.double().T + b.double()
+
     with torch.inference_mode():
         got = ops.linear(x, w, b, state)
-    exact = (x.double() @ w.double().T + b.double()).to(torch.bfloat16)
-    assert got.dtype == torch.bfloat16
-    assert ("packed" in state) == (rows > SMALL_LINEAR_MAX_ROWS)
-    torch.testing.assert_close(got.float(), exact.float(), rtol=1e-2, atol=1e-2)
+        assert got.dtype == dtype
+        assert state["packed"].dtype == dtype and state["packed"].shape == (-(-n // 16), k, 16)
+        out = torch.empty(rows, n)
+        kernels.avx2_gemm(out, x.float(), state["packed"], state["bias"])
+        torch.testing.assert_close(out, exact().float(), rtol=1e-5, atol=1e-5 * k ** 0.5)
+        # the layer's output: the float32 sums rounded once to the 16-bit type (both roundings agree but at ties)
+        torch.testing.assert_close(got.float(), exact().to(dtype).float(), rtol=1e-2, atol=1e-2)
+        w.mul_(-0.5)  # an in-place change of the weight is repacked
+        torch.testing.assert_close(ops.linear(x, w, b, state).float(), exact().to(dtype).float(), rtol=1e-2,
+                                   atol=1e-2)
 
 
 def test_avx2_gemm_chosen_only_on_avx2_hosts_without_avx512(monkeypatch):

@@ -56,6 +56,7 @@ def test_variant_module(name):
     assert mod.name == name
     # The AVX2 GEMM is in every variant compiled with AVX2 and FMA.
     assert bool(mod.avx2_gemm_available()) == (name != "default")
+    assert list(mod.avx2_gemm_dtypes()) == ([] if name == "default" else ["float32", "bfloat16", "float16"])
 
 
 @pytest.mark.parametrize("name", VARIANTS)
@@ -157,16 +158,20 @@ def test_lora_add(name, dtype):
 
 
 @pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("wdtype", DTYPES)
 @pytest.mark.parametrize("m,k,n", [(1, 576, 1536), (5, 576, 49), (64, 100, 7), (200, 64, 33)])
-def test_avx2_gemm(name, m, k, n):
+def test_avx2_gemm(name, wdtype, m, k, n):
+    # float32, bfloat16 and float16 panels (16-bit ones widened as read), against float32 math on the widened weight
     mod = kernels.load_variant(name)
     if not mod.avx2_gemm_available():
         pytest.skip(f"{name}: no AVX2 GEMM")
     g = torch.Generator().manual_seed(m + n)
-    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g).to(wdtype), torch.randn(n, generator=g)
+    packed = mod.avx2_gemm_pack(w)
+    assert packed.dtype == wdtype
     out = torch.empty(m, n)
-    mod.avx2_gemm(out, x, mod.avx2_gemm_pack(w), b)
-    torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+    mod.avx2_gemm(out, x, packed, b)
+    torch.testing.assert_close(out, F.linear(x, w.float(), b), rtol=1e-4, atol=1e-4)
 
 
 def _paged_case(head_size, heads, kv_heads, q_lens, s_lens, dtype, block=16, seed=0):

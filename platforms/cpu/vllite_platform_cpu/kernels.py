@@ -56,9 +56,9 @@ logger = logging.getLogger("vllite.platforms.cpu.kernels")
 
 # Every variant's functions (bindings.cpp): an installed module lacking one was built from older sources
 # (an editable install not rebuilt since), so the first-use build from these sources takes its place.
-ENTRY_POINTS = ("paged_attention", "avx2_gemm_available", "avx2_gemm_pack", "avx2_gemm", "avx2_gemm_gelu",
-                "small_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary", "quantize_rows_int8",
-                "dequantize_int32", "encoder_attention", "add_layer_norm", "gguf_linear_x8",
+ENTRY_POINTS = ("paged_attention", "avx2_gemm_available", "avx2_gemm_dtypes", "avx2_gemm_pack", "avx2_gemm",
+                "avx2_gemm_gelu", "small_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary",
+                "quantize_rows_int8", "dequantize_int32", "encoder_attention", "add_layer_norm", "gguf_linear_x8",
                 "lora_add", "paged_attention_store")
 KERNEL_ENV = "VLLITE_CPU_ATTENTION_KERNEL"  # 0: no C++ kernels (torch ops)
 ISA_ENV = "VLLITE_CPU_ISA"  # the highest variant to use: default, avx2, avx512 or avx512_bf16
@@ -311,13 +311,20 @@ def avx2_gemm_available() -> bool:
     return mod is not None and bool(mod.avx2_gemm_available())
 
 
+def avx2_gemm_dtypes() -> tuple[torch.dtype, ...]:
+    """The weight dtypes the AVX2 GEMM's panels hold (float32, and bfloat16/float16 widened in registers)."""
+    mod = load()
+    return tuple(getattr(torch, n) for n in mod.avx2_gemm_dtypes()) if mod is not None else ()
+
+
 def avx2_gemm_pack(weight: torch.Tensor) -> torch.Tensor:
-    """A float32 weight [N, K] as the GEMM's panels [ceil(N / 16), K, 16]."""
+    """A float32, bfloat16 or float16 weight [N, K] as the GEMM's panels [ceil(N / 16), K, 16], same dtype."""
     return load().avx2_gemm_pack(weight)
 
 
 def avx2_gemm(out: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> None:
-    """float32 ``out = x @ weight.T + bias`` with the weight packed by ``avx2_gemm_pack``."""
+    """float32 ``out = x @ weight.T + bias`` with the weight packed by ``avx2_gemm_pack`` (16-bit panels are
+    widened to float32 as they are read); x, out and bias float32."""
     load().avx2_gemm(out, x, packed, bias)
 
 

@@ -34,6 +34,7 @@ class CpuModelOps(ModelOps):
         self.packed_linear = packed_linear
         self.widen_16bit = widen_16bit
         self.avx2_gemm = avx2_gemm and fused
+        self._panel_dtypes = kernels.avx2_gemm_dtypes() if self.avx2_gemm else ()  # weight dtypes its panels hold
         parts = (("cpu-fused", fused), ("avx2-gemm", self.avx2_gemm),
                  ("onednn-linear", packed_linear and not self.avx2_gemm))
         self.name = "+".join(n for n, on in parts if on) or "torch"
@@ -41,18 +42,19 @@ class CpuModelOps(ModelOps):
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: dict) -> torch.Tensor:
         """Where the AVX2 GEMM is built (AVX2 hosts without AVX-512) every float32 GEMM goes to it, at
         any row count: its packed panels stream the weight from memory faster than oneDNN's kernel and,
-        at 1-4 rows, than the weight-streaming kernel on the plain weight. Otherwise up to
-        SMALL_LINEAR_MAX_ROWS rows go to that C++ kernel, which streams the weight as stored (a 16-bit
-        weight is widened in registers: half the bytes of a float32 copy, so it also keeps 16-bit
-        layers at 1-4 rows on an AVX2 host), and more rows to oneDNN's blocked layout, which made this
+        at 1-4 rows, than the weight-streaming kernel on the plain weight. So does every bfloat16/float16
+        layer there (no native 16-bit math): its panels keep the 16-bit values, widened to float32 in
+        registers, so a decode step reads half the bytes of float32 panels and no float32 copy is kept.
+        Otherwise up to SMALL_LINEAR_MAX_ROWS rows go to that C++ kernel, which streams the weight as
+        stored (16-bit widened in registers), and more rows to oneDNN's blocked layout, which made this
         model's linear layers 1.1-1.3x faster than F.linear (MKL) at 64-2048 rows and the LM head 2x at
         64 rows. A packed copy is made on first use and remade when the weight changes (an in-place
         load bumps its version). On a CPU without native 16-bit math (``widen_16bit``) a
-        bfloat16/float16 layer multiplies a float32 copy of its weight with the widened input and
-        rounds the result: every product of two 16-bit floats is exact in float32, so this is the
+        bfloat16/float16 layer multiplies its exactly widened weight with the widened input in float32
+        and rounds the result: every product of two 16-bit floats is exact in float32, so this is the
         16-bit matmul's own arithmetic (float32 accumulation), at float32 speed instead of torch's
-        emulated 16-bit GEMM (6x slower on AVX2). That copy costs float32 memory beside the 16-bit
-        weight."""
+        emulated 16-bit GEMM (6x slower on AVX2). Only oneDNN's path (above 4 rows on a host without
+        the AVX2 GEMM) keeps a float32 copy of the weight for it."""
         dt = x.dtype
         if (x.dim() != 2 or dt != weight.dtype or dt not in _KERNEL_DTYPES or x.device.type != "cpu"
                 or torch.is_grad_enabled() or (bias is not None and bias.dtype != dt)):
@@ -61,8 +63,9 @@ class CpuModelOps(ModelOps):
         # (and 1.5-2x faster at four rows, 2x on the LM head), so there it takes every row count.
         native_16bit = dt == torch.bfloat16 and not self.widen_16bit and self.packed_linear
         avx2 = self.avx2_gemm and (dt == torch.float32 or self.widen_16bit)
+        panel_dt = dt if dt in self._panel_dtypes else torch.float32  # the AVX2 GEMM's packed weight
         if (self.fused and x.shape[0] <= SMALL_LINEAR_MAX_ROWS and weight.is_contiguous()
-                and not native_16bit and not (avx2 and dt == torch.float32)):
+                and not native_16bit and not (avx2 and panel_dt == dt)):
             out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
             kernels.small_linear(out, x.float().contiguous(), weight, None if bias is None else bias.float())
             return out if dt == torch.float32 else out.to(dt)
@@ -78,10 +81,10 @@ class CpuModelOps(ModelOps):
             return super().linear(x, weight, bias, state)
         key = (weight.data_ptr(), weight._version, None if bias is None else (bias.data_ptr(), bias._version))
         if state.get("key") != key:
-            w = weight.detach().to(gemm_dt)
             if avx2:
-                state["packed"] = kernels.avx2_gemm_pack(w)
+                state["packed"] = kernels.avx2_gemm_pack(weight.detach().to(panel_dt))
             else:
+                w = weight.detach().to(gemm_dt)
                 state["packed"] = torch.ops.mkldnn._reorder_linear_weight(w, None) if self.packed_linear else w
             state["bias"] = None if bias is None else bias.to(gemm_dt).contiguous()
             state["key"] = key

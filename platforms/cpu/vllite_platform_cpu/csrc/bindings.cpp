@@ -57,6 +57,7 @@ std::vector<std::string> cpu_features() {
     s.def("paged_attention", &vllite_cpu::ns::paged_attention);                          \
     s.def("paged_attention_store", &vllite_cpu::ns::paged_attention_store);              \
     s.def("avx2_gemm_available", &vllite_cpu::ns::avx2_gemm_available);                  \
+    s.def("avx2_gemm_dtypes", &vllite_cpu::ns::avx2_gemm_dtypes);                        \
     s.def("avx2_gemm_pack", &vllite_cpu::ns::avx2_gemm_pack);                            \
     s.def("avx2_gemm", &vllite_cpu::ns::avx2_gemm);                                      \
     s.def("avx2_gemm_gelu", &vllite_cpu::ns::avx2_gemm_gelu);                            \

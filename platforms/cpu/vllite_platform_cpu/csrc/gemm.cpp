@@ -1,5 +1,5 @@
 // A float32 GEMM for AVX2/FMA hosts (no AVX-512), compiled once per ISA variant: only the variants built
-// with AVX2 and FMA (avx2, avx512, avx512_bf16) have it; elsewhere avx2_gemm_available() is false.
+// with AVX2, FMA and F16C (avx2, avx512, avx512_bf16) have it; elsewhere avx2_gemm_available() is false.
 //
 // Why: on a 2-core AVX2 host a decode step streams every weight from memory (540 MB in float32 for
 // SmolLM2-135M), and oneDNN's packed kernel overlaps that poorly: the model's 121 linear layers at 64
@@ -12,11 +12,18 @@
 // walks K once; the panel is reused from L2 by every row tile, while the first tile prefetches the
 // next panel into L2. Work is split over (row block, panel) tasks. Each output element is one fused
 // multiply-add chain over k in order (float32 accumulation), the bias added at the end.
+//
+// 16-bit weights (bfloat16, float16) keep their own type in the panels and are widened to float32 as each
+// panel row is loaded (bfloat16: a 16-bit shift; float16: F16C), so a decode step streams half the bytes
+// of float32 panels and no float32 copy of the weight is kept. The widening is exact and so is every
+// product of two 16-bit values in float32: the sums are those of a float32 GEMM on the widened weight.
 #include <algorithm>
+#include <string>
+#include <vector>
 
 #include "common.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define VLLITE_AVX2_GEMM 1
 #endif
@@ -66,6 +73,24 @@ static inline __m256 gelu(__m256 x) {
   return _mm256_mul_ps(_mm256_mul_ps(x, _mm256_set1_ps(0.5f)), _mm256_add_ps(_mm256_set1_ps(1.f), erf));
 }
 
+// One panel row (16 columns) as two float32 vectors, widened from the panel's type.
+static inline void load_row(const float* p, __m256& b0, __m256& b1) {
+  b0 = _mm256_loadu_ps(p);
+  b1 = _mm256_loadu_ps(p + 8);
+}
+static inline __m256 widen_bf16(const void* p) {  // bfloat16 bits are a float32's upper half
+  const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+static inline void load_row(const c10::BFloat16* p, __m256& b0, __m256& b1) {
+  b0 = widen_bf16(p);
+  b1 = widen_bf16(p + 8);
+}
+static inline void load_row(const c10::Half* p, __m256& b0, __m256& b1) {
+  b0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  b1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+}
+
 // Named accumulators: GCC spilled an array of them to the stack on every FMA.
 #define VG_DECL(r) __m256 c##r##0 = _mm256_setzero_ps(), c##r##1 = _mm256_setzero_ps();
 #define VG_FMA(r)                                          \
@@ -99,11 +124,13 @@ __attribute__((noinline)) static void gelu_tile(float* C, int64_t ldc, int rows,
 }
 
 // C[0:R, 0:ncols] = A[0:R, 0:K] * B[0:K, 0:16] (+ bias, then GELU when gelu_out); rows of A lda apart, rows of C
-// ldc apart. prefetch: the next panel (same K x 16 layout), fetched into L2 one row per k step; may be null.
-template <int R>
-static inline void tile(const float* __restrict A, int64_t lda, const float* __restrict B, int64_t K,
-                        float* __restrict C, int64_t ldc, const float* bias, int64_t ncols, const float* prefetch,
+// ldc apart. prefetch: the next panel (same K x 16 layout), fetched into L2 one cache line per 64 bytes of
+// panel read; may be null. W: the panel's type (float, c10::BFloat16, c10::Half).
+template <int R, typename W>
+static inline void tile(const float* __restrict A, int64_t lda, const W* __restrict B, int64_t K,
+                        float* __restrict C, int64_t ldc, const float* bias, int64_t ncols, const W* prefetch,
                         bool gelu_out) {
+  constexpr int64_t line_rows = 64 / (NR * sizeof(W));  // panel rows per cache line: 1 (float32) or 2
   VG_DECL(0)
   VG_DECL(1)
   VG_DECL(2)
@@ -111,14 +138,15 @@ static inline void tile(const float* __restrict A, int64_t lda, const float* __r
   VG_DECL(4)
   VG_DECL(5)
   for (int64_t k = 0; k < K; ++k) {
-    const __m256 b0 = _mm256_loadu_ps(B + k * NR), b1 = _mm256_loadu_ps(B + k * NR + 8);
+    __m256 b0, b1;
+    load_row(B + k * NR, b0, b1);
     VG_FMA(0)
     VG_FMA(1)
     VG_FMA(2)
     VG_FMA(3)
     VG_FMA(4)
     VG_FMA(5)
-    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * NR), _MM_HINT_T1);
+    if (prefetch && k % line_rows == 0) _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * NR), _MM_HINT_T1);
   }
   __m256 o[MR][2];
   VG_OUT(0)
@@ -155,15 +183,16 @@ static inline void tile(const float* __restrict A, int64_t lda, const float* __r
 #undef VG_FMA
 #undef VG_OUT
 
-static inline void tile_rows(int64_t rows, const float* A, int64_t lda, const float* B, int64_t K, float* C,
-                             int64_t ldc, const float* bias, int64_t ncols, const float* prefetch, bool gelu) {
+template <typename W>
+static inline void tile_rows(int64_t rows, const float* A, int64_t lda, const W* B, int64_t K, float* C,
+                             int64_t ldc, const float* bias, int64_t ncols, const W* prefetch, bool gelu) {
   switch (rows) {
-    case 6: tile<6>(A, lda, B, K, C, ldc, bias, ncols, prefetch, gelu); break;
-    case 5: tile<5>(A, lda, B, K, C, ldc, bias, ncols, prefetch, gelu); break;
-    case 4: tile<4>(A, lda, B, K, C, ldc, bias, ncols, prefetch, gelu); break;
-    case 3: tile<3>(A, lda, B, K, C, ldc, bias, ncols, prefetch, gelu); break;
-    case 2: tile<2>(A, lda, B, K, C, ldc, bias, ncols, prefetch, gelu); break;
-    default: tile<1>(A, lda, B, K, C, ldc, bias, ncols, prefetch, gelu); break;
+    case 6: tile<6, W>(A, lda, B, K, C, ldc, bias, ncols, prefetch, gelu); break;
+    case 5: tile<5, W>(A, lda, B, K, C, ldc, bias, ncols, prefetch, gelu); break;
+    case 4: tile<4, W>(A, lda, B, K, C, ldc, bias, ncols, prefetch, gelu); break;
+    case 3: tile<3, W>(A, lda, B, K, C, ldc, bias, ncols, prefetch, gelu); break;
+    case 2: tile<2, W>(A, lda, B, K, C, ldc, bias, ncols, prefetch, gelu); break;
+    default: tile<1, W>(A, lda, B, K, C, ldc, bias, ncols, prefetch, gelu); break;
   }
 }
 }  // namespace avx2_gemm_impl
@@ -176,7 +205,7 @@ void avx2_gemm_panel(const float* A, int64_t M, int64_t K, const float* panel, f
                      const float* bias, int64_t ncols) {
   using namespace avx2_gemm_impl;
   for (int64_t m = 0; m < M; m += MR)
-    tile_rows(std::min(MR, M - m), A + m * K, K, panel, K, C + m * ldc, ldc, bias, ncols, nullptr, false);
+    tile_rows<float>(std::min(MR, M - m), A + m * K, K, panel, K, C + m * ldc, ldc, bias, ncols, nullptr, false);
 }
 #endif
 
@@ -188,34 +217,75 @@ bool avx2_gemm_available() {
 #endif
 }
 
-// [N, K] float32 -> [ceil(N / 16), K, 16] panels, columns past N zero.
-at::Tensor avx2_gemm_pack(at::Tensor w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "avx2_gemm_pack: float32 weight [N, K]");
-  w = w.contiguous();
+// The weight types the GEMM's panels hold in this variant (none where it is not built): an installed module
+// built before 16-bit panels lacks this entry point, so kernels.py rebuilds it from these sources.
+std::vector<std::string> avx2_gemm_dtypes() {
+#ifdef VLLITE_AVX2_GEMM
+  return {"float32", "bfloat16", "float16"};
+#else
+  return {};
+#endif
+}
+
+// [N, K] -> [ceil(N / 16), K, 16] panels of the weight's own type (float32, bfloat16 or float16; 16-bit
+// values copied bit for bit), columns past N zero.
+template <typename T>
+static void pack_panels(const T* src, T* dst, int64_t N, int64_t K) {
   constexpr int64_t NR = 16;
-  const int64_t N = w.size(0), K = w.size(1), P = (N + NR - 1) / NR;
-  auto out = at::zeros({P, K, NR}, w.options());
-  const float* src = w.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, (N + NR - 1) / NR, 1, [&](int64_t b, int64_t e) {
     for (int64_t p = b; p < e; ++p)
       for (int64_t j = 0; j < NR && p * NR + j < N; ++j) {
-        const float* s = src + (p * NR + j) * K;
-        float* d = dst + p * K * NR + j;
+        const T* s = src + (p * NR + j) * K;
+        T* d = dst + p * K * NR + j;
         for (int64_t k = 0; k < K; ++k) d[k * NR] = s[k];
       }
   });
+}
+
+at::Tensor avx2_gemm_pack(at::Tensor w) {
+  TORCH_CHECK(w.dim() == 2, "avx2_gemm_pack: weight [N, K]");
+  w = w.contiguous();
+  constexpr int64_t NR = 16;
+  const int64_t N = w.size(0), K = w.size(1);
+  auto out = at::zeros({(N + NR - 1) / NR, K, NR}, w.options());
+  switch (w.scalar_type()) {
+    case at::kFloat: pack_panels(w.data_ptr<float>(), out.data_ptr<float>(), N, K); break;
+    case at::kBFloat16: pack_panels(w.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), N, K); break;
+    case at::kHalf: pack_panels(w.data_ptr<c10::Half>(), out.data_ptr<c10::Half>(), N, K); break;
+    default: TORCH_CHECK(false, "avx2_gemm_pack: weight must be float32, bfloat16 or float16");
+  }
   return out;
 }
 
-// out[M, N] = x[M, K] @ W^T (+ bias), then GELU when gelu; W packed by avx2_gemm_pack; float32, contiguous.
+#ifdef VLLITE_AVX2_GEMM
+template <typename W>
+static void gemm_panels(const float* A, const W* Bp, float* C, const float* bp, int64_t M, int64_t K, int64_t N,
+                        int64_t P, bool gelu) {
+  using namespace avx2_gemm_impl;
+  const int64_t blocks = (M + MC - 1) / MC;
+  // Consecutive tasks share a row block, so each thread keeps its block of x in its own L2.
+  at::parallel_for(0, blocks * P, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t m0 = (t / P) * MC, m1 = std::min(M, m0 + MC), p = t % P;
+      const int64_t n0 = p * NR, ncols = std::min(NR, N - n0);
+      const W* panel = Bp + p * K * NR;
+      const W* next = p + 1 < P ? panel + K * NR : nullptr;
+      for (int64_t m = m0; m < m1; m += MR)
+        tile_rows<W>(std::min(MR, m1 - m), A + m * K, K, panel, K, C + m * N + n0, N, bp ? bp + n0 : nullptr,
+                     ncols, m == m0 ? next : nullptr, gelu);
+    }
+  });
+}
+#endif
+
+// out[M, N] = x[M, K] @ W^T (+ bias), then GELU when gelu; W packed by avx2_gemm_pack (float32, bfloat16 or
+// float16 panels); x, out and bias float32; all contiguous.
 static void gemm(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias, bool gelu) {
 #ifdef VLLITE_AVX2_GEMM
   using namespace avx2_gemm_impl;
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && packed.dim() == 3 && packed.size(2) == NR
-                  && x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat
-                  && packed.scalar_type() == at::kFloat && x.is_contiguous() && out.is_contiguous()
-                  && packed.is_contiguous(),
+                  && x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat && x.is_contiguous()
+                  && out.is_contiguous() && packed.is_contiguous(),
               "avx2_gemm: float32 contiguous x [M, K], out [M, N], packed [P, K, 16]");
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1), P = packed.size(0);
   TORCH_CHECK(out.size(0) == M && packed.size(1) == K && P == (N + NR - 1) / NR, "avx2_gemm: shapes");
@@ -226,23 +296,15 @@ static void gemm(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<
   }
   if (M == 0 || N == 0) return;
   const float* A = x.data_ptr<float>();
-  const float* Bp = packed.data_ptr<float>();
   float* C = out.data_ptr<float>();
-  const int64_t blocks = (M + MC - 1) / MC;
-  // Consecutive tasks share a row block, so each thread keeps its block of x in its own L2.
-  at::parallel_for(0, blocks * P, 1, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      const int64_t m0 = (t / P) * MC, m1 = std::min(M, m0 + MC), p = t % P;
-      const int64_t n0 = p * NR, ncols = std::min(NR, N - n0);
-      const float* panel = Bp + p * K * NR;
-      const float* next = p + 1 < P ? panel + K * NR : nullptr;
-      for (int64_t m = m0; m < m1; m += MR)
-        tile_rows(std::min(MR, m1 - m), A + m * K, K, panel, K, C + m * N + n0, N, bp ? bp + n0 : nullptr, ncols,
-                  m == m0 ? next : nullptr, gelu);
-    }
-  });
+  switch (packed.scalar_type()) {
+    case at::kFloat: gemm_panels(A, packed.data_ptr<float>(), C, bp, M, K, N, P, gelu); break;
+    case at::kBFloat16: gemm_panels(A, packed.data_ptr<c10::BFloat16>(), C, bp, M, K, N, P, gelu); break;
+    case at::kHalf: gemm_panels(A, packed.data_ptr<c10::Half>(), C, bp, M, K, N, P, gelu); break;
+    default: TORCH_CHECK(false, "avx2_gemm: packed panels must be float32, bfloat16 or float16");
+  }
 #else
-  TORCH_CHECK(false, "avx2_gemm: built without AVX2/FMA");
+  TORCH_CHECK(false, "avx2_gemm: built without AVX2/FMA/F16C");
 #endif
 }
 

@@ -37,7 +37,7 @@
 
 #include "common.h"
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)  // gemm.cpp's avx2_gemm_panel needs the same
 #include <immintrin.h>
 #define VLLITE_GGUF_AVX2 1
 #endif

@@ -8,6 +8,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <string>
 #include <vector>
 
 // One variant's functions, declared in the enclosing namespace.
@@ -19,6 +20,7 @@
                              at::Tensor slots, at::Tensor block_table, at::Tensor seq_lens,                         \
                              at::Tensor query_start_loc, at::Tensor req_ids, double scale, int64_t window);         \
   bool avx2_gemm_available();                                                                                       \
+  std::vector<std::string> avx2_gemm_dtypes();                                                                      \
   at::Tensor avx2_gemm_pack(at::Tensor w);                                                                          \
   void avx2_gemm(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at::Tensor> bias);                  \
   void avx2_gemm_gelu(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at::Tensor> bias);             \
