@@ -21,12 +21,20 @@ from vllite_core.lora.request import LoRARequest
 logger = logging.getLogger("vllite.lora")
 
 
+def layer_widths(module: Any) -> tuple[int, int]:
+    """(out, in) features of a target layer on this rank: ``local_features`` where the layer keeps them
+    (model_registry's parallel linears, whose ``weight`` may be int8 values or GGUF blocks), else its
+    weight's shape (a plain ``nn.Linear``)."""
+    widths = getattr(module, "local_features", None)
+    return tuple(widths) if widths is not None else tuple(module.weight.shape)
+
+
 def lora_layout(model: Any) -> tuple[dict[str, tuple[str, int, int]], dict[str, int]]:
     """The model's LoRA targets and each target layer's input width: all an adapter is checked
     against, so a process without the model (the API process) can check adapters too."""
     targets = model.lora_targets()
     modules = dict(model.named_modules())
-    return targets, {eng: int(modules[eng].local_features[1]) for eng, _, _ in targets.values()}
+    return targets, {eng: int(layer_widths(modules[eng])[1]) for eng, _, _ in targets.values()}
 
 
 class LoRARegistry:

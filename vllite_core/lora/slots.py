@@ -20,6 +20,7 @@ import torch
 
 from vllite_core.lora.adapter import LoRAAdapter
 from vllite_core.lora.mapping import LoRAMapping, build_mapping, fill_static, static_mapping
+from vllite_core.lora.registry import layer_widths
 from vllite_core.model_ops import current_model_ops
 
 
@@ -74,7 +75,7 @@ class LoRASlots:
         modules = dict(model.named_modules())
         for engine_name, n in fused.items():
             mod = modules[engine_name]
-            out_f, in_f = mod.local_features
+            out_f, in_f = layer_widths(mod)
             layer = LoRALayer(self, engine_name, in_f, out_f, n, getattr(mod, "_ops", None))
             mod.lora = layer
             self.layers.append(layer)
