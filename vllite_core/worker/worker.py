@@ -41,6 +41,10 @@ class Worker:
         self.device = platform.device(self.tp.local_rank)
         self.runner: ModelRunner | None = None
 
+    # Weights and caches are built as normal tensors even when the caller holds torch.inference_mode()
+    # (``with torch.inference_mode(): LLM(...)``): inference tensors have no version counter, which the
+    # platforms' packed-weight caches read to notice a changed weight.
+    @torch.inference_mode(False)
     def load_model(self, source: Any, hf_config: Any, architecture: str, model_cls: type) -> None:
         """Build the model on the device and the runner around it (config must be finalized)."""
         from model_registry.loader import load_model
@@ -99,6 +103,7 @@ class Worker:
                               f"max_model_len sequence needs ({need}); lower max_model_len or raise kv_cache_memory")
         return num
 
+    @torch.inference_mode(False)
     def initialize_kv_cache(self, num_blocks: int) -> None:
         assert self.runner is not None
         self.runner.initialize_kv_cache(num_blocks)
