@@ -158,7 +158,8 @@ def test_weight_change_repacks_the_shared_panels(variant):
     run(layer, step, native=True)
     qkv = layer.self_attn.qkv_proj
     packed = qkv._state["packed"]
-    qkv.weight.data.mul_(0.5)  # an in-place load: the version moves
+    with torch.no_grad():
+        qkv.weight.mul_(0.5)  # an in-place change: the version moves
     got = run(layer, step, native=True)
     assert qkv._state["packed"] is not packed  # repacked once, in the state the Python path reads
     packed = qkv._state["packed"]
