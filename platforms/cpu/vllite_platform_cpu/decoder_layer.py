@@ -38,7 +38,7 @@ class NativeDecoderLayer:
         self.heads = (attn.num_heads, attn.num_kv_heads, attn.head_size)
         self.scale, self.window = float(attn.scale), int(attn.sliding_window or 0)
         self.weights: tuple = ()
-        self.routes: dict[bool, list | None] = {}
+        self.routes: dict[bool, tuple | None] = {}
         self._prepare()
 
     @classmethod
@@ -56,17 +56,18 @@ class NativeDecoderLayer:
         return native if any(r is not None for r in native.routes.values()) else None
 
     def _prepare(self) -> None:
-        """Each linear's kernel for few rows (True) and more rows (False), None where one is not the C++ side's."""
-        self.weights = tuple(lin.weight for lin in self.linears)
+        """Each linear's kernel for few rows (True) and more rows (False) as the C++ call's argument lists
+        (kinds, weights, biases, output features, the linears whose panels are fetched per call), None
+        where one of them is not the C++ side's."""
+        self.weights = tuple(lin._parameters["weight"] for lin in self.linears)
         for small in (True, False):
-            specs: list | None = []
-            for lin in self.linears:
-                spec = self._spec(lin, 1 if small else SMALL_LINEAR_MAX_ROWS + 1)
-                if spec is None:
-                    specs = None
-                    break
-                specs.append(spec)
-            self.routes[small] = specs
+            specs = [self._spec(lin, 1 if small else SMALL_LINEAR_MAX_ROWS + 1) for lin in self.linears]
+            if any(s is None for s in specs):
+                self.routes[small] = None
+                continue
+            kinds, weights, biases, widths = (list(col) for col in zip(*specs))
+            panels = tuple(i for i, k in enumerate(kinds) if k == _PANELS)
+            self.routes[small] = (kinds, weights, biases, widths, panels)
 
     def _spec(self, lin: Any, rows: int) -> tuple | None:
         """(kind, weight or None (the panels, fetched per call), bias, output features) of one linear."""
@@ -92,10 +93,11 @@ class NativeDecoderLayer:
                 or not kv_cache.numel()):
             return None
         linears = self.linears
+        # Module attributes through _parameters (nn.Module.__getattr__ costs a microsecond per lookup).
         for lin, w in zip(linears, self.weights):
             if lin.lora is not None:
                 return None
-            if lin.weight is not w:  # quantized or swapped since: choose the kernels again
+            if lin._parameters["weight"] is not w:  # quantized or swapped since: choose the kernels again
                 self._prepare()
                 break
         ks = self.kv_scales
@@ -104,8 +106,8 @@ class NativeDecoderLayer:
         cos, sin = rope
         if cos.dtype is not dt or not (cos.is_contiguous() and sin.is_contiguous()):
             return None
-        specs = self.routes[x.shape[0] <= SMALL_LINEAR_MAX_ROWS]
-        if specs is None:
+        route = self.routes[x.shape[0] <= SMALL_LINEAR_MAX_ROWS]
+        if route is None:
             return None
         plan = md.extra
         if not isinstance(plan, _Plan):  # as TorchPagedAttention.forward: made once, shared by the layers
@@ -114,17 +116,15 @@ class NativeDecoderLayer:
                 md.extra = plan
         if plan.kernel_args is None:
             return None
-        kinds, weights, biases, widths = [], [], [], []
-        for lin, (kind, w, b, n) in zip(linears, specs):
-            if w is None:  # the AVX2 GEMM's panels, shared with CpuModelOps.linear
-                state = lin._state
-                self.ops.pack_linear(lin.weight, lin.bias, state, True)
-                w, b = state["packed"], state["bias"]
-            kinds.append(kind)
-            weights.append(w)
-            biases.append(b)
-            widths.append(n)
-        h, w_kv, d = self.heads
+        kinds, weights, biases, widths, panels = route
+        if panels:  # the AVX2 GEMM's panels, shared with CpuModelOps.linear (repacked when the weight changes)
+            weights, biases = weights.copy(), biases.copy()
+            for i in panels:
+                lin = linears[i]
+                params, state = lin._parameters, lin._state
+                self.ops.pack_linear(params["weight"], params.get("bias"), state, True)
+                weights[i], biases[i] = state["packed"], state["bias"]
+        h, hkv, d = self.heads
         return self.fn(x, residual, self.norms[0], self.norms[1], self.eps, kinds, weights, biases, widths, cos, sin,
-                       h, w_kv, d, kv_cache, plan.kernel_slots, *plan.kernel_args, plan.num_tokens, self.scale,
+                       h, hkv, d, kv_cache, plan.kernel_slots, *plan.kernel_args, plan.num_tokens, self.scale,
                        self.window, kernels.GGUF_GEMM_MIN_ROWS, kernels.GGUF_GRAIN_BYTES)
