@@ -1,13 +1,14 @@
 """A Llama-style decoder layer in one C++ call (``csrc/decoder.cpp``), for ``CpuModelOps.decoder_layer``.
 
-Why: a batch-1 decode step of SmolLM2-135M spent ~5.4 of its ~14 ms of forward in the ~9 Python-level op
-calls per layer around the kernels. The C++ side runs the same kernels in the same order, so its results
-are the Python path's bit for bit; this side decides, per call and cheaply, whether it applies, and
-otherwise returns None (the layer then runs its Python code): no LoRA on any of the layer's linears, no
-grad, the activations' dtype, the C++ paged attention's plan, a cache in the activations' dtype (no float8
-scales), and every linear on a kernel the C++ side calls for this many rows (what ``CpuModelOps.linear``
-and ``gguf_linear`` would choose). The AVX2 GEMM's panels are the ones ``CpuModelOps.linear`` keeps in the
-layer's ``_state``, repacked by the same code when the weight changes.
+Why: a batch-1 decode step of SmolLM2-135M (30 small layers) spent a third or more of its forward in the
+~9 Python-level op calls per layer around the kernels (benchmarks/decode_forward.py --split). The C++ side
+runs the same kernels in the same order, so its results are the Python path's bit for bit; this side
+decides, per call and cheaply, whether it applies, and otherwise returns None (the layer then runs its
+Python code): no LoRA on any of the layer's linears, no grad, the activations' dtype, the C++ paged
+attention's plan, a cache in the activations' dtype (no float8 scales), and every linear on a kernel the
+C++ side calls for this many rows (what ``CpuModelOps.linear`` and ``gguf_linear`` would choose). The AVX2
+GEMM's panels are the ones ``CpuModelOps.linear`` keeps in the layer's ``_state``, repacked by the same
+code when the weight changes.
 """
 from __future__ import annotations
 
