@@ -74,18 +74,27 @@ std::tuple<at::Tensor, at::Tensor> llama_decoder_layer(
     h = at::empty_like(x);
     rms_norm(h, x, input_norm, eps);
   }
-  const at::Tensor qkv = lin(h, 0).view({t, -1, head_size});
-  const auto parts = qkv.split_with_sizes({num_heads, num_kv_heads, num_kv_heads}, 1);
-  rotary(parts[0], parts[1], cos, sin);
-  at::Tensor attn = num_tokens < t ? at::zeros({t, num_heads, head_size}, qkv.options())
-                                   : at::empty({t, num_heads, head_size}, qkv.options());
-  paged_attention_store(attn, parts[0], parts[1], parts[2], kv_cache, slots, block_table, seq_lens, query_start_loc,
-                        req_ids, scale, window);
+  // Each intermediate is released once used (a long prefill's qkv and gate_up are the widest tensors).
+  at::Tensor attn;
+  {
+    const at::Tensor qkv = lin(h, 0).view({t, -1, head_size});
+    const auto parts = qkv.split_with_sizes({num_heads, num_kv_heads, num_kv_heads}, 1);
+    rotary(parts[0], parts[1], cos, sin);
+    attn = num_tokens < t ? at::zeros({t, num_heads, head_size}, qkv.options())
+                          : at::empty({t, num_heads, head_size}, qkv.options());
+    paged_attention_store(attn, parts[0], parts[1], parts[2], kv_cache, slots, block_table, seq_lens,
+                          query_start_loc, req_ids, scale, window);
+  }
   h = lin(attn.view({t, num_heads * head_size}), 1);
+  attn.reset();
   add_rms_norm(h, res, post_norm, eps);
-  const at::Tensor gate_up = lin(h, 2);
-  at::Tensor act = at::empty({t, gate_up.size(1) / 2}, gate_up.options());
-  silu_and_mul(act, gate_up);
+  at::Tensor act;
+  {
+    const at::Tensor gate_up = lin(h, 2);
+    h.reset();
+    act = at::empty({t, gate_up.size(1) / 2}, gate_up.options());
+    silu_and_mul(act, gate_up);
+  }
   return {lin(act, 3), res};
 }
 
