@@ -8,6 +8,8 @@ grad, another ModelOps) the call declines and the layer runs its Python code.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -99,7 +101,7 @@ def run(layer, step, native: bool, first: bool = False):
     """The layer on clones of the step's tensors (the layer writes x, residual and the cache in place)."""
     rope, x, residual, cache, md = step
     x, residual, cache = x.clone(), residual.clone(), cache.clone()
-    md = build_metadata_copy(md)
+    md = dataclasses.replace(md, extra=None)  # the attention plan made afresh
     layer.self_attn.attn_backend.prepare(md)
     with torch.inference_mode():
         if native:
@@ -109,12 +111,6 @@ def run(layer, step, native: bool, first: bool = False):
             layer._native = False
             out = layer.forward(rope, x, None if first else residual, cache, md)
     return out[0], out[1], cache
-
-
-def build_metadata_copy(md):
-    import dataclasses
-
-    return dataclasses.replace(md, extra=None)
 
 
 CASES = [("llama", torch.float32, False), ("llama", torch.bfloat16, False), ("llama", torch.float32, True),
