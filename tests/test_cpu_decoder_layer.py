@@ -90,7 +90,7 @@ def make_step(name: str, layer: LlamaDecoderLayer, rows: int, dtype: torch.dtype
     md = build_metadata([q for q, _ in reqs], [s for _, s in reqs], tables, BLOCK)
     positions = torch.cat([torch.arange(s - q, s) for q, s in reqs])
     rope = RotaryEmbedding(CONFIGS[name], attn.head_size).lookup(positions, dtype)
-    hidden = layer.input_layernorm.weight.shape[0]
+    hidden = CONFIGS[name].hidden_size
     x = torch.randn(rows, hidden, generator=g).to(dtype)
     residual = torch.randn(rows, hidden, generator=g).to(dtype)
     cache = torch.randn(2, 64, BLOCK, attn.num_kv_heads, attn.head_size, generator=g).to(dtype)
@@ -183,3 +183,14 @@ def test_declines_where_it_does_not_apply(variant):
         assert native(rope, x, residual, cache, md) is None
     assert ModelOps().decoder_layer(layer) is None
     assert platform_ops().decoder_layer(layer) is None  # int8 linear: never the C++ call
+
+
+def test_a_swapped_part_keeps_the_python_path(variant):
+    """A model that swaps a part of the layer (the EAGLE head drops its input norm) runs the layer's own code."""
+    layer = make_layer("llama", torch.float32, False, platform_ops())
+    layer.input_layernorm = torch.nn.Identity()
+    rope, x, _, cache, md = make_step("llama", layer, 3, torch.float32)
+    layer.self_attn.attn_backend.prepare(md)
+    with torch.inference_mode():
+        out, residual = layer.forward(rope, x, None, cache, md)
+    assert layer._native is False and residual is x and torch.isfinite(out).all()

@@ -51,7 +51,9 @@ class NativeDecoderLayer:
                 and layer.post_attention_layernorm.weight.dtype == dt
                 and layer.input_layernorm.eps == layer.post_attention_layernorm.eps
                 and type(attn.attn_backend).forward is TorchPagedAttention.forward
-                and attn.o_proj.tp.world_size == 1 and mlp.down_proj.tp.world_size == 1):
+                and attn.o_proj.tp.world_size == 1 and mlp.down_proj.tp.world_size == 1
+                and all(part._ops is ops for part in (layer.input_layernorm, layer.post_attention_layernorm, attn, mlp,
+                                                      attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))):
             return None
         native = cls(ops, layer)
         return native if any(r is not None for r in native.routes.values()) else None
