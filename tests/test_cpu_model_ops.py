@@ -210,9 +210,10 @@ def test_avx2_gemm_16bit_panels_match_float64(dtype, rows, shape):
 @pytest.mark.parametrize("shape", [(7, 33), (81, 77), (200, 5), (1040, 1101)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_avx2_gemm_few_rows_bit_identical_to_many_rows(dtype, shape, threads):
-    # 1-4 rows take their own path (several panels at once, its own thread split); each output element is
-    # the same FMA chain, so a row's output is bit for bit the same whether it comes alone or in a 13-row call
-    # (6-row tiles). Columns: under one panel, 16 k + 1, a half panel, and 65 panels (split at 2 threads).
+    # 1-3 rows take their own path (2-4 panels at once, its own thread split); each output element is the
+    # same FMA chain, so a row's output is bit for bit the same whether it comes alone or in a 13-row call
+    # (6-row tiles); and 4 rows (4-row tiles). Columns: under one panel, 16 k + 1, a half panel, and 65 panels
+    # (split at 2 threads); odd K.
     n, k = shape
     g = torch.Generator().manual_seed(n + k)
     x, w, b = torch.randn(13, k, generator=g), torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g)
