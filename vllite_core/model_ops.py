@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,6 +34,14 @@ class ModelOps:
                state: dict) -> torch.Tensor:
         """``x @ weight.T + bias``. ``state`` is a per-layer dict a platform may cache a repacked weight in."""
         return F.linear(x, weight, bias)
+
+    def decoder_layer(self, layer: torch.nn.Module) -> Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None:
+        """A platform's whole-layer path for a Llama-style decoder layer (``model_registry.models.llama``:
+        ``input_layernorm``, ``self_attn`` with ``qkv_proj``/``o_proj``, ``post_attention_layernorm``, ``mlp``
+        with ``gate_up_proj``/``down_proj``): a callable ``(rope, x, residual, kv_cache, metadata)`` that
+        returns what the layer's ``forward`` returns, bit for bit, or None for a call it does not take (the
+        layer then runs its own code). None here: no such path, every layer runs its modules."""
+        return None
 
     def int8_linear(self, x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
                     bias: torch.Tensor | None, state: dict) -> torch.Tensor:

@@ -144,11 +144,25 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(hf_config, attn_backend, dtype, sliding_window)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype)
         self.mlp = LlamaMLP(hf_config, dtype)
+        self._ops = current_model_ops()
+        self._native: Any = None  # the platform's whole-layer call (ModelOps.decoder_layer) or False; made on first use
+
+    def _standard_parts(self) -> bool:
+        """The parts ModelOps.decoder_layer expects (a model may swap one: the EAGLE head's missing input norm)."""
+        return (type(self.input_layernorm) is RMSNorm and type(self.post_attention_layernorm) is RMSNorm
+                and type(self.self_attn) is LlamaAttention and type(self.mlp) is LlamaMLP)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer on (layer input, residual stream): the residual add is fused into the next norm.
         ``residual`` None means ``x`` is the embedding itself (the first layer)."""
+        native = self._native
+        if native is None:  # after loading: the weights are the final ones (quantized, GGUF blocks)
+            native = self._native = self._standard_parts() and self._ops.decoder_layer(self) or False
+        if native:
+            out = native(rope, x, residual, kv_cache, attn_metadata)
+            if out is not None:
+                return out
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:

@@ -59,35 +59,16 @@ class CpuModelOps(ModelOps):
         if (x.dim() != 2 or dt != weight.dtype or dt not in _KERNEL_DTYPES or x.device.type != "cpu"
                 or torch.is_grad_enabled() or (bias is not None and bias.dtype != dt)):
             return super().linear(x, weight, bias, state)
-        # With native bf16 math oneDNN's packed bf16 kernel streams the weight as fast as ours at one row
-        # (and 1.5-2x faster at four rows, 2x on the LM head), so there it takes every row count.
-        native_16bit = dt == torch.bfloat16 and not self.widen_16bit and self.packed_linear
-        avx2 = self.avx2_gemm and (dt == torch.float32 or self.widen_16bit)
-        panel_dt = dt if dt in self._panel_dtypes else torch.float32  # the AVX2 GEMM's packed weight
-        if (self.fused and x.shape[0] <= SMALL_LINEAR_MAX_ROWS and weight.is_contiguous()
-                and not native_16bit and not (avx2 and panel_dt == dt)):
+        route = self.linear_route(dt, x.shape[0], weight)
+        if route == "small":
             out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
             kernels.small_linear(out, x.float().contiguous(), weight, None if bias is None else bias.float())
             return out if dt == torch.float32 else out.to(dt)
-        # The dtype the GEMM runs in: float32, or bfloat16 where the CPU has native bf16 math (oneDNN's
-        # AVX512-BF16/AMX kernels); a 16-bit layer without native math is widened to float32.
-        if dt == torch.float32 or self.widen_16bit:
-            gemm_dt = torch.float32
-        elif dt == torch.bfloat16:
-            gemm_dt = dt
-        else:
+        if route == "torch":
             return super().linear(x, weight, bias, state)
-        if not (self.packed_linear or avx2) and dt == gemm_dt:
-            return super().linear(x, weight, bias, state)
-        key = (weight.data_ptr(), weight._version, None if bias is None else (bias.data_ptr(), bias._version))
-        if state.get("key") != key:
-            if avx2:
-                state["packed"] = kernels.avx2_gemm_pack(weight.detach().to(panel_dt))
-            else:
-                w = weight.detach().to(gemm_dt)
-                state["packed"] = torch.ops.mkldnn._reorder_linear_weight(w, None) if self.packed_linear else w
-            state["bias"] = None if bias is None else bias.to(gemm_dt).contiguous()
-            state["key"] = key
+        avx2 = route == "avx2"
+        gemm_dt = torch.float32 if avx2 or dt == torch.float32 or self.widen_16bit else dt
+        self.pack_linear(weight, bias, state, avx2)
         xg = x.to(gemm_dt).contiguous()
         if avx2:
             out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
@@ -97,6 +78,53 @@ class CpuModelOps(ModelOps):
         else:
             out = F.linear(xg, state["packed"], state["bias"])
         return out if dt == gemm_dt else out.to(dt)
+
+    def linear_route(self, dt: torch.dtype, rows: int, weight: torch.Tensor) -> str:
+        """Which kernel ``linear`` runs for ``rows`` rows of a ``dt`` layer (inputs already checked): "small"
+        (small_linear on the plain weight), "avx2" (the AVX2 GEMM's panels), "onednn" (oneDNN's packed weight,
+        or F.linear on the widened copy), or "torch" (the default op)."""
+        # With native bf16 math oneDNN's packed bf16 kernel streams the weight as fast as ours at one row
+        # (and 1.5-2x faster at four rows, 2x on the LM head), so there it takes every row count.
+        native_16bit = dt == torch.bfloat16 and not self.widen_16bit and self.packed_linear
+        avx2 = self.avx2_gemm and (dt == torch.float32 or self.widen_16bit)
+        panel_dt = dt if dt in self._panel_dtypes else torch.float32  # the AVX2 GEMM's packed weight
+        if (self.fused and rows <= SMALL_LINEAR_MAX_ROWS and weight.is_contiguous()
+                and not native_16bit and not (avx2 and panel_dt == dt)):
+            return "small"
+        if avx2:
+            return "avx2"
+        # The dtype the GEMM runs in: float32, or bfloat16 where the CPU has native bf16 math (oneDNN's
+        # AVX512-BF16/AMX kernels); a 16-bit layer without native math is widened to float32.
+        if dt == torch.float16 and not self.widen_16bit:
+            return "torch"
+        if not self.packed_linear and (dt == torch.float32 or not self.widen_16bit):
+            return "torch"
+        return "onednn"
+
+    def pack_linear(self, weight: torch.Tensor, bias: torch.Tensor | None, state: dict, avx2: bool) -> None:
+        """``state["packed"]`` and ``state["bias"]``: the AVX2 GEMM's panels (``avx2``) or oneDNN's packed
+        weight (or the widened copy F.linear takes) and the bias in the GEMM's dtype, remade when the weight
+        or the bias changes (an in-place load bumps its version)."""
+        key = (weight.data_ptr(), weight._version, None if bias is None else (bias.data_ptr(), bias._version))
+        if state.get("key") == key:
+            return
+        dt = weight.dtype
+        gemm_dt = torch.float32 if avx2 or dt == torch.float32 or self.widen_16bit else dt
+        if avx2:
+            panel_dt = dt if dt in self._panel_dtypes else torch.float32
+            state["packed"] = kernels.avx2_gemm_pack(weight.detach().to(panel_dt))
+        else:
+            w = weight.detach().to(gemm_dt)
+            state["packed"] = torch.ops.mkldnn._reorder_linear_weight(w, None) if self.packed_linear else w
+        state["bias"] = None if bias is None else bias.to(gemm_dt).contiguous()
+        state["key"] = key
+
+    def decoder_layer(self, layer: torch.nn.Module):
+        """The whole layer in one C++ call where every part of it runs on this class's kernels
+        (``decoder_layer.NativeDecoderLayer``), else None."""
+        from vllite_platform_cpu.decoder_layer import NativeDecoderLayer
+
+        return NativeDecoderLayer.build(self, layer)
 
     def linear_gelu(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     state: dict) -> torch.Tensor:

@@ -72,6 +72,7 @@ std::vector<std::string> cpu_features() {
     s.def("dequantize_int32", &vllite_cpu::ns::dequantize_int32);                        \
     s.def("gguf_linear_x8", &vllite_cpu::ns::gguf_linear_x8);                            \
     s.def("lora_add", &vllite_cpu::ns::lora_add);                                        \
+    s.def("llama_decoder_layer", &vllite_cpu::ns::llama_decoder_layer);                  \
     s.attr("name") = name;                                                               \
     variants.append(name);                                                               \
   } while (0)

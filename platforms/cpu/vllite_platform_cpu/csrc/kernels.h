@@ -1,7 +1,7 @@
 // The entry points of every ISA variant of the kernels, as bindings.cpp registers them.
 //
-// attention.cpp, gemm.cpp, pointwise.cpp, quant.cpp, gguf.cpp, encoder.cpp and lora.cpp define them inside
-// vllite_cpu::VLLITE_CPU_ISA; the build compiles those files once per variant (vllite_platform_cpu/isa.py),
+// attention.cpp, gemm.cpp, pointwise.cpp, quant.cpp, gguf.cpp, encoder.cpp, lora.cpp and decoder.cpp define them
+// inside vllite_cpu::VLLITE_CPU_ISA; the build compiles those files once per variant (vllite_platform_cpu/isa.py),
 // each into its own namespace.
 #pragma once
 
@@ -9,6 +9,7 @@
 
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 // One variant's functions, declared in the enclosing namespace.
@@ -37,7 +38,14 @@
   void gguf_linear_x8(at::Tensor out, at::Tensor x, int64_t type, at::Tensor blocks, std::optional<at::Tensor> bias, \
                       int64_t gemm_min_rows, int64_t grain_bytes);                                                  \
   void lora_add(at::Tensor y, at::Tensor x, at::Tensor lora_a, at::Tensor lora_b, at::Tensor order,                 \
-                std::vector<int64_t> seg_slots, std::vector<int64_t> seg_starts, std::vector<int64_t> ranks);
+                std::vector<int64_t> seg_slots, std::vector<int64_t> seg_starts, std::vector<int64_t> ranks);       \
+  std::tuple<at::Tensor, at::Tensor> llama_decoder_layer(                                                           \
+      at::Tensor x, std::optional<at::Tensor> residual, at::Tensor input_norm, at::Tensor post_norm, double eps,    \
+      std::vector<int64_t> kinds, std::vector<at::Tensor> weights, std::vector<std::optional<at::Tensor>> biases,   \
+      std::vector<int64_t> out_features, at::Tensor cos, at::Tensor sin, int64_t num_heads, int64_t num_kv_heads,   \
+      int64_t head_size, at::Tensor kv_cache, at::Tensor slots, at::Tensor block_table, at::Tensor seq_lens,       \
+      at::Tensor query_start_loc, at::Tensor req_ids, int64_t num_tokens, double scale, int64_t window,            \
+      int64_t gguf_min_rows, int64_t gguf_grain);
 
 namespace vllite_cpu {
 namespace isa_default {

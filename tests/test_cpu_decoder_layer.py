@@ -1,0 +1,196 @@
+"""The CPU platform's one-call decoder layer (csrc/decoder.cpp) against the layer's own Python path.
+
+The reference is the Python path of the same layer (``LlamaDecoderLayer.forward`` through ``CpuModelOps``), whose
+numerics the HF-reference tests check: the C++ call composes the same kernels, so hidden states, residual and
+the paged cache it writes must be equal bit for bit, for float32, bfloat16 and GGUF layers, Llama (GQA) and
+Qwen2 (qkv bias), decode and prefill rows mixed. Where its conditions do not hold (LoRA, float8 cache, int8,
+grad, another ModelOps) the call declines and the layer runs its Python code.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+kernels = pytest.importorskip("vllite_platform_cpu.kernels")
+if not kernels.available():
+    pytest.skip(f"CPU kernels not built here: {kernels.error()}", allow_module_level=True)
+
+from transformers import LlamaConfig, Qwen2Config  # noqa: E402
+from vllite_platform_cpu.attention import TorchPagedAttention  # noqa: E402
+from vllite_platform_cpu.isa import NAMES  # noqa: E402
+from vllite_platform_cpu.model_ops import CpuModelOps  # noqa: E402
+from vllite_platform_cpu.platform import has_fast_bf16, use_avx2_gemm  # noqa: E402
+
+from model_registry.models.llama import LlamaDecoderLayer  # noqa: E402
+from model_registry.models.rope import RotaryEmbedding  # noqa: E402
+from vllite_core.attention.reference import build_metadata  # noqa: E402
+from vllite_core.model_ops import ModelOps, use_model_ops  # noqa: E402
+
+# As test_kernel_variants: every variant this CPU runs when installed, else the one the first-use build made.
+RUNNABLE = kernels.host_variants() if kernels.origin() == "installed" else [kernels.variant()]
+VARIANTS = [pytest.param(n, marks=pytest.mark.skipif(n not in RUNNABLE, reason=f"{n}: not runnable or not built here"))
+            for n in NAMES]
+BLOCK = 4
+# Rows of one step: (query_len, seq_len) per request; decode rows (1) and prefill chunks mixed.
+STEPS = {1: [(1, 7)], 3: [(1, 9), (2, 6)], 17: [(1, 5), (12, 12), (1, 3), (3, 10)]}
+CONFIGS = {
+    "llama": LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, num_hidden_layers=1, vocab_size=32, rms_norm_eps=1e-5),
+    "qwen2": Qwen2Config(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=1, vocab_size=32, rms_norm_eps=1e-6),
+}
+GGUF_TYPES = {"qkv_proj": "Q8_0", "o_proj": "Q4_0", "gate_up_proj": "Q4_1", "down_proj": "Q4_0"}
+
+
+@pytest.fixture(params=VARIANTS)
+def variant(request, monkeypatch):
+    """kernels.load() returning one variant's module for the test."""
+    kernels.load()
+    monkeypatch.setattr(kernels, "_module", kernels.load_variant(request.param))
+    return request.param
+
+
+def platform_ops() -> CpuModelOps:
+    """What CpuPlatform.model_ops builds on this host, for the chosen variant."""
+    return CpuModelOps(fused=True, packed_linear=True, widen_16bit=not has_fast_bf16(), avx2_gemm=use_avx2_gemm())
+
+
+def make_layer(name: str, dtype: torch.dtype, gguf: bool, ops: ModelOps, seed: int = 0) -> LlamaDecoderLayer:
+    cfg = CONFIGS[name]
+    g = torch.Generator().manual_seed(seed)
+    with use_model_ops(ops):
+        layer = LlamaDecoderLayer(cfg, TorchPagedAttention(), dtype, None)
+    for p in layer.parameters():
+        p.data.copy_((torch.randn(p.shape, generator=g) * 0.2).to(dtype))
+    for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+        norm.weight.data.add_(1.0)
+    if gguf:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import quantize
+
+        from model_registry.gguf_blocks import repack
+
+        for lin_name, qtype in GGUF_TYPES.items():
+            lin = getattr(layer.self_attn if lin_name in ("qkv_proj", "o_proj") else layer.mlp, lin_name)
+            raw = quantize(lin.weight.float().numpy().astype(np.float32), GGMLQuantizationType[qtype])
+            lin.use_gguf_weight(repack(raw, qtype))
+    return layer
+
+
+def make_step(name: str, layer: LlamaDecoderLayer, rows: int, dtype: torch.dtype, seed: int = 1):
+    """(rope, x, residual, kv_cache, metadata) of one step: random cached context, random blocks."""
+    attn = layer.self_attn
+    g = torch.Generator().manual_seed(seed)
+    reqs = STEPS[rows]
+    free = torch.randperm(64, generator=g)[:32].tolist()
+    tables = [[free.pop() for _ in range(-(-s // BLOCK))] for _, s in reqs]
+    md = build_metadata([q for q, _ in reqs], [s for _, s in reqs], tables, BLOCK)
+    positions = torch.cat([torch.arange(s - q, s) for q, s in reqs])
+    rope = RotaryEmbedding(CONFIGS[name], attn.head_size).lookup(positions, dtype)
+    hidden = CONFIGS[name].hidden_size
+    x = torch.randn(rows, hidden, generator=g).to(dtype)
+    residual = torch.randn(rows, hidden, generator=g).to(dtype)
+    cache = torch.randn(2, 64, BLOCK, attn.num_kv_heads, attn.head_size, generator=g).to(dtype)
+    return rope, x, residual, cache, md
+
+
+def run(layer, step, native: bool, first: bool = False):
+    """The layer on clones of the step's tensors (the layer writes x, residual and the cache in place)."""
+    rope, x, residual, cache, md = step
+    x, residual, cache = x.clone(), residual.clone(), cache.clone()
+    md = dataclasses.replace(md, extra=None)  # the attention plan made afresh
+    layer.self_attn.attn_backend.prepare(md)
+    with torch.inference_mode():
+        if native:
+            out = layer._ops.decoder_layer(layer)(rope, x, None if first else residual, cache, md)
+            assert out is not None, "the C++ layer declined"
+        else:
+            layer._native = False
+            out = layer.forward(rope, x, None if first else residual, cache, md)
+    return out[0], out[1], cache
+
+
+CASES = [("llama", torch.float32, False), ("llama", torch.bfloat16, False), ("llama", torch.float32, True),
+         ("qwen2", torch.float32, False), ("qwen2", torch.bfloat16, True)]
+
+
+@pytest.mark.parametrize("rows", sorted(STEPS))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{str(c[1])[6:]}-{'gguf' if c[2] else 'plain'}")
+def test_native_layer_is_the_python_path_bit_for_bit(variant, case, rows):
+    name, dtype, gguf = case
+    ops = platform_ops()
+    layer = make_layer(name, dtype, gguf, ops)
+    step = make_step(name, layer, rows, dtype)
+    for first in (False, True):
+        want = run(layer, step, native=False, first=first)
+        got = run(layer, step, native=True, first=first)
+        for a, b, what in zip(got, want, ("hidden states", "residual", "kv cache")):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert torch.equal(a, b), f"{what} differ (first layer: {first})"
+
+
+def test_plain_weight_kernel_and_its_limit(variant):
+    """Without the AVX2 GEMM a few rows go to small_linear on the plain weight (the C++ side too); more rows
+    go to oneDNN, which the C++ side does not call: the layer then runs its Python code."""
+    ops = CpuModelOps(fused=True, packed_linear=True, widen_16bit=not has_fast_bf16(), avx2_gemm=False)
+    layer = make_layer("llama", torch.float32, False, ops)
+    step = make_step("llama", layer, 3, torch.float32)
+    for a, b in zip(run(layer, step, native=True), run(layer, step, native=False)):
+        assert torch.equal(a, b)
+    rope, x, residual, cache, md = make_step("llama", layer, 17, torch.float32)
+    layer.self_attn.attn_backend.prepare(md)
+    with torch.inference_mode():
+        assert layer._ops.decoder_layer(layer)(rope, x, residual, cache, md) is None
+
+
+def test_weight_change_repacks_the_shared_panels(variant):
+    if not platform_ops().avx2_gemm:
+        pytest.skip("no AVX2 GEMM in this variant")
+    layer = make_layer("llama", torch.float32, False, platform_ops())
+    step = make_step("llama", layer, 3, torch.float32)
+    run(layer, step, native=True)
+    qkv = layer.self_attn.qkv_proj
+    packed = qkv._state["packed"]
+    with torch.no_grad():
+        qkv.weight.mul_(0.5)  # an in-place change: the version moves
+    got = run(layer, step, native=True)
+    assert qkv._state["packed"] is not packed  # repacked once, in the state the Python path reads
+    packed = qkv._state["packed"]
+    want = run(layer, step, native=False)
+    assert qkv._state["packed"] is packed  # ... and shared with it, not packed again
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_declines_where_it_does_not_apply(variant):
+    layer = make_layer("llama", torch.float32, False, platform_ops())
+    native = layer._ops.decoder_layer(layer)
+    rope, x, residual, cache, md = make_step("llama", layer, 3, torch.float32)
+    layer.self_attn.attn_backend.prepare(md)
+    with torch.inference_mode():
+        assert native(rope, x.clone(), residual.clone(), cache.clone(), md) is not None
+        layer.mlp.down_proj.lora = object()  # an adapter slot, set at run time
+        assert native(rope, x, residual, cache, md) is None
+        layer.mlp.down_proj.lora = None
+        fp8 = cache.to(torch.float8_e4m3fn)
+        assert native(rope, x, residual, fp8, md) is None
+    assert native(rope, x, residual, cache, md) is None  # grad mode
+    with torch.inference_mode():
+        layer.mlp.gate_up_proj.quantize_int8()
+        assert native(rope, x, residual, cache, md) is None
+    assert ModelOps().decoder_layer(layer) is None
+    assert platform_ops().decoder_layer(layer) is None  # int8 linear: never the C++ call
+
+
+def test_a_swapped_part_keeps_the_python_path(variant):
+    """A model that swaps a part of the layer (the EAGLE head drops its input norm) runs the layer's own code."""
+    layer = make_layer("llama", torch.float32, False, platform_ops())
+    layer.input_layernorm = torch.nn.Identity()
+    rope, x, _, cache, md = make_step("llama", layer, 3, torch.float32)
+    layer.self_attn.attn_backend.prepare(md)
+    with torch.inference_mode():
+        out, residual = layer.forward(rope, x, None, cache, md)
+    assert layer._native is False and residual is x and torch.isfinite(out).all()
