@@ -8,6 +8,7 @@ does). The paths run in turns, one step each, and the median and best of --round
 ``onednn`` (torch's mkldnn packed linear), ``avx2`` (the CPU platform's AVX2 GEMM, where built),
 ``small`` (the weight-streaming kernel, up to 4 rows); and the same layers in bfloat16 (270 MB, no native
 bf16 math assumed): ``avx2-bf16`` (the AVX2 GEMM's 16-bit panels, widened in registers) and ``small-bf16``.
+``--paths`` keeps only the named paths; each cell also gives the weights' bytes read per second (GB/s).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 5, 64])
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--paths", nargs="+", default=None, help="only these paths (e.g. avx2 avx2-bf16)")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -54,6 +56,8 @@ def main() -> None:
         if m <= 4:
             paths["small-bf16"] = lambda: [kernels.small_linear(outs[w.shape[0]], xs[w.shape[1]], w, None)
                                            for w in weights16]
+        if a.paths:
+            paths = {name: run for name, run in paths.items() if name in a.paths}
         times: dict[str, list[float]] = {name: [] for name in paths}
         for _ in range(a.rounds + 1):  # the first round warms up
             for name, run in paths.items():
@@ -65,7 +69,8 @@ def main() -> None:
             ts = sorted(ts[1:])
             med = ts[len(ts) // 2]
             gflops = flops_per_row * m / med / 1e9
-            cells.append(f"{name} {med * 1e3:6.1f} ms (best {ts[0] * 1e3:.1f}, {gflops:.0f} GFLOPS)")
+            gbs = flops_per_row * (1 if "bf16" in name else 2) / med / 1e9  # 2 or 4 bytes per weight
+            cells.append(f"{name} {med * 1e3:6.1f} ms (best {ts[0] * 1e3:.1f}, {gflops:.0f} GFLOPS, {gbs:.1f} GB/s)")
         print(f"rows {m:4d}: " + "   ".join(cells), flush=True)
 
 

@@ -205,6 +205,34 @@ def test_avx2_gemm_16bit_panels_match_float64(dtype, rows, shape):
                                    atol=1e-2)
 
 
+@needs_avx2_gemm
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(7, 33), (81, 77), (200, 5), (1040, 1101)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_avx2_gemm_few_rows_bit_identical_to_many_rows(dtype, shape, threads):
+    # 1-3 rows take their own path (2-4 panels at once, its own thread split); each output element is the
+    # same FMA chain, so a row's output is bit for bit the same whether it comes alone or in a 13-row call
+    # (6-row tiles); and 4 rows (4-row tiles). Columns: under one panel, 16 k + 1, a half panel, and 65 panels
+    # (split at 2 threads); odd K.
+    n, k = shape
+    g = torch.Generator().manual_seed(n + k)
+    x, w, b = torch.randn(13, k, generator=g), torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g)
+    packed = kernels.avx2_gemm_pack(w)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for gemm, bias in ((kernels.avx2_gemm, None), (kernels.avx2_gemm, b), (kernels.avx2_gemm_gelu, b)):
+            many = torch.empty(13, n)
+            gemm(many, x, packed, bias)
+            for rows in (1, 2, 3, 4):
+                for r0 in (0, 13 - rows):
+                    few = torch.empty(rows, n)
+                    gemm(few, x[r0:r0 + rows].contiguous(), packed, bias)
+                    assert torch.equal(few, many[r0:r0 + rows]), (gemm, bias is None, rows, r0)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_avx2_gemm_chosen_only_on_avx2_hosts_without_avx512(monkeypatch):
     from vllite_platform_cpu import platform as cpu_platform
 

@@ -10,8 +10,9 @@
 // panel is one contiguous stream. A 6-row x 16-column micro-tile keeps its 12 accumulators in
 // registers (with the two weight vectors and one broadcast input: 15 of the 16 ymm registers) and
 // walks K once; the panel is reused from L2 by every row tile, while the first tile prefetches the
-// next panel into L2. Work is split over (row block, panel) tasks. Each output element is one fused
-// multiply-add chain over k in order (float32 accumulation), the bias added at the end.
+// next panel into L2. Work is split over (row block, panel) tasks. 1-3 rows (decode) go over 2-4 panels at
+// once instead (tile_panels). Each output element is one fused multiply-add chain over k in order (float32
+// accumulation), the bias added at the end, whatever the path.
 //
 // 16-bit weights (bfloat16, float16) keep their own type in the panels and are widened to float32 as each
 // panel row is loaded (bfloat16: a 16-bit shift; float16: F16C), so a decode step streams half the bytes
@@ -183,6 +184,90 @@ static inline void tile(const float* __restrict A, int64_t lda, const W* __restr
 #undef VG_FMA
 #undef VG_OUT
 
+// Few rows (a decode step's 1-3): one panel at a time leaves one or two FMA chains per 8 columns and a single
+// memory stream, and the K loop runs at FMA latency, not at memory speed (1 row: 8-10 GB/s against ~15 for a plain
+// read). Here R rows x NP whole panels go together: 2 R NP independent chains and NP streams, each prefetched
+// kPrefetchBytes ahead (a stream's prefetch past its panel's end goes to the same stream of the next group). Every
+// output element is still one FMA chain over k in order from zero, then the bias: the operations of tile, so a
+// row's result does not depend on how many rows share the call. 4 rows (as 1 x 4 or 2 x 2 rows x 3 panels) were
+// no faster than the 6-row tile and stay there (benchmarks/linear_layers.py, 1 and 2 threads).
+constexpr int64_t kPrefetchBytes = 512;  // bf16 1 row: 17.9 ms against 19.6 without, 18.9 at 256, 17.9 at 1024
+
+#define VS_DECL(r, j) __m256 s##r##j##0 = _mm256_setzero_ps(), s##r##j##1 = _mm256_setzero_ps();
+#define VS_DECL_ROW(r) VS_DECL(r, 0) VS_DECL(r, 1) VS_DECL(r, 2) VS_DECL(r, 3)
+#define VS_FMA(r, j)                                    \
+  if constexpr (R > r) {                                \
+    s##r##j##0 = _mm256_fmadd_ps(a##r, b0, s##r##j##0); \
+    s##r##j##1 = _mm256_fmadd_ps(a##r, b1, s##r##j##1); \
+  }
+#define VS_PANEL(j)                                        \
+  if constexpr (NP > j) {                                  \
+    __m256 b0, b1;                                         \
+    load_row(B + j * PS + k * NR, b0, b1);                 \
+    VS_FMA(0, j)                                           \
+    VS_FMA(1, j)                                           \
+    VS_FMA(2, j)                                           \
+  }
+#define VS_A(r) const __m256 a##r = R > r ? _mm256_broadcast_ss(A + r * lda + k) : _mm256_setzero_ps();
+#define VS_OUT(r, j)               \
+  if constexpr (R > r && NP > j) { \
+    o[r][j][0] = s##r##j##0;       \
+    o[r][j][1] = s##r##j##1;       \
+  }
+#define VS_OUT_ROW(r) VS_OUT(r, 0) VS_OUT(r, 1) VS_OUT(r, 2) VS_OUT(r, 3)
+
+// C[0:R, 0:16 NP] = A[0:R, 0:K] * NP consecutive whole panels from B (+ bias, then GELU when gelu_out).
+template <int R, int NP, typename W>
+static inline void tile_panels(const float* __restrict A, int64_t lda, const W* __restrict B, int64_t K,
+                               float* __restrict C, int64_t ldc, const float* bias, bool gelu_out) {
+  static_assert(R >= 1 && R <= 3 && NP >= 1 && NP <= 4 && R * NP <= 6, "12 accumulators at most");
+  constexpr int64_t line_rows = 64 / (NR * sizeof(W));
+  constexpr int64_t ahead = kPrefetchBytes / sizeof(W);
+  const int64_t PS = K * NR;  // elements per panel
+  VS_DECL_ROW(0)
+  VS_DECL_ROW(1)
+  VS_DECL_ROW(2)
+  for (int64_t k = 0; k < K; ++k) {
+    if (k % line_rows == 0) {
+      const int64_t at = k * NR + ahead;
+      const W* pf = B + at + (at >= PS ? (NP - 1) * PS : 0);
+      for (int j = 0; j < NP; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf + j * PS), _MM_HINT_T0);
+    }
+    VS_A(0)
+    VS_A(1)
+    VS_A(2)
+    VS_PANEL(0)
+    VS_PANEL(1)
+    VS_PANEL(2)
+    VS_PANEL(3)
+  }
+  __m256 o[R][NP][2];
+  VS_OUT_ROW(0)
+  VS_OUT_ROW(1)
+  VS_OUT_ROW(2)
+  for (int j = 0; j < NP; ++j) {
+    if (bias) {
+      const __m256 v0 = _mm256_loadu_ps(bias + j * NR), v1 = _mm256_loadu_ps(bias + j * NR + 8);
+      for (int r = 0; r < R; ++r) {
+        o[r][j][0] = _mm256_add_ps(o[r][j][0], v0);
+        o[r][j][1] = _mm256_add_ps(o[r][j][1], v1);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(C + r * ldc + j * NR, o[r][j][0]);
+      _mm256_storeu_ps(C + r * ldc + j * NR + 8, o[r][j][1]);
+    }
+    if (gelu_out) gelu_tile(C + j * NR, ldc, R, NR);
+  }
+}
+#undef VS_DECL
+#undef VS_DECL_ROW
+#undef VS_FMA
+#undef VS_PANEL
+#undef VS_A
+#undef VS_OUT
+#undef VS_OUT_ROW
+
 template <typename W>
 static inline void tile_rows(int64_t rows, const float* A, int64_t lda, const W* B, int64_t K, float* C,
                              int64_t ldc, const float* bias, int64_t ncols, const W* prefetch, bool gelu) {
@@ -258,10 +343,47 @@ at::Tensor avx2_gemm_pack(at::Tensor w) {
 }
 
 #ifdef VLLITE_AVX2_GEMM
+// Few rows: each thread a contiguous run of panel groups (NP streams at a time); a call of at most
+// kFewRowsGrainBytes of weights stays on the calling thread, as gguf.cpp's int8 path does (at 2 threads on this
+// benchmark 1 byte, 256 KiB and 1 MiB measured alike; waking a sleeping thread for a 0.2 MB layer does not pay).
+constexpr int64_t kFewRowsGrainBytes = int64_t(1) << 20;
+
+template <int R, int NP, typename W>
+static void gemm_few_rows(const float* A, const W* Bp, float* C, const float* bp, int64_t K, int64_t N, int64_t P,
+                          bool gelu) {
+  using namespace avx2_gemm_impl;
+  const int64_t groups = (P + NP - 1) / NP, group_bytes = NP * K * NR * static_cast<int64_t>(sizeof(W));
+  const int64_t grain = std::max<int64_t>(1, (kFewRowsGrainBytes + group_bytes - 1) / group_bytes);
+  at::parallel_for(0, groups, grain, [&](int64_t gb, int64_t ge) {
+    for (int64_t g = gb; g < ge; ++g) {
+      const int64_t p0 = g * NP, n0 = p0 * NR;
+      if (n0 + NP * NR <= N) {
+        tile_panels<R, NP, W>(A, K, Bp + p0 * K * NR, K, C + n0, N, bp ? bp + n0 : nullptr, gelu);
+        continue;
+      }
+      for (int64_t p = p0; p < P; ++p) {  // the last group, short or with a partial panel
+        const int64_t n = p * NR, ncols = std::min(NR, N - n);
+        if (ncols == NR)
+          tile_panels<R, 1, W>(A, K, Bp + p * K * NR, K, C + n, N, bp ? bp + n : nullptr, gelu);
+        else
+          tile<R, W>(A, K, Bp + p * K * NR, K, C + n, N, bp ? bp + n : nullptr, ncols, nullptr, gelu);
+      }
+    }
+  });
+}
+
 template <typename W>
 static void gemm_panels(const float* A, const W* Bp, float* C, const float* bp, int64_t M, int64_t K, int64_t N,
                         int64_t P, bool gelu) {
   using namespace avx2_gemm_impl;
+  // Panels per group: 2 R NP accumulators, 8 to 12 of the 16 registers (1 row: 4 panels 17.9 ms against 21.8 at 2
+  // and 17.5 at 6, bf16 one thread; 2 rows: 3 panels 25.5 against 29.0 at 2).
+  switch (M) {
+    case 1: return gemm_few_rows<1, 4>(A, Bp, C, bp, K, N, P, gelu);
+    case 2: return gemm_few_rows<2, 3>(A, Bp, C, bp, K, N, P, gelu);
+    case 3: return gemm_few_rows<3, 2>(A, Bp, C, bp, K, N, P, gelu);
+    default: break;
+  }
   const int64_t blocks = (M + MC - 1) / MC;
   // Consecutive tasks share a row block, so each thread keeps its block of x in its own L2.
   at::parallel_for(0, blocks * P, 1, [&](int64_t b, int64_t e) {
