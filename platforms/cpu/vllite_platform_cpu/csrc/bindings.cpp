@@ -4,7 +4,9 @@
 // The build defines VLLITE_CPU_WITH_<namespace> for each variant it compiled (setup.py: all of them on
 // x86-64, compiled with the baseline flags; the first-use build of kernels.py: one, with its flags).
 // Nothing here runs a variant's code: kernels.py picks the one the CPU can run.
-#include <torch/extension.h>
+// <torch/python.h>, not <torch/extension.h>: the bindings need pybind11 and torch's tensor casters, not the
+// whole C++ frontend (torch/all.h), which took 24 of this unit's 59 s of compile.
+#include <torch/python.h>
 #if __has_include(<torch/headeronly/version.h>)
 #include <torch/headeronly/version.h>
 #endif

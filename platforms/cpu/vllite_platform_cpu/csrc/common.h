@@ -15,7 +15,7 @@
 // ATen's core headers only, so the kernels name at::Tensor, at::zeros, at::kInt (the string build's
 // torch::Tensor, torch::zeros, torch::kInt32 are the same entities): <torch/extension.h> or <torch/types.h>
 // (pybind11, Python, the autograd API) doubled the time to compile a translation unit, and there are a
-// dozen of them. bindings.cpp includes <torch/extension.h>.
+// dozen of them. bindings.cpp includes <torch/python.h>.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
