@@ -7,4 +7,6 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # The linter first (ruff, configured in pyproject.toml): the tree must pass it.
 .venv/bin/ruff check .
 # pytest exits 5 when it collects nothing: that must fail, and it does (set -e).
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# Two workers (pytest-xdist), each test module on one of them (module fixtures are computed once): while one
+# waits on a server start-up or a subprocess, the other runs. One per core, at most 2 (a worker peaks at 4-5 GB).
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n auto --maxprocesses 2 --dist loadfile "$@"

@@ -355,21 +355,21 @@ def test_no_variant_instructions_in_shared_code():
 
 
 @pytest.mark.slow
-def test_first_use_build_matches_the_installed_variant(fresh, monkeypatch, first_use_build):
+def test_first_use_build_matches_the_installed_variant(fresh, monkeypatch, tmp_path):
     """Without the installed module, load() compiles the chosen variant from the package's sources, with
-    the same flags: the same results, bit for bit. (The compile runs in a child process started when the
-    session's tests were collected (conftest.py); load() here then finds that build and only loads it.)"""
+    the same flags: the same results, bit for bit. (Minutes of compiling: under pytest-xdist, as the README's
+    test command runs, with one compile job, so the other worker keeps the second core.)"""
     installed, _ = kernels._installed()
     if installed is None:
         pytest.skip("no installed module to compare with")
-    rc, out, root = first_use_build
-    assert rc == 0, out[-3000:]
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        monkeypatch.setenv("MAX_JOBS", "1")
     monkeypatch.setattr(fresh, "_installed_state", (None, "ImportError: hidden by the test"))
-    monkeypatch.setenv("VLLITE_CACHE_ROOT", root)
+    monkeypatch.setenv("VLLITE_CACHE_ROOT", str(tmp_path))
     monkeypatch.setenv(kernels.ISA_ENV, "default")
     jit = fresh.load()
-    assert jit is not None and fresh.origin() == "jit" and fresh.variant() == "default"
-    assert os.listdir(os.path.join(root, "torch_extensions"))[0].startswith("vllite_cpu_default_")
+    assert jit is not None and fresh.origin() == "jit" and fresh.variant() == "default", fresh.error()
+    assert os.listdir(tmp_path / "torch_extensions")[0].startswith("vllite_cpu_default_")
     q, kc, vc, table, seq, starts = _paged_case(64, 9, 3, [1, 1, 17], [200, 40, 300], torch.bfloat16)
     rid = torch.arange(3, dtype=torch.int32)
     outs = []
