@@ -11,7 +11,9 @@ PIP="$VENV/bin/pip --disable-pip-version-check -q"
 # minutes of waiting on the network; uv asks in parallel. uv reads no pip configuration, so pip's package
 # sources (local wheel folders, mirrors, constraints) are handed to it (scripts/uv_pip_args.py).
 $PIP install uv==0.13.9
-mapfile -t SOURCES < <("$VENV/bin/python" scripts/uv_pip_args.py "$VENV/bin/pip")
+# (Through a variable: a failure inside `< <(...)` would not stop the script, and uv would ask pypi.org alone.)
+SOURCES_LINES=$("$VENV/bin/python" scripts/uv_pip_args.py "$VENV/bin/pip")
+mapfile -t SOURCES <<<"$SOURCES_LINES"
 CERT=$("$VENV/bin/python" scripts/uv_pip_args.py "$VENV/bin/pip" cert)
 if [ -n "$CERT" ]; then export SSL_CERT_FILE="$CERT"; fi
 UV=("$VENV/bin/uv" pip install -q --python "$VENV/bin/python" "${SOURCES[@]}")
