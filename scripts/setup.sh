@@ -12,10 +12,10 @@ PIP="$VENV/bin/pip --disable-pip-version-check -q"
 # sources (local wheel folders, mirrors, constraints) are handed to it (scripts/uv_pip_args.py).
 $PIP install uv==0.13.9
 # (Through a variable: a failure inside `< <(...)` would not stop the script, and uv would ask pypi.org alone.)
-SOURCES_LINES=$("$VENV/bin/python" scripts/uv_pip_args.py "$VENV/bin/pip")
-mapfile -t SOURCES <<<"$SOURCES_LINES"
-CERT=$("$VENV/bin/python" scripts/uv_pip_args.py "$VENV/bin/pip" cert)
-if [ -n "$CERT" ]; then export SSL_CERT_FILE="$CERT"; fi
+UV_LINES=$("$VENV/bin/python" scripts/uv_pip_args.py "$VENV/bin/pip")
+mapfile -t SOURCES <<<"$UV_LINES"
+if [ -n "${SOURCES[0]}" ]; then export SSL_CERT_FILE="${SOURCES[0]}"; fi  # the first line: pip's cert bundle
+SOURCES=("${SOURCES[@]:1}")
 UV=("$VENV/bin/uv" pip install -q --python "$VENV/bin/python" "${SOURCES[@]}")
 # torch first and pinned: the CPU build lies on this machine's disk; an unpinned torch pulls a CUDA build.
 "${UV[@]}" torch==2.13.0

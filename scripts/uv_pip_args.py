@@ -1,11 +1,12 @@
-"""Print, one per line, the uv options that give ``uv pip install`` the package sources pip is configured with.
+"""Print pip's certificate bundle (for SSL_CERT_FILE; an empty line when none), then, one per line, the uv options
+that give ``uv pip install`` the package sources pip is configured with.
 
 uv reads no pip.conf and no PIP_* variables; on a machine whose pip is set up with local wheel folders, mirror
 indexes or constraints (CI images, air-gapped hosts), uv would otherwise ask pypi.org alone: here that fetches
 a CUDA torch. This asks pip itself (``pip config list``: files and environment, the environment winning) and
-maps what changes where packages come from. ``cert`` prints pip's certificate bundle (for SSL_CERT_FILE).
+maps what changes where packages come from.
 
-    python scripts/uv_pip_args.py PIP [cert]
+    python scripts/uv_pip_args.py PIP
 """
 from __future__ import annotations
 
@@ -34,12 +35,8 @@ def pip_config(pip: str) -> dict[str, str]:
 
 
 def main() -> None:
-    pip, *rest = sys.argv[1:]
-    config = pip_config(pip)
-    if rest == ["cert"]:
-        print(config.get("cert", ""))
-        return
-    args = []
+    config = pip_config(sys.argv[1])
+    args = [config.get("cert", "")]
     for name, flag in _FLAGS.items():
         for value in config.get(name, "").split():
             args += [flag, value]

@@ -127,7 +127,7 @@ def test_native_layer_is_the_python_path_bit_for_bit(variant, case, rows):
     route = ops.linear_route(dtype, rows, layer.self_attn.qkv_proj.weight)
     if not gguf and route not in ("small", "avx2"):  # oneDNN at this row count (a variant without the AVX2 GEMM)
         with torch.inference_mode():
-            assert layer._ops.decoder_layer(layer)(*step[:2], step[2], step[3], step[4]) is None
+            assert layer._ops.decoder_layer(layer)(*step) is None
         return
     for first in (False, True):
         want = run(layer, step, native=False, first=first)
