@@ -21,7 +21,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 KERNELS = ("gguf_linear_x8", "avx2_gemm", "small_linear", "paged_attention", "paged_attention_store", "rms_norm",
-           "add_rms_norm", "silu_and_mul", "rotary", "llama_decoder_layer")
+           "add_rms_norm", "silu_and_mul", "rotary", "llama_decoder_layer", "llama_decoder_stack")
 
 
 def main() -> None:
@@ -93,9 +93,11 @@ def main() -> None:
                 return out
 
             setattr(mod, name, timed)
-        for m in model.modules():  # a layer's one-call path (CpuModelOps.decoder_layer) is made again: timed
+        for m in model.modules():  # the one-call paths (CpuModelOps.decoder_stack / decoder_layer) made again: timed
             if getattr(m, "_native", None):
                 m._native = None
+            if getattr(m, "_native_stack", None):
+                m._native_stack = None
         _, cpu = run()
         per = {k: v / a.iters * 1e3 for k, v in spent.items()}
         total = statistics.mean(cpu) * 1e3

@@ -24,7 +24,7 @@ from vllite_platform_cpu.isa import NAMES  # noqa: E402
 from vllite_platform_cpu.model_ops import CpuModelOps  # noqa: E402
 from vllite_platform_cpu.platform import has_fast_bf16, use_avx2_gemm  # noqa: E402
 
-from model_registry.models.llama import LlamaDecoderLayer  # noqa: E402
+from model_registry.models.llama import LlamaDecoderLayer, LlamaModel, RMSNorm  # noqa: E402
 from model_registry.models.rope import RotaryEmbedding  # noqa: E402
 from vllite_core.attention.reference import build_metadata  # noqa: E402
 from vllite_core.model_ops import ModelOps, use_model_ops  # noqa: E402
@@ -63,21 +63,31 @@ def make_layer(name: str, dtype: torch.dtype, gguf: bool, ops: ModelOps, seed: i
     g = torch.Generator().manual_seed(seed)
     with use_model_ops(ops):
         layer = LlamaDecoderLayer(cfg, TorchPagedAttention(), dtype, None)
-    for p in layer.parameters():
-        p.data.copy_((torch.randn(p.shape, generator=g) * 0.2).to(dtype))
-    for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-        norm.weight.data.add_(1.0)
+    randomize(layer, dtype, g)
     if gguf:
-        from gguf import GGMLQuantizationType
-        from gguf.quants import quantize
-
-        from model_registry.gguf_blocks import repack
-
-        for lin_name, qtype in GGUF_TYPES.items():
-            lin = getattr(layer.self_attn if lin_name in ("qkv_proj", "o_proj") else layer.mlp, lin_name)
-            raw = quantize(lin.weight.float().numpy().astype(np.float32), GGMLQuantizationType[qtype])
-            lin.use_gguf_weight(repack(raw, qtype))
+        to_gguf(layer)
     return layer
+
+
+def randomize(module: torch.nn.Module, dtype: torch.dtype, g: torch.Generator) -> None:
+    for p in module.parameters():
+        p.data.copy_((torch.randn(p.shape, generator=g) * 0.2).to(dtype))
+    for norm in module.modules():
+        if isinstance(norm, RMSNorm):
+            norm.weight.data.add_(1.0)
+
+
+def to_gguf(layer: LlamaDecoderLayer) -> None:
+    """The layer's linears as GGUF blocks (GGUF_TYPES), quantized from their weights by gguf-py."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from model_registry.gguf_blocks import repack
+
+    for lin_name, qtype in GGUF_TYPES.items():
+        lin = getattr(layer.self_attn if lin_name in ("qkv_proj", "o_proj") else layer.mlp, lin_name)
+        raw = quantize(lin.weight.float().numpy().astype(np.float32), GGMLQuantizationType[qtype])
+        lin.use_gguf_weight(repack(raw, qtype))
 
 
 def make_step(name: str, layer: LlamaDecoderLayer, rows: int, dtype: torch.dtype, seed: int = 1):
@@ -126,8 +136,9 @@ def test_native_layer_is_the_python_path_bit_for_bit(variant, case, rows):
     step = make_step(name, layer, rows, dtype)
     route = ops.linear_route(dtype, rows, layer.self_attn.qkv_proj.weight)
     if not gguf and route not in ("small", "avx2"):  # oneDNN at this row count (a variant without the AVX2 GEMM)
+        native = layer._ops.decoder_layer(layer)  # None where oneDNN takes every row count (native bf16 math)
         with torch.inference_mode():
-            assert layer._ops.decoder_layer(layer)(*step) is None
+            assert native is None or native(*step) is None
         return
     for first in (False, True):
         want = run(layer, step, native=False, first=first)
@@ -199,3 +210,114 @@ def test_a_swapped_part_keeps_the_python_path(variant):
     with torch.inference_mode():
         out, residual = layer.forward(rope, x, None, cache, md)
     assert layer._native is False and residual is x and torch.isfinite(out).all()
+
+
+# ---- all layers in one call (NativeDecoderStack, csrc/decoder.cpp's llama_decoder_stack) ----------------------------
+
+def make_model(name: str, dtype: torch.dtype, gguf: bool, ops: ModelOps, layers: int = 3) -> LlamaModel:
+    args = {k: v for k, v in CONFIGS[name].to_dict().items() if k != "layer_types"}  # made again for `layers`
+    cfg = CONFIGS[name].__class__(**{**args, "num_hidden_layers": layers})
+    with use_model_ops(ops):
+        model = LlamaModel(cfg, TorchPagedAttention(), dtype)
+    randomize(model, dtype, torch.Generator().manual_seed(0))
+    if gguf:
+        for layer in model.layers:
+            to_gguf(layer)
+    return model
+
+
+def make_model_step(model: LlamaModel, rows: int, seed: int = 1):
+    """(input ids, positions, per-layer caches, per-layer metadata) of one step. Layers 0 and 2 share one
+    metadata object (one cache group), layer 1 has its own with other blocks (a second group)."""
+    g = torch.Generator().manual_seed(seed)
+    reqs = STEPS[rows]
+    mds = []
+    for _ in range(2):
+        free = torch.randperm(64, generator=g)[:32].tolist()
+        tables = [[free.pop() for _ in range(-(-s // BLOCK))] for _, s in reqs]
+        mds.append(build_metadata([q for q, _ in reqs], [s for _, s in reqs], tables, BLOCK))
+    positions = torch.cat([torch.arange(s - q, s) for q, s in reqs])
+    ids = torch.randint(0, model.embed_tokens.shape[0], (rows,), generator=g)
+    attn = model.layers[0].self_attn
+    caches = [torch.randn(2, 64, BLOCK, attn.num_kv_heads, attn.head_size, generator=g).to(model.norm.weight.dtype)
+              for _ in model.layers]
+    return ids, positions, caches, [mds[0], mds[1], mds[0]][:len(model.layers)]
+
+
+def run_model(model: LlamaModel, step, stack: bool) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+    """The model on clones of the step's caches, all layers in one call (stack) or one by one; and how many
+    one-call stacks ran."""
+    ids, positions, caches, mds = step
+    caches = [c.clone() for c in caches]
+    fresh = {id(md): dataclasses.replace(md, extra=None) for md in mds}  # plans made afresh, sharing kept
+    mds = [fresh[id(md)] for md in mds]
+    for md in fresh.values():
+        model.layers[0].self_attn.attn_backend.prepare(md)
+    calls = []
+    model._native_stack = False
+    if stack:
+        native = model._ops.decoder_stack(list(model.layers))
+        assert native is not None
+        fn = native.fn
+        native.fn = lambda *args: calls.append(1) or fn(*args)
+        model._native_stack = native
+    with torch.inference_mode():
+        out = model(ids, positions, caches, mds)
+    return out, caches, len(calls)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", sorted(STEPS))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{str(c[1])[6:]}-{'gguf' if c[2] else 'plain'}")
+def test_native_stack_is_the_layers_one_by_one_bit_for_bit(variant, case, rows, threads):
+    """At 2 threads and up to 4 rows the threads run the whole call as one team (csrc/team.h): every linear
+    split over them, nothing else, so the results must still be those of the per-layer calls."""
+    name, dtype, gguf = case
+    ops = platform_ops()
+    model = make_model(name, dtype, gguf, ops)
+    if not gguf and ops.linear_route(dtype, rows, model.layers[0].self_attn.qkv_proj.weight) not in ("small", "avx2"):
+        return  # the layers decline here (test_native_layer_is_the_python_path_bit_for_bit)
+    step = make_model_step(model, rows)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got, got_caches, calls = run_model(model, step, stack=True)
+        want, want_caches, _ = run_model(model, step, stack=False)
+    finally:
+        torch.set_num_threads(before)
+    assert calls == 1
+    assert torch.equal(got, want), "hidden states differ"
+    for i, (a, b) in enumerate(zip(got_caches, want_caches)):
+        assert torch.equal(a, b), f"layer {i}'s cache differs"
+
+
+def test_native_stack_declines_per_step_and_raises_cleanly(variant):
+    """A step one layer does not take (a LoRA slot set at run time) runs the layers one by one; a bad argument
+    inside the threads' team is a RuntimeError, after which the next call works."""
+    ops = platform_ops()
+    model = make_model("llama", torch.float32, True, ops)
+    step = make_model_step(model, 1)
+    _, _, calls = run_model(model, step, stack=True)
+    assert calls == 1
+    want, _, _ = run_model(model, step, stack=False)
+    model.layers[1].mlp.down_proj.lora = lambda x, y: y  # an adapter slot that adds nothing
+    out, _, calls = run_model(model, step, stack=True)
+    assert calls == 0 and torch.equal(out, want)
+    model.layers[1].mlp.down_proj.lora = None
+    native = model._ops.decoder_stack(list(model.layers))
+    ids, positions, caches, mds = step
+    for md in mds:
+        model.layers[0].self_attn.attn_backend.prepare(md)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.inference_mode():
+            x = model.embed_tokens[ids]
+            rope = model.rotary_emb.lookup(positions, x.dtype)
+            bad = [c.clone() for c in caches]
+            bad[2] = bad[2][:, :, :, :1]  # one KV head too few for layer 2's attention
+            with pytest.raises(RuntimeError):
+                native(rope, x.clone(), bad, mds)
+            assert native(rope, x.clone(), [c.clone() for c in caches], mds) is not None
+    finally:
+        torch.set_num_threads(before)

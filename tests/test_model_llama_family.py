@@ -142,27 +142,31 @@ def test_bf16_model_runs(tmp_path):
 
 
 def test_cpu_platform_one_call_layers_match_hf(tmp_path, monkeypatch):
-    """The CPU platform's ops (C++ kernels, each layer one C++ call: ModelOps.decoder_layer) against
+    """The CPU platform's ops (C++ kernels, the layers one C++ call: ModelOps.decoder_stack / decoder_layer) against
     transformers, on a Qwen2 checkpoint (qkv bias, GQA), prefill chunks and decode steps mixed."""
     from transformers import Qwen2Config
     from vllite_platform_cpu import kernels
 
     if not kernels.available():
         pytest.skip(f"CPU kernels not built here: {kernels.error()}")
-    from vllite_platform_cpu.decoder_layer import NativeDecoderLayer
+    from vllite_platform_cpu.decoder_layer import NativeDecoderLayer, NativeDecoderStack
     from vllite_platform_cpu.model_ops import CpuModelOps
     from vllite_platform_cpu.platform import has_fast_bf16, use_avx2_gemm
 
     from vllite_core.model_ops import use_model_ops
 
-    taken, call = [], NativeDecoderLayer.__call__
+    taken = []
 
-    def counted(self, *args):
-        out = call(self, *args)
-        taken.append(out is not None)
-        return out
+    def counting(call):
+        def counted(self, *args):
+            out = call(self, *args)
+            taken.append(out is not None)
+            return out
+        return counted
 
-    monkeypatch.setattr(NativeDecoderLayer, "__call__", counted)
+    # All layers in one call where the step allows (NativeDecoderStack), else one C++ call per layer.
+    monkeypatch.setattr(NativeDecoderLayer, "__call__", counting(NativeDecoderLayer.__call__))
+    monkeypatch.setattr(NativeDecoderStack, "__call__", counting(NativeDecoderStack.__call__))
     ops = CpuModelOps(fused=True, packed_linear=True, widen_16bit=not has_fast_bf16(), avx2_gemm=use_avx2_gemm())
     with use_model_ops(ops):
         _check(tmp_path, Qwen2Config(**TINY, architectures=["Qwen2ForCausalLM"], tie_word_embeddings=False))

@@ -225,3 +225,38 @@ def test_stream_graph_capture_protocol():
     assert log == ["wait", "enter stream", "step", "step", "exit stream", "wait",
                    "enter graph pool=pool", "step", "exit graph pool=pool"]
     assert replay() == "out" and log[-1] == "replay"
+
+
+def test_capture_memory_is_measured_per_size_from_the_device_view():
+    """Each size's runner records the device memory its capture took (mem_get_info: free falls as graphs
+    and their pool grow), largest size first; the model runner sums them."""
+    free = [10_000]
+
+    class Graph:
+        def replay(self):
+            pass
+
+    class Ctx:
+        def __enter__(self):
+            pass
+
+        def __exit__(self, *a):
+            pass
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    mod = types.SimpleNamespace(
+        graph_pool_handle=lambda: "pool", Stream=Stream, current_stream=lambda: Stream(), synchronize=lambda: None,
+        stream=lambda s: Ctx(), graph=lambda g, pool: Ctx(), mem_get_info=lambda: (free[0], 10_000))
+
+    def forward(x):
+        free[0] -= 100 * x.numel()  # a capture of batch size bs takes 100 * bs bytes
+        return x
+
+    capture = graphs.stream_graph_capture(mod, Graph, warmup=0)
+    runners = graphs.capture_runners(forward, [1, 4], lambda bs: {"x": torch.zeros(bs)}, capture)
+    assert {bs: r.memory_bytes for bs, r in runners.items()} == {4: 400, 1: 100}
+    assert graphs.capture_runners(forward, [2], lambda bs: {"x": torch.zeros(bs)},
+                                  graphs.eager_capture)[2].memory_bytes == 0  # nothing to measure with

@@ -43,6 +43,14 @@ class ModelOps:
         layer then runs its own code). None here: no such path, every layer runs its modules."""
         return None
 
+    def decoder_stack(self, layers: list[torch.nn.Module]
+                      ) -> Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None:
+        """A platform's path for all of a model's Llama-style decoder layers at once (each as ``decoder_layer``
+        describes): a callable ``(rope, x, kv_caches, metadata)`` that returns what running the layers in turn
+        from the embedding (no residual yet) returns, bit for bit, or None for a call it does not take (the
+        layers then run one by one). None here: no such path."""
+        return None
+
     def int8_linear(self, x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
                     bias: torch.Tensor | None, state: dict) -> torch.Tensor:
         """W8A8 linear (``vllite_core.quantization``): ``x`` quantized per row like the weight, the int8

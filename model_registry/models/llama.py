@@ -152,13 +152,18 @@ class LlamaDecoderLayer(nn.Module):
         return (type(self.input_layernorm) is RMSNorm and type(self.post_attention_layernorm) is RMSNorm
                 and type(self.self_attn) is LlamaAttention and type(self.mlp) is LlamaMLP)
 
+    def native_layer(self) -> Any:
+        """The platform's whole-layer call (ModelOps.decoder_layer), or None; made on first use, after loading,
+        when the weights are the final ones (quantized, GGUF blocks)."""
+        if self._native is None:
+            self._native = self._standard_parts() and self._ops.decoder_layer(self) or False
+        return self._native or None
+
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer on (layer input, residual stream): the residual add is fused into the next norm.
         ``residual`` None means ``x`` is the embedding itself (the first layer)."""
-        native = self._native
-        if native is None:  # after loading: the weights are the final ones (quantized, GGUF blocks)
-            native = self._native = self._standard_parts() and self._ops.decoder_layer(self) or False
+        native = self.native_layer()
         if native:
             out = native(rope, x, residual, kv_cache, attn_metadata)
             if out is not None:
@@ -184,11 +189,20 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(hf_config, attn_backend, dtype, windows[i]) for i in range(num_layers))
         self.norm = RMSNorm(hf_config.hidden_size, float(getattr(hf_config, "rms_norm_eps", 1e-6)), dtype)
+        self._ops = current_model_ops()
+        self._native_stack: Any = None  # the platform's all-layers call (ModelOps.decoder_stack) or False: on first use
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: list[AttentionMetadata], inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         x = vocab_embedding(input_ids, self.embed_tokens, self.vocab_shard) if inputs_embeds is None else inputs_embeds
         rope = self.rotary_emb.lookup(positions, x.dtype)  # shared by every layer
+        stack = self._native_stack
+        if stack is None:  # after loading, as each layer's own call
+            stack = self._native_stack = self._ops.decoder_stack(list(self.layers)) or False
+        if stack:
+            out = stack(rope, x, kv_caches, attn_metadata)
+            if out is not None:
+                return self.norm.add_forward(out[0], out[1])[0]
         residual = None
         for layer, kv_cache, md in zip(self.layers, kv_caches, attn_metadata, strict=True):
             x, residual = layer.forward(rope, x, residual, kv_cache, md)

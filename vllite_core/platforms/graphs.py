@@ -152,6 +152,7 @@ class GraphRunner:
     batch_size: int
     static_inputs: dict[str, Any]
     replay: Callable[[], Any]
+    memory_bytes: int = 0  # device memory its capture took (inputs, graph, pool growth), where measurable
 
     def __call__(self, **inputs: Any) -> Any:
         with torch.inference_mode():
@@ -162,12 +163,17 @@ class GraphRunner:
 def capture_runners(forward: Callable[..., Any], batch_sizes: Sequence[int],
                     make_inputs: Callable[[int], dict[str, Any]], capture: Capture) -> dict[int, GraphRunner]:
     """``capture(fn)`` turns a zero-argument step into a replay function; sizes go largest first (so a shared
-    memory pool sized by the largest graph serves the rest)."""
+    memory pool sized by the largest graph serves the rest). A capture with a ``memory_in_use()`` method
+    (``StreamGraphCapture``) has each size's memory measured: the KV cache was sized before capture, so this
+    is what graphs take beyond it."""
+    measure = getattr(capture, "memory_in_use", None)
     runners: dict[int, GraphRunner] = {}
     with torch.inference_mode():
         for bs in sorted(set(int(b) for b in batch_sizes), reverse=True):
+            before = measure() if measure else 0
             static = make_inputs(bs)
-            runners[bs] = GraphRunner(bs, static, capture(lambda static=static: forward(**static)))
+            replay = capture(lambda static=static: forward(**static))
+            runners[bs] = GraphRunner(bs, static, replay, (measure() - before) if measure else 0)
     return runners
 
 
@@ -176,22 +182,34 @@ def eager_capture(fn: Callable[[], Any]) -> Callable[[], Any]:
     return fn
 
 
-def stream_graph_capture(mod: Any, graph_factory: Callable[[], Any], warmup: int = 2) -> Capture:
+class StreamGraphCapture:
     """Capture for devices with torch's CUDA-style graph API: ``mod`` is the device module (torch's cuda or
     xpu module), ``graph_factory`` makes an empty graph (that module's graph class). Warm-up runs go on
     a side stream (kernel compilation and allocator growth must not be captured); all graphs share one pool."""
-    pool = mod.graph_pool_handle()
 
-    def capture(fn: Callable[[], Any]) -> Callable[[], Any]:
+    def __init__(self, mod: Any, graph_factory: Callable[[], Any], warmup: int = 2) -> None:
+        self.mod, self.graph_factory, self.warmup = mod, graph_factory, warmup
+        self.pool = mod.graph_pool_handle()
+
+    def memory_in_use(self) -> int:
+        """Device bytes in use by anyone (the driver's view: graphs live outside torch's allocator stats)."""
+        if not hasattr(self.mod, "mem_get_info"):
+            return 0
+        self.mod.synchronize()
+        free, total = self.mod.mem_get_info()
+        return int(total - free)
+
+    def __call__(self, fn: Callable[[], Any]) -> Callable[[], Any]:
+        mod = self.mod
         side = mod.Stream()
         side.wait_stream(mod.current_stream())
         with mod.stream(side):
-            for _ in range(warmup):
+            for _ in range(self.warmup):
                 fn()
         mod.current_stream().wait_stream(side)
         mod.synchronize()
-        graph = graph_factory()
-        with mod.graph(graph, pool=pool):
+        graph = self.graph_factory()
+        with mod.graph(graph, pool=self.pool):
             out = fn()
 
         def replay() -> Any:
@@ -200,4 +218,7 @@ def stream_graph_capture(mod: Any, graph_factory: Callable[[], Any], warmup: int
 
         return replay
 
-    return capture
+
+def stream_graph_capture(mod: Any, graph_factory: Callable[[], Any], warmup: int = 2) -> Capture:
+    """``StreamGraphCapture`` for ``mod`` (the name the platforms call)."""
+    return StreamGraphCapture(mod, graph_factory, warmup)

@@ -13,8 +13,10 @@ beside full attention, cross attention): the platform contract captures one
 metadata for all layers. ``enforce_eager`` or a platform that captures nothing
 leaves it a plain pass-through.
 
-It also keeps counters (graph vs eager steps, capture time) that ``vllite bench``
-reports.
+It also keeps counters (graph vs eager steps, capture time and memory) that
+``vllite bench`` reports. The capture memory comes after the KV cache was sized,
+out of the ``1 - gpu_memory_utilization`` headroom, as in vLLM V1 before its
+estimate moved into the profile run.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ class ModelForward:
         self.runners: dict[int, Any] = {}
         self.sizes: list[int] = []
         self.capture_s: float | None = None
+        self.capture_bytes = 0  # device memory the graphs took beyond the KV cache (where the platform measures)
         self.graph_steps = 0
         self.eager_steps = 0
         self.lora: Any = None  # the runner's LoRASlots when LoRA is on
@@ -73,9 +76,10 @@ class ModelForward:
             lora.clear_step()
         self.runners = dict(runners or {})
         self.sizes = sorted(self.runners)
+        self.capture_bytes = sum(int(getattr(r, "memory_bytes", 0)) for r in self.runners.values())
         if self.runners:
-            logger.info("graphs: %d decode batch sizes (%s) captured in %.1fs", len(self.sizes),
-                        _span(self.sizes), self.capture_s)
+            logger.info("graphs: %d decode batch sizes (%s) captured in %.1fs, %.0f MiB", len(self.sizes),
+                        _span(self.sizes), self.capture_s, self.capture_bytes / 2**20)
 
     # ---- the step ----------------------------------------------------------------------------
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -101,7 +105,8 @@ class ModelForward:
 
     def describe(self) -> dict[str, Any]:
         return {"captured_sizes": _span(self.sizes) if self.sizes else "none (eager)",
-                "capture_s": self.capture_s, "graph_steps": self.graph_steps, "eager_steps": self.eager_steps}
+                "capture_s": self.capture_s, "capture_MiB": round(self.capture_bytes / 2**20, 1),
+                "graph_steps": self.graph_steps, "eager_steps": self.eager_steps}
 
 
 def _span(sizes: list[int]) -> str:

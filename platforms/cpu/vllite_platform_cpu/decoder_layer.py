@@ -9,6 +9,10 @@ attention's plan, a cache in the activations' dtype (no float8 scales), and ever
 C++ side calls for this many rows (what ``CpuModelOps.linear`` and ``gguf_linear`` would choose). The AVX2
 GEMM's panels are the ones ``CpuModelOps.linear`` keeps in the layer's ``_state``, repacked by the same
 code when the weight changes.
+
+``NativeDecoderStack`` takes all of a model's layers in one C++ call (``llama_decoder_stack``), each layer's
+fixed arguments made once as a ``DecoderLayerSpec`` (remade when a weight the C++ side reads changes), and
+at a few rows holds the threads as one team for the call (csrc/team.h).
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ class NativeDecoderLayer:
         self.scale, self.window = float(attn.scale), int(attn.sliding_window or 0)
         self.weights: tuple = ()
         self.routes: dict[bool, tuple | None] = {}
+        self.specs: dict[bool, tuple] = {}  # small -> (what it was made from, DecoderLayerSpec)
         self._prepare()
 
     @classmethod
@@ -89,22 +94,59 @@ class NativeDecoderLayer:
             return (_PANELS, None, None, weight.shape[0])
         return None
 
+    def _usable(self) -> bool:
+        """Per step: no LoRA slot on a linear, the weights the routes were made for (else made again), no
+        float8 cache scales."""
+        # Module attributes through _parameters (nn.Module.__getattr__ costs a microsecond per lookup).
+        for lin, w in zip(self.linears, self.weights):
+            if lin.lora is not None:
+                return False
+            if lin._parameters["weight"] is not w:  # quantized or swapped since: choose the kernels again
+                self._prepare()
+                break
+        ks = self.kv_scales
+        return not (ks.calculate or (ks.active and (ks.k_scale != 1.0 or ks.v_scale != 1.0)))
+
+    def _linear_args(self, route: tuple) -> tuple[list, list, list]:
+        """(kinds, weights, biases) of a route for this call: the AVX2 GEMM's panels are the ones
+        CpuModelOps.linear keeps in the layer's ``_state`` (repacked there when the weight changes)."""
+        kinds, weights, biases, _, panels = route
+        if panels:
+            weights, biases = weights.copy(), biases.copy()
+            for i in panels:
+                lin = self.linears[i]
+                params, state = lin._parameters, lin._state
+                self.ops.pack_linear(params["weight"], params.get("bias"), state, True)
+                weights[i], biases[i] = state["packed"], state["bias"]
+        return kinds, weights, biases
+
+    def spec(self, small: bool) -> Any:
+        """This layer's ``DecoderLayerSpec`` (csrc/kernels.h) for few rows (True) or more, for
+        ``NativeDecoderStack``; None where this step takes the Python path. Made again only when a weight
+        the C++ side reads changes."""
+        if not self._usable():
+            return None
+        route = self.routes[small]
+        if route is None:
+            return None
+        kinds, weights, biases = self._linear_args(route)
+        key = (id(route), *map(id, weights), *map(id, biases))
+        made = self.specs.get(small)
+        if made is not None and made[0] == key:
+            return made[1]
+        h, hkv, d = self.heads
+        spec = kernels.load().DecoderLayerSpec(self.norms[0], self.norms[1], self.eps, kinds, weights, biases,
+                                               route[3], h, hkv, d, self.scale, self.window)
+        self.specs[small] = (key, spec)
+        return spec
+
     def __call__(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, residual: torch.Tensor | None,
                  kv_cache: torch.Tensor | None, md: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
         dt = self.dt
         if (torch.is_grad_enabled() or x.dtype is not dt or kv_cache is None or kv_cache.dtype is not dt
                 or not kv_cache.numel()):
             return None
-        linears = self.linears
-        # Module attributes through _parameters (nn.Module.__getattr__ costs a microsecond per lookup).
-        for lin, w in zip(linears, self.weights):
-            if lin.lora is not None:
-                return None
-            if lin._parameters["weight"] is not w:  # quantized or swapped since: choose the kernels again
-                self._prepare()
-                break
-        ks = self.kv_scales
-        if ks.calculate or (ks.active and (ks.k_scale != 1.0 or ks.v_scale != 1.0)):
+        if not self._usable():
             return None
         cos, sin = rope
         if cos.dtype is not dt or not (cos.is_contiguous() and sin.is_contiguous()):
@@ -112,22 +154,86 @@ class NativeDecoderLayer:
         route = self.routes[x.shape[0] <= SMALL_LINEAR_MAX_ROWS]
         if route is None:
             return None
-        plan = md.extra
-        if not isinstance(plan, _Plan):  # as TorchPagedAttention.forward: made once, shared by the layers
-            plan = self.backend._plan(md)
-            if md.extra is None:
-                md.extra = plan
-        if plan.kernel_args is None:
+        plan = attention_plan(self.backend, md)
+        if plan is None:
             return None
-        kinds, weights, biases, widths, panels = route
-        if panels:  # the AVX2 GEMM's panels, shared with CpuModelOps.linear (repacked when the weight changes)
-            weights, biases = weights.copy(), biases.copy()
-            for i in panels:
-                lin = linears[i]
-                params, state = lin._parameters, lin._state
-                self.ops.pack_linear(params["weight"], params.get("bias"), state, True)
-                weights[i], biases[i] = state["packed"], state["bias"]
+        kinds, weights, biases = self._linear_args(route)
         h, hkv, d = self.heads
-        return self.fn(x, residual, self.norms[0], self.norms[1], self.eps, kinds, weights, biases, widths, cos, sin,
+        return self.fn(x, residual, self.norms[0], self.norms[1], self.eps, kinds, weights, biases, route[3], cos, sin,
                        h, hkv, d, kv_cache, plan.kernel_slots, *plan.kernel_args, plan.num_tokens, self.scale,
                        self.window, kernels.GGUF_GEMM_MIN_ROWS, kernels.GGUF_GRAIN_BYTES)
+
+
+def attention_plan(backend: TorchPagedAttention, md: Any) -> _Plan | None:
+    """The step's attention plan, as TorchPagedAttention.forward makes it (once, shared by the layers of the
+    metadata), or None where the C++ attention does not take the step."""
+    plan = md.extra
+    if not isinstance(plan, _Plan):
+        plan = backend._plan(md)
+        if md.extra is None:
+            md.extra = plan
+    return plan if plan.kernel_args is not None else None
+
+
+class NativeDecoderStack:
+    """Callable ``(rope, x, kv_caches, metadata) -> (out, residual) | None``: all of a model's decoder layers,
+    from the embedding, in one C++ call (``llama_decoder_stack`` in csrc/decoder.cpp), bit for bit what
+    ``NativeDecoderLayer`` returns layer by layer.
+
+    Why: at batch 1 the per-layer Python around each C++ layer call (checks, ~25 arguments converted, the
+    decoder layer's own forward) was ~0.65 ms of a ~6 ms forward of SmolLM2's 30 layers, and each linear's
+    own fork/join kept the small ones on one thread; in one call the threads are held as one team for the
+    whole step (csrc/team.h). None (the layers then run one by one) when any layer or the step does not
+    take the C++ path."""
+
+    # Rows up to which the threads are held as a team for the call: decode steps (the linears' small route).
+    TEAM_MAX_ROWS = SMALL_LINEAR_MAX_ROWS
+
+    def __init__(self, layers: list[NativeDecoderLayer]) -> None:
+        self.layers = layers
+        self.fn = kernels.load().llama_decoder_stack
+        self.dt = layers[0].dt
+        self.backend = layers[0].backend
+
+    @classmethod
+    def build(cls, layers: list[NativeDecoderLayer | None]) -> NativeDecoderStack | None:
+        """The callable over these layers' one-call paths, or None when one of them has none."""
+        if not layers or any(layer is None for layer in layers):
+            return None
+        if any(layer.dt is not layers[0].dt or layer.backend is not layers[0].backend for layer in layers):
+            return None
+        return cls(layers)  # type: ignore[arg-type]
+
+    def __call__(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_caches: list[torch.Tensor],
+                 metadata: list[Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        dt = self.dt
+        if torch.is_grad_enabled() or x.dtype is not dt or len(kv_caches) != len(self.layers):
+            return None
+        cos, sin = rope
+        if cos.dtype is not dt or not (cos.is_contiguous() and sin.is_contiguous()):
+            return None
+        small = x.shape[0] <= SMALL_LINEAR_MAX_ROWS
+        specs = []
+        for layer, cache in zip(self.layers, kv_caches):
+            if cache is None or cache.dtype is not dt or not cache.numel():
+                return None
+            spec = layer.spec(small)
+            if spec is None:
+                return None
+            specs.append(spec)
+        plans: dict[int, int] = {}  # id(metadata) -> plan index: the layers of one cache group share one
+        tensors: list[torch.Tensor] = []
+        of_layer = []
+        num_tokens = 0
+        for md in metadata:
+            j = plans.get(id(md))
+            if j is None:
+                plan = attention_plan(self.backend, md)
+                if plan is None:
+                    return None
+                j = plans[id(md)] = len(plans)
+                tensors += (plan.kernel_slots, *plan.kernel_args)
+                num_tokens = plan.num_tokens
+            of_layer.append(j)
+        return self.fn(x, specs, cos, sin, kv_caches, tensors, of_layer, num_tokens, self.TEAM_MAX_ROWS,
+                       kernels.GGUF_GEMM_MIN_ROWS, kernels.GGUF_GRAIN_BYTES)

@@ -59,7 +59,7 @@ logger = logging.getLogger("vllite.platforms.cpu.kernels")
 ENTRY_POINTS = ("paged_attention", "avx2_gemm_available", "avx2_gemm_dtypes", "avx2_gemm_pack", "avx2_gemm",
                 "avx2_gemm_gelu", "small_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary",
                 "quantize_rows_int8", "dequantize_int32", "encoder_attention", "add_layer_norm", "gguf_linear_x8",
-                "lora_add", "paged_attention_store", "llama_decoder_layer")
+                "lora_add", "paged_attention_store", "llama_decoder_layer", "llama_decoder_stack")
 KERNEL_ENV = "VLLITE_CPU_ATTENTION_KERNEL"  # 0: no C++ kernels (torch ops)
 ISA_ENV = "VLLITE_CPU_ISA"  # the highest variant to use: default, avx2, avx512 or avx512_bf16
 
@@ -152,7 +152,7 @@ def _build_name(v: isa.Variant) -> str:
     with equal sources sharing one folder would each rewrite it and recompile on every start."""
     parts = [v.name, *isa.variant_flags(v), *isa.LINK_FLAGS, torch.__version__, sys.version, sys.prefix,
              os.path.realpath(csrc_dir())]
-    for src in (isa.BINDINGS_SOURCE, *isa.KERNEL_SOURCES, "common.h", "kernels.h"):
+    for src in (isa.BINDINGS_SOURCE, *isa.KERNEL_SOURCES, "common.h", "kernels.h", "team.h"):
         with open(os.path.join(csrc_dir(), src), "rb") as f:
             parts.append(hashlib.sha256(f.read()).hexdigest())
     return f"vllite_cpu_{v.name}_" + hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
@@ -373,7 +373,8 @@ GGUF_GEMM_MIN_ROWS = 12
 # The int8 path splits a call over threads only above this many bytes of blocks (times 4-row tiles): waking a
 # sleeping thread costs about what it saves on a small layer (qkv 0.35 MB, o 0.2, down 0.55 stay on one thread;
 # gate_up 1.1 and the head 30 MB split). Measured at 2 threads on a loaded 2-core host (benchmarks/gguf_linear_bw.py,
-# wall ms of a step's linears): 9.35 at 1 MiB, 9.9-11.4 at 64 and 256 KiB, 11.0 never split; noisy.
+# wall ms of a step's linears): 9.35 at 1 MiB, 9.9-11.4 at 64 and 256 KiB, 11.0 never split; noisy. Inside
+# llama_decoder_stack's thread team (decode steps, csrc/team.h) a split costs little and every call splits.
 GGUF_GRAIN_BYTES = 1 << 20
 
 

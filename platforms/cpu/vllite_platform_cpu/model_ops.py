@@ -126,6 +126,14 @@ class CpuModelOps(ModelOps):
 
         return NativeDecoderLayer.build(self, layer)
 
+    def decoder_stack(self, layers: list[torch.nn.Module]):
+        """Every layer in one C++ call where each of them has its one-call path (``decoder_layer.NativeDecoderStack``:
+        the layers' own ``NativeDecoderLayer`` objects, shared with them), else None."""
+        from vllite_platform_cpu.decoder_layer import NativeDecoderStack
+
+        natives = [getattr(layer, "native_layer", lambda: None)() for layer in layers]
+        return NativeDecoderStack.build(natives)
+
     def linear_gelu(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     state: dict) -> torch.Tensor:
         """float32 on the AVX2 GEMM: the GELU applied to each output tile in registers before it is stored."""

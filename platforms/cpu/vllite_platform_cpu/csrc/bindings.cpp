@@ -51,6 +51,22 @@ std::vector<std::string> cpu_features() {
   return out;
 }
 
+// A variant's DecoderLayerSpec (kernels.h), made in Python once per layer for llama_decoder_stack.
+template <typename Spec>
+void bind_layer_spec(pybind11::module_& s) {
+  // module_local: a process may load two builds of one variant (an installed module and a first-use build).
+  pybind11::class_<Spec, std::shared_ptr<Spec>>(s, "DecoderLayerSpec", pybind11::module_local(),
+                                                "One decoder layer's fixed arguments, for llama_decoder_stack")
+      .def(pybind11::init([](at::Tensor input_norm, at::Tensor post_norm, double eps, std::vector<int64_t> kinds,
+                             std::vector<at::Tensor> weights, std::vector<std::optional<at::Tensor>> biases,
+                             std::vector<int64_t> out_features, int64_t num_heads, int64_t num_kv_heads,
+                             int64_t head_size, double scale, int64_t window) {
+        return std::make_shared<Spec>(Spec{std::move(input_norm), std::move(post_norm), eps, std::move(kinds),
+                                           std::move(weights), std::move(biases), std::move(out_features),
+                                           num_heads, num_kv_heads, head_size, scale, window});
+      }));
+}
+
 }  // namespace
 
 #define VLLITE_CPU_BIND(m, variants, name, ns)                                           \
@@ -75,6 +91,8 @@ std::vector<std::string> cpu_features() {
     s.def("gguf_linear_x8", &vllite_cpu::ns::gguf_linear_x8);                            \
     s.def("lora_add", &vllite_cpu::ns::lora_add);                                        \
     s.def("llama_decoder_layer", &vllite_cpu::ns::llama_decoder_layer);                  \
+    s.def("llama_decoder_stack", &vllite_cpu::ns::llama_decoder_stack);                  \
+    bind_layer_spec<vllite_cpu::ns::DecoderLayerSpec>(s);                                \
     s.attr("name") = name;                                                               \
     variants.append(name);                                                               \
   } while (0)

@@ -11,13 +11,23 @@
 // float16) with a float32 bias; KIND_PLAIN a plain [N, K] weight for small_linear, bias in the model dtype;
 // KIND_GGUF + ggml type the GGUF blocks for gguf_linear_x8, bias in the model dtype. The caller
 // (decoder_layer.py) chose each kind as CpuModelOps.linear / gguf_linear would for this many rows.
+//
+// llama_decoder_stack runs all of a model's layers in one call (their fixed arguments made once as
+// DecoderLayerSpec): at batch 1 the per-layer Python and argument conversion around 30 layer calls was ~5% of
+// a decode step, and in one call the threads can be held as a team for the whole step (team.h), so that
+// every linear is split over them instead of the small ones staying on one thread.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 
+#include <exception>
+#include <memory>
 #include <tuple>
 #include <vector>
 
+#include <omp.h>
+
 #include "common.h"
+#include "team.h"
 
 namespace vllite_cpu {
 namespace VLLITE_CPU_ISA {
@@ -46,6 +56,63 @@ at::Tensor linear(const at::Tensor& x, int64_t kind, const at::Tensor& w, const 
 
 }  // namespace
 
+namespace {
+
+// One step's attention arguments of a layer (paged_attention_store's, after the query, key, value and cache).
+struct StepAttention {
+  const at::Tensor &slots, &block_table, &seq_lens, &query_start_loc, &req_ids;
+  int64_t num_tokens;
+};
+
+// The layer on (x, residual) as LlamaDecoderLayer.forward: returns (layer output, residual stream).
+std::tuple<at::Tensor, at::Tensor> layer_forward(at::Tensor x, const std::optional<at::Tensor>& residual,
+                                                 const DecoderLayerSpec& s, const at::Tensor& cos,
+                                                 const at::Tensor& sin, const at::Tensor& kv_cache,
+                                                 const StepAttention& step, int64_t gguf_min_rows,
+                                                 int64_t gguf_grain) {
+  TORCH_CHECK(s.kinds.size() == 4 && s.weights.size() == 4 && s.biases.size() == 4 && s.out_features.size() == 4,
+              "llama_decoder_layer: four linears (qkv, o, gate_up, down)");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "llama_decoder_layer: x [T, hidden] with contiguous rows");
+  auto lin = [&](const at::Tensor& in, int i) {
+    return linear(in, s.kinds[i], s.weights[i], s.biases[i], s.out_features[i], gguf_min_rows, gguf_grain);
+  };
+  const int64_t t = x.size(0), head_size = s.head_size;
+  at::Tensor h, res;
+  if (residual.has_value() && residual->defined()) {
+    res = *residual;
+    add_rms_norm(x, res, s.input_norm, s.eps);
+    h = x;
+  } else {
+    res = x;
+    h = at::empty_like(x);
+    rms_norm(h, x, s.input_norm, s.eps);
+  }
+  // Each intermediate is released once used (a long prefill's qkv and gate_up are the widest tensors).
+  at::Tensor attn;
+  {
+    const at::Tensor qkv = lin(h, 0).view({t, -1, head_size});
+    const auto parts = qkv.split_with_sizes({s.num_heads, s.num_kv_heads, s.num_kv_heads}, 1);
+    rotary(parts[0], parts[1], cos, sin);
+    attn = step.num_tokens < t ? at::zeros({t, s.num_heads, head_size}, qkv.options())
+                               : at::empty({t, s.num_heads, head_size}, qkv.options());
+    paged_attention_store(attn, parts[0], parts[1], parts[2], kv_cache, step.slots, step.block_table, step.seq_lens,
+                          step.query_start_loc, step.req_ids, s.scale, s.window);
+  }
+  h = lin(attn.view({t, s.num_heads * head_size}), 1);
+  attn.reset();
+  add_rms_norm(h, res, s.post_norm, s.eps);
+  at::Tensor act;
+  {
+    const at::Tensor gate_up = lin(h, 2);
+    h.reset();
+    act = at::empty({t, gate_up.size(1) / 2}, gate_up.options());
+    silu_and_mul(act, gate_up);
+  }
+  return {lin(act, 3), res};
+}
+
+}  // namespace
+
 // Returns (layer output, residual stream) as LlamaDecoderLayer.forward does. Without `residual` (the first
 // layer) x is the residual; with it, residual += x and x = norm(residual) in place, as add_rms_norm does.
 // linears: qkv, o, gate_up, down (kinds, weights, biases, output features); attention as
@@ -57,45 +124,65 @@ std::tuple<at::Tensor, at::Tensor> llama_decoder_layer(
     int64_t head_size, at::Tensor kv_cache, at::Tensor slots, at::Tensor block_table, at::Tensor seq_lens,
     at::Tensor query_start_loc, at::Tensor req_ids, int64_t num_tokens, double scale, int64_t window,
     int64_t gguf_min_rows, int64_t gguf_grain) {
-  TORCH_CHECK(kinds.size() == 4 && weights.size() == 4 && biases.size() == 4 && out_features.size() == 4,
-              "llama_decoder_layer: four linears (qkv, o, gate_up, down)");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "llama_decoder_layer: x [T, hidden] with contiguous rows");
-  auto lin = [&](const at::Tensor& in, int i) {
-    return linear(in, kinds[i], weights[i], biases[i], out_features[i], gguf_min_rows, gguf_grain);
+  const DecoderLayerSpec spec{input_norm,   post_norm, eps,       std::move(kinds), std::move(weights),
+                              std::move(biases), std::move(out_features), num_heads, num_kv_heads, head_size,
+                              scale,        window};
+  return layer_forward(x, residual, spec, cos, sin, kv_cache,
+                       {slots, block_table, seq_lens, query_start_loc, req_ids, num_tokens}, gguf_min_rows,
+                       gguf_grain);
+}
+
+// A model's decoder layers in order, from the embedding (no residual yet): what llama_decoder_layer called
+// layer by layer returns, bit for bit, without a Python call per layer. plans: 5 tensors per attention plan
+// (slots, block_table, seq_lens, query_start_loc, req_ids; the layers of one cache group share one), layer i
+// using plan plan_of_layer[i]. With more than one thread and at most team_max_rows rows (a decode step), the
+// threads are held as a Team for the whole call and every linear is split over them (team.h).
+std::tuple<at::Tensor, at::Tensor> llama_decoder_stack(at::Tensor x, std::vector<std::shared_ptr<DecoderLayerSpec>> layers,
+                                                       at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> kv_caches,
+                                                       std::vector<at::Tensor> plans, std::vector<int64_t> plan_of_layer,
+                                                       int64_t num_tokens, int64_t team_max_rows, int64_t gguf_min_rows,
+                                                       int64_t gguf_grain) {
+  const size_t n = layers.size();
+  TORCH_CHECK(n > 0 && kv_caches.size() == n && plan_of_layer.size() == n && plans.size() % 5 == 0,
+              "llama_decoder_stack: one cache and one plan index per layer, 5 tensors per plan");
+  for (size_t i = 0; i < n; ++i)
+    TORCH_CHECK(layers[i] && plan_of_layer[i] >= 0 && 5 * static_cast<size_t>(plan_of_layer[i]) < plans.size(),
+                "llama_decoder_stack: layer ", i, ": no spec or no such plan");
+  std::optional<at::Tensor> residual;
+  auto run = [&] {
+    for (size_t i = 0; i < n; ++i) {
+      const at::Tensor* p = plans.data() + 5 * plan_of_layer[i];
+      auto out = layer_forward(x, residual, *layers[i], cos, sin, kv_caches[i], {p[0], p[1], p[2], p[3], p[4], num_tokens},
+                               gguf_min_rows, gguf_grain);
+      x = std::move(std::get<0>(out));
+      residual = std::move(std::get<1>(out));
+    }
   };
-  const int64_t t = x.size(0);
-  at::Tensor h, res;
-  if (residual.has_value() && residual->defined()) {
-    res = *residual;
-    add_rms_norm(x, res, input_norm, eps);
-    h = x;
-  } else {
-    res = x;
-    h = at::empty_like(x);
-    rms_norm(h, x, input_norm, eps);
+  const int threads = at::get_num_threads();
+  if (threads <= 1 || x.size(0) > team_max_rows || at::in_parallel_region()) {
+    run();
+    return {x, *residual};
   }
-  // Each intermediate is released once used (a long prefill's qkv and gate_up are the widest tensors).
-  at::Tensor attn;
+  Team team;
+  std::exception_ptr error;
+#pragma omp parallel num_threads(threads)
   {
-    const at::Tensor qkv = lin(h, 0).view({t, -1, head_size});
-    const auto parts = qkv.split_with_sizes({num_heads, num_kv_heads, num_kv_heads}, 1);
-    rotary(parts[0], parts[1], cos, sin);
-    attn = num_tokens < t ? at::zeros({t, num_heads, head_size}, qkv.options())
-                          : at::empty({t, num_heads, head_size}, qkv.options());
-    paged_attention_store(attn, parts[0], parts[1], parts[2], kv_cache, slots, block_table, seq_lens,
-                          query_start_loc, req_ids, scale, window);
+    if (omp_get_thread_num() == 0) {
+      team.set_size(omp_get_num_threads());
+      current_team = &team;
+      try {
+        run();
+      } catch (...) {
+        error = std::current_exception();  // rethrown outside the parallel region
+      }
+      current_team = nullptr;
+      team.stop();
+    } else {
+      team.serve(omp_get_thread_num());
+    }
   }
-  h = lin(attn.view({t, num_heads * head_size}), 1);
-  attn.reset();
-  add_rms_norm(h, res, post_norm, eps);
-  at::Tensor act;
-  {
-    const at::Tensor gate_up = lin(h, 2);
-    h.reset();
-    act = at::empty({t, gate_up.size(1) / 2}, gate_up.options());
-    silu_and_mul(act, gate_up);
-  }
-  return {lin(act, 3), res};
+  if (error) std::rethrow_exception(error);
+  return {x, *residual};
 }
 
 }  // namespace VLLITE_CPU_ISA

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "common.h"
+#include "team.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -354,7 +355,7 @@ static void gemm_few_rows(const float* A, const W* Bp, float* C, const float* bp
   using namespace avx2_gemm_impl;
   const int64_t groups = (P + NP - 1) / NP, group_bytes = NP * K * NR * static_cast<int64_t>(sizeof(W));
   const int64_t grain = std::max<int64_t>(1, (kFewRowsGrainBytes + group_bytes - 1) / group_bytes);
-  at::parallel_for(0, groups, grain, [&](int64_t gb, int64_t ge) {
+  split_for(groups, grain, [&](int64_t gb, int64_t ge) {
     for (int64_t g = gb; g < ge; ++g) {
       const int64_t p0 = g * NP, n0 = p0 * NR;
       if (n0 + NP * NR <= N) {
@@ -386,7 +387,7 @@ static void gemm_panels(const float* A, const W* Bp, float* C, const float* bp, 
   }
   const int64_t blocks = (M + MC - 1) / MC;
   // Consecutive tasks share a row block, so each thread keeps its block of x in its own L2.
-  at::parallel_for(0, blocks * P, 1, [&](int64_t b, int64_t e) {
+  split_for(blocks * P, 1, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const int64_t m0 = (t / P) * MC, m1 = std::min(M, m0 + MC), p = t % P;
       const int64_t n0 = p * NR, ncols = std::min(NR, N - n0);

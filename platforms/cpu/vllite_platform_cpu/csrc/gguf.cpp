@@ -36,6 +36,7 @@
 #include <c10/util/Half.h>
 
 #include "common.h"
+#include "team.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)  // gemm.cpp's avx2_gemm_panel needs the same
 #include <immintrin.h>
@@ -327,7 +328,7 @@ void gguf_linear_x8(at::Tensor out, at::Tensor x, int64_t type, at::Tensor block
     // micro-kernel over its row block; the weights are still read as blocks, and the input is not rounded.
     constexpr int64_t MC = 96;
     const int64_t P = (groups + 1) / 2, row_blocks = (M + MC - 1) / MC;
-    at::parallel_for(0, row_blocks * P, 1, [&](int64_t tb, int64_t te) {
+    split_for(row_blocks * P, 1, [&](int64_t tb, int64_t te) {
       std::vector<float> panel_buf(K * NR + 8);
       float* panel = panel_buf.data();
       for (int64_t t = tb; t < te; ++t) {
@@ -349,7 +350,7 @@ void gguf_linear_x8(at::Tensor out, at::Tensor x, int64_t type, at::Tensor block
   // Each thread a contiguous run of groups (one stream), all input rows; small calls on this thread alone.
   const int64_t group_bytes = nb * rec * ((M + RM - 1) / RM);
   const int64_t grain = std::max<int64_t>(1, (grain_bytes + group_bytes - 1) / group_bytes);
-  at::parallel_for(0, groups, grain, [&](int64_t gb, int64_t ge) {
+  split_for(groups, grain, [&](int64_t gb, int64_t ge) {
     alignas(32) float tmp[RM * G];
     for (int64_t g = gb; g < ge; ++g) {
       const int64_t n0 = g * G, cols = std::min(G, N - n0);

@@ -7,13 +7,29 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <memory>
 #include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
 
-// One variant's functions, declared in the enclosing namespace.
+// One variant's functions, declared in the enclosing namespace; and DecoderLayerSpec, one Llama-style decoder
+// layer's fixed arguments to llama_decoder_layer (norms, the four linears as (kind, weight, bias, output
+// features), heads, scale, window), made once per layer in Python (decoder_layer.py) so that llama_decoder_stack
+// takes a step's layers as one list instead of converting ~20 arguments per layer. Each variant has its own (its
+// inline members compiled with that variant's flags, like everything else of it).
 #define VLLITE_CPU_DECLARE_KERNELS                                                                                  \
+  struct DecoderLayerSpec {                                                                                         \
+    at::Tensor input_norm, post_norm;                                                                               \
+    double eps;                                                                                                     \
+    std::vector<int64_t> kinds;                                                                                     \
+    std::vector<at::Tensor> weights;                                                                                \
+    std::vector<std::optional<at::Tensor>> biases;                                                                  \
+    std::vector<int64_t> out_features;                                                                              \
+    int64_t num_heads, num_kv_heads, head_size;                                                                     \
+    double scale;                                                                                                   \
+    int64_t window;                                                                                                 \
+  };                                                                                                                \
   void paged_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,              \
                        at::Tensor block_table, at::Tensor seq_lens, at::Tensor query_start_loc, at::Tensor req_ids, \
                        double scale, int64_t window, double k_scale, double v_scale);                               \
@@ -45,7 +61,12 @@
       std::vector<int64_t> out_features, at::Tensor cos, at::Tensor sin, int64_t num_heads, int64_t num_kv_heads,   \
       int64_t head_size, at::Tensor kv_cache, at::Tensor slots, at::Tensor block_table, at::Tensor seq_lens,       \
       at::Tensor query_start_loc, at::Tensor req_ids, int64_t num_tokens, double scale, int64_t window,            \
-      int64_t gguf_min_rows, int64_t gguf_grain);
+      int64_t gguf_min_rows, int64_t gguf_grain);                                                               \
+  std::tuple<at::Tensor, at::Tensor> llama_decoder_stack(                                                           \
+      at::Tensor x, std::vector<std::shared_ptr<DecoderLayerSpec>> layers, at::Tensor cos,                         \
+      at::Tensor sin, std::vector<at::Tensor> kv_caches, std::vector<at::Tensor> plans,                             \
+      std::vector<int64_t> plan_of_layer, int64_t num_tokens, int64_t team_max_rows, int64_t gguf_min_rows,        \
+      int64_t gguf_grain);
 
 namespace vllite_cpu {
 namespace isa_default {

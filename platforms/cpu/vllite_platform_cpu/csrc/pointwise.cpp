@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common.h"
+#include "team.h"
 
 // No fused multiply-add contraction here: torch rounds each product of these formulas separately.
 // (After every header: in the single-string build these functions came after the attention source,
@@ -244,7 +245,7 @@ void small_linear(at::Tensor out, at::Tensor x, at::Tensor w, c10::optional<at::
   float* op = out.data_ptr<float>();
   const int64_t blocks = (N + 3) / 4;
   auto run = [&](auto* wp) {
-    at::parallel_for(0, blocks, std::max<int64_t>(1, 16384 / (4 * K)), [&](int64_t b, int64_t e) {
+    split_for(blocks, std::max<int64_t>(1, 16384 / (4 * K)), [&](int64_t b, int64_t e) {
       for (int64_t blk = b; blk < e; ++blk) {
         const int64_t n0 = blk * 4;
         if (n0 + 4 <= N) {
