@@ -6,7 +6,7 @@
 #   aot.txt                the Triton kernels compiled ahead of time for sm_80 and gfx942
 #   conformance.txt/.xml   the kit with the Triton backend (the default)
 #   conformance-sdpa.txt   the kit's contract + attention checks with the SDPA fallback
-#   throughput.json/.txt   offline generation and attention kernel timings
+#   throughput.json/.txt   offline generation (eager and with CUDA graphs) and attention kernel timings
 #   mp.txt                 the mp executor (one worker process) against the in-process worker
 #   summary.txt            one line per step: PASS / FAIL / SKIP
 # Exit status: 0 when every step passed.
@@ -83,8 +83,8 @@ KIT=(-m pytest -p vllite_core.conformance.pytest_plugin -p no:cacheprovider -q -
 step kit "conformance kit on cuda (triton)" 300 "$OUT_DIR/conformance.txt" \
   "${IN_KIT_CWD[@]}" "$VPY" "${KIT[@]}" --vllite-platform cuda --junitxml="$OUT_DIR/conformance.xml"
 
-# 3. Throughput (numbers only; nothing asserted).
-step bench "throughput benchmark" 180 "$OUT_DIR/throughput.txt" \
+# 3. Throughput and one request's ms per token, eager and through CUDA graphs (numbers only; nothing asserted).
+step bench "throughput benchmark (eager, graphs)" 300 "$OUT_DIR/throughput.txt" \
   "$VPY" benchmarks/platform_throughput.py --device cuda --dtype bfloat16 --out "$OUT_DIR/throughput.json"
 
 # 4. The SDPA fallback on the GPU.
