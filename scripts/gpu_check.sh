@@ -50,7 +50,7 @@ missing=$("$VPY" - <<'EOF2'
 import importlib.util
 mods = {"transformers": "transformers", "tokenizers": "tokenizers", "safetensors": "safetensors", "gguf": "gguf",
         "pluggy": "pluggy", "numpy": "numpy", "jinja2": "Jinja2", "tqdm": "tqdm", "psutil": "psutil",
-        "pytest": "pytest", "triton": "triton"}
+        "pytest": "pytest", "triton": "triton", "zmq": "pyzmq", "msgspec": "msgspec"}
 print(" ".join(d for m, d in mods.items() if importlib.util.find_spec(m) is None))
 EOF2
 )
