@@ -6,8 +6,9 @@
 float32, each weight its own tensor (540 MB in all, so every step reads them from DRAM as the engine
 does). The paths run in turns, one step each, and the median and best of --rounds are printed:
 ``onednn`` (torch's mkldnn packed linear), ``avx2`` (the CPU platform's AVX2 GEMM, where built),
-``small`` (the weight-streaming kernel, up to 4 rows); and the same layers in bfloat16 (270 MB, no native
-bf16 math assumed): ``avx2-bf16`` (the AVX2 GEMM's 16-bit panels, widened in registers) and ``small-bf16``.
+``small`` (the weight-streaming kernel, up to 4 rows); and the same layers in bfloat16 (270 MB):
+``avx2-bf16`` (the AVX2 GEMM's 16-bit panels, widened in registers), ``small-bf16``, and where the CPU has
+native bf16 math ``onednn-bf16`` (oneDNN's packed bf16 kernel).
 ``--paths`` keeps only the named paths; each cell also gives the weights' bytes read per second (GB/s).
 """
 from __future__ import annotations
@@ -39,6 +40,9 @@ def main() -> None:
     avx2 = [kernels.avx2_gemm_pack(w) for w in weights] if kernels.avx2_gemm_available() else None
     weights16 = [w.bfloat16() for w in weights]
     avx2_16 = [kernels.avx2_gemm_pack(w) for w in weights16] if torch.bfloat16 in kernels.avx2_gemm_dtypes() else None
+    # oneDNN's packed bf16 kernel: the engine's bf16 path on CPUs with native bf16 math (AVX512-BF16, AMX)
+    onednn16 = ([torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights16]
+                if torch.ops.mkldnn._is_mkldnn_bf16_supported() else None)
     print(f"threads {torch.get_num_threads()}, weights {sum(w.numel() for w in weights) * 4 / 1e6:.0f} MB")
     for m in a.rows:
         xs = {k: torch.randn(m, k, generator=g) for k in (576, 1536)}
@@ -53,6 +57,11 @@ def main() -> None:
         if avx2_16 is not None:
             paths["avx2-bf16"] = lambda: [kernels.avx2_gemm(outs[w.shape[0]], xs[w.shape[1]], p, None)
                                           for w, p in zip(weights16, avx2_16)]
+        if onednn16 is not None:
+            xs16 = {k: x.bfloat16() for k, x in xs.items()}
+            paths["onednn-bf16"] = lambda: [torch.ops.mkldnn._linear_pointwise(xs16[w.shape[1]], p, None, "none", [],
+                                                                              "")
+                                            for w, p in zip(weights16, onednn16)]
         if m <= 4:
             paths["small-bf16"] = lambda: [kernels.small_linear(outs[w.shape[0]], xs[w.shape[1]], w, None)
                                            for w in weights16]

@@ -22,7 +22,7 @@ from transformers import LlamaConfig, Qwen2Config  # noqa: E402
 from vllite_platform_cpu.attention import TorchPagedAttention  # noqa: E402
 from vllite_platform_cpu.isa import NAMES  # noqa: E402
 from vllite_platform_cpu.model_ops import CpuModelOps  # noqa: E402
-from vllite_platform_cpu.platform import has_fast_bf16, use_avx2_gemm  # noqa: E402
+from vllite_platform_cpu.platform import has_fast_bf16, use_avx2_gemm, use_decode_panels  # noqa: E402
 
 from model_registry.models.llama import LlamaDecoderLayer, LlamaModel, RMSNorm  # noqa: E402
 from model_registry.models.rope import RotaryEmbedding  # noqa: E402
@@ -55,7 +55,8 @@ def variant(request, monkeypatch):
 
 def platform_ops() -> CpuModelOps:
     """What CpuPlatform.model_ops builds on this host, for the chosen variant."""
-    return CpuModelOps(fused=True, packed_linear=True, widen_16bit=not has_fast_bf16(), avx2_gemm=use_avx2_gemm())
+    return CpuModelOps(fused=True, packed_linear=True, widen_16bit=not has_fast_bf16(), avx2_gemm=use_avx2_gemm(),
+                       decode_panels=use_decode_panels())
 
 
 def make_layer(name: str, dtype: torch.dtype, gguf: bool, ops: ModelOps, seed: int = 0) -> LlamaDecoderLayer:

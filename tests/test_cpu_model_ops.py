@@ -244,6 +244,56 @@ def test_avx2_gemm_chosen_only_on_avx2_hosts_without_avx512(monkeypatch):
     assert not cpu_platform.use_avx2_gemm({"avx2", "fma"})
 
 
+def test_decode_panels_chosen_only_with_native_bf16(monkeypatch):
+    from vllite_platform_cpu import platform as cpu_platform
+
+    monkeypatch.setattr(kernels, "avx2_gemm_available", lambda: True)
+    assert cpu_platform.use_decode_panels({"avx2", "fma", "avx512f", "avx512_bf16"})
+    assert cpu_platform.use_decode_panels({"avx2", "fma", "amx_bf16"})
+    assert not cpu_platform.use_decode_panels({"avx2", "fma", "avx512f"})  # no native bf16: the widened path
+    monkeypatch.setenv(cpu_platform.AVX2_GEMM_ENV, "0")
+    assert not cpu_platform.use_decode_panels({"avx2", "fma", "avx512f", "avx512_bf16"})
+
+
+@needs_avx2_gemm
+@pytest.mark.parametrize("shape", [(49, 77), (960, 576)])
+def test_decode_panels_serve_bf16_decode_rows_beside_onednn(shape):
+    """With native bf16 math (oneDNN's bf16 kernel for batches) a bfloat16 layer's 1-4 rows go to the AVX2
+    GEMM's bf16 panels: float32 sums of the exactly widened products, rounded once. Both packed copies live
+    side by side in the layer's state, so alternating prefill and decode packs each once."""
+    n, k = shape
+    ops = CpuModelOps(fused=True, packed_linear=True, widen_16bit=False, decode_panels=True)
+    assert ops.decode_panels
+    g = torch.Generator().manual_seed(n)
+    w, b = torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
+    assert ops.linear_route(torch.bfloat16, SMALL_LINEAR_MAX_ROWS, w) == "avx2"
+    assert ops.linear_route(torch.bfloat16, SMALL_LINEAR_MAX_ROWS + 1, w) == "onednn"
+    assert ops.linear_route(torch.float32, 1, w.float()) == "small"  # float32 layers as before
+    state: dict = {}
+    # oneDNN's bf16 kernel (the batches' path) where the CPU has native bf16 math; the panels everywhere
+    batches = (9,) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else ()
+    with torch.inference_mode():
+        for rows in (1, 3, 4, *batches, 2):
+            x = torch.randn(rows, k, generator=g).bfloat16()
+            got = ops.linear(x, w, b, state)
+            exact = (x.double() @ w.double().T + b.double()).float()
+            assert got.dtype == torch.bfloat16
+            if rows <= SMALL_LINEAR_MAX_ROWS:  # the panels' float32 sums (float64-exact up to rounding), rounded
+                out = torch.empty(rows, n)
+                kernels.avx2_gemm(out, x.float(), state["decode"]["packed"], state["decode"]["bias"])
+                torch.testing.assert_close(out, exact, rtol=1e-5, atol=1e-5 * k ** 0.5)
+                assert torch.equal(got, out.bfloat16())
+            else:  # oneDNN's bf16 kernel
+                torch.testing.assert_close(got.float(), exact, rtol=2e-2, atol=2e-2 * k ** 0.5)
+        panels = state["decode"]["packed"]
+        assert panels.shape == (-(-n // 16), k, 16) and panels.dtype == torch.bfloat16
+        if batches:
+            onednn = state["packed"]
+            ops.linear(torch.randn(1, k).bfloat16(), w, b, state)
+            ops.linear(torch.randn(8, k).bfloat16(), w, b, state)
+            assert state["decode"]["packed"] is panels and state["packed"] is onednn  # nothing packed again
+
+
 @needs_avx2_gemm
 @pytest.mark.parametrize("rows", [1, 7, 200])
 @pytest.mark.parametrize("shape", [(1536, 384), (37, 20)])

@@ -115,9 +115,9 @@ class NativeDecoderLayer:
             weights, biases = weights.copy(), biases.copy()
             for i in panels:
                 lin = self.linears[i]
-                params, state = lin._parameters, lin._state
-                self.ops.pack_linear(params["weight"], params.get("bias"), state, True)
-                weights[i], biases[i] = state["packed"], state["bias"]
+                params = lin._parameters
+                packed = self.ops.pack_linear(params["weight"], params.get("bias"), lin._state, True)
+                weights[i], biases[i] = packed["packed"], packed["bias"]
         return kinds, weights, biases
 
     def spec(self, small: bool) -> Any:
