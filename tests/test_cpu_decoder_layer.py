@@ -22,7 +22,7 @@ from transformers import LlamaConfig, Qwen2Config  # noqa: E402
 from vllite_platform_cpu.attention import TorchPagedAttention  # noqa: E402
 from vllite_platform_cpu.isa import NAMES  # noqa: E402
 from vllite_platform_cpu.model_ops import CpuModelOps  # noqa: E402
-from vllite_platform_cpu.platform import has_fast_bf16, use_avx2_gemm, use_decode_panels  # noqa: E402
+from vllite_platform_cpu.platform import has_fast_bf16, use_avx2_gemm, use_bf16_gemm  # noqa: E402
 
 from model_registry.models.llama import LlamaDecoderLayer, LlamaModel, RMSNorm  # noqa: E402
 from model_registry.models.rope import RotaryEmbedding  # noqa: E402
@@ -56,7 +56,7 @@ def variant(request, monkeypatch):
 def platform_ops() -> CpuModelOps:
     """What CpuPlatform.model_ops builds on this host, for the chosen variant."""
     return CpuModelOps(fused=True, packed_linear=True, widen_16bit=not has_fast_bf16(), avx2_gemm=use_avx2_gemm(),
-                       decode_panels=use_decode_panels())
+                       bf16_gemm=use_bf16_gemm())
 
 
 def make_layer(name: str, dtype: torch.dtype, gguf: bool, ops: ModelOps, seed: int = 0) -> LlamaDecoderLayer:
@@ -136,7 +136,7 @@ def test_native_layer_is_the_python_path_bit_for_bit(variant, case, rows):
     layer = make_layer(name, dtype, gguf, ops)
     step = make_step(name, layer, rows, dtype)
     route = ops.linear_route(dtype, rows, layer.self_attn.qkv_proj.weight)
-    if not gguf and route not in ("small", "avx2"):  # oneDNN at this row count (a variant without the AVX2 GEMM)
+    if not gguf and route not in ("small", "avx2", "bf16"):  # oneDNN at this row count (no AVX2 or bf16 GEMM)
         native = layer._ops.decoder_layer(layer)  # None where oneDNN takes every row count (native bf16 math)
         with torch.inference_mode():
             assert native is None or native(*step) is None
@@ -276,7 +276,8 @@ def test_native_stack_is_the_layers_one_by_one_bit_for_bit(variant, case, rows, 
     name, dtype, gguf = case
     ops = platform_ops()
     model = make_model(name, dtype, gguf, ops)
-    if not gguf and ops.linear_route(dtype, rows, model.layers[0].self_attn.qkv_proj.weight) not in ("small", "avx2"):
+    route = ops.linear_route(dtype, rows, model.layers[0].self_attn.qkv_proj.weight)
+    if not gguf and route not in ("small", "avx2", "bf16"):
         return  # the layers decline here (test_native_layer_is_the_python_path_bit_for_bit)
     step = make_model_step(model, rows)
     before = torch.get_num_threads()

@@ -244,54 +244,82 @@ def test_avx2_gemm_chosen_only_on_avx2_hosts_without_avx512(monkeypatch):
     assert not cpu_platform.use_avx2_gemm({"avx2", "fma"})
 
 
-def test_decode_panels_chosen_only_with_native_bf16(monkeypatch):
+def test_bf16_gemm_chosen_with_avx512_bf16_without_amx(monkeypatch):
     from vllite_platform_cpu import platform as cpu_platform
 
-    monkeypatch.setattr(kernels, "avx2_gemm_available", lambda: True)
-    assert cpu_platform.use_decode_panels({"avx2", "fma", "avx512f", "avx512_bf16"})
-    assert cpu_platform.use_decode_panels({"avx2", "fma", "amx_bf16"})
-    assert not cpu_platform.use_decode_panels({"avx2", "fma", "avx512f"})  # no native bf16: the widened path
-    monkeypatch.setenv(cpu_platform.AVX2_GEMM_ENV, "0")
-    assert not cpu_platform.use_decode_panels({"avx2", "fma", "avx512f", "avx512_bf16"})
+    monkeypatch.setattr(kernels, "bf16_gemm_available", lambda: True)
+    assert cpu_platform.use_bf16_gemm({"avx2", "fma", "avx512f", "avx512_bf16"})
+    assert not cpu_platform.use_bf16_gemm({"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"})  # not measured
+    assert not cpu_platform.use_bf16_gemm({"avx2", "fma", "avx512f"})
+    monkeypatch.setenv(cpu_platform.BF16_GEMM_ENV, "0")
+    assert not cpu_platform.use_bf16_gemm({"avx2", "fma", "avx512f", "avx512_bf16"})
 
 
-@needs_avx2_gemm
-@pytest.mark.parametrize("shape", [(49, 77), (960, 576)])
-def test_decode_panels_serve_bf16_decode_rows_beside_onednn(shape):
-    """With native bf16 math (oneDNN's bf16 kernel for batches) a bfloat16 layer's 1-4 rows go to the AVX2
-    GEMM's bf16 panels: float32 sums of the exactly widened products, rounded once. Both packed copies live
-    side by side in the layer's state, so alternating prefill and decode packs each once."""
+def test_bf16_gemm_pack_layout():
+    """[N, K] -> [ceil(N / 32), K / 2, 32, 2]: per pair of k, 32 columns' (w[k], w[k + 1]), columns past N zero
+    (plain C++: checked on every host)."""
+    w = torch.randn(37, 6).bfloat16()
+    packed = kernels.bf16_gemm_pack(w)
+    want = torch.zeros(64, 6, dtype=torch.bfloat16)
+    want[:37] = w
+    want = want.view(2, 32, 3, 2).permute(0, 2, 1, 3)  # (panel, k pair, column, k in pair)
+    assert packed.shape == (2, 3, 32, 2) and torch.equal(packed, want)
+    with pytest.raises(RuntimeError, match="K even"):
+        kernels.bf16_gemm_pack(torch.randn(4, 5).bfloat16())
+
+
+needs_bf16_gemm = pytest.mark.skipif(not kernels.bf16_gemm_available(), reason="AVX512-BF16 GEMM not built here")
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("rows", [1, 4, 11, 12, 13, 64, 121, 250])
+@pytest.mark.parametrize("shape", [(49, 78), (960, 576), (33, 2)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_gemm_matches_float64(rows, shape, bias, threads):
+    # Every tile height (1-12 rows, 120-row blocks and their remainders), partial 32-column panels, K of one
+    # pair. The reference is float64 arithmetic on the same bf16 values; the kernel's float32 sums (plus the
+    # float32 bias) are rounded once to bf16, so each output is within a bf16 rounding of the exact value.
     n, k = shape
-    ops = CpuModelOps(fused=True, packed_linear=True, widen_16bit=False, decode_panels=True)
-    assert ops.decode_panels
-    g = torch.Generator().manual_seed(n)
-    w, b = torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
-    assert ops.linear_route(torch.bfloat16, SMALL_LINEAR_MAX_ROWS, w) == "avx2"
-    assert ops.linear_route(torch.bfloat16, SMALL_LINEAR_MAX_ROWS + 1, w) == "onednn"
-    assert ops.linear_route(torch.float32, 1, w.float()) == "small"  # float32 layers as before
+    g = torch.Generator().manual_seed(rows * 13 + n + k)
+    x, w = torch.randn(rows, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g) if bias else None
+    out = torch.full((rows, n), float("nan"), dtype=torch.bfloat16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        kernels.bf16_gemm(out, x, kernels.bf16_gemm_pack(w), b)
+    finally:
+        torch.set_num_threads(before)
+    exact = x.double() @ w.double().T + (0 if b is None else b.double())
+    err = (out.double() - exact).abs()
+    assert torch.all(err <= exact.abs() * 2 ** -8 + 1e-5 * k ** 0.5), float(err.max())
+
+
+@needs_bf16_gemm
+def test_bf16_route_serves_every_row_count():
+    """With the bf16 GEMM on, a bfloat16 layer (K even) takes it at every row count, through one packed copy,
+    bit for bit the kernel's output; K odd and float32 layers keep their routes."""
+    ops = CpuModelOps(fused=True, packed_linear=True, widen_16bit=False, bf16_gemm=True)
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(96, 64, generator=g).bfloat16(), torch.randn(96, generator=g).bfloat16()
+    assert ops.linear_route(torch.bfloat16, 1, w) == ops.linear_route(torch.bfloat16, 500, w) == "bf16"
+    assert ops.linear_route(torch.bfloat16, 1, w[:, :63]) != "bf16"
+    assert ops.linear_route(torch.float32, 1, w.float()) == "small"
     state: dict = {}
-    # oneDNN's bf16 kernel (the batches' path) where the CPU has native bf16 math; the panels everywhere
-    batches = (9,) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else ()
     with torch.inference_mode():
-        for rows in (1, 3, 4, *batches, 2):
-            x = torch.randn(rows, k, generator=g).bfloat16()
+        for rows in (1, 5, 70):
+            x = torch.randn(rows, 64, generator=g).bfloat16()
             got = ops.linear(x, w, b, state)
-            exact = (x.double() @ w.double().T + b.double()).float()
-            assert got.dtype == torch.bfloat16
-            if rows <= SMALL_LINEAR_MAX_ROWS:  # the panels' float32 sums (float64-exact up to rounding), rounded
-                out = torch.empty(rows, n)
-                kernels.avx2_gemm(out, x.float(), state["decode"]["packed"], state["decode"]["bias"])
-                torch.testing.assert_close(out, exact, rtol=1e-5, atol=1e-5 * k ** 0.5)
-                assert torch.equal(got, out.bfloat16())
-            else:  # oneDNN's bf16 kernel
-                torch.testing.assert_close(got.float(), exact, rtol=2e-2, atol=2e-2 * k ** 0.5)
-        panels = state["decode"]["packed"]
-        assert panels.shape == (-(-n // 16), k, 16) and panels.dtype == torch.bfloat16
-        if batches:
-            onednn = state["packed"]
-            ops.linear(torch.randn(1, k).bfloat16(), w, b, state)
-            ops.linear(torch.randn(8, k).bfloat16(), w, b, state)
-            assert state["decode"]["packed"] is panels and state["packed"] is onednn  # nothing packed again
+            want = torch.empty(rows, 96, dtype=torch.bfloat16)
+            kernels.bf16_gemm(want, x, kernels.bf16_gemm_pack(w), b.float())
+            assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+        packed = state["packed"]
+        ops.linear(torch.randn(3, 64).bfloat16(), w, b, state)
+        assert state["packed"] is packed  # packed once
+        w.mul_(-1)  # an in-place change is packed again
+        ops.linear(torch.randn(3, 64).bfloat16(), w, b, state)
+        assert state["packed"] is not packed
 
 
 @needs_avx2_gemm

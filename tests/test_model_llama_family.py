@@ -151,7 +151,7 @@ def test_cpu_platform_one_call_layers_match_hf(tmp_path, monkeypatch):
         pytest.skip(f"CPU kernels not built here: {kernels.error()}")
     from vllite_platform_cpu.decoder_layer import NativeDecoderLayer, NativeDecoderStack
     from vllite_platform_cpu.model_ops import CpuModelOps
-    from vllite_platform_cpu.platform import has_fast_bf16, use_avx2_gemm, use_decode_panels
+    from vllite_platform_cpu.platform import has_fast_bf16, use_avx2_gemm, use_bf16_gemm
 
     from vllite_core.model_ops import use_model_ops
 
@@ -168,7 +168,7 @@ def test_cpu_platform_one_call_layers_match_hf(tmp_path, monkeypatch):
     monkeypatch.setattr(NativeDecoderLayer, "__call__", counting(NativeDecoderLayer.__call__))
     monkeypatch.setattr(NativeDecoderStack, "__call__", counting(NativeDecoderStack.__call__))
     ops = CpuModelOps(fused=True, packed_linear=True, widen_16bit=not has_fast_bf16(), avx2_gemm=use_avx2_gemm(),
-                       decode_panels=use_decode_panels())
+                       bf16_gemm=use_bf16_gemm())
     with use_model_ops(ops):
         _check(tmp_path, Qwen2Config(**TINY, architectures=["Qwen2ForCausalLM"], tie_word_embeddings=False))
     assert any(taken) and (all(taken) or not ops.avx2_gemm)  # on the AVX2 GEMM every layer call is one C++ call

@@ -24,7 +24,8 @@ from vllite_platform_cpu import kernels
 from vllite_platform_cpu.attention import TorchPagedAttention, _Plan
 from vllite_platform_cpu.model_ops import _KERNEL_DTYPES, SMALL_LINEAR_MAX_ROWS
 
-_PANELS, _PLAIN, _GGUF = 0, 1, 16  # csrc/decoder.cpp's linear kinds (_GGUF + ggml type id)
+_PANELS, _PLAIN, _BF16, _GGUF = 0, 1, 2, 16  # csrc/decoder.cpp's linear kinds (_GGUF + ggml type id)
+_PACKED = {_PANELS: "avx2", _BF16: "bf16"}  # kinds whose packed weight CpuModelOps.linear keeps: their route
 
 
 class NativeDecoderLayer:
@@ -74,7 +75,7 @@ class NativeDecoderLayer:
                 self.routes[small] = None
                 continue
             kinds, weights, biases, widths = (list(col) for col in zip(*specs))
-            panels = tuple(i for i, k in enumerate(kinds) if k == _PANELS)
+            panels = tuple(i for i, k in enumerate(kinds) if k in _PACKED)
             self.routes[small] = (kinds, weights, biases, widths, panels)
 
     def _spec(self, lin: Any, rows: int) -> tuple | None:
@@ -92,6 +93,8 @@ class NativeDecoderLayer:
             return (_PLAIN, weight, bias, weight.shape[0])
         if route == "avx2":
             return (_PANELS, None, None, weight.shape[0])
+        if route == "bf16":
+            return (_BF16, None, None, weight.shape[0])
         return None
 
     def _usable(self) -> bool:
@@ -116,7 +119,7 @@ class NativeDecoderLayer:
             for i in panels:
                 lin = self.linears[i]
                 params = lin._parameters
-                packed = self.ops.pack_linear(params["weight"], params.get("bias"), lin._state, True)
+                packed = self.ops.pack_linear(params["weight"], params.get("bias"), lin._state, _PACKED[kinds[i]])
                 weights[i], biases[i] = packed["packed"], packed["bias"]
         return kinds, weights, biases
 

@@ -59,7 +59,8 @@ logger = logging.getLogger("vllite.platforms.cpu.kernels")
 ENTRY_POINTS = ("paged_attention", "avx2_gemm_available", "avx2_gemm_dtypes", "avx2_gemm_pack", "avx2_gemm",
                 "avx2_gemm_gelu", "small_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary",
                 "quantize_rows_int8", "dequantize_int32", "encoder_attention", "add_layer_norm", "gguf_linear_x8",
-                "lora_add", "paged_attention_store", "llama_decoder_layer", "llama_decoder_stack")
+                "lora_add", "paged_attention_store", "llama_decoder_layer", "llama_decoder_stack",
+                "bf16_gemm_available", "bf16_gemm_pack", "bf16_gemm")
 KERNEL_ENV = "VLLITE_CPU_ATTENTION_KERNEL"  # 0: no C++ kernels (torch ops)
 ISA_ENV = "VLLITE_CPU_ISA"  # the highest variant to use: default, avx2, avx512 or avx512_bf16
 
@@ -320,6 +321,23 @@ def avx2_gemm_dtypes() -> tuple[torch.dtype, ...]:
 def avx2_gemm_pack(weight: torch.Tensor) -> torch.Tensor:
     """A float32, bfloat16 or float16 weight [N, K] as the GEMM's panels [ceil(N / 16), K, 16], same dtype."""
     return load().avx2_gemm_pack(weight)
+
+
+def bf16_gemm_available() -> bool:
+    """The AVX512-BF16 GEMM is in the chosen variant (avx512_bf16)."""
+    mod = load()
+    return mod is not None and bool(mod.bf16_gemm_available())
+
+
+def bf16_gemm_pack(weight: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 weight [N, K] (K even) as the bf16 GEMM's panels [ceil(N / 32), K / 2, 32, 2]."""
+    return load().bf16_gemm_pack(weight)
+
+
+def bf16_gemm(out: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """bfloat16 ``out = x @ weight.T + bias`` (float32 sums and bias, rounded once) with the weight packed by
+    ``bf16_gemm_pack``; x and out bfloat16, bias float32."""
+    load().bf16_gemm(out, x, packed, bias)
 
 
 def avx2_gemm(out: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> None:

@@ -27,20 +27,17 @@ def onednn_linear_available() -> bool:
 class CpuModelOps(ModelOps):
     """Fused kernels when ``fused`` (the C++ extension built), prepacked weights when ``packed_linear``
     (oneDNN's layout, or the AVX2 GEMM's panels when ``avx2_gemm``), 16-bit layers computed through
-    float32 when ``widen_16bit`` (no native bf16/fp16 math), and with ``decode_panels`` (native bf16 math)
-    a bfloat16 layer's decode rows on the AVX2 GEMM's bf16 panels, its larger batches on oneDNN's."""
+    float32 when ``widen_16bit`` (no native bf16/fp16 math), and bfloat16 layers on the AVX512-BF16 GEMM
+    when ``bf16_gemm`` (native bf16 math; at every row count)."""
 
     def __init__(self, fused: bool, packed_linear: bool, widen_16bit: bool = False, avx2_gemm: bool = False,
-                 decode_panels: bool = False) -> None:
+                 bf16_gemm: bool = False) -> None:
         self.fused = fused
         self.packed_linear = packed_linear
         self.widen_16bit = widen_16bit
         self.avx2_gemm = avx2_gemm and fused
-        self.decode_panels = (decode_panels and fused and packed_linear and not self.avx2_gemm and not widen_16bit
-                              and torch.bfloat16 in kernels.avx2_gemm_dtypes())
-        # The weight dtypes the GEMM's panels hold.
-        self._panel_dtypes = (kernels.avx2_gemm_dtypes() if self.avx2_gemm
-                              else (torch.bfloat16,) if self.decode_panels else ())
+        self.bf16_gemm = bf16_gemm and fused and not widen_16bit and kernels.bf16_gemm_available()
+        self._panel_dtypes = kernels.avx2_gemm_dtypes() if self.avx2_gemm else ()  # weight dtypes its panels hold
         parts = (("cpu-fused", fused), ("avx2-gemm", self.avx2_gemm),
                  ("onednn-linear", packed_linear and not self.avx2_gemm))
         self.name = "+".join(n for n, on in parts if on) or "torch"
@@ -66,6 +63,11 @@ class CpuModelOps(ModelOps):
                 or torch.is_grad_enabled() or (bias is not None and bias.dtype != dt)):
             return super().linear(x, weight, bias, state)
         route = self.linear_route(dt, x.shape[0], weight)
+        if route == "bf16":
+            packed = self.pack_linear(weight, bias, state, route)
+            out = torch.empty(x.shape[0], weight.shape[0], dtype=dt)
+            kernels.bf16_gemm(out, x.contiguous(), packed["packed"], packed["bias"])
+            return out
         if route == "small":
             out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
             kernels.small_linear(out, x.float().contiguous(), weight, None if bias is None else bias.float())
@@ -74,7 +76,7 @@ class CpuModelOps(ModelOps):
             return super().linear(x, weight, bias, state)
         avx2 = route == "avx2"
         gemm_dt = torch.float32 if avx2 or dt == torch.float32 or self.widen_16bit else dt
-        packed = self.pack_linear(weight, bias, state, avx2)
+        packed = self.pack_linear(weight, bias, state, route)
         xg = x.to(gemm_dt).contiguous()
         if avx2:
             out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
@@ -86,16 +88,17 @@ class CpuModelOps(ModelOps):
         return out if dt == gemm_dt else out.to(dt)
 
     def linear_route(self, dt: torch.dtype, rows: int, weight: torch.Tensor) -> str:
-        """Which kernel ``linear`` runs for ``rows`` rows of a ``dt`` layer (inputs already checked): "small"
-        (small_linear on the plain weight), "avx2" (the AVX2 GEMM's panels), "onednn" (oneDNN's packed weight,
-        or F.linear on the widened copy), or "torch" (the default op)."""
-        # With native bf16 math oneDNN's packed bf16 kernel streams the weight as fast as small_linear at
-        # one row (and 1.5-2x faster at four rows, 2x on the LM head), but the AVX2 GEMM's bf16 panels
-        # beat both at 1-4 rows (Zen 4, 2 threads, SmolLM2's linears: 14.2 vs 26.7 ms at one row, 16.1 vs
-        # 22.3 at four; benchmarks/linear_layers.py) and lose from 16 rows (47.9 vs 35.4 ms).
+        """Which kernel ``linear`` runs for ``rows`` rows of a ``dt`` layer (inputs already checked): "bf16"
+        (the AVX512-BF16 GEMM's panels), "small" (small_linear on the plain weight), "avx2" (the AVX2 GEMM's
+        panels), "onednn" (oneDNN's packed weight, or F.linear on the widened copy), or "torch" (the default
+        op)."""
+        # With native bf16 math the AVX512-BF16 GEMM takes every row count (csrc/gemm.cpp: 1.7x oneDNN's
+        # packed bf16 kernel at one row, 1.2x at 64 on Zen 4); without it oneDNN's kernel streams the weight
+        # as fast as small_linear at one row (and 1.5-2x faster at four rows, 2x on the LM head), so it takes
+        # every row count there.
+        if dt == torch.bfloat16 and self.bf16_gemm and weight.shape[1] % 2 == 0:
+            return "bf16"
         native_16bit = dt == torch.bfloat16 and not self.widen_16bit and self.packed_linear
-        if native_16bit and self.decode_panels and rows <= SMALL_LINEAR_MAX_ROWS:
-            return "avx2"
         avx2 = self.avx2_gemm and (dt == torch.float32 or self.widen_16bit)
         panel_dt = dt if dt in self._panel_dtypes else torch.float32  # the AVX2 GEMM's packed weight
         if (self.fused and rows <= SMALL_LINEAR_MAX_ROWS and weight.is_contiguous()
@@ -111,19 +114,20 @@ class CpuModelOps(ModelOps):
             return "torch"
         return "onednn"
 
-    def pack_linear(self, weight: torch.Tensor, bias: torch.Tensor | None, state: dict, avx2: bool) -> dict:
-        """``["packed"]`` and ``["bias"]`` of the returned dict: the AVX2 GEMM's panels (``avx2``) or oneDNN's
-        packed weight (or the widened copy F.linear takes) and the bias in the GEMM's dtype, remade when the
-        weight or the bias changes (an in-place load bumps its version). The dict is ``state``, or with
-        ``decode_panels`` (a layer that keeps both) ``state["decode"]`` for the panels."""
-        if avx2 and self.decode_panels:
-            state = state.setdefault("decode", {})
+    def pack_linear(self, weight: torch.Tensor, bias: torch.Tensor | None, state: dict, route: str) -> dict:
+        """``state["packed"]`` and ``state["bias"]`` for ``route``: the AVX2 GEMM's panels ("avx2"), the bf16
+        GEMM's ("bf16", float32 bias) or oneDNN's packed weight (or the widened copy F.linear takes) and the
+        bias in the GEMM's dtype, remade when the weight or the bias changes (an in-place load bumps its
+        version). Returns ``state``."""
         key = (weight.data_ptr(), weight._version, None if bias is None else (bias.data_ptr(), bias._version))
         if state.get("key") == key:
             return state
         dt = weight.dtype
-        gemm_dt = torch.float32 if avx2 or dt == torch.float32 or self.widen_16bit else dt
-        if avx2:
+        avx2 = route == "avx2"
+        gemm_dt = torch.float32 if avx2 or route == "bf16" or dt == torch.float32 or self.widen_16bit else dt
+        if route == "bf16":
+            state["packed"] = kernels.bf16_gemm_pack(weight.detach())
+        elif avx2:
             panel_dt = dt if dt in self._panel_dtypes else torch.float32
             state["packed"] = kernels.avx2_gemm_pack(weight.detach().to(panel_dt))
         else:

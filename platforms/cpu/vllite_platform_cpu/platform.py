@@ -31,6 +31,7 @@ KVCACHE_SPACE_ENV = "VLLITE_CPU_KVCACHE_SPACE"  # GiB, like vLLM's VLLM_CPU_KVCA
 FUSED_OPS_ENV = "VLLITE_CPU_FUSED_OPS"  # 0: torch pointwise ops instead of the C++ kernels
 ONEDNN_ENV = "VLLITE_CPU_ONEDNN"  # 0: F.linear instead of oneDNN-prepacked weights
 AVX2_GEMM_ENV = "VLLITE_CPU_AVX2_GEMM"  # 0: oneDNN instead of the AVX2 GEMM on AVX2 hosts
+BF16_GEMM_ENV = "VLLITE_CPU_BF16_GEMM"  # 0: oneDNN instead of the bf16 GEMM on AVX512-BF16 hosts
 COMPILE_ENV = "VLLITE_CPU_COMPILE"  # 1: torch.compile the decode step (off by default: not faster here)
 
 
@@ -100,17 +101,16 @@ def use_avx2_gemm(flags: set[str] | None = None) -> bool:
     return kernels.avx2_gemm_available()
 
 
-def use_decode_panels(flags: set[str] | None = None) -> bool:
-    """With native bf16 math (where oneDNN's bf16 kernel serves the linear layers) a bfloat16 layer's
-    decode rows (up to 4) go to the AVX2 GEMM's bf16 panels, which streamed SmolLM2's weights 1.4-1.9x
-    faster than oneDNN at 1-4 rows on Zen 4; ``VLLITE_CPU_AVX2_GEMM=0`` turns it off too. The layer then
-    keeps both packed copies (the panels and oneDNN's)."""
+def use_bf16_gemm(flags: set[str] | None = None) -> bool:
+    """With AVX512-BF16 (and no AMX, whose oneDNN kernels this host could not measure) bfloat16 layers run on
+    the CPU platform's own bf16 GEMM (csrc/gemm.cpp), faster than oneDNN's packed bf16 kernel at every row
+    count measured on Zen 4; ``VLLITE_CPU_BF16_GEMM=0`` keeps oneDNN."""
     from vllite_platform_cpu import kernels
 
     flags = cpu_flags() if flags is None else flags
-    if os.environ.get(AVX2_GEMM_ENV, "1") == "0" or not has_fast_bf16(flags) or not {"avx2", "fma"} <= flags:
+    if os.environ.get(BF16_GEMM_ENV, "1") == "0" or "avx512_bf16" not in flags or "amx_bf16" in flags:
         return False
-    return kernels.avx2_gemm_available()
+    return kernels.bf16_gemm_available()
 
 
 def _cgroup_limit() -> int | None:
@@ -221,7 +221,7 @@ class CpuPlatform(Platform):
         fused = os.environ.get(FUSED_OPS_ENV, "1") != "0" and kernels.available()
         packed = os.environ.get(ONEDNN_ENV, "1") != "0" and onednn_linear_available()
         return CpuModelOps(fused=fused, packed_linear=packed, widen_16bit=not has_fast_bf16(),
-                           avx2_gemm=use_avx2_gemm(), decode_panels=use_decode_panels())
+                           avx2_gemm=use_avx2_gemm(), bf16_gemm=use_bf16_gemm())
 
     def determine_available_memory(self, config: "VlliteConfig", profile_run: Callable[[], None]) -> int:
         """Explicit size (``kv_cache_memory``, then VLLITE_CPU_KVCACHE_SPACE) if given; otherwise

@@ -79,6 +79,9 @@ void bind_layer_spec(pybind11::module_& s) {
     s.def("avx2_gemm_pack", &vllite_cpu::ns::avx2_gemm_pack);                            \
     s.def("avx2_gemm", &vllite_cpu::ns::avx2_gemm);                                      \
     s.def("avx2_gemm_gelu", &vllite_cpu::ns::avx2_gemm_gelu);                            \
+    s.def("bf16_gemm_available", &vllite_cpu::ns::bf16_gemm_available);                  \
+    s.def("bf16_gemm_pack", &vllite_cpu::ns::bf16_gemm_pack);                            \
+    s.def("bf16_gemm", &vllite_cpu::ns::bf16_gemm);                                      \
     s.def("encoder_attention", &vllite_cpu::ns::encoder_attention);                      \
     s.def("add_layer_norm", &vllite_cpu::ns::add_layer_norm);                            \
     s.def("small_linear", &vllite_cpu::ns::small_linear);                                \

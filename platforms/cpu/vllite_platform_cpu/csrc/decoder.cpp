@@ -34,13 +34,18 @@ namespace VLLITE_CPU_ISA {
 
 namespace {
 
-constexpr int64_t KIND_PANELS = 0, KIND_PLAIN = 1, KIND_GGUF = 16;  // KIND_GGUF + ggml type id
+constexpr int64_t KIND_PANELS = 0, KIND_PLAIN = 1, KIND_BF16 = 2, KIND_GGUF = 16;  // KIND_GGUF + ggml type id
 
 // x [M, K] (model dtype) @ W^T + b -> [M, N] float32 rounded to the model dtype, as CpuModelOps does:
 // the input widened to float32 (contiguous), the kernel's float32 output, then `.to(dt)`.
 at::Tensor linear(const at::Tensor& x, int64_t kind, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                   int64_t n, int64_t gguf_min_rows, int64_t gguf_grain) {
   const auto dt = x.scalar_type();
+  if (kind == KIND_BF16) {  // bfloat16 in and out (float32 sums, rounded once), as CpuModelOps.linear
+    at::Tensor out = at::empty({x.size(0), n}, x.options());
+    bf16_gemm(out, x.contiguous(), w, bias);
+    return out;
+  }
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
   std::optional<at::Tensor> bf;

@@ -19,6 +19,7 @@
 // of float32 panels and no float32 copy of the weight is kept. The widening is exact and so is every
 // product of two 16-bit values in float32: the sums are those of a float32 GEMM on the widened weight.
 #include <algorithm>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -28,6 +29,9 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define VLLITE_AVX2_GEMM 1
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define VLLITE_BF16_GEMM 1
 #endif
 
 namespace vllite_cpu {
@@ -438,6 +442,139 @@ void avx2_gemm(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<at
 // gelu(x @ W^T + bias) (torch's exact GELU), the activation applied to each output tile as it is stored.
 void avx2_gemm_gelu(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias) {
   gemm(out, x, packed, bias, true);
+}
+
+// ---- bfloat16 GEMM on AVX512-BF16 (vdpbf16ps) ------------------------------------------------------------------
+// Why: on a CPU with native bf16 math (Zen 4, 2 threads, SmolLM2's 121 linear layers) oneDNN's packed bf16 kernel
+// streamed the weights at 1-4 rows at half this kernel's speed (15.1 against 8.9 ms at one row) and ran 64 rows
+// at 303 against 369 GFLOP/s, 2,048 at 348 against 399 (docs/benchmarks.md, 2026-12-04). One packed copy serves
+// every row count.
+//
+// Layout: [ceil(N / 32)][K / 2][32][2]: per pair of k, 32 columns' (w[k], w[k + 1]), so one vdpbf16ps multiplies
+// a broadcast pair of x with 16 columns' pairs and adds both products to 16 float32 sums. A 12-row x 32-column
+// tile keeps its 24 sums in registers and walks K once; the panel (K x 64 bytes) is reused from L1/L2 by every
+// row tile of a 120-row block. The sums (the instruction's float32, round to nearest even, denormals as zero)
+// get the float32 bias and are rounded once to bfloat16. K must be even (checked); the caller routes others away.
+namespace bf16_gemm_impl {
+constexpr int64_t NB = 32;   // output columns per panel: two zmm of float32 sums
+constexpr int64_t MR = 12;   // rows per micro-tile: 24 sums + 2 weight vectors + 1 broadcast of the 32 zmm
+constexpr int64_t MC = 120;  // rows per task: a 120 x K block of x stays in L2 (K = 1536: 360 KB)
+
+#ifdef VLLITE_BF16_GEMM
+template <int R>
+static inline void tile(const uint16_t* __restrict A, int64_t lda, const uint16_t* __restrict B, int64_t Kp,
+                        uint16_t* __restrict C, int64_t ldc, const float* bias, int64_t ncols) {
+  __m512 c0[R], c1[R];
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm512_setzero_ps();
+  for (int64_t kk = 0; kk < Kp; ++kk) {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(B + kk * 2 * NB);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(B + kk * 2 * NB + NB);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, A + r * lda + 2 * kk, sizeof(pair));
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      c0[r] = _mm512_dpbf16_ps(c0[r], a, b0);
+      c1[r] = _mm512_dpbf16_ps(c1[r], a, b1);
+    }
+  }
+  const __mmask16 m0 = ncols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << ncols) - 1);
+  const __mmask16 m1 = ncols >= 32 ? __mmask16(0xFFFF) : ncols <= 16 ? __mmask16(0) : __mmask16((1u << (ncols - 16)) - 1);
+  __m512 bb0 = _mm512_setzero_ps(), bb1 = _mm512_setzero_ps();
+  if (bias) {
+    bb0 = _mm512_maskz_loadu_ps(m0, bias);
+    bb1 = _mm512_maskz_loadu_ps(m1, bias + 16);
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) {
+    _mm256_mask_storeu_epi16(C + r * ldc, m0, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(c0[r], bb0)));
+    _mm256_mask_storeu_epi16(C + r * ldc + 16, m1, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(c1[r], bb1)));
+  }
+}
+
+static inline void tile_rows(int64_t rows, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t Kp, uint16_t* C,
+                             int64_t ldc, const float* bias, int64_t ncols) {
+  switch (rows) {
+#define VLLITE_BF16_TILE(n) \
+  case n: return tile<n>(A, lda, B, Kp, C, ldc, bias, ncols);
+    VLLITE_BF16_TILE(1) VLLITE_BF16_TILE(2) VLLITE_BF16_TILE(3) VLLITE_BF16_TILE(4) VLLITE_BF16_TILE(5)
+    VLLITE_BF16_TILE(6) VLLITE_BF16_TILE(7) VLLITE_BF16_TILE(8) VLLITE_BF16_TILE(9) VLLITE_BF16_TILE(10)
+    VLLITE_BF16_TILE(11) VLLITE_BF16_TILE(12)
+#undef VLLITE_BF16_TILE
+    default: TORCH_CHECK(false, "bf16_gemm: tile of ", rows, " rows");
+  }
+}
+#endif
+}  // namespace bf16_gemm_impl
+
+bool bf16_gemm_available() {
+#ifdef VLLITE_BF16_GEMM
+  return true;
+#else
+  return false;
+#endif
+}
+
+// [N, K] bfloat16, K even -> [ceil(N / 32), K / 2, 32, 2] (bits copied; columns past N zero). Plain C++: it runs
+// (and is tested) in every variant.
+at::Tensor bf16_gemm_pack(at::Tensor w) {
+  using namespace bf16_gemm_impl;
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.size(1) % 2 == 0,
+              "bf16_gemm_pack: bfloat16 weight [N, K] with K even");
+  w = w.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), Kp = K / 2, P = (N + NB - 1) / NB;
+  auto out = at::zeros({P, Kp, NB, 2}, w.options());
+  const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) {
+    for (int64_t p = b; p < e; ++p)
+      for (int64_t j = 0; j < NB && p * NB + j < N; ++j) {
+        const uint16_t* s = src + (p * NB + j) * K;
+        uint16_t* d = dst + p * Kp * NB * 2 + j * 2;
+        for (int64_t kk = 0; kk < Kp; ++kk) {
+          d[kk * NB * 2] = s[2 * kk];
+          d[kk * NB * 2 + 1] = s[2 * kk + 1];
+        }
+      }
+  });
+  return out;
+}
+
+// out[M, N] (bfloat16) = x[M, K] (bfloat16) @ W^T + bias (float32), W packed by bf16_gemm_pack; all contiguous.
+// Tasks are (120-row block, panel) pairs, split over the threads (or the decode step's team, team.h).
+void bf16_gemm(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at::Tensor> bias) {
+  using namespace bf16_gemm_impl;
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && packed.dim() == 4 && packed.size(2) == NB && packed.size(3) == 2
+                  && x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16
+                  && packed.scalar_type() == at::kBFloat16 && x.is_contiguous() && out.is_contiguous()
+                  && packed.is_contiguous(),
+              "bf16_gemm: bfloat16 contiguous x [M, K], out [M, N], packed [P, K / 2, 32, 2]");
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), P = packed.size(0), Kp = packed.size(1);
+  TORCH_CHECK(out.size(0) == M && K == 2 * Kp && P == (N + NB - 1) / NB, "bf16_gemm: shapes");
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == at::kFloat, "bf16_gemm: bias");
+    bp = bias->data_ptr<float>();
+  }
+  if (M == 0 || N == 0) return;
+#ifdef VLLITE_BF16_GEMM
+  const auto* A = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const auto* B = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  auto* C = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t blocks = (M + MC - 1) / MC;
+  split_for(blocks * P, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t m0 = (t / P) * MC, m1 = std::min(M, m0 + MC), p = t % P;
+      const int64_t n0 = p * NB, ncols = std::min(NB, N - n0);
+      for (int64_t m = m0; m < m1; m += MR)
+        tile_rows(std::min(MR, m1 - m), A + m * K, K, B + p * Kp * NB * 2, Kp, C + m * N + n0, N,
+                  bp ? bp + n0 : nullptr, ncols);
+    }
+  });
+#else
+  TORCH_CHECK(false, "bf16_gemm: built without AVX512-BF16");
+#endif
 }
 
 }  // namespace VLLITE_CPU_ISA
