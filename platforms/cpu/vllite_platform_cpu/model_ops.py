@@ -38,7 +38,7 @@ class CpuModelOps(ModelOps):
         self.avx2_gemm = avx2_gemm and fused
         self.bf16_gemm = bf16_gemm and fused and not widen_16bit and kernels.bf16_gemm_available()
         self._panel_dtypes = kernels.avx2_gemm_dtypes() if self.avx2_gemm else ()  # weight dtypes its panels hold
-        parts = (("cpu-fused", fused), ("avx2-gemm", self.avx2_gemm),
+        parts = (("cpu-fused", fused), ("avx2-gemm", self.avx2_gemm), ("bf16-gemm", self.bf16_gemm),
                  ("onednn-linear", packed_linear and not self.avx2_gemm))
         self.name = "+".join(n for n, on in parts if on) or "torch"
 
