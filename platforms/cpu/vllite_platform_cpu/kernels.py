@@ -331,7 +331,10 @@ def bf16_gemm_available() -> bool:
 
 def bf16_gemm_pack(weight: torch.Tensor) -> torch.Tensor:
     """A bfloat16 weight [N, K] (K even) as the bf16 GEMM's panels [ceil(N / 32), K / 2, 32, 2]."""
-    return load().bf16_gemm_pack(weight)
+    n, k = weight.shape
+    out = torch.zeros(-(-n // 32), k // 2, 32, 2, dtype=torch.bfloat16)
+    load().bf16_gemm_pack(out, weight.contiguous())
+    return out
 
 
 def bf16_gemm(out: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> None:

@@ -516,15 +516,18 @@ bool bf16_gemm_available() {
 #endif
 }
 
-// [N, K] bfloat16, K even -> [ceil(N / 32), K / 2, 32, 2] (bits copied; columns past N zero). Plain C++: it runs
-// (and is tested) in every variant.
-at::Tensor bf16_gemm_pack(at::Tensor w) {
+// w [N, K] bfloat16, K even -> out [ceil(N / 32), K / 2, 32, 2] (bits copied; columns past N left as the caller
+// made them: zeros). Plain C++: it runs (and is tested) in every variant. The caller allocates `out`: an at::zeros
+// here was emitted out of line with AVX-512 moves and kept by the linker for every variant (the variant test's
+// shared-code check).
+void bf16_gemm_pack(at::Tensor out, at::Tensor w) {
   using namespace bf16_gemm_impl;
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.size(1) % 2 == 0,
-              "bf16_gemm_pack: bfloat16 weight [N, K] with K even");
-  w = w.contiguous();
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.size(1) % 2 == 0 && w.is_contiguous(),
+              "bf16_gemm_pack: contiguous bfloat16 weight [N, K] with K even");
   const int64_t N = w.size(0), K = w.size(1), Kp = K / 2, P = (N + NB - 1) / NB;
-  auto out = at::zeros({P, Kp, NB, 2}, w.options());
+  TORCH_CHECK(out.dim() == 4 && out.size(0) == P && out.size(1) == Kp && out.size(2) == NB && out.size(3) == 2
+                  && out.scalar_type() == at::kBFloat16 && out.is_contiguous(),
+              "bf16_gemm_pack: out [ceil(N / 32), K / 2, 32, 2] bfloat16");
   const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
   auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
   at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) {
@@ -538,7 +541,6 @@ at::Tensor bf16_gemm_pack(at::Tensor w) {
         }
       }
   });
-  return out;
 }
 
 // out[M, N] (bfloat16) = x[M, K] (bfloat16) @ W^T + bias (float32), W packed by bf16_gemm_pack; all contiguous.

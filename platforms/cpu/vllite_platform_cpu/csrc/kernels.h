@@ -42,7 +42,7 @@
   void avx2_gemm(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at::Tensor> bias);                  \
   void avx2_gemm_gelu(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at::Tensor> bias);             \
   bool bf16_gemm_available();                                                                                       \
-  at::Tensor bf16_gemm_pack(at::Tensor w);                                                                          \
+  void bf16_gemm_pack(at::Tensor out, at::Tensor w);                                                                \
   void bf16_gemm(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at::Tensor> bias);                  \
   void encoder_attention(at::Tensor out, at::Tensor qkv, at::Tensor cu_seqlens, double scale);                      \
   void add_layer_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, at::Tensor bias, double eps);           \
