@@ -8,7 +8,8 @@ does). The paths run in turns, one step each, and the median and best of --round
 ``onednn`` (torch's mkldnn packed linear), ``avx2`` (the CPU platform's AVX2 GEMM, where built),
 ``small`` (the weight-streaming kernel, up to 4 rows); and the same layers in bfloat16 (270 MB):
 ``avx2-bf16`` (the AVX2 GEMM's 16-bit panels, widened in registers), ``small-bf16``, and where the CPU has
-native bf16 math ``onednn-bf16`` (oneDNN's packed bf16 kernel).
+native bf16 math ``onednn-bf16`` (oneDNN's packed bf16 kernel); where built (AVX512-BF16) ``bf16-gemm``
+(the platform's own bf16 GEMM, csrc/gemm.cpp).
 ``--paths`` keeps only the named paths; each cell also gives the weights' bytes read per second (GB/s).
 """
 from __future__ import annotations
@@ -43,6 +44,7 @@ def main() -> None:
     # oneDNN's packed bf16 kernel: the engine's bf16 path on CPUs with native bf16 math (AVX512-BF16, AMX)
     onednn16 = ([torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights16]
                 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else None)
+    ours16 = [kernels.bf16_gemm_pack(w) for w in weights16] if kernels.bf16_gemm_available() else None
     print(f"threads {torch.get_num_threads()}, weights {sum(w.numel() for w in weights) * 4 / 1e6:.0f} MB")
     for m in a.rows:
         xs = {k: torch.randn(m, k, generator=g) for k in (576, 1536)}
@@ -62,6 +64,11 @@ def main() -> None:
             paths["onednn-bf16"] = lambda: [torch.ops.mkldnn._linear_pointwise(xs16[w.shape[1]], p, None, "none", [],
                                                                               "")
                                             for w, p in zip(weights16, onednn16)]
+        if ours16 is not None:
+            xs16b = {k: x.bfloat16() for k, x in xs.items()}
+            outs16 = {n: torch.empty(m, n, dtype=torch.bfloat16) for n in outs}
+            paths["bf16-gemm"] = lambda: [kernels.bf16_gemm(outs16[w.shape[0]], xs16b[w.shape[1]], p, None)
+                                          for w, p in zip(weights16, ours16)]
         if m <= 4:
             paths["small-bf16"] = lambda: [kernels.small_linear(outs[w.shape[0]], xs[w.shape[1]], w, None)
                                            for w in weights16]
