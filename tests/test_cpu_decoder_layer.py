@@ -3,8 +3,9 @@
 The reference is the Python path of the same layer (``LlamaDecoderLayer.forward`` through ``CpuModelOps``), whose
 numerics the HF-reference tests check: the C++ call composes the same kernels, so hidden states, residual and
 the paged cache it writes must be equal bit for bit, for float32, bfloat16 and GGUF layers, Llama (GQA) and
-Qwen2 (qkv bias), decode and prefill rows mixed. Where its conditions do not hold (LoRA, float8 cache, int8,
-grad, another ModelOps) the call declines and the layer runs its Python code.
+Qwen2 (qkv bias), decode and prefill rows mixed, and int8 (W8A8) layers where the int8 GEMM is built. Where its
+conditions do not hold (LoRA, float8 cache, int8 without the int8 GEMM, grad, another ModelOps) the call declines
+and the layer runs its Python code.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from transformers import LlamaConfig, Qwen2Config  # noqa: E402
 from vllite_platform_cpu.attention import TorchPagedAttention  # noqa: E402
 from vllite_platform_cpu.isa import NAMES  # noqa: E402
 from vllite_platform_cpu.model_ops import CpuModelOps  # noqa: E402
-from vllite_platform_cpu.platform import has_fast_bf16, use_avx2_gemm, use_bf16_gemm  # noqa: E402
+from vllite_platform_cpu.platform import has_fast_bf16, use_avx2_gemm, use_bf16_gemm, use_int8_gemm  # noqa: E402
 
 from model_registry.models.llama import LlamaDecoderLayer, LlamaModel, RMSNorm  # noqa: E402
 from model_registry.models.rope import RotaryEmbedding  # noqa: E402
@@ -56,18 +57,34 @@ def variant(request, monkeypatch):
 def platform_ops() -> CpuModelOps:
     """What CpuPlatform.model_ops builds on this host, for the chosen variant."""
     return CpuModelOps(fused=True, packed_linear=True, widen_16bit=not has_fast_bf16(), avx2_gemm=use_avx2_gemm(),
-                       bf16_gemm=use_bf16_gemm())
+                       bf16_gemm=use_bf16_gemm(), int8_gemm=use_int8_gemm())
 
 
-def make_layer(name: str, dtype: torch.dtype, gguf: bool, ops: ModelOps, seed: int = 0) -> LlamaDecoderLayer:
+def make_layer(name: str, dtype: torch.dtype, quant: str, ops: ModelOps, seed: int = 0) -> LlamaDecoderLayer:
     cfg = CONFIGS[name]
     g = torch.Generator().manual_seed(seed)
     with use_model_ops(ops):
         layer = LlamaDecoderLayer(cfg, TorchPagedAttention(), dtype, None)
     randomize(layer, dtype, g)
-    if gguf:
-        to_gguf(layer)
+    quantize(layer, quant)
     return layer
+
+
+def quantize(layer: LlamaDecoderLayer, quant: str) -> None:
+    """The layer's linears as GGUF blocks ("gguf"), int8 with a scale per row ("int8"), or as they are ("plain")."""
+    if quant == "gguf":
+        to_gguf(layer)
+    elif quant == "int8":
+        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            lin.quantize_int8()
+
+
+def takes_native(ops: CpuModelOps, layer: LlamaDecoderLayer, quant: str, dtype: torch.dtype, rows: int) -> bool:
+    """Whether this host's ops route the layer's linears to kernels the C++ call runs at this many rows."""
+    qkv = layer.self_attn.qkv_proj.weight
+    if quant == "int8":
+        return ops.int8_route(dtype, qkv)
+    return quant == "gguf" or ops.linear_route(dtype, rows, qkv) in ("small", "avx2", "bf16")
 
 
 def randomize(module: torch.nn.Module, dtype: torch.dtype, g: torch.Generator) -> None:
@@ -124,19 +141,19 @@ def run(layer, step, native: bool, first: bool = False):
     return out[0], out[1], cache
 
 
-CASES = [("llama", torch.float32, False), ("llama", torch.bfloat16, False), ("llama", torch.float32, True),
-         ("qwen2", torch.float32, False), ("qwen2", torch.bfloat16, True)]
+CASES = [("llama", torch.float32, "plain"), ("llama", torch.bfloat16, "plain"), ("llama", torch.float32, "gguf"),
+         ("qwen2", torch.float32, "plain"), ("qwen2", torch.bfloat16, "gguf"), ("llama", torch.bfloat16, "int8"),
+         ("qwen2", torch.float32, "int8")]
 
 
 @pytest.mark.parametrize("rows", sorted(STEPS))
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{str(c[1])[6:]}-{'gguf' if c[2] else 'plain'}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{str(c[1])[6:]}-{c[2]}")
 def test_native_layer_is_the_python_path_bit_for_bit(variant, case, rows):
-    name, dtype, gguf = case
+    name, dtype, quant = case
     ops = platform_ops()
-    layer = make_layer(name, dtype, gguf, ops)
+    layer = make_layer(name, dtype, quant, ops)
     step = make_step(name, layer, rows, dtype)
-    route = ops.linear_route(dtype, rows, layer.self_attn.qkv_proj.weight)
-    if not gguf and route not in ("small", "avx2", "bf16"):  # oneDNN at this row count (no AVX2 or bf16 GEMM)
+    if not takes_native(ops, layer, quant, dtype, rows):  # oneDNN or _int_mm at this row count
         native = layer._ops.decoder_layer(layer)  # None where oneDNN takes every row count (native bf16 math)
         with torch.inference_mode():
             assert native is None or native(*step) is None
@@ -197,9 +214,13 @@ def test_declines_where_it_does_not_apply(variant):
     assert native(rope, x, residual, cache, md) is None  # grad mode
     with torch.inference_mode():
         layer.mlp.gate_up_proj.quantize_int8()
-        assert native(rope, x, residual, cache, md) is None
+        taken = native(rope, x.clone(), residual.clone(), cache.clone(), md) is not None
+        assert taken == layer._ops.int8_gemm  # an int8 linear: the C++ call only with the int8 GEMM
     assert ModelOps().decoder_layer(layer) is None
-    assert platform_ops().decoder_layer(layer) is None  # int8 linear: never the C++ call
+    without = CpuModelOps(fused=True, packed_linear=True, widen_16bit=not has_fast_bf16(), avx2_gemm=use_avx2_gemm(),
+                          bf16_gemm=use_bf16_gemm(), int8_gemm=False)
+    layer = make_layer("llama", torch.float32, "int8", without)
+    assert without.decoder_layer(layer) is None  # int8 on torch._int_mm: never the C++ call
 
 
 def test_a_swapped_part_keeps_the_python_path(variant):
@@ -215,15 +236,14 @@ def test_a_swapped_part_keeps_the_python_path(variant):
 
 # ---- all layers in one call (NativeDecoderStack, csrc/decoder.cpp's llama_decoder_stack) ----------------------------
 
-def make_model(name: str, dtype: torch.dtype, gguf: bool, ops: ModelOps, layers: int = 3) -> LlamaModel:
+def make_model(name: str, dtype: torch.dtype, quant: str, ops: ModelOps, layers: int = 3) -> LlamaModel:
     args = {k: v for k, v in CONFIGS[name].to_dict().items() if k != "layer_types"}  # made again for `layers`
     cfg = CONFIGS[name].__class__(**{**args, "num_hidden_layers": layers})
     with use_model_ops(ops):
         model = LlamaModel(cfg, TorchPagedAttention(), dtype)
     randomize(model, dtype, torch.Generator().manual_seed(0))
-    if gguf:
-        for layer in model.layers:
-            to_gguf(layer)
+    for layer in model.layers:
+        quantize(layer, quant)
     return model
 
 
@@ -269,15 +289,14 @@ def run_model(model: LlamaModel, step, stack: bool) -> tuple[torch.Tensor, list[
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows", sorted(STEPS))
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{str(c[1])[6:]}-{'gguf' if c[2] else 'plain'}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{str(c[1])[6:]}-{c[2]}")
 def test_native_stack_is_the_layers_one_by_one_bit_for_bit(variant, case, rows, threads):
     """At 2 threads and up to 4 rows the threads run the whole call as one team (csrc/team.h): every linear
     split over them, nothing else, so the results must still be those of the per-layer calls."""
-    name, dtype, gguf = case
+    name, dtype, quant = case
     ops = platform_ops()
-    model = make_model(name, dtype, gguf, ops)
-    route = ops.linear_route(dtype, rows, model.layers[0].self_attn.qkv_proj.weight)
-    if not gguf and route not in ("small", "avx2", "bf16"):
+    model = make_model(name, dtype, quant, ops)
+    if not takes_native(ops, model.layers[0], quant, dtype, rows):
         return  # the layers decline here (test_native_layer_is_the_python_path_bit_for_bit)
     step = make_model_step(model, rows)
     before = torch.get_num_threads()

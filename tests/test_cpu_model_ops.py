@@ -322,6 +322,116 @@ def test_bf16_route_serves_every_row_count():
         assert state["packed"] is not packed
 
 
+def test_int8_gemm_chosen_with_vnni_without_amx(monkeypatch):
+    from vllite_platform_cpu import platform as cpu_platform
+
+    monkeypatch.setattr(kernels, "int8_gemm_available", lambda: True)
+    assert cpu_platform.use_int8_gemm({"avx512f", "avx512_vnni"})
+    assert not cpu_platform.use_int8_gemm({"avx512f", "avx512_vnni", "amx_int8"})  # AMX tiles: oneDNN's
+    assert not cpu_platform.use_int8_gemm({"avx2", "avx_vnni"})
+    monkeypatch.setenv(cpu_platform.INT8_GEMM_ENV, "0")
+    assert not cpu_platform.use_int8_gemm({"avx512f", "avx512_vnni"})
+
+
+def test_int8_gemm_pack_layout():
+    """[N, K] int8 -> [ceil(N / 32), K * 32 + 256]: per 4 k, 32 columns' 4 values; then 32 int32 128 * sum(w) and
+    32 float32 scales; columns past N zero (plain C++: checked on every host)."""
+    from vllite_core.quantization import quantize_rows_int8
+
+    q, scale = quantize_rows_int8(torch.randn(37, 8))
+    packed = kernels.int8_gemm_pack(q, scale)
+    assert packed.shape == (2, 8 * 32 + 256) and packed.dtype == torch.int8
+    padded = torch.zeros(64, 8, dtype=torch.int8)
+    padded[:37] = q
+    want = padded.view(2, 32, 2, 4).permute(0, 2, 1, 3).reshape(2, 256)  # (panel, k quad, column, k in quad)
+    assert torch.equal(packed[:, :256], want)
+    tail = packed[:, 256:].contiguous()
+    comp, scales = tail[:, :128].view(torch.int32).reshape(64), tail[:, 128:].view(torch.float32).reshape(64)
+    assert torch.equal(comp[:37], 128 * q.int().sum(1)) and not comp[37:].any()
+    assert torch.equal(scales[:37], scale) and not scales[37:].any()
+    with pytest.raises(RuntimeError, match="multiple of 4"):
+        kernels.int8_gemm_pack(q[:, :6].contiguous(), scale)
+
+
+def _int_mm_path(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The W8A8 numbers through the separate kernels: quantize_rows_int8, exact int32 sums (int64 matmul here),
+    dequantize_int32."""
+    xq = torch.empty(x.shape, dtype=torch.int8)
+    xs = torch.empty(x.shape[0])
+    kernels.quantize_rows_int8(xq, xs, x)
+    acc = (xq.long() @ q.long().T).int()
+    out = torch.empty(acc.shape, dtype=x.dtype)
+    kernels.dequantize_int32(out, acc, xs, scale, bias)
+    return out
+
+
+needs_int8_gemm = pytest.mark.skipif(not kernels.int8_gemm_available(), reason="AVX512-VNNI int8 GEMM not built here")
+
+
+@needs_int8_gemm
+@pytest.mark.parametrize("rows", [1, 4, 11, 12, 13, 64, 121, 250])
+@pytest.mark.parametrize("shape", [(49, 76), (960, 576), (33, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int8_gemm_is_the_separate_passes_bit_for_bit(rows, shape, dtype, threads):
+    # Every tile height (1-12 rows, 120-row blocks and their remainders), partial 32-column panels, K of one
+    # quad; inputs large enough that the unsigned offset and its compensation matter (|q| up to 127). The
+    # int32 sums are exact, the epilogue dequantize_int32's: equal bit for bit to the separate passes, and
+    # within float32 rounding of the float64 formula.
+    n, k = shape
+    g = torch.Generator().manual_seed(rows * 7 + n + k)
+    from vllite_core.quantization import quantize_rows_int8
+
+    q, scale = quantize_rows_int8(torch.randn(n, k, generator=g))
+    x = (torch.randn(rows, k, generator=g) * 5).to(dtype)
+    bias = torch.randn(n, generator=g) if rows % 2 else None
+    out = torch.full((rows, n), float("nan"), dtype=dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        kernels.int8_gemm(out, x, kernels.int8_gemm_pack(q, scale), bias)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(out, _int_mm_path(x, q, scale, bias))
+    xq = torch.empty(x.shape, dtype=torch.int8)
+    xs = torch.empty(rows)
+    kernels.quantize_rows_int8(xq, xs, x)
+    exact = (xq.double() @ q.double().T) * xs.double()[:, None] * scale.double() + (0 if bias is None else bias.double())
+    tol = 2 ** -8 if dtype == torch.bfloat16 else 2 ** -20
+    assert torch.all((out.double() - exact).abs() <= exact.abs() * tol + 1e-6)
+
+
+@needs_int8_gemm
+def test_int8_route_packs_once_and_again_on_change():
+    """With the int8 GEMM on, int8_linear takes it for float32/bfloat16 rows with K a multiple of 4 through one
+    packed copy in the layer's state (remade when the weight, its scale or the bias change); other K keep _int_mm.
+    Both give the same numbers."""
+    from vllite_core.quantization import quantize_rows_int8
+
+    on = CpuModelOps(fused=True, packed_linear=True, int8_gemm=True)
+    off = CpuModelOps(fused=True, packed_linear=True, int8_gemm=False)
+    assert "int8-gemm" in on.name and "int8-gemm" not in off.name
+    g = torch.Generator().manual_seed(0)
+    q, scale = quantize_rows_int8(torch.randn(96, 64, generator=g))
+    bias = torch.randn(96, generator=g).bfloat16()
+    assert on.int8_route(torch.bfloat16, q) and not on.int8_route(torch.bfloat16, q[:, :62])
+    assert not on.int8_route(torch.float16, q) and not off.int8_route(torch.bfloat16, q)
+    state: dict = {}
+    with torch.inference_mode():
+        for rows in (1, 5, 70):
+            x = torch.randn(rows, 64, generator=g).bfloat16()
+            got = on.int8_linear(x, q, scale, bias, state)
+            assert got.dtype == torch.bfloat16 and torch.equal(got, off.int8_linear(x, q, scale, bias, {}))
+        packed = state["packed"]
+        on.int8_linear(torch.randn(3, 64).bfloat16(), q, scale, bias, state)
+        assert state["packed"] is packed
+    scale.mul_(2)  # an in-place change (outside inference mode) is packed again
+    with torch.inference_mode():
+        x = torch.randn(3, 64).bfloat16()
+        got = on.int8_linear(x, q, scale, bias, state)
+        assert state["packed"] is not packed and torch.equal(got, off.int8_linear(x, q, scale, bias, {}))
+
+
 @needs_avx2_gemm
 @pytest.mark.parametrize("rows", [1, 7, 200])
 @pytest.mark.parametrize("shape", [(1536, 384), (37, 20)])

@@ -41,6 +41,8 @@ def _ops():
     out = [("torch default", ModelOps()), ("cpu torch ops", CpuModelOps(fused=False, packed_linear=True))]
     if kernels.available():
         out.append(("cpu kernels", CpuModelOps(fused=True, packed_linear=True)))
+    if kernels.available() and kernels.int8_gemm_available():
+        out.append(("cpu int8 gemm", CpuModelOps(fused=True, packed_linear=True, int8_gemm=True)))
     return out
 
 
@@ -65,8 +67,9 @@ def test_int8_linear_matches_float64_formula(shape, dtype):
             # float32 scaling of exact int32 sums, then one rounding to the dtype
             tol = 1e-4 if dtype == torch.float32 else 1e-2
             np.testing.assert_allclose(got.float().numpy(), want, rtol=tol, atol=tol * 2, err_msg=name)
-    if "cpu kernels" in results:  # the C++ passes are the torch ops' arithmetic, bit for bit
-        assert torch.equal(results["cpu kernels"], results["cpu torch ops"])
+    for name in ("cpu kernels", "cpu int8 gemm"):  # the C++ passes and GEMM are the torch ops' arithmetic
+        if name in results:
+            assert torch.equal(results[name], results["cpu torch ops"]), name
 
 
 def test_bad_quantization_values():

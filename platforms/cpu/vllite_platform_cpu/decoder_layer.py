@@ -24,8 +24,9 @@ from vllite_platform_cpu import kernels
 from vllite_platform_cpu.attention import TorchPagedAttention, _Plan
 from vllite_platform_cpu.model_ops import _KERNEL_DTYPES, SMALL_LINEAR_MAX_ROWS
 
-_PANELS, _PLAIN, _BF16, _GGUF = 0, 1, 2, 16  # csrc/decoder.cpp's linear kinds (_GGUF + ggml type id)
-_PACKED = {_PANELS: "avx2", _BF16: "bf16"}  # kinds whose packed weight CpuModelOps.linear keeps: their route
+_PANELS, _PLAIN, _BF16, _INT8, _GGUF = 0, 1, 2, 3, 16  # csrc/decoder.cpp's linear kinds (_GGUF + ggml type id)
+# Kinds whose packed weight CpuModelOps keeps in the layer's _state: their route ("int8": CpuModelOps.pack_int8).
+_PACKED = {_PANELS: "avx2", _BF16: "bf16", _INT8: "int8"}
 
 
 class NativeDecoderLayer:
@@ -85,8 +86,12 @@ class NativeDecoderLayer:
             w = lin.gguf_weight
             return (_GGUF + w.type_id, w.blocks, bias, w.shape[0]) if w.shape[1] % 32 == 0 else None
         weight = lin.weight
-        if (lin.weight_scale is not None or weight.dtype != self.dt or weight.dim() != 2
-                or (bias is not None and bias.dtype != self.dt)):
+        if bias is not None and bias.dtype != self.dt:
+            return None
+        if lin.weight_scale is not None:  # W8A8: the int8 GEMM at every row count, as CpuModelOps.int8_linear
+            ok = weight.dtype == torch.int8 and self.ops.int8_route(self.dt, weight)
+            return (_INT8, None, None, weight.shape[0]) if ok else None
+        if weight.dtype != self.dt or weight.dim() != 2:
             return None
         route = self.ops.linear_route(self.dt, rows, weight)
         if route == "small":
@@ -119,7 +124,10 @@ class NativeDecoderLayer:
             for i in panels:
                 lin = self.linears[i]
                 params = lin._parameters
-                packed = self.ops.pack_linear(params["weight"], params.get("bias"), lin._state, _PACKED[kinds[i]])
+                if kinds[i] == _INT8:
+                    packed = self.ops.pack_int8(params["weight"], lin.weight_scale, params.get("bias"), lin._state)
+                else:
+                    packed = self.ops.pack_linear(params["weight"], params.get("bias"), lin._state, _PACKED[kinds[i]])
                 weights[i], biases[i] = packed["packed"], packed["bias"]
         return kinds, weights, biases
 

@@ -7,7 +7,7 @@ extension is not installed). Lowest first; each needs the features of those befo
 
 Like ATen's own dispatch (``CPU_CAPABILITY`` DEFAULT / AVX2 / AVX512), the defines choose ATen's
 ``at::vec::Vectorized`` implementation per variant; ``avx512_bf16`` adds the AVX512-BF16 dot products of
-the attention kernel (``__AVX512BF16__``). ``-march=native`` is never used: a build made on one CPU runs
+the attention kernel and the bf16 GEMM (``__AVX512BF16__``) and the int8 GEMM's AVX512-VNNI ones. ``-march=native`` is never used: a build made on one CPU runs
 on any other of its architecture.
 """
 from __future__ import annotations
@@ -36,8 +36,9 @@ X86_VARIANTS = (
     Variant("default", ("-DCPU_CAPABILITY=DEFAULT",), ()),
     Variant("avx2", ("-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2") + _AVX2_FLAGS, _AVX2_NEEDS),
     Variant("avx512", ("-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512") + _AVX512_FLAGS, _AVX512_NEEDS),
+    # Every CPU with AVX512-BF16 (Cooper Lake, Sapphire Rapids and later, Zen 4 and later) has AVX512-VNNI too.
     Variant("avx512_bf16", ("-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512") + _AVX512_FLAGS
-            + ("-mavx512bf16",), _AVX512_NEEDS + ("avx512_bf16",)),
+            + ("-mavx512bf16", "-mavx512vnni"), _AVX512_NEEDS + ("avx512_bf16", "avx512_vnni")),
 )
 # Other architectures: the baseline only (ATen's DEFAULT vectors; the compiler's own auto-vectorisation).
 OTHER_VARIANTS = (Variant("default", ("-DCPU_CAPABILITY=DEFAULT",), ()),)

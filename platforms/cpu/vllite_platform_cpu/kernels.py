@@ -60,7 +60,8 @@ ENTRY_POINTS = ("paged_attention", "avx2_gemm_available", "avx2_gemm_dtypes", "a
                 "avx2_gemm_gelu", "small_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary",
                 "quantize_rows_int8", "dequantize_int32", "encoder_attention", "add_layer_norm", "gguf_linear_x8",
                 "lora_add", "paged_attention_store", "llama_decoder_layer", "llama_decoder_stack",
-                "bf16_gemm_available", "bf16_gemm_pack", "bf16_gemm")
+                "bf16_gemm_available", "bf16_gemm_pack", "bf16_gemm", "int8_gemm_available", "int8_gemm_pack",
+                "int8_gemm")
 KERNEL_ENV = "VLLITE_CPU_ATTENTION_KERNEL"  # 0: no C++ kernels (torch ops)
 ISA_ENV = "VLLITE_CPU_ISA"  # the highest variant to use: default, avx2, avx512 or avx512_bf16
 
@@ -376,6 +377,26 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
 def quantize_rows_int8(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> None:
     """int8 ``q`` and float32 ``scale`` per row of ``x`` (vllite_core.quantization's rounding)."""
     load().quantize_rows_int8(q, scale, x)
+
+
+def int8_gemm_available() -> bool:
+    """Whether the chosen variant has the AVX512-VNNI int8 GEMM (``csrc/quant.cpp``)."""
+    mod = load()
+    return mod is not None and bool(mod.int8_gemm_available())
+
+
+def int8_gemm_pack(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """An int8 weight [N, K] (K a multiple of 4) and its float32 scale per row as the int8 GEMM's panels."""
+    n, k = qweight.shape
+    out = torch.zeros((n + 31) // 32, k * 32 + 256, dtype=torch.int8)
+    load().int8_gemm_pack(out, qweight.contiguous(), scale.float().contiguous())
+    return out
+
+
+def int8_gemm(out: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """``out = x @ W.T + bias`` in W8A8 (x quantized per row, exact int32 sums, both scales), W packed by
+    ``int8_gemm_pack``; x and out float32 or bfloat16, bias float32."""
+    load().int8_gemm(out, x, packed, bias)
 
 
 def dequantize_int32(out: torch.Tensor, acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,

@@ -24,22 +24,30 @@ def onednn_linear_available() -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
+def _identity(t: torch.Tensor) -> tuple[int, int]:
+    """Where a tensor's values live and how often they were changed in place (an inference tensor, made under
+    ``torch.inference_mode``, has no version counter: its values cannot change outside that mode)."""
+    return t.data_ptr(), (0 if t.is_inference() else t._version)
+
+
 class CpuModelOps(ModelOps):
     """Fused kernels when ``fused`` (the C++ extension built), prepacked weights when ``packed_linear``
     (oneDNN's layout, or the AVX2 GEMM's panels when ``avx2_gemm``), 16-bit layers computed through
-    float32 when ``widen_16bit`` (no native bf16/fp16 math), and bfloat16 layers on the AVX512-BF16 GEMM
-    when ``bf16_gemm`` (native bf16 math; at every row count)."""
+    float32 when ``widen_16bit`` (no native bf16/fp16 math), bfloat16 layers on the AVX512-BF16 GEMM
+    when ``bf16_gemm`` (native bf16 math; at every row count), and int8 (W8A8) layers on the AVX512-VNNI GEMM
+    when ``int8_gemm``."""
 
     def __init__(self, fused: bool, packed_linear: bool, widen_16bit: bool = False, avx2_gemm: bool = False,
-                 bf16_gemm: bool = False) -> None:
+                 bf16_gemm: bool = False, int8_gemm: bool = False) -> None:
         self.fused = fused
         self.packed_linear = packed_linear
         self.widen_16bit = widen_16bit
         self.avx2_gemm = avx2_gemm and fused
         self.bf16_gemm = bf16_gemm and fused and not widen_16bit and kernels.bf16_gemm_available()
+        self.int8_gemm = int8_gemm and fused and kernels.int8_gemm_available()
         self._panel_dtypes = kernels.avx2_gemm_dtypes() if self.avx2_gemm else ()  # weight dtypes its panels hold
         parts = (("cpu-fused", fused), ("avx2-gemm", self.avx2_gemm), ("bf16-gemm", self.bf16_gemm),
-                 ("onednn-linear", packed_linear and not self.avx2_gemm))
+                 ("int8-gemm", self.int8_gemm), ("onednn-linear", packed_linear and not self.avx2_gemm))
         self.name = "+".join(n for n, on in parts if on) or "torch"
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: dict) -> torch.Tensor:
@@ -193,11 +201,17 @@ class CpuModelOps(ModelOps):
 
     def int8_linear(self, x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
                     bias: torch.Tensor | None, state: dict) -> torch.Tensor:
-        """W8A8 through ``torch._int_mm`` (oneDNN's int8 GEMM: AVX512-VNNI / AVX-VNNI / AMX where the CPU has
-        them; exact int32 sums), the activation quantized per row and the sum scaled back in float32."""
+        """W8A8 on the int8 GEMM (csrc/quant.cpp) where ``int8_route`` says so, else through ``torch._int_mm``
+        (oneDNN's int8 GEMM: AVX512-VNNI / AVX-VNNI / AMX where the CPU has them); either way the activation
+        quantized per row, exact int32 sums, scaled back in float32: the same numbers."""
         if (x.dim() != 2 or x.device.type != "cpu" or torch.is_grad_enabled() or qweight.dtype != torch.int8
                 or not hasattr(torch, "_int_mm")):
             return super().int8_linear(x, qweight, weight_scale, bias, state)
+        if x.stride(-1) == 1 and self.int8_route(x.dtype, qweight):
+            packed = self.pack_int8(qweight, weight_scale, bias, state)
+            out = torch.empty(x.shape[0], qweight.shape[0], dtype=x.dtype)
+            kernels.int8_gemm(out, x, packed["packed"], packed["bias"])
+            return out
         if not (self.fused and x.stride(-1) == 1):
             xq, xs = quantize_rows_int8(x)
             y = torch._int_mm(xq, qweight.t()).float().mul_(xs[:, None]).mul_(weight_scale)
@@ -211,6 +225,22 @@ class CpuModelOps(ModelOps):
         out = torch.empty(acc.shape, dtype=x.dtype)
         kernels.dequantize_int32(out, acc, xs, weight_scale, None if bias is None else bias.float())
         return out
+
+    def int8_route(self, dt: torch.dtype, qweight: torch.Tensor) -> bool:
+        """Whether ``int8_linear`` runs ``dt`` rows (contiguous) on the int8 GEMM (csrc/quant.cpp): float32 or
+        bfloat16, K a multiple of 4; the caller checked the rest."""
+        return self.int8_gemm and dt in (torch.float32, torch.bfloat16) and qweight.shape[1] % 4 == 0
+
+    def pack_int8(self, qweight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                  state: dict) -> dict:
+        """``state["packed"]`` (the int8 GEMM's panels, the weight scales in them) and ``state["bias"]``
+        (float32), remade when the weight, its scale or the bias changes. Returns ``state``."""
+        key = ("int8", _identity(qweight), _identity(weight_scale), None if bias is None else _identity(bias))
+        if state.get("key") != key:
+            state["packed"] = kernels.int8_gemm_pack(qweight.detach(), weight_scale.detach())
+            state["bias"] = None if bias is None else bias.detach().float().contiguous()
+            state["key"] = key
+        return state
 
     def gguf_linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None, state: dict) -> torch.Tensor:
         """GGUF blocks (``quantization="gguf"``) through csrc/gguf.cpp: the input quantized per 32-block to

@@ -47,6 +47,10 @@ std::vector<std::string> cpu_features() {
   if (__builtin_cpu_supports("avx512f") && __get_cpuid_max(0, nullptr) >= 7 && __get_cpuid_count(7, 1, &a, &b, &c, &d)
       && (a & (1u << 5)))
     out.emplace_back("avx512_bf16");
+  // AVX512-VNNI likewise (leaf 7, subleaf 0, ECX bit 11).
+  if (__builtin_cpu_supports("avx512f") && __get_cpuid_max(0, nullptr) >= 7 && __get_cpuid_count(7, 0, &a, &b, &c, &d)
+      && (c & (1u << 11)))
+    out.emplace_back("avx512_vnni");
 #endif
   return out;
 }
@@ -90,6 +94,9 @@ void bind_layer_spec(pybind11::module_& s) {
     s.def("silu_and_mul", &vllite_cpu::ns::silu_and_mul);                                \
     s.def("rotary", &vllite_cpu::ns::rotary);                                            \
     s.def("quantize_rows_int8", &vllite_cpu::ns::quantize_rows_int8);                    \
+    s.def("int8_gemm_available", &vllite_cpu::ns::int8_gemm_available);                  \
+    s.def("int8_gemm_pack", &vllite_cpu::ns::int8_gemm_pack);                            \
+    s.def("int8_gemm", &vllite_cpu::ns::int8_gemm);                                      \
     s.def("dequantize_int32", &vllite_cpu::ns::dequantize_int32);                        \
     s.def("gguf_linear_x8", &vllite_cpu::ns::gguf_linear_x8);                            \
     s.def("lora_add", &vllite_cpu::ns::lora_add);                                        \

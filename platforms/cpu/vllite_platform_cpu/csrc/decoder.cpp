@@ -9,7 +9,8 @@
 //
 // Each linear is (kind, weight, bias): KIND_PANELS the AVX2 GEMM's packed panels (float32, bfloat16 or
 // float16) with a float32 bias; KIND_PLAIN a plain [N, K] weight for small_linear, bias in the model dtype;
-// KIND_GGUF + ggml type the GGUF blocks for gguf_linear_x8, bias in the model dtype. The caller
+// KIND_BF16 the bf16 GEMM's panels, KIND_INT8 the int8 GEMM's (W8A8), each with a float32 bias; KIND_GGUF + ggml
+// type the GGUF blocks for gguf_linear_x8, bias in the model dtype. The caller
 // (decoder_layer.py) chose each kind as CpuModelOps.linear / gguf_linear would for this many rows.
 //
 // llama_decoder_stack runs all of a model's layers in one call (their fixed arguments made once as
@@ -34,16 +35,19 @@ namespace VLLITE_CPU_ISA {
 
 namespace {
 
-constexpr int64_t KIND_PANELS = 0, KIND_PLAIN = 1, KIND_BF16 = 2, KIND_GGUF = 16;  // KIND_GGUF + ggml type id
+constexpr int64_t KIND_PANELS = 0, KIND_PLAIN = 1, KIND_BF16 = 2, KIND_INT8 = 3, KIND_GGUF = 16;  // + ggml type id
 
 // x [M, K] (model dtype) @ W^T + b -> [M, N] float32 rounded to the model dtype, as CpuModelOps does:
 // the input widened to float32 (contiguous), the kernel's float32 output, then `.to(dt)`.
 at::Tensor linear(const at::Tensor& x, int64_t kind, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                   int64_t n, int64_t gguf_min_rows, int64_t gguf_grain) {
   const auto dt = x.scalar_type();
-  if (kind == KIND_BF16) {  // bfloat16 in and out (float32 sums, rounded once), as CpuModelOps.linear
+  if (kind == KIND_BF16 || kind == KIND_INT8) {  // x's dtype in and out, as CpuModelOps.linear / int8_linear
     at::Tensor out = at::empty({x.size(0), n}, x.options());
-    bf16_gemm(out, x.contiguous(), w, bias);
+    if (kind == KIND_BF16)
+      bf16_gemm(out, x.contiguous(), w, bias);
+    else
+      int8_gemm(out, x.contiguous(), w, bias);
     return out;
   }
   const at::Tensor xf = x.to(at::kFloat).contiguous();
