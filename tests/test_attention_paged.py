@@ -140,6 +140,7 @@ def test_fp8_kv_cache(cache_dtype):
     (80, 4, 2, [3, 20], [200, 20], None, torch.float32, 16),
     (64, 9, 3, [1] * 9 + [17], [400] * 9 + [300], None, torch.bfloat16, 16),
     (128, 8, 2, [1, 20], [300, 20], None, torch.bfloat16, 16),
+    (64, 8, 2, [1, 1, 1], [77, 5, 130], 40, torch.bfloat16, 4),
     (64, 9, 3, [1, 17], [200, 40], 30, torch.float16, 16),
 ])
 def test_cpu_kernel_paths(head_size, heads, kv_heads, q_lens, s_lens, window, dtype, block):
