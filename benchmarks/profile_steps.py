@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--prefill", action="store_true", help="profile the first steps (prefill) instead")
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the engine's, all cores)")
+    ap.add_argument("--kv-cache-dtype", default=None, help="e.g. fp8")
     a = ap.parse_args()
     logging.disable(logging.WARNING)
     from vllite_core import LLM, SamplingParams
@@ -42,6 +43,8 @@ def main() -> None:
         kw["num_threads"] = a.threads
     if a.quantization:
         kw["quantization"] = a.quantization
+    if a.kv_cache_dtype:
+        kw["kv_cache_dtype"] = a.kv_cache_dtype
     llm = LLM(**kw, dtype=a.dtype, max_model_len=a.input_len + a.output_len + 16, max_num_seqs=a.batch,
               enable_prefix_caching=False)
     engine = llm.llm_engine
