@@ -26,6 +26,7 @@ def main() -> None:
     ap.add_argument("--same-blocks", action="store_true",
                     help="every request reads the same blocks: the cache stays in L2, only compute is timed")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--huge-pages", action="store_true", help="caches in memory advised for transparent huge pages")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -41,7 +42,15 @@ def main() -> None:
         tables = tables[:1].repeat(B, 1).contiguous()
 
     def cache() -> torch.Tensor:
-        return torch.randn(nblocks, BS, HKV, D, generator=g).to(dt)
+        t = torch.randn(nblocks, BS, HKV, D, generator=g).to(dt)
+        if not a.huge_pages:
+            return t
+        import mmap
+        buf = mmap.mmap(-1, t.numel() * t.element_size() + (2 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        buf.madvise(mmap.MADV_HUGEPAGE)
+        out = torch.frombuffer(buf, dtype=torch.uint8)[:t.numel() * t.element_size()].view(dt).view(t.shape)
+        out.copy_(t)
+        return out
 
     caches = [(cache(), cache()) for _ in range(a.layers)]
     q = torch.randn(B, H, D, generator=g).to(dt)

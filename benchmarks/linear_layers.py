@@ -9,7 +9,9 @@ does). The paths run in turns, one step each, and the median and best of --round
 ``small`` (the weight-streaming kernel, up to 4 rows); and the same layers in bfloat16 (270 MB):
 ``avx2-bf16`` (the AVX2 GEMM's 16-bit panels, widened in registers), ``small-bf16``, and where the CPU has
 native bf16 math ``onednn-bf16`` (oneDNN's packed bf16 kernel); where built (AVX512-BF16) ``bf16-gemm``
-(the platform's own bf16 GEMM, csrc/gemm.cpp).
+(the platform's own bf16 GEMM, csrc/gemm.cpp); and W8A8 (``quantization="int8"``, bf16 rows in and out):
+where the CPU has VNNI ``int8-mm`` (quantize, ``torch._int_mm``, dequantize: the path before the int8 GEMM)
+and where built (AVX512-VNNI) ``int8-gemm`` (csrc/quant.cpp, all three in one call).
 ``--paths`` keeps only the named paths; each cell also gives the weights' bytes read per second (GB/s).
 """
 from __future__ import annotations
@@ -45,6 +47,10 @@ def main() -> None:
     onednn16 = ([torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights16]
                 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else None)
     ours16 = [kernels.bf16_gemm_pack(w) for w in weights16] if kernels.bf16_gemm_available() else None
+    from vllite_core.quantization import quantize_rows_int8
+
+    int8 = [quantize_rows_int8(w) for w in weights]
+    int8_packed = [kernels.int8_gemm_pack(q, s) for q, s in int8] if kernels.int8_gemm_available() else None
     print(f"threads {torch.get_num_threads()}, weights {sum(w.numel() for w in weights) * 4 / 1e6:.0f} MB")
     for m in a.rows:
         xs = {k: torch.randn(m, k, generator=g) for k in (576, 1536)}
@@ -72,6 +78,21 @@ def main() -> None:
         if m <= 4:
             paths["small-bf16"] = lambda: [kernels.small_linear(outs[w.shape[0]], xs[w.shape[1]], w, None)
                                            for w in weights16]
+        xs8 = {k: x.bfloat16() for k, x in xs.items()}
+        outs8 = {n: torch.empty(m, n, dtype=torch.bfloat16) for n in outs}
+
+        def int8_mm() -> None:
+            for (q, scale) in int8:
+                x = xs8[q.shape[1]]
+                xq, xsc = torch.empty(x.shape, dtype=torch.int8), torch.empty(m)
+                kernels.quantize_rows_int8(xq, xsc, x)
+                kernels.dequantize_int32(outs8[q.shape[0]], torch._int_mm(xq, q.t()), xsc, scale, None)
+
+        if m > 16:  # _int_mm needs more than 16 rows
+            paths["int8-mm"] = int8_mm
+        if int8_packed is not None:
+            paths["int8-gemm"] = lambda: [kernels.int8_gemm(outs8[q.shape[0]], xs8[q.shape[1]], p, None)
+                                          for (q, _), p in zip(int8, int8_packed)]
         if a.paths:
             paths = {name: run for name, run in paths.items() if name in a.paths}
         times: dict[str, list[float]] = {name: [] for name in paths}
@@ -85,7 +106,8 @@ def main() -> None:
             ts = sorted(ts[1:])
             med = ts[len(ts) // 2]
             gflops = flops_per_row * m / med / 1e9
-            gbs = flops_per_row * (1 if "bf16" in name else 2) / med / 1e9  # 2 or 4 bytes per weight
+            per_weight = 0.5 if "int8" in name else 1 if "bf16" in name else 2  # 1, 2 or 4 bytes per weight
+            gbs = flops_per_row * per_weight / med / 1e9
             cells.append(f"{name} {med * 1e3:6.1f} ms (best {ts[0] * 1e3:.1f}, {gflops:.0f} GFLOPS, {gbs:.1f} GB/s)")
         print(f"rows {m:4d}: " + "   ".join(cells), flush=True)
 

@@ -128,7 +128,8 @@ def test_fp8_kv_cache(cache_dtype):
 # The C++ kernel's own paths: vector head sizes (64, 128) and a scalar one (80); contexts longer than a
 # key chunk (online softmax across chunks); many tiles (one task spans all KV heads) and few (a task per
 # KV head); query tiles of 16 rows with causal edges and a sliding window. Decode rows (one query row) take
-# their own streaming path: blocks of 4 and 16, contexts that end mid-block, 1-4 query heads per KV head.
+# their own streaming path: blocks of 4 and 16, contexts that end mid-block, 1-7 query heads per KV head (their
+# value accumulators taken 4 or 2 heads at a time).
 @pytest.mark.parametrize("head_size,heads,kv_heads,q_lens,s_lens,window,dtype,block", [
     (64, 9, 3, [1] * 12 + [40], [300] * 12 + [340], None, torch.float32, 16),
     (64, 8, 2, [1, 1, 1], [77, 5, 130], None, torch.float32, 4),
@@ -141,6 +142,8 @@ def test_fp8_kv_cache(cache_dtype):
     (64, 9, 3, [1] * 9 + [17], [400] * 9 + [300], None, torch.bfloat16, 16),
     (128, 8, 2, [1, 20], [300, 20], None, torch.bfloat16, 16),
     (64, 8, 2, [1, 1, 1], [77, 5, 130], 40, torch.bfloat16, 4),
+    (64, 14, 2, [1, 1, 1, 5], [70, 33, 150, 20], None, torch.bfloat16, 16),  # 7 query heads per KV head
+    (128, 10, 2, [1, 1, 3], [90, 300, 40], None, torch.float32, 16),  # 5 per KV head
     (64, 9, 3, [1, 17], [200, 40], 30, torch.float16, 16),
 ])
 def test_cpu_kernel_paths(head_size, heads, kv_heads, q_lens, s_lens, window, dtype, block):

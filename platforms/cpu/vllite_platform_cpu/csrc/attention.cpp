@@ -232,6 +232,36 @@ static inline void dots_g(const AVec* kv, const float* qv, int64_t D, float* dst
   for (int i = 0; i < NQ; ++i) (s0[i] + s1[i]).store(dst + i * 16 * VL);
 }
 
+// The value accumulators of NQ query heads (acc rows D floats apart; weights p, rows pstride apart) over m
+// value rows: each row widened once for all NQ heads. Per head the same fused multiply-adds in the same order
+// as one head at a time.
+template <int NQ, int64_t NV, typename C>
+static inline void values_g(const C* const* vrows, int64_t m, const float* p, int64_t pstride, float* acc, int64_t D) {
+  AVec a[NQ][NV];
+  for (int i = 0; i < NQ; ++i)
+    for (int64_t v = 0; v < NV; ++v) a[i][v] = AVec::loadu(acc + i * D + v * VL);
+  for (int64_t k = 0; k < m; ++k) {
+    AVec vv[NV];
+    for (int64_t v = 0; v < NV; ++v) vv[v] = cache_load(vrows[k] + v * VL);
+    for (int i = 0; i < NQ; ++i) {
+      const AVec wt(p[i * pstride + k]);
+      for (int64_t v = 0; v < NV; ++v) a[i][v] = at::vec::fmadd(wt, vv[v], a[i][v]);
+    }
+  }
+  for (int i = 0; i < NQ; ++i)
+    for (int64_t v = 0; v < NV; ++v) a[i][v].store(acc + i * D + v * VL);
+}
+
+// values_g for n <= NQ heads.
+template <int NQ, int64_t NV, typename C>
+static inline void values_upto(int64_t n, const C* const* vrows, int64_t m, const float* p, int64_t pstride,
+                               float* acc, int64_t D) {
+  if constexpr (NQ > 1) {
+    if (n < NQ) return values_upto<NQ - 1, NV>(n, vrows, m, p, pstride, acc, D);
+  }
+  values_g<NQ, NV>(vrows, m, p, pstride, acc, D);
+}
+
 // One chunk's step of the online softmax: sv[0:n] becomes exp(sv - max so far), the running max and sum
 // are updated, and the factor the accumulator must be scaled by is returned (0 on the first chunk).
 static inline float online_softmax(float* sv, int64_t n, float& mx, float& total) {
@@ -273,6 +303,9 @@ static void decode_row(const T* qrow, int64_t qs1, T* orow, int64_t os1, const C
                        int64_t BS, int64_t h0, int64_t HG, int64_t G, int64_t t_lo, int64_t t_hi, float sc,
                        float v_scale, DecodeScratch& w) {
   constexpr int64_t D = DC, NV = DC / VL, KC = 256, PD = 16;
+  // Query heads whose value accumulators stay in registers together (with one widened value row): 4 of 64
+  // dims with AVX-512 (20 of its 32 registers), 2 of 128; one with AVX2's 16.
+  constexpr int QG = VL == 16 ? static_cast<int>(std::clamp<int64_t>(24 / NV - 1, 1, 4)) : 1;
   const int64_t N = HG * G;  // states, st = h * G + g (query head (h0 + h) * G + g)
   w.qf.resize(N * D);
   w.acc.assign(N * D, 0.f);
@@ -363,20 +396,15 @@ static void decode_row(const T* qrow, int64_t qs1, T* orow, int64_t os1, const C
         vrows[k] = vw.row();
         vw.next();
       }
-      for (int64_t h = 0; h < HG; ++h)
-        for (int64_t g = 0; g < G; ++g) {
+      for (int64_t h = 0; h < HG; ++h) {
+        const C* vh[16];
+        for (int64_t k = 0; k < m; ++k) vh[k] = vrows[k] + h * vs2;
+        for (int64_t g = 0; g < G; g += QG) {
           const int64_t st = h * G + g;
-          float* ap = w.acc.data() + st * D;
-          const float* p = w.scores.data() + st * KC + j0;
-          AVec a[NV];
-          for (int64_t v = 0; v < NV; ++v) a[v] = AVec::loadu(ap + v * VL);
-          for (int64_t k = 0; k < m; ++k) {
-            const AVec wt(p[k]);
-            const C* vr = vrows[k] + h * vs2;
-            for (int64_t v = 0; v < NV; ++v) a[v] = at::vec::fmadd(wt, cache_load(vr + v * VL), a[v]);
-          }
-          for (int64_t v = 0; v < NV; ++v) a[v].store(ap + v * VL);
+          values_upto<QG, NV>(std::min<int64_t>(QG, G - g), vh, m, w.scores.data() + st * KC + j0, KC,
+                              w.acc.data() + st * D, D);
         }
+      }
     }
   }
   for (int64_t st = 0; st < N; ++st) {
