@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 
 SCRIPT = """
 import json
-from vllite_triton_kernels.aot import compile_attention, compile_store
+from vllite_triton_kernels.aot import compile_attention, compile_pointwise, compile_store
 out = []
 def attempt(fn, *a, **k):
     try:
@@ -34,6 +34,11 @@ attempt(compile_attention, "cuda:80", "float32", num_heads=8, num_kv_heads=8, he
 attempt(compile_attention, "hip:gfx942", "bfloat16", cache_dtype="float8_e4m3fnuz", num_heads=64, num_kv_heads=8)
 attempt(compile_attention, "cuda:80", "float16", cache_dtype="float8_e4m3fn", num_heads=8, num_kv_heads=8)
 attempt(compile_store, "cuda:90", "bfloat16", cache_dtype="float8_e5m2")
+for spec in ("cuda:90", "hip:gfx942"):
+    try:
+        out.extend(compile_pointwise(spec))
+    except Exception as exc:
+        out.append({"target": spec, "error": str(exc).splitlines()[-1][:300]})
 print(json.dumps(out))
 """
 
@@ -54,6 +59,13 @@ def test_compiles_for_hopper_ampere_and_mi300(compiled):
     assert mi300_fp8.get("binary") == ["hsaco"], mi300_fp8
     assert 0 < h100["shared_bytes"] <= 100 * 1024  # fits any sm_80+ SM's shared memory
     assert compiled[4].get("binary") == ["cubin"], compiled[4]
+
+
+def test_pointwise_kernels_compile_for_hopper_and_mi300(compiled):
+    pointwise = compiled[5:]
+    assert [(c.get("target"), c.get("kernel"), c.get("binary")) for c in pointwise] == [
+        (spec, kernel, [binary]) for spec, binary in (("cuda:90", "cubin"), ("hip:gfx942", "hsaco"))
+        for kernel in ("rms_norm_kernel", "silu_and_mul_kernel", "rotary_kernel")], pointwise
 
 
 def test_e4m3_refused_on_ampere_like_the_platform_rule(compiled):

@@ -83,6 +83,30 @@ def compile_store(spec: str, dtype: str = "float16", cache_dtype: str | None = N
     return {"target": spec, "kernel": fn.__name__, "binary": [k for k in compiled.asm if k in ("cubin", "hsaco")]}
 
 
+def compile_pointwise(spec: str, dtype: str = "bfloat16", hidden: int = 576, head_size: int = 64,
+                      heads: int = 9) -> list[dict[str, Any]]:
+    """Compile ``pointwise_kernels``' three kernels as ``TritonModelOps`` launches them; returns facts per kernel."""
+    import triton
+    from triton.compiler import ASTSource
+
+    from vllite_triton_kernels import pointwise_kernels as pk
+
+    dt = "*" + _TORCH_TO_TRITON[dtype]
+    launches = [
+        (pk.rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=_pow2(hidden, 16)), {"eps": "fp32"}),
+        (pk.silu_and_mul_kernel, dict(BLOCK=min(1024, _pow2(hidden, 16))), {}),
+        (pk.rotary_kernel, dict(HALF=head_size // 2, BLOCK_H=_pow2(heads)), {}),
+    ]
+    out = []
+    for fn, const, scalars in launches:
+        sig = {n: "constexpr" if n in const else scalars.get(n, dt if n.endswith("_ptr") else "i32")
+               for n in fn.arg_names}
+        compiled = triton.compile(ASTSource(fn, sig, constexprs=const), target=target(spec))
+        out.append({"target": spec, "kernel": fn.__name__,
+                    "binary": [k for k in compiled.asm if k in ("cubin", "hsaco")]})
+    return out
+
+
 def main(argv: list[str]) -> int:
     specs = argv or ["cuda:80", "cuda:90", "hip:gfx942"]
     ok = True
@@ -94,6 +118,8 @@ def main(argv: list[str]) -> int:
                 ok = False
                 print(json.dumps({"target": spec, "dtype": dtype, "error": str(exc).splitlines()[-1][:300]}))
         print(json.dumps(compile_store(spec)))
+        for facts in compile_pointwise(spec):
+            print(json.dumps(facts))
     return 0 if ok else 1
 
 

@@ -1,9 +1,11 @@
 """``TritonModelOps``: the model ops of the GPU platforms that run Triton (CUDA, ROCm, XPU).
 
-The torch defaults everywhere except multi-LoRA, where ``lora_add`` launches the shrink and expand
-kernels of ``lora_kernels.py`` once per layer for every slot of the step (the torch default is a
-gather, two matmuls per slot and a scatter-add). The kernels read the step's mapping from device
-tensors only, so a decode step with LoRA stays free of host synchronisation.
+The torch defaults (cuBLAS/hipBLAS GEMMs) except for multi-LoRA, where ``lora_add`` launches the shrink and
+expand kernels of ``lora_kernels.py`` once per layer for every slot of the step (the torch default is a
+gather, two matmuls per slot and a scatter-add; the kernels read the step's mapping from device tensors
+only, so a decode step with LoRA stays free of host synchronisation), and for a Llama layer's pointwise
+ops: RMSNorm with its residual add, SiLU-and-mul and the rotary embedding are one kernel each
+(``pointwise_kernels.py``) instead of the defaults' 3-10.
 """
 from __future__ import annotations
 
@@ -24,6 +26,63 @@ class TritonModelOps(ModelOps):
 
     def __init__(self, block_m: int = 16, block_n: int = 64, block_k: int = 64) -> None:
         self.block_m, self.block_n, self.block_k = block_m, block_n, block_k
+
+    @staticmethod
+    def _rows(*ts: torch.Tensor) -> bool:
+        """2-D tensors with contiguous rows, on a device Triton runs on (or the interpreter), rows to do."""
+        return all(t.dim() == 2 and t.stride(-1) == 1 and (t.device.type != "cpu" or interpreter_enabled())
+                   for t in ts) and ts[0].shape[0] > 0
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if not (self._rows(x) and weight.dtype == x.dtype and weight.is_contiguous()):
+            return super().rms_norm(x, weight, eps)
+        from vllite_triton_kernels.pointwise_kernels import rms_norm_kernel
+
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        n = x.shape[1]
+        rms_norm_kernel[(x.shape[0],)](x, x, weight, out, n, x.stride(0), 0, out.stride(0), eps,
+                                       HAS_RESIDUAL=False, BLOCK=_pow2_at_least(n, 16))
+        return out
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """In place: ``residual += x``, then ``x = rms_norm(residual)``."""
+        if not (self._rows(x, residual) and x.shape == residual.shape and x.dtype == residual.dtype == weight.dtype
+                and weight.is_contiguous()):
+            return super().add_rms_norm(x, residual, weight, eps)
+        from vllite_triton_kernels.pointwise_kernels import rms_norm_kernel
+
+        n = x.shape[1]
+        rms_norm_kernel[(x.shape[0],)](x, residual, weight, x, n, x.stride(0), residual.stride(0), x.stride(0), eps,
+                                       HAS_RESIDUAL=True, BLOCK=_pow2_at_least(n, 16))
+        return x, residual
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self._rows(x) and x.shape[1] % 2 == 0):
+            return super().silu_and_mul(x)
+        from vllite_triton_kernels.pointwise_kernels import silu_and_mul_kernel
+
+        n = x.shape[1] // 2
+        out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+        block = min(1024, _pow2_at_least(n, 16))
+        silu_and_mul_kernel[(x.shape[0], -(-n // block))](x, out, n, x.stride(0), out.stride(0), BLOCK=block)
+        return out
+
+    def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """In place, when the head size is twice a power of two (the kernel's halves are ``tl.arange``s)."""
+        d = q.shape[-1]
+        if not (q.dim() == k.dim() == 3 and d % 2 == 0 and (d // 2) & (d // 2 - 1) == 0 and k.shape[-1] == d
+                and q.stride(-1) == k.stride(-1) == 1 and self._rows(cos, sin) and cos.shape == sin.shape
+                and cos.stride() == sin.stride() and cos.shape[1] == d and q.dtype == k.dtype == cos.dtype == sin.dtype
+                and q.shape[0] == k.shape[0] == cos.shape[0]):
+            return super().rotary(q, k, cos, sin)
+        from vllite_triton_kernels.pointwise_kernels import rotary_kernel
+
+        for x in (q, k):
+            rotary_kernel[(x.shape[0],)](x, cos, sin, x.shape[1], x.stride(0), x.stride(1), cos.stride(0),
+                                         HALF=d // 2, BLOCK_H=_pow2_at_least(x.shape[1], 1))
+        return q, k
 
     def lora_add(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                  ranks: list[int], mapping: LoRAMapping) -> torch.Tensor:
