@@ -252,16 +252,6 @@ static inline void values_g(const C* const* vrows, int64_t m, const float* p, in
     for (int64_t v = 0; v < NV; ++v) a[i][v].store(acc + i * D + v * VL);
 }
 
-// values_g for n <= NQ heads.
-template <int NQ, int64_t NV, typename C>
-static inline void values_upto(int64_t n, const C* const* vrows, int64_t m, const float* p, int64_t pstride,
-                               float* acc, int64_t D) {
-  if constexpr (NQ > 1) {
-    if (n < NQ) return values_upto<NQ - 1, NV>(n, vrows, m, p, pstride, acc, D);
-  }
-  values_g<NQ, NV>(vrows, m, p, pstride, acc, D);
-}
-
 // One chunk's step of the online softmax: sv[0:n] becomes exp(sv - max so far), the running max and sum
 // are updated, and the factor the accumulator must be scaled by is returned (0 on the first chunk).
 static inline float online_softmax(float* sv, int64_t n, float& mx, float& total) {
@@ -401,8 +391,9 @@ static void decode_row(const T* qrow, int64_t qs1, T* orow, int64_t os1, const C
         for (int64_t k = 0; k < m; ++k) vh[k] = vrows[k] + h * vs2;
         for (int64_t g = 0; g < G; g += QG) {
           const int64_t st = h * G + g;
-          values_upto<QG, NV>(std::min<int64_t>(QG, G - g), vh, m, w.scores.data() + st * KC + j0, KC,
-                              w.acc.data() + st * D, D);
+          with_height<QG>(std::min<int64_t>(QG, G - g), [&](auto nq) {
+            values_g<decltype(nq)::value, NV>(vh, m, w.scores.data() + st * KC + j0, KC, w.acc.data() + st * D, D);
+          });
         }
       }
     }

@@ -24,6 +24,7 @@
 #include <ATen/ops/zeros.h>
 
 #include <optional>
+#include <type_traits>
 
 #include "kernels.h"
 
@@ -42,6 +43,16 @@ static inline AVec avec_load(const T* p) {
     at::vec::load_to_float(p, v);
     return v;
   }
+}
+
+// f(std::integral_constant<int, r>{}) for the runtime r = rows in [1, MAX]: a GEMM tile's (or a group's) height
+// as a template argument, so that its accumulators are a fixed-size array the compiler keeps in registers.
+template <int MAX, typename F>
+static inline void with_height(int64_t rows, const F& f) {
+  if constexpr (MAX > 1) {
+    if (rows < MAX) return with_height<MAX - 1>(rows, f);
+  }
+  f(std::integral_constant<int, MAX>{});
 }
 
 }  // namespace VLLITE_CPU_ISA

@@ -493,18 +493,6 @@ static inline void tile(const uint16_t* __restrict A, int64_t lda, const uint16_
   }
 }
 
-static inline void tile_rows(int64_t rows, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t Kp, uint16_t* C,
-                             int64_t ldc, const float* bias, int64_t ncols) {
-  switch (rows) {
-#define VLLITE_BF16_TILE(n) \
-  case n: return tile<n>(A, lda, B, Kp, C, ldc, bias, ncols);
-    VLLITE_BF16_TILE(1) VLLITE_BF16_TILE(2) VLLITE_BF16_TILE(3) VLLITE_BF16_TILE(4) VLLITE_BF16_TILE(5)
-    VLLITE_BF16_TILE(6) VLLITE_BF16_TILE(7) VLLITE_BF16_TILE(8) VLLITE_BF16_TILE(9) VLLITE_BF16_TILE(10)
-    VLLITE_BF16_TILE(11) VLLITE_BF16_TILE(12)
-#undef VLLITE_BF16_TILE
-    default: TORCH_CHECK(false, "bf16_gemm: tile of ", rows, " rows");
-  }
-}
 #endif
 }  // namespace bf16_gemm_impl
 
@@ -572,8 +560,10 @@ void bf16_gemm(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at
       const int64_t m0 = (t / P) * mc, m1 = std::min(M, m0 + mc), p = t % P;
       const int64_t n0 = p * NB, ncols = std::min(NB, N - n0);
       for (int64_t m = m0; m < m1; m += MR)
-        tile_rows(std::min(MR, m1 - m), A + m * K, K, B + p * Kp * NB * 2, Kp, C + m * N + n0, N,
-                  bp ? bp + n0 : nullptr, ncols);
+        with_height<MR>(std::min(MR, m1 - m), [&](auto r) {
+          tile<decltype(r)::value>(A + m * K, K, B + p * Kp * NB * 2, Kp, C + m * N + n0, N, bp ? bp + n0 : nullptr,
+                                   ncols);
+        });
     }
   });
 #else

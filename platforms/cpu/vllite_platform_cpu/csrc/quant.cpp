@@ -255,19 +255,6 @@ static inline void tile(const uint8_t* A, int64_t lda, const int8_t* B, int64_t 
   }
 }
 
-template <typename out_t>
-static inline void tile_rows(int64_t rows, const uint8_t* A, int64_t lda, const int8_t* B, int64_t K4, const float* xs,
-                             out_t* C, int64_t ldc, const float* bias, int64_t ncols) {
-  switch (rows) {
-#define VLLITE_INT8_TILE(n) \
-  case n: return tile<n>(A, lda, B, K4, xs, C, ldc, bias, ncols);
-    VLLITE_INT8_TILE(1) VLLITE_INT8_TILE(2) VLLITE_INT8_TILE(3) VLLITE_INT8_TILE(4) VLLITE_INT8_TILE(5)
-    VLLITE_INT8_TILE(6) VLLITE_INT8_TILE(7) VLLITE_INT8_TILE(8) VLLITE_INT8_TILE(9) VLLITE_INT8_TILE(10)
-    VLLITE_INT8_TILE(11) VLLITE_INT8_TILE(12)
-#undef VLLITE_INT8_TILE
-    default: TORCH_CHECK(false, "int8_gemm: tile of ", rows, " rows");
-  }
-}
 #endif
 }  // namespace int8_gemm_impl
 
@@ -361,8 +348,10 @@ void int8_gemm(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at
         const int64_t m0 = (t / P) * mc, m1 = std::min(M, m0 + mc), p = t % P;
         const int64_t n0 = p * NB, ncols = std::min(NB, N - n0);
         for (int64_t m = m0; m < m1; m += MR)
-          tile_rows(std::min(MR, m1 - m), A + m * K, K, B + p * (K * NB + TAIL), K4, xs + m, C + m * N + n0, N,
-                    bp ? bp + n0 : nullptr, ncols);
+          with_height<MR>(std::min(MR, m1 - m), [&](auto r) {
+            tile<decltype(r)::value>(A + m * K, K, B + p * (K * NB + TAIL), K4, xs + m, C + m * N + n0, N,
+                                     bp ? bp + n0 : nullptr, ncols);
+          });
       }
     });
   };
