@@ -396,7 +396,9 @@ def test_int8_gemm_is_the_separate_passes_bit_for_bit(rows, shape, dtype, thread
     xq = torch.empty(x.shape, dtype=torch.int8)
     xs = torch.empty(rows)
     kernels.quantize_rows_int8(xq, xs, x)
-    exact = (xq.double() @ q.double().T) * xs.double()[:, None] * scale.double() + (0 if bias is None else bias.double())
+    exact = (xq.double() @ q.double().T) * xs.double()[:, None] * scale.double()
+    if bias is not None:
+        exact += bias.double()
     tol = 2 ** -8 if dtype == torch.bfloat16 else 2 ** -20
     assert torch.all((out.double() - exact).abs() <= exact.abs() * tol + 1e-6)
 

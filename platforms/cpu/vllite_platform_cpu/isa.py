@@ -7,8 +7,8 @@ extension is not installed). Lowest first; each needs the features of those befo
 
 Like ATen's own dispatch (``CPU_CAPABILITY`` DEFAULT / AVX2 / AVX512), the defines choose ATen's
 ``at::vec::Vectorized`` implementation per variant; ``avx512_bf16`` adds the AVX512-BF16 dot products of
-the attention kernel and the bf16 GEMM (``__AVX512BF16__``) and the int8 GEMM's AVX512-VNNI ones. ``-march=native`` is never used: a build made on one CPU runs
-on any other of its architecture.
+the attention kernel and the bf16 GEMM (``__AVX512BF16__``) and the int8 GEMM's AVX512-VNNI ones.
+``-march=native`` is never used: a build made on one CPU runs on any other of its architecture.
 """
 from __future__ import annotations
 
