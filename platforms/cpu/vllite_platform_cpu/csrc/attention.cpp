@@ -277,6 +277,16 @@ struct DecodeScratch {
   std::vector<float> qf, acc, mx, total, scores, part;
 };
 
+// The K rows of the decode row a thread takes next (positions lo .. lo + n - 1 of its request, its group of KV
+// heads from kbase): decode_row fetches them into L2 while it sums its own values from L2, when the memory
+// would otherwise sit idle (n = 0: none).
+template <typename C>
+struct NextRows {
+  const C* kbase = nullptr;
+  const int32_t* blocks = nullptr;
+  int64_t lo = 0, n = 0;
+};
+
 // Attention of one query row (a decode step's token) over positions [t_lo, t_hi] of its request, for
 // KV heads h0 .. h0 + HG - 1 and the G query heads of each. Why not the tile path: that one walks one
 // head's rows at a time (768-byte strides for SmolLM2, the same rows again per query head). Here each
@@ -291,7 +301,7 @@ template <typename T, typename C, int DC>
 static void decode_row(const T* qrow, int64_t qs1, T* orow, int64_t os1, const C* kc, const C* vc, int64_t ks0,
                        int64_t ks1, int64_t ks2, int64_t vs0, int64_t vs1, int64_t vs2, const int32_t* row_blocks,
                        int64_t BS, int64_t h0, int64_t HG, int64_t G, int64_t t_lo, int64_t t_hi, float sc,
-                       float v_scale, DecodeScratch& w) {
+                       float v_scale, DecodeScratch& w, const NextRows<C>& next) {
   constexpr int64_t D = DC, NV = DC / VL, KC = 256, PD = 16;
   // Query heads whose value accumulators stay in registers together (with one widened value row): 4 of 64
   // dims with AVX-512 (20 of its 32 registers), 2 of 128; one with AVX2's 16.
@@ -311,6 +321,8 @@ static void decode_row(const T* qrow, int64_t qs1, T* orow, int64_t os1, const C
   const C* vbase = vc + h0 * vs2;
   RowWalk<C> kw(kbase, row_blocks, BS, ks0, ks1, t_lo), vw(vbase, row_blocks, BS, vs0, vs1, t_lo);
   RowWalk<C> kpf = kw;  // PD positions ahead of kw
+  RowWalk<C> npf(next.n ? next.kbase : kbase, next.n ? next.blocks : row_blocks, BS, ks0, ks1, next.lo);
+  int64_t next_done = 0;
   int64_t t_pf = t_lo;
   for (int64_t i = 0; i < PD && t_pf <= t_hi; ++i, ++t_pf, kpf.next()) prefetch_rows<C, 3>(kpf.row(), HG, ks2, D);
   for (int64_t c0 = t_lo; c0 <= t_hi; c0 += KC) {
@@ -381,6 +393,11 @@ static void decode_row(const T* qrow, int64_t qs1, T* orow, int64_t os1, const C
     // Values: 16 positions at a time per state, the accumulator in registers, the rows from L1.
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
       const int64_t m = std::min<int64_t>(16, n - j0);
+      // The next row's K, in step with this pass over the whole context.
+      for (const int64_t due = next.n * (c0 - t_lo + j0 + m) / (t_hi - t_lo + 1); next_done < due; ++next_done) {
+        prefetch_rows<C, 2>(npf.row(), HG, ks2, D);
+        npf.next();
+      }
       const C* vrows[16];
       for (int64_t k = 0; k < m; ++k) {
         vrows[k] = vw.row();
@@ -473,9 +490,21 @@ static void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_
       if constexpr (kVecHead<scalar_t, DC>) {
         if (nr == 1) {  // a decode row (or a one-row tile): the streaming path
           const int64_t t_lo = window > 0 ? std::max<int64_t>(0, p_first - window + 1) : 0;
+          NextRows<cache_t> next;
+          if (task + 1 < end) {  // this thread's next task, when it is a decode row too
+            const int64_t item2 = task_item[task + 1];
+            const int64_t r2 = rid[item2 / HKV];
+            if (qsl[r2 + 1] - qsl[r2] == 1) {
+              const int64_t p2 = sl[r2] - 1;
+              next.kbase = kc + (item2 % HKV) * ks2;
+              next.blocks = bt + r2 * bts;
+              next.lo = window > 0 ? std::max<int64_t>(0, p2 - window + 1) : 0;
+              next.n = p2 - next.lo + 1;
+            }
+          }
           decode_row<scalar_t, cache_t, DC>(q + (q0 + ia) * qs0, qs1, o + (q0 + ia) * os0, os1, kc, vc, ks0, ks1, ks2,
                                             vs0, vs1, vs2, row_blocks, BS, h0, HG, G, t_lo, p_first, sc, v_scale,
-                                            dscratch);
+                                            dscratch, next);
           continue;
         }
       }
