@@ -160,3 +160,31 @@ def test_cpu_kernel_paths(head_size, heads, kv_heads, q_lens, s_lens, window, dt
     ref = reference_paged_attention(q.float(), k.float(), v.float(), ref_cache.float(), md, 0.125, window)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,window", [(9, 3, None), (14, 2, 70)])
+def test_cpu_kernel_decode_rows_every_variant(dtype, heads, kv_heads, window):
+    """Many decode rows (each thread then fetches its next row's keys while summing values, csrc/attention.cpp's
+    NextRows) and a prefill chunk after them, on every ISA variant this CPU runs (default: scalar loops; AVX2:
+    one query head's values at a time; AVX-512: 4; AVX512-BF16: bf16 dot products), against the reference."""
+    from vllite_platform_cpu import kernels
+
+    if not kernels.available():
+        pytest.skip(f"CPU kernels not built here: {kernels.error()}")
+    q_lens, s_lens = [1] * 14 + [9], [5 + 37 * i for i in range(14)] + [300]
+    q, k, v, cache, md = _case(q_lens, s_lens, heads, kv_heads, head_size=64, dtype=dtype, block=16,
+                               num_blocks=sum(-(-s // 16) for s in s_lens) + 4)
+    from vllite_core.attention.kv_quant import store_scaled
+
+    for i, t in enumerate((k, v)):  # the step's own rows, as the backend's store puts them
+        store_scaled(cache[i].flatten(0, 1), md.slot_mapping[:md.num_actual_tokens].long(), t)
+    ref = reference_paged_attention(q.float(), k.float(), v.float(), cache.float(), md, 0.125, window)
+    args = (md.block_table.int(), md.seq_lens.int(), md.query_start_loc.int(),
+            torch.arange(len(q_lens), dtype=torch.int32))
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    runnable = kernels.host_variants() if kernels.origin() == "installed" else [kernels.variant()]
+    for name in runnable:
+        out = torch.zeros_like(q)
+        kernels.load_variant(name).paged_attention(out, q, cache[0], cache[1], *args, 0.125, window or 0, 1.0, 1.0)
+        torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol, msg=lambda m, n=name: f"{n}: {m}")
