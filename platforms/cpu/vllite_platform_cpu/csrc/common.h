@@ -24,6 +24,9 @@
 #include <ATen/ops/zeros.h>
 
 #include <optional>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <type_traits>
 
 #include "kernels.h"
@@ -44,6 +47,31 @@ static inline AVec avec_load(const T* p) {
     return v;
   }
 }
+
+// A GEMM's optional float32 bias of n values (contiguous; checked): its data, or nullptr without one.
+static inline const float* float_bias(const std::optional<at::Tensor>& bias, int64_t n, const char* what) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->is_contiguous() && bias->numel() == n && bias->scalar_type() == at::kFloat, what,
+              ": bias must be float32 [N], contiguous");
+  return bias->data_ptr<float>();
+}
+
+#if defined(__AVX512F__)
+// A 32-column GEMM tile's edge: its two 16-lane masks (the first ncols columns live) and its float32 bias
+// (zeros without one, or past ncols), for the bf16 and int8 GEMMs' epilogues.
+struct TileEdge32 {
+  __mmask16 m0, m1;
+  __m512 b0, b1;
+};
+static inline TileEdge32 tile_edge32(int64_t ncols, const float* bias) {
+  TileEdge32 e;
+  e.m0 = ncols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << ncols) - 1);
+  e.m1 = ncols >= 32 ? __mmask16(0xFFFF) : ncols <= 16 ? __mmask16(0) : __mmask16((1u << (ncols - 16)) - 1);
+  e.b0 = bias ? _mm512_maskz_loadu_ps(e.m0, bias) : _mm512_setzero_ps();
+  e.b1 = bias ? _mm512_maskz_loadu_ps(e.m1, bias + 16) : _mm512_setzero_ps();
+  return e;
+}
+#endif
 
 // f(std::integral_constant<int, r>{}) for the runtime r = rows in [1, MAX]: a GEMM tile's (or a group's) height
 // as a template argument, so that its accumulators are a fixed-size array the compiler keeps in registers.

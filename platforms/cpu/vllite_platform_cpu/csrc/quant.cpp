@@ -231,27 +231,21 @@ static inline void tile(const uint8_t* A, int64_t lda, const int8_t* B, int64_t 
   tile_sums<R>(A, lda, B, K4, acc);
   const int32_t* comp = reinterpret_cast<const int32_t*>(B + K4 * 4 * NB);
   const float* ws = reinterpret_cast<const float*>(comp + NB);
-  const __mmask16 m0 = ncols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << ncols) - 1);
-  const __mmask16 m1 = ncols >= 32 ? __mmask16(0xFFFF) : ncols <= 16 ? __mmask16(0) : __mmask16((1u << (ncols - 16)) - 1);
+  const TileEdge32 e = tile_edge32(ncols, bias);
   const __m512i k0 = _mm512_loadu_si512(comp), k1 = _mm512_loadu_si512(comp + 16);
   const __m512 w0 = _mm512_loadu_ps(ws), w1 = _mm512_loadu_ps(ws + 16);
-  __m512 bb0 = _mm512_setzero_ps(), bb1 = _mm512_setzero_ps();
-  if (bias) {
-    bb0 = _mm512_maskz_loadu_ps(m0, bias);
-    bb1 = _mm512_maskz_loadu_ps(m1, bias + 16);
-  }
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r) {
     const __m512 xv = _mm512_set1_ps(xs[r]);
     const __m512i s0 = _mm512_load_si512(acc + r * NB), s1 = _mm512_load_si512(acc + r * NB + 16);
     __m512 v0 = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s0, k0)), xv), w0);
     __m512 v1 = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s1, k1)), xv), w1);
-    if (bias) {
-      v0 = _mm512_add_ps(v0, bb0);
-      v1 = _mm512_add_ps(v1, bb1);
+    if (bias) {  // no add without a bias: dequantize_int32's arithmetic
+      v0 = _mm512_add_ps(v0, e.b0);
+      v1 = _mm512_add_ps(v1, e.b1);
     }
-    store_masked(C + r * ldc, m0, v0);
-    store_masked(C + r * ldc + 16, m1, v1);
+    store_masked(C + r * ldc, e.m0, v0);
+    store_masked(C + r * ldc + 16, e.m1, v1);
   }
 }
 
@@ -321,11 +315,7 @@ void int8_gemm(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1), P = packed.size(0);
   TORCH_CHECK(out.size(0) == M && K % 4 == 0 && P == (N + NB - 1) / NB && packed.size(1) == K * NB + TAIL,
               "int8_gemm: shapes");
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == at::kFloat, "int8_gemm: bias");
-    bp = bias->data_ptr<float>();
-  }
+  const float* bp = float_bias(bias, N, "int8_gemm");
   if (M == 0 || N == 0) return;
 #ifdef VLLITE_INT8_GEMM
   at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
@@ -342,17 +332,12 @@ void int8_gemm(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at
     const auto* A = reinterpret_cast<const uint8_t*>(qp);
     const int8_t* B = packed.data_ptr<int8_t>();
     scalar_t* C = out.data_ptr<scalar_t>();
-    const int64_t blocks = (M + MC - 1) / MC, mc = (M + blocks - 1) / blocks, K4 = K / 4;
-    split_for(blocks * P, 1, [&](int64_t b, int64_t e) {
-      for (int64_t t = b; t < e; ++t) {
-        const int64_t m0 = (t / P) * mc, m1 = std::min(M, m0 + mc), p = t % P;
-        const int64_t n0 = p * NB, ncols = std::min(NB, N - n0);
-        for (int64_t m = m0; m < m1; m += MR)
-          with_height<MR>(std::min(MR, m1 - m), [&](auto r) {
-            tile<decltype(r)::value>(A + m * K, K, B + p * (K * NB + TAIL), K4, xs + m, C + m * N + n0, N,
-                                     bp ? bp + n0 : nullptr, ncols);
-          });
-      }
+    const int64_t K4 = K / 4;
+    for_panel_tiles(M, N, NB, MC, MR, [&](int64_t m, int64_t rows, int64_t p, int64_t n0, int64_t ncols) {
+      with_height<MR>(rows, [&](auto r) {
+        tile<decltype(r)::value>(A + m * K, K, B + p * (K * NB + TAIL), K4, xs + m, C + m * N + n0, N,
+                                 bp ? bp + n0 : nullptr, ncols);
+      });
     });
   };
   if (x.scalar_type() == at::kFloat)
