@@ -307,15 +307,17 @@ static void decode_row(const T* qrow, int64_t qs1, T* orow, int64_t os1, const C
   // dims with AVX-512 (20 of its 32 registers), 2 of 128; one with AVX2's 16.
   constexpr int QG = VL == 16 ? static_cast<int>(std::clamp<int64_t>(24 / NV - 1, 1, 4)) : 1;
   const int64_t N = HG * G;  // states, st = h * G + g (query head (h0 + h) * G + g)
-  w.qf.resize(N * D);
   w.acc.assign(N * D, 0.f);
   w.mx.assign(N, -INFINITY);
   w.total.assign(N, 0.f);
   w.scores.resize(N * KC + 16);
   w.part.resize(N * 16 * VL);
-  for (int64_t st = 0; st < N; ++st) {
-    const T* qp = qrow + (h0 * G + st) * qs1;
-    for (int64_t d = 0; d < D; ++d) w.qf[st * D + d] = to_f(qp[d]) * sc;
+  if constexpr (!kBf16Dots<T, C, DC>) {  // the scaled float32 query (bf16 dots read the stored query)
+    w.qf.resize(N * D);
+    for (int64_t st = 0; st < N; ++st) {
+      const T* qp = qrow + (h0 * G + st) * qs1;
+      for (int64_t d = 0; d < D; ++d) w.qf[st * D + d] = to_f(qp[d]) * sc;
+    }
   }
   const C* kbase = kc + h0 * ks2;
   const C* vbase = vc + h0 * vs2;

@@ -181,7 +181,7 @@ void dequantize_int32(at::Tensor out, at::Tensor acc, at::Tensor x_scale, at::Te
 //
 // vpdpbusd multiplies unsigned by signed bytes, so each quantized input byte q (-127..127) is stored as
 // q + 128 (its sign bit flipped, quantize_row's `flip`) and each column's 128 * sum(w) is subtracted from its
-// sum: sum((q + 128) w) - 128 sum(w) = sum(q w), exactly (|sum| < 2^31 for K < 2^16 / 2).
+// sum: sum((q + 128) w) - 128 sum(w) = sum(q w), exactly (|sum| <= 255 * 127 * K < 2^31 for K <= 65536, checked).
 //
 // Layout (int8_gemm_pack): [ceil(N / 32)] panels of K / 4 rows of 32 columns x 4 consecutive k (128 bytes, two
 // zmm), then the panel's 32 int32 compensations and 32 float32 weight scales, so a tile reads one stream. A
@@ -261,8 +261,8 @@ bool int8_gemm_available() {
 }
 
 // q [N, K] int8 (K a multiple of 4) and its float32 scale per row -> out [ceil(N / 32), K * 32 + 256] int8 (the
-// layout above; columns past N get zero weights, compensations and scales). Plain C++: it runs (and is tested)
-// in every variant; the caller allocates `out` (see bf16_gemm_pack).
+// layout above; columns past N, weights, compensations and scales, left as the caller made them: zeros). Plain
+// C++: it runs (and is tested) in every variant; the caller allocates `out` (see bf16_gemm_pack).
 void int8_gemm_pack(at::Tensor out, at::Tensor q, at::Tensor scale) {
   using namespace int8_gemm_impl;
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.size(1) % 4 == 0 && q.is_contiguous()
@@ -278,24 +278,17 @@ void int8_gemm_pack(at::Tensor out, at::Tensor q, at::Tensor scale) {
   at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) {
     for (int64_t p = b; p < e; ++p) {
       int8_t* panel = dst + p * (K * NB + TAIL);
-      for (int64_t j = 0; j < NB; ++j) {
-        const int64_t n = p * NB + j;
+      for (int64_t j = 0; j < NB && p * NB + j < N; ++j) {
+        const int8_t* row = src + (p * NB + j) * K;
         int32_t sum = 0;
-        float s = 0.f;
-        if (n < N) {
-          const int8_t* row = src + n * K;
-          for (int64_t kk = 0; kk < K4; ++kk)
-            for (int64_t i = 0; i < 4; ++i) {
-              panel[kk * 4 * NB + j * 4 + i] = row[4 * kk + i];
-              sum += row[4 * kk + i];
-            }
-          s = sp[n];
-        } else {
-          for (int64_t kk = 0; kk < K4; ++kk) std::memset(panel + kk * 4 * NB + j * 4, 0, 4);
-        }
+        for (int64_t kk = 0; kk < K4; ++kk)
+          for (int64_t i = 0; i < 4; ++i) {
+            panel[kk * 4 * NB + j * 4 + i] = row[4 * kk + i];
+            sum += row[4 * kk + i];
+          }
         const int32_t comp = 128 * sum;
         std::memcpy(panel + K * NB + 4 * j, &comp, 4);
-        std::memcpy(panel + K * NB + 4 * NB + 4 * j, &s, 4);
+        std::memcpy(panel + K * NB + 4 * NB + 4 * j, sp + p * NB + j, 4);
       }
     }
   });
@@ -315,6 +308,7 @@ void int8_gemm(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1), P = packed.size(0);
   TORCH_CHECK(out.size(0) == M && K % 4 == 0 && P == (N + NB - 1) / NB && packed.size(1) == K * NB + TAIL,
               "int8_gemm: shapes");
+  TORCH_CHECK(K <= 65536, "int8_gemm: K = ", K, " > 65536 could overflow the int32 sums");
   const float* bp = float_bias(bias, N, "int8_gemm");
   if (M == 0 || N == 0) return;
 #ifdef VLLITE_INT8_GEMM
