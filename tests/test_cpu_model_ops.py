@@ -482,3 +482,36 @@ def test_encoder_attention_matches_float64_sdpa_per_prompt():
                 ref[a:e] = F.scaled_dot_product_attention(q, k, v).transpose(0, 1).float()
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(torch_path, ref, rtol=1e-5, atol=1e-5)
+
+
+def _argmax_cases(dtype):
+    """Rows of every awkward kind beside plain random ones: ties (within a lane and across lanes), NaN (one,
+    several, in the vector part and in the tail), +inf, a row of -inf, widths below one vector and with tails."""
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 5, 16, 17, 31, 33, 1000, 49152):
+        x = torch.randn(12, n, generator=g).to(dtype)
+        x[1] = 0.0  # all tied: index 0
+        x[2, :] = float("-inf")
+        if n > 3:
+            x[3, [n // 3, n - 1]] = 100.0  # tie between two positions (different lanes when n is large)
+            x[4, n - 1] = float("nan")  # NaN in the tail (or the vectors)
+            x[5, [n // 2, 1]] = float("nan")  # two NaNs: the first wins
+            x[6, n // 2] = float("inf")
+            x[7, 0] = 50.0
+            x[8, -2:] = 50.0
+        yield x
+    x = torch.randn(9, 300, generator=g).to(dtype)
+    yield x[:, 7:250]  # a strided view (row stride 300)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_argmax_rows_is_torchs_on_every_variant(dtype):
+    """The sampler's argmax (first largest, a NaN first) is torch.argmax's, on every ISA variant this CPU runs."""
+    runnable = kernels.host_variants() if kernels.origin() == "installed" else [kernels.variant()]
+    for x in _argmax_cases(dtype):
+        want = x.argmax(dim=-1)
+        torch.testing.assert_close(FAST.argmax_rows(x), want)
+        for name in runnable:
+            out = torch.empty(x.shape[0], dtype=torch.int64)
+            kernels.load_variant(name).argmax_rows(out, x)
+            torch.testing.assert_close(out, want, msg=lambda m, n=name, w=x.shape[1]: f"{n}, {w} columns: {m}")

@@ -55,3 +55,20 @@ def test_streamed_deltas_never_show_a_stop_string(tokenizer):
         if to_stop:
             break
     assert streamed == "Paris."
+
+
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_rust_decoder_matches_transformers_decode(tokenizer, skip_special):
+    """The default tokenizer decodes through its Rust tokenizer directly; the deltas (special tokens in the
+    middle, skipped or not) are the ones transformers' ``decode`` gives."""
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    special = sorted(tokenizer.all_special_ids)[:2]
+    ids = ids[:5] + special + ids[5:] + special[:1]
+    params = SamplingParams(skip_special_tokens=skip_special)
+    fast = IncrementalDetokenizer(tokenizer, [1, 2, 3], params)
+    slow = IncrementalDetokenizer(tokenizer, [1, 2, 3], params)
+    assert fast._rust is not None
+    slow._rust = None
+    assert [fast.add_tokens([t]) for t in ids] == [slow.add_tokens([t]) for t in ids]
+    want = tokenizer.decode(ids, skip_special_tokens=skip_special, clean_up_tokenization_spaces=False)
+    assert fast.output_text == want

@@ -1,4 +1,4 @@
-"""The pointwise pieces of a transformer layer, as one object a platform may replace.
+"""The pointwise pieces of a transformer layer (and the sampler's argmax), as one object a platform may replace.
 
 Models call ``current_model_ops()`` when they build their layers and keep what it returns; the
 worker builds the model inside ``use_model_ops(platform.model_ops(config))``. The defaults here are
@@ -89,6 +89,11 @@ class ModelOps:
         """Bidirectional attention within each prompt of the step: ``qkv`` [T, 3, heads, head_size] (the fused
         projection) -> [T, heads, head_size]. Torch's SDPA over prompts padded into buckets."""
         return padded_attention(qkv, prompts, scale)
+
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x.argmax(dim=-1)`` of a 2-D tensor (int64): each row's first largest value, a NaN counting as the
+        largest. The sampler's, for greedy rows and the random rows' race."""
+        return x.argmax(dim=-1)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         h = x.float()

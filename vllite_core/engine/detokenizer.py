@@ -14,6 +14,20 @@ from vllite_core.sampling_params import SamplingParams
 _INITIAL_WINDOW = 5
 
 
+def _rust_decoder(tokenizer: Any) -> Any:
+    """The ``tokenizers.Tokenizer`` a transformers fast tokenizer's ``decode`` ends in, when nothing in between
+    changes the text (its class keeps the base ``_decode``): called directly, two decodes per token cost about
+    a fifth of going through transformers' argument handling (~1 ms of a batch-64 decode step). None: use
+    ``decode``."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: the generic path
+        return None
+    if not isinstance(tokenizer, TokenizersBackend) or type(tokenizer)._decode is not TokenizersBackend._decode:
+        return None
+    return tokenizer.backend_tokenizer
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.tok = tokenizer
@@ -25,10 +39,13 @@ class IncrementalDetokenizer:
         self.output_text = ""
         self.stop_checked_upto = 0  # index into output_text already searched for stops
         self._special = set(getattr(tokenizer, "all_special_ids", []) or [])
+        self._rust = _rust_decoder(tokenizer)
 
     def _decode(self, ids: list[int]) -> str:
         if self.skip_special:
             ids = [i for i in ids if i not in self._special]
+        if self._rust is not None:
+            return self._rust.decode(ids, skip_special_tokens=False)
         return self.tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def add_tokens(self, new_ids: list[int]) -> str:

@@ -31,3 +31,10 @@ class SamplingMetadata:
     seen_mask: torch.Tensor | None = None  # bool [N, V]: in the prompt or the generated tokens
     processors: list[Any] = field(default_factory=list)  # global LogitsProcessors
     batch_info: Any = None  # BatchInfo for the processors
+
+    @property
+    def constrained(self) -> bool:
+        """Whether anything of ``Sampler.apply_constraints`` applies to some row (every field it reads)."""
+        return bool(self.processors) or any(f is not None for f in (
+            self.grammar_bitmask, self.allowed_mask, self.banned, self.bias, self.presence, self.frequency,
+            self.repetition, self.output_counts, self.seen_mask))

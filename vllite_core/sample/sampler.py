@@ -5,7 +5,9 @@ words, min_tokens, logit bias, global processors, penalties -> greedy argmax |
 temperature, top-k, top-p, min-p -> [processed_logprobs / processed_logits
 captured] -> sample. Random rows use the exponential race (argmax of p / q with
 q ~ Exp(1)), so a seeded row draws from its own generator while the rest of the
-batch shares one draw.
+batch shares one draw. A batch of greedy rows with none of those steps to apply and no logprobs
+wanted takes only the argmax, of the logits as the model returned them. The argmax (here and
+in the random rows' race) is the platform's ``ModelOps.argmax_rows``.
 
 Faults of one row: a global processor that raises is re-run on each row alone to find
 the rows it fails on, and a row whose constrained logits have no finite maximum (a NaN,
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllite_core.model_ops import ModelOps, current_model_ops
 from vllite_core.sample.logits_processor import BatchInfo
 from vllite_core.sample.metadata import SamplingMetadata
 from vllite_core.sampling_params import GREEDY_EPS
@@ -94,16 +97,19 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, logprobs_mode: str = "raw_logprobs") -> None:
+    def __init__(self, logprobs_mode: str = "raw_logprobs", ops: ModelOps | None = None) -> None:
         self.logprobs_mode = logprobs_mode
+        self.argmax = (ops or current_model_ops()).argmax_rows  # the platform's, built inside use_model_ops
 
     def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        if md.all_greedy and md.max_num_logprobs is None and not md.constrained:
+            return SamplerOutput(sampled_token_ids=self.greedy_only(logits), logprobs=None)
         logits = logits.float()
         want = md.max_num_logprobs is not None
         captured = self.as_mode(logits) if want and self.logprobs_mode.startswith("raw") else None
         logits = self.apply_constraints(logits, md)
         check_finite_rows(logits)
-        greedy = None if md.all_random else logits.argmax(dim=-1)
+        greedy = None if md.all_random else self.argmax(logits)
         if md.all_greedy:
             processed = logits
             sampled = greedy
@@ -119,6 +125,16 @@ class Sampler:
             captured = self.as_mode(processed)
         lp = gather_logprobs(captured, sampled, md.max_num_logprobs or 0) if want else None
         return SamplerOutput(sampled_token_ids=sampled, logprobs=lp)
+
+    def greedy_only(self, logits: torch.Tensor) -> torch.Tensor:
+        """Every row greedy, unconstrained, no logprobs: the argmax of the logits as they are (a 16-bit row's
+        argmax is its float32 copy's), and the finite check on the chosen values alone: the argmax takes a
+        NaN first, then +inf, and a row of -inf gives -inf, so a chosen value is finite exactly when the row's
+        maximum is."""
+        ids = self.argmax(logits)
+        if not bool(torch.isfinite(logits.gather(1, ids.unsqueeze(1))).all()):
+            check_finite_rows(logits.float())  # raises, naming the rows
+        return ids
 
     def as_mode(self, logits: torch.Tensor) -> torch.Tensor:
         return logits.log_softmax(dim=-1) if self.logprobs_mode.endswith("logprobs") else logits.clone()
@@ -168,15 +184,14 @@ class Sampler:
             logits = logits.masked_fill(probs < thresh, _NEG_INF)
         return logits
 
-    @staticmethod
-    def random_sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    def random_sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         probs = logits.softmax(dim=-1)
         q = torch.empty_like(probs)
         if len(md.generators) < probs.shape[0]:
             q.exponential_()
         for row, gen in md.generators.items():
             q[row].exponential_(generator=gen)
-        return probs.div_(q).argmax(dim=-1)
+        return self.argmax(probs.div_(q))
 
 
 def gather_logprobs(values: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsTensors:

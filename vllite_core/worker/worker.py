@@ -76,7 +76,8 @@ class Worker:
             from vllite_core.worker.tp_runner import TensorParallelModelRunner
 
             runner_cls = TensorParallelModelRunner
-        self.runner = runner_cls(self.config, model, backend, self.device, dtype, kv_dtype, processors)
+        with use_model_ops(ops):  # the sampler keeps the platform's ops
+            self.runner = runner_cls(self.config, model, backend, self.device, dtype, kv_dtype, processors)
         if hasattr(self.runner.proposer, "load_model"):  # speculative decoding with a draft model of its own
             with use_model_ops(ops):
                 self.runner.proposer.load_model(self.runner)

@@ -61,7 +61,7 @@ ENTRY_POINTS = ("paged_attention", "avx2_gemm_available", "avx2_gemm_dtypes", "a
                 "quantize_rows_int8", "dequantize_int32", "encoder_attention", "add_layer_norm", "gguf_linear_x8",
                 "lora_add", "paged_attention_store", "llama_decoder_layer", "llama_decoder_stack",
                 "bf16_gemm_available", "bf16_gemm_pack", "bf16_gemm", "int8_gemm_available", "int8_gemm_pack",
-                "int8_gemm")
+                "int8_gemm", "argmax_rows")
 KERNEL_ENV = "VLLITE_CPU_ATTENTION_KERNEL"  # 0: no C++ kernels (torch ops)
 ISA_ENV = "VLLITE_CPU_ISA"  # the highest variant to use: default, avx2, avx512 or avx512_bf16
 
@@ -295,6 +295,11 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
     load().silu_and_mul(out, x)
+
+
+def argmax_rows(out: torch.Tensor, x: torch.Tensor) -> None:
+    """``out[r] = x[r].argmax()`` (int64 out, x [rows, n] with unit column stride, float32/bf16/fp16)."""
+    load().argmax_rows(out, x)
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

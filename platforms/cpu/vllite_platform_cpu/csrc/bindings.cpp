@@ -92,6 +92,7 @@ void bind_layer_spec(pybind11::module_& s) {
     s.def("rms_norm", &vllite_cpu::ns::rms_norm);                                        \
     s.def("add_rms_norm", &vllite_cpu::ns::add_rms_norm);                                \
     s.def("silu_and_mul", &vllite_cpu::ns::silu_and_mul);                                \
+    s.def("argmax_rows", &vllite_cpu::ns::argmax_rows);                                  \
     s.def("rotary", &vllite_cpu::ns::rotary);                                            \
     s.def("quantize_rows_int8", &vllite_cpu::ns::quantize_rows_int8);                    \
     s.def("int8_gemm_available", &vllite_cpu::ns::int8_gemm_available);                  \

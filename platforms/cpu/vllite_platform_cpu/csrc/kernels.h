@@ -50,6 +50,7 @@
   void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);                                       \
   void add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);                              \
   void silu_and_mul(at::Tensor out, at::Tensor x);                                                                  \
+  void argmax_rows(at::Tensor out, at::Tensor x);                                                                   \
   void rotary(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin);                                          \
   void quantize_rows_int8(at::Tensor q, at::Tensor scale, at::Tensor x);                                            \
   void dequantize_int32(at::Tensor out, at::Tensor acc, at::Tensor x_scale, at::Tensor w_scale,                     \
