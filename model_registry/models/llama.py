@@ -241,6 +241,7 @@ class LlamaForCausalLM(nn.Module, SupportsLoRA, SupportsTensorParallel):
         self._ops = current_model_ops()
         self._head_state: dict = {}
         self.gguf_head = None  # the LM head's GGUF blocks under quantization="gguf" (model_registry.gguf_blocks)
+        self.int8_head: tuple[torch.Tensor, torch.Tensor] | None = None  # (int8 rows, scales): quantize_lm_head_int8
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
@@ -271,9 +272,19 @@ class LlamaForCausalLM(nn.Module, SupportsLoRA, SupportsTensorParallel):
         """float32 logits [N, vocab] for the rows the sampler needs."""
         if self.gguf_head is not None:
             local = self._ops.gguf_linear(hidden_states, self.gguf_head, None, self._head_state)
+        elif self.int8_head is not None:
+            local = self._ops.int8_linear(hidden_states, *self.int8_head, None, self._head_state)
         else:
             local = self._ops.linear(hidden_states, self.lm_head, None, self._head_state)
         return gather_logits(local, self.model.vocab_shard).float()
+
+    def quantize_lm_head_int8(self) -> None:
+        """``quantization="int8"`` with ``VLLITE_INT8_LM_HEAD=1``: logits from an int8 copy of this rank's LM head
+        rows (a tied embedding stays as it is for the lookup)."""
+        from vllite_core.quantization import quantize_rows_int8
+
+        self.int8_head = quantize_rows_int8(self.lm_head.detach())
+        self._head_state = {}
 
     def ensure_positions(self, max_model_len: int) -> None:
         """Grow the RoPE tables to ``max_model_len`` positions (needed only beyond max_position_embeddings
