@@ -272,6 +272,11 @@ template <typename T, typename C, int DC>
 constexpr bool kBf16Dots = false;
 #endif
 
+// Query heads whose value accumulators stay in registers together (values_g, with one widened value row): 4 of
+// 64 dims with AVX-512 (20 of its 32 registers), 2 of 128; one with AVX2's 16.
+template <int DC>
+constexpr int kValueHeads = VL == 16 && DC >= VL ? static_cast<int>(std::clamp<int64_t>(24 / (DC / VL) - 1, 1, 4)) : 1;
+
 // Per-thread buffers of decode_row, kept across its tasks.
 struct DecodeScratch {
   std::vector<float> qf, acc, mx, total, scores, part;
@@ -303,9 +308,7 @@ static void decode_row(const T* qrow, int64_t qs1, T* orow, int64_t os1, const C
                        int64_t BS, int64_t h0, int64_t HG, int64_t G, int64_t t_lo, int64_t t_hi, float sc,
                        float v_scale, DecodeScratch& w, const NextRows<C>& next) {
   constexpr int64_t D = DC, NV = DC / VL, KC = 256, PD = 16;
-  // Query heads whose value accumulators stay in registers together (with one widened value row): 4 of 64
-  // dims with AVX-512 (20 of its 32 registers), 2 of 128; one with AVX2's 16.
-  constexpr int QG = VL == 16 ? static_cast<int>(std::clamp<int64_t>(24 / NV - 1, 1, 4)) : 1;
+  constexpr int QG = kValueHeads<DC>;
   const int64_t N = HG * G;  // states, st = h * G + g (query head (h0 + h) * G + g)
   w.acc.assign(N * D, 0.f);
   w.mx.assign(N, -INFINITY);
@@ -464,6 +467,7 @@ static void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_
   // Keys per chunk: a multiple of 16 (dots16), at most ~32K elements of K (and of V) over the task's
   // heads, so a chunk stays in L2 while every query row of the tile reads it.
   const int64_t KC = std::max<int64_t>(16, std::min<int64_t>(256, 32768 / (HG * D)) / 16 * 16);
+  constexpr int QG = kValueHeads<DC>;  // query heads of a tile row whose values are summed together
   std::vector<int64_t> task_item, task_row;
   for (int64_t j = 0; j < R; ++j) {
     const int64_t r = rid[j];
@@ -516,7 +520,7 @@ static void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_
       acc.assign(N * D, 0.f);
       mx.assign(N, -INFINITY);
       total.assign(N, 0.f);
-      scores.resize(KC);
+      scores.resize(QG * KC + 16);  // dots16 writes whole groups of 16
       for (int64_t h = 0; h < HG; ++h)
         for (int64_t rr = 0; rr < nr; ++rr)
           for (int64_t g = 0; g < G; ++g) {
@@ -547,42 +551,43 @@ static void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_
         for (int64_t h = 0; h < HG; ++h) {
           const cache_t* const* kr = krow.data() + h * KC;
           const cache_t* const* vr_rows = vrow.data() + h * KC;
-          for (int64_t rg = 0; rg < RG; ++rg) {
-            const int64_t p = p_first + rg / G;  // this row sees keys [max(c0, p - window + 1), min(c1 - 1, p)]
+          // Per tile row, its G query heads see the same keys: scores and softmax for up to QG of them, then their
+          // values in one pass, each V row widened once for all of them (values_g; the same FMAs per head).
+          for (int64_t rr = 0; rr < nr; ++rr) {
+            const int64_t p = p_first + rr;  // this row sees keys [max(c0, p - window + 1), min(c1 - 1, p)]
             const int64_t jlo = window > 0 ? std::max<int64_t>(0, p - window + 1 - c0) : 0;
             const int64_t jhi = std::min<int64_t>(nc - 1, p - c0);
             if (jlo > jhi) continue;
-            const int64_t st = h * RG + rg;
-            float* sg = scores.data();
-            const float* qv = qf.data() + st * D;
-            if constexpr (kVecHead<scalar_t, DC>) {
-              for (int64_t j = jlo / 16 * 16; j <= jhi; j += 16)
-                dots16<scalar_t, cache_t, DC>(kr + j, qv, q + (q0 + ia + rg / G) * qs0 + ((h0 + h) * G + rg % G) * qs1, sc,
-                                     sg + j);
-            } else {
-              for (int64_t j = jlo; j <= jhi; ++j) sg[j] = dot_scalar(qv, kr[j], D);
-            }
             const int64_t n = jhi - jlo + 1;
-            float* sv = sg + jlo;
-            const float f = online_softmax(sv, n, mx[st], total[st]);
-            float* ap = acc.data() + st * D;
-            if constexpr (kVecHead<scalar_t, DC>) {
-              constexpr int64_t NV = DC / VL;
-              AVec a[NV];
-              const AVec fv(f);
-              for (int64_t v = 0; v < NV; ++v) a[v] = AVec::loadu(ap + v * VL) * fv;
-              for (int64_t j = 0; j < n; ++j) {
-                const AVec w(sv[j]);
-                const cache_t* vr = vr_rows[jlo + j];
-                for (int64_t v = 0; v < NV; ++v) a[v] = at::vec::fmadd(w, cache_load(vr + v * VL), a[v]);
+            for (int64_t g0 = 0; g0 < G; g0 += QG) {
+              const int64_t ng = std::min<int64_t>(QG, G - g0);
+              for (int64_t g = g0; g < g0 + ng; ++g) {
+                const int64_t rg = rr * G + g, st = h * RG + rg;
+                float* sg = scores.data() + (g - g0) * KC;
+                const float* qv = qf.data() + st * D;
+                if constexpr (kVecHead<scalar_t, DC>) {
+                  for (int64_t j = jlo / 16 * 16; j <= jhi; j += 16)
+                    dots16<scalar_t, cache_t, DC>(kr + j, qv, q + (q0 + ia + rr) * qs0 + ((h0 + h) * G + g) * qs1, sc,
+                                                  sg + j);
+                } else {
+                  for (int64_t j = jlo; j <= jhi; ++j) sg[j] = dot_scalar(qv, kr[j], D);
+                }
+                const float f = online_softmax(sg + jlo, n, mx[st], total[st]);
+                float* ap = acc.data() + st * D;
+                for (int64_t d = 0; d < D; ++d) ap[d] *= f;
+                if constexpr (!kVecHead<scalar_t, DC>) {
+                  for (int64_t j = 0; j < n; ++j) {
+                    const float w = sg[jlo + j];
+                    const cache_t* vr = vr_rows[jlo + j];
+                    for (int64_t d = 0; d < D; ++d) ap[d] += w * to_f(vr[d]);
+                  }
+                }
               }
-              for (int64_t v = 0; v < NV; ++v) a[v].store(ap + v * VL);
-            } else {
-              for (int64_t d = 0; d < D; ++d) ap[d] *= f;
-              for (int64_t j = 0; j < n; ++j) {
-                const float w = sv[j];
-                const cache_t* vr = vr_rows[jlo + j];
-                for (int64_t d = 0; d < D; ++d) ap[d] += w * to_f(vr[d]);
+              if constexpr (kVecHead<scalar_t, DC>) {
+                with_height<QG>(ng, [&](auto nq) {
+                  values_g<decltype(nq)::value, DC / VL>(vr_rows + jlo, n, scores.data() + jlo, KC,
+                                                          acc.data() + (h * RG + rr * G + g0) * D, D);
+                });
               }
             }
           }
