@@ -27,6 +27,7 @@ import queue
 import subprocess
 import sys
 import threading
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -56,6 +57,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--skip-latency", action="store_true")
+    ap.add_argument("--settle-s", type=float, default=2.0, help="idle seconds before each measured call, so that "
+                    "the previous engine's threads have stopped spinning (vLLM's Intel OpenMP ones do, after a "
+                    "run: without a pause the next engine's TTFT measured 3-10x its own)")
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--threads", type=int, default=None, help="threads per engine (default: all cores)")
     ap.add_argument("--prefix-caching", action="store_true")
@@ -222,6 +226,7 @@ def main() -> int:
             loads.append(os.getloadavg()[0])
             if not args.skip_throughput:
                 for n in names:
+                    time.sleep(args.settle_s)
                     res = workers[n].generate(prompts, args.output_len)
                     assert res["output_tokens"] == args.num_prompts * args.output_len, res["output_tokens"]
                     tput[n].append(res["elapsed_s"])
@@ -230,6 +235,7 @@ def main() -> int:
                           f"{res['output_tokens'] / res['elapsed_s']:8.1f} out tok/s", flush=True)
             if not args.skip_latency:
                 for n in names:
+                    time.sleep(args.settle_s)
                     t1 = workers[n].generate(prompts[:1], 1)["elapsed_s"]
                     res = workers[n].generate(prompts[:1], args.output_len)
                     lat[n].append(res["elapsed_s"])
