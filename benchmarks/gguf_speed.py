@@ -1,7 +1,9 @@
 """quantization="gguf" (the GGUF blocks computed as they are) against the dequantised engines: float32 (the
 default), bfloat16 and int8, all in one process, taking turns.
 
-    .venv/bin/python benchmarks/gguf_speed.py [--threads 2] [--rounds 3] [--engines fp32,bf16,gguf,int8]
+    .venv/bin/python benchmarks/gguf_speed.py [--threads 2] [--rounds 3] [--engines fp32,bf16,gguf,gguf-bf16,int8]
+
+(gguf-bf16: the blocks under a bfloat16 model: bf16 activations and KV cache, bf16 panels for many rows.)
 
 Batch 1: ms per output token of one request (a 16-token prompt): the time of 65 output tokens less the time
 of 1, over 64. Batches 16 and 64: output tok/s of that many requests of ``--input-len`` prompt and
@@ -21,7 +23,7 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 ENGINES = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "int8": ("float32", "int8"),
-           "gguf": ("float32", "gguf")}
+           "gguf": ("float32", "gguf"), "gguf-bf16": ("bfloat16", "gguf")}
 
 
 def main() -> None:

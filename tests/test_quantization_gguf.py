@@ -185,6 +185,48 @@ def test_pack_layout(qtype):
     assert (back[2] is None) == (m is None) and (m is None or torch.equal(back[2], m.float()))
 
 
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("shape", [(37, 96), (64, 576)])
+def test_kernel_bfloat16_input(qtype, shape):
+    """bfloat16 in and out, every ISA variant: below gemm_min_rows (and on CPUs without AVX512-BF16 at every row
+    count) the float32 kernel on the widened input, rounded once; from gemm_min_rows on with AVX512-BF16,
+    bfloat16 panels: bit for bit the bf16 GEMM on the dequantised weight rounded to bfloat16 (the dequantised
+    bf16 model's linear), and within bf16 rounding of a float64 product. Rows 12..130: a partial tile, two
+    120-row blocks; 37 columns: a partial panel."""
+    from vllite_platform_cpu import kernels
+
+    variants = _variants()
+    if not variants:
+        pytest.skip(f"no CPU kernels: {kernels.error()}")
+    n, k = shape
+    fields = _random_fields(qtype, n, k, seed=n + k)
+    w = pack_gguf(qtype, *fields)
+    wbf = torch.from_numpy(_np_dequant(qtype, *fields).astype(np.float32)).bfloat16()  # .to(bf16): RNE
+    g = torch.Generator().manual_seed(n)
+    for rows in (1, 5, 12, 13, 40, 130):
+        x = (torch.randn(rows, k, generator=g) * 2).bfloat16()
+        bias = torch.randn(n, generator=g) if rows % 2 else None
+        for v in variants:
+            mod = kernels.load_variant(v)
+            for min_rows in (1 << 30, 12):
+                what = f"{v} {rows} rows, gemm_min_rows {min_rows}"
+                got = torch.empty(rows, n, dtype=torch.bfloat16)
+                mod.gguf_linear_x8(got, x, w.type_id, w.blocks, bias, min_rows, 1 << 30)
+                if rows >= min_rows and mod.bf16_gemm_available():
+                    packed = torch.zeros(-(-n // 32), k // 2, 32, 2, dtype=torch.bfloat16)
+                    mod.bf16_gemm_pack(packed, wbf)
+                    want = torch.empty(rows, n, dtype=torch.bfloat16)
+                    mod.bf16_gemm(want, x, packed, bias)
+                    assert torch.equal(got, want), what
+                    exact = x.double() @ wbf.double().T + (0.0 if bias is None else bias.double())
+                    mag = x.double().abs() @ wbf.double().abs().T
+                    assert ((got.double() - exact).abs() <= exact.abs() / 128 + 1e-5 * mag + 1e-6).all(), what
+                else:
+                    wide = torch.empty(rows, n)
+                    mod.gguf_linear_x8(wide, x.float(), w.type_id, w.blocks, bias, min_rows, 1 << 30)
+                    assert torch.equal(got, wide.bfloat16()), what
+
+
 def test_kernel_split_over_threads():
     """The int8 path's groups split over 2 threads (grain 1 byte) give the one-thread result bit for bit, with
     a partial last group (70 rows: 8 groups + 6) and 1 to 9 input rows."""

@@ -246,11 +246,17 @@ class CpuModelOps(ModelOps):
         return state
 
     def gguf_linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None, state: dict) -> torch.Tensor:
-        """GGUF blocks (``quantization="gguf"``) through csrc/gguf.cpp: the input quantized per 32-block to
-        int8 and integer dot products with the blocks (AVX2 where the CPU has it), float32 out."""
+        """GGUF blocks (``quantization="gguf"``) through csrc/gguf.cpp: below ``kernels.GGUF_GEMM_MIN_ROWS`` rows
+        the input quantized per 32-block to int8 and integer dot products with the blocks, from there
+        dequantised panels (bfloat16 ones for a bfloat16 input on AVX512-BF16 CPUs)."""
         if not (self.fused and x.dim() == 2 and x.device.type == "cpu" and not torch.is_grad_enabled()
                 and x.shape[1] % 32 == 0):
             return super().gguf_linear(x, weight, bias, state)
+        if x.dtype == torch.bfloat16:  # bf16 in and out (many rows: bf16 panels where the CPU has AVX512-BF16)
+            out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16)
+            kernels.gguf_linear(out, x.contiguous(), weight.type_id, weight.blocks,
+                                None if bias is None else bias.float())
+            return out
         out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
         kernels.gguf_linear(out, x.float().contiguous(), weight.type_id, weight.blocks,
                             None if bias is None else bias.float())

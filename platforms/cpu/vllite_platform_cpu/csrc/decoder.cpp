@@ -38,7 +38,8 @@ namespace {
 constexpr int64_t KIND_PANELS = 0, KIND_PLAIN = 1, KIND_BF16 = 2, KIND_INT8 = 3, KIND_GGUF = 16;  // + ggml type id
 
 // x [M, K] (model dtype) @ W^T + b -> [M, N] float32 rounded to the model dtype, as CpuModelOps does:
-// the input widened to float32 (contiguous), the kernel's float32 output, then `.to(dt)`.
+// the input widened to float32 (contiguous), the kernel's float32 output, then `.to(dt)` (the bf16 and int8
+// GEMMs, and GGUF blocks under a bfloat16 model, take and give the model dtype themselves).
 at::Tensor linear(const at::Tensor& x, int64_t kind, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                   int64_t n, int64_t gguf_min_rows, int64_t gguf_grain) {
   const auto dt = x.scalar_type();
@@ -50,10 +51,15 @@ at::Tensor linear(const at::Tensor& x, int64_t kind, const at::Tensor& w, const 
       int8_gemm(out, x.contiguous(), w, bias);
     return out;
   }
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
   std::optional<at::Tensor> bf;
   if (bias.has_value() && bias->defined()) bf = bias->to(at::kFloat);
+  if (kind >= KIND_GGUF && dt == at::kBFloat16) {  // bf16 in and out, as CpuModelOps.gguf_linear
+    at::Tensor out = at::empty({x.size(0), n}, x.options());
+    gguf_linear_x8(out, x.contiguous(), kind - KIND_GGUF, w, bf, gguf_min_rows, gguf_grain);
+    return out;
+  }
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
   if (kind == KIND_PANELS)
     avx2_gemm(out, xf, w, bf);
   else if (kind == KIND_PLAIN)

@@ -490,6 +490,19 @@ static inline void tile(const uint16_t* __restrict A, int64_t lda, const uint16_
 #endif
 }  // namespace bf16_gemm_impl
 
+#ifdef VLLITE_BF16_GEMM
+// C[M, ncols] (bfloat16, ldc apart) = A[M, K] (bfloat16) @ one packed panel ([K / 2][32][2]) + bias, on this
+// thread: the tiles bf16_gemm runs, for callers that make their panels on the fly (gguf.cpp's dequantised blocks).
+void bf16_gemm_panel(const uint16_t* A, int64_t M, int64_t K, const uint16_t* panel, uint16_t* C, int64_t ldc,
+                     const float* bias, int64_t ncols) {
+  using namespace bf16_gemm_impl;
+  for (int64_t m = 0; m < M; m += MR)
+    with_height<MR>(std::min(MR, M - m), [&](auto r) {
+      tile<decltype(r)::value>(A + m * K, K, panel, K / 2, C + m * ldc, ldc, bias, ncols);
+    });
+}
+#endif
+
 bool bf16_gemm_available() {
 #ifdef VLLITE_BF16_GEMM
   return true;

@@ -33,6 +33,7 @@
 #include <cstring>
 #include <vector>
 
+#include <ATen/ops/empty.h>
 #include <c10/util/Half.h>
 
 #include "common.h"
@@ -43,6 +44,9 @@
 #define VLLITE_GGUF_AVX2 1
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define VLLITE_GGUF_VNNI 1  // vpdpbusd on ymm: one instruction for maddubs + madd (+ add), the same exact sums
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)  // gemm.cpp's bf16 GEMM is built
+#define VLLITE_GGUF_BF16 1  // a bfloat16 model's many rows: bfloat16 panels for the vdpbf16ps tiles
 #endif
 #endif
 
@@ -58,6 +62,10 @@ namespace VLLITE_CPU_ISA {
 
 #ifdef VLLITE_GGUF_AVX2
 void avx2_gemm_panel(const float* A, int64_t M, int64_t K, const float* panel, float* C, int64_t ldc,
+                     const float* bias, int64_t ncols);  // gemm.cpp
+#endif
+#ifdef VLLITE_GGUF_BF16
+void bf16_gemm_panel(const uint16_t* A, int64_t M, int64_t K, const uint16_t* panel, uint16_t* C, int64_t ldc,
                      const float* bias, int64_t ncols);  // gemm.cpp
 #endif
 
@@ -311,20 +319,59 @@ static void dequant_panel(const Weights& w, int64_t groups, int64_t p, float* pa
 }
 #endif
 
+#ifdef VLLITE_GGUF_BF16
+constexpr int64_t NB16 = 32;  // columns per bfloat16 panel (gemm.cpp's bf16 GEMM): four groups
+
+// 16 finite float32 values rounded to bfloat16 (to nearest, ties to even: torch's .to(torch.bfloat16)), as the
+// low 16 bits of each 32-bit lane.
+static inline __m512i bf16_bits(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+}
+
+// panel [K / 2][32][2] bfloat16 (gemm.cpp's bf16 panel layout) = the weights of groups 4p .. 4p + 3 (zero past the
+// last group): the dequantised load's float32 values rounded as its .to(torch.bfloat16) rounds them, so the sums
+// are those of the bf16 GEMM on the dequantised bfloat16 weight. tmp: 32 x 32 floats (one block of the 4 groups).
+static void dequant_panel_bf16(const Weights& w, int64_t groups, int64_t p, uint16_t* panel, float* tmp) {
+  for (int64_t b = 0; b < w.nb; ++b) {
+    for (int64_t h = 0; h < 4; ++h) {
+      const int64_t g = 4 * p + h;
+      if (g < groups) {
+        dequant_record(w, w.record(g, b), tmp + h * G, NB16);
+      } else {
+        for (int64_t k = 0; k < QK; ++k) _mm256_storeu_ps(tmp + k * NB16 + h * G, _mm256_setzero_ps());
+      }
+    }
+    uint16_t* dst = panel + b * QK * NB16;  // the block's 16 pairs of k
+    for (int64_t kk = 0; kk < QK / 2; ++kk)
+      for (int64_t c = 0; c < NB16; c += 16) {  // k = 2kk in the low half of each column's 32 bits, 2kk + 1 above
+        const __m512i lo = bf16_bits(_mm512_loadu_ps(tmp + 2 * kk * NB16 + c));
+        const __m512i hi = bf16_bits(_mm512_loadu_ps(tmp + (2 * kk + 1) * NB16 + c));
+        _mm512_storeu_si512(dst + (kk * NB16 + c) * 2, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      }
+  }
+}
+#endif
+
 }  // namespace gguf_impl
 
-// out [M, N] float32 = x [M, K] float32 @ W^T (+ bias), W given by its GGUF blocks (the layout above). From
-// gemm_min_rows rows on (AVX2 variants), dequantised panels and the float32 GEMM instead (the caller's choice:
-// kernels.py's GGUF_GEMM_MIN_ROWS); below, a call over grain_bytes of blocks (times row tiles) is split.
+// out [M, N] = x [M, K] @ W^T (+ float32 bias), W given by its GGUF blocks (the layout above); x and out both
+// float32 or both bfloat16. From gemm_min_rows rows on (AVX2 variants), dequantised panels and the float32 GEMM
+// instead (the caller's choice: kernels.py's GGUF_GEMM_MIN_ROWS); below, a call over grain_bytes of blocks (times
+// row tiles) is split. bfloat16 is float32 on the widened input, rounded once at the end, except from
+// gemm_min_rows rows on where the CPU has AVX512-BF16: there bfloat16 panels and the bf16 GEMM's tiles (the
+// dequantised bfloat16 model's arithmetic, at about twice the float32 GEMM's rate).
 void gguf_linear_x8(at::Tensor out, at::Tensor x, int64_t type, at::Tensor blocks, std::optional<at::Tensor> bias,
                     int64_t gemm_min_rows, int64_t grain_bytes) {
   using namespace gguf_impl;
   TORCH_CHECK(type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q8_0,
               "gguf_linear: type must be Q4_0, Q4_1 or Q8_0");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && blocks.dim() == 2 && x.is_contiguous() && out.is_contiguous()
-                  && blocks.is_contiguous() && x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat
-                  && blocks.scalar_type() == at::kByte,
-              "gguf_linear: float32 contiguous x [M, K], out [M, N]; contiguous uint8 blocks");
+                  && blocks.is_contiguous() && (bf16 || x.scalar_type() == at::kFloat)
+                  && out.scalar_type() == x.scalar_type() && blocks.scalar_type() == at::kByte,
+              "gguf_linear: contiguous x [M, K] and out [M, N], both float32 or both bfloat16; contiguous uint8 blocks");
   const int64_t M = x.size(0), K = x.size(1), N = out.size(0) == M ? out.size(1) : -1;
   const int64_t qbytes = type == GGML_Q8_0 ? 256 : 128;
   const int64_t rec = qbytes + 2 * G * (type == GGML_Q4_1 ? 2 : 1);
@@ -338,6 +385,33 @@ void gguf_linear_x8(at::Tensor out, at::Tensor x, int64_t type, at::Tensor block
   }
   if (M == 0 || N == 0) return;
   const Weights w{type, blocks.data_ptr<uint8_t>(), nb, rec, qbytes};
+  if (bf16) {
+#ifdef VLLITE_GGUF_BF16
+    if (M >= gemm_min_rows) {
+      // Tasks (panel, row block), a panel's row blocks in a row: each thread dequantises a panel once per run.
+      constexpr int64_t MC = 120;  // gemm.cpp's bf16 row block
+      const int64_t P = (N + NB16 - 1) / NB16, row_blocks = (M + MC - 1) / MC;
+      const auto* A = reinterpret_cast<const uint16_t*>(x.data_ptr());
+      auto* C = reinterpret_cast<uint16_t*>(out.data_ptr());
+      split_for(P * row_blocks, 1, [&](int64_t tb, int64_t te) {
+        std::vector<uint16_t> panel(K * NB16);
+        alignas(64) float tmp[QK * NB16];
+        int64_t have = -1;
+        for (int64_t t = tb; t < te; ++t) {
+          const int64_t p = t / row_blocks, m0 = (t % row_blocks) * MC, m1 = std::min(M, m0 + MC), n0 = p * NB16;
+          if (p != have) dequant_panel_bf16(w, groups, have = p, panel.data(), tmp);
+          bf16_gemm_panel(A + m0 * K, m1 - m0, K, panel.data(), C + m0 * N + n0, N, bp ? bp + n0 : nullptr,
+                          std::min(NB16, N - n0));
+        }
+      });
+      return;
+    }
+#endif
+    at::Tensor wide = at::empty({M, N}, out.options().dtype(at::kFloat));
+    gguf_linear_x8(wide, x.to(at::kFloat), type, blocks, bias, gemm_min_rows, grain_bytes);
+    out.copy_(wide);
+    return;
+  }
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
 
