@@ -305,3 +305,26 @@ def test_engine_gguf_on_the_default_model():
     # int8 activations per 32-block move logits slightly (as llama.cpp's Q8_1 activations do): a near-tie can
     # flip a token, after which the texts differ. Measured here: see the report; required: no early collapse.
     assert sum(agree) >= 2 * 24 and min(agree) >= 4
+
+
+@pytest.mark.slow
+def test_engine_gguf_bfloat16_batch_is_the_dequantised_bf16_model():
+    """quantization="gguf" under dtype="bfloat16" with 12 requests at once (every step has GGUF_GEMM_MIN_ROWS rows
+    or more): on a CPU whose bf16 layers run the platform's bf16 GEMM, the blocks' bf16 panels give the dequantised
+    bf16 engine's tokens and logprobs exactly (the one-call decoder stack and the Python path alike)."""
+    from vllite_core import LLM, SamplingParams
+    from vllite_platform_cpu import kernels
+    from vllite_platform_cpu.platform import use_bf16_gemm
+
+    if not (_variants() and use_bf16_gemm()):
+        pytest.skip("the dequantised bf16 engine does not run the platform's bf16 GEMM here")
+    assert kernels.GGUF_GEMM_MIN_ROWS <= 12
+    prompts = [f"Item {i}: the best thing about the number {i} is" for i in range(12)]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    runs = []
+    for q in (None, "gguf"):
+        llm = LLM(dtype="bfloat16", num_threads=2, max_model_len=128, enable_prefix_caching=False, quantization=q)
+        runs.append([(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+                     for o in llm.generate(prompts, sp)])
+        del llm
+    assert runs[0] == runs[1]

@@ -1,6 +1,6 @@
 // A linear layer computed straight from GGUF block-quantized weights (quantization="gguf"): Q8_0, Q4_0 and
-// Q4_1, compiled once per ISA variant (integer dot products with AVX2 where the variant has it, plain C++
-// otherwise).
+// Q4_1, compiled once per ISA variant (integer dot products with AVX2 where the variant has it, vpdpbusd where it
+// has AVX512-VNNI, plain C++ otherwise; many rows through dequantised panels and a GEMM's tiles).
 //
 // Why: the default model ships as Q4_1 (0.625 bytes per weight); dequantised to float32 a decode step
 // streams 6.4x the bytes, and a decode step at few rows is a stream of the weights. Here the weights stay
