@@ -204,28 +204,23 @@ static inline void group_tile(const Weights& w, int64_t g, const Acts& a, int64_
         }
       }
     } else {
-#ifdef VLLITE_GGUF_VNNI
-      for (int i = 0; i < R; ++i) dot[i] = _mm256_setzero_si256();
-      for (int t = 0; t < 4; ++t) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * t));
-        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        for (int i = 0; i < R; ++i) {
-          const int8_t* xq = a.q + (r0 + i) * a.K + b * QK + 4 * t;
-          dot[i] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(dot[i], lo, bcast4(xq)), hi, bcast4(xq + 16));
-        }
-      }
-#else
+      // VNNI: straight into int32; else int16 sums (at most 30480: no saturation) widened once per block.
       __m256i s16[R];
-      for (int i = 0; i < R; ++i) s16[i] = _mm256_setzero_si256();
+      for (int i = 0; i < R; ++i) dot[i] = s16[i] = _mm256_setzero_si256();
       for (int t = 0; t < 4; ++t) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * t));
         const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
         for (int i = 0; i < R; ++i) {
           const int8_t* xq = a.q + (r0 + i) * a.K + b * QK + 4 * t;
+#ifdef VLLITE_GGUF_VNNI
+          dot[i] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(dot[i], lo, bcast4(xq)), hi, bcast4(xq + 16));
+#else
           s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(lo, bcast4(xq)));
           s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(hi, bcast4(xq + 16)));
+#endif
         }
       }
+#ifndef VLLITE_GGUF_VNNI
       for (int i = 0; i < R; ++i) dot[i] = _mm256_madd_epi16(s16[i], ones);
 #endif
     }
