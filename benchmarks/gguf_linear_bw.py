@@ -53,6 +53,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--dtype", default="float32", help="the input's (bfloat16: a bf16 model's gguf linears)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--grain", type=int, default=None, help="kernels.GGUF_GRAIN_BYTES (where it exists)")
     ap.add_argument("--gemm-min-rows", type=int, default=None, help="kernels.GGUF_GEMM_MIN_ROWS (where it exists)")
@@ -70,7 +71,7 @@ def main() -> None:
     print(f"load average {os.getloadavg()[0]:.1f}; {a.rows} input row(s)")
     print(f"{'threads':>7} {'layer':>8} {'MB':>6} {'ms':>7} {'GB/s':>6} {'read GB/s':>9} {'ratio':>5}")
     order = [(name, i) for i in range(30) for name in ("qkv", "o", "gate_up", "down")] + [("head", 0)]
-    xs = {name: torch.randn(a.rows, ws[0].shape[1]) for name, ws in layers.items()}
+    xs = {name: torch.randn(a.rows, ws[0].shape[1]).to(getattr(torch, a.dtype)) for name, ws in layers.items()}
     flat = {}
     for name, ws in layers.items():
         flat[name] = [(w.blocks if hasattr(w, "blocks") else w.qs).reshape(-1) for w in ws]

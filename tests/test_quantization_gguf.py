@@ -312,9 +312,10 @@ def test_engine_gguf_bfloat16_batch_is_the_dequantised_bf16_model():
     """quantization="gguf" under dtype="bfloat16" with 12 requests at once (every step has GGUF_GEMM_MIN_ROWS rows
     or more): on a CPU whose bf16 layers run the platform's bf16 GEMM, the blocks' bf16 panels give the dequantised
     bf16 engine's tokens and logprobs exactly (the one-call decoder stack and the Python path alike)."""
-    from vllite_core import LLM, SamplingParams
     from vllite_platform_cpu import kernels
     from vllite_platform_cpu.platform import use_bf16_gemm
+
+    from vllite_core import LLM, SamplingParams
 
     if not (_variants() and use_bf16_gemm()):
         pytest.skip("the dequantised bf16 engine does not run the platform's bf16 GEMM here")
