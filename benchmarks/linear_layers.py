@@ -9,9 +9,11 @@ does). The paths run in turns, one step each, and the median and best of --round
 ``small`` (the weight-streaming kernel, up to 4 rows); and the same layers in bfloat16 (270 MB):
 ``avx2-bf16`` (the AVX2 GEMM's 16-bit panels, widened in registers), ``small-bf16``, and where the CPU has
 native bf16 math ``onednn-bf16`` (oneDNN's packed bf16 kernel); where built (AVX512-BF16) ``bf16-gemm``
-(the platform's own bf16 GEMM, csrc/gemm.cpp); and W8A8 (``quantization="int8"``, bf16 rows in and out):
+(the platform's own bf16 GEMM, csrc/gemm.cpp, on vdpbf16ps) and where the CPU has AMX ``bf16-amx`` (the same
+GEMM on AMX tiles, csrc/amx.cpp); and W8A8 (``quantization="int8"``, bf16 rows in and out):
 where the CPU has VNNI ``int8-mm`` (quantize, ``torch._int_mm``, dequantize: the path before the int8 GEMM)
-and where built (AVX512-VNNI) ``int8-gemm`` (csrc/quant.cpp, all three in one call).
+and where built (AVX512-VNNI) ``int8-gemm`` (csrc/quant.cpp, all three in one call; ``int8-amx``: the same on
+AMX tiles).
 ``--paths`` keeps only the named paths; each cell also gives the weights' bytes read per second (GB/s).
 """
 from __future__ import annotations
@@ -51,6 +53,7 @@ def main() -> None:
 
     int8 = [quantize_rows_int8(w) for w in weights]
     int8_packed = [kernels.int8_gemm_pack(q, s) for q, s in int8] if kernels.int8_gemm_available() else None
+    amx = kernels.amx_available()
     print(f"threads {torch.get_num_threads()}, weights {sum(w.numel() for w in weights) * 4 / 1e6:.0f} MB")
     for m in a.rows:
         xs = {k: torch.randn(m, k, generator=g) for k in (576, 1536)}
@@ -73,8 +76,15 @@ def main() -> None:
         if ours16 is not None:
             xs16b = {k: x.bfloat16() for k, x in xs.items()}
             outs16 = {n: torch.empty(m, n, dtype=torch.bfloat16) for n in outs}
-            paths["bf16-gemm"] = lambda: [kernels.bf16_gemm(outs16[w.shape[0]], xs16b[w.shape[1]], p, None)
-                                          for w, p in zip(weights16, ours16)]
+
+            def bf16_gemm(amx: bool) -> None:
+                kernels.set_amx(amx)
+                for w, p in zip(weights16, ours16):
+                    kernels.bf16_gemm(outs16[w.shape[0]], xs16b[w.shape[1]], p, None)
+
+            paths["bf16-gemm"] = lambda: bf16_gemm(False)
+            if amx:
+                paths["bf16-amx"] = lambda: bf16_gemm(True)
         if m <= 4:
             paths["small-bf16"] = lambda: [kernels.small_linear(outs[w.shape[0]], xs[w.shape[1]], w, None)
                                            for w in weights16]
@@ -91,8 +101,15 @@ def main() -> None:
         if m > 16:  # _int_mm needs more than 16 rows
             paths["int8-mm"] = int8_mm
         if int8_packed is not None:
-            paths["int8-gemm"] = lambda: [kernels.int8_gemm(outs8[q.shape[0]], xs8[q.shape[1]], p, None)
-                                          for (q, _), p in zip(int8, int8_packed)]
+
+            def int8_gemm(amx: bool) -> None:
+                kernels.set_amx(amx)
+                for (q, _), p in zip(int8, int8_packed):
+                    kernels.int8_gemm(outs8[q.shape[0]], xs8[q.shape[1]], p, None)
+
+            paths["int8-gemm"] = lambda: int8_gemm(False)
+            if amx:
+                paths["int8-amx"] = lambda: int8_gemm(True)
         if a.paths:
             paths = {name: run for name, run in paths.items() if name in a.paths}
         times: dict[str, list[float]] = {name: [] for name in paths}

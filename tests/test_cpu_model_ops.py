@@ -244,15 +244,18 @@ def test_avx2_gemm_chosen_only_on_avx2_hosts_without_avx512(monkeypatch):
     assert not cpu_platform.use_avx2_gemm({"avx2", "fma"})
 
 
-def test_bf16_gemm_chosen_with_avx512_bf16_without_amx(monkeypatch):
+def test_bf16_gemm_chosen_with_avx512_bf16(monkeypatch):
     from vllite_platform_cpu import platform as cpu_platform
 
     monkeypatch.setattr(kernels, "bf16_gemm_available", lambda: True)
     assert cpu_platform.use_bf16_gemm({"avx2", "fma", "avx512f", "avx512_bf16"})
-    assert not cpu_platform.use_bf16_gemm({"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"})  # not measured
+    assert cpu_platform.use_bf16_gemm({"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"})  # on AMX tiles
     assert not cpu_platform.use_bf16_gemm({"avx2", "fma", "avx512f"})
     monkeypatch.setenv(cpu_platform.BF16_GEMM_ENV, "0")
     assert not cpu_platform.use_bf16_gemm({"avx2", "fma", "avx512f", "avx512_bf16"})
+    assert cpu_platform.use_amx()
+    monkeypatch.setenv(cpu_platform.AMX_ENV, "0")
+    assert not cpu_platform.use_amx()
 
 
 def test_bf16_gemm_pack_layout():
@@ -271,15 +274,29 @@ def test_bf16_gemm_pack_layout():
 needs_bf16_gemm = pytest.mark.skipif(not kernels.bf16_gemm_available(), reason="AVX512-BF16 GEMM not built here")
 
 
+needs_amx = pytest.mark.skipif(not kernels.amx_available(), reason="no AMX-BF16 tiles on this CPU / OS")
+
+
+@pytest.fixture(params=[False, pytest.param(True, marks=needs_amx)], ids=["vdpbf16ps", "amx"])
+def amx(request):
+    """The bf16 GEMM on vdpbf16ps, then (where the CPU has them) on AMX tiles; the default state restored."""
+    from vllite_platform_cpu.platform import use_amx
+
+    assert kernels.set_amx(request.param) == request.param
+    yield request.param
+    kernels.set_amx(use_amx())
+
+
 @needs_bf16_gemm
-@pytest.mark.parametrize("rows", [1, 4, 11, 12, 13, 64, 121, 250])
-@pytest.mark.parametrize("shape", [(49, 78), (960, 576), (33, 2)])
+@pytest.mark.parametrize("rows", [1, 4, 11, 12, 13, 16, 17, 33, 64, 121, 250, 300])
+@pytest.mark.parametrize("shape", [(49, 78), (960, 576), (33, 2), (47, 96)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_bf16_gemm_matches_float64(rows, shape, bias, threads):
-    # Every tile height (1-12 rows, 120-row blocks and their remainders), partial 32-column panels, K of one
-    # pair. The reference is float64 arithmetic on the same bf16 values; the kernel's float32 sums (plus the
-    # float32 bias) are rounded once to bf16, so each output is within a bf16 rounding of the exact value.
+def test_bf16_gemm_matches_float64(rows, shape, bias, threads, amx):
+    # Every tile height (1-12 rows of vdpbf16ps, 1-32 of AMX tiles (one or two A tiles), their row blocks and
+    # remainders), partial 32-column panels, K of one pair (vdpbf16ps only: AMX takes K in steps of 32). The
+    # reference is float64 arithmetic on the same bf16 values; the kernel's float32 sums (plus the float32 bias)
+    # are rounded once to bf16, so each output is within a bf16 rounding of the exact value.
     n, k = shape
     g = torch.Generator().manual_seed(rows * 13 + n + k)
     x, w = torch.randn(rows, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
@@ -294,6 +311,42 @@ def test_bf16_gemm_matches_float64(rows, shape, bias, threads):
     exact = x.double() @ w.double().T + (0 if b is None else b.double())
     err = (out.double() - exact).abs()
     assert torch.all(err <= exact.abs() * 2 ** -8 + 1e-5 * k ** 0.5), float(err.max())
+
+
+@needs_bf16_gemm
+def test_bf16_gemm_row_does_not_depend_on_the_batch(amx):
+    """A row's output is the same alone and among 299 others (its sums in the same order whatever the tile), so
+    a request's tokens do not depend on what it is batched with."""
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(300, 576, generator=g).bfloat16(), torch.randn(200, 576, generator=g).bfloat16()
+    packed, b = kernels.bf16_gemm_pack(w), torch.randn(200, generator=g)
+    whole = torch.empty(300, 200, dtype=torch.bfloat16)
+    kernels.bf16_gemm(whole, x, packed, b)
+    for r in (0, 17, 255, 299):
+        one = torch.empty(1, 200, dtype=torch.bfloat16)
+        kernels.bf16_gemm(one, x[r:r + 1].contiguous(), packed, b)
+        assert torch.equal(one[0], whole[r])
+
+
+@needs_amx
+def test_amx_tiles_agree_with_vdpbf16ps():
+    """The two instruction paths differ only in the order of the float32 additions: their bf16 outputs differ by
+    at most one bf16 rounding step where they differ at all."""
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(40, 1536, generator=g).bfloat16(), torch.randn(96, 1536, generator=g).bfloat16()
+    packed = kernels.bf16_gemm_pack(w)
+    from vllite_platform_cpu.platform import use_amx
+
+    outs = []
+    for on in (False, True):
+        kernels.set_amx(on)
+        try:
+            outs.append(torch.empty(40, 96, dtype=torch.bfloat16))
+            kernels.bf16_gemm(outs[-1], x, packed, None)
+        finally:
+            kernels.set_amx(use_amx())
+    diff = (outs[0].float() - outs[1].float()).abs()
+    assert torch.all(diff <= outs[0].float().abs() * 2 ** -7 + 1e-3), float(diff.max())
 
 
 @needs_bf16_gemm
@@ -322,12 +375,12 @@ def test_bf16_route_serves_every_row_count():
         assert state["packed"] is not packed
 
 
-def test_int8_gemm_chosen_with_vnni_without_amx(monkeypatch):
+def test_int8_gemm_chosen_with_vnni(monkeypatch):
     from vllite_platform_cpu import platform as cpu_platform
 
     monkeypatch.setattr(kernels, "int8_gemm_available", lambda: True)
     assert cpu_platform.use_int8_gemm({"avx512f", "avx512_vnni"})
-    assert not cpu_platform.use_int8_gemm({"avx512f", "avx512_vnni", "amx_int8"})  # AMX tiles: oneDNN's
+    assert cpu_platform.use_int8_gemm({"avx512f", "avx512_vnni", "amx_int8"})  # on AMX tiles
     assert not cpu_platform.use_int8_gemm({"avx2", "avx_vnni"})
     monkeypatch.setenv(cpu_platform.INT8_GEMM_ENV, "0")
     assert not cpu_platform.use_int8_gemm({"avx512f", "avx512_vnni"})
@@ -369,13 +422,13 @@ needs_int8_gemm = pytest.mark.skipif(not kernels.int8_gemm_available(), reason="
 
 
 @needs_int8_gemm
-@pytest.mark.parametrize("rows", [1, 4, 11, 12, 13, 64, 121, 250])
-@pytest.mark.parametrize("shape", [(49, 76), (960, 576), (33, 4)])
+@pytest.mark.parametrize("rows", [1, 4, 11, 12, 13, 16, 17, 33, 64, 121, 250, 300])
+@pytest.mark.parametrize("shape", [(49, 76), (960, 576), (33, 4), (47, 128)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_int8_gemm_is_the_separate_passes_bit_for_bit(rows, shape, dtype, threads):
-    # Every tile height (1-12 rows, 120-row blocks and their remainders), partial 32-column panels, K of one
-    # quad; inputs large enough that the unsigned offset and its compensation matter (|q| up to 127). The
+def test_int8_gemm_is_the_separate_passes_bit_for_bit(rows, shape, dtype, threads, amx):
+    # Every tile height (1-12 rows of vpdpbusd, 1-32 of AMX tiles, their row blocks and remainders), partial
+    # 32-column panels, K of one quad (vpdpbusd only: AMX takes K in steps of 64); inputs large enough that the unsigned offset and its compensation matter (|q| up to 127). The
     # int32 sums are exact, the epilogue dequantize_int32's: equal bit for bit to the separate passes, and
     # within float32 rounding of the float64 formula.
     n, k = shape

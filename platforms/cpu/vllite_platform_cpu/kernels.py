@@ -61,7 +61,7 @@ ENTRY_POINTS = ("paged_attention", "avx2_gemm_available", "avx2_gemm_dtypes", "a
                 "quantize_rows_int8", "dequantize_int32", "encoder_attention", "add_layer_norm", "gguf_linear_x8",
                 "lora_add", "paged_attention_store", "llama_decoder_layer", "llama_decoder_stack",
                 "bf16_gemm_available", "bf16_gemm_pack", "bf16_gemm", "int8_gemm_available", "int8_gemm_pack",
-                "int8_gemm", "argmax_rows")
+                "int8_gemm", "argmax_rows", "amx_available", "set_amx")
 KERNEL_ENV = "VLLITE_CPU_ATTENTION_KERNEL"  # 0: no C++ kernels (torch ops)
 ISA_ENV = "VLLITE_CPU_ISA"  # the highest variant to use: default, avx2, avx512 or avx512_bf16
 
@@ -333,6 +333,19 @@ def bf16_gemm_available() -> bool:
     """The AVX512-BF16 GEMM is in the chosen variant (avx512_bf16)."""
     mod = load()
     return mod is not None and bool(mod.bf16_gemm_available())
+
+
+def set_amx(on: bool) -> bool:
+    """Whether the bf16 GEMM runs on AMX tiles (csrc/amx.cpp) where the CPU and OS have them; returns the state
+    now (False without AMX or without the kernels)."""
+    mod = load()
+    return mod is not None and bool(mod.set_amx(on))
+
+
+def amx_available() -> bool:
+    """AMX-TILE and AMX-BF16 on this CPU, the OS's leave to use them, and the kernels built for them."""
+    mod = load()
+    return mod is not None and bool(mod.amx_available())
 
 
 def bf16_gemm_pack(weight: torch.Tensor) -> torch.Tensor:

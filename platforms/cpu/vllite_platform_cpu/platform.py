@@ -32,6 +32,7 @@ FUSED_OPS_ENV = "VLLITE_CPU_FUSED_OPS"  # 0: torch pointwise ops instead of the 
 ONEDNN_ENV = "VLLITE_CPU_ONEDNN"  # 0: F.linear instead of oneDNN-prepacked weights
 AVX2_GEMM_ENV = "VLLITE_CPU_AVX2_GEMM"  # 0: oneDNN instead of the AVX2 GEMM on AVX2 hosts
 BF16_GEMM_ENV = "VLLITE_CPU_BF16_GEMM"  # 0: oneDNN instead of the bf16 GEMM on AVX512-BF16 hosts
+AMX_ENV = "VLLITE_CPU_AMX"  # 0: the bf16 GEMM on vdpbf16ps instead of AMX tiles on AMX hosts
 INT8_GEMM_ENV = "VLLITE_CPU_INT8_GEMM"  # 0: torch._int_mm (oneDNN) instead of the int8 GEMM on VNNI hosts
 COMPILE_ENV = "VLLITE_CPU_COMPILE"  # 1: torch.compile the decode step (off by default: not faster here)
 
@@ -103,26 +104,31 @@ def use_avx2_gemm(flags: set[str] | None = None) -> bool:
 
 
 def use_bf16_gemm(flags: set[str] | None = None) -> bool:
-    """With AVX512-BF16 (and no AMX, whose oneDNN kernels this host could not measure) bfloat16 layers run on
-    the CPU platform's own bf16 GEMM (csrc/gemm.cpp), faster than oneDNN's packed bf16 kernel at every row
-    count measured on Zen 4; ``VLLITE_CPU_BF16_GEMM=0`` keeps oneDNN."""
+    """With AVX512-BF16 bfloat16 layers run on the CPU platform's own bf16 GEMM (csrc/gemm.cpp; on AMX tiles
+    where the CPU has them, csrc/amx.cpp), faster than oneDNN's packed bf16 kernel at every row count measured
+    on Zen 4 and on a Xeon with AMX; ``VLLITE_CPU_BF16_GEMM=0`` keeps oneDNN."""
     from vllite_platform_cpu import kernels
 
     flags = cpu_flags() if flags is None else flags
-    if os.environ.get(BF16_GEMM_ENV, "1") == "0" or "avx512_bf16" not in flags or "amx_bf16" in flags:
+    if os.environ.get(BF16_GEMM_ENV, "1") == "0" or "avx512_bf16" not in flags:
         return False
     return kernels.bf16_gemm_available()
 
 
+def use_amx() -> bool:
+    """The bf16 GEMM's tiles on AMX where the CPU and OS have it (``VLLITE_CPU_AMX=0``: vdpbf16ps)."""
+    return os.environ.get(AMX_ENV, "1") != "0"
+
+
 def use_int8_gemm(flags: set[str] | None = None) -> bool:
-    """With AVX512-VNNI (and no AMX, whose int8 tiles this kernel does not use) W8A8 layers
-    (``quantization="int8"``) run on the CPU platform's own int8 GEMM (csrc/quant.cpp), which quantizes,
-    multiplies and scales back in one call: 1.2-2.5x the ``torch._int_mm`` path over SmolLM2's layers on Zen 4;
-    ``VLLITE_CPU_INT8_GEMM=0`` keeps ``_int_mm``."""
+    """With AVX512-VNNI W8A8 layers (``quantization="int8"``) run on the CPU platform's own int8 GEMM
+    (csrc/quant.cpp; on AMX tiles where the CPU has them, the same int32 sums), which quantizes, multiplies and
+    scales back in one call: 1.2-2.5x the ``torch._int_mm`` path over SmolLM2's layers on Zen 4, and faster at
+    every row count on a Xeon with AMX; ``VLLITE_CPU_INT8_GEMM=0`` keeps ``_int_mm``."""
     from vllite_platform_cpu import kernels
 
     flags = cpu_flags() if flags is None else flags
-    if os.environ.get(INT8_GEMM_ENV, "1") == "0" or "avx512_vnni" not in flags or "amx_int8" in flags:
+    if os.environ.get(INT8_GEMM_ENV, "1") == "0" or "avx512_vnni" not in flags:
         return False
     return kernels.int8_gemm_available()
 
@@ -234,6 +240,7 @@ class CpuPlatform(Platform):
             return ModelOps()
         fused = os.environ.get(FUSED_OPS_ENV, "1") != "0" and kernels.available()
         packed = os.environ.get(ONEDNN_ENV, "1") != "0" and onednn_linear_available()
+        kernels.set_amx(use_amx())
         return CpuModelOps(fused=fused, packed_linear=packed, widen_16bit=not has_fast_bf16(),
                            avx2_gemm=use_avx2_gemm(), bf16_gemm=use_bf16_gemm(), int8_gemm=use_int8_gemm())
 

@@ -86,6 +86,8 @@ void bind_layer_spec(pybind11::module_& s) {
     s.def("bf16_gemm_available", &vllite_cpu::ns::bf16_gemm_available);                  \
     s.def("bf16_gemm_pack", &vllite_cpu::ns::bf16_gemm_pack);                            \
     s.def("bf16_gemm", &vllite_cpu::ns::bf16_gemm);                                      \
+    s.def("amx_available", &vllite_cpu::ns::amx_available);                              \
+    s.def("set_amx", &vllite_cpu::ns::set_amx);                                          \
     s.def("encoder_attention", &vllite_cpu::ns::encoder_attention);                      \
     s.def("add_layer_norm", &vllite_cpu::ns::add_layer_norm);                            \
     s.def("small_linear", &vllite_cpu::ns::small_linear);                                \

@@ -24,6 +24,8 @@
 #include <vector>
 
 #include "common.h"
+// after common.h
+#include "amx.h"
 #include "team.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -491,11 +493,49 @@ static inline void tile(const uint16_t* __restrict A, int64_t lda, const uint16_
 }  // namespace bf16_gemm_impl
 
 #ifdef VLLITE_BF16_GEMM
+// Whether a bf16 GEMM of inner size K runs on AMX tiles (amx.h) instead of vdpbf16ps: K in steps of 32.
+static inline bool use_amx(int64_t K) {
+#ifdef VLLITE_AMX
+  return K % 32 == 0 && amx_on();
+#else
+  return false;
+#endif
+}
+
+#ifdef VLLITE_AMX
+// C[0:rows, 0:ncols] (bfloat16, ldc apart) = A[0:rows, 0:K] @ one panel + bias through the tiles (configured for
+// `rows`): their float32 sums get the bias and are rounded once to bfloat16, as tile's are.
+static void amx_tile(const uint16_t* A, int64_t K, int64_t rows, const uint16_t* panel, uint16_t* C, int64_t ldc,
+                     const float* bias, int64_t ncols, bool stream) {
+  alignas(64) float sums[amx::MR][amx::NB];
+  amx::sums(amx::Dot::bf16, reinterpret_cast<const uint8_t*>(A), K * 2, rows,
+            reinterpret_cast<const uint8_t*>(panel), K / 32, sums, stream);
+  const TileEdge32 e = tile_edge32(ncols, bias);
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 c0 = _mm512_add_ps(_mm512_load_ps(sums[r]), e.b0);
+    const __m512 c1 = _mm512_add_ps(_mm512_load_ps(sums[r] + 16), e.b1);
+    _mm256_mask_storeu_epi16(C + r * ldc, e.m0, (__m256i)_mm512_cvtneps_pbh(c0));
+    _mm256_mask_storeu_epi16(C + r * ldc + 16, e.m1, (__m256i)_mm512_cvtneps_pbh(c1));
+  }
+}
+#endif
+
 // C[M, ncols] (bfloat16, ldc apart) = A[M, K] (bfloat16) @ one packed panel ([K / 2][32][2]) + bias, on this
 // thread: the tiles bf16_gemm runs, for callers that make their panels on the fly (gguf.cpp's dequantised blocks).
 void bf16_gemm_panel(const uint16_t* A, int64_t M, int64_t K, const uint16_t* panel, uint16_t* C, int64_t ldc,
                      const float* bias, int64_t ncols) {
   using namespace bf16_gemm_impl;
+#ifdef VLLITE_AMX
+  if (use_amx(K)) {
+    amx::Tiles tiles;
+    for (int64_t m = 0; m < M; m += amx::MR) {
+      const int64_t rows = std::min(amx::MR, M - m);
+      tiles.configure(rows);
+      amx_tile(A + m * K, K, rows, panel, C + m * ldc, ldc, bias, ncols, false);
+    }
+    return;
+  }
+#endif
   for (int64_t m = 0; m < M; m += MR)
     with_height<MR>(std::min(MR, M - m), [&](auto r) {
       tile<decltype(r)::value>(A + m * K, K, panel, K / 2, C + m * ldc, ldc, bias, ncols);
@@ -555,6 +595,14 @@ void bf16_gemm(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at
   const auto* A = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* B = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   auto* C = reinterpret_cast<uint16_t*>(out.data_ptr());
+#ifdef VLLITE_AMX
+  if (use_amx(K)) {
+    amx::for_tiles(M, N, [&](int64_t m, int64_t rows, int64_t p, int64_t n0, int64_t ncols, bool stream) {
+      amx_tile(A + m * K, K, rows, B + p * Kp * NB * 2, C + m * N + n0, N, bp ? bp + n0 : nullptr, ncols, stream);
+    });
+    return;
+  }
+#endif
   for_panel_tiles(M, N, NB, MC, MR, [&](int64_t m, int64_t rows, int64_t p, int64_t n0, int64_t ncols) {
     with_height<MR>(rows, [&](auto r) {
       tile<decltype(r)::value>(A + m * K, K, B + p * Kp * NB * 2, Kp, C + m * N + n0, N, bp ? bp + n0 : nullptr,

@@ -44,6 +44,9 @@
   bool bf16_gemm_available();                                                                                       \
   void bf16_gemm_pack(at::Tensor out, at::Tensor w);                                                                \
   void bf16_gemm(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at::Tensor> bias);                  \
+  bool amx_available();                                                                                             \
+  bool amx_on();                                                                                                    \
+  bool set_amx(bool on);                                                                                            \
   void encoder_attention(at::Tensor out, at::Tensor qkv, at::Tensor cu_seqlens, double scale);                      \
   void add_layer_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, at::Tensor bias, double eps);           \
   void small_linear(at::Tensor out, at::Tensor x, at::Tensor w, std::optional<at::Tensor> bias);                    \

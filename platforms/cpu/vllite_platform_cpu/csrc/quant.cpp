@@ -16,6 +16,8 @@
 #include <cstring>
 
 #include "common.h"
+// after common.h
+#include "amx.h"
 #include "team.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -223,19 +225,17 @@ __attribute__((noinline)) static void tile_sums(const uint8_t* __restrict A, int
   }
 }
 
-// One R x 32 tile: its sums, then each row scaled back and stored (the columns past ncols masked off).
-template <int R, typename out_t>
-static inline void tile(const uint8_t* A, int64_t lda, const int8_t* B, int64_t K4, const float* xs, out_t* C,
-                        int64_t ldc, const float* bias, int64_t ncols) {
-  alignas(64) int32_t acc[R * NB];
-  tile_sums<R>(A, lda, B, K4, acc);
+// A tile's rows of int32 sums (acc [rows][32]) scaled back and stored (the columns past ncols masked off); the
+// panel's compensations and weight scales follow its K4 rows of weights.
+template <typename out_t>
+static inline void scale_back(const int32_t* acc, int64_t rows, const int8_t* B, int64_t K4, const float* xs, out_t* C,
+                              int64_t ldc, const float* bias, int64_t ncols) {
   const int32_t* comp = reinterpret_cast<const int32_t*>(B + K4 * 4 * NB);
   const float* ws = reinterpret_cast<const float*>(comp + NB);
   const TileEdge32 e = tile_edge32(ncols, bias);
   const __m512i k0 = _mm512_loadu_si512(comp), k1 = _mm512_loadu_si512(comp + 16);
   const __m512 w0 = _mm512_loadu_ps(ws), w1 = _mm512_loadu_ps(ws + 16);
-#pragma GCC unroll 12
-  for (int r = 0; r < R; ++r) {
+  for (int64_t r = 0; r < rows; ++r) {
     const __m512 xv = _mm512_set1_ps(xs[r]);
     const __m512i s0 = _mm512_load_si512(acc + r * NB), s1 = _mm512_load_si512(acc + r * NB + 16);
     __m512 v0 = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s0, k0)), xv), w0);
@@ -247,6 +247,15 @@ static inline void tile(const uint8_t* A, int64_t lda, const int8_t* B, int64_t 
     store_masked(C + r * ldc, e.m0, v0);
     store_masked(C + r * ldc + 16, e.m1, v1);
   }
+}
+
+// One R x 32 tile: its sums, then each row scaled back.
+template <int R, typename out_t>
+static inline void tile(const uint8_t* A, int64_t lda, const int8_t* B, int64_t K4, const float* xs, out_t* C,
+                        int64_t ldc, const float* bias, int64_t ncols) {
+  alignas(64) int32_t acc[R * NB];
+  tile_sums<R>(A, lda, B, K4, acc);
+  scale_back(acc, R, B, K4, xs, C, ldc, bias, ncols);
 }
 
 #endif
@@ -327,6 +336,17 @@ void int8_gemm(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at
     const int8_t* B = packed.data_ptr<int8_t>();
     scalar_t* C = out.data_ptr<scalar_t>();
     const int64_t K4 = K / 4;
+#ifdef VLLITE_AMX
+    if (K % 64 == 0 && amx_on()) {  // the same int32 sums on AMX tiles (amx.h), 64 k per step
+      amx::for_tiles(M, N, [&](int64_t m, int64_t rows, int64_t p, int64_t n0, int64_t ncols, bool stream) {
+        alignas(64) int32_t acc[amx::MR * NB];
+        const int8_t* panel = B + p * (K * NB + TAIL);
+        amx::sums(amx::Dot::int8, A + m * K, K, rows, reinterpret_cast<const uint8_t*>(panel), K / 64, acc, stream);
+        scale_back(acc, rows, panel, K4, xs + m, C + m * N + n0, N, bp ? bp + n0 : nullptr, ncols);
+      });
+      return;
+    }
+#endif
     for_panel_tiles(M, N, NB, MC, MR, [&](int64_t m, int64_t rows, int64_t p, int64_t n0, int64_t ncols) {
       with_height<MR>(rows, [&](auto r) {
         tile<decltype(r)::value>(A + m * K, K, B + p * (K * NB + TAIL), K4, xs + m, C + m * N + n0, N,

@@ -131,18 +131,32 @@ inline void split_for(int64_t units, int64_t grain, const F& f) {
     at::parallel_for(0, units, grain, f);
 }
 
-// An M x N GEMM's tiles, in panels of nb output columns, as (row block, panel) tasks through split_for; per tile
-// of at most mr rows f(m, rows, p, n0, ncols) (first row, rows, panel, its first column, its live columns).
-// Row blocks have equal sizes of at most mc rows: 128 rows as 120 + 8 left one thread with 15/16 of the bf16
-// GEMM's work (149 against oneDNN's 95 ms over SmolLM2's layers); as 64 + 64 the threads' shares are equal.
+// An M x N GEMM's (row block, panel) tasks, in panels of nb output columns. Row blocks have equal sizes of at most
+// mc rows: 128 rows as 120 + 8 left one thread with 15/16 of the bf16 GEMM's work (149 against oneDNN's 95 ms
+// over SmolLM2's layers); as 64 + 64 the threads' shares are equal.
+struct PanelTasks {
+  int64_t M, N, nb, panels, rows_per_block, count;
+  PanelTasks(int64_t M, int64_t N, int64_t nb, int64_t mc) : M(M), N(N), nb(nb), panels((N + nb - 1) / nb) {
+    const int64_t blocks = (M + mc - 1) / mc;
+    rows_per_block = (M + blocks - 1) / blocks;
+    count = blocks * panels;
+  }
+  // Task t's tiles of at most mr rows: f(m, rows, p, n0, ncols) (first row, rows, panel, its first column, its
+  // live columns).
+  int64_t first_row(int64_t t) const { return (t / panels) * rows_per_block; }
+  template <typename F>
+  void tiles(int64_t t, int64_t mr, const F& f) const {
+    const int64_t m0 = first_row(t), m1 = std::min(M, m0 + rows_per_block), p = t % panels;
+    for (int64_t m = m0; m < m1; m += mr) f(m, std::min(mr, m1 - m), p, p * nb, std::min(nb, N - p * nb));
+  }
+};
+
+// Every tile of those tasks through split_for: f as PanelTasks::tiles calls it.
 template <typename F>
 inline void for_panel_tiles(int64_t M, int64_t N, int64_t nb, int64_t mc, int64_t mr, const F& f) {
-  const int64_t P = (N + nb - 1) / nb, blocks = (M + mc - 1) / mc, rows_per_block = (M + blocks - 1) / blocks;
-  split_for(blocks * P, 1, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      const int64_t m0 = (t / P) * rows_per_block, m1 = std::min(M, m0 + rows_per_block), p = t % P;
-      for (int64_t m = m0; m < m1; m += mr) f(m, std::min(mr, m1 - m), p, p * nb, std::min(nb, N - p * nb));
-    }
+  const PanelTasks tasks(M, N, nb, mc);
+  split_for(tasks.count, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) tasks.tiles(t, mr, f);
   });
 }
 
