@@ -428,7 +428,8 @@ needs_int8_gemm = pytest.mark.skipif(not kernels.int8_gemm_available(), reason="
 @pytest.mark.parametrize("threads", [1, 2])
 def test_int8_gemm_is_the_separate_passes_bit_for_bit(rows, shape, dtype, threads, amx):
     # Every tile height (1-12 rows of vpdpbusd, 1-32 of AMX tiles, their row blocks and remainders), partial
-    # 32-column panels, K of one quad (vpdpbusd only: AMX takes K in steps of 64); inputs large enough that the unsigned offset and its compensation matter (|q| up to 127). The
+    # 32-column panels, K of one quad (vpdpbusd only: AMX takes K in steps of 64); inputs large enough
+    # that the unsigned offset and its compensation matter (|q| up to 127). The
     # int32 sums are exact, the epilogue dequantize_int32's: equal bit for bit to the separate passes, and
     # within float32 rounding of the float64 formula.
     n, k = shape
