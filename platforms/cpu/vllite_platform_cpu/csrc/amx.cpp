@@ -49,7 +49,8 @@ static void sums_of(const uint8_t* A, int64_t lda, int64_t rows, const uint8_t* 
   for (int64_t s = 0; s < steps; ++s) {
     const uint8_t* b = B + s * kStepBytes;
     if (stream)
-      for (int64_t line = 0; line < kStepBytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(b) + ahead + line, _MM_HINT_T0);
+      for (int64_t line = 0; line < kStepBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(b) + ahead + line, _MM_HINT_T0);
     VLLITE_TILE_LOAD(6, b, row);
     VLLITE_TILE_LOAD(7, b + 64, row);
     VLLITE_TILE_LOAD(4, A + s * 64, lda);
