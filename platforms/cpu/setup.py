@@ -156,8 +156,9 @@ def _extension_and_cmdclass():
             up to date and links."""
             base = ext.extra_compile_args
             base = list(base["cxx"] if isinstance(base, dict) else base)  # torch's flags included by now
-            # bindings.cpp (the baseline flags) registers the variants built.
-            bindings = [*base, *(f"-DVLLITE_CPU_WITH_{v.namespace}" for v in variants)]
+            # bindings.cpp (the baseline flags) registers the variants built and what they were built from.
+            bindings = [*base, *(f"-DVLLITE_CPU_WITH_{v.namespace}" for v in variants),
+                        f"-DVLLITE_CPU_SOURCES_DIGEST={isa.sources_digest(os.path.join(HERE, CSRC))}"]
             if isinstance(ext.extra_compile_args, dict):
                 ext.extra_compile_args["cxx"] = bindings
             else:

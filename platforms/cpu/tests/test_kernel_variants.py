@@ -315,6 +315,23 @@ def test_sources_ship_in_the_package():
     assert {isa.BINDINGS_SOURCE, *isa.KERNEL_SOURCES, "common.h", "kernels.h"} <= files
 
 
+def test_installed_module_is_used_only_when_built_from_these_sources(monkeypatch, tmp_path):
+    """The installed module carries the digest of the C++ files it was built from; a module built from other
+    sources (an edited kernel, an editable install not rebuilt) is set aside for the first-use build."""
+    mod, why = kernels._installed()
+    if mod is None:
+        pytest.skip(f"no installed module: {why}")
+    assert mod.sources_digest == isa.sources_digest(kernels.csrc_dir())
+    copy = shutil.copytree(kernels.csrc_dir(), tmp_path / "csrc")
+    with open(copy / "team.h", "a") as f:
+        f.write("// an edit\n")
+    assert isa.sources_digest(str(copy)) != mod.sources_digest
+    monkeypatch.setattr(kernels, "csrc_dir", lambda: str(copy))
+    monkeypatch.setattr(kernels, "_installed_state", None)
+    mod2, why2 = kernels._installed()
+    assert mod2 is None and "other sources" in why2
+
+
 def test_first_use_build_is_keyed_by_the_environment(monkeypatch, tmp_path):
     v = isa.get("default")
     here = kernels._build_name(v)
@@ -324,7 +341,11 @@ def test_first_use_build_is_keyed_by_the_environment(monkeypatch, tmp_path):
     # sources by path, so a shared folder would be rewritten and recompiled on every start from either one.
     copy = shutil.copytree(kernels.csrc_dir(), tmp_path / "csrc")
     monkeypatch.setattr(kernels, "csrc_dir", lambda: str(copy))
-    assert kernels._build_name(v) != here
+    unedited = kernels._build_name(v)
+    assert unedited != here
+    with open(copy / "amx.h", "a") as f:  # an edit of any header makes another build
+        f.write("// an edit\n")
+    assert kernels._build_name(v) != unedited
     monkeypatch.undo()
     monkeypatch.setattr(sys, "prefix", sys.prefix + "-another-venv")
     assert kernels._build_name(v) != here

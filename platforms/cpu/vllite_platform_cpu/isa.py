@@ -12,6 +12,8 @@ the attention kernel and the bf16 GEMM (``__AVX512BF16__``) and the int8 GEMM's 
 """
 from __future__ import annotations
 
+import hashlib
+import os
 import platform
 from typing import NamedTuple
 
@@ -52,6 +54,18 @@ KERNEL_SOURCES = ("attention.cpp", "gemm.cpp", "amx.cpp", "pointwise.cpp", "quan
 BINDINGS_SOURCE = "bindings.cpp"
 COMMON_FLAGS = ("-O3", "-fopenmp", "-DNDEBUG")
 LINK_FLAGS = ("-fopenmp",)
+
+
+def sources_digest(csrc: str) -> str:
+    """What a build is made from: every C++ file in ``csrc`` (.cpp and .h), by name and content. setup.py compiles
+    it into the installed module and kernels.py compares it with the shipped files', so a module built from other
+    sources (an editable install not rebuilt since a kernel changed) is never used; the first-use build is keyed by
+    it."""
+    h = hashlib.sha256()
+    for name in sorted(f for f in os.listdir(csrc) if f.endswith((".cpp", ".h"))):
+        with open(os.path.join(csrc, name), "rb") as f:
+            h.update(name.encode() + b"\0" + f.read() + b"\0")
+    return "d" + h.hexdigest()[:16]  # a C identifier: setup.py passes it as a macro's value
 
 
 def is_x86(machine: str | None = None) -> bool:

@@ -27,12 +27,13 @@ supports, from the module's own CPUID check; ``VLLITE_CPU_ISA=default|avx2|avx51
 for tests and benchmarks.
 
 Fallback: when that module is missing or does not import (installed without torch or a compiler at
-build time, or built for another torch), or lacks an entry point of ``ENTRY_POINTS`` (built from older
-sources), the chosen variant alone is compiled on first use from the
-same files (shipped in the package) with the same flags, through ``torch.utils.cpp_extension.load``,
-into ``~/.cache/vllite/torch_extensions`` (``VLLITE_CACHE_ROOT`` or ``XDG_CACHE_HOME`` move it); the
-build is keyed by the sources, the flags, torch's and Python's versions and the environment
-(``sys.prefix``), so a later start only loads it and two environments never rebuild each other's.
+build time, or built for another torch), or was built from other sources than the package's ``csrc/``
+(``isa.sources_digest``: an editable install not rebuilt since a kernel file changed), the chosen
+variant alone is compiled on first use from the same files (shipped in the package) with the same
+flags, through ``torch.utils.cpp_extension.load``, into ``~/.cache/vllite/torch_extensions``
+(``VLLITE_CACHE_ROOT`` or ``XDG_CACHE_HOME`` move it); the build is keyed by the sources, the flags,
+torch's and Python's versions and the environment (``sys.prefix``), so a later start only loads it
+and two environments never rebuild each other's.
 ``VLLITE_CPU_ATTENTION_KERNEL=0`` turns the kernels off; with neither module nor compiler the backend
 falls back to torch ops (``available()`` is False and says why in ``error()``).
 """
@@ -103,6 +104,8 @@ def _installed() -> tuple[Any, str | None]:
             running = running.group(0) if running else torch.__version__
             if built_for and built_for != running:
                 raise ImportError(f"built for torch {built_for}, this is torch {running}: reinstall platforms/cpu")
+            if getattr(mod, "sources_digest", None) != isa.sources_digest(csrc_dir()):
+                raise ImportError("built from other sources than the package's csrc/: reinstall platforms/cpu")
             missing = sorted({f for v in mod.variants for f in ENTRY_POINTS if not hasattr(getattr(mod, v), f)})
             if missing:
                 raise ImportError(f"built from older sources (no {', '.join(missing)}): reinstall platforms/cpu")
@@ -153,10 +156,7 @@ def _build_name(v: isa.Variant) -> str:
     The source folder is part of it because torch's build file names the sources by path: two checkouts
     with equal sources sharing one folder would each rewrite it and recompile on every start."""
     parts = [v.name, *isa.variant_flags(v), *isa.LINK_FLAGS, torch.__version__, sys.version, sys.prefix,
-             os.path.realpath(csrc_dir())]
-    for src in (isa.BINDINGS_SOURCE, *isa.KERNEL_SOURCES, "common.h", "kernels.h", "team.h"):
-        with open(os.path.join(csrc_dir(), src), "rb") as f:
-            parts.append(hashlib.sha256(f.read()).hexdigest())
+             os.path.realpath(csrc_dir()), isa.sources_digest(csrc_dir())]
     return f"vllite_cpu_{v.name}_" + hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
 
 

@@ -130,5 +130,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("torch_version") = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "."
                             + std::to_string(TORCH_VERSION_PATCH);
 #endif
+#ifdef VLLITE_CPU_SOURCES_DIGEST
+  // The sources it was built from (isa.sources_digest, passed by setup.py): kernels.py uses it only if they match.
+#define VLLITE_CPU_STR(x) #x
+#define VLLITE_CPU_XSTR(x) VLLITE_CPU_STR(x)
+  m.attr("sources_digest") = VLLITE_CPU_XSTR(VLLITE_CPU_SOURCES_DIGEST);
+#endif
   m.def("cpu_features", &cpu_features, "The CPU features the ISA variants need that this CPU and OS support");
 }
