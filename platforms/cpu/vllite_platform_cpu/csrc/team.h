@@ -141,9 +141,10 @@ struct PanelTasks {
     rows_per_block = (M + blocks - 1) / blocks;
     count = blocks * panels;
   }
+  // Task t's first row (that of its first tile).
+  int64_t first_row(int64_t t) const { return (t / panels) * rows_per_block; }
   // Task t's tiles of at most mr rows: f(m, rows, p, n0, ncols) (first row, rows, panel, its first column, its
   // live columns).
-  int64_t first_row(int64_t t) const { return (t / panels) * rows_per_block; }
   template <typename F>
   void tiles(int64_t t, int64_t mr, const F& f) const {
     const int64_t m0 = first_row(t), m1 = std::min(M, m0 + rows_per_block), p = t % panels;
