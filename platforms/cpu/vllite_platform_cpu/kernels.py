@@ -336,14 +336,14 @@ def bf16_gemm_available() -> bool:
 
 
 def set_amx(on: bool) -> bool:
-    """Whether the bf16 GEMM runs on AMX tiles (csrc/amx.cpp) where the CPU and OS have them; returns the state
-    now (False without AMX or without the kernels)."""
+    """Whether the bf16 and int8 GEMMs run on AMX tiles (csrc/amx.h) where the CPU and OS have them; returns the
+    state now (False without AMX or without the kernels)."""
     mod = load()
     return mod is not None and bool(mod.set_amx(on))
 
 
 def amx_available() -> bool:
-    """AMX-TILE and AMX-BF16 on this CPU, the OS's leave to use them, and the kernels built for them."""
+    """AMX-TILE, AMX-BF16 and AMX-INT8 on this CPU, the OS's leave to use them, and kernels built for them."""
     mod = load()
     return mod is not None and bool(mod.amx_available())
 

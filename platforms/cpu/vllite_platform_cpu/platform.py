@@ -32,7 +32,7 @@ FUSED_OPS_ENV = "VLLITE_CPU_FUSED_OPS"  # 0: torch pointwise ops instead of the 
 ONEDNN_ENV = "VLLITE_CPU_ONEDNN"  # 0: F.linear instead of oneDNN-prepacked weights
 AVX2_GEMM_ENV = "VLLITE_CPU_AVX2_GEMM"  # 0: oneDNN instead of the AVX2 GEMM on AVX2 hosts
 BF16_GEMM_ENV = "VLLITE_CPU_BF16_GEMM"  # 0: oneDNN instead of the bf16 GEMM on AVX512-BF16 hosts
-AMX_ENV = "VLLITE_CPU_AMX"  # 0: the bf16 GEMM on vdpbf16ps instead of AMX tiles on AMX hosts
+AMX_ENV = "VLLITE_CPU_AMX"  # 0: the bf16 / int8 GEMMs on vdpbf16ps / vpdpbusd instead of AMX tiles on AMX hosts
 INT8_GEMM_ENV = "VLLITE_CPU_INT8_GEMM"  # 0: torch._int_mm (oneDNN) instead of the int8 GEMM on VNNI hosts
 COMPILE_ENV = "VLLITE_CPU_COMPILE"  # 1: torch.compile the decode step (off by default: not faster here)
 
@@ -116,7 +116,8 @@ def use_bf16_gemm(flags: set[str] | None = None) -> bool:
 
 
 def use_amx() -> bool:
-    """The bf16 GEMM's tiles on AMX where the CPU and OS have it (``VLLITE_CPU_AMX=0``: vdpbf16ps)."""
+    """The bf16 and int8 GEMMs on AMX tiles where the CPU and OS have them (``VLLITE_CPU_AMX=0``: vdpbf16ps and
+    vpdpbusd)."""
     return os.environ.get(AMX_ENV, "1") != "0"
 
 
