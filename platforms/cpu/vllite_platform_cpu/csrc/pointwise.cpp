@@ -50,6 +50,70 @@ static inline float sum_squares(const T* x, int64_t n) {
   return s;
 }
 
+// Types with the vector paths below (float64 keeps the scalar loops).
+template <typename T>
+constexpr bool kVecT = std::is_same_v<T, float> || at::vec::is_reduced_floating_point_v<T>;
+
+// bfloat16 rounding of VL float32 lanes in place, as c10 rounds (nearest even; a NaN becomes 0x7FC0): the bits of
+// the rounded value with the low 16 zero. Integer ops on the float bits: ATen's conversion packs and unpacks pairs
+// of vectors, and the vector loops below were no faster than the scalar ones through it.
+#if defined(CPU_CAPABILITY_AVX512)
+static inline __m512i bf16_round_bits(const fVec& v) {
+  const __m512 f = v;
+  const __m512i b = _mm512_castps_si512(f);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb),
+                                     _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+  return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7fc00000));
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+static inline __m256i bf16_round_bits(const fVec& v) {
+  const __m256 f = v;
+  const __m256i b = _mm256_castps_si256(f);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), lsb),
+                                     _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc00000), nan);
+}
+#endif
+
+// VL values rounded to T as static_cast<T> rounds them (nearest even), widened back; float32 unchanged.
+template <typename T>
+static inline fVec round_to(const fVec& v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+#if defined(CPU_CAPABILITY_AVX512)
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return fVec(_mm512_castsi512_ps(bf16_round_bits(v)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return fVec(_mm256_castsi256_ps(bf16_round_bits(v)));
+#endif
+  } else {
+    return std::get<0>(at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(v, v)));
+  }
+}
+
+// VL float32 values stored to p as T (rounded as static_cast<T> rounds them).
+template <typename T>
+static inline void store_as(T* p, const fVec& v) {
+  if constexpr (std::is_same_v<T, float>) {
+    v.store(p);
+#if defined(CPU_CAPABILITY_AVX512)
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round_bits(v), 16)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m256i h = _mm256_srli_epi32(bf16_round_bits(v), 16);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+#endif
+  } else {
+    at::vec::convert_from_float<T>(v, v).store(p, VL);
+  }
+}
+
 // out = weight * (x * rsqrt(mean(x^2) + eps)).to(T): transformers' order (normalise in float32, round, scale).
 template <typename T>
 static inline void rms_row(T* out, const T* x, const T* w, int64_t n, float eps) {
@@ -157,6 +221,31 @@ void silu_and_mul(at::Tensor out, at::Tensor x) {
   });
 }
 
+// rotary_one's rows for a head of NV whole vectors: each head in registers (its cos and sin rows widened once
+// per row), the same products and roundings as the scalar loop; a head's values went through memory before, and
+// the loop ran at ~2.4 cycles per value.
+template <typename T, int NV>
+static void rotary_rows(T* xp, int64_t rows, int64_t heads, int64_t s0, int64_t s1, const T* c, const T* s, int64_t cs) {
+  at::parallel_for(0, rows, row_grain(heads * NV * VL), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      fVec cv[NV], sv[NV];
+      for (int i = 0; i < NV; ++i) {
+        cv[i] = avec_load(c + r * cs + i * VL);
+        sv[i] = avec_load(s + r * cs + i * VL);
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        T* v = xp + r * s0 + h * s1;
+        fVec x[NV];
+        for (int i = 0; i < NV; ++i) x[i] = avec_load(v + i * VL);
+        for (int i = 0; i < NV; ++i) {
+          const fVec rot = i < NV / 2 ? x[i + NV / 2].neg() : x[i - NV / 2];
+          store_as(v + i * VL, round_to<T>(x[i] * cv[i]) + round_to<T>(rot * sv[i]));
+        }
+      }
+    }
+  });
+}
+
 // In place on x [T, heads, D] (rows may be strided views of a fused qkv output):
 // x = x * cos + rotate_half(x) * sin, with cos/sin [T, D] (the HF/NeoX layout), each product rounded to T.
 template <typename T>
@@ -164,6 +253,10 @@ static void rotary_one(at::Tensor& x, const T* c, const T* s, int64_t cs) {
   const int64_t rows = x.size(0), heads = x.size(1), D = x.size(2), half = D / 2;
   const int64_t s0 = x.stride(0), s1 = x.stride(1);
   T* xp = x.data_ptr<T>();
+  if constexpr (kVecT<T>) {
+    if (D == 4 * VL) return rotary_rows<T, 4>(xp, rows, heads, s0, s1, c, s, cs);
+    if (D == 8 * VL) return rotary_rows<T, 8>(xp, rows, heads, s0, s1, c, s, cs);
+  }
   at::parallel_for(0, rows, row_grain(heads * D), [&](int64_t b, int64_t e) {
     std::vector<float> tmp(D);
     for (int64_t r = b; r < e; ++r) {
