@@ -161,13 +161,22 @@ void add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double e
   });
 }
 
-// silu(g).to(T) * u over whole 16-bit vectors (two float vectors each); returns how many were done.
+// silu(g).to(T) * u over whole vectors of 16-bit values; returns how many were done. bfloat16 takes ATen's
+// exp_u20 (a polynomial, inline; up to 20 float32 ulps against SLEEF's 1, out of line) and rounds by integer ops
+// (round_to, store_as): 1.23x faster at 64 and 2,048 rows on Zen 4, and still torch's silu bit for bit on
+// 6.3M values (an error of 20 float32 ulps moves a bfloat16 rounding about once in 3,000 values where it lands
+// next to a tie). float16 (8x finer) keeps SLEEF's exp, as torch does.
 template <typename T>
 static inline int64_t silu_mul_16bit(const T* gr, const T* ur, T* orow, int64_t n) {
   int64_t d = 0;
-  if constexpr (at::vec::is_reduced_floating_point_v<T>) {
+  const fVec one(1.f);
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    for (; d + VL <= n; d += VL) {
+      const fVec g = avec_load(gr + d);
+      store_as(orow + d, round_to<T>(g / (one + g.neg().exp_u20())) * avec_load(ur + d));
+    }
+  } else if constexpr (at::vec::is_reduced_floating_point_v<T>) {
     using hVec = Vectorized<T>;
-    const fVec one(1.f);
     for (; d + hVec::size() <= n; d += hVec::size()) {
       auto [g0, g1] = at::vec::convert_to_float<T>(hVec::loadu(gr + d));
       auto [u0, u1] = at::vec::convert_to_float<T>(hVec::loadu(ur + d));
