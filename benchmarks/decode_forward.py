@@ -2,8 +2,8 @@
 
     PYTHONPATH=<tree>/platforms/cpu:<tree> .venv/bin/python benchmarks/decode_forward.py --threads 1 --quantization gguf
 
-Runs --batch requests of 128 random ids for a few steps, keeps the inputs of the last decode step's
-forward, then calls the model on them --iters times (after 20 warm-ups): wall and thread-CPU time per
+Runs --batch requests of 128 random ids until a step decodes all of them, keeps that step's forward
+inputs, then calls the model on them --iters times (after 20 warm-ups): wall and thread-CPU time per
 forward. --split also times every C++ kernel call (thread CPU time, so time the thread spends
 descheduled on a shared host is not counted) and prints what the forward spends outside them: the
 per-layer Python and small torch ops. Compare two trees by alternating runs (PYTHONPATH at each).
@@ -53,11 +53,17 @@ def main() -> None:
         return inner(*args, **kwargs)
 
     runner.model_forward = record
-    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0)
+    params = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0)
     for i, prompt in enumerate(random_token_ids(a.batch, 128)):
         engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
-    for _ in range(5):
+    # Step until a step is all decode (one row per request): a large batch's prompts take several chunked-prefill
+    # steps, and a fixed count of warm-up steps captured a prefill chunk at batch 64.
+    for _ in range(64):
         engine.step()
+        if captured["inputs"][0][0].shape[0] == a.batch:
+            break
+    else:
+        raise SystemExit(f"no decode step of {a.batch} rows in 64 steps")
     args, kwargs = captured["inputs"]
     model = runner.model
 
