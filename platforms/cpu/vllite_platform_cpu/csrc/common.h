@@ -71,6 +71,14 @@ static inline TileEdge32 tile_edge32(int64_t ncols, const float* bias) {
   e.b1 = bias ? _mm512_maskz_loadu_ps(e.m1, bias + 16) : _mm512_setzero_ps();
   return e;
 }
+
+// 16 float32 values rounded to bfloat16 as c10 rounds finite values (to nearest, ties to even), the result in the
+// high 16 bits of each 32-bit lane (the low 16 not cleared): shift right by 16 for the bfloat16 bits.
+static inline __m512i bf16_round_high(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  return _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+}
 #endif
 
 // f(std::integral_constant<int, r>{}) for the runtime r = rows in [1, MAX]: a GEMM tile's (or a group's) height

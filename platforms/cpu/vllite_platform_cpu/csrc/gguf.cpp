@@ -319,11 +319,7 @@ constexpr int64_t NB16 = 32;  // columns per bfloat16 panel (gemm.cpp's bf16 GEM
 
 // 16 finite float32 values rounded to bfloat16 (to nearest, ties to even: torch's .to(torch.bfloat16)), as the
 // low 16 bits of each 32-bit lane.
-static inline __m512i bf16_bits(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-}
+static inline __m512i bf16_bits(__m512 v) { return _mm512_srli_epi32(bf16_round_high(v), 16); }
 
 // panel [K / 2][32][2] bfloat16 (gemm.cpp's bf16 panel layout) = the weights of groups 4p .. 4p + 3 (zero past the
 // last group): the dequantised load's float32 values rounded as its .to(torch.bfloat16) rounds them, so the sums

@@ -54,16 +54,13 @@ static inline float sum_squares(const T* x, int64_t n) {
 template <typename T>
 constexpr bool kVecT = std::is_same_v<T, float> || at::vec::is_reduced_floating_point_v<T>;
 
-// bfloat16 rounding of VL float32 lanes in place, as c10 rounds (nearest even; a NaN becomes 0x7FC0): the bits of
-// the rounded value with the low 16 zero. Integer ops on the float bits: ATen's conversion packs and unpacks pairs
-// of vectors, and the vector loops below were no faster than the scalar ones through it.
+// bfloat16 rounding of VL float32 lanes, as c10 rounds (nearest even; a NaN becomes 0x7FC0): the bits of the
+// rounded value with the low 16 zero. Integer ops on the float bits: ATen's conversion packs and unpacks pairs of
+// vectors, and the vector loops below were no faster than the scalar ones through it.
 #if defined(CPU_CAPABILITY_AVX512)
 static inline __m512i bf16_round_bits(const fVec& v) {
   const __m512 f = v;
-  const __m512i b = _mm512_castps_si512(f);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb),
-                                     _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+  const __m512i r = _mm512_and_si512(bf16_round_high(f), _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
   return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7fc00000));
 }
 #elif defined(CPU_CAPABILITY_AVX2)

@@ -56,12 +56,7 @@ static inline __m512 load16(const double* p) {
 }
 // 16 float32 values rounded to the output dtype as c10 rounds them (nearest even; NaN not special-cased).
 static inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-static inline __m256i bf16_bits(__m512 v) {
-  const __m512i b = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb), 16);
-  return _mm512_cvtepi32_epi16(r);
-}
+static inline __m256i bf16_bits(__m512 v) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round_high(v), 16)); }
 static inline void store16(c10::BFloat16* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_bits(v));
 }
