@@ -252,6 +252,37 @@ static inline void values_g(const C* const* vrows, int64_t m, const float* p, in
     for (int64_t v = 0; v < NV; ++v) a[i][v].store(acc + i * D + v * VL);
 }
 
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+// decode_row's values on AVX512-BF16 (a bfloat16 cache and query): the value rows of two positions interleaved
+// word by word (vpunpck{l,h}wd) make bfloat16 pairs (v[t][d], v[t + 1][d]) that one vdpbf16ps multiplies by the
+// pair (p[t], p[t + 1]) of the state's weights rounded to bfloat16 (pw: one pair per dword, as torch's CPU flash
+// attention rounds its exponentials before multiplying by V): one instruction per 16 dims and 2 positions where
+// values_g widens each row (2 instructions per 16 dims) and does 2 fused multiply-adds. m is even. The
+// accumulators' lanes are in the interleaving's order: acc[16 * (2 * v + s) + 4 * l + j] holds dim
+// 32 * v + 8 * l + 4 * s + j, which decode_row undoes when it writes the output.
+template <int NQ, int64_t NB>
+static inline void values_bf16(const c10::BFloat16* const* vrows, int64_t m, const uint32_t* pw, int64_t pstride,
+                               float* acc, int64_t D) {
+  __m512 a[NQ][2 * NB];
+  for (int i = 0; i < NQ; ++i)
+    for (int64_t u = 0; u < 2 * NB; ++u) a[i][u] = _mm512_loadu_ps(acc + i * D + u * 16);
+  for (int64_t k = 0; k < m; k += 2) {
+    __m512i x[2 * NB];
+    for (int64_t v = 0; v < NB; ++v) {
+      const __m512i r0 = _mm512_loadu_si512(vrows[k] + v * 32), r1 = _mm512_loadu_si512(vrows[k + 1] + v * 32);
+      x[2 * v] = _mm512_unpacklo_epi16(r0, r1);
+      x[2 * v + 1] = _mm512_unpackhi_epi16(r0, r1);
+    }
+    for (int i = 0; i < NQ; ++i) {
+      const __m512bh pv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[i * pstride + k / 2]));
+      for (int64_t u = 0; u < 2 * NB; ++u) a[i][u] = _mm512_dpbf16_ps(a[i][u], (__m512bh)x[u], pv);
+    }
+  }
+  for (int i = 0; i < NQ; ++i)
+    for (int64_t u = 0; u < 2 * NB; ++u) _mm512_storeu_ps(acc + i * D + u * 16, a[i][u]);
+}
+#endif
+
 // One chunk's step of the online softmax: sv[0:n] becomes exp(sv - max so far), the running max and sum
 // are updated, and the factor the accumulator must be scaled by is returned (0 on the first chunk).
 static inline float online_softmax(float* sv, int64_t n, float& mx, float& total) {
@@ -277,9 +308,14 @@ constexpr bool kBf16Dots = false;
 template <int DC>
 constexpr int kValueHeads = VL == 16 && DC >= VL ? static_cast<int>(std::clamp<int64_t>(24 / (DC / VL) - 1, 1, 4)) : 1;
 
+// A row of zeros standing in for the positions past a group's end.
+template <typename C, int DC>
+static const C kZeroRow[DC] = {};
+
 // Per-thread buffers of decode_row, kept across its tasks.
 struct DecodeScratch {
   std::vector<float> qf, acc, mx, total, scores, part;
+  std::vector<uint32_t> pw;  // values_bf16's weights, bfloat16 pairs
 };
 
 // The K rows of the decode row a thread takes next (positions lo .. lo + n - 1 of its request, its group of KV
@@ -299,9 +335,11 @@ struct NextRows {
 // positions ahead are prefetched (K into L1, V into L2 for the pass over V that follows each chunk).
 // With the cache in L2 or L3 that made a batch-64 step 1.15x / 1.4x faster on the AVX2 host; from
 // DRAM both paths take about a plain read of the blocks plus the compute (docs/benchmarks.md, 16). A
-// bfloat16 query and cache on AVX512-BF16 take the scores as dots16 does (vdpbf16ps on the stored pairs);
-// on Zen 4 this path then beat the tile path's 30 layers of a batch-64 step by ~10-15% (8.5 against 10.4 ms
-// at 128 positions, 14.6 against 15.8 at 256; noisy host).
+// bfloat16 query and cache on AVX512-BF16 take the scores through dots16 (vdpbf16ps on the stored pairs, each
+// state's 16 partial sums reduced in registers) and the values through values_bf16 (two positions' rows per
+// vdpbf16ps, the weights rounded to bfloat16): on Zen 4 that made the batch-64 step's 30 layers 7.4 against 9.4
+// ms with the cache in L2 (`benchmarks/attention_decode.py --dtype bfloat16 --context 192 --same-blocks`);
+// from DRAM it is bound by the memory (~12 ms, 23 GB/s).
 template <typename T, typename C, int DC>
 static void decode_row(const T* qrow, int64_t qs1, T* orow, int64_t os1, const C* kc, const C* vc, int64_t ks0,
                        int64_t ks1, int64_t ks2, int64_t vs0, int64_t vs1, int64_t vs2, const int32_t* row_blocks,
@@ -336,6 +374,7 @@ static void decode_row(const T* qrow, int64_t qs1, T* orow, int64_t os1, const C
     // Scores: 16 positions at a time, one vector of partial sums per (state, position), then reduced.
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
       const int64_t m = std::min<int64_t>(16, n - j0);
+      const C* krows[16];
       for (int64_t k = 0; k < m; ++k) {
         if (t_pf <= t_hi) {
           prefetch_rows<C, 3>(kpf.row(), HG, ks2, D);
@@ -345,23 +384,11 @@ static void decode_row(const T* qrow, int64_t qs1, T* orow, int64_t os1, const C
         prefetch_rows<C, 2>(vpf.row(), HG, vs2, D);
         vpf.next();
         const C* kr = kw.row();
-#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
-        if constexpr (kBf16Dots<T, C, DC>) {  // bf16 pairs multiplied as stored, float32 sums (as dots16)
-          constexpr int64_t NB = DC / 32;
-          for (int64_t h = 0; h < HG; ++h) {
-            __m512bh kb[NB];
-            for (int64_t v = 0; v < NB; ++v) kb[v] = (__m512bh)_mm512_loadu_si512(kr + h * ks2 + v * 32);
-            for (int64_t g = 0; g < G; ++g) {
-              const T* qp = qrow + (h0 * G + h * G + g) * qs1;
-              __m512 a = _mm512_setzero_ps();
-              for (int64_t v = 0; v < NB; ++v) a = _mm512_dpbf16_ps(a, kb[v], (__m512bh)_mm512_loadu_si512(qp + v * 32));
-              _mm512_storeu_ps(w.part.data() + ((h * G + g) * 16 + k) * VL, a);
-            }
-          }
+        if constexpr (kBf16Dots<T, C, DC>) {  // dots16 below, on the rows collected
+          krows[k] = kr;
           kw.next();
           continue;
         }
-#endif
         for (int64_t h = 0; h < HG; ++h) {
           AVec kv[NV];
           for (int64_t v = 0; v < NV; ++v) kv[v] = cache_load(kr + h * ks2 + v * VL);
@@ -378,12 +405,19 @@ static void decode_row(const T* qrow, int64_t qs1, T* orow, int64_t os1, const C
         }
         kw.next();
       }
+      if constexpr (kBf16Dots<T, C, DC>) {  // per state, 16 positions' partial sums kept in registers and reduced
+        for (int64_t h = 0; h < HG; ++h) {
+          const C* rows[16];
+          for (int64_t k = 0; k < 16; ++k) rows[k] = k < m ? krows[k] + h * ks2 : kZeroRow<C, DC>;
+          for (int64_t g = 0; g < G; ++g)  // scores has 16 floats of slack past KC
+            dots16<T, C, DC>(rows, nullptr, qrow + (h0 * G + h * G + g) * qs1, sc, w.scores.data() + (h * G + g) * KC + j0);
+        }
+        continue;
+      }
       for (int64_t st = 0; st < N; ++st) {
         AVec a[16];
         for (int64_t k = 0; k < 16; ++k) a[k] = k < m ? AVec::loadu(w.part.data() + (st * 16 + k) * VL) : AVec(0.f);
-        float* dst = w.scores.data() + st * KC + j0;
-        reduce16(a, dst);  // scores has 16 floats of slack past KC
-        if constexpr (kBf16Dots<T, C, DC>) (AVec::loadu(dst) * AVec(sc)).store(dst);  // the query was not scaled
+        reduce16(a, w.scores.data() + st * KC + j0);  // scores has 16 floats of slack past KC
       }
     }
     // Online softmax over the chunk, per state.
@@ -395,6 +429,18 @@ static void decode_row(const T* qrow, int64_t qs1, T* orow, int64_t os1, const C
           (AVec::loadu(w.acc.data() + st * D + v * VL) * fv).store(w.acc.data() + st * D + v * VL);
       }
     }
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+    if constexpr (kBf16Dots<T, C, DC>) {  // the weights as bfloat16 pairs for values_bf16, an odd tail's partner 0
+      w.pw.resize(N * KC / 2 + 8);
+      for (int64_t st = 0; st < N; ++st) {
+        float* sv = w.scores.data() + st * KC;
+        if (n % 2) sv[n] = 0.f;  // scores has 16 floats of slack past KC
+        for (int64_t j = 0; j < n; j += 16)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(w.pw.data() + st * KC / 2 + j / 2),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sv + j)));
+      }
+    }
+#endif
     // Values: 16 positions at a time per state, the accumulator in registers, the rows from L1.
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
       const int64_t m = std::min<int64_t>(16, n - j0);
@@ -408,6 +454,24 @@ static void decode_row(const T* qrow, int64_t qs1, T* orow, int64_t os1, const C
         vrows[k] = vw.row();
         vw.next();
       }
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+      if constexpr (kBf16Dots<T, C, DC>) {
+        const int64_t me = (m + 1) / 2 * 2;  // an odd tail's partner: a zero row, its weight 0
+        for (int64_t h = 0; h < HG; ++h) {
+          const C* vh[16];
+          for (int64_t k = 0; k < m; ++k) vh[k] = vrows[k] + h * vs2;
+          if (me > m) vh[m] = kZeroRow<C, DC>;
+          for (int64_t g = 0; g < G; g += QG) {
+            const int64_t st = h * G + g;
+            with_height<QG>(std::min<int64_t>(QG, G - g), [&](auto nq) {
+              values_bf16<decltype(nq)::value, DC / 32>(vh, me, w.pw.data() + st * KC / 2 + j0 / 2, KC / 2,
+                                                        w.acc.data() + st * D, D);
+            });
+          }
+        }
+        continue;
+      }
+#endif
       for (int64_t h = 0; h < HG; ++h) {
         const C* vh[16];
         for (int64_t k = 0; k < m; ++k) vh[k] = vrows[k] + h * vs2;
@@ -423,7 +487,25 @@ static void decode_row(const T* qrow, int64_t qs1, T* orow, int64_t os1, const C
   for (int64_t st = 0; st < N; ++st) {
     const float inv = v_scale / w.total[st];
     T* op = orow + (h0 * G + st) * os1;
-    for (int64_t d = 0; d < D; ++d) op[d] = static_cast<T>(w.acc[st * D + d] * inv);
+    const float* ap = w.acc.data() + st * D;
+    if constexpr (kBf16Dots<T, C, DC>) {
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+      // values_bf16's lanes back in dim order (its 128-bit quarters interleaved), scaled, rounded as c10 rounds.
+      const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+      const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+      const __m512 iv = _mm512_set1_ps(inv);
+      for (int64_t v = 0; v < D / 32; ++v) {
+        const __m512 lo = _mm512_loadu_ps(ap + 32 * v), hi = _mm512_loadu_ps(ap + 32 * v + 16);
+        for (int half = 0; half < 2; ++half) {
+          const __m512 x = _mm512_mul_ps(_mm512_permutex2var_ps(lo, half ? second : first, hi), iv);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(op + 32 * v + 16 * half),
+                              _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round_high(x), 16)));
+        }
+      }
+#endif
+    } else {
+      for (int64_t d = 0; d < D; ++d) op[d] = static_cast<T>(ap[d] * inv);
+    }
   }
 }
 
