@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import sys
 
 import pytest
 import torch
@@ -156,3 +158,35 @@ def test_graphs_are_eager_for_now(cpu):
                     reason="TorchPagedAttention not written yet")
 def test_attention_backend(cpu):
     assert isinstance(cpu.get_attention_backend(VlliteConfig()), AttentionBackend)
+
+
+def _smaps_value(addr: int, field: str) -> int:
+    """``field`` of the mapping that holds ``addr``, from /proc/self/smaps."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and head == field + ":":
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} for {addr:#x}")
+
+
+def test_kv_cache_is_zeroed_writable_and_backed_by_huge_pages_where_the_os_has_them():
+    from vllite_platform_cpu.attention import TorchPagedAttention
+
+    backend = TorchPagedAttention()
+    shape = backend.get_kv_cache_shape(300, 16, 3, 64)  # 3.5 MiB in bfloat16
+    cache = backend.allocate_kv_cache(shape, torch.bfloat16, torch.device("cpu"))
+    assert cache.shape == shape and cache.dtype == torch.bfloat16 and cache.is_contiguous()
+    assert not cache.any()
+    cache[1, 299] = 2.0
+    assert float(cache.sum()) == 2.0 * 16 * 3 * 64
+    mode = "/sys/kernel/mm/transparent_hugepage/enabled"
+    if sys.platform != "linux" or not os.path.exists(mode) or "[never]" in open(mode).read():
+        return  # no transparent huge pages on this OS: calloc's memory
+    assert cache.data_ptr() % (2 << 20) == 0
+    assert _smaps_value(cache.data_ptr(), "THPeligible") == 1  # advised (the OS's usual mode backs only that)
+    small = backend.allocate_kv_cache(backend.get_kv_cache_shape(2, 16, 3, 64), torch.float32, torch.device("cpu"))
+    assert not small.any()  # under a huge page: plain calloc
