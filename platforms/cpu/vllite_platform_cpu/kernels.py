@@ -10,7 +10,7 @@ path copies every context block twice per layer, which dominates a decode step
 at batch 64). Work is split over (request, 16-row query tile) tasks, each with
 all KV heads (whole cache rows) or, when there are too few tiles to busy the
 threads, one KV head each; the ``H / Hkv`` query heads that share a KV head read
-each key/value row once per tile, as stored (bfloat16 keys go through AVX512-BF16
+each key/value row once per tile, as stored (bfloat16 keys, and a decode row's values, go through AVX512-BF16
 dot products where the CPU has them). A one-row tile (a decode token) takes a
 streaming path instead: positions in order, each one's rows of the task's KV heads
 read once for all their query heads, rows ahead prefetched. Scores and sums are float32 whatever the

@@ -257,7 +257,10 @@ static inline void values_g(const C* const* vrows, int64_t m, const float* p, in
 // word by word (vpunpck{l,h}wd) make bfloat16 pairs (v[t][d], v[t + 1][d]) that one vdpbf16ps multiplies by the
 // pair (p[t], p[t + 1]) of the state's weights rounded to bfloat16 (pw: one pair per dword, as torch's CPU flash
 // attention rounds its exponentials before multiplying by V): one instruction per 16 dims and 2 positions where
-// values_g widens each row (2 instructions per 16 dims) and does 2 fused multiply-adds. m is even. The
+// values_g widens each row (2 instructions per 16 dims) and does 2 fused multiply-adds. The rounding's cost: the
+// batch-64 step's output 5.67e-4 RMS from a float64 reference against 5.01e-4 (bfloat16's own rounding of the
+// exact result, which the float32 weights reach). Splitting each weight into two bfloat16 (nearest + rest, two
+// vdpbf16ps) reached 5.01e-4 too, but that step took 12 ms from DRAM against 9 (docs/benchmarks.md). m is even. The
 // accumulators' lanes are in the interleaving's order: acc[16 * (2 * v + s) + 4 * l + j] holds dim
 // 32 * v + 8 * l + 4 * s + j, which decode_row undoes when it writes the output.
 template <int NQ, int64_t NB>
@@ -338,8 +341,9 @@ struct NextRows {
 // bfloat16 query and cache on AVX512-BF16 take the scores through dots16 (vdpbf16ps on the stored pairs, each
 // state's 16 partial sums reduced in registers) and the values through values_bf16 (two positions' rows per
 // vdpbf16ps, the weights rounded to bfloat16): on Zen 4 that made the batch-64 step's 30 layers 7.4 against 9.4
-// ms with the cache in L2 (`benchmarks/attention_decode.py --dtype bfloat16 --context 192 --same-blocks`);
-// from DRAM it is bound by the memory (~12 ms, 23 GB/s).
+// ms with the cache in L2 (`benchmarks/attention_decode.py --dtype bfloat16 --context 192 --same-blocks`), and
+// 8.9-9.8 against 11.8-12.1 from DRAM with the cache on huge pages (as attention.py allocates it; on 4 KiB pages
+// both took ~12.5: the TLB misses bound them).
 template <typename T, typename C, int DC>
 static void decode_row(const T* qrow, int64_t qs1, T* orow, int64_t os1, const C* kc, const C* vc, int64_t ks0,
                        int64_t ks1, int64_t ks2, int64_t vs0, int64_t vs1, int64_t vs2, const int32_t* row_blocks,
