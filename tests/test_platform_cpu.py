@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -163,7 +163,7 @@ def test_attention_backend(cpu):
 def _smaps_value(addr: int, field: str) -> int:
     """``field`` of the mapping that holds ``addr``, from /proc/self/smaps."""
     inside = False
-    for line in open("/proc/self/smaps"):
+    for line in filter(None, Path("/proc/self/smaps").read_text().splitlines()):
         head = line.split(maxsplit=1)[0]
         if "-" in head and not head.endswith(":"):
             lo, hi = (int(x, 16) for x in head.split("-"))
@@ -183,8 +183,8 @@ def test_kv_cache_is_zeroed_writable_and_backed_by_huge_pages_where_the_os_has_t
     assert not cache.any()
     cache[1, 299] = 2.0
     assert float(cache.sum()) == 2.0 * 16 * 3 * 64
-    mode = "/sys/kernel/mm/transparent_hugepage/enabled"
-    if sys.platform != "linux" or not os.path.exists(mode) or "[never]" in open(mode).read():
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if sys.platform != "linux" or not mode.exists() or "[never]" in mode.read_text():
         return  # no transparent huge pages on this OS: calloc's memory
     assert cache.data_ptr() % (2 << 20) == 0
     assert _smaps_value(cache.data_ptr(), "THPeligible") == 1  # advised (the OS's usual mode backs only that)
