@@ -356,8 +356,8 @@ static void decode_row(const T* qrow, int64_t qs1, T* orow, int64_t os1, const C
   w.mx.assign(N, -INFINITY);
   w.total.assign(N, 0.f);
   w.scores.resize(N * KC + 16);
-  w.part.resize(N * 16 * VL);
-  if constexpr (!kBf16Dots<T, C, DC>) {  // the scaled float32 query (bf16 dots read the stored query)
+  if constexpr (!kBf16Dots<T, C, DC>) {  // the scaled float32 query and the partial sums (bf16 dots need neither)
+    w.part.resize(N * 16 * VL);
     w.qf.resize(N * D);
     for (int64_t st = 0; st < N; ++st) {
       const T* qp = qrow + (h0 * G + st) * qs1;
@@ -502,8 +502,7 @@ static void decode_row(const T* qrow, int64_t qs1, T* orow, int64_t os1, const C
         const __m512 lo = _mm512_loadu_ps(ap + 32 * v), hi = _mm512_loadu_ps(ap + 32 * v + 16);
         for (int half = 0; half < 2; ++half) {
           const __m512 x = _mm512_mul_ps(_mm512_permutex2var_ps(lo, half ? second : first, hi), iv);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(op + 32 * v + 16 * half),
-                              _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round_high(x), 16)));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(op + 32 * v + 16 * half), bf16_pack16(x));
         }
       }
 #endif

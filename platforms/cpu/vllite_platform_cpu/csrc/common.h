@@ -79,6 +79,9 @@ static inline __m512i bf16_round_high(__m512 v) {
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   return _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
 }
+
+// The same rounding, packed: the 16 bfloat16 bit patterns, for a store.
+static inline __m256i bf16_pack16(__m512 v) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round_high(v), 16)); }
 #endif
 
 // f(std::integral_constant<int, r>{}) for the runtime r = rows in [1, MAX]: a GEMM tile's (or a group's) height

@@ -56,9 +56,8 @@ static inline __m512 load16(const double* p) {
 }
 // 16 float32 values rounded to the output dtype as c10 rounds them (nearest even; NaN not special-cased).
 static inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-static inline __m256i bf16_bits(__m512 v) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round_high(v), 16)); }
 static inline void store16(c10::BFloat16* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_bits(v));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_pack16(v));
 }
 static inline void store16(c10::Half* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
@@ -191,7 +190,7 @@ constexpr int64_t TAIL = NB * 8;   // bytes after a panel's weights: NB int32 co
 
 #ifdef VLLITE_INT8_GEMM
 static inline void store_masked(float* p, __mmask16 m, __m512 v) { _mm512_mask_storeu_ps(p, m, v); }
-static inline void store_masked(c10::BFloat16* p, __mmask16 m, __m512 v) { _mm256_mask_storeu_epi16(p, m, bf16_bits(v)); }
+static inline void store_masked(c10::BFloat16* p, __mmask16 m, __m512 v) { _mm256_mask_storeu_epi16(p, m, bf16_pack16(v)); }
 
 // The tile's int32 sums into acc [R][32]. Not inlined: inlined beside the epilogue, GCC 12 copied and spilled the
 // 24 accumulators on every k step (130 vector moves in the loop, half the kernel's speed).
