@@ -265,9 +265,9 @@ def make_model_step(model: LlamaModel, rows: int, seed: int = 1):
     return ids, positions, caches, [mds[0], mds[1], mds[0]][:len(model.layers)]
 
 
-def run_model(model: LlamaModel, step, stack: bool) -> tuple[torch.Tensor, list[torch.Tensor], int]:
-    """The model on clones of the step's caches, all layers in one call (stack) or one by one; and how many
-    one-call stacks ran."""
+def run_model(model: LlamaModel, step, stack: bool, native=None) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+    """The model on clones of the step's caches, all layers in one call (stack: `native`, or one made for the
+    call) or one by one; and how many one-call stacks ran."""
     ids, positions, caches, mds = step
     caches = [c.clone() for c in caches]
     fresh = {id(md): dataclasses.replace(md, extra=None) for md in mds}  # plans made afresh, sharing kept
@@ -277,13 +277,15 @@ def run_model(model: LlamaModel, step, stack: bool) -> tuple[torch.Tensor, list[
     calls = []
     model._native_stack = False
     if stack:
-        native = model._ops.decoder_stack(list(model.layers))
+        native = native or model._ops.decoder_stack(list(model.layers))
         assert native is not None
         fn = native.fn
         native.fn = lambda *args: calls.append(1) or fn(*args)
         model._native_stack = native
     with torch.inference_mode():
         out = model(ids, positions, caches, mds)
+    if stack:
+        native.fn = fn
     return out, caches, len(calls)
 
 
@@ -310,6 +312,35 @@ def test_native_stack_is_the_layers_one_by_one_bit_for_bit(variant, case, rows, 
     assert torch.equal(got, want), "hidden states differ"
     for i, (a, b) in enumerate(zip(got_caches, want_caches)):
         assert torch.equal(a, b), f"layer {i}'s cache differs"
+
+
+@pytest.mark.parametrize("quant,dtype", [("plain", torch.float32), ("plain", torch.bfloat16), ("int8", torch.float32)])
+def test_native_stack_keeps_its_specs_until_a_source_changes(variant, quant, dtype):
+    """The stack reuses its layers' specs from step to step (no per-step Python check of each packed weight);
+    an in-place change of a bias or an int8 scale that panels were made from is seen (layer_specs_current),
+    those panels are made again, and the result is the layers' one by one."""
+    ops = platform_ops()
+    model = make_model("qwen2", dtype, quant, ops)  # qwen2: a bias on qkv_proj
+    if not takes_native(ops, model.layers[0], quant, dtype, 17):
+        pytest.skip("this variant's ops keep these linears off the C++ path")
+    step = make_model_step(model, 17)
+    native = model._ops.decoder_stack(list(model.layers))
+    first, _, calls = run_model(model, step, stack=True, native=native)
+    specs = native.made[False][0]
+    again, _, calls2 = run_model(model, step, stack=True, native=native)
+    assert calls == calls2 == 1 and native.made[False][0] is specs and torch.equal(again, first)
+    with torch.no_grad():
+        if quant == "int8":
+            model.layers[1].mlp.down_proj.weight_scale.mul_(0.5)
+        else:
+            model.layers[1].self_attn.qkv_proj.bias.mul_(0.5)
+    got, got_caches, calls = run_model(model, step, stack=True, native=native)
+    assert calls == 1 and native.made[False][0] is not specs
+    want, want_caches, _ = run_model(model, step, stack=False)
+    assert not torch.equal(got, first), "the change had no effect"
+    assert torch.equal(got, want)
+    for a, b in zip(got_caches, want_caches):
+        assert torch.equal(a, b)
 
 
 def test_native_stack_declines_per_step_and_raises_cleanly(variant):

@@ -16,8 +16,9 @@
 // One variant's functions, declared in the enclosing namespace; and DecoderLayerSpec, one Llama-style decoder
 // layer's fixed arguments to llama_decoder_layer (norms, the four linears as (kind, weight, bias, output
 // features), heads, scale, window), made once per layer in Python (decoder_layer.py) so that llama_decoder_stack
-// takes a step's layers as one list instead of converting ~20 arguments per layer. Each variant has its own (its
-// inline members compiled with that variant's flags, like everything else of it).
+// takes a step's layers as one list instead of converting ~20 arguments per layer; `sources` are the tensors its
+// packed weights were made from, with their data pointers and versions then (layer_specs_current). Each variant
+// has its own (its inline members compiled with that variant's flags, like everything else of it).
 #define VLLITE_CPU_DECLARE_KERNELS                                                                                  \
   struct DecoderLayerSpec {                                                                                         \
     at::Tensor input_norm, post_norm;                                                                               \
@@ -29,6 +30,8 @@
     int64_t num_heads, num_kv_heads, head_size;                                                                     \
     double scale;                                                                                                   \
     int64_t window;                                                                                                 \
+    std::vector<at::Tensor> sources;        /* what the packed weights were made from */                          \
+    std::vector<int64_t> source_keys;       /* each source's data pointer and version when made */                \
   };                                                                                                                \
   void paged_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,              \
                        at::Tensor block_table, at::Tensor seq_lens, at::Tensor query_start_loc, at::Tensor req_ids, \
