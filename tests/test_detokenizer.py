@@ -72,3 +72,55 @@ def test_rust_decoder_matches_transformers_decode(tokenizer, skip_special):
     assert [fast.add_tokens([t]) for t in ids] == [slow.add_tokens([t]) for t in ids]
     want = tokenizer.decode(ids, skip_special_tokens=skip_special, clean_up_tokenization_spaces=False)
     assert fast.output_text == want
+
+
+def _run_processor(tokenizer, params: SamplingParams, ids: list[int], delta: bool = False):
+    """Each token as one step's core output (the last one finishing the request, as max_tokens would):
+    the outputs of every step, and whether a stop string ended it early."""
+    from vllite_core.engine.core import EngineCoreOutput
+    from vllite_core.engine.output_processor import OutputProcessor
+
+    proc = OutputProcessor(tokenizer)
+    proc.add("r", None, [1], params, ["r"])
+    steps = []
+    for j, t in enumerate(ids):
+        last = j == len(ids) - 1
+        outs, to_stop = proc.process([EngineCoreOutput("r", [t], finish_reason="length" if last else None)],
+                                     delta=delta)
+        steps.append(outs)
+        if to_stop:
+            return steps, True
+    return steps, False
+
+
+@pytest.mark.parametrize("stop", [None, ["\n\n"]])
+def test_output_kinds_final_only_and_delta(tokenizer, stop):
+    """vLLM's output_kind: FINAL_ONLY builds one output, when the request finishes, equal to the cumulative
+    one then; DELTA's pieces add up to it and never show a stop string."""
+    from vllite_core.sampling_params import RequestOutputKind
+
+    ids = tokenizer.encode("Paris is big.\n\nThe end of it", add_special_tokens=False)
+    cumulative, stopped = _run_processor(tokenizer, SamplingParams(stop=stop), ids)
+    assert stopped == (stop is not None) and all(len(outs) == 1 for outs in cumulative)
+    final = cumulative[-1][0]
+    assert final.finished and final.outputs[0].text == ("Paris is big." if stop else tokenizer.decode(ids))
+
+    steps, _ = _run_processor(tokenizer, SamplingParams(stop=stop, output_kind=RequestOutputKind.FINAL_ONLY), ids)
+    assert [len(outs) for outs in steps] == [0] * (len(steps) - 1) + [1]
+    got = steps[-1][0]
+    assert got.finished and got.outputs[0].text == final.outputs[0].text
+    assert got.outputs[0].token_ids == final.outputs[0].token_ids
+    assert got.outputs[0].finish_reason == final.outputs[0].finish_reason
+
+    steps, _ = _run_processor(tokenizer, SamplingParams(stop=stop, output_kind=RequestOutputKind.DELTA), ids)
+    pieces = [o.outputs[0] for outs in steps for o in outs]
+    assert "".join(p.text for p in pieces) == final.outputs[0].text
+    assert [t for p in pieces for t in p.token_ids] == final.outputs[0].token_ids
+
+
+def test_output_kind_is_checked():
+    from vllite_core.sampling_params import RequestOutputKind, SamplingParamsError
+
+    assert SamplingParams(output_kind=2).output_kind is RequestOutputKind.FINAL_ONLY  # its value, as an enum
+    with pytest.raises(SamplingParamsError, match="output_kind"):
+        SamplingParams(output_kind="everything")

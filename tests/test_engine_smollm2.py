@@ -7,6 +7,7 @@ import torch
 from hf_reference import hf_greedy
 
 from vllite_core import LLM, SamplingParams
+from vllite_core.sampling_params import RequestOutputKind
 
 pytestmark = pytest.mark.slow
 
@@ -75,6 +76,7 @@ def test_shared_prefixes_hit_the_cache(smollm2_hf, default_llm):
     rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params)
     outs = first + rest
     assert [o.outputs[0].token_ids for o in outs] == ref
+    assert params.output_kind is RequestOutputKind.FINAL_ONLY  # generate builds no output per step (as vLLM)
     stats = llm.llm_engine.core.stats()
     assert stats.prefix_cache_hits > hits_before and stats.prefix_cache_hit_rate > 0
     assert all(o.num_cached_tokens >= 288 for o in rest)  # 18 full blocks of the shared prefix

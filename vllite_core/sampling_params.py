@@ -5,6 +5,7 @@ construction, so a bad request fails before it reaches the engine.
 """
 from __future__ import annotations
 
+import enum
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -135,6 +136,16 @@ class StructuredOutputsParams:
         return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) is not None)
 
 
+class RequestOutputKind(enum.Enum):
+    """What a request's outputs carry as it runs (vLLM's names): everything so far (CUMULATIVE), only what is
+    new (DELTA), or one output when it finishes (FINAL_ONLY: no output built per step; ``LLM.generate`` sets it,
+    as vLLM's does)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -161,6 +172,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     allowed_token_ids: list[int] | None = None  # only these may be generated
     structured_outputs: StructuredOutputsParams | None = None  # constrain the output (JSON schema, regex, ...)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Removed in V1; accepted only to give a clear error.
     best_of: int | None = None
     logits_processors: Any = None
@@ -194,6 +206,12 @@ class SamplingParams:
         self.bad_words_token_ids: list[list[int]] = []
         if self.top_k == -1:
             self.top_k = 0
+        if not isinstance(self.output_kind, RequestOutputKind):
+            try:
+                self.output_kind = RequestOutputKind(self.output_kind)
+            except ValueError:
+                raise SamplingParamsError("output_kind", f"must be a RequestOutputKind (CUMULATIVE, DELTA or "
+                                          f"FINAL_ONLY), got {self.output_kind!r}") from None
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             if not isinstance(self.structured_outputs, dict):
                 raise SamplingParamsError("structured_outputs", "must be a StructuredOutputsParams or a dict")

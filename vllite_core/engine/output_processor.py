@@ -17,7 +17,7 @@ from vllite_core.engine.core import EngineCoreOutput
 from vllite_core.engine.delta import DeltaCursor
 from vllite_core.engine.detokenizer import IncrementalDetokenizer
 from vllite_core.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
-from vllite_core.sampling_params import SamplingParams
+from vllite_core.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass
@@ -53,6 +53,7 @@ class RequestOutputState:
     num_preemptions: int = 0
     prompt_logprobs: PromptLogprobs | None = None
     pooling_output: Any = None
+    kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # the params' output_kind (pooling: cumulative)
 
     @property
     def finished(self) -> bool:
@@ -78,8 +79,9 @@ class OutputProcessor:
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None)
             self.child_to_parent[cid] = request_id
-        self.states[request_id] = RequestOutputState(request_id, prompt, prompt_token_ids, params, children,
-                                                     DeltaCursor(params.max_stop_str_len))
+        self.states[request_id] = RequestOutputState(
+            request_id, prompt, prompt_token_ids, params, children, DeltaCursor(params.max_stop_str_len),
+            kind=getattr(params, "output_kind", RequestOutputKind.CUMULATIVE))
 
     def has(self, request_id: str) -> bool:
         return request_id in self.states
@@ -103,9 +105,9 @@ class OutputProcessor:
 
     def process(self, outputs: list[EngineCoreOutput], delta: bool = False
                 ) -> tuple[list[RequestOutput], list[str]]:
-        """Apply core outputs. Returns RequestOutputs for updated requests (with ``delta``, only what
-        is new, and only those with news) and the child ids stopped here by a stop string (the caller
-        must finish them in the core)."""
+        """Apply core outputs. Returns RequestOutputs for updated requests (with ``delta`` or a request's
+        ``output_kind`` DELTA, only what is new, and only those with news; FINAL_ONLY: only once finished)
+        and the child ids stopped here by a stop string (the caller must finish them in the core)."""
         now = time.monotonic()
         touched: dict[str, RequestOutputState] = {}
         to_stop: list[str] = []
@@ -143,13 +145,19 @@ class OutputProcessor:
                 child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
                 child.error = out.error
             touched[pid] = st
-        if delta:  # the cursor reads the live lists at once, so they need no copy
-            views = (st.cursor.delta(self._make_output(st, copy=False)) for st in touched.values())
-            results = [v for v in views if v is not None]
-        else:
-            results = [self._make_output(st) for st in touched.values()]
+        results = []
         for st in touched.values():
-            if st.finished:
+            finished = st.finished
+            if st.kind is RequestOutputKind.FINAL_ONLY:  # no output object per step (LLM.generate's requests)
+                if finished:
+                    results.append(self._make_output(st, copy=False))
+            elif delta or st.kind is RequestOutputKind.DELTA:  # the cursor reads the live lists at once: no copy
+                view = st.cursor.delta(self._make_output(st, copy=False))
+                if view is not None:
+                    results.append(view)
+            else:
+                results.append(self._make_output(st))
+            if finished:
                 self.states.pop(st.request_id, None)
                 for cid in st.children:
                     self.child_to_parent.pop(cid, None)

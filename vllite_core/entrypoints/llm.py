@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from vllite_core.config import EngineArgs
 from vllite_core.engine.llm_engine import LLMEngine, PromptType
 from vllite_core.outputs import RequestOutput
-from vllite_core.sampling_params import SamplingParams
+from vllite_core.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from vllite_core.entrypoints.transcription import Transcription
@@ -61,6 +61,9 @@ class LLM:
         loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError("lora_request: the list must be as long as prompts")
+        for sp in params:  # only the final output is wanted: none is built per step (vLLM sets it too)
+            if isinstance(sp, SamplingParams):
+                sp.output_kind = RequestOutputKind.FINAL_ONLY
         ids = []
         try:
             for i, (p, sp) in enumerate(zip(prompts, params)):
