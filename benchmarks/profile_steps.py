@@ -49,7 +49,11 @@ def main() -> None:
               enable_prefix_caching=False)
     engine = llm.llm_engine
     prompts = random_token_ids(a.batch, a.input_len)
-    params = SamplingParams(max_tokens=a.output_len, ignore_eos=True, temperature=0)
+    from vllite_core.sampling_params import RequestOutputKind
+
+    # FINAL_ONLY, as LLM.generate (compare.py) sets it: no output object per step
+    params = SamplingParams(max_tokens=a.output_len, ignore_eos=True, temperature=0,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
     prefill_steps = -(-a.batch * a.input_len // engine.config.scheduler_config.max_num_batched_tokens) + 1
     for rnd in range(2):
         for i, p in enumerate(prompts):

@@ -56,7 +56,11 @@ def main() -> None:
     timed(runner.model, "compute_logits", "lm_head")
     timed(runner.sampler, "argmax", "argmax")
     prompts = random_token_ids(a.batch, a.input_len)
-    params = SamplingParams(max_tokens=a.output_len, ignore_eos=True, temperature=0)
+    from vllite_core.sampling_params import RequestOutputKind
+
+    # FINAL_ONLY, as LLM.generate (compare.py) sets it: no output object per step
+    params = SamplingParams(max_tokens=a.output_len, ignore_eos=True, temperature=0,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
     for rnd in range(a.rounds):
         for i, p in enumerate(prompts):
             engine.add_request(f"{rnd}-{i}", {"prompt_token_ids": p}, params)
