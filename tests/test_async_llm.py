@@ -52,6 +52,30 @@ def test_streams_match_the_sync_engine(allm, tiny_path):
     assert allm.loop_stats.steps > 0 and allm.num_in_flight == 0
 
 
+def test_output_kinds_stream_as_vllm_does(allm, tiny_path):
+    """output_kind DELTA streams only what is new without delta=True, FINAL_ONLY yields the finished output
+    alone; both add up to what the sync engine generates."""
+    from vllite_core.sampling_params import RequestOutputKind
+
+    def params(kind: RequestOutputKind) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, output_kind=kind)
+
+    p = prompts(2)[1]
+    ref = LLM(model=tiny_path, **ENGINE).generate([{"prompt_token_ids": p}], params(RequestOutputKind.CUMULATIVE))[0]
+
+    async def run(kind: RequestOutputKind) -> list[RequestOutput]:
+        return [out async for out in allm.generate({"prompt_token_ids": p}, params(kind), f"k{kind.value}")]
+
+    async def main() -> tuple[list[RequestOutput], list[RequestOutput]]:  # one event loop: AsyncLLM binds to it
+        return await run(RequestOutputKind.DELTA), await run(RequestOutputKind.FINAL_ONLY)
+
+    deltas, final = asyncio.run(main())
+    assert len(deltas) > 1 and [t for o in deltas for t in o.outputs[0].token_ids] == ref.outputs[0].token_ids
+    assert "".join(o.outputs[0].text for o in deltas) == ref.outputs[0].text
+    assert len(final) == 1 and final[0].finished
+    assert final[0].outputs[0].token_ids == ref.outputs[0].token_ids and final[0].outputs[0].text == ref.outputs[0].text
+
+
 def test_leaving_early_aborts_and_frees_blocks(allm):
     kv = allm.engine.core.kv_cache_manager
     start = kv.get_num_free_blocks()

@@ -49,7 +49,7 @@ from vllite_core.engine.heap_trim import HeapTrimmer
 from vllite_core.engine.llm_engine import LLMEngine, PromptType
 from vllite_core.inputs import InputContext, ProcessedPrompt
 from vllite_core.outputs import RequestOutput
-from vllite_core.sampling_params import SamplingParams
+from vllite_core.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("vllite.async_llm")
 
@@ -363,9 +363,11 @@ class AsyncLLM:
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0,
                        delta: bool = False) -> AsyncIterator[RequestOutput]:
-        """Outputs as they are produced: cumulative, or only what is new (``delta=True``).
-        Leaving the loop early (break, cancellation, client gone) aborts the request."""
+        """Outputs as they are produced: cumulative, or only what is new (``delta=True`` or the params'
+        ``output_kind`` DELTA); ``output_kind`` FINAL_ONLY: the finished output alone. Leaving the loop early
+        (break, cancellation, client gone) aborts the request."""
         stream = await self.add_request_async(prompt, params, request_id, priority)
+        delta = delta or getattr(stream.params, "output_kind", None) is RequestOutputKind.DELTA
         async for out in self.iterate(stream, delta):
             yield out
 
@@ -486,7 +488,7 @@ class AsyncLLM:
             try:
                 if isinstance(cmd, _Add):
                     self.engine.add_prepared_request(cmd.request_id, cmd.processed, cmd.params, cmd.max_tokens,
-                                                     cmd.priority)
+                                                     cmd.priority, streamed=True)
                 else:
                     self.engine.abort_request(cmd.request_id)
             except Exception as e:  # prepared on the asyncio side, so this is unexpected

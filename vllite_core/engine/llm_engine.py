@@ -202,9 +202,12 @@ class LLMEngine:
         return self.add_prepared_request(request_id, processed, params, max_tokens, priority, arrival_time)
 
     def add_prepared_request(self, request_id: str, processed: ProcessedPrompt, params: SamplingParams,
-                             max_tokens: int, priority: int = 0, arrival_time: float | None = None) -> str:
+                             max_tokens: int, priority: int = 0, arrival_time: float | None = None,
+                             streamed: bool = False) -> str:
         """Queue a request that ``prepare_request`` accepted (nothing is validated again): the caller has
-        checked that ``request_id`` is new and ``priority`` allowed. ``n > 1`` fans out into n children."""
+        checked that ``request_id`` is new and ``priority`` allowed. ``n > 1`` fans out into n children.
+        ``streamed``: the caller makes the deltas itself (AsyncLLM's streams coalesce outputs, so they need
+        cumulative ones): an ``output_kind`` of DELTA is produced as CUMULATIVE here."""
         text, ids = processed.prompt, processed.prompt_token_ids
         if isinstance(params, PoolingParams):
             self.output_processor.add(request_id, text, ids, POOLING_SAMPLING, [request_id])
@@ -214,7 +217,7 @@ class LLMEngine:
             return request_id
         params = self._with_model_eos(params)
         child_ids = child_request_ids(request_id, params.n)
-        self.output_processor.add(request_id, text, ids, params, child_ids)
+        self.output_processor.add(request_id, text, ids, params, child_ids, cumulative_deltas=streamed)
         for i, cid in enumerate(child_ids):
             child_params = params
             if params.n > 1 and params.seed is not None:

@@ -71,7 +71,9 @@ class OutputProcessor:
         self.child_to_parent: dict[str, str] = {}
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-            child_ids: list[str]) -> None:
+            child_ids: list[str], cumulative_deltas: bool = False) -> None:
+        """``cumulative_deltas``: an ``output_kind`` of DELTA gets cumulative outputs (its consumer makes the
+        deltas)."""
         children = {}
         for i, cid in enumerate(child_ids):
             children[cid] = CompletionState(
@@ -79,9 +81,11 @@ class OutputProcessor:
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None)
             self.child_to_parent[cid] = request_id
+        kind = getattr(params, "output_kind", RequestOutputKind.CUMULATIVE)
+        if cumulative_deltas and kind is RequestOutputKind.DELTA:
+            kind = RequestOutputKind.CUMULATIVE
         self.states[request_id] = RequestOutputState(
-            request_id, prompt, prompt_token_ids, params, children, DeltaCursor(params.max_stop_str_len),
-            kind=getattr(params, "output_kind", RequestOutputKind.CUMULATIVE))
+            request_id, prompt, prompt_token_ids, params, children, DeltaCursor(params.max_stop_str_len), kind=kind)
 
     def has(self, request_id: str) -> bool:
         return request_id in self.states
