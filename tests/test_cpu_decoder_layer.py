@@ -341,6 +341,13 @@ def test_native_stack_keeps_its_specs_until_a_source_changes(variant, quant, dty
     assert torch.equal(got, want)
     for a, b in zip(got_caches, want_caches):
         assert torch.equal(a, b)
+    specs = native.made[False][0]
+    qkv = model.layers[2].self_attn.qkv_proj  # a bias swapped for a new object (the spec still holds the old one)
+    qkv.bias = torch.nn.Parameter(qkv.bias.detach() * 2, requires_grad=False)
+    got, _, calls = run_model(model, step, stack=True, native=native)
+    assert calls == 1 and native.made[False][0] is not specs
+    want, _, _ = run_model(model, step, stack=False)
+    assert torch.equal(got, want)
 
 
 def test_native_stack_declines_per_step_and_raises_cleanly(variant):

@@ -44,7 +44,7 @@ class NativeDecoderLayer:
         self.backend = attn.attn_backend
         self.heads = (attn.num_heads, attn.num_kv_heads, attn.head_size)
         self.scale, self.window = float(attn.scale), int(attn.sliding_window or 0)
-        self.weights: tuple = ()
+        self.held: tuple = ()  # per linear (weight, bias, int8 scale): the objects the routes were made for
         self.routes: dict[bool, tuple | None] = {}
         self.specs: dict[bool, tuple] = {}  # small -> (what it was made from, DecoderLayerSpec)
         self._prepare()
@@ -69,7 +69,8 @@ class NativeDecoderLayer:
         """Each linear's kernel for few rows (True) and more rows (False) as the C++ call's argument lists
         (kinds, weights, biases, output features, the linears whose panels are fetched per call), None
         where one of them is not the C++ side's."""
-        self.weights = tuple(lin._parameters["weight"] for lin in self.linears)
+        self.held = tuple((lin._parameters["weight"], lin._parameters.get("bias"), lin.weight_scale)
+                          for lin in self.linears)
         for small in (True, False):
             specs = [self._spec(lin, 1 if small else SMALL_LINEAR_MAX_ROWS + 1) for lin in self.linears]
             if any(s is None for s in specs):
@@ -103,14 +104,16 @@ class NativeDecoderLayer:
         return None
 
     def _usable(self) -> bool:
-        """Per step: no LoRA slot on a linear, the weights the routes were made for (else made again), no
-        float8 cache scales."""
+        """Per step: no LoRA slot on a linear, the weight, bias and int8 scale objects the routes were made for
+        (else made again: the stack's specs hold the old ones, so only this sees a swap), no float8 cache
+        scales."""
         # Module attributes through _parameters (nn.Module.__getattr__ costs a microsecond per lookup).
-        for lin, w in zip(self.linears, self.weights):
+        for lin, (w, b, s) in zip(self.linears, self.held):
             if lin.lora is not None:
                 return False
-            if lin._parameters["weight"] is not w:  # quantized or swapped since: choose the kernels again
-                self._prepare()
+            params = lin._parameters
+            if params["weight"] is not w or params.get("bias") is not b or lin.weight_scale is not s:
+                self._prepare()  # quantized or swapped since: choose the kernels again
                 break
         ks = self.kv_scales
         return not (ks.calculate or (ks.active and (ks.k_scale != 1.0 or ks.v_scale != 1.0)))
