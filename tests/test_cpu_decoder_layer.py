@@ -21,6 +21,7 @@ if not kernels.available():
 
 from transformers import LlamaConfig, Qwen2Config  # noqa: E402
 from vllite_platform_cpu.attention import TorchPagedAttention  # noqa: E402
+from vllite_platform_cpu.decoder_layer import NativeDecoderStack  # noqa: E402
 from vllite_platform_cpu.isa import NAMES  # noqa: E402
 from vllite_platform_cpu.model_ops import CpuModelOps  # noqa: E402
 from vllite_platform_cpu.platform import has_fast_bf16, use_avx2_gemm, use_bf16_gemm, use_int8_gemm  # noqa: E402
@@ -247,11 +248,12 @@ def make_model(name: str, dtype: torch.dtype, quant: str, ops: ModelOps, layers:
     return model
 
 
-def make_model_step(model: LlamaModel, rows: int, seed: int = 1):
-    """(input ids, positions, per-layer caches, per-layer metadata) of one step. Layers 0 and 2 share one
-    metadata object (one cache group), layer 1 has its own with other blocks (a second group)."""
+def make_model_step(model: LlamaModel, rows: int, seed: int = 1, reqs: list[tuple[int, int]] | None = None):
+    """(input ids, positions, per-layer caches, per-layer metadata) of one step (STEPS[rows], or `reqs` of that
+    many rows). Layers 0 and 2 share one metadata object (one cache group), layer 1 has its own with other blocks
+    (a second group)."""
     g = torch.Generator().manual_seed(seed)
-    reqs = STEPS[rows]
+    reqs = reqs or STEPS[rows]
     mds = []
     for _ in range(2):
         free = torch.randperm(64, generator=g)[:32].tolist()
@@ -309,6 +311,72 @@ def test_native_stack_is_the_layers_one_by_one_bit_for_bit(variant, case, rows, 
     finally:
         torch.set_num_threads(before)
     assert calls == 1
+    assert torch.equal(got, want), "hidden states differ"
+    for i, (a, b) in enumerate(zip(got_caches, want_caches)):
+        assert torch.equal(a, b), f"layer {i}'s cache differs"
+
+
+def test_split_step_cuts_at_requests_into_shares_of_equal_work(variant):
+    """csrc/decoder.cpp's split_step: each share a run of whole requests, about equal work (query rows x 512 plus
+    the context positions they attend to), padding rows in the last share, no split where it cannot be even."""
+    split = kernels.load().decoder_split_step
+
+    def ints(values):
+        return torch.tensor(values, dtype=torch.int32)
+
+    def starts(q_lens):
+        return ints(np.cumsum([0, *q_lens]).tolist())
+
+    assert split(starts([1, 1, 1, 1]), ints([9, 9, 9, 9]), 4, 4, 2) == [(0, 2, 0, 2), (2, 4, 2, 4)]
+    assert split(starts([1, 1, 1, 1]), ints([9, 9, 9, 9]), 6, 4, 2) == [(0, 2, 0, 2), (2, 6, 2, 4)]  # 2 padding rows
+    # a long context weighs as much as several short ones
+    assert split(starts([1, 1, 1, 1, 1]), ints([2000, 10, 10, 10, 10]), 5, 5, 2) == [(0, 1, 0, 1), (1, 5, 1, 5)]
+    assert split(starts([3, 1, 1, 2]), ints([10, 5, 900, 8]), 7, 7, 2) == [(0, 4, 0, 2), (4, 7, 2, 4)]
+    assert split(starts([12, 1]), ints([12, 5]), 13, 13, 2) == []  # a prefill chunk beside a decode row: uneven
+    assert split(starts([1]), ints([5]), 1, 1, 2) == []  # fewer requests than shares
+    assert split(starts([1, 1, 1]), ints([9, 9, 9]), 3, 3, 3) == [(0, 1, 0, 1), (1, 2, 1, 2), (2, 3, 2, 3)]
+
+
+# Requests of a step that split_step cuts in two (decode rows and prefill chunks on both sides).
+SPLIT_REQS = [(1, 7), (1, 9), (2, 6), (1, 3), (1, 12), (3, 10), (1, 5), (1, 8)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{str(c[1])[6:]}-{c[2]}")
+def test_native_stack_split_by_requests_is_the_layers_one_by_one_bit_for_bit(variant, case, monkeypatch):
+    """From SPLIT_MIN_ROWS_PER_THREAD rows a thread, with every linear on the bf16 or int8 GEMM, each of 2 threads
+    runs its share of the requests through every layer alone (csrc/decoder.cpp): hidden states and caches must be
+    the per-layer calls' bit for bit. That the split ran shows in the residual stream it returns: concatenated from the
+    shares, where the whole step's is the input tensor, updated in place."""
+    name, dtype, quant = case
+    ops = platform_ops()
+    model = make_model(name, dtype, quant, ops)
+    rows = sum(q for q, _ in SPLIT_REQS)
+    if not takes_native(ops, model.layers[0], quant, dtype, rows):
+        return  # the layers decline here (test_native_layer_is_the_python_path_bit_for_bit)
+    step = make_model_step(model, rows, reqs=SPLIT_REQS)
+    native = model._ops.decoder_stack(list(model.layers))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        monkeypatch.setattr(NativeDecoderStack, "SPLIT_MIN_ROWS_PER_THREAD", rows // 2)
+        got, got_caches, calls = run_model(model, step, stack=True, native=native)
+        want, want_caches, _ = run_model(model, step, stack=False)
+        split = {}
+        for min_rows in (rows // 2, rows // 2 + 1):  # the split, then the whole step
+            monkeypatch.setattr(NativeDecoderStack, "SPLIT_MIN_ROWS_PER_THREAD", min_rows)
+            ids, positions, caches, mds = step
+            fresh = {id(md): dataclasses.replace(md, extra=None) for md in mds}
+            mds = [fresh[id(md)] for md in mds]
+            with torch.inference_mode():
+                x = model.embed_tokens[ids]
+                _, residual = native(model.rotary_emb.lookup(positions, x.dtype), x, [c.clone() for c in caches], mds)
+            split[min_rows] = residual.data_ptr() != x.data_ptr()
+    finally:
+        torch.set_num_threads(before)
+    assert calls == 1
+    qkv = model.layers[0].self_attn.qkv_proj.weight
+    gemms = quant == "int8" or (quant == "plain" and ops.linear_route(dtype, rows, qkv) == "bf16")
+    assert split == {rows // 2: gemms, rows // 2 + 1: False}
     assert torch.equal(got, want), "hidden states differ"
     for i, (a, b) in enumerate(zip(got_caches, want_caches)):
         assert torch.equal(a, b), f"layer {i}'s cache differs"

@@ -212,6 +212,12 @@ class NativeDecoderStack:
 
     # Rows up to which the threads are held as a team for the call: decode steps (the linears' small route).
     TEAM_MAX_ROWS = SMALL_LINEAR_MAX_ROWS
+    # Rows per thread from which each thread runs its own requests through every layer alone (csrc/decoder.cpp,
+    # split_step), where every linear is on the bf16 or int8 GEMM (their results for a row do not depend on the
+    # rows beside it). SmolLM2-135M on 2 Zen 4 cores, a decode forward against the whole step split kernel by
+    # kernel (benchmarks/decode_forward.py --compare-split): 8 rows 2-40% slower (each thread reads every weight),
+    # 12 rows 2-8% faster, 16 rows 5-17%, 64 rows 3-5%.
+    SPLIT_MIN_ROWS_PER_THREAD = 6
 
     def __init__(self, layers: list[NativeDecoderLayer]) -> None:
         self.layers = layers
@@ -220,6 +226,7 @@ class NativeDecoderStack:
         self.dt = layers[0].dt
         self.backend = layers[0].backend
         self.made: dict[bool, tuple[list, list]] = {}  # small -> (the layers' specs, the routes they were made for)
+        self.splittable: dict[bool, bool] = {}  # small -> whether those routes allow the split by requests
 
     @classmethod
     def build(cls, layers: list[NativeDecoderLayer | None]) -> NativeDecoderStack | None:
@@ -259,7 +266,8 @@ class NativeDecoderStack:
                 tensors += (plan.kernel_slots, *plan.kernel_args)
                 num_tokens = plan.num_tokens
             of_layer.append(j)
-        return self.fn(x, specs, cos, sin, kv_caches, tensors, of_layer, num_tokens, self.TEAM_MAX_ROWS,
+        split = self.SPLIT_MIN_ROWS_PER_THREAD if self.splittable[small] else 0
+        return self.fn(x, specs, cos, sin, kv_caches, tensors, of_layer, num_tokens, self.TEAM_MAX_ROWS, split,
                        kernels.GGUF_GEMM_MIN_ROWS, kernels.GGUF_GRAIN_BYTES)
 
     def _specs(self, small: bool) -> list | None:
@@ -274,4 +282,5 @@ class NativeDecoderStack:
         if any(spec is None for spec in specs):
             return None
         self.made[small] = (specs, routes)
+        self.splittable[small] = all(k in (_BF16, _INT8) for route in routes for k in route[0])
         return specs

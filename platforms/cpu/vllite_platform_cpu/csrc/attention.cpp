@@ -549,9 +549,12 @@ static void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_
   }
   // All KV heads in one task when there are tiles enough to keep the threads busy; else one head each.
   const int64_t HG = tiles >= 4 * at::get_num_threads() ? HKV : 1;
-  // Keys per chunk: a multiple of 16 (dots16), at most ~32K elements of K (and of V) over the task's
-  // heads, so a chunk stays in L2 while every query row of the tile reads it.
-  const int64_t KC = std::max<int64_t>(16, std::min<int64_t>(256, 32768 / (HG * D)) / 16 * 16);
+  // Keys per chunk: a multiple of 16 (dots16), at most ~32K elements of K (and of V) over all KV heads, so a
+  // chunk stays in L2 while every query row of the tile reads it. Sized for all heads even where a task takes
+  // one (HG = 1): the chunks set where the online softmax rescales, so they must not depend on how the step's
+  // other requests made HG, or a request's output would depend on its batch (llama_decoder_stack runs parts
+  // of a step as separate calls).
+  const int64_t KC = std::max<int64_t>(16, std::min<int64_t>(256, 32768 / (HKV * D)) / 16 * 16);
   constexpr int QG = kValueHeads<DC>;  // query heads of a tile row whose values are summed together
   std::vector<int64_t> task_item, task_row;
   for (int64_t j = 0; j < R; ++j) {

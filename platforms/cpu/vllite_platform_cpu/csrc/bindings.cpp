@@ -127,6 +127,7 @@ void bind_layer_spec(pybind11::module_& s) {
     s.def("lora_add", &vllite_cpu::ns::lora_add);                                        \
     s.def("llama_decoder_layer", &vllite_cpu::ns::llama_decoder_layer);                  \
     s.def("llama_decoder_stack", &vllite_cpu::ns::llama_decoder_stack);                  \
+    s.def("decoder_split_step", &vllite_cpu::ns::decoder_split_step);                    \
     bind_layer_spec<vllite_cpu::ns::DecoderLayerSpec>(s);                                \
     s.attr("name") = name;                                                               \
     variants.append(name);                                                               \

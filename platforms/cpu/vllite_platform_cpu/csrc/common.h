@@ -80,6 +80,18 @@ static inline __m512i bf16_round_high(__m512 v) {
   return _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
 }
 
+// Two cache lines (128 bytes: one k step of a 32-column panel, int8 or bfloat16) fetched into L2.
+static inline void prefetch_l2_128(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1);
+  _mm_prefetch(static_cast<const char*>(p) + 64, _MM_HINT_T1);
+}
+
+// Whether a GEMM's first tile of each panel fetches the next panel as it goes: where M rows are one task of
+// several tiles (a thread then works through consecutive panels, each read from memory by its first tile and
+// from cache by the rest). At 32 rows a thread (llama_decoder_stack's split by requests) ran its first tiles
+// 10-20% slower than the others without it; at one tile per panel the hardware prefetcher streams the panels.
+static inline bool next_panel_tiles(int64_t M, int64_t MR, int64_t MC) { return M > MR && M <= MC; }
+
 // The same rounding, packed: the 16 bfloat16 bit patterns, for a store.
 static inline __m256i bf16_pack16(__m512 v) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round_high(v), 16)); }
 #endif

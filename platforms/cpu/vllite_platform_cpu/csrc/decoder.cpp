@@ -18,8 +18,11 @@
 // a decode step, and in one call the threads can be held as a team for the whole step (team.h), so that
 // every linear is split over them instead of the small ones staying on one thread.
 #include <ATen/ops/empty.h>
+#include <ATen/ThreadLocalState.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty_like.h>
 
+#include <algorithm>
 #include <exception>
 #include <memory>
 #include <tuple>
@@ -147,46 +150,166 @@ std::tuple<at::Tensor, at::Tensor> llama_decoder_layer(
                        gguf_grain);
 }
 
+namespace {
+
+// Linear work of one token against attention work of one (query row, context position) pair, in the units
+// split_step balances: SmolLM2-135M's ~106M weights per token against 30 layers x 768 bytes of bfloat16 K/V per
+// position measured ~350 (int8) to ~700 (bfloat16) positions per token on a Zen 4 core.
+constexpr int64_t kTokenCost = 512;
+
+// One thread's share of a step: rows [row0, row1) of x, requests [req0, req1) of the attention plans.
+struct StepPart {
+  int64_t row0, row1, req0, req1;
+};
+
+// The step cut at request boundaries into `parts` shares of about equal work (each request's query rows x
+// kTokenCost plus the context positions its rows attend to), padding rows (past num_tokens) in the last; empty
+// when some share would be empty or over 5/4 of an equal one (the step then runs whole, every kernel split).
+std::vector<StepPart> split_step(const at::Tensor& query_start_loc, const at::Tensor& seq_lens, int64_t rows,
+                                 int64_t num_tokens, int parts) {
+  const int64_t R = seq_lens.size(0);
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* sl = seq_lens.data_ptr<int32_t>();
+  if (R < parts || qsl[0] != 0 || qsl[R] != num_tokens) return {};
+  std::vector<int64_t> cum(R + 1, 0);  // work of requests [0, r)
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t q = qsl[r + 1] - qsl[r], L = sl[r];
+    cum[r + 1] = cum[r] + q * kTokenCost + q * L - q * (q - 1) / 2;
+  }
+  const int64_t total = cum[R];
+  std::vector<StepPart> out;
+  int64_t req = 0;
+  for (int k = 1; k <= parts; ++k) {
+    int64_t end = R;
+    if (k < parts) {  // the boundary whose work before it is nearest k / parts of the total
+      const int64_t target = total * k / parts;
+      end = std::lower_bound(cum.begin() + req + 1, cum.end(), target) - cum.begin();
+      if (end > req + 1 && target - cum[end - 1] < cum[end] - target) --end;
+    }
+    if (end <= req || 4 * parts * (cum[end] - cum[req]) > 5 * total) return {};
+    out.push_back({qsl[req], k < parts ? qsl[end] : rows, req, end});
+    req = end;
+  }
+  for (const auto& p : out)
+    if (p.row1 <= p.row0 || p.row0 >= num_tokens) return {};
+  return out;
+}
+
+// One attention plan (slots, block_table, seq_lens, query_start_loc, req_ids) narrowed to a part: its rows'
+// slots, its requests' tables and lengths, query starts from the part's first row, its requests among req_ids.
+std::vector<at::Tensor> plan_part(const at::Tensor* plan, const StepPart& part) {
+  const at::Tensor &slots = plan[0], &qsl = plan[3], &rid = plan[4];
+  const int64_t n = slots.size(0);
+  at::Tensor starts = at::empty({part.req1 - part.req0 + 1}, qsl.options());
+  const int32_t* src = qsl.data_ptr<int32_t>() + part.req0;
+  int32_t* dst = starts.data_ptr<int32_t>();
+  for (int64_t i = 0; i <= part.req1 - part.req0; ++i) dst[i] = src[i] - static_cast<int32_t>(part.row0);
+  std::vector<int32_t> mine;
+  const int32_t* ids = rid.data_ptr<int32_t>();
+  for (int64_t j = 0; j < rid.size(0); ++j)
+    if (ids[j] >= part.req0 && ids[j] < part.req1) mine.push_back(ids[j] - static_cast<int32_t>(part.req0));
+  at::Tensor req_ids = at::empty({static_cast<int64_t>(mine.size())}, rid.options());
+  std::copy(mine.begin(), mine.end(), req_ids.data_ptr<int32_t>());
+  return {slots.slice(0, std::min(part.row0, n), std::min(part.row1, n)), plan[1].slice(0, part.req0, part.req1),
+          plan[2].slice(0, part.req0, part.req1), starts, req_ids};
+}
+
+}  // namespace
+
+// split_step's shares as (first row, end row, first request, end request), for tests: checked arguments.
+std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> decoder_split_step(at::Tensor query_start_loc,
+                                                                               at::Tensor seq_lens, int64_t rows,
+                                                                               int64_t num_tokens, int64_t parts) {
+  TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt
+                  && query_start_loc.is_contiguous() && seq_lens.is_contiguous()
+                  && query_start_loc.numel() == seq_lens.numel() + 1 && parts > 0 && num_tokens <= rows,
+              "decoder_split_step: int32 query_start_loc [R + 1] and seq_lens [R], parts > 0, num_tokens <= rows");
+  std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> out;
+  for (const auto& p : split_step(query_start_loc, seq_lens, rows, num_tokens, static_cast<int>(parts)))
+    out.emplace_back(p.row0, p.row1, p.req0, p.req1);
+  return out;
+}
+
 // A model's decoder layers in order, from the embedding (no residual yet): what llama_decoder_layer called
 // layer by layer returns, bit for bit, without a Python call per layer. plans: 5 tensors per attention plan
 // (slots, block_table, seq_lens, query_start_loc, req_ids; the layers of one cache group share one), layer i
-// using plan plan_of_layer[i]. With more than one thread and at most team_max_rows rows (a decode step), the
-// threads are held as a Team for the whole call and every linear is split over them (team.h).
+// using plan plan_of_layer[i]. With more than one thread:
+// - at most team_max_rows rows (a decode step at batch 1-4): the threads are held as a Team for the whole call
+//   and every linear is split over them (team.h);
+// - at least split_min_rows rows per thread (0: never), cut at request boundaries into one share per thread
+//   (split_step): each thread runs every layer on its own rows alone, each kernel on one thread. The threads
+//   then never wait for each other inside the step (~10 fork/joins per layer, each waiting for the slower
+//   half), no activation crosses cores, and one thread's attention (bound by memory) overlaps the other's GEMMs
+//   (bound by compute). Each thread reads every weight, so this pays only where a thread's rows keep the GEMMs
+//   busy enough (the caller's threshold). Every kernel's result for a row depends on that row (and its
+//   request's cache) alone, so the results are those of the whole step.
 std::tuple<at::Tensor, at::Tensor> llama_decoder_stack(at::Tensor x, std::vector<std::shared_ptr<DecoderLayerSpec>> layers,
                                                        at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> kv_caches,
                                                        std::vector<at::Tensor> plans, std::vector<int64_t> plan_of_layer,
-                                                       int64_t num_tokens, int64_t team_max_rows, int64_t gguf_min_rows,
-                                                       int64_t gguf_grain) {
+                                                       int64_t num_tokens, int64_t team_max_rows, int64_t split_min_rows,
+                                                       int64_t gguf_min_rows, int64_t gguf_grain) {
   const size_t n = layers.size();
   TORCH_CHECK(n > 0 && kv_caches.size() == n && plan_of_layer.size() == n && plans.size() % 5 == 0,
               "llama_decoder_stack: one cache and one plan index per layer, 5 tensors per plan");
   for (size_t i = 0; i < n; ++i)
     TORCH_CHECK(layers[i] && plan_of_layer[i] >= 0 && 5 * static_cast<size_t>(plan_of_layer[i]) < plans.size(),
                 "llama_decoder_stack: layer ", i, ": no spec or no such plan");
-  std::optional<at::Tensor> residual;
-  auto run = [&] {
+  // Every layer on rows [row0, row1) of x with these plans (5 tensors each): (output, residual stream).
+  auto run = [&](at::Tensor h, const at::Tensor& c, const at::Tensor& s, const std::vector<at::Tensor>& ps,
+                 int64_t tokens) {
+    std::optional<at::Tensor> residual;
     for (size_t i = 0; i < n; ++i) {
-      const at::Tensor* p = plans.data() + 5 * plan_of_layer[i];
-      auto out = layer_forward(x, residual, *layers[i], cos, sin, kv_caches[i], {p[0], p[1], p[2], p[3], p[4], num_tokens},
+      const at::Tensor* p = ps.data() + 5 * plan_of_layer[i];
+      auto out = layer_forward(h, residual, *layers[i], c, s, kv_caches[i], {p[0], p[1], p[2], p[3], p[4], tokens},
                                gguf_min_rows, gguf_grain);
-      x = std::move(std::get<0>(out));
+      h = std::move(std::get<0>(out));
       residual = std::move(std::get<1>(out));
     }
+    return std::make_tuple(h, *residual);
   };
   const int threads = at::get_num_threads();
-  if (threads <= 1 || x.size(0) > team_max_rows || at::in_parallel_region()) {
-    run();
-    return {x, *residual};
+  const int64_t rows = x.size(0);
+  const bool whole = rows > team_max_rows && (split_min_rows <= 0 || rows < split_min_rows * threads);
+  if (threads <= 1 || at::in_parallel_region() || whole) return run(x, cos, sin, plans, num_tokens);
+  std::exception_ptr error;
+  if (rows > team_max_rows) {
+    const std::vector<StepPart> parts = split_step(plans[3], plans[2], rows, num_tokens, threads);
+    bool same_layout = !parts.empty();  // every plan's requests start at the same rows (they are one step's)
+    for (size_t j = 5; same_layout && j < plans.size(); j += 5)
+      same_layout = plans[j + 3].equal(plans[3]);
+    if (!same_layout) return run(x, cos, sin, plans, num_tokens);
+    const int count = static_cast<int>(parts.size());
+    std::vector<at::Tensor> outs(count), residuals(count);
+    std::vector<std::exception_ptr> errors(count);
+    const at::ThreadLocalState state;  // the caller's inference mode and dispatch state, in every thread
+#pragma omp parallel num_threads(count)
+    for (int k = omp_get_thread_num(); k < count; k += omp_get_num_threads()) {
+      try {
+        const at::ThreadLocalStateGuard guard(state);
+        const StepPart& part = parts[k];
+        std::vector<at::Tensor> ps;
+        for (size_t j = 0; j < plans.size(); j += 5)
+          for (auto& t : plan_part(plans.data() + j, part)) ps.push_back(std::move(t));
+        const int64_t tokens = std::min(num_tokens, part.row1) - part.row0;
+        std::tie(outs[k], residuals[k]) = run(x.slice(0, part.row0, part.row1), cos.slice(0, part.row0, part.row1),
+                                              sin.slice(0, part.row0, part.row1), ps, tokens);
+      } catch (...) {
+        errors[k] = std::current_exception();  // rethrown outside the parallel region
+      }
+    }
+    for (auto& e : errors)
+      if (e) std::rethrow_exception(e);
+    return {at::cat(outs), at::cat(residuals)};
   }
   Team team;
-  std::exception_ptr error;
+  at::Tensor out, residual;
 #pragma omp parallel num_threads(threads)
   {
     if (omp_get_thread_num() == 0) {
       team.set_size(omp_get_num_threads());
       current_team = &team;
       try {
-        run();
+        std::tie(out, residual) = run(x, cos, sin, plans, num_tokens);
       } catch (...) {
         error = std::current_exception();  // rethrown outside the parallel region
       }
@@ -197,7 +320,7 @@ std::tuple<at::Tensor, at::Tensor> llama_decoder_stack(at::Tensor x, std::vector
     }
   }
   if (error) std::rethrow_exception(error);
-  return {x, *residual};
+  return {out, residual};
 }
 
 }  // namespace VLLITE_CPU_ISA

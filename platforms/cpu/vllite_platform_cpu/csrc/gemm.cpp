@@ -463,13 +463,16 @@ constexpr int64_t MR = 12;   // rows per micro-tile: 24 sums + 2 weight vectors 
 constexpr int64_t MC = 120;  // rows per task: a 120 x K block of x stays in L2 (K = 1536: 360 KB)
 
 #ifdef VLLITE_BF16_GEMM
-template <int R>
+// With PF, each k step also fetches the same two lines of the `next` panel into L2 (next_panel_tiles).
+template <int R, bool PF = false>
 static inline void tile(const uint16_t* __restrict A, int64_t lda, const uint16_t* __restrict B, int64_t Kp,
-                        uint16_t* __restrict C, int64_t ldc, const float* bias, int64_t ncols) {
+                        uint16_t* __restrict C, int64_t ldc, const float* bias, int64_t ncols,
+                        const uint16_t* next = nullptr) {
   __m512 c0[R], c1[R];
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm512_setzero_ps();
   for (int64_t kk = 0; kk < Kp; ++kk) {
+    if constexpr (PF) prefetch_l2_128(next + kk * 2 * NB);
     const __m512bh b0 = (__m512bh)_mm512_loadu_si512(B + kk * 2 * NB);
     const __m512bh b1 = (__m512bh)_mm512_loadu_si512(B + kk * 2 * NB + NB);
 #pragma GCC unroll 12
@@ -603,10 +606,16 @@ void bf16_gemm(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at
     return;
   }
 #endif
+  const bool pf = next_panel_tiles(M, MR, MC);
   for_panel_tiles(M, N, NB, MC, MR, [&](int64_t m, int64_t rows, int64_t p, int64_t n0, int64_t ncols) {
+    const uint16_t* panel = B + p * Kp * NB * 2;
     with_height<MR>(rows, [&](auto r) {
-      tile<decltype(r)::value>(A + m * K, K, B + p * Kp * NB * 2, Kp, C + m * N + n0, N, bp ? bp + n0 : nullptr,
-                               ncols);
+      constexpr int R = decltype(r)::value;
+      const float* b = bp ? bp + n0 : nullptr;
+      if (pf && m == 0 && p + 1 < P)
+        tile<R, true>(A + m * K, K, panel, Kp, C + m * N + n0, N, b, ncols, panel + Kp * NB * 2);
+      else
+        tile<R>(A + m * K, K, panel, Kp, C + m * N + n0, N, b, ncols);
     });
   });
 #else

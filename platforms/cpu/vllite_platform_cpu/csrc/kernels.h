@@ -75,11 +75,13 @@
       int64_t head_size, at::Tensor kv_cache, at::Tensor slots, at::Tensor block_table, at::Tensor seq_lens,       \
       at::Tensor query_start_loc, at::Tensor req_ids, int64_t num_tokens, double scale, int64_t window,            \
       int64_t gguf_min_rows, int64_t gguf_grain);                                                               \
+  std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> decoder_split_step(                                   \
+      at::Tensor query_start_loc, at::Tensor seq_lens, int64_t rows, int64_t num_tokens, int64_t parts);             \
   std::tuple<at::Tensor, at::Tensor> llama_decoder_stack(                                                           \
       at::Tensor x, std::vector<std::shared_ptr<DecoderLayerSpec>> layers, at::Tensor cos,                         \
       at::Tensor sin, std::vector<at::Tensor> kv_caches, std::vector<at::Tensor> plans,                             \
-      std::vector<int64_t> plan_of_layer, int64_t num_tokens, int64_t team_max_rows, int64_t gguf_min_rows,        \
-      int64_t gguf_grain);
+      std::vector<int64_t> plan_of_layer, int64_t num_tokens, int64_t team_max_rows, int64_t split_min_rows,  \
+      int64_t gguf_min_rows, int64_t gguf_grain);
 
 namespace vllite_cpu {
 namespace isa_default {

@@ -194,13 +194,15 @@ static inline void store_masked(c10::BFloat16* p, __mmask16 m, __m512 v) { _mm25
 
 // The tile's int32 sums into acc [R][32]. Not inlined: inlined beside the epilogue, GCC 12 copied and spilled the
 // 24 accumulators on every k step (130 vector moves in the loop, half the kernel's speed).
-template <int R>
+// With PF, each k step also fetches the same two lines of the `next` panel into L2 (next_panel_tiles).
+template <int R, bool PF = false>
 __attribute__((noinline)) static void tile_sums(const uint8_t* __restrict A, int64_t lda, const int8_t* __restrict B,
-                                                int64_t K4, int32_t* __restrict acc) {
+                                                int64_t K4, int32_t* __restrict acc, const int8_t* next = nullptr) {
   __m512i c0[R], c1[R];
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm512_setzero_si512();
   for (int64_t kk = 0; kk < K4; ++kk) {
+    if constexpr (PF) prefetch_l2_128(next + kk * 4 * NB);
     const __m512i b0 = _mm512_loadu_si512(B + kk * 4 * NB);
     const __m512i b1 = _mm512_loadu_si512(B + kk * 4 * NB + 64);
 #pragma GCC unroll 12
@@ -246,9 +248,12 @@ static inline void scale_back(const int32_t* acc, int64_t rows, const int8_t* B,
 // One R x 32 tile: its sums, then each row scaled back.
 template <int R, typename out_t>
 static inline void tile(const uint8_t* A, int64_t lda, const int8_t* B, int64_t K4, const float* xs, out_t* C,
-                        int64_t ldc, const float* bias, int64_t ncols) {
+                        int64_t ldc, const float* bias, int64_t ncols, const int8_t* next = nullptr) {
   alignas(64) int32_t acc[R * NB];
-  tile_sums<R>(A, lda, B, K4, acc);
+  if (next)
+    tile_sums<R, true>(A, lda, B, K4, acc, next);
+  else
+    tile_sums<R>(A, lda, B, K4, acc);
   scale_back(acc, R, B, K4, xs, C, ldc, bias, ncols);
 }
 
@@ -341,10 +346,12 @@ void int8_gemm(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at
       return;
     }
 #endif
+    const bool pf = next_panel_tiles(M, MR, MC);
     for_panel_tiles(M, N, NB, MC, MR, [&](int64_t m, int64_t rows, int64_t p, int64_t n0, int64_t ncols) {
+      const int8_t* next = pf && m == 0 && p + 1 < P ? B + (p + 1) * (K * NB + TAIL) : nullptr;
       with_height<MR>(rows, [&](auto r) {
         tile<decltype(r)::value>(A + m * K, K, B + p * (K * NB + TAIL), K4, xs + m, C + m * N + n0, N,
-                                 bp ? bp + n0 : nullptr, ncols);
+                                 bp ? bp + n0 : nullptr, ncols, next);
       });
     });
   };
