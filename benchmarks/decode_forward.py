@@ -6,9 +6,10 @@ Runs --batch requests of 128 random ids until a step decodes all of them, keeps 
 inputs, then calls the model on them --iters times (after 20 warm-ups): wall and thread-CPU time per
 forward. --split also times every C++ kernel call (thread CPU time, so time the thread spends
 descheduled on a shared host is not counted) and prints what the forward spends outside them: the
-per-layer Python and small torch ops. Compare two trees by alternating runs (PYTHONPATH at each). --compare-split alternates, in one process and in
-rounds of a few forwards each, the decoder stack's split by requests (one share of the requests per thread,
-csrc/decoder.cpp) with the whole step split kernel by kernel: the host's noise then falls on both alike.
+per-layer Python and small torch ops. Compare two trees by alternating runs (PYTHONPATH at each).
+--compare-split alternates, in one process and in rounds of a few forwards each, the decoder stack's split by
+requests (one share of the requests per thread, csrc/decoder.cpp) with the whole step split kernel by kernel:
+the host's noise then falls on both alike.
 """
 from __future__ import annotations
 
