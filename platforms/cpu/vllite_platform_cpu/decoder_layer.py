@@ -11,8 +11,9 @@ GEMM's panels are the ones ``CpuModelOps.linear`` keeps in the layer's ``_state`
 code when the weight changes.
 
 ``NativeDecoderStack`` takes all of a model's layers in one C++ call (``llama_decoder_stack``), each layer's
-fixed arguments made once as a ``DecoderLayerSpec`` (remade when a weight the C++ side reads changes), and
-at a few rows holds the threads as one team for the call (csrc/team.h).
+fixed arguments made once as a ``DecoderLayerSpec`` (remade when a weight the C++ side reads changes); at a few
+rows it holds the threads as one team for the call (csrc/team.h), and from ``SPLIT_MIN_ROWS_PER_THREAD`` rows a
+thread it gives each thread its own share of the requests through every layer (csrc/decoder.cpp, split_step).
 """
 from __future__ import annotations
 
@@ -216,7 +217,7 @@ class NativeDecoderStack:
     # split_step), where every linear is on the bf16 or int8 GEMM (their results for a row do not depend on the
     # rows beside it). SmolLM2-135M on 2 Zen 4 cores, a decode forward against the whole step split kernel by
     # kernel (benchmarks/decode_forward.py --compare-split): 8 rows 2-40% slower (each thread reads every weight),
-    # 12 rows 2-8% faster, 16 rows 5-17%, 64 rows 3-5%.
+    # 12 rows 2-8% faster, 16 rows 3-17%, 64 rows 4-5% (docs/benchmarks.md, the eighth Zen 4 session).
     SPLIT_MIN_ROWS_PER_THREAD = 6
 
     def __init__(self, layers: list[NativeDecoderLayer]) -> None:

@@ -239,8 +239,8 @@ std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> decoder_split_step(a
 // - at least split_min_rows rows per thread (0: never), cut at request boundaries into one share per thread
 //   (split_step): each thread runs every layer on its own rows alone, each kernel on one thread. The threads
 //   then never wait for each other inside the step (~10 fork/joins per layer, each waiting for the slower
-//   half), no activation crosses cores, and one thread's attention (bound by memory) overlaps the other's GEMMs
-//   (bound by compute). Each thread reads every weight, so this pays only where a thread's rows keep the GEMMs
+//   half), no activation crosses cores, and one thread's attention (bound by memory) can run beside the other's
+//   GEMMs (bound by compute). Each thread reads every weight, so this pays only where a thread's rows keep the GEMMs
 //   busy enough (the caller's threshold). Every kernel's result for a row depends on that row (and its
 //   request's cache) alone, so the results are those of the whole step.
 std::tuple<at::Tensor, at::Tensor> llama_decoder_stack(at::Tensor x, std::vector<std::shared_ptr<DecoderLayerSpec>> layers,
@@ -254,7 +254,7 @@ std::tuple<at::Tensor, at::Tensor> llama_decoder_stack(at::Tensor x, std::vector
   for (size_t i = 0; i < n; ++i)
     TORCH_CHECK(layers[i] && plan_of_layer[i] >= 0 && 5 * static_cast<size_t>(plan_of_layer[i]) < plans.size(),
                 "llama_decoder_stack: layer ", i, ": no spec or no such plan");
-  // Every layer on rows [row0, row1) of x with these plans (5 tensors each): (output, residual stream).
+  // Every layer on h (rows of x; cos, sin, plans ps and real tokens to match): (output, residual stream).
   auto run = [&](at::Tensor h, const at::Tensor& c, const at::Tensor& s, const std::vector<at::Tensor>& ps,
                  int64_t tokens) {
     std::optional<at::Tensor> residual;
@@ -271,13 +271,11 @@ std::tuple<at::Tensor, at::Tensor> llama_decoder_stack(at::Tensor x, std::vector
   const int64_t rows = x.size(0);
   const bool whole = rows > team_max_rows && (split_min_rows <= 0 || rows < split_min_rows * threads);
   if (threads <= 1 || at::in_parallel_region() || whole) return run(x, cos, sin, plans, num_tokens);
-  std::exception_ptr error;
   if (rows > team_max_rows) {
     const std::vector<StepPart> parts = split_step(plans[3], plans[2], rows, num_tokens, threads);
-    bool same_layout = !parts.empty();  // every plan's requests start at the same rows (they are one step's)
-    for (size_t j = 5; same_layout && j < plans.size(); j += 5)
-      same_layout = plans[j + 3].equal(plans[3]);
-    if (!same_layout) return run(x, cos, sin, plans, num_tokens);
+    bool one_layout = true;  // every plan's requests start at the same rows (they are one step's)
+    for (size_t j = 5; one_layout && j < plans.size(); j += 5) one_layout = plans[j + 3].equal(plans[3]);
+    if (parts.empty() || !one_layout) return run(x, cos, sin, plans, num_tokens);
     const int count = static_cast<int>(parts.size());
     std::vector<at::Tensor> outs(count), residuals(count);
     std::vector<std::exception_ptr> errors(count);
@@ -303,6 +301,7 @@ std::tuple<at::Tensor, at::Tensor> llama_decoder_stack(at::Tensor x, std::vector
   }
   Team team;
   at::Tensor out, residual;
+  std::exception_ptr error;
 #pragma omp parallel num_threads(threads)
   {
     if (omp_get_thread_num() == 0) {
