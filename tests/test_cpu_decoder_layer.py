@@ -346,7 +346,7 @@ def test_native_stack_split_by_requests_is_the_layers_one_by_one_bit_for_bit(var
     """From SPLIT_MIN_ROWS_PER_THREAD rows a thread, with every linear on the bf16 or int8 GEMM, each of 2 threads
     runs its share of the requests through every layer alone (csrc/decoder.cpp): hidden states and caches must be
     the per-layer calls' bit for bit. That the split ran shows in the residual stream it returns: concatenated from the
-    shares, where the whole step's is the input tensor, updated in place."""
+    shares, where the whole step's is the input tensor, updated in place. An error in a share's thread raises."""
     name, dtype, quant = case
     ops = platform_ops()
     model = make_model(name, dtype, quant, ops)
@@ -371,6 +371,15 @@ def test_native_stack_split_by_requests_is_the_layers_one_by_one_bit_for_bit(var
                 x = model.embed_tokens[ids]
                 _, residual = native(model.rotary_emb.lookup(positions, x.dtype), x, [c.clone() for c in caches], mds)
             split[min_rows] = residual.data_ptr() != x.data_ptr()
+        # an error inside a share's thread is a RuntimeError here, and the next call works
+        monkeypatch.setattr(NativeDecoderStack, "SPLIT_MIN_ROWS_PER_THREAD", rows // 2)
+        bad = [c.clone() for c in caches]
+        bad[2] = bad[2][:, :, :, :1]  # one KV head too few for layer 2's attention
+        with torch.inference_mode():
+            rope = model.rotary_emb.lookup(positions, x.dtype)
+            with pytest.raises(RuntimeError):
+                native(rope, model.embed_tokens[ids], bad, mds)
+            assert native(rope, model.embed_tokens[ids], [c.clone() for c in caches], mds) is not None
     finally:
         torch.set_num_threads(before)
     assert calls == 1
