@@ -37,7 +37,8 @@ VARIANTS = [pytest.param(n, marks=pytest.mark.skipif(n not in RUNNABLE, reason=f
             for n in NAMES]
 BLOCK = 4
 # Rows of one step: (query_len, seq_len) per request; decode rows (1) and prefill chunks mixed.
-STEPS = {1: [(1, 7)], 3: [(1, 9), (2, 6)], 17: [(1, 5), (12, 12), (1, 3), (3, 10)]}
+STEPS = {1: [(1, 7)], 3: [(1, 9), (2, 6)], 17: [(1, 5), (12, 12), (1, 3), (3, 10)],
+         70: [(1, 5), (50, 50), (3, 10), (16, 20)]}  # 70: the bf16 gate_up fused with SiLU (from 64 rows)
 CONFIGS = {
     "llama": LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                          head_dim=16, num_hidden_layers=1, vocab_size=32, rms_norm_eps=1e-5),

@@ -289,12 +289,13 @@ def amx(request):
 
 @needs_bf16_gemm
 @pytest.mark.parametrize("rows", [1, 4, 11, 12, 13, 16, 17, 33, 64, 121, 250, 300])
-@pytest.mark.parametrize("shape", [(49, 78), (960, 576), (33, 2), (47, 96)])
+@pytest.mark.parametrize("shape", [(49, 78), (960, 576), (33, 2), (47, 96), (80, 64)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_bf16_gemm_matches_float64(rows, shape, bias, threads, amx):
     # Every tile height (1-12 rows of vdpbf16ps, 1-32 of AMX tiles (one or two A tiles), their row blocks and
-    # remainders), partial 32-column panels, K of one pair (vdpbf16ps only: AMX takes K in steps of 32). The
+    # remainders), partial 32-column panels, K of one pair (vdpbf16ps only: AMX takes K in steps of 32); from 256
+    # rows the 64-column tiles (a partial second panel; 80 columns: a last panel alone). The
     # reference is float64 arithmetic on the same bf16 values; the kernel's float32 sums (plus the float32 bias)
     # are rounded once to bf16, so each output is within a bf16 rounding of the exact value.
     n, k = shape
@@ -326,6 +327,46 @@ def test_bf16_gemm_row_does_not_depend_on_the_batch(amx):
         one = torch.empty(1, 200, dtype=torch.bfloat16)
         kernels.bf16_gemm(one, x[r:r + 1].contiguous(), packed, b)
         assert torch.equal(one[0], whole[r])
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("rows", [1, 7, 33, 64, 65, 100, 121, 250])
+@pytest.mark.parametrize("shape", [(32, 2), (64, 78), (96, 576)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_gemm_silu_is_gemm_then_silu_and_mul_bit_for_bit(rows, shape, bias, threads, amx):
+    """The gate_up projection with SiLU-and-mul in its epilogue gives what the two kernels give one after the
+    other (from 64 rows the fused tiles: heights of 5-6 rows, the next-panel prefetch up to 120 rows, row blocks
+    past it; a bias on both halves; below 64 the two steps), and is near the float64 value of silu(gate) * up."""
+    inter, k = shape
+    g = torch.Generator().manual_seed(rows * 7 + inter + k)
+    x, w = torch.randn(rows, k, generator=g).bfloat16(), torch.randn(2 * inter, k, generator=g).bfloat16()
+    b = torch.randn(2 * inter, generator=g) if bias else None
+    packed = kernels.bf16_gemm_pack(w)
+    fused = torch.full((rows, inter), float("nan"), dtype=torch.bfloat16)
+    both, want = torch.empty(rows, 2 * inter, dtype=torch.bfloat16), torch.empty(rows, inter, dtype=torch.bfloat16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        kernels.load().bf16_gemm_silu(fused, x, packed, b)
+        kernels.bf16_gemm(both, x, packed, b)
+        kernels.silu_and_mul(want, both)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(fused.view(torch.int16), want.view(torch.int16))
+    exact = x.double() @ w.double().T + (0 if b is None else b.double())
+    gate, up = exact[:, :inter], exact[:, inter:]
+    ref = torch.nn.functional.silu(gate) * up
+    # gate, up, silu(gate) and the product each rounded once to bf16: a few roundings of the largest factor.
+    bound = (gate.abs() + 1) * up.abs() * 2 ** -6 + 1e-4 * k ** 0.5 * (gate.abs() + up.abs() + 1)
+    assert torch.all((fused.double() - ref).abs() <= bound), float(((fused.double() - ref).abs() - bound).max())
+
+
+@needs_bf16_gemm
+def test_bf16_gemm_silu_checks_shapes():
+    x, w = torch.randn(3, 64).bfloat16(), torch.randn(2 * 48, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="bf16_gemm_silu: shapes"):  # 48 outputs: not whole 32-column panels
+        kernels.load().bf16_gemm_silu(torch.empty(3, 48, dtype=torch.bfloat16), x, kernels.bf16_gemm_pack(w), None)
 
 
 @needs_amx

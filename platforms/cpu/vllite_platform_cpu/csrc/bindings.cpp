@@ -108,6 +108,7 @@ void bind_layer_spec(pybind11::module_& s) {
     s.def("bf16_gemm_available", &vllite_cpu::ns::bf16_gemm_available);                  \
     s.def("bf16_gemm_pack", &vllite_cpu::ns::bf16_gemm_pack);                            \
     s.def("bf16_gemm", &vllite_cpu::ns::bf16_gemm);                                      \
+    s.def("bf16_gemm_silu", &vllite_cpu::ns::bf16_gemm_silu);                            \
     s.def("amx_available", &vllite_cpu::ns::amx_available);                              \
     s.def("set_amx", &vllite_cpu::ns::set_amx);                                          \
     s.def("encoder_attention", &vllite_cpu::ns::encoder_attention);                      \

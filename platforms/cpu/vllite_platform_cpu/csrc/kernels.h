@@ -47,6 +47,7 @@
   bool bf16_gemm_available();                                                                                       \
   void bf16_gemm_pack(at::Tensor out, at::Tensor w);                                                                \
   void bf16_gemm(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at::Tensor> bias);                  \
+  void bf16_gemm_silu(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at::Tensor> bias);             \
   bool amx_available();                                                                                             \
   bool amx_on();                                                                                                    \
   bool set_amx(bool on);                                                                                            \

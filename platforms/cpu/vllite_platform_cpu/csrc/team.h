@@ -150,6 +150,17 @@ struct PanelTasks {
     const int64_t m0 = first_row(t), m1 = std::min(M, m0 + rows_per_block), p = t % panels;
     for (int64_t m = m0; m < m1; m += mr) f(m, std::min(mr, m1 - m), p, p * nb, std::min(nb, N - p * nb));
   }
+  // The same rows in as few tiles of at most mr rows, of heights differing by one at most (32 rows of 6-row tiles:
+  // 5, 5, 6, 5, 5, 6, not 6 x 5 + 2, whose 2-row tile reads the weights as often for a third of the products).
+  template <typename F>
+  void even_tiles(int64_t t, int64_t mr, const F& f) const {
+    const int64_t m0 = first_row(t), n = std::min(M, m0 + rows_per_block) - m0, count = (n + mr - 1) / mr;
+    const int64_t p = t % panels;
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t a = n * i / count, b = n * (i + 1) / count;
+      f(m0 + a, b - a, p, p * nb, std::min(nb, N - p * nb));
+    }
+  }
 };
 
 // Every tile of those tasks through split_for: f as PanelTasks::tiles calls it.
