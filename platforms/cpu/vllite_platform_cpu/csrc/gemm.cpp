@@ -504,14 +504,22 @@ static inline void tile(const uint16_t* __restrict A, int64_t lda, const uint16_
 // in order as in tile, so the same bits. Over SmolLM2's layers at 256-2,048 rows this shape ran 3.5-4.7% faster
 // than tile's 12 x 32 (1 and 2 threads, up to 227 GFLOP/s on a core against the instruction's 231-235), neutral at
 // 64-128 rows and 11% slower on the LM head at 64 (more weight reads per product where few rows share them).
-template <int R>
-static inline void tile2(const uint16_t* __restrict A, int64_t lda, const uint16_t* __restrict B0,
-                         const uint16_t* __restrict B1, int64_t Kp, uint16_t* __restrict C, int64_t ldc,
-                         const float* bias, int64_t ncols) {
-  __m512 c0[R], c1[R], c2[R], c3[R];
+// The 4 R float32 sums of R rows against two panels B0 and B1 (c[0], c[1]: B0's 32 columns; c[2], c[3]: B1's), k
+// pairs in order as in tile: tile2's and tile_silu's loop. With PF, each k step also fetches the same two lines of
+// next0 and of next1 into L2.
+template <int R, bool PF>
+__attribute__((always_inline)) static inline void sums_two_panels(const uint16_t* __restrict A, int64_t lda,
+                                                                  const uint16_t* __restrict B0,
+                                                                  const uint16_t* __restrict B1, int64_t Kp,
+                                                                  __m512 (&c)[4][R], const uint16_t* next0,
+                                                                  const uint16_t* next1) {
 #pragma GCC unroll 6
-  for (int r = 0; r < R; ++r) c0[r] = c1[r] = c2[r] = c3[r] = _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) c[0][r] = c[1][r] = c[2][r] = c[3][r] = _mm512_setzero_ps();
   for (int64_t kk = 0; kk < Kp; ++kk) {
+    if constexpr (PF) {
+      prefetch_l2_128(next0 + kk * 2 * NB);
+      prefetch_l2_128(next1 + kk * 2 * NB);
+    }
     const __m512bh b0 = (__m512bh)_mm512_loadu_si512(B0 + kk * 2 * NB);
     const __m512bh b1 = (__m512bh)_mm512_loadu_si512(B0 + kk * 2 * NB + NB);
     const __m512bh b2 = (__m512bh)_mm512_loadu_si512(B1 + kk * 2 * NB);
@@ -521,19 +529,27 @@ static inline void tile2(const uint16_t* __restrict A, int64_t lda, const uint16
       int32_t pair;
       std::memcpy(&pair, A + r * lda + 2 * kk, sizeof(pair));
       const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
-      c0[r] = _mm512_dpbf16_ps(c0[r], a, b0);
-      c1[r] = _mm512_dpbf16_ps(c1[r], a, b1);
-      c2[r] = _mm512_dpbf16_ps(c2[r], a, b2);
-      c3[r] = _mm512_dpbf16_ps(c3[r], a, b3);
+      c[0][r] = _mm512_dpbf16_ps(c[0][r], a, b0);
+      c[1][r] = _mm512_dpbf16_ps(c[1][r], a, b1);
+      c[2][r] = _mm512_dpbf16_ps(c[2][r], a, b2);
+      c[3][r] = _mm512_dpbf16_ps(c[3][r], a, b3);
     }
   }
+}
+
+template <int R>
+static inline void tile2(const uint16_t* __restrict A, int64_t lda, const uint16_t* __restrict B0,
+                         const uint16_t* __restrict B1, int64_t Kp, uint16_t* __restrict C, int64_t ldc,
+                         const float* bias, int64_t ncols) {
+  __m512 c[4][R];
+  sums_two_panels<R, false>(A, lda, B0, B1, Kp, c, nullptr, nullptr);
   const TileEdge32 e = tile_edge32(NB, bias), f = tile_edge32(ncols - NB, bias ? bias + NB : nullptr);
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) {
-    _mm256_mask_storeu_epi16(C + r * ldc, e.m0, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(c0[r], e.b0)));
-    _mm256_mask_storeu_epi16(C + r * ldc + 16, e.m1, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(c1[r], e.b1)));
-    _mm256_mask_storeu_epi16(C + r * ldc + 32, f.m0, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(c2[r], f.b0)));
-    _mm256_mask_storeu_epi16(C + r * ldc + 48, f.m1, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(c3[r], f.b1)));
+    _mm256_mask_storeu_epi16(C + r * ldc, e.m0, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(c[0][r], e.b0)));
+    _mm256_mask_storeu_epi16(C + r * ldc + 16, e.m1, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(c[1][r], e.b1)));
+    _mm256_mask_storeu_epi16(C + r * ldc + 32, f.m0, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(c[2][r], f.b0)));
+    _mm256_mask_storeu_epi16(C + r * ldc + 48, f.m1, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(c[3][r], f.b1)));
   }
 }
 
@@ -548,37 +564,16 @@ static inline void tile_silu(const uint16_t* __restrict A, int64_t lda, const ui
                              const uint16_t* __restrict Bu, int64_t Kp, c10::BFloat16* __restrict C, int64_t ldc,
                              const float* bias_g, const float* bias_u, const uint16_t* next_g = nullptr,
                              const uint16_t* next_u = nullptr) {
-  __m512 g0[R], g1[R], u0[R], u1[R];
-#pragma GCC unroll 6
-  for (int r = 0; r < R; ++r) g0[r] = g1[r] = u0[r] = u1[r] = _mm512_setzero_ps();
-  for (int64_t kk = 0; kk < Kp; ++kk) {
-    if constexpr (PF) {
-      prefetch_l2_128(next_g + kk * 2 * NB);
-      prefetch_l2_128(next_u + kk * 2 * NB);
-    }
-    const __m512bh bg0 = (__m512bh)_mm512_loadu_si512(Bg + kk * 2 * NB);
-    const __m512bh bg1 = (__m512bh)_mm512_loadu_si512(Bg + kk * 2 * NB + NB);
-    const __m512bh bu0 = (__m512bh)_mm512_loadu_si512(Bu + kk * 2 * NB);
-    const __m512bh bu1 = (__m512bh)_mm512_loadu_si512(Bu + kk * 2 * NB + NB);
-#pragma GCC unroll 6
-    for (int r = 0; r < R; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, A + r * lda + 2 * kk, sizeof(pair));
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
-      g0[r] = _mm512_dpbf16_ps(g0[r], a, bg0);
-      g1[r] = _mm512_dpbf16_ps(g1[r], a, bg1);
-      u0[r] = _mm512_dpbf16_ps(u0[r], a, bu0);
-      u1[r] = _mm512_dpbf16_ps(u1[r], a, bu1);
-    }
-  }
+  __m512 c[4][R];  // gate: c[0], c[1]; up: c[2], c[3]
+  sums_two_panels<R, PF>(A, lda, Bg, Bu, Kp, c, next_g, next_u);
   const TileEdge32 eg = tile_edge32(NB, bias_g), eu = tile_edge32(NB, bias_u);
   alignas(64) c10::BFloat16 gate[R][NB], up[R][NB];
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) {
-    _mm256_store_si256(reinterpret_cast<__m256i*>(gate[r]), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(g0[r], eg.b0)));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(gate[r] + 16), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(g1[r], eg.b1)));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(up[r]), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(u0[r], eu.b0)));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(up[r] + 16), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(u1[r], eu.b1)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(gate[r]), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(c[0][r], eg.b0)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(gate[r] + 16), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(c[1][r], eg.b1)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(up[r]), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(c[2][r], eu.b0)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(up[r] + 16), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(c[3][r], eu.b1)));
   }
   silu_mul_bf16_rows(gate[0], up[0], NB, C, ldc, R, NB);
 }
