@@ -124,13 +124,13 @@ std::tuple<at::Tensor, at::Tensor> layer_forward(at::Tensor x, const std::option
   if (s.kinds[2] == KIND_BF16 && inter % 32 == 0) {  // the two in one pass, bit for bit (bf16_gemm_silu)
     act = at::empty({t, inter}, h.options());
     bf16_gemm_silu(act, h.contiguous(), s.weights[2], s.biases[2]);
+    h.reset();
   } else {
     const at::Tensor gate_up = lin(h, 2);
     h.reset();
     act = at::empty({t, gate_up.size(1) / 2}, gate_up.options());
     silu_and_mul(act, gate_up);
   }
-  h.reset();
   return {lin(act, 3), res};
 }
 

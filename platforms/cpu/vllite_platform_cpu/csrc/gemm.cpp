@@ -466,7 +466,19 @@ namespace bf16_gemm_impl {
 constexpr int64_t NB = 32;   // output columns per panel: two zmm of float32 sums
 constexpr int64_t MR = 12;   // rows per micro-tile: 24 sums + 2 weight vectors + 1 broadcast of the 32 zmm
 constexpr int64_t MC = 120;  // rows per task: a 120 x K block of x stays in L2 (K = 1536: 360 KB)
+constexpr int64_t MR2 = 6;   // rows per two-panel tile (tile2, tile_silu): 24 sums + 4 weight vectors + 1 broadcast
 constexpr int64_t kPairMinRows = 256;  // from here tile2's 6 x 64 tiles (prefill), below tile's 12 x 32
+
+// x, out and the packed weight as the bf16 GEMMs take them (checked; `what` names the caller): bfloat16 and
+// contiguous, x [M, K], out [M, *], packed [P, K / 2, 32, 2].
+static inline void check_operands(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                                  const char* what) {
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && packed.dim() == 4 && packed.size(2) == NB && packed.size(3) == 2
+                  && x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16
+                  && packed.scalar_type() == at::kBFloat16 && x.is_contiguous() && out.is_contiguous()
+                  && packed.is_contiguous(),
+              what, ": bfloat16 contiguous x [M, K], out [M, N], packed [P, K / 2, 32, 2]");
+}
 
 #ifdef VLLITE_BF16_GEMM
 // With PF, each k step also fetches the same two lines of the `next` panel into L2 (next_panel_tiles).
@@ -670,11 +682,7 @@ void bf16_gemm_pack(at::Tensor out, at::Tensor w) {
 // Tasks are (row block, panel) pairs, split over the threads (or the decode step's team, team.h).
 void bf16_gemm(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at::Tensor> bias) {
   using namespace bf16_gemm_impl;
-  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && packed.dim() == 4 && packed.size(2) == NB && packed.size(3) == 2
-                  && x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16
-                  && packed.scalar_type() == at::kBFloat16 && x.is_contiguous() && out.is_contiguous()
-                  && packed.is_contiguous(),
-              "bf16_gemm: bfloat16 contiguous x [M, K], out [M, N], packed [P, K / 2, 32, 2]");
+  check_operands(out, x, packed, "bf16_gemm");
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1), P = packed.size(0), Kp = packed.size(1);
   TORCH_CHECK(out.size(0) == M && K == 2 * Kp && P == (N + NB - 1) / NB, "bf16_gemm: shapes");
   const float* bp = float_bias(bias, N, "bf16_gemm");
@@ -691,15 +699,15 @@ void bf16_gemm(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at
     return;
   }
 #endif
-  if (M >= kPairMinRows) {  // tasks of (row block, two panels), tiles of 5-6 rows
+  if (M >= kPairMinRows) {  // tasks of (row block, two panels), tiles of MR2 rows or one fewer
     const int64_t ps = Kp * NB * 2;
     const PanelTasks tasks(M, N, 2 * NB, MC);
     split_for(tasks.count, 1, [&](int64_t tb, int64_t te) {
       for (int64_t t = tb; t < te; ++t)
-        tasks.even_tiles(t, 6, [&](int64_t m, int64_t rows, int64_t q, int64_t n0, int64_t ncols) {
+        tasks.even_tiles(t, MR2, [&](int64_t m, int64_t rows, int64_t q, int64_t n0, int64_t ncols) {
           const uint16_t* p0 = B + 2 * q * ps;
           const float* b = bp ? bp + n0 : nullptr;
-          with_height<6>(rows, [&](auto r) {
+          with_height<MR2>(rows, [&](auto r) {
             constexpr int R = decltype(r)::value;
             if (ncols > NB)
               tile2<R>(A + m * K, K, p0, p0 + ps, Kp, C + m * N + n0, N, b, ncols);
@@ -734,11 +742,7 @@ void bf16_gemm(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at
 // On AMX tiles (amx.h), and below kSiluMinRows rows, the two steps run as they are.
 void bf16_gemm_silu(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at::Tensor> bias) {
   using namespace bf16_gemm_impl;
-  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && packed.dim() == 4 && packed.size(2) == NB && packed.size(3) == 2
-                  && x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16
-                  && packed.scalar_type() == at::kBFloat16 && x.is_contiguous() && out.is_contiguous()
-                  && packed.is_contiguous(),
-              "bf16_gemm_silu: bfloat16 contiguous x [M, K], out [M, I], packed [2 I / 32, K / 2, 32, 2]");
+  check_operands(out, x, packed, "bf16_gemm_silu");
   const int64_t M = x.size(0), K = x.size(1), I = out.size(1), P = packed.size(0), Kp = packed.size(1);
   TORCH_CHECK(out.size(0) == M && K == 2 * Kp && I % NB == 0 && P == 2 * I / NB, "bf16_gemm_silu: shapes");
   const float* bp = float_bias(bias, 2 * I, "bf16_gemm_silu");
@@ -756,16 +760,15 @@ void bf16_gemm_silu(at::Tensor out, at::Tensor x, at::Tensor packed, std::option
   const auto* A = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* B = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   auto* C = out.data_ptr<c10::BFloat16>();
-  constexpr int64_t MRS = 6;  // rows per tile_silu
   const int64_t half = I / NB, ps = Kp * NB * 2;  // the up panels' offset, elements per panel
-  const bool pf = next_panel_tiles(M, MRS, MC);
+  const bool pf = next_panel_tiles(M, MR2, MC);
   const PanelTasks tasks(M, I, NB, MC);  // (row block, 32 output columns: gate panel p, up panel p + I / 32)
   split_for(tasks.count, 1, [&](int64_t tb, int64_t te) {
     for (int64_t t = tb; t < te; ++t)
-      tasks.even_tiles(t, MRS, [&](int64_t m, int64_t rows, int64_t p, int64_t n0, int64_t) {
+      tasks.even_tiles(t, MR2, [&](int64_t m, int64_t rows, int64_t p, int64_t n0, int64_t) {
         const uint16_t *bg = B + p * ps, *bu = B + (p + half) * ps;
         const float *big = bp ? bp + n0 : nullptr, *biu = bp ? bp + I + n0 : nullptr;
-        with_height<MRS>(rows, [&](auto r) {
+        with_height<MR2>(rows, [&](auto r) {
           constexpr int R = decltype(r)::value;
           if (pf && m == 0 && p + 1 < half)
             tile_silu<R, true>(A + m * K, K, bg, bu, Kp, C + m * I + n0, I, big, biu, bg + ps, bu + ps);
