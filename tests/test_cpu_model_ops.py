@@ -499,6 +499,56 @@ def test_int8_gemm_is_the_separate_passes_bit_for_bit(rows, shape, dtype, thread
 
 
 @needs_int8_gemm
+@pytest.mark.parametrize("rows", [1, 7, 12, 13, 33, 64, 121, 250])
+@pytest.mark.parametrize("shape", [(32, 4), (64, 76), (96, 576)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int8_gemm_silu_is_gemm_then_silu_and_mul_bit_for_bit(rows, shape, bias, threads, amx):
+    """The int8 gate_up projection with SiLU-and-mul in its epilogue gives what int8_gemm and silu_and_mul give one
+    after the other (tile heights 1-12, the next-panel prefetch from 13 to 120 rows, row blocks past it, a bias on
+    both halves; on AMX the two steps), and is near the float64 value of silu(gate) * up on the quantized values."""
+    from vllite_core.quantization import quantize_rows_int8
+
+    inter, k = shape
+    g = torch.Generator().manual_seed(rows * 5 + inter + k)
+    q, scale = quantize_rows_int8(torch.randn(2 * inter, k, generator=g))
+    x = (torch.randn(rows, k, generator=g) * 3).bfloat16()
+    b = torch.randn(2 * inter, generator=g) if bias else None
+    packed = kernels.int8_gemm_pack(q, scale)
+    fused = torch.full((rows, inter), float("nan"), dtype=torch.bfloat16)
+    both, want = torch.empty(rows, 2 * inter, dtype=torch.bfloat16), torch.empty(rows, inter, dtype=torch.bfloat16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        kernels.load().int8_gemm_silu(fused, x, packed, b)
+        kernels.int8_gemm(both, x, packed, b)
+        kernels.silu_and_mul(want, both)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(fused.view(torch.int16), want.view(torch.int16))
+    xq, xs = torch.empty(x.shape, dtype=torch.int8), torch.empty(rows)
+    kernels.quantize_rows_int8(xq, xs, x)
+    exact = (xq.double() @ q.double().T) * xs.double()[:, None] * scale.double() + (0 if b is None else b.double())
+    gate, up = exact[:, :inter], exact[:, inter:]
+    ref = torch.nn.functional.silu(gate) * up
+    # gate, up, silu(gate) and the product each rounded once to bf16: a few roundings of the largest factor.
+    bound = (gate.abs() + 1) * up.abs() * 2 ** -6 + 1e-6
+    assert torch.all((fused.double() - ref).abs() <= bound), float(((fused.double() - ref).abs() - bound).max())
+
+
+@needs_int8_gemm
+def test_int8_gemm_silu_checks_operands():
+    from vllite_core.quantization import quantize_rows_int8
+
+    q, scale = quantize_rows_int8(torch.randn(2 * 48, 64))
+    packed, x = kernels.int8_gemm_pack(q, scale), torch.randn(3, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="int8_gemm_silu: shapes"):  # 48 outputs: not whole 32-column panels
+        kernels.load().int8_gemm_silu(torch.empty(3, 48, dtype=torch.bfloat16), x, packed, None)
+    with pytest.raises(RuntimeError, match="int8_gemm_silu: bfloat16"):  # silu_and_mul's bf16 arithmetic only
+        kernels.load().int8_gemm_silu(torch.empty(3, 48), x.float(), packed, None)
+
+
+@needs_int8_gemm
 def test_int8_route_packs_once_and_again_on_change():
     """With the int8 GEMM on, int8_linear takes it for float32/bfloat16 rows with K a multiple of 4 through one
     packed copy in the layer's state (remade when the weight, its scale or the bias change); other K keep _int_mm.

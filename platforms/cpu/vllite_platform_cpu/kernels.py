@@ -62,7 +62,8 @@ ENTRY_POINTS = ("paged_attention", "avx2_gemm_available", "avx2_gemm_dtypes", "a
                 "quantize_rows_int8", "dequantize_int32", "encoder_attention", "add_layer_norm", "gguf_linear_x8",
                 "lora_add", "paged_attention_store", "llama_decoder_layer", "llama_decoder_stack",
                 "bf16_gemm_available", "bf16_gemm_pack", "bf16_gemm", "bf16_gemm_silu", "int8_gemm_available",
-                "int8_gemm_pack", "int8_gemm", "argmax_rows", "amx_available", "set_amx", "decoder_split_step")
+                "int8_gemm_pack", "int8_gemm", "int8_gemm_silu", "argmax_rows", "amx_available", "set_amx",
+                "decoder_split_step")
 KERNEL_ENV = "VLLITE_CPU_ATTENTION_KERNEL"  # 0: no C++ kernels (torch ops)
 ISA_ENV = "VLLITE_CPU_ISA"  # the highest variant to use: default, avx2, avx512 or avx512_bf16
 

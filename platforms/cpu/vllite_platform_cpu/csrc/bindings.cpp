@@ -123,6 +123,7 @@ void bind_layer_spec(pybind11::module_& s) {
     s.def("int8_gemm_available", &vllite_cpu::ns::int8_gemm_available);                  \
     s.def("int8_gemm_pack", &vllite_cpu::ns::int8_gemm_pack);                            \
     s.def("int8_gemm", &vllite_cpu::ns::int8_gemm);                                      \
+    s.def("int8_gemm_silu", &vllite_cpu::ns::int8_gemm_silu);                            \
     s.def("dequantize_int32", &vllite_cpu::ns::dequantize_int32);                        \
     s.def("gguf_linear_x8", &vllite_cpu::ns::gguf_linear_x8);                            \
     s.def("lora_add", &vllite_cpu::ns::lora_add);                                        \

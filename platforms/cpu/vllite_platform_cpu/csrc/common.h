@@ -96,6 +96,11 @@ static inline bool next_panel_tiles(int64_t M, int64_t MR, int64_t MC) { return 
 static inline __m256i bf16_pack16(__m512 v) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round_high(v), 16)); }
 #endif
 
+// silu_and_mul's bfloat16 arithmetic on a tile's rounded gate and up rows (pointwise.cpp), for the gate_up GEMMs'
+// fused epilogues (bf16_gemm_silu, int8_gemm_silu).
+void silu_mul_bf16_rows(const c10::BFloat16* g, const c10::BFloat16* u, int64_t ld, c10::BFloat16* out, int64_t ldo,
+                        int64_t rows, int64_t n);
+
 // f(std::integral_constant<int, r>{}) for the runtime r = rows in [1, MAX]: a GEMM tile's (or a group's) height
 // as a template argument, so that its accumulators are a fixed-size array the compiler keeps in registers.
 template <int MAX, typename F>

@@ -121,9 +121,13 @@ std::tuple<at::Tensor, at::Tensor> layer_forward(at::Tensor x, const std::option
   add_rms_norm(h, res, s.post_norm, s.eps);
   at::Tensor act;
   const int64_t inter = s.out_features[2] / 2;
-  if (s.kinds[2] == KIND_BF16 && inter % 32 == 0) {  // the two in one pass, bit for bit (bf16_gemm_silu)
-    act = at::empty({t, inter}, h.options());
-    bf16_gemm_silu(act, h.contiguous(), s.weights[2], s.biases[2]);
+  const bool bf16 = h.scalar_type() == at::kBFloat16;
+  if ((s.kinds[2] == KIND_BF16 || (s.kinds[2] == KIND_INT8 && bf16)) && inter % 32 == 0) {
+    act = at::empty({t, inter}, h.options());  // the two in one pass, bit for bit (bf16_gemm_silu, int8_gemm_silu)
+    if (s.kinds[2] == KIND_BF16)
+      bf16_gemm_silu(act, h.contiguous(), s.weights[2], s.biases[2]);
+    else
+      int8_gemm_silu(act, h.contiguous(), s.weights[2], s.biases[2]);
     h.reset();
   } else {
     const at::Tensor gate_up = lin(h, 2);

@@ -459,9 +459,6 @@ void avx2_gemm_gelu(at::Tensor out, at::Tensor x, at::Tensor packed, c10::option
 // tile keeps its 24 sums in registers and walks K once; the panel (K x 64 bytes) is reused from L1/L2 by every
 // row tile of a 120-row block. The sums (the instruction's float32, round to nearest even, denormals as zero)
 // get the float32 bias and are rounded once to bfloat16. K must be even (checked); the caller routes others away.
-void silu_mul_bf16_rows(const c10::BFloat16* g, const c10::BFloat16* u, int64_t ld, c10::BFloat16* out, int64_t ldo,
-                        int64_t rows, int64_t n);  // pointwise.cpp
-
 namespace bf16_gemm_impl {
 constexpr int64_t NB = 32;   // output columns per panel: two zmm of float32 sums
 constexpr int64_t MR = 12;   // rows per micro-tile: 24 sums + 2 weight vectors + 1 broadcast of the 32 zmm

@@ -65,6 +65,7 @@
   bool int8_gemm_available();                                                                                       \
   void int8_gemm_pack(at::Tensor out, at::Tensor q, at::Tensor scale);                                              \
   void int8_gemm(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at::Tensor> bias);                  \
+  void int8_gemm_silu(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at::Tensor> bias);             \
   void gguf_linear_x8(at::Tensor out, at::Tensor x, int64_t type, at::Tensor blocks, std::optional<at::Tensor> bias, \
                       int64_t gemm_min_rows, int64_t grain_bytes);                                                  \
   void lora_add(at::Tensor y, at::Tensor x, at::Tensor lora_a, at::Tensor lora_b, at::Tensor order,                 \

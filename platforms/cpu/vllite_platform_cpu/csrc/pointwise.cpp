@@ -187,7 +187,7 @@ static inline int64_t silu_mul_16bit(const T* gr, const T* ur, T* orow, int64_t 
 
 // silu_and_mul's bfloat16 arithmetic on `rows` rows of n values (a multiple of VL): out[r * ldo + d] =
 // silu(g[r * ld + d]).to(bf16) * u[r * ld + d], bit for bit what silu_and_mul gives on the same values. For the
-// gate_up GEMM's fused epilogue (gemm.cpp, bf16_gemm_silu), which keeps its rounded gate and up tile in L1.
+// gate_up GEMMs' fused epilogues (bf16_gemm_silu, int8_gemm_silu), which keep their rounded gate and up tile in L1.
 void silu_mul_bf16_rows(const c10::BFloat16* g, const c10::BFloat16* u, int64_t ld, c10::BFloat16* out, int64_t ldo,
                         int64_t rows, int64_t n) {
   for (int64_t r = 0; r < rows; ++r) silu_mul_16bit(g + r * ld, u + r * ld, out + r * ldo, n);
