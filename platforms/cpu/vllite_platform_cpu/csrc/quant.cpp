@@ -272,6 +272,29 @@ static inline void check_operands(const at::Tensor& out, const at::Tensor& x, co
 }
 
 #ifdef VLLITE_INT8_GEMM
+// int8_gemm_silu's tasks: (row block, 32 output columns p); per task the GEMM's tiles of gate panel p over the block
+// into bfloat16 rows in L1, then those of up panel p + I / 32, then silu(gate) * up as silu_and_mul computes it. Each
+// panel is reused from L1 by the block's tiles as in int8_gemm (a tile of a gate and an up panel at once, 37 KB with
+// K = 576, fell out of Zen 4's 32 KB L1: 1-4% slower at 256 rows). tile(m, rows, p, up, dst, first) runs the GEMM's
+// tile of `rows` rows from row m against gate (up false) or up panel p into dst (32 values a row); `first`: the
+// block's first tile, the one that fetches the panel used next.
+template <typename Tile>
+static void gate_up_silu_blocks(int64_t M, int64_t I, c10::BFloat16* C, const Tile& tile) {
+  const PanelTasks tasks(M, I, NB, MC);
+  split_for(tasks.count, 1, [&](int64_t tb, int64_t te) {
+    alignas(64) c10::BFloat16 gate[MC][NB], up[MC][NB];
+    for (int64_t t = tb; t < te; ++t) {
+      const int64_t m0 = tasks.first_row(t), rows = std::min(M, m0 + tasks.rows_per_block) - m0;
+      const int64_t p = t % tasks.panels;
+      for (const bool is_up : {false, true})
+        tasks.tiles(t, MR, [&](int64_t m, int64_t r, int64_t, int64_t, int64_t) {
+          tile(m, r, p, is_up, (is_up ? up : gate)[m - m0], m == m0);
+        });
+      silu_mul_bf16_rows(gate[0], up[0], NB, C + m0 * I + p * NB, I, rows, NB);
+    }
+  });
+}
+
 // x's rows quantized for the tiles (quantize_row with the sign bit flipped): the [M, K] bytes and their scales.
 static std::pair<at::Tensor, at::Tensor> quantize_for_tiles(const at::Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1), ld = x.stride(0);
@@ -408,32 +431,16 @@ void int8_gemm_silu(at::Tensor out, at::Tensor x, at::Tensor packed, std::option
   const int8_t* B = packed.data_ptr<int8_t>();
   auto* C = out.data_ptr<c10::BFloat16>();
   const int64_t K4 = K / 4, half = I / NB, ps = K * NB + TAIL;  // the up panels' offset, bytes per panel
-  // A task is (row block, 32 output columns): the GEMM's own tiles of gate panel p over the block's rows into
-  // bfloat16 rows in L1, then those of up panel p + I / 32, then silu(gate) * up as silu_and_mul computes it. Each
-  // panel is reused from L1 by the block's tiles as in int8_gemm (a gate and an up panel a tile, 37 KB with K = 576,
-  // fell out of Zen 4's 32 KB L1: 1-4% slower at 256 rows). The first tile of each pass fetches the panel used next
-  // (the up panel, then the next gate panel), from one row: at 6 rows a thread, left to the hardware's prefetcher,
-  // the jumps between gate and up panels cost 13-39% against the GEMM's one stream of panels.
+  // Up to MC rows (one block) each panel's first tile fetches the panel used next (the up panel, then the next
+  // gate panel), from one row: at 6 rows a thread, left to the hardware's prefetcher, the jumps between gate and up
+  // panels cost 13-39% against int8_gemm's one stream of panels.
   const bool pf = M <= MC;
-  const PanelTasks tasks(M, I, NB, MC);
-  split_for(tasks.count, 1, [&](int64_t tb, int64_t te) {
-    alignas(64) c10::BFloat16 gate[MC][NB], up[MC][NB];
-    for (int64_t t = tb; t < te; ++t) {
-      const int64_t m0 = tasks.first_row(t), rows = std::min(M, m0 + tasks.rows_per_block) - m0;
-      const int64_t p = t % tasks.panels, n0 = p * NB;
-      const int8_t *bg = B + p * ps, *bu = B + (p + half) * ps;
-      auto pass = [&](const int8_t* panel, const float* b, c10::BFloat16 (*dst)[NB], const int8_t* next) {
-        tasks.tiles(t, MR, [&](int64_t m, int64_t r, int64_t, int64_t, int64_t) {
-          with_height<MR>(r, [&](auto h) {
-            tile<decltype(h)::value>(A + m * K, K, panel, K4, xs + m, dst[m - m0], NB, b, NB,
-                                     pf && m == m0 ? next : nullptr);
-          });
-        });
-      };
-      pass(bg, bp ? bp + n0 : nullptr, gate, bu);
-      pass(bu, bp ? bp + I + n0 : nullptr, up, p + 1 < half ? bg + ps : nullptr);
-      silu_mul_bf16_rows(gate[0], up[0], NB, C + m0 * I + n0, I, rows, NB);
-    }
+  gate_up_silu_blocks(M, I, C, [&](int64_t m, int64_t rows, int64_t p, bool up, c10::BFloat16* dst, bool first) {
+    const int8_t* next = !pf || !first ? nullptr : !up ? B + (p + half) * ps : p + 1 < half ? B + (p + 1) * ps : nullptr;
+    const float* b = bp ? bp + (up ? I : 0) + p * NB : nullptr;
+    with_height<MR>(rows, [&](auto h) {
+      tile<decltype(h)::value>(A + m * K, K, B + (up ? p + half : p) * ps, K4, xs + m, dst, NB, b, NB, next);
+    });
   });
 #else
   TORCH_CHECK(false, "int8_gemm_silu: built without AVX512-VNNI");
