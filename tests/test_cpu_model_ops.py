@@ -329,6 +329,23 @@ def test_bf16_gemm_row_does_not_depend_on_the_batch(amx):
         assert torch.equal(one[0], whole[r])
 
 
+def _gate_up_silu_fused_and_two_steps(fused_fn, gemm_fn, x, packed, bias, inter, threads):
+    """(fused, two-step) outputs of a gate_up GEMM with SiLU-and-mul on `threads` threads: fused_fn(out, x, packed,
+    bias) against gemm_fn into [rows, 2 * inter] then silu_and_mul."""
+    rows = x.shape[0]
+    fused = torch.full((rows, inter), float("nan"), dtype=torch.bfloat16)
+    both, want = torch.empty(rows, 2 * inter, dtype=torch.bfloat16), torch.empty(rows, inter, dtype=torch.bfloat16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        fused_fn(fused, x, packed, bias)
+        gemm_fn(both, x, packed, bias)
+        kernels.silu_and_mul(want, both)
+    finally:
+        torch.set_num_threads(before)
+    return fused, want
+
+
 @needs_bf16_gemm
 @pytest.mark.parametrize("rows", [1, 7, 33, 64, 65, 100, 121, 250])
 @pytest.mark.parametrize("shape", [(32, 2), (64, 78), (96, 576)])
@@ -342,17 +359,8 @@ def test_bf16_gemm_silu_is_gemm_then_silu_and_mul_bit_for_bit(rows, shape, bias,
     g = torch.Generator().manual_seed(rows * 7 + inter + k)
     x, w = torch.randn(rows, k, generator=g).bfloat16(), torch.randn(2 * inter, k, generator=g).bfloat16()
     b = torch.randn(2 * inter, generator=g) if bias else None
-    packed = kernels.bf16_gemm_pack(w)
-    fused = torch.full((rows, inter), float("nan"), dtype=torch.bfloat16)
-    both, want = torch.empty(rows, 2 * inter, dtype=torch.bfloat16), torch.empty(rows, inter, dtype=torch.bfloat16)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        kernels.load().bf16_gemm_silu(fused, x, packed, b)
-        kernels.bf16_gemm(both, x, packed, b)
-        kernels.silu_and_mul(want, both)
-    finally:
-        torch.set_num_threads(before)
+    fused, want = _gate_up_silu_fused_and_two_steps(kernels.load().bf16_gemm_silu, kernels.bf16_gemm, x,
+                                                    kernels.bf16_gemm_pack(w), b, inter, threads)
     assert torch.equal(fused.view(torch.int16), want.view(torch.int16))
     exact = x.double() @ w.double().T + (0 if b is None else b.double())
     gate, up = exact[:, :inter], exact[:, inter:]
@@ -505,8 +513,9 @@ def test_int8_gemm_is_the_separate_passes_bit_for_bit(rows, shape, dtype, thread
 @pytest.mark.parametrize("threads", [1, 2])
 def test_int8_gemm_silu_is_gemm_then_silu_and_mul_bit_for_bit(rows, shape, bias, threads, amx):
     """The int8 gate_up projection with SiLU-and-mul in its epilogue gives what int8_gemm and silu_and_mul give one
-    after the other (tile heights 1-12, the next-panel prefetch from 13 to 120 rows, row blocks past it, a bias on
-    both halves; on AMX the two steps), and is near the float64 value of silu(gate) * up on the quantized values."""
+    after the other (tile heights 1-12, one row block with the panels fetched ahead up to 120 rows, several past it,
+    a bias on both halves; on AMX the two steps), and is near the float64 value of silu(gate) * up on the quantized
+    values."""
     from vllite_core.quantization import quantize_rows_int8
 
     inter, k = shape
@@ -514,17 +523,8 @@ def test_int8_gemm_silu_is_gemm_then_silu_and_mul_bit_for_bit(rows, shape, bias,
     q, scale = quantize_rows_int8(torch.randn(2 * inter, k, generator=g))
     x = (torch.randn(rows, k, generator=g) * 3).bfloat16()
     b = torch.randn(2 * inter, generator=g) if bias else None
-    packed = kernels.int8_gemm_pack(q, scale)
-    fused = torch.full((rows, inter), float("nan"), dtype=torch.bfloat16)
-    both, want = torch.empty(rows, 2 * inter, dtype=torch.bfloat16), torch.empty(rows, inter, dtype=torch.bfloat16)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        kernels.load().int8_gemm_silu(fused, x, packed, b)
-        kernels.int8_gemm(both, x, packed, b)
-        kernels.silu_and_mul(want, both)
-    finally:
-        torch.set_num_threads(before)
+    fused, want = _gate_up_silu_fused_and_two_steps(kernels.load().int8_gemm_silu, kernels.int8_gemm, x,
+                                                    kernels.int8_gemm_pack(q, scale), b, inter, threads)
     assert torch.equal(fused.view(torch.int16), want.view(torch.int16))
     xq, xs = torch.empty(x.shape, dtype=torch.int8), torch.empty(rows)
     kernels.quantize_rows_int8(xq, xs, x)
