@@ -284,13 +284,12 @@ static void gate_up_silu_blocks(int64_t M, int64_t I, c10::BFloat16* C, const Ti
   split_for(tasks.count, 1, [&](int64_t tb, int64_t te) {
     alignas(64) c10::BFloat16 gate[MC][NB], up[MC][NB];
     for (int64_t t = tb; t < te; ++t) {
-      const int64_t m0 = tasks.first_row(t), rows = std::min(M, m0 + tasks.rows_per_block) - m0;
-      const int64_t p = t % tasks.panels;
+      const int64_t m0 = tasks.first_row(t), p = tasks.panel(t);
       for (const bool is_up : {false, true})
         tasks.tiles(t, MR, [&](int64_t m, int64_t r, int64_t, int64_t, int64_t) {
           tile(m, r, p, is_up, (is_up ? up : gate)[m - m0], m == m0);
         });
-      silu_mul_bf16_rows(gate[0], up[0], NB, C + m0 * I + p * NB, I, rows, NB);
+      silu_mul_bf16_rows(gate[0], up[0], NB, C + m0 * I + p * NB, I, tasks.block_rows(t), NB);
     }
   });
 }
@@ -436,7 +435,8 @@ void int8_gemm_silu(at::Tensor out, at::Tensor x, at::Tensor packed, std::option
   // panels cost 13-39% against int8_gemm's one stream of panels.
   const bool pf = M <= MC;
   gate_up_silu_blocks(M, I, C, [&](int64_t m, int64_t rows, int64_t p, bool up, c10::BFloat16* dst, bool first) {
-    const int8_t* next = !pf || !first ? nullptr : !up ? B + (p + half) * ps : p + 1 < half ? B + (p + 1) * ps : nullptr;
+    const int64_t next_panel = up ? p + 1 : p + half;  // used after this one: the up panel, then the next gate's
+    const int8_t* next = pf && first && (!up || p + 1 < half) ? B + next_panel * ps : nullptr;
     const float* b = bp ? bp + (up ? I : 0) + p * NB : nullptr;
     with_height<MR>(rows, [&](auto h) {
       tile<decltype(h)::value>(A + m * K, K, B + (up ? p + half : p) * ps, K4, xs + m, dst, NB, b, NB, next);

@@ -143,19 +143,21 @@ struct PanelTasks {
   }
   // Task t's first row (that of its first tile).
   int64_t first_row(int64_t t) const { return (t / panels) * rows_per_block; }
+  // Task t's rows (its block's; the last block may have fewer) and its panel.
+  int64_t block_rows(int64_t t) const { return std::min(M, first_row(t) + rows_per_block) - first_row(t); }
+  int64_t panel(int64_t t) const { return t % panels; }
   // Task t's tiles of at most mr rows: f(m, rows, p, n0, ncols) (first row, rows, panel, its first column, its
   // live columns).
   template <typename F>
   void tiles(int64_t t, int64_t mr, const F& f) const {
-    const int64_t m0 = first_row(t), m1 = std::min(M, m0 + rows_per_block), p = t % panels;
+    const int64_t m0 = first_row(t), m1 = m0 + block_rows(t), p = panel(t);
     for (int64_t m = m0; m < m1; m += mr) f(m, std::min(mr, m1 - m), p, p * nb, std::min(nb, N - p * nb));
   }
   // The same rows in as few tiles of at most mr rows, of heights differing by one at most (32 rows of 6-row tiles:
   // 5, 5, 6, 5, 5, 6, not 6 x 5 + 2, whose 2-row tile reads the weights as often for a third of the products).
   template <typename F>
   void even_tiles(int64_t t, int64_t mr, const F& f) const {
-    const int64_t m0 = first_row(t), n = std::min(M, m0 + rows_per_block) - m0, count = (n + mr - 1) / mr;
-    const int64_t p = t % panels;
+    const int64_t m0 = first_row(t), n = block_rows(t), count = (n + mr - 1) / mr, p = panel(t);
     for (int64_t i = 0; i < count; ++i) {
       const int64_t a = n * i / count, b = n * (i + 1) / count;
       f(m0 + a, b - a, p, p * nb, std::min(nb, N - p * nb));
