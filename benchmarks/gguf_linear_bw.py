@@ -24,8 +24,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def _weights():
-    from model_registry.gguf_blocks import repack
     from model_registry.gguf_file import GGUFFile
+    from model_registry.layers.quantization.gguf import repack
     from model_registry.source import default_model_source
 
     f = GGUFFile(default_model_source().gguf_file)

@@ -49,7 +49,7 @@ def main() -> None:
     onednn16 = ([torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights16]
                 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else None)
     ours16 = [kernels.bf16_gemm_pack(w) for w in weights16] if kernels.bf16_gemm_available() else None
-    from vllite_core.quantization import quantize_rows_int8
+    from vllite_core.model_ops import quantize_rows_int8
 
     int8 = [quantize_rows_int8(w) for w in weights]
     int8_packed = [kernels.int8_gemm_pack(q, s) for q, s in int8] if kernels.int8_gemm_available() else None

@@ -29,8 +29,9 @@ class WeightsNotFoundError(FileNotFoundError):
 
 
 def load_model(source: ModelSource, hf_config: Any, model_cls: type, attn_backend: AttentionBackend,
-               dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """An engine model of ``model_cls`` with the checkpoint's weights, in ``dtype`` on ``device``."""
+               dtype: torch.dtype, device: torch.device, quantization: str | None = None) -> torch.nn.Module:
+    """An engine model of ``model_cls`` with the checkpoint's weights, in ``dtype`` on ``device``; its linear
+    layers given the ``quantization`` method's layout (``model_registry.layers.quantization``) when one is set."""
     device = torch.device(device)
     with torch.device(device):
         model = model_cls(hf_config, attn_backend, dtype)
@@ -43,6 +44,10 @@ def load_model(source: ModelSource, hf_config: Any, model_cls: type, attn_backen
     if missing:
         shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
         raise ValueError(f"{source.name}: the checkpoint does not provide {len(missing)} parameter(s): {shown}")
+    if quantization:
+        from model_registry.layers.quantization import quantize_model
+
+        quantize_model(model, quantization, source)
     return model.eval()
 
 

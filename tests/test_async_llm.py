@@ -11,8 +11,8 @@ from vllite_core import LLM, SamplingParams
 from vllite_core.config import EngineArgs
 from vllite_core.engine.async_llm import AsyncLLM, RequestStream
 from vllite_core.engine.core_client import multiprocessing_enabled
-from vllite_core.engine.errors import InvalidRequestError, PromptTooLongError
 from vllite_core.engine.llm_engine import LLMEngine
+from vllite_core.errors import InvalidRequestError, PromptTooLongError
 from vllite_core.outputs import CompletionOutput, RequestOutput
 
 ENGINE = dict(dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64)

@@ -18,7 +18,7 @@ import torch
 from tiny_bart import EOS, hf_seq2seq_greedy, save_tiny_bart
 
 from vllite_core import LLM, SamplingParams
-from vllite_core.engine.errors import InvalidRequestError
+from vllite_core.errors import InvalidRequestError
 
 FORCED_BOS = 1  # bart-large-cnn style generation config: the first generated token is forced to BOS
 
@@ -188,7 +188,7 @@ def test_blocked_plugin_error_names_the_package(bart):
 def test_a_pool_too_small_for_one_requests_cross_blocks_is_refused(bart):
     """The cross-attention blocks come out of the one pool: an override that cannot hold one request's
     (160 encoder positions: 10 blocks, plus a decoder block and the null block) fails at start, not by waiting."""
-    from vllite_core.config import ConfigError
+    from vllite_core.errors import ConfigError
 
     path, _, _ = bart
     with pytest.raises(ConfigError, match="num_kv_blocks: 11 blocks cannot hold one request.*need 12"):

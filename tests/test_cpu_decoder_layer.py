@@ -102,7 +102,7 @@ def to_gguf(layer: LlamaDecoderLayer) -> None:
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
-    from model_registry.gguf_blocks import repack
+    from model_registry.layers.quantization.gguf import repack
 
     for lin_name, qtype in GGUF_TYPES.items():
         lin = getattr(layer.self_attn if lin_name in ("qkv_proj", "o_proj") else layer.mlp, lin_name)

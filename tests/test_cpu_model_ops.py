@@ -438,7 +438,7 @@ def test_int8_gemm_chosen_with_vnni(monkeypatch):
 def test_int8_gemm_pack_layout():
     """[N, K] int8 -> [ceil(N / 32), K * 32 + 256]: per 4 k, 32 columns' 4 values; then 32 int32 128 * sum(w) and
     32 float32 scales; columns past N zero (plain C++: checked on every host)."""
-    from vllite_core.quantization import quantize_rows_int8
+    from vllite_core.model_ops import quantize_rows_int8
 
     q, scale = quantize_rows_int8(torch.randn(37, 8))
     packed = kernels.int8_gemm_pack(q, scale)
@@ -483,7 +483,7 @@ def test_int8_gemm_is_the_separate_passes_bit_for_bit(rows, shape, dtype, thread
     # within float32 rounding of the float64 formula.
     n, k = shape
     g = torch.Generator().manual_seed(rows * 7 + n + k)
-    from vllite_core.quantization import quantize_rows_int8
+    from vllite_core.model_ops import quantize_rows_int8
 
     q, scale = quantize_rows_int8(torch.randn(n, k, generator=g))
     x = (torch.randn(rows, k, generator=g) * 5).to(dtype)
@@ -516,7 +516,7 @@ def test_int8_gemm_silu_is_gemm_then_silu_and_mul_bit_for_bit(rows, shape, bias,
     after the other (tile heights 1-12, one row block with the panels fetched ahead up to 120 rows, several past it,
     a bias on both halves; on AMX the two steps), and is near the float64 value of silu(gate) * up on the quantized
     values."""
-    from vllite_core.quantization import quantize_rows_int8
+    from vllite_core.model_ops import quantize_rows_int8
 
     inter, k = shape
     g = torch.Generator().manual_seed(rows * 5 + inter + k)
@@ -538,7 +538,7 @@ def test_int8_gemm_silu_is_gemm_then_silu_and_mul_bit_for_bit(rows, shape, bias,
 
 @needs_int8_gemm
 def test_int8_gemm_silu_checks_operands():
-    from vllite_core.quantization import quantize_rows_int8
+    from vllite_core.model_ops import quantize_rows_int8
 
     q, scale = quantize_rows_int8(torch.randn(2 * 48, 64))
     packed, x = kernels.int8_gemm_pack(q, scale), torch.randn(3, 64).bfloat16()
@@ -553,7 +553,7 @@ def test_int8_route_packs_once_and_again_on_change():
     """With the int8 GEMM on, int8_linear takes it for float32/bfloat16 rows with K a multiple of 4 through one
     packed copy in the layer's state (remade when the weight, its scale or the bias change); other K keep _int_mm.
     Both give the same numbers."""
-    from vllite_core.quantization import quantize_rows_int8
+    from vllite_core.model_ops import quantize_rows_int8
 
     on = CpuModelOps(fused=True, packed_linear=True, int8_gemm=True)
     off = CpuModelOps(fused=True, packed_linear=True, int8_gemm=False)

@@ -10,8 +10,8 @@ import pytest
 from vllite_core import SamplingParams
 from vllite_core.config import EngineArgs
 from vllite_core.engine.async_llm import AsyncLLM
-from vllite_core.engine.errors import InvalidRequestError
 from vllite_core.engine.llm_engine import LLMEngine
+from vllite_core.errors import InvalidRequestError
 from vllite_core.sampling_params import (
     INT64_MAX,
     INT64_MIN,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from vllite_core import LLM, SamplingParams
-from vllite_core.engine.errors import InvalidRequestError, PromptTooLongError
+from vllite_core.errors import InvalidRequestError, PromptTooLongError
 from vllite_core.sampling_params import SamplingParamsError
 
 pytestmark = pytest.mark.slow

@@ -93,7 +93,7 @@ def test_health_answers_while_a_big_request_is_prepared(allm, monkeypatch, route
 
 
 def test_prepare_errors_and_order_unchanged(allm):
-    from vllite_core.engine.errors import InvalidRequestError, PromptTooLongError
+    from vllite_core.errors import InvalidRequestError, PromptTooLongError
     from vllite_core.sampling_params import SamplingParams
 
     async def main() -> list[str]:

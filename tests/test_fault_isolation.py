@@ -14,8 +14,8 @@ from lp_fixtures import BREAK_TOKEN, FAIL_TOKEN, NAN_TOKEN
 from vllite_core import LLM, SamplingParams
 from vllite_core.config import EngineArgs
 from vllite_core.engine.async_llm import AsyncLLM
-from vllite_core.engine.errors import EngineDeadError, RequestFailedError
 from vllite_core.engine.llm_engine import LLMEngine
+from vllite_core.errors import EngineDeadError, RequestFailedError
 
 ENGINE = dict(dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64,
               logits_processors=["lp_fixtures:FailFor"])

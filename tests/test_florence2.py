@@ -13,7 +13,7 @@ import torch
 from tiny_bart import EOS, IMAGE_TOKENS, florence2_processor, hf_seq2seq_greedy, make_image, save_tiny_florence2
 
 from vllite_core import LLM, SamplingParams
-from vllite_core.engine.errors import InvalidRequestError
+from vllite_core.errors import InvalidRequestError
 
 
 @pytest.fixture(scope="module")

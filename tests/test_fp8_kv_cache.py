@@ -15,7 +15,7 @@ import torch
 from vllite_core.attention.kv_quant import KVScales, fp8_max, kv_scale_name, quantize
 from vllite_core.attention.reference import build_metadata
 from vllite_core.attention.sdpa import SdpaPagedAttention
-from vllite_core.config import ConfigError
+from vllite_core.errors import ConfigError
 
 FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2]
 K_SCALE, V_SCALE = 0.37, 1.9

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vllite_core import LLM, SamplingParams
-from vllite_core.config import ConfigError
+from vllite_core.errors import ConfigError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, logprobs=0, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": ids} for ids in ([1, 5, 9, 200, 17], [300, 2, 2, 41], list(range(3, 40)))]

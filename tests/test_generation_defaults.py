@@ -13,8 +13,8 @@ import torch
 from hf_reference import hf_greedy
 from server_harness import ServerProcess
 
-from vllite_core.config import ConfigError
 from vllite_core.entrypoints.llm import LLM
+from vllite_core.errors import ConfigError
 from vllite_core.sampling_params import SamplingParams
 
 PROMPT = [1, 17, 42, 99, 7, 250]

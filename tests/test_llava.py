@@ -11,7 +11,7 @@ from tiny_bart import make_image
 from tiny_llava import NUM_IMAGE_TOKENS, hf_llava_greedy, llava_processor, save_tiny_llava
 
 from vllite_core import LLM, SamplingParams
-from vllite_core.engine.errors import InvalidRequestError
+from vllite_core.errors import InvalidRequestError
 
 N = 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True)

@@ -18,7 +18,7 @@ from tiny_bart import make_image
 from tiny_llava import hf_llava_greedy, llava_processor, save_tiny_llava
 
 from vllite_core import LLM, SamplingParams
-from vllite_core.engine.errors import InvalidRequestError
+from vllite_core.errors import InvalidRequestError
 
 pytestmark = pytest.mark.slow
 N = 6

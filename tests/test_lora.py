@@ -14,7 +14,7 @@ from lora_fixtures import ADAPTERS, make_adapter
 from tiny_models import TINY, save_tiny
 
 from vllite_core import LLM, LoRARequest, SamplingParams
-from vllite_core.engine.errors import InvalidRequestError
+from vllite_core.errors import InvalidRequestError
 from vllite_core.lora.errors import LoRAError
 from vllite_core.lora.request import LoRARequest as LoRARequestDirect
 

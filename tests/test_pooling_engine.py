@@ -9,7 +9,7 @@ from tiny_models import TINY, save_tiny
 from tiny_pooling import minilm_path, save_bert_cross_encoder, save_classifier
 
 from vllite_core import LLM, PoolingParams
-from vllite_core.engine.errors import InvalidRequestError
+from vllite_core.errors import InvalidRequestError
 
 SENTENCES = [
     "Hello world.",
@@ -276,7 +276,7 @@ def test_bert_cross_encoder_score_and_classify(bert_cross_encoder):
 def test_runner_and_convert_choices():
     from model_registry.models.bert import BertModel
     from model_registry.models.llama import LlamaForCausalLM
-    from vllite_core.config import ConfigError
+    from vllite_core.errors import ConfigError
     from vllite_core.model_interfaces import model_capabilities
     from vllite_core.pooling.setup import resolve_model_class
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
+from model_registry.layers.quantization.gguf import GGUF_GROUP, dequantize_gguf, pack_gguf, unpack_gguf
 from model_registry.source import default_model_source
-from vllite_core.config import ConfigError
+from vllite_core.errors import ConfigError
 from vllite_core.model_ops import ModelOps
-from vllite_core.quantization import GGUF_GROUP, dequantize_gguf, pack_gguf, unpack_gguf
 
 torch.set_num_threads(1)
 
@@ -92,8 +92,8 @@ def test_repack_matches_gguf_quants():
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
-    from model_registry.gguf_blocks import repack
     from model_registry.gguf_file import GGUFFile
+    from model_registry.layers.quantization.gguf import repack
 
     f = GGUFFile(default_model_source().gguf_file)
     for name in ("blk.0.attn_q.weight", "blk.3.ffn_down.weight", "token_embd.weight"):

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
+from model_registry.layers.quantization import quantize_model
 from vllite_core.config import ConfigError, ModelConfig
-from vllite_core.model_ops import ModelOps
-from vllite_core.quantization import quantize_model, quantize_rows_int8
+from vllite_core.model_ops import ModelOps, quantize_rows_int8
 
 torch.set_num_threads(1)
 

@@ -17,7 +17,7 @@ from test_tensor_parallel import QWEN2
 from tiny_models import save_tiny
 
 from vllite_core import LLM, SamplingParams
-from vllite_core.config import ConfigError
+from vllite_core.errors import ConfigError
 from vllite_core.executor.errors import WorkerDiedError
 from vllite_core.executor.multiproc import free_port
 

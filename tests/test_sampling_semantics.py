@@ -9,7 +9,7 @@ from hf_reference import hf_greedy, hf_greedy_with, hf_logits
 from tiny_models import TINY, save_tiny
 
 from vllite_core import LLM, SamplingParams
-from vllite_core.engine.errors import InvalidRequestError
+from vllite_core.errors import InvalidRequestError
 from vllite_core.sampling_params import SamplingParamsError
 
 PROMPT = [5, 77, 301, 12, 9, 480, 33, 250, 101, 7]

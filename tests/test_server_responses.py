@@ -300,7 +300,7 @@ def test_suffix_is_400_without_fim(server):
 
 def test_llm_chat_parity(think_model):
     from vllite_core import LLM, SamplingParams
-    from vllite_core.engine.errors import InvalidRequestError
+    from vllite_core.errors import InvalidRequestError
 
     path, tok = think_model
     llm = LLM(model=path, dtype="float32", max_model_len=256, num_kv_blocks=32, num_threads=1)

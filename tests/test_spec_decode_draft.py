@@ -11,8 +11,8 @@ import pytest
 from test_spec_decode_engine import N_DRAWS, POSITIONS, TINY_V, _draws, tiny_vocab  # noqa: F401
 from tiny_models import TINY, save_tiny
 
-from vllite_core.config import ConfigError
 from vllite_core.entrypoints.llm import LLM
+from vllite_core.errors import ConfigError
 from vllite_core.sampling_params import SamplingParams
 
 K = 3

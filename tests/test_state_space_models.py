@@ -167,7 +167,7 @@ def test_memory_budget_bounds_concurrent_requests(tiny, caplog):
 
 
 def test_fp8_cache_is_a_config_error_naming_model_and_option(tiny):
-    from vllite_core.config import ConfigError
+    from vllite_core.errors import ConfigError
 
     name, path, hf, _, _ = tiny
     with pytest.raises(ConfigError, match=rf"kv_cache_dtype.*{hf.config.architectures[0]}"):

@@ -19,7 +19,7 @@ from tiny_models import TINY, save_tiny
 from vllite_core import LLM, SamplingParams
 from vllite_core.config import ConfigError, EngineArgs
 from vllite_core.distributed.sharding import check_heads, shard_heads, shard_vocab, split
-from vllite_core.engine.errors import EngineDeadError
+from vllite_core.errors import EngineDeadError
 from vllite_core.executor.errors import WorkerDiedError
 
 QWEN2 = dict(TINY, vocab_size=509, intermediate_size=97, num_attention_heads=4, num_key_value_heads=1)

@@ -131,7 +131,7 @@ def test_encoder_decoder_config_rules(tiny, caplog):
 
 
 def test_bad_whisper_prompts_are_refused(llm):
-    from vllite_core.engine.errors import InvalidRequestError
+    from vllite_core.errors import InvalidRequestError
 
     with pytest.raises(InvalidRequestError, match="needs audio"):
         llm.generate("hello")

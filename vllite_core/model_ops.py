@@ -20,7 +20,22 @@ import torch.nn.functional as F
 from vllite_core.attention.encoder import PackedPrompts, padded_attention
 
 if TYPE_CHECKING:
+    from model_registry.layers.fast_path import DecoderLayerRecord
+    from model_registry.layers.quantization.gguf import GGUFWeight
     from vllite_core.lora.mapping import LoRAMapping
+
+INT8_MAX = 127.0
+
+
+def quantize_rows_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 values, float32 scale per row) with ``w[i] ~= q[i] * scale[i]``: symmetric, ``scale = max|w_row| /
+    127``, round half to even; an all-zero row gets scale 1. The int8 weights' layout and the reference of the
+    activations' quantization in ``int8_linear`` (a platform's kernel rounds the same way)."""
+    w = w.float()
+    amax = w.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
+    q = torch.round(w / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
 
 
 class ModelOps:
@@ -35,12 +50,14 @@ class ModelOps:
         """``x @ weight.T + bias``. ``state`` is a per-layer dict a platform may cache a repacked weight in."""
         return F.linear(x, weight, bias)
 
-    def decoder_layer(self, layer: torch.nn.Module) -> Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None:
-        """A platform's whole-layer path for a Llama-style decoder layer (``model_registry.models.llama``:
-        ``input_layernorm``, ``self_attn`` with ``qkv_proj``/``o_proj``, ``post_attention_layernorm``, ``mlp``
-        with ``gate_up_proj``/``down_proj``): a callable ``(rope, x, residual, kv_cache, metadata)`` that
-        returns what the layer's ``forward`` returns, bit for bit, or None for a call it does not take (the
-        layer then runs its own code). None here: no such path, every layer runs its modules."""
+    def decoder_layer(self, record: DecoderLayerRecord | str
+                      ) -> Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None:
+        """A platform's whole-layer path for a pre-norm decoder layer known by its typed record
+        (``model_registry.layers.fast_path.DecoderLayerRecord``; a string: the model's reason it has none): a
+        callable ``(rope, x, residual, kv_cache, metadata)`` that returns what the layer's ``forward`` returns,
+        bit for bit, or None for a call it does not take (the layer then runs its own code). A platform that
+        never takes a record says why, once, in the log. None here: no such path, every layer runs its
+        modules."""
         return None
 
     def decoder_stack(self, layers: list[torch.nn.Module]
@@ -53,11 +70,9 @@ class ModelOps:
 
     def int8_linear(self, x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
                     bias: torch.Tensor | None, state: dict) -> torch.Tensor:
-        """W8A8 linear (``vllite_core.quantization``): ``x`` quantized per row like the weight, the int8
+        """W8A8 linear (``model_registry.layers.quantization.int8``): ``x`` quantized per row like the weight, the int8
         products summed, scaled by both scales, ``bias`` added, in ``x``'s dtype. Here in float64, where
         every int8 sum of a layer this size is exact: a reference, not a fast path."""
-        from vllite_core.quantization import quantize_rows_int8
-
         xq, xs = quantize_rows_int8(x)
         acc = xq.double() @ qweight.double().T
         y = (acc * xs.double()[:, None] * weight_scale.double()[None, :]).float()
@@ -65,13 +80,11 @@ class ModelOps:
             y = y + bias.float()
         return y.to(x.dtype)
 
-    def gguf_linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None, state: dict) -> torch.Tensor:
-        """``x @ W.T + bias`` with W a ``vllite_core.quantization.GGUFWeight`` (GGUF blocks). Here the blocks are
-        dequantised on every call and multiplied in float32 (the exact weights; slow, a reference): a
-        platform's kernel computes from the blocks."""
-        from vllite_core.quantization import dequantize_gguf
-
-        y = F.linear(x.float(), dequantize_gguf(weight), None if bias is None else bias.float())
+    def gguf_linear(self, x: torch.Tensor, weight: GGUFWeight, bias: torch.Tensor | None, state: dict) -> torch.Tensor:
+        """``x @ W.T + bias`` with W a ``model_registry.layers.quantization.gguf.GGUFWeight`` (GGUF blocks). Here
+        the blocks are dequantised on every call and multiplied in float32 (the exact weights; slow, a
+        reference): a platform's kernel computes from the blocks."""
+        y = F.linear(x.float(), weight.dequantize(), None if bias is None else bias.float())
         return y.to(x.dtype)
 
     def linear_gelu(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllite_core.config import ConfigError
 from vllite_core.core.kv_cache_spec import KVCacheGroup, StateSpec
+from vllite_core.errors import ConfigError
 
 logger = logging.getLogger("vllite.state_cache")
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_registry.models.llama import Linear, _copy
+from model_registry.layers import ReplicatedLinear, copy_checked
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
 from vllite_core.attention.encoder import PackedPrompts
 from vllite_core.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec
@@ -52,11 +52,11 @@ class BertLayer(nn.Module):
         super().__init__()
         h, eps = c.hidden_size, float(c.layer_norm_eps)
         self.num_heads, self.head_size = c.num_attention_heads, h // c.num_attention_heads
-        self.qkv = Linear(h, 3 * h, True, dtype)
-        self.attn_out = Linear(h, h, True, dtype)
+        self.qkv = ReplicatedLinear(h, 3 * h, True, dtype)
+        self.attn_out = ReplicatedLinear(h, h, True, dtype)
         self.attn_norm = LayerNorm(h, eps, dtype)
-        self.intermediate = Linear(h, c.intermediate_size, True, dtype)
-        self.out = Linear(c.intermediate_size, h, True, dtype)
+        self.intermediate = ReplicatedLinear(h, c.intermediate_size, True, dtype)
+        self.out = ReplicatedLinear(c.intermediate_size, h, True, dtype)
         self.out_norm = LayerNorm(h, eps, dtype)
         act = getattr(c, "hidden_act", "gelu")
         if act not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
@@ -158,7 +158,7 @@ class BertModel(nn.Module, IsPooling):
                 continue
             name, rows = target
             dst = params[name].data
-            _copy(dst if rows is None else dst[rows], tensor, hf_name)
+            copy_checked(dst if rows is None else dst[rows], tensor, hf_name)
             if rows is None:
                 loaded.add(name)
             else:
@@ -184,8 +184,8 @@ class BertForSequenceClassification(BertModel):
         super().__init__(hf_config, attn_backend, dtype)
         h = hf_config.hidden_size
         self.num_labels = int(hf_config.num_labels)
-        self.pooler = Linear(h, h, True, dtype)
-        self.classifier = Linear(h, self.num_labels, True, dtype)
+        self.pooler = ReplicatedLinear(h, h, True, dtype)
+        self.classifier = ReplicatedLinear(h, self.num_labels, True, dtype)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.classifier(torch.tanh(self.pooler(hidden_states))).float()
@@ -200,6 +200,6 @@ class BertForSequenceClassification(BertModel):
                   "classifier.weight": "classifier.weight", "classifier.bias": "classifier.bias"}.get(name)
         if target is None:
             return False
-        _copy(params[target].data, tensor, name)
+        copy_checked(params[target].data, tensor, name)
         loaded.add(target)
         return True

@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model_registry.layers import ReplicatedLinear, RMSNorm
+from model_registry.layers.rotary import RotaryEmbedding
 from model_registry.models.hf_weights import load_by_name
-from model_registry.models.llama import Linear, RMSNorm
 from model_registry.models.mamba import Conv1d, Embedding, _param
 from model_registry.models.mamba2 import Mamba2Dims
-from model_registry.models.rope import RotaryEmbedding
 from vllite_core.attention.backend import AttentionBackend
 from vllite_core.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, StateSpec
 from vllite_core.model_interfaces import IsStateful
@@ -64,14 +64,14 @@ class FalconH1Mixer(nn.Module):
                        use_conv_bias=bool(c.mamba_conv_bias), norm_eps=float(c.rms_norm_eps),
                        dt_limit=tuple(c.time_step_limit), activation=c.hidden_act)
         self.d = d
-        self.in_proj = Linear(d.hidden_size, d.intermediate + d.conv_dim + d.num_heads, d.use_bias, dtype)
+        self.in_proj = ReplicatedLinear(d.hidden_size, d.intermediate + d.conv_dim + d.num_heads, d.use_bias, dtype)
         self.conv1d = Conv1d(d.conv_dim, d.conv_kernel, d.use_conv_bias, dtype)
         self.dt_bias = _param(d.num_heads, dtype=dtype)
         self.A_log = _param(d.num_heads, dtype=dtype)
         self.D = _param(d.num_heads, dtype=dtype)
         self.norm = (GroupedGatedNorm(d.intermediate, d.n_groups, d.norm_eps, bool(c.mamba_norm_before_gate), dtype)
                      if c.mamba_rms_norm else None)
-        self.out_proj = Linear(d.intermediate, d.hidden_size, bool(c.projectors_bias), dtype)
+        self.out_proj = ReplicatedLinear(d.intermediate, d.hidden_size, bool(c.projectors_bias), dtype)
         self.register_buffer("mup_vector", _mup_vector(c, d).to(dtype), persistent=False)
         self.in_multiplier = float(c.ssm_in_multiplier)
         self._ops = current_model_ops()
@@ -108,10 +108,10 @@ class Attention(nn.Module):
         self.num_kv_heads = c.num_key_value_heads
         self.head_size = getattr(c, "head_dim", None) or c.hidden_size // self.num_heads
         bias = bool(c.attention_bias)
-        self.q_proj = Linear(c.hidden_size, self.num_heads * self.head_size, bias, dtype)
-        self.k_proj = Linear(c.hidden_size, self.num_kv_heads * self.head_size, bias, dtype)
-        self.v_proj = Linear(c.hidden_size, self.num_kv_heads * self.head_size, bias, dtype)
-        self.o_proj = Linear(self.num_heads * self.head_size, c.hidden_size, bias, dtype)
+        self.q_proj = ReplicatedLinear(c.hidden_size, self.num_heads * self.head_size, bias, dtype)
+        self.k_proj = ReplicatedLinear(c.hidden_size, self.num_kv_heads * self.head_size, bias, dtype)
+        self.v_proj = ReplicatedLinear(c.hidden_size, self.num_kv_heads * self.head_size, bias, dtype)
+        self.o_proj = ReplicatedLinear(self.num_heads * self.head_size, c.hidden_size, bias, dtype)
         self.key_multiplier = float(c.key_multiplier)
         self.attn_backend = attn_backend
         self._ops = current_model_ops()
@@ -131,9 +131,9 @@ class MLP(nn.Module):
     def __init__(self, c: Any, dtype: torch.dtype) -> None:
         super().__init__()
         bias = bool(c.mlp_bias)
-        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, bias, dtype)
-        self.up_proj = Linear(c.hidden_size, c.intermediate_size, bias, dtype)
-        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias, dtype)
+        self.gate_proj = ReplicatedLinear(c.hidden_size, c.intermediate_size, bias, dtype)
+        self.up_proj = ReplicatedLinear(c.hidden_size, c.intermediate_size, bias, dtype)
+        self.down_proj = ReplicatedLinear(c.intermediate_size, c.hidden_size, bias, dtype)
         self.gate_multiplier, self.down_multiplier = (float(m) for m in c.mlp_multipliers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model_registry.layers import ReplicatedLinear, RMSNorm
+from model_registry.layers.rotary import RotaryEmbedding
 from model_registry.models.hf_weights import load_by_name
-from model_registry.models.llama import Linear, RMSNorm
 from model_registry.models.mamba import Embedding, _param
 from model_registry.models.mamba2 import Mamba2Dims, Mamba2Mixer
-from model_registry.models.rope import RotaryEmbedding
 from vllite_core.attention.backend import AttentionBackend
 from vllite_core.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, StateSpec
 from vllite_core.model_interfaces import IsStateful
@@ -34,10 +34,10 @@ class Attention(nn.Module):
         self.head_size = getattr(c, "head_dim", None) or c.hidden_size // self.num_heads
         self.scale = float(c.attention_multiplier)
         bias = bool(c.attention_bias)
-        self.q_proj = Linear(c.hidden_size, self.num_heads * self.head_size, bias, dtype)
-        self.k_proj = Linear(c.hidden_size, self.num_kv_heads * self.head_size, bias, dtype)
-        self.v_proj = Linear(c.hidden_size, self.num_kv_heads * self.head_size, bias, dtype)
-        self.o_proj = Linear(self.num_heads * self.head_size, c.hidden_size, bias, dtype)
+        self.q_proj = ReplicatedLinear(c.hidden_size, self.num_heads * self.head_size, bias, dtype)
+        self.k_proj = ReplicatedLinear(c.hidden_size, self.num_kv_heads * self.head_size, bias, dtype)
+        self.v_proj = ReplicatedLinear(c.hidden_size, self.num_kv_heads * self.head_size, bias, dtype)
+        self.o_proj = ReplicatedLinear(self.num_heads * self.head_size, c.hidden_size, bias, dtype)
         self.attn_backend = attn_backend
         self._ops = current_model_ops()
 
@@ -62,8 +62,8 @@ class _Weight(nn.Module):
 class SharedMLP(nn.Module):
     def __init__(self, c: Any, dtype: torch.dtype) -> None:
         super().__init__()
-        self.input_linear = Linear(c.hidden_size, 2 * c.shared_intermediate_size, False, dtype)
-        self.output_linear = Linear(c.shared_intermediate_size, c.hidden_size, False, dtype)
+        self.input_linear = ReplicatedLinear(c.hidden_size, 2 * c.shared_intermediate_size, False, dtype)
+        self.output_linear = ReplicatedLinear(c.shared_intermediate_size, c.hidden_size, False, dtype)
         self._ops = current_model_ops()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_registry.models.llama import Linear, RMSNorm
+from model_registry.layers import ReplicatedLinear, RMSNorm
 from model_registry.models.mamba import Embedding, MambaMixer, _param
 from vllite_core.attention.backend import AttentionBackend
 from vllite_core.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, StateSpec
@@ -33,10 +33,10 @@ class Attention(nn.Module):
         self.num_heads = c.num_attention_heads
         self.num_kv_heads = c.num_key_value_heads
         self.head_size = getattr(c, "head_dim", None) or c.hidden_size // self.num_heads
-        self.q_proj = Linear(c.hidden_size, self.num_heads * self.head_size, False, dtype)
-        self.k_proj = Linear(c.hidden_size, self.num_kv_heads * self.head_size, False, dtype)
-        self.v_proj = Linear(c.hidden_size, self.num_kv_heads * self.head_size, False, dtype)
-        self.o_proj = Linear(self.num_heads * self.head_size, c.hidden_size, False, dtype)
+        self.q_proj = ReplicatedLinear(c.hidden_size, self.num_heads * self.head_size, False, dtype)
+        self.k_proj = ReplicatedLinear(c.hidden_size, self.num_kv_heads * self.head_size, False, dtype)
+        self.v_proj = ReplicatedLinear(c.hidden_size, self.num_kv_heads * self.head_size, False, dtype)
+        self.o_proj = ReplicatedLinear(self.num_heads * self.head_size, c.hidden_size, False, dtype)
         self.attn_backend = attn_backend
 
     def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, md: Any) -> torch.Tensor:
@@ -51,9 +51,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, c: Any, dtype: torch.dtype) -> None:
         super().__init__()
-        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, False, dtype)
-        self.up_proj = Linear(c.hidden_size, c.intermediate_size, False, dtype)
-        self.down_proj = Linear(c.intermediate_size, c.hidden_size, False, dtype)
+        self.gate_proj = ReplicatedLinear(c.hidden_size, c.intermediate_size, False, dtype)
+        self.up_proj = ReplicatedLinear(c.hidden_size, c.intermediate_size, False, dtype)
+        self.down_proj = ReplicatedLinear(c.intermediate_size, c.hidden_size, False, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

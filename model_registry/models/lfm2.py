@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model_registry.layers import ReplicatedLinear, RMSNorm
+from model_registry.layers.rotary import RotaryEmbedding
 from model_registry.models.hf_weights import load_by_name, tie_loaded
-from model_registry.models.llama import Linear, RMSNorm
 from model_registry.models.mamba import Conv1d, Embedding, _param
-from model_registry.models.rope import RotaryEmbedding
 from vllite_core.attention.backend import AttentionBackend
 from vllite_core.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, StateSpec
 from vllite_core.model_interfaces import IsStateful
@@ -32,8 +32,8 @@ class ShortConv(nn.Module):
         self.kernel = c.conv_L_cache
         bias = bool(c.conv_bias)
         self.conv = Conv1d(c.hidden_size, self.kernel, bias, dtype)
-        self.in_proj = Linear(c.hidden_size, 3 * c.hidden_size, bias, dtype)
-        self.out_proj = Linear(c.hidden_size, c.hidden_size, bias, dtype)
+        self.in_proj = ReplicatedLinear(c.hidden_size, 3 * c.hidden_size, bias, dtype)
+        self.out_proj = ReplicatedLinear(c.hidden_size, c.hidden_size, bias, dtype)
         self._ops = current_model_ops()
 
     @property
@@ -57,10 +57,10 @@ class Attention(nn.Module):
         self.num_kv_heads = c.num_key_value_heads
         self.head_size = getattr(c, "head_dim", None) or c.hidden_size // self.num_heads
         eps = float(c.norm_eps)
-        self.q_proj = Linear(c.hidden_size, self.num_heads * self.head_size, False, dtype)
-        self.k_proj = Linear(c.hidden_size, self.num_kv_heads * self.head_size, False, dtype)
-        self.v_proj = Linear(c.hidden_size, self.num_kv_heads * self.head_size, False, dtype)
-        self.out_proj = Linear(self.num_heads * self.head_size, c.hidden_size, False, dtype)
+        self.q_proj = ReplicatedLinear(c.hidden_size, self.num_heads * self.head_size, False, dtype)
+        self.k_proj = ReplicatedLinear(c.hidden_size, self.num_kv_heads * self.head_size, False, dtype)
+        self.v_proj = ReplicatedLinear(c.hidden_size, self.num_kv_heads * self.head_size, False, dtype)
+        self.out_proj = ReplicatedLinear(self.num_heads * self.head_size, c.hidden_size, False, dtype)
         self.q_layernorm = RMSNorm(self.head_size, eps, dtype)
         self.k_layernorm = RMSNorm(self.head_size, eps, dtype)
         self.attn_backend = attn_backend
@@ -93,9 +93,9 @@ class MLP(nn.Module):
     def __init__(self, c: Any, dtype: torch.dtype) -> None:
         super().__init__()
         size = _ffn_size(c)
-        self.w1 = Linear(c.hidden_size, size, False, dtype)
-        self.w3 = Linear(c.hidden_size, size, False, dtype)
-        self.w2 = Linear(size, c.hidden_size, False, dtype)
+        self.w1 = ReplicatedLinear(c.hidden_size, size, False, dtype)
+        self.w3 = ReplicatedLinear(c.hidden_size, size, False, dtype)
+        self.w2 = ReplicatedLinear(size, c.hidden_size, False, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))

@@ -15,55 +15,25 @@ from typing import Any
 import torch
 from torch import nn
 
-from model_registry.models.rope import RotaryEmbedding
-from model_registry.parallel_layers import (
+from model_registry.layers import (
+    Attention,
+    DecoderLayerRecord,
     MergedColumnParallelLinear,
+    NormRecord,
+    ParallelLMHead,
     QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
     RowParallelLinear,
-    gather_logits,
+    VocabParallelEmbedding,
     load_parameter,
-    vocab_embedding,
-    vocab_parameter,
 )
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
-from vllite_core.attention.kv_quant import KVScales, kv_scale_name
-from vllite_core.core.kv_cache_spec import KVCacheSpec, attention_specs
+from vllite_core.attention.kv_quant import kv_scale_name
+from vllite_core.core.kv_cache_spec import KVCacheSpec
 from vllite_core.distributed.sharding import check_heads
 from vllite_core.model_interfaces import SupportsLoRA, SupportsTensorParallel
 from vllite_core.model_ops import current_model_ops
-
-
-class Linear(nn.Module):
-    """y = x W^T + b with uninitialised storage: every weight comes from the checkpoint, so no init cost."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
-        self._ops = current_model_ops()
-        self._state: dict = {}
-        self.lora = None  # a vllite_core.lora.slots.LoRALayer when the engine serves adapters
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._ops.linear(x, self.weight, self.bias, self._state)
-        return y if self.lora is None else self.lora(x, y)
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm computed in float32, cast back, then scaled (transformers' order, for matching numerics)."""
-
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype), requires_grad=False)
-        self.eps = eps
-        self._ops = current_model_ops()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._ops.rms_norm(x, self.weight, self.eps)
-
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(norm(residual + x), residual + x)``; may reuse both inputs' storage."""
-        return self._ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def _layer_windows(hf_config: Any, num_layers: int) -> list[int | None]:
@@ -95,12 +65,10 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_size
         self.kv_size = self.num_kv_heads * self.head_size
         self._head_split = [self.num_heads, self.num_kv_heads, self.num_kv_heads]
-        self.scale = self.head_size ** -0.5
-        self.sliding_window = sliding_window
         q_cols = (heads.q_start * self.head_size, heads.q_start * self.head_size + self.q_size)
         self.o_proj = RowParallelLinear(num_heads * self.head_size, c.hidden_size, o_bias, dtype, q_cols)
-        self.attn_backend = attn_backend
-        self.kv_scales = KVScales()  # float8 caches only: the checkpoint's, 1.0, or the first batch's
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_size, attn_backend,
+                              sliding_window=sliding_window)
         self._ops = current_model_ops()
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: torch.Tensor,
@@ -111,9 +79,7 @@ class LlamaAttention(nn.Module):
         # heads (three splits and three views cost twice that).
         q, k, v = self.qkv_proj.forward(x).view(t, -1, self.head_size).split_with_sizes(self._head_split, 1)
         q, k = self._ops.rotary(q, k, *rope)
-        self.kv_scales.maybe_calculate(k, v, kv_cache)
-        out = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale, self.sliding_window,
-                                        **self.kv_scales.kwargs())
+        out = self.attn.forward(q, k, v, kv_cache, attn_metadata)
         return self.o_proj.forward(out.reshape(t, self.q_size))
 
 
@@ -147,16 +113,24 @@ class LlamaDecoderLayer(nn.Module):
         self._ops = current_model_ops()
         self._native: Any = None  # the platform's whole-layer call (ModelOps.decoder_layer) or False; made on first use
 
-    def _standard_parts(self) -> bool:
-        """The parts ModelOps.decoder_layer expects (a model may swap one: the EAGLE head's missing input norm)."""
-        return (type(self.input_layernorm) is RMSNorm and type(self.post_attention_layernorm) is RMSNorm
-                and type(self.self_attn) is LlamaAttention and type(self.mlp) is LlamaMLP)
+    def fast_path_record(self) -> DecoderLayerRecord | str:
+        """What a platform's fused path needs of this layer (``model_registry.layers.fast_path``), or why it has
+        no such form (a model may swap a part: the EAGLE head's missing input norm)."""
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        if not all(type(n) is RMSNorm for n in norms):
+            return "its norms are not both RMSNorm"
+        attn, mlp = self.self_attn, self.mlp
+        return DecoderLayerRecord(
+            input_norm=NormRecord("rms", norms[0].weight, float(norms[0].eps)),
+            post_attention_norm=NormRecord("rms", norms[1].weight, float(norms[1].eps)),
+            qkv_proj=attn.qkv_proj, o_proj=attn.o_proj, gate_up_proj=mlp.gate_up_proj, down_proj=mlp.down_proj,
+            attention=attn.attn, activation="silu", rope="neox", ops=self._ops)
 
     def native_layer(self) -> Any:
         """The platform's whole-layer call (ModelOps.decoder_layer), or None; made on first use, after loading,
         when the weights are the final ones (quantized, GGUF blocks)."""
         if self._native is None:
-            self._native = self._standard_parts() and self._ops.decoder_layer(self) or False
+            self._native = self._ops.decoder_layer(self.fast_path_record()) or False
         return self._native or None
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, residual: torch.Tensor | None,
@@ -181,7 +155,7 @@ class LlamaModel(nn.Module):
     def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
         # This rank's block of token rows (the whole table on one rank).
-        self.embed_tokens, self.vocab_shard = vocab_parameter(hf_config.vocab_size, hf_config.hidden_size, dtype)
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, dtype)
         num_layers = hf_config.num_hidden_layers
         head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         self.rotary_emb = RotaryEmbedding(hf_config, head_size)
@@ -194,7 +168,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: list[AttentionMetadata], inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        x = vocab_embedding(input_ids, self.embed_tokens, self.vocab_shard) if inputs_embeds is None else inputs_embeds
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         rope = self.rotary_emb.lookup(positions, x.dtype)  # shared by every layer
         stack = self._native_stack
         if stack is None:  # after loading, as each layer's own call
@@ -223,7 +197,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb
 class LlamaForCausalLM(nn.Module, SupportsLoRA, SupportsTensorParallel):
     """Engine model for LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM checkpoints."""
 
-    supported_quantization = ("int8", "gguf")  # vllite_core.quantization
+    supported_quantization = ("int8", "gguf")  # model_registry.layers.quantization
 
     def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
@@ -238,14 +212,8 @@ class LlamaForCausalLM(nn.Module, SupportsLoRA, SupportsTensorParallel):
         self.hidden_size: int = hf_config.hidden_size
         self.vocab_size: int = hf_config.vocab_size
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self._ops = current_model_ops()
-        self._head_state: dict = {}
-        self.gguf_head = None  # the LM head's GGUF blocks under quantization="gguf" (model_registry.gguf_blocks)
-        self.int8_head: tuple[torch.Tensor, torch.Tensor] | None = None  # (int8 rows, scales): quantize_lm_head_int8
-        if self.tie_word_embeddings:
-            self.lm_head = self.model.embed_tokens
-        else:
-            self.lm_head = vocab_parameter(self.vocab_size, self.hidden_size, dtype)[0]
+        self.lm_head = ParallelLMHead(self.vocab_size, self.hidden_size, dtype,
+                                      tied=self.model.embed_tokens if self.tie_word_embeddings else None)
 
     @classmethod
     def check_tensor_parallel(cls, hf_config: Any, tensor_parallel_size: int) -> None:
@@ -256,8 +224,7 @@ class LlamaForCausalLM(nn.Module, SupportsLoRA, SupportsTensorParallel):
     def get_kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> list[KVCacheSpec]:
         """One self-attention cache per layer: sliding-window layers get their own group, whose blocks
         out of the window are released."""
-        windows = [layer.self_attn.sliding_window for layer in self.model.layers]
-        return attention_specs(self.num_layers, block_size, self.num_kv_heads, self.head_size, dtype, windows)
+        return [layer.self_attn.attn.kv_cache_spec(block_size, dtype) for layer in self.model.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: list[AttentionMetadata], inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -266,27 +233,13 @@ class LlamaForCausalLM(nn.Module, SupportsLoRA, SupportsTensorParallel):
         return self.model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return vocab_embedding(input_ids, self.model.embed_tokens, self.model.vocab_shard)
+        return self.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] for the rows the sampler needs, in the model dtype as vLLM's are: the sampler widens
         them to float32 where it computes with them (a greedy-only batch just takes the argmax, and a float32
         copy of a batch-64 step's bf16 logits cost 0.6 ms)."""
-        if self.gguf_head is not None:
-            local = self._ops.gguf_linear(hidden_states, self.gguf_head, None, self._head_state)
-        elif self.int8_head is not None:
-            local = self._ops.int8_linear(hidden_states, *self.int8_head, None, self._head_state)
-        else:
-            local = self._ops.linear(hidden_states, self.lm_head, None, self._head_state)
-        return gather_logits(local, self.model.vocab_shard)
-
-    def quantize_lm_head_int8(self) -> None:
-        """``quantization="int8"`` with ``VLLITE_INT8_LM_HEAD=1``: logits from an int8 copy of this rank's LM head
-        rows (a tied embedding stays as it is for the lookup)."""
-        from vllite_core.quantization import quantize_rows_int8
-
-        self.int8_head = quantize_rows_int8(self.lm_head.detach())
-        self._head_state = {}
+        return self.lm_head(hidden_states)
 
     def ensure_positions(self, max_model_len: int) -> None:
         """Grow the RoPE tables to ``max_model_len`` positions (needed only beyond max_position_embeddings
@@ -320,9 +273,8 @@ class LlamaForCausalLM(nn.Module, SupportsLoRA, SupportsTensorParallel):
 
     @staticmethod
     def _canonical(name: str) -> str:
-        if name.startswith(("layers.", "embed_tokens.", "norm.")):
-            name = "model." + name
-        return name.replace("model.embed_tokens.weight", "model.embed_tokens").replace("lm_head.weight", "lm_head")
+        """A base model's checkpoint (no ``model.`` prefix) names the same tensors."""
+        return "model." + name if name.startswith(("layers.", "embed_tokens.", "norm.")) else name
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into the (fused) parameters; returns the parameter names fully loaded."""
@@ -335,14 +287,14 @@ class LlamaForCausalLM(nn.Module, SupportsLoRA, SupportsTensorParallel):
             if hf_name.endswith(_IGNORED_SUFFIXES):
                 continue
             name = self._canonical(hf_name)
-            if name == "lm_head" and self.tie_word_embeddings:
+            if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # tied: the embedding is the head
             if (kv_scale := kv_scale_name(name)) is not None:  # a float8 cache's per-layer scales
                 attn = dict(self.named_modules()).get(kv_scale[0])
                 if not isinstance(attn, LlamaAttention):
                     unexpected.append(hf_name)
                     continue
-                attn.kv_scales.set_from_checkpoint(kv_scale[1], tensor, kv_scale[0])
+                attn.attn.kv_scales.set_from_checkpoint(kv_scale[1], tensor, kv_scale[0])
                 continue
             stacked = next(((name.replace(frag, fused), fused, shard) for frag, fused, shard in _STACKED
                             if frag in name), None)
@@ -363,14 +315,6 @@ class LlamaForCausalLM(nn.Module, SupportsLoRA, SupportsTensorParallel):
         if unexpected:
             shown = ", ".join(unexpected[:8]) + (" ..." if len(unexpected) > 8 else "")
             raise ValueError(f"checkpoint has weights this model does not know: {shown}")
-        if self.tie_word_embeddings and "model.embed_tokens" in loaded:
-            loaded.add("lm_head")
+        if self.tie_word_embeddings and "model.embed_tokens.weight" in loaded:
+            loaded.add("lm_head.weight")
         return loaded
-
-
-@torch.no_grad()
-def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    if tuple(dst.shape) != tuple(src.shape):
-        raise ValueError(f"weight {name}: checkpoint shape {tuple(src.shape)} does not match the model's "
-                         f"{tuple(dst.shape)}")
-    dst.copy_(src)

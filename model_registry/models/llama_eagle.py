@@ -16,11 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from model_registry.models.llama import _STACKED, Linear, LlamaDecoderLayer
-from model_registry.models.rope import RotaryEmbedding
-from model_registry.parallel_layers import load_parameter
+from model_registry.layers import ReplicatedLinear, RotaryEmbedding, empty_param, load_parameter
+from model_registry.models.llama import _STACKED, LlamaDecoderLayer
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
-from vllite_core.core.kv_cache_spec import KVCacheSpec, attention_specs
+from vllite_core.core.kv_cache_spec import KVCacheSpec
 
 
 class _NoNorm(nn.Module):
@@ -33,18 +32,16 @@ class EagleLlamaHead(nn.Module):
         """``names``: the checkpoint's tensor names (``model.`` stripped), which decide the optional parts."""
         super().__init__()
         h = hf_config.hidden_size
-        self.fc = Linear(2 * h, h, "fc.bias" in names, dtype)
+        self.fc = ReplicatedLinear(2 * h, h, "fc.bias" in names, dtype)
         self.layers = nn.ModuleList([LlamaDecoderLayer(hf_config, attn_backend, dtype, None)])
         if "layers.0.input_layernorm.weight" not in names:
             self.layers[0].input_layernorm = _NoNorm()
-        self.embed_tokens = nn.Parameter(torch.empty(hf_config.vocab_size, h, dtype=dtype), requires_grad=False) \
-            if "embed_tokens.weight" in names else None
-        attn = self.layers[0].self_attn
-        self.rotary_emb = RotaryEmbedding(hf_config, attn.head_size)
-        self.num_kv_heads, self.head_size = attn.num_kv_heads, attn.head_size
+        own_embedding = "embed_tokens.weight" in names
+        self.embed_tokens = empty_param(hf_config.vocab_size, h, dtype=dtype) if own_embedding else None
+        self.rotary_emb = RotaryEmbedding(hf_config, self.layers[0].self_attn.head_size)
 
     def get_kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> list[KVCacheSpec]:
-        return attention_specs(1, block_size, self.num_kv_heads, self.head_size, dtype)
+        return [self.layers[0].self_attn.attn.kv_cache_spec(block_size, dtype)]
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata: list[AttentionMetadata]) -> torch.Tensor:

@@ -13,12 +13,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from model_registry.layers import copy_checked
 from model_registry.models.clip import CLIPVisionTower, Linear, activation
 from model_registry.models.language_model_shell import LanguageModelShell
-from model_registry.models.llama import LlamaForCausalLM, _copy
+from model_registry.models.llama import LlamaForCausalLM
 from model_registry.models.mm_prompt import image_processor, placeholder_prompt
 from vllite_core.attention.backend import AttentionBackend
-from vllite_core.engine.errors import InvalidRequestError
+from vllite_core.errors import InvalidRequestError
 from vllite_core.inputs import InputContext, ProcessedPrompt
 from vllite_core.model_interfaces import SupportsMultiModalDecoder
 from vllite_core.multimodal.features import MultiModalFeature, expand_placeholders
@@ -129,7 +130,7 @@ class LlavaForConditionalGeneration(LanguageModelShell, nn.Module, SupportsMulti
                 sub = name.removeprefix("multi_modal_projector.")
                 if sub not in proj:
                     raise ValueError(f"checkpoint has projector weights this model does not know: {name}")
-                _copy(proj[sub].data, tensor, name)
+                copy_checked(proj[sub].data, tensor, name)
                 loaded.add("multi_modal_projector." + sub)
             elif name.startswith("language_model."):
                 sub = name.removeprefix("language_model.")
@@ -138,6 +139,6 @@ class LlavaForConditionalGeneration(LanguageModelShell, nn.Module, SupportsMulti
                 text.append((name, tensor))
             else:
                 raise ValueError(f"checkpoint has weights this model does not know: {name}")
-        loaded |= {"vision_tower." + n for n in self.vision_tower.load(vision, _copy)}
+        loaded |= {"vision_tower." + n for n in self.vision_tower.load(vision, copy_checked)}
         loaded |= {"language_model." + n for n in self.language_model.load_weights(text)}
         return loaded

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model_registry.layers import ReplicatedLinear, RMSNorm
 from model_registry.models.hf_weights import load_by_name, tie_loaded
-from model_registry.models.llama import Linear, RMSNorm
 from vllite_core.core.kv_cache_spec import KVCacheSpec, StateSpec
 from vllite_core.model_interfaces import IsStateful
 from vllite_core.model_ops import current_model_ops
@@ -64,13 +64,13 @@ class MambaMixer(nn.Module):
         self.dt_rank = int(c.time_step_rank)
         self.activation = c.hidden_act
         self.rms_eps = rms_eps  # FalconMamba: B, C and dt are RMS-normalised
-        self.in_proj = Linear(c.hidden_size, 2 * self.intermediate, bool(c.use_bias), dtype)
+        self.in_proj = ReplicatedLinear(c.hidden_size, 2 * self.intermediate, bool(c.use_bias), dtype)
         self.conv1d = Conv1d(self.intermediate, self.kernel, bool(c.use_conv_bias), dtype)
-        self.x_proj = Linear(self.intermediate, self.dt_rank + 2 * self.state_size, False, dtype)
-        self.dt_proj = Linear(self.dt_rank, self.intermediate, True, dtype)
+        self.x_proj = ReplicatedLinear(self.intermediate, self.dt_rank + 2 * self.state_size, False, dtype)
+        self.dt_proj = ReplicatedLinear(self.dt_rank, self.intermediate, True, dtype)
         self.A_log = _param(self.intermediate, self.state_size, dtype=dtype)
         self.D = _param(self.intermediate, dtype=dtype)
-        self.out_proj = Linear(self.intermediate, c.hidden_size, bool(c.use_bias), dtype)
+        self.out_proj = ReplicatedLinear(self.intermediate, c.hidden_size, bool(c.use_bias), dtype)
         self.norm_weights = norm_weights
         if norm_weights:
             assert rms_eps is not None

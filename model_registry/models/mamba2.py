@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from model_registry.layers import ReplicatedLinear, RMSNorm
 from model_registry.models.hf_weights import load_by_name, tie_loaded
-from model_registry.models.llama import Linear, RMSNorm
 from model_registry.models.mamba import Conv1d, Embedding, _param
 from vllite_core.core.kv_cache_spec import KVCacheSpec, StateSpec
 from vllite_core.model_interfaces import IsStateful
@@ -70,13 +70,13 @@ class Mamba2Mixer(nn.Module):
     def __init__(self, d: Mamba2Dims, dtype: torch.dtype) -> None:
         super().__init__()
         self.d = d
-        self.in_proj = Linear(d.hidden_size, d.intermediate + d.conv_dim + d.num_heads, d.use_bias, dtype)
+        self.in_proj = ReplicatedLinear(d.hidden_size, d.intermediate + d.conv_dim + d.num_heads, d.use_bias, dtype)
         self.conv1d = Conv1d(d.conv_dim, d.conv_kernel, d.use_conv_bias, dtype)
         self.dt_bias = _param(d.num_heads, dtype=dtype)
         self.A_log = _param(d.num_heads, dtype=dtype)
         self.D = _param(d.num_heads, dtype=dtype)
         self.norm = GatedRMSNorm(d.intermediate, d.intermediate // d.n_groups, d.norm_eps, dtype)
-        self.out_proj = Linear(d.intermediate, d.hidden_size, d.use_bias, dtype)
+        self.out_proj = ReplicatedLinear(d.intermediate, d.hidden_size, d.use_bias, dtype)
         self._ops = current_model_ops()
 
     @property

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllite_core.engine.errors import InvalidRequestError
+from vllite_core.errors import InvalidRequestError
 from vllite_core.inputs import InputContext
 from vllite_core.multimodal.images import prompt_images
 

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from model_registry.layers import ReplicatedLinear, RMSNorm
 from model_registry.models.hf_weights import load_by_name
 from model_registry.models.jamba import Attention
-from model_registry.models.llama import Linear, RMSNorm
 from model_registry.models.mamba import Embedding, _param
 from model_registry.models.mamba2 import Mamba2Dims, Mamba2Mixer
 from vllite_core.attention.backend import AttentionBackend
@@ -29,8 +29,8 @@ class ReluSquaredMLP(nn.Module):
         super().__init__()
         if c.mlp_hidden_act != "relu2":
             raise NotImplementedError(f"NemotronH mlp_hidden_act {c.mlp_hidden_act!r} (relu2 only)")
-        self.up_proj = Linear(c.hidden_size, c.intermediate_size, bool(c.mlp_bias), dtype)
-        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bool(c.mlp_bias), dtype)
+        self.up_proj = ReplicatedLinear(c.hidden_size, c.intermediate_size, bool(c.mlp_bias), dtype)
+        self.down_proj = ReplicatedLinear(c.intermediate_size, c.hidden_size, bool(c.mlp_bias), dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(torch.relu(self.up_proj(x)).square())

@@ -16,13 +16,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from model_registry.layers import copy_checked
+from model_registry.layers.rotary import MRotaryEmbedding, rope_parameters
 from model_registry.models.language_model_shell import LanguageModelShell
-from model_registry.models.llama import LlamaForCausalLM, _copy
+from model_registry.models.llama import LlamaForCausalLM
 from model_registry.models.mm_prompt import image_processor, placeholder_prompt
 from model_registry.models.qwen2_vl_vision import Qwen2VisionTransformer
-from model_registry.models.rope import MRotaryEmbedding, rope_parameters
 from vllite_core.attention.backend import AttentionBackend
-from vllite_core.engine.errors import InvalidRequestError
+from vllite_core.errors import InvalidRequestError
 from vllite_core.inputs import InputContext, ProcessedPrompt
 from vllite_core.model_interfaces import SupportsMRoPE, SupportsMultiModalDecoder
 from vllite_core.multimodal.features import MultiModalFeature, expand_placeholders
@@ -129,7 +130,7 @@ class Qwen2VLForConditionalGeneration(LanguageModelShell, nn.Module, SupportsMul
                 text.append((name, tensor))
             else:
                 raise ValueError(f"checkpoint has weights this model does not know: {name}")
-        loaded = {"visual." + n for n in self.visual.load(vision, _copy)}
+        loaded = {"visual." + n for n in self.visual.load(vision, copy_checked)}
         return loaded | {"language_model." + n for n in self.language_model.load_weights(text)}
 
 

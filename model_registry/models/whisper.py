@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_registry.parallel_layers import ColumnParallelLinear, RowParallelLinear, load_parameter
+from model_registry.layers import ColumnParallelLinear, RowParallelLinear, load_parameter
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
 from vllite_core.core.kv_cache_spec import CrossAttentionSpec, FullAttentionSpec, KVCacheSpec
 from vllite_core.distributed import get_tp

@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model_registry.layers import ReplicatedLinear, RMSNorm
+from model_registry.layers.rotary import RotaryEmbedding
 from model_registry.models.hf_weights import load_by_name
-from model_registry.models.llama import Linear, RMSNorm
 from model_registry.models.mamba import Embedding, _param
 from model_registry.models.mamba2 import Mamba2Dims, Mamba2Mixer
-from model_registry.models.rope import RotaryEmbedding
 from vllite_core.attention.backend import AttentionBackend
 from vllite_core.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, StateSpec
 from vllite_core.model_interfaces import IsStateful
@@ -32,7 +32,8 @@ def _adapters(c: Any, block_id: int, size_in: int, size_out: int, dtype: torch.d
     """One entry per hybrid layer: a low-rank adapter where that layer uses this block, else nothing."""
     n = len(c.hybrid_layer_ids)
     return nn.ModuleList(
-        nn.Sequential(Linear(size_in, c.adapter_rank, False, dtype), Linear(c.adapter_rank, size_out, False, dtype))
+        nn.Sequential(ReplicatedLinear(size_in, c.adapter_rank, False, dtype),
+                      ReplicatedLinear(c.adapter_rank, size_out, False, dtype))
         if i % c.num_mem_blocks == block_id else nn.Identity() for i in range(n))
 
 
@@ -43,10 +44,10 @@ class SharedAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_size = c.num_attention_heads, c.num_key_value_heads, \
             c.attention_head_dim
         self.scale = (self.head_size / 2) ** -0.5
-        self.q_proj = Linear(width, self.num_heads * self.head_size, False, dtype)
-        self.k_proj = Linear(width, self.num_kv_heads * self.head_size, False, dtype)
-        self.v_proj = Linear(width, self.num_kv_heads * self.head_size, False, dtype)
-        self.o_proj = Linear(self.num_heads * self.head_size, c.hidden_size, False, dtype)
+        self.q_proj = ReplicatedLinear(width, self.num_heads * self.head_size, False, dtype)
+        self.k_proj = ReplicatedLinear(width, self.num_kv_heads * self.head_size, False, dtype)
+        self.v_proj = ReplicatedLinear(width, self.num_kv_heads * self.head_size, False, dtype)
+        self.o_proj = ReplicatedLinear(self.num_heads * self.head_size, c.hidden_size, False, dtype)
         self.use_adapters = bool(c.use_shared_attention_adapter)
         if self.use_adapters:
             self.linear_q_adapter_list = _adapters(c, block_id, width, width, dtype)
@@ -78,8 +79,8 @@ class SharedMLP(nn.Module):
             raise NotImplementedError(f"Zamba2 hidden_act {c.hidden_act!r} (gelu or silu)")
         self.act = _ACTS[c.hidden_act]
         bias = bool(c.add_bias_linear)
-        self.gate_up_proj = Linear(c.hidden_size, 2 * c.intermediate_size, bias, dtype)
-        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias, dtype)
+        self.gate_up_proj = ReplicatedLinear(c.hidden_size, 2 * c.intermediate_size, bias, dtype)
+        self.down_proj = ReplicatedLinear(c.intermediate_size, c.hidden_size, bias, dtype)
         self.gate_up_proj_adapter_list = _adapters(c, block_id, c.hidden_size, 2 * c.intermediate_size, dtype)
 
     def forward(self, x: torch.Tensor, hybrid_index: int) -> torch.Tensor:
@@ -122,7 +123,7 @@ class HybridLayer(nn.Module):
     def __init__(self, shared: SharedTransformer, c: Any, dtype: torch.dtype) -> None:
         super().__init__()
         self.shared_transformer = shared
-        self.linear = Linear(c.hidden_size, c.hidden_size, False, dtype)
+        self.linear = ReplicatedLinear(c.hidden_size, c.hidden_size, False, dtype)
         self.mamba_decoder = MambaLayer(c, dtype)
 
 

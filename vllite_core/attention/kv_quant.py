@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vllite_core.errors import ConfigError
+
 logger = logging.getLogger("vllite.attention.kv_quant")
 
 E4M3_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz") if hasattr(torch, n))
@@ -74,7 +76,6 @@ class KVScales:
     cache_dtype: torch.dtype | None = None
 
     def set_from_checkpoint(self, which: str, tensor: torch.Tensor, layer: str) -> None:
-        from vllite_core.config import ConfigError
 
         if tensor.numel() != 1:
             raise ConfigError(f"{layer}: KV cache scales must be per tensor (one value), got shape "

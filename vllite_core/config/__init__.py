@@ -14,7 +14,9 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 from vllite_core.config.speculative import SpeculativeConfig
+from vllite_core.errors import ConfigError
 from vllite_core.model_interfaces import ModelCapabilities
+from vllite_core.multimodal.config import MultiModalConfig
 
 logger = logging.getLogger("vllite.config")
 
@@ -23,13 +25,7 @@ LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed
 SchedulerPolicy = Literal["fcfs", "priority"]
 
 
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field."""
-
-
-from vllite_core.multimodal.config import MultiModalConfig  # noqa: E402  (it raises ConfigError)
-
-QUANTIZATION_METHODS = ("int8", "gguf")  # vllite_core.quantization
+QUANTIZATION_METHODS = ("int8", "gguf")  # model_registry.layers.quantization
 
 
 @dataclass
@@ -54,7 +50,8 @@ class ModelConfig:
     generation_config: str = "auto"
     runner: str = "auto"  # auto | generate | pooling (vLLM's --runner)
     convert: str = "auto"  # auto | none | embed | classify | reward: a causal LM used as a pooling model
-    quantization: str | None = None  # None | "int8" (W8A8) | "gguf" (GGUF blocks kept): vllite_core.quantization
+    # None | "int8" (W8A8) | "gguf" (GGUF blocks kept): model_registry.layers.quantization
+    quantization: str | None = None
     pooler_config: Any = None  # vllite_core.pooling.PoolerConfig of a pooling model; set when the engine starts
     # What the resolved model class declares (vllite_core.model_interfaces); set when the engine starts.
     capabilities: ModelCapabilities = field(default_factory=ModelCapabilities)

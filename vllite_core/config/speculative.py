@@ -10,12 +10,13 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
+from vllite_core.errors import ConfigError
+
 # More drafts than this per step cost more verification work than a copy-heavy prompt ever repays.
 MAX_NUM_SPECULATIVE_TOKENS = 16
 
 
 def _error(msg: str) -> Exception:
-    from vllite_core.config import ConfigError
 
     return ConfigError(msg)
 

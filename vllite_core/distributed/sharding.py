@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllite_core.config import ConfigError
+from vllite_core.errors import ConfigError
 
 
 def split(n: int, parts: int, index: int) -> tuple[int, int]:

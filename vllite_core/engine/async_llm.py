@@ -44,9 +44,9 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, TypeVar
 
 from vllite_core.engine.delta import DeltaCursor
-from vllite_core.engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from vllite_core.engine.heap_trim import HeapTrimmer
 from vllite_core.engine.llm_engine import LLMEngine, PromptType
+from vllite_core.errors import ConfigError, EngineDeadError, InvalidRequestError, RequestFailedError
 from vllite_core.inputs import InputContext, ProcessedPrompt
 from vllite_core.outputs import RequestOutput
 from vllite_core.sampling_params import RequestOutputKind, SamplingParams
@@ -260,7 +260,6 @@ class AsyncLLM:
         """The server's engine: its core(s) in their own processes unless ``multiprocess`` is False or
         VLLITE_ENABLE_V1_MULTIPROCESSING=0 (then in this process, on the engine-loop thread).
         ``data_parallel_size`` > 1 needs the engine-core processes."""
-        from vllite_core.config import ConfigError
         from vllite_core.engine.core_client import EngineCoreClient, multiprocessing_enabled
 
         if multiprocess is None:

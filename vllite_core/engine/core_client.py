@@ -33,7 +33,6 @@ from typing import Any, Callable, Iterable
 
 import zmq
 
-from vllite_core.config import ConfigError
 from vllite_core.core.scheduler import SchedulerStats
 from vllite_core.engine.core import EngineCoreOutput, StepTimes
 from vllite_core.engine.core_messages import (
@@ -47,8 +46,8 @@ from vllite_core.engine.core_messages import (
     EngineCoreUtility,
     EngineMessage,
 )
-from vllite_core.engine.errors import EngineDeadError
 from vllite_core.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
+from vllite_core.errors import ConfigError, EngineDeadError
 
 logger = logging.getLogger("vllite.engine_core_client")
 

@@ -8,8 +8,8 @@ from typing import Any, Iterable
 
 from vllite_core.config import EngineArgs, VlliteConfig
 from vllite_core.engine.core import EngineCore, encoder_cache_geometry
-from vllite_core.engine.errors import EngineDeadError, InvalidRequestError, PromptTooLongError
 from vllite_core.engine.output_processor import OutputProcessor, child_request_ids
+from vllite_core.errors import EngineDeadError, InvalidRequestError, PromptTooLongError
 from vllite_core.inputs import InputContext, ProcessedPrompt
 from vllite_core.outputs import RequestOutput
 from vllite_core.pooling.params import PoolingParams

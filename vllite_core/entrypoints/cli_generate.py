@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from vllite_core.entrypoints.engine_args_cli import add_engine_args, engine_args_from_namespace
+from vllite_core.errors import InvalidRequestError
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -129,7 +130,6 @@ def run_chat(ns: argparse.Namespace) -> int:
 
     engine = LLMEngine.from_engine_args(engine_args_from_namespace(ns))
     params = _sampling_params(ns)
-    from vllite_core.engine.errors import InvalidRequestError
     from vllite_core.multimodal.chat import chat_engine_prompt
 
     history: list[dict[str, Any]] = []

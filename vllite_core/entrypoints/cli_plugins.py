@@ -12,6 +12,7 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+from vllite_core.errors import ConfigError
 from vllite_core.platforms.resolve import (
     PlatformCandidate,
     PlatformResolutionError,
@@ -104,7 +105,6 @@ def _env_report(resolved: ResolvedPlatform | None, candidates: list[PlatformCand
 
 def _add_layout(report: dict[str, Any], resolved: ResolvedPlatform | None, args: argparse.Namespace) -> str | None:
     """The planned parallel layout into ``report``; a bad setting's message (ConfigError) instead."""
-    from vllite_core.config import ConfigError
     from vllite_core.distributed.layout import planned_layout
 
     if resolved is None:

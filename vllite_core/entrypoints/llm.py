@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from vllite_core.config import EngineArgs
 from vllite_core.engine.llm_engine import LLMEngine, PromptType
+from vllite_core.errors import InvalidRequestError
 from vllite_core.outputs import RequestOutput
 from vllite_core.sampling_params import RequestOutputKind, SamplingParams
 
@@ -82,7 +83,6 @@ class LLM:
              lora_request: Any = None, **template_kwargs: Any) -> list[RequestOutput]:
         """vLLM's LLM.chat: ``chat_template_kwargs`` go to the template (``enable_thinking``...);
         ``continue_final_message`` leaves the last (assistant) message open for the model to go on."""
-        from vllite_core.engine.errors import InvalidRequestError
 
         if add_generation_prompt and continue_final_message:
             raise InvalidRequestError("continue_final_message",

@@ -1,7 +1,7 @@
 """The error an executor raises when a worker rank is lost."""
 from __future__ import annotations
 
-from vllite_core.engine.errors import EngineDeadError
+from vllite_core.errors import EngineDeadError
 
 
 class WorkerDiedError(EngineDeadError):

@@ -1,7 +1,7 @@
 """The typed error for an adapter that cannot be served: names the adapter and the field."""
 from __future__ import annotations
 
-from vllite_core.engine.errors import InvalidRequestError
+from vllite_core.errors import InvalidRequestError
 
 
 class LoRAError(InvalidRequestError):

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllite_core.errors import ConfigError
+
 MODALITIES = ("image",)
 
 
@@ -23,7 +25,6 @@ class MultiModalConfig:
     encoder_cache_size: int | None = None
 
     def __post_init__(self) -> None:
-        from vllite_core.config import ConfigError  # here: vllite_core.config imports this module
 
         limits = self.limit_mm_per_prompt
         if isinstance(limits, str):
@@ -54,7 +55,6 @@ class MultiModalConfig:
 
     @classmethod
     def from_value(cls, value: Any) -> "MultiModalConfig":
-        from vllite_core.config import ConfigError
 
         if value is None:
             return cls()
@@ -69,7 +69,6 @@ def parse_limit_mm_per_prompt(text: str) -> dict[str, int]:
     """``'{"image": 2}'`` (vLLM's JSON form) or ``image=2,video=0`` -> a dict."""
     import json
 
-    from vllite_core.config import ConfigError
 
     text = text.strip()
     if text.startswith("{"):

@@ -1,7 +1,7 @@
 """The typed error of bad media input (an InvalidRequestError: HTTP 400 naming the field)."""
 from __future__ import annotations
 
-from vllite_core.engine.errors import InvalidRequestError
+from vllite_core.errors import InvalidRequestError
 
 
 class MediaError(InvalidRequestError):

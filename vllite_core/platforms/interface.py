@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
 
+from vllite_core.errors import ConfigError
+
 if TYPE_CHECKING:
     from vllite_core.attention import AttentionBackend
     from vllite_core.config import VlliteConfig
@@ -84,7 +86,6 @@ class Platform(ABC):
 
     def check_kv_cache_dtype(self, config: "VlliteConfig") -> None:
         """ConfigError unless ``cache_config.kv_cache_dtype`` is one this platform supports."""
-        from vllite_core.config import ConfigError
 
         kv = config.cache_config.kv_cache_dtype
         if kv == "auto":  # always supported; asks the device nothing

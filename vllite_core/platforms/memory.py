@@ -17,7 +17,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from vllite_core.config import ConfigError
+from vllite_core.errors import ConfigError
 
 if TYPE_CHECKING:
     from vllite_core.config import VlliteConfig

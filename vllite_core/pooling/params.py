@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from vllite_core.errors import InvalidRequestError
+
 PoolingTask = Literal["embed", "classify", "score", "reward", "encode", "token_embed", "token_classify"]
 POOLING_TASKS = ("embed", "classify", "score", "reward", "encode", "token_embed", "token_classify")
 # Tasks answered per prompt token (vLLM's names): ALL pooling for that request, whatever the model's type.
@@ -25,7 +27,6 @@ class PoolingParams:
     task: PoolingTask | None = None
 
     def __post_init__(self) -> None:
-        from vllite_core.engine.errors import InvalidRequestError
 
         t = self.truncate_prompt_tokens
         if t is not None and (not isinstance(t, int) or isinstance(t, bool) or (t < 1 and t != -1)):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllite_core.engine.errors import InvalidRequestError
+from vllite_core.errors import InvalidRequestError
 from vllite_core.inputs import ProcessedPrompt
 from vllite_core.pooling.params import PoolingParams
 from vllite_core.pooling.token_types import plain_token_id, token_type

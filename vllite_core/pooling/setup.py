@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from vllite_core.config import ConfigError
+from vllite_core.errors import ConfigError
 from vllite_core.model_interfaces import IsPooling
 from vllite_core.pooling.adapters import as_pooling_model, with_task
 from vllite_core.pooling.config import PoolerConfig, apply_pooling_rules, resolve_pooler_config

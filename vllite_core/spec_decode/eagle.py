@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from vllite_core.config import ConfigError
+from vllite_core.errors import ConfigError
 from vllite_core.spec_decode.model_proposer import ModelProposer, check_vocab, resolve_draft
 
 

@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllite_core.config import ConfigError
 from vllite_core.config.speculative import SpeculativeConfig
 from vllite_core.core.kv_cache_spec import FullAttentionSpec
+from vllite_core.errors import ConfigError
 from vllite_core.sample.sampler import RowFaults, Sampler, check_finite_rows
 from vllite_core.sampling_params import GREEDY_EPS
 from vllite_core.utils import cdiv

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from vllite_core.config import ConfigError
 from vllite_core.config.speculative import SpeculativeConfig
+from vllite_core.errors import ConfigError
 
 
 def spec_proposer_factories(plugin_manager: Any = None) -> dict[str, Callable[..., Any]]:

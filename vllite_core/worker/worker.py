@@ -57,11 +57,8 @@ class Worker:
         t0 = time.perf_counter()
         ops = self.platform.model_ops(self.config)
         with use_model_ops(ops):
-            model = load_model(source, hf_config, model_cls, backend, dtype, self.device)
-            if self.config.model_config.quantization:
-                from vllite_core.quantization import quantize_model
-
-                quantize_model(model, self.config.model_config.quantization, source)
+            model = load_model(source, hf_config, model_cls, backend, dtype, self.device,
+                               quantization=self.config.model_config.quantization)
         model.eval()
         logger.info("loaded %s (%s, %s) in %.1fs, attention backend %s, model ops %s", architecture, dtype,
                     self.platform.name, time.perf_counter() - t0, backend.name, ops.name)

@@ -1,4 +1,8 @@
-"""A Llama-style decoder layer in one C++ call (``csrc/decoder.cpp``), for ``CpuModelOps.decoder_layer``.
+"""A pre-norm decoder layer in one C++ call (``csrc/decoder.cpp``), for ``CpuModelOps.decoder_layer``.
+
+The layer is known only through its typed record (``model_registry.layers.fast_path.DecoderLayerRecord``), never
+through a model's attribute names; a record the C++ layer does not compute (or a model's reason for giving none)
+is logged once (``why_not``).
 
 Why: a batch-1 decode step of SmolLM2-135M (30 small layers) spent a third or more of its forward in the
 ~9 Python-level op calls per layer around the kernels (benchmarks/decode_forward.py --split). The C++ side
@@ -7,7 +11,7 @@ decides, per call and cheaply, whether it applies, and otherwise returns None (t
 Python code): no LoRA on any of the layer's linears, no grad, the activations' dtype, the C++ paged
 attention's plan, a cache in the activations' dtype (no float8 scales), and every linear on a kernel the
 C++ side calls for this many rows (what ``CpuModelOps.linear`` and ``gguf_linear`` would choose). The AVX2
-GEMM's panels are the ones ``CpuModelOps.linear`` keeps in the layer's ``_state``, repacked by the same
+GEMM's panels are the ones ``CpuModelOps.linear`` keeps in the layer's ``state``, repacked by the same
 code when the weight changes.
 
 ``NativeDecoderStack`` takes all of a model's layers in one C++ call (``llama_decoder_stack``), each layer's
@@ -17,32 +21,74 @@ thread it gives each thread its own share of the requests through every layer (c
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
+from model_registry.layers.fast_path import DecoderLayerRecord
+from model_registry.layers.quantization.gguf import GGUFLinearMethod
+from model_registry.layers.quantization.int8 import Int8LinearMethod
 from vllite_platform_cpu import kernels
 from vllite_platform_cpu.attention import TorchPagedAttention, _Plan
 from vllite_platform_cpu.model_ops import _KERNEL_DTYPES, SMALL_LINEAR_MAX_ROWS
 
 _PANELS, _PLAIN, _BF16, _INT8, _GGUF = 0, 1, 2, 3, 16  # csrc/decoder.cpp's linear kinds (_GGUF + ggml type id)
-# Kinds whose packed weight CpuModelOps keeps in the layer's _state: their route ("int8": CpuModelOps.pack_int8).
+# Kinds whose packed weight CpuModelOps keeps in the layer's state: their route ("int8": CpuModelOps.pack_int8).
 _PACKED = {_PANELS: "avx2", _BF16: "bf16", _INT8: "int8"}
+
+logger = logging.getLogger("vllite.platform.cpu")
+_TOLD: set[str] = set()  # the reasons a layer does not take the one-call path, each logged once per process
+
+
+def why_not(ops: Any, record: DecoderLayerRecord | str) -> str | None:
+    """Why a layer never takes the C++ path (None: it may, step by step): what the model said, or what of its
+    record the C++ layer does not compute."""
+    if isinstance(record, str):
+        return record
+    dt = record.input_norm.weight.dtype
+    if not ops.fused:
+        return "the fused kernels are off (VLLITE_CPU_FUSED=0)"
+    if not kernels.available():
+        return "the C++ kernels are not built"
+    if dt not in _KERNEL_DTYPES:
+        return f"the model dtype {dt} has no C++ kernels"
+    if record.input_norm.kind != "rms" or record.post_attention_norm.kind != "rms":
+        return "a norm other than RMSNorm"
+    if record.post_attention_norm.weight.dtype != dt or record.input_norm.eps != record.post_attention_norm.eps:
+        return "its two norms differ in dtype or eps"
+    if record.activation != "silu" or record.rope != "neox":
+        return f"activation {record.activation!r} / rope {record.rope!r} (the C++ layer: silu, neox)"
+    if type(record.attention.backend).forward is not TorchPagedAttention.forward:
+        return f"attention backend {type(record.attention.backend).__name__} (the C++ layer: the CPU paged one)"
+    if record.o_proj.tp.world_size != 1 or record.down_proj.tp.world_size != 1:
+        return "tensor parallelism (its all-reduces run between the layer's parts)"
+    linears = (record.qkv_proj, record.o_proj, record.gate_up_proj, record.down_proj)
+    if record.ops is not ops or any(lin.ops is not ops for lin in linears):
+        return "parts built with other model ops than the platform's"
+    return None
+
+
+def tell(reason: str) -> None:
+    """Log once per process that layers stay on the Python path, and why."""
+    if reason not in _TOLD:
+        _TOLD.add(reason)
+        logger.info("cpu decoder layers: the one-call C++ path is off for a layer: %s", reason)
 
 
 class NativeDecoderLayer:
     """Callable ``(rope, x, residual, kv_cache, metadata) -> (out, residual) | None`` for one layer."""
 
-    def __init__(self, ops: Any, layer: Any) -> None:
-        attn, mlp = layer.self_attn, layer.mlp
+    def __init__(self, ops: Any, record: DecoderLayerRecord) -> None:
+        attn = record.attention
         self.ops = ops
         self.fn = kernels.load().llama_decoder_layer
-        self.dt = layer.input_layernorm.weight.dtype
-        self.norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-        self.eps = float(layer.input_layernorm.eps)
-        self.linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        self.dt = record.input_norm.weight.dtype
+        self.norms = (record.input_norm.weight, record.post_attention_norm.weight)
+        self.eps = float(record.input_norm.eps)
+        self.linears = (record.qkv_proj, record.o_proj, record.gate_up_proj, record.down_proj)
         self.kv_scales = attn.kv_scales
-        self.backend = attn.attn_backend
+        self.backend = attn.backend
         self.heads = (attn.num_heads, attn.num_kv_heads, attn.head_size)
         self.scale, self.window = float(attn.scale), int(attn.sliding_window or 0)
         self.held: tuple = ()  # per linear (weight, bias, int8 scale): the objects the routes were made for
@@ -51,26 +97,23 @@ class NativeDecoderLayer:
         self._prepare()
 
     @classmethod
-    def build(cls, ops: Any, layer: Any) -> NativeDecoderLayer | None:
-        """The callable, or None when this layer never takes the C++ path (see the module docstring)."""
-        attn, mlp = layer.self_attn, layer.mlp
-        dt = layer.input_layernorm.weight.dtype
-        if not (ops.fused and kernels.available() and dt in _KERNEL_DTYPES
-                and layer.post_attention_layernorm.weight.dtype == dt
-                and layer.input_layernorm.eps == layer.post_attention_layernorm.eps
-                and type(attn.attn_backend).forward is TorchPagedAttention.forward
-                and attn.o_proj.tp.world_size == 1 and mlp.down_proj.tp.world_size == 1
-                and all(part._ops is ops for part in (layer.input_layernorm, layer.post_attention_layernorm, attn, mlp,
-                                                      attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))):
-            return None
-        native = cls(ops, layer)
-        return native if any(r is not None for r in native.routes.values()) else None
+    def build(cls, ops: Any, record: DecoderLayerRecord | str) -> NativeDecoderLayer | None:
+        """The callable, or None when this layer never takes the C++ path (the reason logged once)."""
+        reason = why_not(ops, record)
+        if reason is None:
+            assert not isinstance(record, str)
+            native = cls(ops, record)
+            if any(r is not None for r in native.routes.values()):
+                return native
+            reason = "no linear layout of its own on the C++ kernels at any row count"
+        tell(reason)
+        return None
 
     def _prepare(self) -> None:
         """Each linear's kernel for few rows (True) and more rows (False) as the C++ call's argument lists
         (kinds, weights, biases, output features, the linears whose panels are fetched per call), None
         where one of them is not the C++ side's."""
-        self.held = tuple((lin._parameters["weight"], lin._parameters.get("bias"), lin.weight_scale)
+        self.held = tuple((lin._parameters["weight"], lin._parameters.get("bias"), lin.quant_method)
                           for lin in self.linears)
         for small in (True, False):
             specs = [self._spec(lin, 1 if small else SMALL_LINEAR_MAX_ROWS + 1) for lin in self.linears]
@@ -83,14 +126,14 @@ class NativeDecoderLayer:
 
     def _spec(self, lin: Any, rows: int) -> tuple | None:
         """(kind, weight or None (the panels, fetched per call), bias, output features) of one linear."""
-        bias = lin.bias
-        if lin.gguf_weight is not None:
-            w = lin.gguf_weight
+        bias, method = lin.bias, lin.quant_method
+        if isinstance(method, GGUFLinearMethod):
+            w = method.gguf_weight
             return (_GGUF + w.type_id, w.blocks, bias, w.shape[0]) if w.shape[1] % 32 == 0 else None
         weight = lin.weight
         if bias is not None and bias.dtype != self.dt:
             return None
-        if lin.weight_scale is not None:  # W8A8: the int8 GEMM at every row count, as CpuModelOps.int8_linear
+        if isinstance(method, Int8LinearMethod):  # W8A8: the int8 GEMM at every row count, as CpuModelOps.int8_linear
             ok = weight.dtype == torch.int8 and self.ops.int8_route(self.dt, weight)
             return (_INT8, None, None, weight.shape[0]) if ok else None
         if weight.dtype != self.dt or weight.dim() != 2:
@@ -104,16 +147,21 @@ class NativeDecoderLayer:
             return (_BF16, None, None, weight.shape[0])
         return None
 
+    @staticmethod
+    def _scale(lin: Any) -> torch.Tensor | None:
+        method = lin.quant_method
+        return method.weight_scale if isinstance(method, Int8LinearMethod) else None
+
     def _usable(self) -> bool:
         """Per step: no LoRA slot on a linear, the weight, bias and int8 scale objects the routes were made for
         (else made again: the stack's specs hold the old ones, so only this sees a swap), no float8 cache
         scales."""
         # Module attributes through _parameters (nn.Module.__getattr__ costs a microsecond per lookup).
-        for lin, (w, b, s) in zip(self.linears, self.held):
+        for lin, (w, b, m) in zip(self.linears, self.held):
             if lin.lora is not None:
                 return False
             params = lin._parameters
-            if params["weight"] is not w or params.get("bias") is not b or lin.weight_scale is not s:
+            if params["weight"] is not w or params.get("bias") is not b or lin.quant_method is not m:
                 self._prepare()  # quantized or swapped since: choose the kernels again
                 break
         ks = self.kv_scales
@@ -121,7 +169,7 @@ class NativeDecoderLayer:
 
     def _linear_args(self, route: tuple) -> tuple[list, list, list]:
         """(kinds, weights, biases) of a route for this call: the AVX2 GEMM's panels are the ones
-        CpuModelOps.linear keeps in the layer's ``_state`` (repacked there when the weight changes)."""
+        CpuModelOps.linear keeps in the layer's ``state`` (repacked there when the weight changes)."""
         kinds, weights, biases, _, panels = route
         if panels:
             weights, biases = weights.copy(), biases.copy()
@@ -129,9 +177,9 @@ class NativeDecoderLayer:
                 lin = self.linears[i]
                 params = lin._parameters
                 if kinds[i] == _INT8:
-                    packed = self.ops.pack_int8(params["weight"], lin.weight_scale, params.get("bias"), lin._state)
+                    packed = self.ops.pack_int8(params["weight"], self._scale(lin), params.get("bias"), lin.state)
                 else:
-                    packed = self.ops.pack_linear(params["weight"], params.get("bias"), lin._state, _PACKED[kinds[i]])
+                    packed = self.ops.pack_linear(params["weight"], params.get("bias"), lin.state, _PACKED[kinds[i]])
                 weights[i], biases[i] = packed["packed"], packed["bias"]
         return kinds, weights, biases
 
@@ -162,7 +210,7 @@ class NativeDecoderLayer:
         for i in route[4]:
             lin = self.linears[i]
             params = lin._parameters
-            out += [t for t in (params["weight"], params.get("bias"), lin.weight_scale) if t is not None]
+            out += [t for t in (params["weight"], params.get("bias"), self._scale(lin)) if t is not None]
         return out
 
     def __call__(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, residual: torch.Tensor | None,

@@ -394,7 +394,7 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
 
 
 def quantize_rows_int8(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> None:
-    """int8 ``q`` and float32 ``scale`` per row of ``x`` (vllite_core.quantization's rounding)."""
+    """int8 ``q`` and float32 ``scale`` per row of ``x`` (model_registry.layers.quantization's rounding)."""
     load().quantize_rows_int8(q, scale, x)
 
 
@@ -442,9 +442,9 @@ GGUF_GRAIN_BYTES = 1 << 20
 def gguf_linear(out: torch.Tensor, x: torch.Tensor, type_id: int, blocks: torch.Tensor, bias: torch.Tensor | None,
                 gemm_min_rows: int | None = None, grain_bytes: int | None = None) -> None:
     """``out = x @ W.T + bias`` (``x`` and ``out`` both float32 or both bfloat16, float32 bias) from GGUF blocks
-    (``vllite_core.quantization.GGUFWeight.blocks``, 8 rows interleaved; ``type_id`` ggml's: Q4_0 2, Q4_1 3, Q8_0
-    8): below ``gemm_min_rows`` rows ``x`` quantized per 32-block to int8 and integer dot products, from there
-    dequantised panels and the float32 GEMM, or for bfloat16 on AVX512-BF16 bfloat16 panels and the bf16 GEMM
+    (``model_registry.layers.quantization.gguf.GGUFWeight.blocks``, 8 rows interleaved; ``type_id`` ggml's: Q4_0 2,
+    Q4_1 3, Q8_0 8): below ``gemm_min_rows`` rows ``x`` quantized per 32-block to int8 and integer dot products,
+    from there dequantised panels and the float32 GEMM, or for bfloat16 on AVX512-BF16 bfloat16 panels and the bf16 GEMM
     (csrc/gguf.cpp)."""
     rows = GGUF_GEMM_MIN_ROWS if gemm_min_rows is None else gemm_min_rows
     grain = GGUF_GRAIN_BYTES if grain_bytes is None else grain_bytes

@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from model_registry.layers.fast_path import DecoderLayerRecord
 from vllite_core.attention.encoder import PackedPrompts
 from vllite_core.lora.mapping import LoRAMapping
-from vllite_core.model_ops import ModelOps
-from vllite_core.quantization import quantize_rows_int8
+from vllite_core.model_ops import ModelOps, quantize_rows_int8
 from vllite_platform_cpu import kernels
 
 # Up to this many rows the weight-streaming C++ kernel beats a GEMM (memory-bound, few FLOPs per byte).
@@ -148,12 +148,12 @@ class CpuModelOps(ModelOps):
         state["key"] = key
         return state
 
-    def decoder_layer(self, layer: torch.nn.Module):
+    def decoder_layer(self, record: DecoderLayerRecord | str):
         """The whole layer in one C++ call where every part of it runs on this class's kernels
-        (``decoder_layer.NativeDecoderLayer``), else None."""
+        (``decoder_layer.NativeDecoderLayer``), else None (the reason logged once)."""
         from vllite_platform_cpu.decoder_layer import NativeDecoderLayer
 
-        return NativeDecoderLayer.build(self, layer)
+        return NativeDecoderLayer.build(self, record)
 
     def decoder_stack(self, layers: list[torch.nn.Module]):
         """Every layer in one C++ call where each of them has its one-call path (``decoder_layer.NativeDecoderStack``:

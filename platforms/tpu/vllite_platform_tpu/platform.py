@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
 
-from vllite_core.config import ConfigError
+from vllite_core.errors import ConfigError
 from vllite_core.platforms.interface import Detection, Platform
 
 if TYPE_CHECKING:

@@ -23,7 +23,7 @@ from torch import nn
 
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
 from vllite_core.core.kv_cache_spec import CrossAttentionSpec, FullAttentionSpec, KVCacheSpec
-from vllite_core.engine.errors import InvalidRequestError
+from vllite_core.errors import InvalidRequestError
 from vllite_core.inputs import InputContext, ProcessedPrompt
 from vllite_core.model_interfaces import SupportsEncoderDecoder
 from vllite_plugin_bart.layers import Embedding, LayerNorm, Linear, activation, cfg, load_hf_weights, model_device

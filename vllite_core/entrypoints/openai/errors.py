@@ -42,7 +42,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 def from_exception(exc: BaseException) -> APIError:
     """Map the engine's typed request errors (they carry ``.param``) to 400s."""
     from vllite_core.engine.async_llm import EngineDeadError
-    from vllite_core.engine.errors import InvalidRequestError, PromptTooLongError, RequestFailedError
+    from vllite_core.errors import InvalidRequestError, PromptTooLongError, RequestFailedError
     from vllite_core.sampling_params import SamplingParamsError
 
     if isinstance(exc, APIError):

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from vllite_core.model_ops import ModelOps
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
@@ -97,11 +99,18 @@ def _yarn_inv_freq(base: float, dim: int, p: dict[str, Any], max_pos: int) -> tu
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """cos/sin tables indexed by position; ``lookup`` once per step, ``ModelOps.rotary`` in every layer."""
+    """cos/sin tables indexed by position; ``lookup`` once per step, ``ModelOps.rotary`` in every layer.
+    ``rotary_dim``: the leading columns of each head that rotate (partial rotary; the head size by default,
+    ``apply_rotary`` rotates them); ``base``: a rope base of this table's own (a layer kind with its own
+    frequencies), else the config's ``rope_theta``."""
 
-    def __init__(self, hf_config: Any, head_size: int) -> None:
+    def __init__(self, hf_config: Any, head_size: int, rotary_dim: int | None = None,
+                 base: float | None = None) -> None:
         super().__init__()
+        head_size = rotary_dim or head_size  # the tables cover the rotating columns only
         p = rope_parameters(hf_config)
+        if base is not None:
+            p["rope_theta"] = base
         self.rope_type = str(p["rope_type"])
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise NotImplementedError(
@@ -165,6 +174,17 @@ class RotaryEmbedding(torch.nn.Module):
             self.ensure_positions(int(positions.max()) + 1)
         return self.cos_cache.index_select(0, positions).to(dtype), self.sin_cache.index_select(0, positions).to(dtype)
 
+
+
+def apply_rotary(ops: ModelOps, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``q`` [T, H, D] and ``k`` [T, Hkv, D] by tables of ``cos.shape[-1]`` columns: all of each head, or
+    its leading columns (partial rotary, the rest passed through)."""
+    rd = cos.shape[-1]
+    if rd == q.shape[-1]:
+        return ops.rotary(q, k, cos, sin)
+    qr, kr = ops.rotary(q[..., :rd], k[..., :rd], cos, sin)
+    return torch.cat((qr, q[..., rd:]), dim=-1), torch.cat((kr, k[..., rd:]), dim=-1)
 
 
 class MRotaryEmbedding(RotaryEmbedding):

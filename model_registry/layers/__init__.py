@@ -1,0 +1,45 @@
+"""vllite's model layers: the one place model code, built-in or plugin, takes its building blocks from.
+
+Public and versioned (``LAYERS_API``: a minor bump adds, a major bump changes or removes); docs/models.md
+has a worked example. Every layer's weights are uninitialised parameters filled by the checkpoint
+(``load_parameter`` calls a parameter's ``weight_loader``, which slices this rank's part).
+
+- ``linear``: ``ReplicatedLinear``, ``ColumnParallelLinear``, ``MergedColumnParallelLinear``,
+  ``QKVParallelLinear``, ``RowParallelLinear``, each with a quantization method and a LoRA slot;
+- ``vocab``: ``VocabParallelEmbedding``, ``ParallelLMHead`` (tied or not);
+- ``norm``: ``RMSNorm``, ``GemmaRMSNorm`` (the ``(1 + w)`` form), ``LayerNorm``, ``rms_normalize``;
+- ``rotary``: ``RotaryEmbedding`` (default, linear, dynamic, llama3, yarn; partial rotary, a base of its own),
+  ``MRotaryEmbedding``;
+- ``activation``: ``get_act_fn``, ``gated``;
+- ``attention``: ``Attention``, which declares its KV cache spec;
+- ``fast_path``: the typed record a platform's fused decoder path reads;
+- ``quantization``: the linear layers' methods (``int8``, ``gguf``).
+"""
+from __future__ import annotations
+
+from model_registry.layers.activation import gated, get_act_fn
+from model_registry.layers.attention import Attention
+from model_registry.layers.fast_path import DecoderLayerRecord, NormRecord
+from model_registry.layers.linear import (
+    ColumnParallelLinear,
+    LinearBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    Segment,
+)
+from model_registry.layers.norm import GemmaRMSNorm, LayerNorm, RMSNorm, rms_normalize
+from model_registry.layers.params import copy_checked, empty_param, load_parameter
+from model_registry.layers.rotary import MRotaryEmbedding, RotaryEmbedding, apply_rotary, rope_parameters
+from model_registry.layers.vocab import ParallelLMHead, VocabParallelEmbedding
+
+LAYERS_API = (1, 0)  # (major, minor) of this package's public names
+
+__all__ = [
+    "LAYERS_API", "Attention", "ColumnParallelLinear", "DecoderLayerRecord", "GemmaRMSNorm", "LayerNorm",
+    "LinearBase", "MRotaryEmbedding", "MergedColumnParallelLinear", "NormRecord", "ParallelLMHead",
+    "QKVParallelLinear", "RMSNorm", "ReplicatedLinear", "RotaryEmbedding", "RowParallelLinear", "Segment",
+    "VocabParallelEmbedding", "copy_checked", "empty_param", "gated", "get_act_fn", "load_parameter",
+    "apply_rotary", "rms_normalize", "rope_parameters",
+]

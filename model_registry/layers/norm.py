@@ -1,0 +1,61 @@
+"""Normalisation layers, in the order transformers computes them (the numerics models are tested against)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model_registry.layers.params import empty_param
+from vllite_core.model_ops import ModelOps, current_model_ops
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS normalisation without a weight, in float32, cast back (FalconMamba's B, C and dt; Mamba2's gate)."""
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, cast back, then scaled (Llama's order), through the platform's ops (which
+    may fuse the residual add: ``add_forward``)."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, ops: ModelOps | None = None) -> None:
+        super().__init__()
+        self.weight = empty_param(hidden_size, dtype=dtype)
+        self.eps = eps
+        self.ops = ops or current_model_ops()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + x), residual + x)``; may reuse both inputs' storage."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class GemmaRMSNorm(nn.Module):
+    """The ``(1 + w)`` form (Gemma): normalised and scaled in float32, then cast back, as transformers does; the
+    checkpoint stores ``w`` (zero means the identity scale)."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = empty_param(hidden_size, dtype=dtype)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """torch's layer norm over the last dimension (transformers' ``nn.LayerNorm``), without its init."""
+
+    def __init__(self, dim: int, dtype: torch.dtype, eps: float = 1e-5, bias: bool = True) -> None:
+        super().__init__()
+        self.weight = empty_param(dim, dtype=dtype)
+        self.bias = empty_param(dim, dtype=dtype) if bias else None
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
