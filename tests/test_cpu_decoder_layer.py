@@ -26,8 +26,10 @@ from vllite_platform_cpu.isa import NAMES  # noqa: E402
 from vllite_platform_cpu.model_ops import CpuModelOps  # noqa: E402
 from vllite_platform_cpu.platform import has_fast_bf16, use_avx2_gemm, use_bf16_gemm, use_int8_gemm  # noqa: E402
 
-from model_registry.models.llama import LlamaDecoderLayer, LlamaModel, RMSNorm  # noqa: E402
-from model_registry.models.rope import RotaryEmbedding  # noqa: E402
+from model_registry.layers import RMSNorm, RotaryEmbedding  # noqa: E402
+from model_registry.layers.quantization.gguf import GGUFLinearMethod  # noqa: E402
+from model_registry.layers.quantization.int8 import Int8LinearMethod  # noqa: E402
+from model_registry.models.llama import LlamaDecoderLayer, LlamaModel  # noqa: E402
 from vllite_core.attention.reference import build_metadata  # noqa: E402
 from vllite_core.model_ops import ModelOps, use_model_ops  # noqa: E402
 
@@ -78,7 +80,7 @@ def quantize(layer: LlamaDecoderLayer, quant: str) -> None:
         to_gguf(layer)
     elif quant == "int8":
         for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            lin.quantize_int8()
+            Int8LinearMethod.quantize(lin)
 
 
 def takes_native(ops: CpuModelOps, layer: LlamaDecoderLayer, quant: str, dtype: torch.dtype, rows: int) -> bool:
@@ -107,7 +109,7 @@ def to_gguf(layer: LlamaDecoderLayer) -> None:
     for lin_name, qtype in GGUF_TYPES.items():
         lin = getattr(layer.self_attn if lin_name in ("qkv_proj", "o_proj") else layer.mlp, lin_name)
         raw = quantize(lin.weight.float().numpy().astype(np.float32), GGMLQuantizationType[qtype])
-        lin.use_gguf_weight(repack(raw, qtype))
+        GGUFLinearMethod.use_blocks(lin, repack(raw, qtype))
 
 
 def make_step(name: str, layer: LlamaDecoderLayer, rows: int, dtype: torch.dtype, seed: int = 1):
@@ -132,10 +134,10 @@ def run(layer, step, native: bool, first: bool = False):
     rope, x, residual, cache, md = step
     x, residual, cache = x.clone(), residual.clone(), cache.clone()
     md = dataclasses.replace(md, extra=None)  # the attention plan made afresh
-    layer.self_attn.attn_backend.prepare(md)
+    layer.self_attn.attn.backend.prepare(md)
     with torch.inference_mode():
         if native:
-            out = layer._ops.decoder_layer(layer)(rope, x, None if first else residual, cache, md)
+            out = layer._ops.decoder_layer(layer.fast_path_record())(rope, x, None if first else residual, cache, md)
             assert out is not None, "the C++ layer declined"
         else:
             layer._native = False
@@ -156,7 +158,8 @@ def test_native_layer_is_the_python_path_bit_for_bit(variant, case, rows):
     layer = make_layer(name, dtype, quant, ops)
     step = make_step(name, layer, rows, dtype)
     if not takes_native(ops, layer, quant, dtype, rows):  # oneDNN or _int_mm at this row count
-        native = layer._ops.decoder_layer(layer)  # None where oneDNN takes every row count (native bf16 math)
+        # None where oneDNN takes every row count (native bf16 math)
+        native = layer._ops.decoder_layer(layer.fast_path_record())
         with torch.inference_mode():
             assert native is None or native(*step) is None
         return
@@ -177,9 +180,9 @@ def test_plain_weight_kernel_and_its_limit(variant):
     for a, b in zip(run(layer, step, native=True), run(layer, step, native=False)):
         assert torch.equal(a, b)
     rope, x, residual, cache, md = make_step("llama", layer, 17, torch.float32)
-    layer.self_attn.attn_backend.prepare(md)
+    layer.self_attn.attn.backend.prepare(md)
     with torch.inference_mode():
-        assert layer._ops.decoder_layer(layer)(rope, x, residual, cache, md) is None
+        assert layer._ops.decoder_layer(layer.fast_path_record())(rope, x, residual, cache, md) is None
 
 
 def test_weight_change_repacks_the_shared_panels(variant):
@@ -189,23 +192,23 @@ def test_weight_change_repacks_the_shared_panels(variant):
     step = make_step("llama", layer, 3, torch.float32)
     run(layer, step, native=True)
     qkv = layer.self_attn.qkv_proj
-    packed = qkv._state["packed"]
+    packed = qkv.state["packed"]
     with torch.no_grad():
         qkv.weight.mul_(0.5)  # an in-place change: the version moves
     got = run(layer, step, native=True)
-    assert qkv._state["packed"] is not packed  # repacked once, in the state the Python path reads
-    packed = qkv._state["packed"]
+    assert qkv.state["packed"] is not packed  # repacked once, in the state the Python path reads
+    packed = qkv.state["packed"]
     want = run(layer, step, native=False)
-    assert qkv._state["packed"] is packed  # ... and shared with it, not packed again
+    assert qkv.state["packed"] is packed  # ... and shared with it, not packed again
     for a, b in zip(got, want):
         assert torch.equal(a, b)
 
 
 def test_declines_where_it_does_not_apply(variant):
     layer = make_layer("llama", torch.float32, False, platform_ops())
-    native = layer._ops.decoder_layer(layer)
+    native = layer._ops.decoder_layer(layer.fast_path_record())
     rope, x, residual, cache, md = make_step("llama", layer, 3, torch.float32)
-    layer.self_attn.attn_backend.prepare(md)
+    layer.self_attn.attn.backend.prepare(md)
     with torch.inference_mode():
         assert native(rope, x.clone(), residual.clone(), cache.clone(), md) is not None
         layer.mlp.down_proj.lora = object()  # an adapter slot, set at run time
@@ -215,14 +218,14 @@ def test_declines_where_it_does_not_apply(variant):
         assert native(rope, x, residual, fp8, md) is None
     assert native(rope, x, residual, cache, md) is None  # grad mode
     with torch.inference_mode():
-        layer.mlp.gate_up_proj.quantize_int8()
+        Int8LinearMethod.quantize(layer.mlp.gate_up_proj)
         taken = native(rope, x.clone(), residual.clone(), cache.clone(), md) is not None
         assert taken == layer._ops.int8_gemm  # an int8 linear: the C++ call only with the int8 GEMM
-    assert ModelOps().decoder_layer(layer) is None
+    assert ModelOps().decoder_layer(layer.fast_path_record()) is None
     without = CpuModelOps(fused=True, packed_linear=True, widen_16bit=not has_fast_bf16(), avx2_gemm=use_avx2_gemm(),
                           bf16_gemm=use_bf16_gemm(), int8_gemm=False)
     layer = make_layer("llama", torch.float32, "int8", without)
-    assert without.decoder_layer(layer) is None  # int8 on torch._int_mm: never the C++ call
+    assert without.decoder_layer(layer.fast_path_record()) is None  # int8 on torch._int_mm: never the C++ call
 
 
 def test_a_swapped_part_keeps_the_python_path(variant):
@@ -230,7 +233,7 @@ def test_a_swapped_part_keeps_the_python_path(variant):
     layer = make_layer("llama", torch.float32, False, platform_ops())
     layer.input_layernorm = torch.nn.Identity()
     rope, x, _, cache, md = make_step("llama", layer, 3, torch.float32)
-    layer.self_attn.attn_backend.prepare(md)
+    layer.self_attn.attn.backend.prepare(md)
     with torch.inference_mode():
         out, residual = layer.forward(rope, x, None, cache, md)
     assert layer._native is False and residual is x and torch.isfinite(out).all()
@@ -261,7 +264,7 @@ def make_model_step(model: LlamaModel, rows: int, seed: int = 1, reqs: list[tupl
         tables = [[free.pop() for _ in range(-(-s // BLOCK))] for _, s in reqs]
         mds.append(build_metadata([q for q, _ in reqs], [s for _, s in reqs], tables, BLOCK))
     positions = torch.cat([torch.arange(s - q, s) for q, s in reqs])
-    ids = torch.randint(0, model.embed_tokens.shape[0], (rows,), generator=g)
+    ids = torch.randint(0, model.embed_tokens.weight.shape[0], (rows,), generator=g)
     attn = model.layers[0].self_attn
     caches = [torch.randn(2, 64, BLOCK, attn.num_kv_heads, attn.head_size, generator=g).to(model.norm.weight.dtype)
               for _ in model.layers]
@@ -276,7 +279,7 @@ def run_model(model: LlamaModel, step, stack: bool, native=None) -> tuple[torch.
     fresh = {id(md): dataclasses.replace(md, extra=None) for md in mds}  # plans made afresh, sharing kept
     mds = [fresh[id(md)] for md in mds]
     for md in fresh.values():
-        model.layers[0].self_attn.attn_backend.prepare(md)
+        model.layers[0].self_attn.attn.backend.prepare(md)
     calls = []
     model._native_stack = False
     if stack:
@@ -369,7 +372,7 @@ def test_native_stack_split_by_requests_is_the_layers_one_by_one_bit_for_bit(var
             fresh = {id(md): dataclasses.replace(md, extra=None) for md in mds}
             mds = [fresh[id(md)] for md in mds]
             with torch.inference_mode():
-                x = model.embed_tokens[ids]
+                x = model.embed_tokens.weight[ids]
                 _, residual = native(model.rotary_emb.lookup(positions, x.dtype), x, [c.clone() for c in caches], mds)
             split[min_rows] = residual.data_ptr() != x.data_ptr()
         # an error inside a share's thread is a RuntimeError here, and the next call works
@@ -379,8 +382,8 @@ def test_native_stack_split_by_requests_is_the_layers_one_by_one_bit_for_bit(var
         with torch.inference_mode():
             rope = model.rotary_emb.lookup(positions, x.dtype)
             with pytest.raises(RuntimeError):
-                native(rope, model.embed_tokens[ids], bad, mds)
-            assert native(rope, model.embed_tokens[ids], [c.clone() for c in caches], mds) is not None
+                native(rope, model.embed_tokens.weight[ids], bad, mds)
+            assert native(rope, model.embed_tokens.weight[ids], [c.clone() for c in caches], mds) is not None
     finally:
         torch.set_num_threads(before)
     assert calls == 1
@@ -409,7 +412,7 @@ def test_native_stack_keeps_its_specs_until_a_source_changes(variant, quant, dty
     assert calls == calls2 == 1 and native.made[False][0] is specs and torch.equal(again, first)
     with torch.no_grad():
         if quant == "int8":
-            model.layers[1].mlp.down_proj.weight_scale.mul_(0.5)
+            model.layers[1].mlp.down_proj.quant_method.weight_scale.mul_(0.5)
         else:
             model.layers[1].self_attn.qkv_proj.bias.mul_(0.5)
     got, got_caches, calls = run_model(model, step, stack=True, native=native)
@@ -444,12 +447,12 @@ def test_native_stack_declines_per_step_and_raises_cleanly(variant):
     native = model._ops.decoder_stack(list(model.layers))
     ids, positions, caches, mds = step
     for md in mds:
-        model.layers[0].self_attn.attn_backend.prepare(md)
+        model.layers[0].self_attn.attn.backend.prepare(md)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         with torch.inference_mode():
-            x = model.embed_tokens[ids]
+            x = model.embed_tokens.weight[ids]
             rope = model.rotary_emb.lookup(positions, x.dtype)
             bad = [c.clone() for c in caches]
             bad[2] = bad[2][:, :, :, :1]  # one KV head too few for layer 2's attention

@@ -20,7 +20,7 @@ def _run(llm: LLM, prompts=PROMPTS, sp=GREEDY):
 
 
 def _attn_layers(llm: LLM):
-    return [layer.self_attn for layer in llm.llm_engine.core.worker.runner.model.model.layers]
+    return [layer.self_attn.attn for layer in llm.llm_engine.core.worker.runner.model.model.layers]
 
 
 @pytest.fixture(scope="module")

@@ -184,7 +184,7 @@ def test_qwen2_gguf_quantized_with_bias(tmp_path):
     assert np.array_equal(layer.self_attn.qkv_proj.weight[: q_ref.shape[0]].numpy(), expect_q)
     bias = torch.cat([ref[f"model.layers.0.self_attn.{x}_proj.bias"] for x in "qkv"])
     assert torch.equal(layer.self_attn.qkv_proj.bias, bias)
-    assert torch.equal(model.lm_head, ref["lm_head.weight"])
+    assert torch.equal(model.lm_head.weight, ref["lm_head.weight"])
 
 
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0])

@@ -65,7 +65,7 @@ def test_qwen2_sliding_window_layers(tmp_path):
     config = Qwen2Config(**TINY, architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=5,
                          max_window_layers=1)
     model = _check(tmp_path, config)
-    assert [layer.self_attn.sliding_window for layer in model.model.layers] == [None, 5]
+    assert [layer.self_attn.attn.sliding_window for layer in model.model.layers] == [None, 5]
     # Two cache groups: the full layer keeps everything, the sliding one only its window.
     kinds = [spec.kind for spec in model.get_kv_cache_specs(4, torch.float32)]
     assert kinds == ["full_attention", "sliding_window"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_registry.models.rope import RotaryEmbedding, rope_parameters
+from model_registry.layers.rotary import RotaryEmbedding, rope_parameters
 
 torch.set_num_threads(2)
 

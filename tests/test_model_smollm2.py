@@ -67,7 +67,7 @@ def test_loaded_model_holds_the_same_weights(model, smollm2_hf):
         assert torch.equal(layer.self_attn.qkv_proj.weight, qkv)
         gate_up = torch.cat([ref[p + "mlp.gate_proj.weight"], ref[p + "mlp.up_proj.weight"]])
         assert torch.equal(layer.mlp.gate_up_proj.weight, gate_up)
-    assert model.lm_head is model.model.embed_tokens
+    assert model.lm_head.weight is model.model.embed_tokens.weight
     assert (model.num_layers, model.num_kv_heads, model.head_size) == (30, 3, 64)
     assert {s.kind for s in model.get_kv_cache_specs(16, torch.float32)} == {"full_attention"}
 
@@ -81,7 +81,7 @@ def test_logits_match_transformers(model, smollm2_hf, source):
         "c": tok("def fibonacci(n):").input_ids,
     }
     prompts["b"] = tok(prompts["b"]).input_ids
-    harness = PagedHarness(model, model.model.layers[0].self_attn.attn_backend, num_blocks=128, block_size=16)
+    harness = PagedHarness(model, model.model.layers[0].self_attn.attn.backend, num_blocks=128, block_size=16)
     run_standard_schedule(harness, prompts, decode_steps=3)
     assert_matches_hf(harness, smollm2_hf, atol=2e-4)
 

@@ -289,15 +289,16 @@ def test_engine_gguf_on_the_default_model():
     base = dense.generate(prompts, sp)
     dense_model = dense.llm_engine.core.worker.runner.model
     dense_w = {n: m.weight.detach().clone() for n, m in dense_model.named_modules() if hasattr(m, "checkpoint_names")}
-    dense_head = dense_model.lm_head.detach().clone()
+    dense_head = dense_model.lm_head.weight.detach().clone()
     del dense
     llm = LLM(dtype="float32", num_threads=1, max_model_len=128, enable_prefix_caching=False, quantization="gguf")
     model = llm.llm_engine.core.worker.runner.model
     layers = {n: m for n, m in model.named_modules() if hasattr(m, "checkpoint_names")}
-    assert len(layers) == 4 * 30 and all(m.gguf_weight is not None for m in layers.values())
+    assert len(layers) == 4 * 30 and all(m.quant_method.name == "gguf" for m in layers.values())
     for n, m in layers.items():  # shard order and the rotary row permutation of q and k
-        assert torch.equal(dequantize_gguf(m.gguf_weight), dense_w[n]), n
-    assert model.gguf_head.qtype == "Q8_0" and torch.equal(dequantize_gguf(model.gguf_head), dense_head)
+        assert torch.equal(dequantize_gguf(m.quant_method.gguf_weight), dense_w[n]), n
+    head = model.lm_head.quant_method.gguf_weight
+    assert head.qtype == "Q8_0" and torch.equal(dequantize_gguf(head), dense_head)
     out = llm.generate(prompts, sp)
     agree = [next((i for i, (a, b) in enumerate(zip(x.outputs[0].token_ids, y.outputs[0].token_ids)) if a != b), 24)
              for x, y in zip(base, out)]

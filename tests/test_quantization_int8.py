@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from model_registry.layers import ReplicatedLinear
 from model_registry.layers.quantization import quantize_model
 from vllite_core.config import ConfigError, ModelConfig
 from vllite_core.model_ops import ModelOps, quantize_rows_int8
@@ -121,12 +122,13 @@ def test_int8_lm_head_opt_in(tiny_llama, monkeypatch, dtype):
     prompts = [{"prompt_token_ids": [3 + i, 40 + 7 * i, 9, 100 + i, 77]} for i in range(6)]
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     plain = LLM(model=tiny_llama, dtype=dtype, num_threads=1, quantization="int8")
-    assert plain.llm_engine.core.worker.runner.model.int8_head is None  # vLLM's default: the head as loaded
+    plain_head = plain.llm_engine.core.worker.runner.model.lm_head
+    assert plain_head.quant_method.name == "unquantized"  # vLLM's default: the head as loaded
     monkeypatch.setenv("VLLITE_INT8_LM_HEAD", "1")
     llm = LLM(model=tiny_llama, dtype=dtype, num_threads=1, quantization="int8")
     model = llm.llm_engine.core.worker.runner.model
-    q, s = model.int8_head
-    want_q, want_s = quantize_rows_int8(model.lm_head.detach())
+    q, s = model.lm_head.quant_method.qweight, model.lm_head.quant_method.weight_scale
+    want_q, want_s = quantize_rows_int8(model.lm_head.weight.detach())
     assert torch.equal(q, want_q) and torch.equal(s, want_s)
     h = torch.randn(7, model.hidden_size, generator=torch.Generator().manual_seed(3)).to(model.dtype)
     with torch.inference_mode():
@@ -139,13 +141,9 @@ def test_int8_lm_head_opt_in(tiny_llama, monkeypatch, dtype):
 
 
 def test_int8_lm_head_needs_the_models_method(monkeypatch):
-    class Layer(torch.nn.Linear):
-        def quantize_int8(self):
-            self.weight_scale = torch.ones(self.out_features)
-
     class Model(torch.nn.Sequential):
         supported_quantization = ("int8",)
 
     monkeypatch.setenv("VLLITE_INT8_LM_HEAD", "1")
     with pytest.raises(ConfigError, match="VLLITE_INT8_LM_HEAD=1: Model cannot quantize its LM head"):
-        quantize_model(Model(Layer(4, 4)), "int8")
+        quantize_model(Model(ReplicatedLinear(4, 4, False, torch.float32)), "int8")

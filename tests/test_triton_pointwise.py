@@ -19,7 +19,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install -r re
 
 from vllite_triton_kernels import TritonModelOps  # noqa: E402
 
-from model_registry.models.rope import RotaryEmbedding  # noqa: E402
+from model_registry.layers.rotary import RotaryEmbedding  # noqa: E402
 from vllite_core.model_ops import ModelOps  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

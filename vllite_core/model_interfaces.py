@@ -121,7 +121,7 @@ class SupportsLoRA(Protocol):
 
 
 class SupportsTensorParallel(Protocol):
-    """Its layers shard over tensor-parallel ranks (``model_registry.parallel_layers``): built on each rank,
+    """Its layers shard over tensor-parallel ranks (``model_registry.layers.linear``): built on each rank,
     it holds and loads that rank's slice. A model class that does not declare it runs on one rank only."""
 
     @classmethod
