@@ -16,8 +16,10 @@ from typing import Any
 
 import torch
 
+from model_registry.layers.fast_path import report_fast_paths
 from model_registry.source import ModelSource, open_gguf
 from vllite_core.attention.backend import AttentionBackend
+from vllite_core.model_ops import current_model_ops
 
 logger = logging.getLogger("vllite.model_registry")
 
@@ -48,7 +50,11 @@ def load_model(source: ModelSource, hf_config: Any, model_cls: type, attn_backen
         from model_registry.layers.quantization import quantize_model
 
         quantize_model(model, quantization, source)
-    return model.eval()
+    model.eval()
+    report = report_fast_paths(model)
+    if report.paths:
+        logger.info("%s", report.describe(current_model_ops().name))
+    return model
 
 
 def _gguf_weights(source: ModelSource, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:

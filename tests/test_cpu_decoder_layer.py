@@ -19,7 +19,7 @@ kernels = pytest.importorskip("vllite_platform_cpu.kernels")
 if not kernels.available():
     pytest.skip(f"CPU kernels not built here: {kernels.error()}", allow_module_level=True)
 
-from transformers import LlamaConfig, Qwen2Config  # noqa: E402
+from transformers import LlamaConfig, MistralConfig, Qwen2Config  # noqa: E402
 from vllite_platform_cpu.attention import TorchPagedAttention  # noqa: E402
 from vllite_platform_cpu.decoder_layer import NativeDecoderStack  # noqa: E402
 from vllite_platform_cpu.isa import NAMES  # noqa: E402
@@ -46,6 +46,8 @@ CONFIGS = {
                          head_dim=16, num_hidden_layers=1, vocab_size=32, rms_norm_eps=1e-5),
     "qwen2": Qwen2Config(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
                          num_hidden_layers=1, vocab_size=32, rms_norm_eps=1e-6),
+    "mistral": MistralConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=16, num_hidden_layers=1, vocab_size=32, sliding_window=8),
 }
 GGUF_TYPES = {"qkv_proj": "Q8_0", "o_proj": "Q4_0", "gate_up_proj": "Q4_1", "down_proj": "Q4_0"}
 
@@ -461,3 +463,35 @@ def test_native_stack_declines_per_step_and_raises_cleanly(variant):
             assert native(rope, x.clone(), [c.clone() for c in caches], mds) is not None
     finally:
         torch.set_num_threads(before)
+
+
+# ---- what the fast path reports -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("quant", ["plain", "int8", "gguf"])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_the_fast_path_takes_every_layer_of_the_llama_family(variant, name, quant, caplog):
+    """Read from the typed records alone, every layer of a Llama-family model (Llama, Qwen2 with q/k/v bias; a
+    Mistral window is an attention option) takes the C++ path wherever this host's ops put its linears on kernels
+    the C++ side calls; the report says so per layer, and a layer it cannot take is named with its reason."""
+    from model_registry.layers.fast_path import report_fast_paths
+
+    ops = platform_ops()
+    dtype = torch.float32
+    model = make_model(name, dtype, quant, ops)
+    if not any(takes_native(ops, layer, quant, dtype, rows) for layer in model.layers[:1] for rows in (1, 17)):
+        pytest.skip("this host's ops put the linears on oneDNN or _int_mm: no C++ path to take")
+    report = report_fast_paths(model)
+    assert report.paths == ("fused",) * 3 and report.describe(ops.name).endswith("3 of 3 decoder layers on the "
+                                                                                 "platform's fused path")
+    swapped = make_model(name, dtype, quant, ops)
+    swapped.layers[1].input_layernorm = torch.nn.Identity()  # as the EAGLE head's layer
+    with caplog.at_level("INFO", logger="vllite.platform.cpu"):
+        assert report_fast_paths(swapped).paths == ("fused", "modules", "fused")
+    assert "its norms are not both RMSNorm" in caplog.text or "its norms are not both RMSNorm" in decoder_layer_told()
+
+
+def decoder_layer_told() -> str:
+    """The reasons already logged in this process (each is logged once)."""
+    from vllite_platform_cpu import decoder_layer
+
+    return " ".join(decoder_layer._TOLD)

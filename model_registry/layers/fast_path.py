@@ -8,8 +8,9 @@ after the record is made: a platform checks them per step).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -44,3 +45,36 @@ class DecoderLayerRecord:
     activation: Literal["silu"]
     rope: Literal["neox"] | None
     ops: ModelOps
+
+
+@runtime_checkable
+class FusableLayer(Protocol):
+    """A decoder layer that offers its record to the platform's fused path (``ModelOps.decoder_layer``)."""
+
+    def fast_path_record(self) -> DecoderLayerRecord | str: ...
+
+    def native_layer(self) -> Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None: ...
+
+
+@dataclass(frozen=True)
+class FastPathReport:
+    """Which path each fusable decoder layer of a model runs: ``fused`` (the platform's call, step by step
+    where a step allows it) or ``modules`` (the layer's own code, the reason logged once by the platform)."""
+
+    paths: tuple[str, ...]
+
+    @property
+    def fused(self) -> int:
+        return self.paths.count("fused")
+
+    def describe(self, ops_name: str) -> str:
+        if not self.paths:
+            return f"model ops {ops_name}: no decoder layer offers a fused path"
+        return f"model ops {ops_name}: {self.fused} of {len(self.paths)} decoder layers on the platform's fused path"
+
+
+def report_fast_paths(model: torch.nn.Module) -> FastPathReport:
+    """Ask the platform for every fusable layer's fused call now (after loading and quantization, when the weights
+    are final; each layer keeps it) and say which path each runs."""
+    return FastPathReport(tuple("fused" if m.native_layer() is not None else "modules"
+                                for m in model.modules() if isinstance(m, FusableLayer)))
