@@ -233,16 +233,17 @@ class ModelOps:
         return y
 
 
-    def moe(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
-            topk_ids: torch.Tensor) -> torch.Tensor:
-        """Mixture of SwiGLU experts: ``x`` [T, H]; ``gate_up`` [E, 2I, H] and ``down`` [E, H, I] stacked
-        expert weights; each token goes to its ``topk_ids`` [T, k] experts, their outputs summed with
-        ``topk_weights`` [T, k] (routing, normalised or not, is the model's). Returns [T, H]."""
+    def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+        """Mixture of SwiGLU experts: ``x`` [T, H]; ``w13`` [E, 2I, H] (gate rows, then up) and ``w2`` [E, H, I]
+        stacked expert weights; each token goes to its ``topk_ids`` [T, k] experts, their outputs summed with
+        ``topk_weights`` [T, k] (routing is the router's: ``model_registry.layers.moe``). Returns [T, H]. Only
+        the experts some token chose are computed."""
         out = torch.zeros_like(x)
         for e in torch.unique(topk_ids).tolist():
             tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
-            h = self.silu_and_mul(F.linear(x[tok], gate_up[e]))
-            h = F.linear(h, down[e]) * topk_weights[tok, slot, None]
+            h = self.silu_and_mul(F.linear(x[tok], w13[e]))
+            h = F.linear(h, w2[e]) * topk_weights[tok, slot, None]
             out.index_add_(0, tok, h.to(out.dtype))
         return out
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from model_registry.layers.activation import gated, get_act_fn
 from model_registry.layers.attention import Attention
 from model_registry.layers.fast_path import DecoderLayerRecord, NormRecord
+from model_registry.layers.hybrid import HybridAttention, HybridForCausalLM, HybridStep
 from model_registry.layers.linear import (
     ColumnParallelLinear,
     LinearBase,
@@ -29,6 +30,8 @@ from model_registry.layers.linear import (
     RowParallelLinear,
     Segment,
 )
+from model_registry.layers.mamba import Mamba2Dims, Mamba2Mixer, MambaBase, MambaMixer, ShortConv
+from model_registry.layers.moe import FusedMoE, GatedMLP, TopKRouter
 from model_registry.layers.norm import GemmaRMSNorm, LayerNorm, RMSNorm, rms_normalize
 from model_registry.layers.params import copy_checked, empty_param, load_parameter
 from model_registry.layers.rotary import MRotaryEmbedding, RotaryEmbedding, apply_rotary, rope_parameters
@@ -42,4 +45,6 @@ __all__ = [
     "QKVParallelLinear", "RMSNorm", "ReplicatedLinear", "RotaryEmbedding", "RowParallelLinear", "Segment",
     "VocabParallelEmbedding", "copy_checked", "empty_param", "gated", "get_act_fn", "load_parameter",
     "apply_rotary", "rms_normalize", "rope_parameters",
+    "FusedMoE", "GatedMLP", "HybridAttention", "HybridForCausalLM", "HybridStep", "Mamba2Dims", "Mamba2Mixer",
+    "MambaBase", "MambaMixer", "ShortConv", "TopKRouter",
 ]

@@ -6,13 +6,15 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from model_registry.layers.params import load_parameter
+
 
 @torch.no_grad()
 def load_by_name(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                  rename: Callable[[str], str | None] = lambda n: n) -> set[str]:
-    """Copy each HF tensor into the parameter of the same name (``rename`` maps a checkpoint name to a
-    parameter name, or None to skip it); returns the parameter names loaded. Unknown names and shape
-    mismatches are errors, never silently dropped."""
+    """Copy each HF tensor into the parameter of the same name through its loader (``rename`` maps a
+    checkpoint name to a parameter name, or None to skip it); returns the parameter names loaded. Unknown
+    names and shape mismatches are errors, never silently dropped."""
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -24,19 +26,9 @@ def load_by_name(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
         if param is None:
             unexpected.append(hf_name)
             continue
-        if tuple(param.shape) != tuple(tensor.shape):
-            raise ValueError(f"weight {hf_name}: checkpoint shape {tuple(tensor.shape)} does not match the "
-                             f"model's {tuple(param.shape)}")
-        param.data.copy_(tensor)
+        load_parameter(param, tensor, None, hf_name)
         loaded.add(name)
     if unexpected:
         shown = ", ".join(unexpected[:8]) + (" ..." if len(unexpected) > 8 else "")
         raise ValueError(f"checkpoint has weights this model does not know: {shown}")
-    return loaded
-
-
-def tie_loaded(model: nn.Module, loaded: set[str], head: str, embedding: str) -> set[str]:
-    """With tied embeddings the head is the embedding: count it loaded once the embedding is."""
-    if embedding in loaded:
-        loaded.add(head)
     return loaded

@@ -1,27 +1,22 @@
 """NemotronH (NemotronHForCausalLM): a stack of single-mixer blocks chosen by ``hybrid_override_pattern``
 (``M`` Mamba-2, ``*`` attention without positional encoding, ``-`` an MLP), each ``x + mixer(norm(x))``.
 
-Mamba-2 blocks hold a state (``StateSpec``), attention blocks paged KV; MLP blocks hold no cache, so the
-model's ``kv_caches`` list covers the cache-holding blocks only, in order. Module names follow the HF
-checkpoint's (``backbone.*``).
+Mamba-2 blocks hold a state, attention blocks paged KV; MLP blocks hold no cache, so the model's
+``kv_caches`` cover the cache-holding blocks only, in order. The checkpoint's ``backbone.*`` names map onto
+the hybrid shell's ``model.*``.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
 from model_registry.layers import ReplicatedLinear, RMSNorm
-from model_registry.models.hf_weights import load_by_name
-from model_registry.models.jamba import Attention
-from model_registry.models.mamba import Embedding, _param
-from model_registry.models.mamba2 import Mamba2Dims, Mamba2Mixer
+from model_registry.layers.hybrid import HybridAttention, HybridForCausalLM, HybridStep
+from model_registry.layers.mamba import Mamba2Dims, Mamba2Mixer
+from model_registry.models.mamba import BACKBONE
 from vllite_core.attention.backend import AttentionBackend
-from vllite_core.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, StateSpec
-from vllite_core.model_interfaces import IsStateful
-from vllite_core.model_ops import current_model_ops
 
 
 class ReluSquaredMLP(nn.Module):
@@ -52,72 +47,28 @@ class NemotronHBlock(nn.Module):
         if kind == "linear_attention":
             self.mixer: nn.Module = Mamba2Mixer(_dims(c), dtype)
         elif kind == "full_attention":
-            self.mixer = Attention(c, attn_backend, dtype)
+            self.mixer = HybridAttention.from_config(c, attn_backend, dtype)
         elif kind == "mlp":
             self.mixer = ReluSquaredMLP(c, dtype)
         else:
             raise NotImplementedError(f"NemotronH block type {kind!r} is not supported (mamba, attention, mlp)")
 
-    @property
-    def holds_cache(self) -> bool:
-        return self.kind != "mlp"
-
-    def forward(self, x: torch.Tensor, cache: torch.Tensor | None, md: Any) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, caches: list[torch.Tensor], mds: list[Any], step: HybridStep
+                ) -> torch.Tensor:
         h = self.norm(x)
-        return x + (self.mixer(h) if self.kind == "mlp" else self.mixer(h, cache, md))
+        if self.kind == "mlp":
+            return x + self.mixer(h)
+        if self.kind == "full_attention":
+            return x + self.mixer(h, caches[0], mds[0], step.rope)
+        return x + self.mixer(h, caches[0], mds[0])
 
 
-class NemotronHForCausalLM(nn.Module, IsStateful):
+class NemotronHForCausalLM(HybridForCausalLM):
     """Engine model for NemotronHForCausalLM checkpoints."""
 
+    renames = BACKBONE
+
     def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:
-        super().__init__()
         c = hf_config
-        self.config = c
-        self.dtype = dtype
-        self.vocab_size: int = c.vocab_size
-        self.backbone = nn.Module()
-        self.backbone.embeddings = Embedding(c.vocab_size, c.hidden_size, dtype)
-        self.backbone.layers = nn.ModuleList(NemotronHBlock(c, kind, attn_backend, dtype)
-                                             for kind in c.layers_block_type)
-        self.backbone.norm_f = RMSNorm(c.hidden_size, float(c.layer_norm_epsilon), dtype)
-        self.tie_word_embeddings = bool(getattr(c, "tie_word_embeddings", False))
-        self.lm_head = (self.backbone.embeddings.weight if self.tie_word_embeddings
-                        else _param(self.vocab_size, c.hidden_size, dtype=dtype))
-        self._ops = current_model_ops()
-        self._head_state: dict = {}
-
-    def get_kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> list[KVCacheSpec]:
-        specs: list[KVCacheSpec] = []
-        for block in self.backbone.layers:
-            if block.kind == "linear_attention":
-                specs.append(StateSpec.of(block_size, block.mixer.state_shapes, self.dtype))
-            elif block.kind == "full_attention":
-                specs.append(FullAttentionSpec(block_size, block.mixer.num_kv_heads, block.mixer.head_size, dtype))
-        return specs
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: list[Any]) -> torch.Tensor:
-        x = self.backbone.embeddings(input_ids)
-        i = 0
-        for block in self.backbone.layers:
-            if block.holds_cache:
-                x = block(x, kv_caches[i], attn_metadata[i])
-                i += 1
-            else:
-                x = block(x, None, None)
-        return self.backbone.norm_f(x)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self._ops.linear(hidden_states, self.lm_head, None, self._head_state).float()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        def rename(name: str) -> str | None:
-            if name == "lm_head.weight":
-                return None if self.tie_word_embeddings else "lm_head"
-            return name
-
-        loaded = load_by_name(self, weights, rename)
-        if self.tie_word_embeddings and "backbone.embeddings.weight" in loaded:
-            loaded.add("lm_head")
-        return loaded
+        super().__init__(c, dtype, (NemotronHBlock(c, kind, attn_backend, dtype) for kind in c.layers_block_type),
+                         float(c.layer_norm_epsilon))

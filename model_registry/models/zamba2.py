@@ -8,7 +8,6 @@ hybrid layer holds KV then a state (that order in ``kv_caches``). Module names f
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -16,14 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_registry.layers import ReplicatedLinear, RMSNorm
+from model_registry.layers.hybrid import HybridAttention, HybridForCausalLM, HybridStep
+from model_registry.layers.mamba import Mamba2Dims, Mamba2Mixer
 from model_registry.layers.rotary import RotaryEmbedding
-from model_registry.models.hf_weights import load_by_name
-from model_registry.models.mamba import Embedding, _param
-from model_registry.models.mamba2 import Mamba2Dims, Mamba2Mixer
-from vllite_core.attention.backend import AttentionBackend
-from vllite_core.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, StateSpec
-from vllite_core.model_interfaces import IsStateful
-from vllite_core.model_ops import current_model_ops
+from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
+from vllite_core.state_cache import StateMetadata
 
 _ACTS = {"gelu": lambda x: F.gelu(x), "silu": F.silu, "swish": F.silu}
 
@@ -37,39 +33,29 @@ def _adapters(c: Any, block_id: int, size_in: int, size_out: int, dtype: torch.d
         if i % c.num_mem_blocks == block_id else nn.Identity() for i in range(n))
 
 
-class SharedAttention(nn.Module):
+class SharedAttention(HybridAttention):
+    """Attention over ``[x, embeddings]`` with the hybrid layer's adapters added to q, k and v."""
+
     def __init__(self, c: Any, block_id: int, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:
-        super().__init__()
         width = c.attention_hidden_size
-        self.num_heads, self.num_kv_heads, self.head_size = c.num_attention_heads, c.num_key_value_heads, \
-            c.attention_head_dim
-        self.scale = (self.head_size / 2) ** -0.5
-        self.q_proj = ReplicatedLinear(width, self.num_heads * self.head_size, False, dtype)
-        self.k_proj = ReplicatedLinear(width, self.num_kv_heads * self.head_size, False, dtype)
-        self.v_proj = ReplicatedLinear(width, self.num_kv_heads * self.head_size, False, dtype)
-        self.o_proj = ReplicatedLinear(self.num_heads * self.head_size, c.hidden_size, False, dtype)
+        super().__init__(width, c.num_attention_heads, c.num_key_value_heads, c.attention_head_dim, attn_backend,
+                         dtype, scale=(c.attention_head_dim / 2) ** -0.5, out_size=c.hidden_size)
         self.use_adapters = bool(c.use_shared_attention_adapter)
         if self.use_adapters:
             self.linear_q_adapter_list = _adapters(c, block_id, width, width, dtype)
             self.linear_k_adapter_list = _adapters(c, block_id, width, width, dtype)
             self.linear_v_adapter_list = _adapters(c, block_id, width, width, dtype)
-        self.attn_backend = attn_backend
-        self._ops = current_model_ops()
 
-    def forward(self, rope: Any, x: torch.Tensor, hybrid_index: int, kv_cache: torch.Tensor, md: Any) -> torch.Tensor:
+    def adapted(self, x: torch.Tensor, hybrid_index: int, kv_cache: torch.Tensor, md: AttentionMetadata,
+                rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.use_adapters:
             q = q + self.linear_q_adapter_list[hybrid_index](x)
             k = k + self.linear_k_adapter_list[hybrid_index](x)
             v = v + self.linear_v_adapter_list[hybrid_index](x)
-        q = q.view(t, self.num_heads, self.head_size)
-        k = k.view(t, self.num_kv_heads, self.head_size)
-        v = v.view(t, self.num_kv_heads, self.head_size)
-        if rope is not None:
-            q, k = self._ops.rotary(q, k, *rope)
-        out = self.attn_backend.forward(q, k, v, kv_cache, md, self.scale)
-        return self.o_proj(out.reshape(t, -1))
+        return self.attend(q.view(t, self.num_heads, self.head_size), k.view(t, self.num_kv_heads, self.head_size),
+                           v.view(t, self.num_kv_heads, self.head_size), kv_cache, md, rope)
 
 
 class SharedMLP(nn.Module):
@@ -96,10 +82,10 @@ class SharedTransformer(nn.Module):
         self.pre_ff_layernorm = RMSNorm(c.hidden_size, float(c.rms_norm_eps), dtype)
         self.feed_forward = SharedMLP(c, block_id, dtype)
 
-    def forward(self, rope: Any, x: torch.Tensor, original: torch.Tensor, hybrid_index: int,
-                kv_cache: torch.Tensor, md: Any) -> torch.Tensor:
-        h = self.input_layernorm(torch.cat([x, original], dim=-1))
-        h = self.pre_ff_layernorm(self.self_attn(rope, h, hybrid_index, kv_cache, md))
+    def forward(self, x: torch.Tensor, hybrid_index: int, kv_cache: torch.Tensor, md: AttentionMetadata,
+                step: HybridStep) -> torch.Tensor:
+        h = self.input_layernorm(torch.cat([x, step.embeddings], dim=-1))
+        h = self.pre_ff_layernorm(self.self_attn.adapted(h, hybrid_index, kv_cache, md, step.rope))
         return self.feed_forward(h, hybrid_index)
 
 
@@ -113,95 +99,45 @@ class MambaLayer(nn.Module):
             use_bias=bool(c.add_bias_linear), use_conv_bias=True, norm_eps=1e-5,
             dt_limit=(float(c.time_step_min), float("inf")), activation="silu"), dtype)
 
-    def forward(self, x: torch.Tensor, cache: torch.Tensor, md: Any, added: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def mix(self, x: torch.Tensor, cache: torch.Tensor, md: StateMetadata, added: torch.Tensor | None = None
+            ) -> torch.Tensor:
         h = self.input_layernorm(x if added is None else x + added)
         return x + self.mamba(h, cache, md)
 
+    def forward(self, x: torch.Tensor, caches: list[torch.Tensor], mds: list[Any], step: HybridStep
+                ) -> torch.Tensor:
+        return self.mix(x, caches[0], mds[0])
+
 
 class HybridLayer(nn.Module):
-    def __init__(self, shared: SharedTransformer, c: Any, dtype: torch.dtype) -> None:
+    """The shared block (KV cache first), its output through ``linear`` added to the Mamba layer's input."""
+
+    def __init__(self, shared: SharedTransformer, hybrid_index: int, c: Any, dtype: torch.dtype) -> None:
         super().__init__()
         self.shared_transformer = shared
+        self.hybrid_index = hybrid_index
         self.linear = ReplicatedLinear(c.hidden_size, c.hidden_size, False, dtype)
         self.mamba_decoder = MambaLayer(c, dtype)
 
+    def forward(self, x: torch.Tensor, caches: list[torch.Tensor], mds: list[Any], step: HybridStep
+                ) -> torch.Tensor:
+        t = self.shared_transformer(x, self.hybrid_index, caches[0], mds[0], step)
+        return self.mamba_decoder.mix(x, caches[1], mds[1], added=self.linear(t))
 
-class Zamba2ForCausalLM(nn.Module, IsStateful):
+
+class Zamba2ForCausalLM(HybridForCausalLM):
     """Engine model for Zamba2ForCausalLM checkpoints (shared blocks stored once, under their first layer)."""
 
+    tie_default = True
+    renames = (("model.final_layernorm.", "model.norm."),)
+
     def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:
-        super().__init__()
         c = hf_config
         if getattr(c, "use_long_context", False):
             raise NotImplementedError("Zamba2 use_long_context (rescaled RoPE) is not supported")
-        self.config = c
-        self.dtype = dtype
-        self.vocab_size: int = c.vocab_size
         shared = [SharedTransformer(c, b, attn_backend, dtype) for b in range(c.num_mem_blocks)]
-        self.hybrid_index: dict[int, int] = {layer: i for i, layer in enumerate(c.hybrid_layer_ids)}
-        layers: list[nn.Module] = []
-        for i, kind in enumerate(c.layers_block_type):
-            if kind == "hybrid":
-                layers.append(HybridLayer(shared[self.hybrid_index[i] % c.num_mem_blocks], c, dtype))
-            else:
-                layers.append(MambaLayer(c, dtype))
-        self.model = nn.Module()
-        self.model.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dtype)
-        self.model.layers = nn.ModuleList(layers)
-        self.model.final_layernorm = RMSNorm(c.hidden_size, float(c.rms_norm_eps), dtype)
+        hybrid_index = {layer: i for i, layer in enumerate(c.hybrid_layer_ids)}
+        super().__init__(c, dtype, (HybridLayer(shared[hybrid_index[i] % c.num_mem_blocks], hybrid_index[i], c, dtype)
+                                    if kind == "hybrid" else MambaLayer(c, dtype)
+                                    for i, kind in enumerate(c.layers_block_type)), float(c.rms_norm_eps))
         self.rotary_emb = RotaryEmbedding(c, c.attention_head_dim) if c.use_mem_rope else None
-        self.tie_word_embeddings = bool(getattr(c, "tie_word_embeddings", True))
-        self.lm_head = (self.model.embed_tokens.weight if self.tie_word_embeddings
-                        else _param(self.vocab_size, c.hidden_size, dtype=dtype))
-        self._ops = current_model_ops()
-        self._head_state: dict = {}
-
-    def get_kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> list[KVCacheSpec]:
-        specs: list[KVCacheSpec] = []
-        for layer in self.model.layers:
-            if isinstance(layer, HybridLayer):
-                a = layer.shared_transformer.self_attn
-                specs.append(FullAttentionSpec(block_size, a.num_kv_heads, a.head_size, dtype))
-                layer = layer.mamba_decoder
-            specs.append(StateSpec.of(block_size, layer.mamba.state_shapes, self.dtype))
-        return specs
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: list[Any]) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        original = x
-        rope = self.rotary_emb.lookup(positions, x.dtype) if self.rotary_emb is not None else None
-        i = 0
-        for n, layer in enumerate(self.model.layers):
-            if isinstance(layer, HybridLayer):
-                t = layer.shared_transformer(rope, x, original, self.hybrid_index[n], kv_caches[i], attn_metadata[i])
-                i += 1
-                x = layer.mamba_decoder(x, kv_caches[i], attn_metadata[i], added=layer.linear(t))
-            else:
-                x = layer(x, kv_caches[i], attn_metadata[i])
-            i += 1
-        return self.model.final_layernorm(x)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self._ops.linear(hidden_states, self.lm_head, None, self._head_state).float()
-
-    def ensure_positions(self, max_model_len: int) -> None:
-        if self.rotary_emb is not None:
-            self.rotary_emb.ensure_positions(max_model_len)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        def rename(name: str) -> str | None:
-            if name == "lm_head.weight":
-                return None if self.tie_word_embeddings else "lm_head"
-            return name
-
-        loaded = load_by_name(self, weights, rename)
-        # A shared block (and a tied head) is one parameter under several names: loaded under one, loaded.
-        names: dict[int, list[str]] = {}
-        for name, p in self.named_parameters(remove_duplicate=False):
-            names.setdefault(id(p), []).append(name)
-        for aliases in names.values():
-            if loaded.intersection(aliases):
-                loaded.update(aliases)
-        return loaded

@@ -1,0 +1,129 @@
+"""Mixture-of-experts: a top-k router and the experts' stacked weights, computed through one platform op
+(``ModelOps.fused_moe``), with optional shared experts every token also runs.
+
+Routing options cover the common families: softmax or sigmoid scores, renormalised top-k weights (Mixtral,
+Granite), grouped top-k (``n_group`` groups, the best ``topk_group`` kept: DeepSeek), a score correction bias
+that steers the choice but not the weights (DeepSeek-V3), and a routed scaling factor.
+"""
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model_registry.layers.linear import ReplicatedLinear
+from model_registry.layers.params import copy_checked, empty_param
+from vllite_core.model_ops import ModelOps, current_model_ops
+
+ExpertShard = Literal["w1", "w2", "w3"]  # vLLM's names: gate, down, up
+
+_EXPERT = re.compile(r"(.+)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+_SHARD: dict[str, ExpertShard] = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2", "w1": "w1", "w2": "w2",
+                                  "w3": "w3"}
+
+
+def expert_weight(name: str) -> tuple[str, int, ExpertShard] | None:
+    """``<moe>.experts.<e>.<gate_proj|up_proj|down_proj|w1|w2|w3>.weight`` -> (the FusedMoE's name, e, shard)."""
+    m = _EXPERT.match(name)
+    return (m.group(1), int(m.group(2)), _SHARD[m.group(3)]) if m else None
+
+
+class TopKRouter(nn.Module):
+    """Scores each token against ``num_experts`` (``weight`` [E, H]) and picks ``top_k`` of them; returns
+    float32 weights and the expert ids, both [T, top_k]."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, dtype: torch.dtype,
+                 scoring: Literal["softmax", "sigmoid"] = "softmax", renormalize: bool = False,
+                 n_group: int | None = None, topk_group: int | None = None, correction_bias: bool = False,
+                 routed_scaling_factor: float = 1.0) -> None:
+        super().__init__()
+        self.weight = empty_param(num_experts, hidden_size, dtype=dtype)
+        self.e_score_correction_bias = empty_param(num_experts, dtype=torch.float32) if correction_bias else None
+        self.top_k, self.scoring, self.renormalize = top_k, scoring, renormalize
+        self.n_group, self.topk_group = n_group, topk_group
+        self.routed_scaling_factor = routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight).float()
+        plain = self.n_group is None and self.e_score_correction_bias is None
+        if self.scoring == "softmax" and self.renormalize and plain:
+            # The softmax of the chosen logits is the renormalised softmax, in fewer steps (Granite's order).
+            top, ids = logits.topk(self.top_k, dim=-1)
+            return self._scaled(torch.softmax(top, dim=-1)), ids
+        scores = torch.softmax(logits, dim=-1) if self.scoring == "softmax" else torch.sigmoid(logits)
+        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
+        if self.n_group is not None:
+            choice = self._best_groups(choice)
+        ids = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(-1, ids)
+        if self.renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return self._scaled(weights), ids
+
+    def _best_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """``choice`` with the experts outside each token's ``topk_group`` best groups masked out; a group
+        scores its best expert, or its best two with a correction bias (DeepSeek-V3)."""
+        assert self.topk_group is not None, "grouped top-k needs topk_group"
+        groups = choice.view(choice.shape[0], self.n_group, -1)
+        best = groups.topk(2, dim=-1).values.sum(-1) if self.e_score_correction_bias is not None \
+            else groups.amax(-1)
+        kept = torch.zeros_like(best).scatter_(1, best.topk(self.topk_group, dim=-1).indices, 1.0)
+        return groups.masked_fill(kept.unsqueeze(-1) == 0, float("-inf")).view_as(choice)
+
+    def _scaled(self, weights: torch.Tensor) -> torch.Tensor:
+        return weights if self.routed_scaling_factor == 1.0 else weights * self.routed_scaling_factor
+
+
+class GatedMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up in one matmul (``gate_up_proj``: gate rows first)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
+                 ops: ModelOps | None = None) -> None:
+        super().__init__()
+        self.gate_up_proj = ReplicatedLinear(hidden_size, 2 * intermediate_size, False, dtype, ops)
+        self.down_proj = ReplicatedLinear(intermediate_size, hidden_size, False, dtype, ops)
+        self.ops = self.down_proj.ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class FusedMoE(nn.Module):
+    """Routed SwiGLU experts stacked as ``w13_weight`` [E, 2I, H] (gate rows, then up) and ``w2_weight``
+    [E, H, I], plus optional shared experts (``shared_intermediate_size``) whose output, scaled by a sigmoid
+    gate when ``shared_expert_gate``, is added. Stacked checkpoint tensors load whole; per-expert ones through
+    ``load_expert``."""
+
+    def __init__(self, router: TopKRouter, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
+                 shared_intermediate_size: int | None = None, shared_expert_gate: bool = False) -> None:
+        super().__init__()
+        num_experts = router.weight.shape[0]
+        self.router = router
+        self.intermediate_size = intermediate_size
+        self.w13_weight = empty_param(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype)
+        self.w2_weight = empty_param(num_experts, hidden_size, intermediate_size, dtype=dtype)
+        self.shared_experts = GatedMLP(hidden_size, shared_intermediate_size, dtype) \
+            if shared_intermediate_size else None
+        self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, False, dtype) if shared_expert_gate else None
+        self.ops = current_model_ops()
+
+    @torch.no_grad()
+    def load_expert(self, src: torch.Tensor, expert: int, shard: ExpertShard, name: str) -> None:
+        """One expert's gate (``w1``), up (``w3``) or down (``w2``) projection from the checkpoint."""
+        i = self.intermediate_size
+        dst = {"w1": self.w13_weight[expert, :i], "w3": self.w13_weight[expert, i:],
+               "w2": self.w2_weight[expert]}[shard]
+        copy_checked(dst, src, name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.router(x)
+        out = self.ops.fused_moe(x, self.w13_weight, self.w2_weight, weights.to(x.dtype), ids)
+        if self.shared_experts is None:
+            return out
+        shared = self.shared_experts(x)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return out + shared
