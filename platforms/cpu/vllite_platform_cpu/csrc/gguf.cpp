@@ -12,7 +12,7 @@
 //   Q4_1: d * xd * sum(q * xq) + m * xd * sum(xq)
 // with the integer sums exact and the float32 sums over blocks in order, then the bias.
 //
-// Layout (vllite_core.quantization.GGUFWeight, repacked once at load): groups of 8 output rows; per (group,
+// Layout (model_registry.layers.quantization.gguf.GGUFWeight, repacked once at load): groups of 8 output rows; per (group,
 // block) one record: the values in chunks of 32 bytes, byte 4r + i of chunk t holding row r's weight 4t + i
 // (Q8_0, 8 chunks; int8) or weights 4t + i (low nibble) and 16 + 4t + i (high nibble) (Q4, 4 chunks), then the
 // 8 rows' fp16 scales d and (Q4_1) minimums m. A group's records follow each other: one sequential stream.

@@ -6,7 +6,7 @@
 // to; float, mul, mul, add, to) at 3,840 calls per 32 decode steps: 3.6 s of a 13 s run, more than the int8
 // GEMMs saved. One pass each, parallel over rows only when a row block pays for the threads.
 //
-// Numerics are those of vllite_core.quantization.quantize_rows_int8 and the CPU model ops' torch code:
+// Numerics are those of vllite_core.model_ops.quantize_rows_int8 and the CPU model ops' torch code:
 // scale = max|x| / 127 (1 for an all-zero row), q = round-half-even(x / scale) clamped to +-127, and
 // y = ((float(acc) * x_scale) * w_scale) + bias, rounded once to the output dtype; no FMA contraction.
 #include <ATen/ops/empty.h>
