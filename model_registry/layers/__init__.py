@@ -7,18 +7,27 @@ has a worked example. Every layer's weights are uninitialised parameters filled 
 - ``linear``: ``ReplicatedLinear``, ``ColumnParallelLinear``, ``MergedColumnParallelLinear``,
   ``QKVParallelLinear``, ``RowParallelLinear``, each with a quantization method and a LoRA slot;
 - ``vocab``: ``VocabParallelEmbedding``, ``ParallelLMHead`` (tied or not);
+- ``embedding``: ``Embedding``, a replicated table (learned positions, token types);
+- ``conv``: ``Conv1d``, ``Conv2d`` (an encoder's audio frames and image patches);
 - ``norm``: ``RMSNorm``, ``GemmaRMSNorm`` (the ``(1 + w)`` form), ``LayerNorm``, ``rms_normalize``;
 - ``rotary``: ``RotaryEmbedding`` (default, linear, dynamic, llama3, yarn; partial rotary, a base of its own),
   ``MRotaryEmbedding``;
 - ``activation``: ``get_act_fn``, ``gated``;
 - ``attention``: ``Attention``, which declares its KV cache spec;
+- ``moe``: ``TopKRouter`` (softmax/sigmoid, renormalised, grouped, correction bias), ``FusedMoE`` (experts through
+  one platform op, ``ModelOps.fused_moe``; shared experts), ``GatedMLP``;
+- ``mamba``: the state-space mixers (``MambaMixer``, ``Mamba2Mixer``, ``ShortConv``), each declaring its state;
+- ``hybrid``: ``HybridForCausalLM``, the shell the state-space and hybrid models share, ``HybridAttention``;
 - ``fast_path``: the typed record a platform's fused decoder path reads;
-- ``quantization``: the linear layers' methods (``int8``, ``gguf``).
+- ``quantization``: the linear layers' methods (``int8``, ``gguf``);
+- ``ops``: ``TORCH_OPS``, plain torch ops a model pins where it keeps torch's numerics.
 """
 from __future__ import annotations
 
 from model_registry.layers.activation import gated, get_act_fn
 from model_registry.layers.attention import Attention
+from model_registry.layers.conv import Conv1d, Conv2d
+from model_registry.layers.embedding import Embedding
 from model_registry.layers.fast_path import DecoderLayerRecord, NormRecord
 from model_registry.layers.hybrid import HybridAttention, HybridForCausalLM, HybridStep
 from model_registry.layers.linear import (
@@ -33,6 +42,7 @@ from model_registry.layers.linear import (
 from model_registry.layers.mamba import Mamba2Dims, Mamba2Mixer, MambaBase, MambaMixer, ShortConv
 from model_registry.layers.moe import FusedMoE, GatedMLP, TopKRouter
 from model_registry.layers.norm import GemmaRMSNorm, LayerNorm, RMSNorm, rms_normalize
+from model_registry.layers.ops import TORCH_OPS
 from model_registry.layers.params import copy_checked, empty_param, load_parameter
 from model_registry.layers.rotary import MRotaryEmbedding, RotaryEmbedding, apply_rotary, rope_parameters
 from model_registry.layers.vocab import ParallelLMHead, VocabParallelEmbedding
@@ -40,11 +50,11 @@ from model_registry.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 LAYERS_API = (1, 0)  # (major, minor) of this package's public names
 
 __all__ = [
-    "LAYERS_API", "Attention", "ColumnParallelLinear", "DecoderLayerRecord", "GemmaRMSNorm", "LayerNorm",
-    "LinearBase", "MRotaryEmbedding", "MergedColumnParallelLinear", "NormRecord", "ParallelLMHead",
-    "QKVParallelLinear", "RMSNorm", "ReplicatedLinear", "RotaryEmbedding", "RowParallelLinear", "Segment",
-    "VocabParallelEmbedding", "copy_checked", "empty_param", "gated", "get_act_fn", "load_parameter",
-    "apply_rotary", "rms_normalize", "rope_parameters",
-    "FusedMoE", "GatedMLP", "HybridAttention", "HybridForCausalLM", "HybridStep", "Mamba2Dims", "Mamba2Mixer",
-    "MambaBase", "MambaMixer", "ShortConv", "TopKRouter",
+    "LAYERS_API", "TORCH_OPS", "Attention", "ColumnParallelLinear", "Conv1d", "Conv2d", "DecoderLayerRecord",
+    "Embedding", "FusedMoE", "GatedMLP", "GemmaRMSNorm", "HybridAttention", "HybridForCausalLM", "HybridStep",
+    "LayerNorm", "LinearBase", "MRotaryEmbedding", "Mamba2Dims", "Mamba2Mixer", "MambaBase", "MambaMixer",
+    "MergedColumnParallelLinear", "NormRecord", "ParallelLMHead", "QKVParallelLinear", "RMSNorm", "ReplicatedLinear",
+    "RotaryEmbedding", "RowParallelLinear", "Segment", "ShortConv", "TopKRouter", "VocabParallelEmbedding",
+    "apply_rotary", "copy_checked", "empty_param", "gated", "get_act_fn", "load_parameter", "rms_normalize",
+    "rope_parameters",
 ]

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_registry.layers import ReplicatedLinear, copy_checked
+from model_registry.layers import Embedding, LayerNorm, ReplicatedLinear, copy_checked
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
 from vllite_core.attention.encoder import PackedPrompts
 from vllite_core.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec
@@ -29,22 +29,16 @@ from vllite_core.pooling.token_types import split_token_types
 _IGNORED = ("embeddings.position_ids",)
 
 
-def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+class PostLayerNorm(LayerNorm):
+    """BERT's post-LN residual blocks: ``add_forward`` lets the platform fuse the residual add into the norm."""
 
-
-class LayerNorm(nn.Module):
     def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight, self.bias, self.eps = _param(size, dtype=dtype), _param(size, dtype=dtype), eps
-        self._ops = current_model_ops()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+        super().__init__(size, dtype, eps)
+        self.ops = current_model_ops()
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``norm(x + residual)``; may reuse ``x``'s storage."""
-        return self._ops.add_layer_norm(x, residual, self.weight, self.bias, self.eps)
+        return self.ops.add_layer_norm(x, residual, self.weight, self.bias, self.eps)
 
 
 class BertLayer(nn.Module):
@@ -54,10 +48,10 @@ class BertLayer(nn.Module):
         self.num_heads, self.head_size = c.num_attention_heads, h // c.num_attention_heads
         self.qkv = ReplicatedLinear(h, 3 * h, True, dtype)
         self.attn_out = ReplicatedLinear(h, h, True, dtype)
-        self.attn_norm = LayerNorm(h, eps, dtype)
+        self.attn_norm = PostLayerNorm(h, eps, dtype)
         self.intermediate = ReplicatedLinear(h, c.intermediate_size, True, dtype)
         self.out = ReplicatedLinear(c.intermediate_size, h, True, dtype)
-        self.out_norm = LayerNorm(h, eps, dtype)
+        self.out_norm = PostLayerNorm(h, eps, dtype)
         act = getattr(c, "hidden_act", "gelu")
         if act not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
             raise NotImplementedError(f"hidden_act {act!r} is not supported by the BERT implementation")
@@ -70,7 +64,7 @@ class BertLayer(nn.Module):
         ctx = self._ops.encoder_attention(qkv, prompts, self.head_size ** -0.5).reshape(t, h)
         x = self.attn_norm.add_forward(self.attn_out(ctx), x)
         if self.approximate == "none":
-            mid = self._ops.linear_gelu(x, self.intermediate.weight, self.intermediate.bias, self.intermediate._state)
+            mid = self._ops.linear_gelu(x, self.intermediate.weight, self.intermediate.bias, self.intermediate.state)
         else:
             mid = F.gelu(self.intermediate(x), approximate=self.approximate)
         return self.out_norm.add_forward(self.out(mid), x)
@@ -92,10 +86,10 @@ class BertModel(nn.Module, IsPooling):
         self.config, self.dtype = c, dtype
         self.vocab_size: int = c.vocab_size
         self.hidden_size: int = c.hidden_size
-        self.word_embeddings = _param(c.vocab_size, c.hidden_size, dtype=dtype)
-        self.position_embeddings = _param(c.max_position_embeddings, c.hidden_size, dtype=dtype)
-        self.token_type_embeddings = _param(max(1, c.type_vocab_size), c.hidden_size, dtype=dtype)
-        self.embed_norm = LayerNorm(c.hidden_size, float(c.layer_norm_eps), dtype)
+        self.word_embeddings = Embedding(c.vocab_size, c.hidden_size, dtype)
+        self.position_embeddings = Embedding(c.max_position_embeddings, c.hidden_size, dtype)
+        self.token_type_embeddings = Embedding(max(1, c.type_vocab_size), c.hidden_size, dtype)
+        self.embed_norm = LayerNorm(c.hidden_size, dtype, float(c.layer_norm_eps))
         self.layers = nn.ModuleList(BertLayer(c, dtype) for _ in range(c.num_hidden_layers))
 
     def get_kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> list[KVCacheSpec]:
@@ -106,8 +100,7 @@ class BertModel(nn.Module, IsPooling):
                 attn_metadata: list[AttentionMetadata]) -> torch.Tensor:
         """Final hidden states [T, hidden] of every request's prompt (each whole in this step)."""
         ids, types = split_token_types(input_ids)
-        x = (F.embedding(ids, self.word_embeddings) + F.embedding(positions, self.position_embeddings)
-             + F.embedding(types, self.token_type_embeddings))
+        x = self.word_embeddings(ids) + self.position_embeddings(positions) + self.token_type_embeddings(types)
         x = self.embed_norm(x)
         prompts = PackedPrompts(attn_metadata[0].query_start_loc_cpu, x.device)
         for layer in self.layers:
@@ -126,9 +119,9 @@ class BertModel(nn.Module, IsPooling):
         name = name.removeprefix("bert.")
         if name.startswith("embeddings."):
             rest = name.removeprefix("embeddings.")
-            return {"word_embeddings.weight": ("word_embeddings", None),
-                    "position_embeddings.weight": ("position_embeddings", None),
-                    "token_type_embeddings.weight": ("token_type_embeddings", None),
+            return {"word_embeddings.weight": ("word_embeddings.weight", None),
+                    "position_embeddings.weight": ("position_embeddings.weight", None),
+                    "token_type_embeddings.weight": ("token_type_embeddings.weight", None),
                     "LayerNorm.weight": ("embed_norm.weight", None),
                     "LayerNorm.bias": ("embed_norm.bias", None)}.get(rest)
         if not name.startswith("encoder.layer."):

@@ -6,56 +6,39 @@ and its output is cached, so it is off the decode path.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-_ACTS = {"quick_gelu": lambda x: x * torch.sigmoid(1.702 * x), "gelu": F.gelu,
-         "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu, "silu": F.silu}
+from model_registry.layers import TORCH_OPS, LayerNorm, ReplicatedLinear, empty_param, get_act_fn
 
 
-def activation(name: str):
-    if name not in _ACTS:
-        raise NotImplementedError(f"activation {name!r} is not supported (known: {', '.join(_ACTS)})")
-    return _ACTS[name]
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """CLIP's ``quick_gelu`` (transformers' ``QuickGELUActivation``)."""
+    return x * torch.sigmoid(1.702 * x)
 
 
-def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``get_act_fn``'s activations and CLIP's ``quick_gelu`` (the vision towers' ``hidden_act``)."""
+    return quick_gelu if name == "quick_gelu" else get_act_fn(name)
 
 
-class Linear(nn.Module):
-    def __init__(self, cin: int, cout: int, dtype: torch.dtype, bias: bool = True) -> None:
-        super().__init__()
-        self.weight = _param(cout, cin, dtype=dtype)
-        self.bias = _param(cout, dtype=dtype) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-
-class LayerNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = _param(dim, dtype=dtype)
-        self.bias = _param(dim, dtype=dtype)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+def linear(cin: int, cout: int, dtype: torch.dtype, bias: bool = True) -> ReplicatedLinear:
+    """A tower's projection: the whole weight on every rank, plain ``F.linear`` (HF's numerics)."""
+    return ReplicatedLinear(cin, cout, bias, dtype, ops=TORCH_OPS)
 
 
 class CLIPAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.num_heads = num_heads
-        self.q_proj = Linear(dim, dim, dtype)
-        self.k_proj = Linear(dim, dim, dtype)
-        self.v_proj = Linear(dim, dim, dtype)
-        self.out_proj = Linear(dim, dim, dtype)
+        self.q_proj = linear(dim, dim, dtype)
+        self.k_proj = linear(dim, dim, dtype)
+        self.v_proj = linear(dim, dim, dtype)
+        self.out_proj = linear(dim, dim, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
@@ -68,11 +51,11 @@ class CLIPEncoderLayer(nn.Module):
     def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
         super().__init__()
         d, eps = cfg.hidden_size, cfg.layer_norm_eps
-        self.layer_norm1 = LayerNorm(d, eps, dtype)
+        self.layer_norm1 = LayerNorm(d, dtype, eps)
         self.self_attn = CLIPAttention(d, cfg.num_attention_heads, dtype)
-        self.layer_norm2 = LayerNorm(d, eps, dtype)
-        self.fc1 = Linear(d, cfg.intermediate_size, dtype)
-        self.fc2 = Linear(cfg.intermediate_size, d, dtype)
+        self.layer_norm2 = LayerNorm(d, dtype, eps)
+        self.fc1 = linear(d, cfg.intermediate_size, dtype)
+        self.fc2 = linear(cfg.intermediate_size, d, dtype)
         self.act = activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -88,10 +71,10 @@ class CLIPVisionTower(nn.Module):
         d = cfg.hidden_size
         self.patch_size = cfg.patch_size
         self.num_positions = (cfg.image_size // cfg.patch_size) ** 2 + 1
-        self.class_embedding = _param(d, dtype=dtype)
-        self.patch_embedding = _param(d, cfg.num_channels, cfg.patch_size, cfg.patch_size, dtype=dtype)
-        self.position_embedding = _param(self.num_positions, d, dtype=dtype)
-        self.pre_layrnorm = LayerNorm(d, cfg.layer_norm_eps, dtype)
+        self.class_embedding = empty_param(d, dtype=dtype)
+        self.patch_embedding = empty_param(d, cfg.num_channels, cfg.patch_size, cfg.patch_size, dtype=dtype)
+        self.position_embedding = empty_param(self.num_positions, d, dtype=dtype)
+        self.pre_layrnorm = LayerNorm(d, dtype, cfg.layer_norm_eps)
         n = cfg.num_hidden_layers if num_layers is None else num_layers
         self.layers = nn.ModuleList(CLIPEncoderLayer(cfg, dtype) for _ in range(n))
 

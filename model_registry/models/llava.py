@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from model_registry.layers import copy_checked
-from model_registry.models.clip import CLIPVisionTower, Linear, activation
+from model_registry.models.clip import CLIPVisionTower, activation, linear
 from model_registry.models.language_model_shell import LanguageModelShell
 from model_registry.models.llama import LlamaForCausalLM
 from model_registry.models.mm_prompt import image_processor, placeholder_prompt
@@ -37,8 +37,8 @@ def _feature_layers(hf_config: Any) -> list[int]:
 class LlavaProjector(nn.Module):
     def __init__(self, cin: int, cout: int, act: str, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
-        self.linear_1 = Linear(cin, cout, dtype, bias)
-        self.linear_2 = Linear(cout, cout, dtype, bias)
+        self.linear_1 = linear(cin, cout, dtype, bias)
+        self.linear_2 = linear(cout, cout, dtype, bias)
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -15,21 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_registry.models.clip import LayerNorm, Linear, activation
-
-
-class RMSNorm(nn.Module):
-    """float32 RMSNorm, cast back, then scaled (transformers' Qwen2.5-VL order)."""
-
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+from model_registry.layers import TORCH_OPS, LayerNorm, RMSNorm
+from model_registry.models.clip import activation, linear
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -44,8 +31,8 @@ class VisionAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.num_heads = num_heads
-        self.qkv = Linear(dim, 3 * dim, dtype)
-        self.proj = Linear(dim, dim, dtype)
+        self.qkv = linear(dim, 3 * dim, dtype)
+        self.proj = linear(dim, dim, dtype)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cu: list[int]) -> torch.Tensor:
         n = x.shape[0]
@@ -65,10 +52,10 @@ class VisionMLP(nn.Module):
         self.gated = gated
         self.act = activation(act)
         if gated:
-            self.gate_proj, self.up_proj = Linear(dim, hidden, dtype), Linear(dim, hidden, dtype)
-            self.down_proj = Linear(hidden, dim, dtype)
+            self.gate_proj, self.up_proj = linear(dim, hidden, dtype), linear(dim, hidden, dtype)
+            self.down_proj = linear(hidden, dim, dtype)
         else:
-            self.fc1, self.fc2 = Linear(dim, hidden, dtype), Linear(hidden, dim, dtype)
+            self.fc1, self.fc2 = linear(dim, hidden, dtype), linear(hidden, dim, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:
@@ -79,7 +66,7 @@ class VisionMLP(nn.Module):
 class VisionBlock(nn.Module):
     def __init__(self, dim: int, num_heads: int, mlp_hidden: int, act: str, v25: bool, dtype: torch.dtype) -> None:
         super().__init__()
-        norm = (lambda: RMSNorm(dim, 1e-6, dtype)) if v25 else (lambda: LayerNorm(dim, 1e-6, dtype))
+        norm = (lambda: RMSNorm(dim, 1e-6, dtype, ops=TORCH_OPS)) if v25 else (lambda: LayerNorm(dim, dtype, 1e-6))
         self.norm1, self.norm2 = norm(), norm()
         self.attn = VisionAttention(dim, num_heads, dtype)
         self.mlp = VisionMLP(dim, mlp_hidden, act, v25, dtype)
@@ -95,8 +82,8 @@ class PatchMerger(nn.Module):
     def __init__(self, dim: int, out_dim: int, merge: int, v25: bool, dtype: torch.dtype) -> None:
         super().__init__()
         self.width = dim * merge * merge
-        self.ln_q = RMSNorm(dim, 1e-6, dtype) if v25 else LayerNorm(dim, 1e-6, dtype)
-        self.mlp = nn.ModuleList([Linear(self.width, self.width, dtype), nn.GELU(), Linear(self.width, out_dim, dtype)])
+        self.ln_q = RMSNorm(dim, 1e-6, dtype, ops=TORCH_OPS) if v25 else LayerNorm(dim, dtype, 1e-6)
+        self.mlp = nn.ModuleList([linear(self.width, self.width, dtype), nn.GELU(), linear(self.width, out_dim, dtype)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.ln_q(x).view(-1, self.width)
@@ -150,7 +137,7 @@ class Qwen2VisionTransformer(nn.Module):
         self.dim, self.num_heads = dim, vc.num_heads
         self.merge = vc.spatial_merge_size
         self.patch_dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
-        self.patch_embed = Linear(self.patch_dim, dim, dtype, bias=False)
+        self.patch_embed = linear(self.patch_dim, dim, dtype, bias=False)
         self.blocks = nn.ModuleList(VisionBlock(dim, vc.num_heads, mlp_hidden, vc.hidden_act, v25, dtype)
                                     for _ in range(vc.depth))
         self.merger = PatchMerger(dim, out_dim, self.merge, v25, dtype)

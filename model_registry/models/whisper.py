@@ -30,14 +30,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_registry.layers import ColumnParallelLinear, RowParallelLinear, load_parameter
+from model_registry.layers import (
+    TORCH_OPS,
+    ColumnParallelLinear,
+    Conv1d,
+    Embedding,
+    LayerNorm,
+    ReplicatedLinear,
+    RowParallelLinear,
+    load_parameter,
+)
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
 from vllite_core.core.kv_cache_spec import CrossAttentionSpec, FullAttentionSpec, KVCacheSpec
 from vllite_core.distributed import get_tp
 from vllite_core.distributed.sharding import check_heads, shard_heads
 from vllite_core.inputs import InputContext, ProcessedPrompt
 from vllite_core.model_interfaces import SupportsEncoderDecoder, SupportsTensorParallel, SupportsTranscription
-from vllite_core.model_ops import ModelOps
 
 logger = logging.getLogger("vllite.model_registry")
 
@@ -47,48 +55,7 @@ TASKS = ("transcribe", "translate")
 _ENCODER_BATCH = 16  # encoder inputs run together per forward (bounds the activation memory)
 
 
-# ---- layers -------------------------------------------------------------------------------
-_TORCH_OPS = ModelOps()  # Whisper's matmuls stay plain F.linear (the numerics its tests match HF with)
-
-
-def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
-
-
-class Linear(nn.Module):
-    """y = x W^T + b; storage left uninitialised: every weight comes from the checkpoint."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = _param(out_features, in_features, dtype=dtype)
-        self.bias = _param(out_features, dtype=dtype) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-
-class LayerNorm(nn.Module):
-    def __init__(self, dim: int, dtype: torch.dtype, eps: float = 1e-5) -> None:
-        super().__init__()
-        self.weight = _param(dim, dtype=dtype)
-        self.bias = _param(dim, dtype=dtype)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
-
-
-class Conv1d(nn.Module):
-    def __init__(self, cin: int, cout: int, stride: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = _param(cout, cin, 3, dtype=dtype)
-        self.bias = _param(cout, dtype=dtype)
-        self.stride = stride
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.conv1d(x, self.weight, self.bias, stride=self.stride, padding=1)
-
-
+# ---- layers (model_registry.layers; Whisper's matmuls stay plain F.linear: TORCH_OPS) ----------------
 class Attention(nn.Module):
     """q/k/v/out projections (k without bias); how attention is computed is up to the caller. Under
     tensor parallelism a rank holds some heads: q/k/v column-parallel, out row-parallel."""
@@ -101,10 +68,10 @@ class Attention(nn.Module):
         self.num_heads = heads.num_heads
         self.scaling = self.head_dim ** -0.5
         cols = (heads.q_start * self.head_dim, (heads.q_start + heads.num_heads) * self.head_dim)
-        self.q_proj = ColumnParallelLinear(dim, dim, True, dtype, ops=_TORCH_OPS, out_range=cols)
-        self.k_proj = ColumnParallelLinear(dim, dim, False, dtype, ops=_TORCH_OPS, out_range=cols)
-        self.v_proj = ColumnParallelLinear(dim, dim, True, dtype, ops=_TORCH_OPS, out_range=cols)
-        self.out_proj = RowParallelLinear(dim, dim, True, dtype, in_range=cols, ops=_TORCH_OPS)
+        self.q_proj = ColumnParallelLinear(dim, dim, True, dtype, ops=TORCH_OPS, out_range=cols)
+        self.k_proj = ColumnParallelLinear(dim, dim, False, dtype, ops=TORCH_OPS, out_range=cols)
+        self.v_proj = ColumnParallelLinear(dim, dim, True, dtype, ops=TORCH_OPS, out_range=cols)
+        self.out_proj = RowParallelLinear(dim, dim, True, dtype, in_range=cols, ops=TORCH_OPS)
 
     def query(self, x: torch.Tensor) -> torch.Tensor:
         """Scaled queries [..., H, D] (scaled before the product, as Whisper does)."""
@@ -121,8 +88,8 @@ class EncoderLayer(nn.Module):
         d = cfg.d_model
         self.self_attn = Attention(d, cfg.encoder_attention_heads, dtype)
         self.self_attn_layer_norm = LayerNorm(d, dtype)
-        self.fc1 = ColumnParallelLinear(d, cfg.encoder_ffn_dim, True, dtype, ops=_TORCH_OPS)
-        self.fc2 = RowParallelLinear(cfg.encoder_ffn_dim, d, True, dtype, ops=_TORCH_OPS)
+        self.fc1 = ColumnParallelLinear(d, cfg.encoder_ffn_dim, True, dtype, ops=TORCH_OPS)
+        self.fc2 = RowParallelLinear(cfg.encoder_ffn_dim, d, True, dtype, ops=TORCH_OPS)
         self.final_layer_norm = LayerNorm(d, dtype)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # [B, S, d], full (bidirectional) attention
@@ -148,8 +115,8 @@ class DecoderLayer(nn.Module):
         self.self_attn_layer_norm = LayerNorm(d, dtype)
         self.encoder_attn = Attention(d, cfg.decoder_attention_heads, dtype)
         self.encoder_attn_layer_norm = LayerNorm(d, dtype)
-        self.fc1 = ColumnParallelLinear(d, cfg.decoder_ffn_dim, True, dtype, ops=_TORCH_OPS)
-        self.fc2 = RowParallelLinear(cfg.decoder_ffn_dim, d, True, dtype, ops=_TORCH_OPS)
+        self.fc1 = ColumnParallelLinear(d, cfg.decoder_ffn_dim, True, dtype, ops=TORCH_OPS)
+        self.fc2 = RowParallelLinear(cfg.decoder_ffn_dim, d, True, dtype, ops=TORCH_OPS)
         self.final_layer_norm = LayerNorm(d, dtype)
 
     def forward(self, h: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
@@ -178,10 +145,9 @@ class WhisperEncoder(nn.Module):
     def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
         super().__init__()
         d = cfg.d_model
-        self.conv1 = Conv1d(cfg.num_mel_bins, d, 1, dtype)
-        self.conv2 = Conv1d(d, d, 2, dtype)
-        self.embed_positions = nn.Embedding(cfg.max_source_positions, d, dtype=dtype)
-        self.embed_positions.weight.requires_grad_(False)
+        self.conv1 = Conv1d(cfg.num_mel_bins, d, 3, dtype, stride=1, padding=1)
+        self.conv2 = Conv1d(d, d, 3, dtype, stride=2, padding=1)
+        self.embed_positions = Embedding(cfg.max_source_positions, d, dtype)
         self.layers = nn.ModuleList(EncoderLayer(cfg, dtype) for _ in range(cfg.encoder_layers))
         self.layer_norm = LayerNorm(d, dtype)
 
@@ -201,10 +167,8 @@ class WhisperEncoder(nn.Module):
 class WhisperDecoder(nn.Module):
     def __init__(self, cfg: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model, dtype=dtype)
-        self.embed_positions = nn.Embedding(cfg.max_target_positions, cfg.d_model, dtype=dtype)
-        for emb in (self.embed_tokens, self.embed_positions):
-            emb.weight.requires_grad_(False)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.d_model, dtype)  # the whole vocabulary on every rank
+        self.embed_positions = Embedding(cfg.max_target_positions, cfg.d_model, dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, attn_backend, dtype) for _ in range(cfg.decoder_layers))
         self.layer_norm = LayerNorm(cfg.d_model, dtype)
 
@@ -234,7 +198,7 @@ class WhisperForConditionalGeneration(nn.Module, SupportsEncoderDecoder, Support
         self.model.encoder = WhisperEncoder(cfg, dtype)
         self.model.decoder = WhisperDecoder(cfg, attn_backend, dtype)
         if not self.tie_word_embeddings:
-            self.proj_out = Linear(cfg.d_model, cfg.vocab_size, False, dtype)
+            self.proj_out = ReplicatedLinear(cfg.d_model, cfg.vocab_size, False, dtype, ops=TORCH_OPS)
         # Checkpoints store the sinusoidal table; fill it anyway so one that leaves it out still works.
         with torch.no_grad():
             self.model.encoder.embed_positions.weight.copy_(sinusoids(cfg.max_source_positions, cfg.d_model))

@@ -27,7 +27,9 @@ PROJECT = "vllite"
 # 1.2: speculative decoding proposers (vllite_register_spec_proposers); tensor parallelism:
 # Platform.device_count() and Platform.make_communicator() (defaults provided), the SupportsTensorParallel
 # model capability (vllite_core/model_interfaces.py)
-VLLITE_PLUGIN_API: tuple[int, int] = (1, 2)
+# 1.3: the public layers API for model plugins, ``model_registry.layers`` (its own version LAYERS_API = (1, 0);
+# docs/models.md, "The layers package (public API)")
+VLLITE_PLUGIN_API: tuple[int, int] = (1, 3)
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from vllite_core.plugins import hookimpl
 
-VLLITE_PLUGIN_API = (1, 0)  # the vllite plugin API this package was written for
+VLLITE_PLUGIN_API = (1, 3)  # the vllite plugin API this package was written for (1.3: model_registry.layers)
 PLUGIN_NAME = "vllite-example-custom-model"
 
 

@@ -13,7 +13,7 @@ from vllite_core.plugins import hookimpl
 if TYPE_CHECKING:
     from model_registry.registry import ModelRegistry
 
-VLLITE_PLUGIN_API = (1, 0)
+VLLITE_PLUGIN_API = (1, 3)  # 1.3: its models are built from model_registry.layers
 PLUGIN_NAME = "vllite-plugin-bart"
 
 MODELS: dict[str, str] = {

@@ -21,12 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model_registry.layers import TORCH_OPS, Embedding, LayerNorm, ParallelLMHead, VocabParallelEmbedding
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
 from vllite_core.core.kv_cache_spec import CrossAttentionSpec, FullAttentionSpec, KVCacheSpec
 from vllite_core.errors import InvalidRequestError
 from vllite_core.inputs import InputContext, ProcessedPrompt
 from vllite_core.model_interfaces import SupportsEncoderDecoder
-from vllite_plugin_bart.layers import Embedding, LayerNorm, Linear, activation, cfg, load_hf_weights, model_device
+from vllite_plugin_bart.layers import activation, cfg, linear, load_hf_weights, model_device
 
 POSITION_OFFSET = 2  # BART's learned position table starts at row 2
 
@@ -46,8 +47,8 @@ class EncoderSelfAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.num_heads, self.head_size = num_heads, dim // num_heads
-        self.qkv_proj = Linear(dim, 3 * dim, True, dtype)
-        self.out_proj = Linear(dim, dim, True, dtype)
+        self.qkv_proj = linear(dim, 3 * dim, True, dtype)
+        self.out_proj = linear(dim, dim, True, dtype)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         b, s, d = x.shape
@@ -62,8 +63,8 @@ class BartEncoderLayer(nn.Module):
         d = c.d_model
         self.self_attn = EncoderSelfAttention(d, c.encoder_attention_heads, dtype)
         self.self_attn_layer_norm = LayerNorm(d, dtype)
-        self.fc1 = Linear(d, c.encoder_ffn_dim, True, dtype)
-        self.fc2 = Linear(c.encoder_ffn_dim, d, True, dtype)
+        self.fc1 = linear(d, c.encoder_ffn_dim, True, dtype)
+        self.fc2 = linear(c.encoder_ffn_dim, d, True, dtype)
         self.final_layer_norm = LayerNorm(d, dtype)
         self.act = activation(c.activation_function)
 
@@ -104,8 +105,8 @@ class DecoderSelfAttention(nn.Module):
         super().__init__()
         self.num_heads, self.head_size = num_heads, dim // num_heads
         self.scale = self.head_size ** -0.5
-        self.qkv_proj = Linear(dim, 3 * dim, True, dtype)
-        self.out_proj = Linear(dim, dim, True, dtype)
+        self.qkv_proj = linear(dim, 3 * dim, True, dtype)
+        self.out_proj = linear(dim, dim, True, dtype)
         self.attn_backend = attn_backend
 
     def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
@@ -120,9 +121,9 @@ class CrossAttention(nn.Module):
         super().__init__()
         self.num_heads, self.head_size = num_heads, dim // num_heads
         self.scale = self.head_size ** -0.5
-        self.q_proj = Linear(dim, dim, True, dtype)
-        self.kv_proj = Linear(dim, 2 * dim, True, dtype)
-        self.out_proj = Linear(dim, dim, True, dtype)
+        self.q_proj = linear(dim, dim, True, dtype)
+        self.kv_proj = linear(dim, 2 * dim, True, dtype)
+        self.out_proj = linear(dim, dim, True, dtype)
         self.attn_backend = attn_backend
 
     def encoder_kv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,8 +145,8 @@ class BartDecoderLayer(nn.Module):
         self.self_attn_layer_norm = LayerNorm(d, dtype)
         self.encoder_attn = CrossAttention(d, h, attn_backend, dtype)
         self.encoder_attn_layer_norm = LayerNorm(d, dtype)
-        self.fc1 = Linear(d, c.decoder_ffn_dim, True, dtype)
-        self.fc2 = Linear(c.decoder_ffn_dim, d, True, dtype)
+        self.fc1 = linear(d, c.decoder_ffn_dim, True, dtype)
+        self.fc2 = linear(c.decoder_ffn_dim, d, True, dtype)
         self.final_layer_norm = LayerNorm(d, dtype)
         self.act = activation(c.activation_function)
 
@@ -175,12 +176,12 @@ class BartModel(nn.Module):
         super().__init__()
         self.config = c
         self.embed_scale = float(c.d_model) ** 0.5 if cfg(c, "scale_embedding", False) else 1.0
-        self.shared = Embedding(c.vocab_size, c.d_model, dtype)
+        self.shared = VocabParallelEmbedding(c.vocab_size, c.d_model, dtype)
         self.encoder = BartEncoder(c, dtype)
         self.decoder = BartDecoder(c, attn_backend, dtype)
         tied = bool(cfg(c, "tie_word_embeddings", True))
-        self.encoder.embed_tokens = self.shared if tied else Embedding(c.vocab_size, c.d_model, dtype)
-        self.decoder.embed_tokens = self.shared if tied else Embedding(c.vocab_size, c.d_model, dtype)
+        self.encoder.embed_tokens = self.shared if tied else VocabParallelEmbedding(c.vocab_size, c.d_model, dtype)
+        self.decoder.embed_tokens = self.shared if tied else VocabParallelEmbedding(c.vocab_size, c.d_model, dtype)
 
     def embed_encoder_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return self.encoder.embed_tokens(ids) * self.embed_scale
@@ -297,9 +298,8 @@ class BartForConditionalGeneration(nn.Module, SupportsEncoderDecoder):
         self.vocab_size: int = c.vocab_size
         self.max_encoder_len: int = c.max_position_embeddings
         self.tie_word_embeddings = bool(cfg(c, "tie_word_embeddings", True))
-        self.lm_head = Linear(c.d_model, c.vocab_size, False, dtype)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.shared.weight
+        self.lm_head = ParallelLMHead(c.vocab_size, c.d_model, dtype,
+                                      tied=self.model.shared if self.tie_word_embeddings else None, ops=TORCH_OPS)
         self.register_buffer("final_logits_bias", torch.zeros(1, c.vocab_size, dtype=torch.float32))
 
     # ---- the core's encoder-decoder contract ----------------------------------------------------
@@ -341,7 +341,7 @@ class BartForConditionalGeneration(nn.Module, SupportsEncoderDecoder):
         return self.model.decode(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden_states, self.lm_head.weight).float() + self.final_logits_bias
+        return self.lm_head(hidden_states).float() + self.final_logits_bias
 
     # ---- weights --------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -21,23 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model_registry.layers import TORCH_OPS, Conv2d, Embedding, LayerNorm, ParallelLMHead
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
 from vllite_core.core.kv_cache_spec import KVCacheSpec
 from vllite_core.errors import InvalidRequestError
 from vllite_core.inputs import InputContext, ProcessedPrompt
 from vllite_core.model_interfaces import SupportsEncoderDecoder, SupportsMultiModal
 from vllite_plugin_bart.bart import STACKED, BartModel, check_encoder_ids, decoder_prompt_ids, text_or_ids
-from vllite_plugin_bart.layers import (
-    Conv2d,
-    Embedding,
-    LayerNorm,
-    Linear,
-    activation,
-    cfg,
-    load_hf_weights,
-    model_device,
-    sinusoid_table,
-)
+from vllite_plugin_bart.layers import activation, cfg, linear, load_hf_weights, model_device, sinusoid_table
 
 # Florence-2's task tokens and the prompts they stand for (transformers' Florence2Processor).
 TASK_PROMPTS = {
@@ -80,8 +71,8 @@ class VisionMLP(nn.Module):
     def __init__(self, vc: Any, dim: int, dtype: torch.dtype) -> None:
         super().__init__()
         hidden = int(dim * vc.mlp_ratio)
-        self.fc1 = Linear(dim, hidden, True, dtype)
-        self.fc2 = Linear(hidden, dim, True, dtype)
+        self.fc1 = linear(dim, hidden, True, dtype)
+        self.fc2 = linear(hidden, dim, True, dtype)
         self.act = activation(vc.activation_function)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -95,8 +86,8 @@ class ConvEmbed(nn.Module):
         super().__init__()
         in_ch = vc.in_channels if stage == 0 else vc.embed_dim[stage - 1]
         out_ch = vc.embed_dim[stage]
-        self.conv = Conv2d(in_ch, out_ch, vc.patch_size[stage], vc.patch_stride[stage], vc.patch_padding[stage], 1,
-                           dtype)
+        self.conv = Conv2d(in_ch, out_ch, vc.patch_size[stage], dtype, stride=vc.patch_stride[stage],
+                           padding=vc.patch_padding[stage])
         self.pre_norm = bool(vc.patch_prenorm[stage])
         self.norm = LayerNorm(in_ch if self.pre_norm else out_ch, dtype)
 
@@ -120,8 +111,8 @@ class WindowAttention(nn.Module):
         self.window = vc.window_size
         self.num_heads = vc.num_heads[stage]
         self.head_size = dim // self.num_heads
-        self.qkv = Linear(dim, 3 * dim, vc.qkv_bias, dtype)
-        self.proj = Linear(dim, dim, True, dtype)
+        self.qkv = linear(dim, 3 * dim, vc.qkv_bias, dtype)
+        self.proj = linear(dim, dim, True, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, H, W, C] -> [B, H*W, C]
         b, h, w, c = x.shape
@@ -144,8 +135,8 @@ class ChannelAttention(nn.Module):
         super().__init__()
         dim = vc.embed_dim[stage]
         self.groups = vc.num_groups[stage]
-        self.qkv = Linear(dim, 3 * dim, vc.qkv_bias, dtype)
-        self.proj = Linear(dim, dim, True, dtype)
+        self.qkv = linear(dim, 3 * dim, vc.qkv_bias, dtype)
+        self.proj = linear(dim, dim, True, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, N, C]
         b, n, c = x.shape
@@ -160,9 +151,9 @@ class _MixingBlock(nn.Module):
     def __init__(self, vc: Any, stage: int, dtype: torch.dtype) -> None:
         super().__init__()
         dim = vc.embed_dim[stage]
-        self.conv1 = Conv2d(dim, dim, 3, 1, 1, dim, dtype)
+        self.conv1 = Conv2d(dim, dim, 3, dtype, padding=1, groups=dim)  # depthwise
         self.norm1 = LayerNorm(dim, dtype)
-        self.conv2 = Conv2d(dim, dim, 3, 1, 1, dim, dtype)
+        self.conv2 = Conv2d(dim, dim, 3, dtype, padding=1, groups=dim)
         self.norm2 = LayerNorm(dim, dtype)
         self.ffn = VisionMLP(vc, dim, dtype)
 
@@ -252,7 +243,7 @@ class MultiModalProjector(nn.Module):
     def __init__(self, config: Any, dtype: torch.dtype) -> None:
         super().__init__()
         vc = config.vision_config
-        self.image_projection = Linear(vc.embed_dim[-1], vc.projection_dim, False, dtype)
+        self.image_projection = linear(vc.embed_dim[-1], vc.projection_dim, False, dtype)
         self.image_proj_norm = LayerNorm(vc.projection_dim, dtype)
         self.image_position_embed = PositionEmbedding2D(vc, dtype)
         self.visual_temporal_embed = TemporalEmbedding(vc)
@@ -292,9 +283,8 @@ class Florence2ForConditionalGeneration(nn.Module, SupportsEncoderDecoder, Suppo
         self.vocab_size: int = tc.vocab_size
         self.max_encoder_len: int = tc.max_position_embeddings
         self.tie_word_embeddings = bool(cfg(hf_config, "tie_word_embeddings", True))
-        self.lm_head = Linear(tc.d_model, tc.vocab_size, False, dtype)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.language_model.shared.weight
+        tied = self.model.language_model.shared if self.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(tc.vocab_size, tc.d_model, dtype, tied=tied, ops=TORCH_OPS)
 
     # ---- prompts --------------------------------------------------------------------------------
     @classmethod
@@ -392,7 +382,7 @@ class Florence2ForConditionalGeneration(nn.Module, SupportsEncoderDecoder, Suppo
         return self.model.language_model.decode(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden_states, self.lm_head.weight).float()
+        return self.lm_head(hidden_states).float()
 
     # ---- weights --------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

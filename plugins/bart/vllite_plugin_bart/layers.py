@@ -1,5 +1,6 @@
-"""Small building blocks with uninitialised storage (every weight comes from the checkpoint),
-and the weight loader shared by the plugin's models."""
+"""What the plugin's models share beyond vllite's public layers (``model_registry.layers``): the activations
+BART configs name that the layers API does not, the projections' plain torch numerics, DaViT's sinusoid table,
+and the weight loader."""
 from __future__ import annotations
 
 import math
@@ -10,78 +11,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+from model_registry.layers import TORCH_OPS, ReplicatedLinear, copy_checked, get_act_fn
 
 
-class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = _param(out_features, in_features, dtype=dtype)
-        self.bias = _param(out_features, dtype=dtype) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-
-class LayerNorm(nn.Module):
-    """torch.nn.LayerNorm's computation (eps 1e-5 like transformers' BART and DaViT), without its init."""
-
-    def __init__(self, dim: int, dtype: torch.dtype, eps: float = 1e-5) -> None:
-        super().__init__()
-        self.weight = _param(dim, dtype=dtype)
-        self.bias = _param(dim, dtype=dtype)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
-
-
-class Embedding(nn.Module):
-    def __init__(self, num: int, dim: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = _param(num, dim, dtype=dtype)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
-
-
-class Conv2d(nn.Module):
-    def __init__(self, in_ch: int, out_ch: int, kernel: int, stride: int, padding: int, groups: int,
-                 dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = _param(out_ch, in_ch // groups, kernel, kernel, dtype=dtype)
-        self.bias = _param(out_ch, dtype=dtype)
-        self.stride, self.padding, self.groups = stride, padding, groups
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.conv2d(x, self.weight, self.bias, self.stride, self.padding, 1, self.groups)
+def linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> ReplicatedLinear:
+    """The plugin's projections: plain ``F.linear`` (transformers' numerics, which the tests match token for token)."""
+    return ReplicatedLinear(in_features, out_features, bias, dtype, ops=TORCH_OPS)
 
 
 def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(1.702 * x)
 
 
-_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "gelu": F.gelu,
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+_EXTRA_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-    "silu": F.silu,
-    "swish": F.silu,
     "quick_gelu": _quick_gelu,
     "tanh": torch.tanh,
 }
 
 
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    try:
-        return _ACTIVATIONS[name]
-    except KeyError:
-        raise NotImplementedError(f"activation_function {name!r} is not supported "
-                                  f"(supported: {', '.join(sorted(_ACTIVATIONS))})") from None
+    """``activation_function``: one of ``get_act_fn``'s, or a BART-era name it lacks."""
+    return _EXTRA_ACTIVATIONS[name] if name in _EXTRA_ACTIVATIONS else get_act_fn(name)
 
 
 def sinusoid_table(num_positions: int, dim: int) -> torch.Tensor:
@@ -126,7 +77,7 @@ def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
         if name is None:
             continue
         if name in buffers:
-            _copy(named_buffers[name], tensor, hf_name)
+            copy_checked(named_buffers[name], tensor, hf_name)
             continue
         fused = next(((name.replace(frag, fused_frag), idx, n) for frag, fused_frag, idx, n in stacked
                       if frag in name), None)
@@ -136,12 +87,12 @@ def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
             continue
         param = params[target]
         if fused is None:
-            _copy(param.data, tensor, hf_name)
+            copy_checked(param.data, tensor, hf_name)
             loaded.update(aliases[id(param)])
             continue
         _, idx, n = fused
         rows = param.shape[0] // n
-        _copy(param.data[idx * rows:(idx + 1) * rows], tensor, hf_name)
+        copy_checked(param.data[idx * rows:(idx + 1) * rows], tensor, hf_name)
         seen = shards_seen.setdefault(target, set())
         seen.add(idx)
         if len(seen) == n:
@@ -150,13 +101,6 @@ def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
         shown = ", ".join(unexpected[:8]) + (" ..." if len(unexpected) > 8 else "")
         raise ValueError(f"checkpoint has weights this model does not know: {shown}")
     return loaded
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    if tuple(dst.shape) != tuple(src.shape):
-        raise ValueError(f"weight {name}: checkpoint shape {tuple(src.shape)} does not match the model's "
-                         f"{tuple(dst.shape)}")
-    dst.copy_(src)
 
 
 def model_device(module: nn.Module) -> torch.device:
