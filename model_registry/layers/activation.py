@@ -12,8 +12,11 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,  # exact (erf)
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),  # CLIP's
     "relu": F.relu,
     "relu2": lambda x: torch.square(F.relu(x)),
+    "tanh": torch.tanh,
 }
 
 

@@ -26,8 +26,9 @@ from vllite_core.model_ops import ModelOps, current_model_ops
 from vllite_core.state_cache import StateMetadata, gather_states, scatter_states
 
 
-class Conv1d(nn.Module):
-    """Depthwise conv weights in the checkpoint's layout ([channels, 1, kernel]); the op runs elsewhere."""
+class CausalConv1d(nn.Module):
+    """A depthwise causal conv (weights in the checkpoint's layout, [channels, 1, kernel]) that continues each
+    request from its conv state: ``ModelOps.causal_conv1d``."""
 
     def __init__(self, channels: int, kernel: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
@@ -78,7 +79,7 @@ class MambaMixer(MambaBase):
         self.activation = c.hidden_act
         self.rms_eps = rms_eps  # FalconMamba: B, C and dt are RMS-normalised
         self.in_proj = ReplicatedLinear(c.hidden_size, 2 * self.intermediate, bool(c.use_bias), dtype)
-        self.conv1d = Conv1d(self.intermediate, self.kernel, bool(c.use_conv_bias), dtype)
+        self.conv1d = CausalConv1d(self.intermediate, self.kernel, bool(c.use_conv_bias), dtype)
         self.x_proj = ReplicatedLinear(self.intermediate, self.dt_rank + 2 * self.state_size, False, dtype)
         self.dt_proj = ReplicatedLinear(self.dt_rank, self.intermediate, True, dtype)
         self.A_log = empty_param(self.intermediate, self.state_size, dtype=dtype)
@@ -165,7 +166,7 @@ class Mamba2Mixer(MambaBase):
         super().__init__()
         self.d = d
         self.in_proj = ReplicatedLinear(d.hidden_size, d.intermediate + d.conv_dim + d.num_heads, d.use_bias, dtype)
-        self.conv1d = Conv1d(d.conv_dim, d.conv_kernel, d.use_conv_bias, dtype)
+        self.conv1d = CausalConv1d(d.conv_dim, d.conv_kernel, d.use_conv_bias, dtype)
         self.dt_bias = empty_param(d.num_heads, dtype=dtype)
         self.A_log = empty_param(d.num_heads, dtype=dtype)
         self.D = empty_param(d.num_heads, dtype=dtype)
@@ -205,7 +206,7 @@ class ShortConv(MambaBase):
     def __init__(self, hidden_size: int, kernel: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
         self.hidden, self.kernel = hidden_size, kernel
-        self.conv = Conv1d(hidden_size, kernel, bias, dtype)
+        self.conv = CausalConv1d(hidden_size, kernel, bias, dtype)
         self.in_proj = ReplicatedLinear(hidden_size, 3 * hidden_size, bias, dtype)
         self.out_proj = ReplicatedLinear(hidden_size, hidden_size, bias, dtype)
         self.ops = current_model_ops()

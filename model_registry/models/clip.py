@@ -6,7 +6,7 @@ and its output is cached, so it is off the decode path.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -14,16 +14,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_registry.layers import TORCH_OPS, LayerNorm, ReplicatedLinear, empty_param, get_act_fn
-
-
-def quick_gelu(x: torch.Tensor) -> torch.Tensor:
-    """CLIP's ``quick_gelu`` (transformers' ``QuickGELUActivation``)."""
-    return x * torch.sigmoid(1.702 * x)
-
-
-def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``get_act_fn``'s activations and CLIP's ``quick_gelu`` (the vision towers' ``hidden_act``)."""
-    return quick_gelu if name == "quick_gelu" else get_act_fn(name)
 
 
 def linear(cin: int, cout: int, dtype: torch.dtype, bias: bool = True) -> ReplicatedLinear:
@@ -56,7 +46,7 @@ class CLIPEncoderLayer(nn.Module):
         self.layer_norm2 = LayerNorm(d, dtype, eps)
         self.fc1 = linear(d, cfg.intermediate_size, dtype)
         self.fc2 = linear(cfg.intermediate_size, d, dtype)
-        self.act = activation(cfg.hidden_act)
+        self.act = get_act_fn(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.layer_norm1(x))

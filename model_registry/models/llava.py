@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from model_registry.layers import copy_checked
-from model_registry.models.clip import CLIPVisionTower, activation, linear
+from model_registry.layers import copy_checked, get_act_fn
+from model_registry.models.clip import CLIPVisionTower, linear
 from model_registry.models.language_model_shell import LanguageModelShell
 from model_registry.models.llama import LlamaForCausalLM
 from model_registry.models.mm_prompt import image_processor, placeholder_prompt
@@ -39,7 +39,7 @@ class LlavaProjector(nn.Module):
         super().__init__()
         self.linear_1 = linear(cin, cout, dtype, bias)
         self.linear_2 = linear(cout, cout, dtype, bias)
-        self.act = activation(act)
+        self.act = get_act_fn(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_2(self.act(self.linear_1(x)))

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_registry.layers import TORCH_OPS, LayerNorm, RMSNorm
-from model_registry.models.clip import activation, linear
+from model_registry.layers import TORCH_OPS, LayerNorm, RMSNorm, get_act_fn
+from model_registry.models.clip import linear
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -50,7 +50,7 @@ class VisionMLP(nn.Module):
     def __init__(self, dim: int, hidden: int, act: str, gated: bool, dtype: torch.dtype) -> None:
         super().__init__()
         self.gated = gated
-        self.act = activation(act)
+        self.act = get_act_fn(act)
         if gated:
             self.gate_proj, self.up_proj = linear(dim, hidden, dtype), linear(dim, hidden, dtype)
             self.down_proj = linear(hidden, dim, dtype)

@@ -95,11 +95,17 @@ class MyDecoderLayer(nn.Module):
             qkv_proj=attn.qkv_proj, o_proj=attn.o_proj, gate_up_proj=self.mlp.gate_up_proj,
             down_proj=self.mlp.down_proj, attention=attn.attn, activation="silu", rope="neox", ops=attn.ops)
 
+    def native_layer(self) -> Any:
+        """The platform's fused call, asked for once after loading (the weights are the final ones): the loader
+        asks every such layer and logs how many take it (``model_registry.layers.fast_path.report_fast_paths``)."""
+        if self.native is None:
+            self.native = self.self_attn.ops.decoder_layer(self.fast_path_record()) or False
+        return self.native or None
+
     def forward(self, rope: Rope, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: torch.Tensor,
                 md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.native is None:  # after loading: the weights are the final ones
-            self.native = self.self_attn.ops.decoder_layer(self.fast_path_record()) or False
-        out = self.native(rope, x, residual, kv_cache, md) if self.native else None
+        native = self.native_layer()
+        out = native(rope, x, residual, kv_cache, md) if native else None
         if out is not None:
             return out
         if residual is None:  # the first layer: x is the embedding

@@ -21,13 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_registry.layers import TORCH_OPS, Embedding, LayerNorm, ParallelLMHead, VocabParallelEmbedding
+from model_registry.layers import TORCH_OPS, Embedding, LayerNorm, ParallelLMHead, VocabParallelEmbedding, get_act_fn
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
 from vllite_core.core.kv_cache_spec import CrossAttentionSpec, FullAttentionSpec, KVCacheSpec
 from vllite_core.errors import InvalidRequestError
 from vllite_core.inputs import InputContext, ProcessedPrompt
 from vllite_core.model_interfaces import SupportsEncoderDecoder
-from vllite_plugin_bart.layers import activation, cfg, linear, load_hf_weights, model_device
+from vllite_plugin_bart.layers import cfg, linear, load_hf_weights, model_device
 
 POSITION_OFFSET = 2  # BART's learned position table starts at row 2
 
@@ -66,7 +66,7 @@ class BartEncoderLayer(nn.Module):
         self.fc1 = linear(d, c.encoder_ffn_dim, True, dtype)
         self.fc2 = linear(c.encoder_ffn_dim, d, True, dtype)
         self.final_layer_norm = LayerNorm(d, dtype)
-        self.act = activation(c.activation_function)
+        self.act = get_act_fn(c.activation_function)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         x = self.self_attn_layer_norm(x + self.self_attn(x, mask))
@@ -148,7 +148,7 @@ class BartDecoderLayer(nn.Module):
         self.fc1 = linear(d, c.decoder_ffn_dim, True, dtype)
         self.fc2 = linear(c.decoder_ffn_dim, d, True, dtype)
         self.final_layer_norm = LayerNorm(d, dtype)
-        self.act = activation(c.activation_function)
+        self.act = get_act_fn(c.activation_function)
 
     def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, cross_cache: torch.Tensor,
                 cross_md: AttentionMetadata) -> torch.Tensor:

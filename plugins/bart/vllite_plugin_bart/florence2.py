@@ -21,14 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_registry.layers import TORCH_OPS, Conv2d, Embedding, LayerNorm, ParallelLMHead
+from model_registry.layers import TORCH_OPS, Conv2d, Embedding, LayerNorm, ParallelLMHead, get_act_fn
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
 from vllite_core.core.kv_cache_spec import KVCacheSpec
 from vllite_core.errors import InvalidRequestError
 from vllite_core.inputs import InputContext, ProcessedPrompt
 from vllite_core.model_interfaces import SupportsEncoderDecoder, SupportsMultiModal
 from vllite_plugin_bart.bart import STACKED, BartModel, check_encoder_ids, decoder_prompt_ids, text_or_ids
-from vllite_plugin_bart.layers import activation, cfg, linear, load_hf_weights, model_device, sinusoid_table
+from vllite_plugin_bart.layers import cfg, linear, load_hf_weights, model_device, sinusoid_table
 
 # Florence-2's task tokens and the prompts they stand for (transformers' Florence2Processor).
 TASK_PROMPTS = {
@@ -73,7 +73,7 @@ class VisionMLP(nn.Module):
         hidden = int(dim * vc.mlp_ratio)
         self.fc1 = linear(dim, hidden, True, dtype)
         self.fc2 = linear(hidden, dim, True, dtype)
-        self.act = activation(vc.activation_function)
+        self.act = get_act_fn(vc.activation_function)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))

@@ -1,6 +1,5 @@
-"""What the plugin's models share beyond vllite's public layers (``model_registry.layers``): the activations
-BART configs name that the layers API does not, the projections' plain torch numerics, DaViT's sinusoid table,
-and the weight loader."""
+"""What the plugin's models share beyond vllite's public layers (``model_registry.layers``): the projections'
+plain torch numerics, DaViT's sinusoid table, and the weight loader."""
 from __future__ import annotations
 
 import math
@@ -8,31 +7,14 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from model_registry.layers import TORCH_OPS, ReplicatedLinear, copy_checked, get_act_fn
+from model_registry.layers import TORCH_OPS, ReplicatedLinear, copy_checked
 
 
 def linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> ReplicatedLinear:
     """The plugin's projections: plain ``F.linear`` (transformers' numerics, which the tests match token for token)."""
     return ReplicatedLinear(in_features, out_features, bias, dtype, ops=TORCH_OPS)
-
-
-def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.sigmoid(1.702 * x)
-
-
-_EXTRA_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
-    "quick_gelu": _quick_gelu,
-    "tanh": torch.tanh,
-}
-
-
-def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``activation_function``: one of ``get_act_fn``'s, or a BART-era name it lacks."""
-    return _EXTRA_ACTIVATIONS[name] if name in _EXTRA_ACTIVATIONS else get_act_fn(name)
 
 
 def sinusoid_table(num_positions: int, dim: int) -> torch.Tensor:
