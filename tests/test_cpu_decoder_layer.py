@@ -19,14 +19,15 @@ kernels = pytest.importorskip("vllite_platform_cpu.kernels")
 if not kernels.available():
     pytest.skip(f"CPU kernels not built here: {kernels.error()}", allow_module_level=True)
 
-from transformers import LlamaConfig, MistralConfig, Qwen2Config  # noqa: E402
+from transformers import JambaConfig, LlamaConfig, MistralConfig, Qwen2Config  # noqa: E402
 from vllite_platform_cpu.attention import TorchPagedAttention  # noqa: E402
 from vllite_platform_cpu.decoder_layer import NativeDecoderStack  # noqa: E402
 from vllite_platform_cpu.isa import NAMES  # noqa: E402
 from vllite_platform_cpu.model_ops import CpuModelOps  # noqa: E402
 from vllite_platform_cpu.platform import has_fast_bf16, use_avx2_gemm, use_bf16_gemm, use_int8_gemm  # noqa: E402
 
-from model_registry.layers import RMSNorm, RotaryEmbedding  # noqa: E402
+from model_registry.layers import HybridStep, RMSNorm, RotaryEmbedding  # noqa: E402
+from model_registry.layers.fast_path import report_fast_paths  # noqa: E402
 from model_registry.layers.quantization.gguf import GGUFLinearMethod  # noqa: E402
 from model_registry.layers.quantization.int8 import Int8LinearMethod  # noqa: E402
 from model_registry.models.llama import LlamaDecoderLayer, LlamaModel  # noqa: E402
@@ -473,8 +474,6 @@ def test_the_fast_path_takes_every_layer_of_the_llama_family(variant, name, quan
     """Read from the typed records alone, every layer of a Llama-family model (Llama, Qwen2 with q/k/v bias; a
     Mistral window is an attention option) takes the C++ path wherever this host's ops put its linears on kernels
     the C++ side calls; the report says so per layer, and a layer it cannot take is named with its reason."""
-    from model_registry.layers.fast_path import report_fast_paths
-
     ops = platform_ops()
     dtype = torch.float32
     model = make_model(name, dtype, quant, ops)
@@ -495,3 +494,75 @@ def decoder_layer_told() -> str:
     from vllite_platform_cpu import decoder_layer
 
     return " ".join(decoder_layer._TOLD)
+
+
+# Layers 1 and 3 attention, 0 and 2 Mamba; layer 3's feed-forward MoE: layer 1 alone is a Llama-style layer.
+JAMBA = JambaConfig(vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=4,
+                    expert_layer_offset=3, num_experts=2, num_experts_per_tok=1, mamba_d_state=8, mamba_d_conv=4,
+                    mamba_expand=2)
+
+
+def make_jamba(ops: ModelOps, dtype: torch.dtype = torch.float32):
+    from model_registry.models.jamba import JambaForCausalLM
+
+    with use_model_ops(ops):
+        model = JambaForCausalLM(JAMBA, TorchPagedAttention(), dtype)
+    randomize(model, dtype, torch.Generator().manual_seed(0))
+    return model
+
+
+def test_the_fast_path_takes_the_attention_layers_of_a_hybrid(variant, caplog):
+    """Jamba's attention layers with a dense MLP (no RoPE: ``rope=None`` in the record) take the C++ path; its
+    Mamba layers and its attention layer with an MoE feed-forward run their modules, each reason logged."""
+    ops = platform_ops()
+    model = make_jamba(ops)
+    if not any(takes_native(ops, model.model.layers[1], "plain", torch.float32, rows) for rows in (1, 17)):
+        pytest.skip("this host's ops put the linears on oneDNN: no C++ path to take")
+    with caplog.at_level("INFO", logger="vllite.platform.cpu"):
+        report = report_fast_paths(model)
+    assert report.paths == ("modules", "fused", "modules", "modules")
+    told = caplog.text + decoder_layer_told()
+    assert "a Mamba mixer layer" in told and "an MoE feed-forward" in told
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", sorted(STEPS))
+def test_hybrid_attention_layer_native_is_its_modules_bit_for_bit(variant, rows, dtype):
+    """Jamba's ``x + attn(norm(x))`` then ``+ mlp(norm(.))`` is the C++ layer's ``out + residual`` on identity
+    rotary tables: hidden states and the paged cache it writes equal the modules' bit for bit; the step's
+    embeddings (read again by other hybrids) are left as they were."""
+    ops = platform_ops()
+    layer = make_jamba(ops, dtype).model.layers[1]
+    if not takes_native(ops, layer, "plain", dtype, rows):
+        pytest.skip("this host's ops put the linears on oneDNN at this row count")
+    attn = layer.self_attn
+    g = torch.Generator().manual_seed(1)
+    reqs = STEPS[rows]
+    free = torch.randperm(64, generator=g)[:32].tolist()
+    tables = [[free.pop() for _ in range(-(-s // BLOCK))] for _, s in reqs]
+    md = build_metadata([q for q, _ in reqs], [s for _, s in reqs], tables, BLOCK)
+    x = torch.randn(rows, JAMBA.hidden_size, generator=g).to(dtype)
+    cache = torch.randn(2, 64, BLOCK, attn.num_kv_heads, attn.head_size, generator=g).to(dtype)
+
+    def run(native: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+        calls: list[int] = []
+        layer._native = None if native else False
+        if native:
+            fast = layer.native_layer()
+            assert fast is not None
+            call = fast.fn
+            fast.fn = lambda *args: calls.append(1) or call(*args)
+        step_md = dataclasses.replace(md, extra=None)
+        attn.attn.backend.prepare(step_md)
+        c, embeddings = cache.clone(), x.clone()
+        with torch.inference_mode():
+            out = layer(embeddings, [c], [step_md], HybridStep(None, embeddings))
+        assert torch.equal(embeddings, x)
+        return out, c, len(calls)
+
+    got, got_cache, calls = run(native=True)
+    want, want_cache, _ = run(native=False)
+    assert calls == 1, "the C++ layer declined"
+    assert torch.equal(got, want), "hidden states differ"
+    assert torch.equal(got_cache, want_cache), "kv cache differs"

@@ -212,3 +212,29 @@ def test_attention_declares_its_cache():
     f, w = full.kv_cache_spec(16, torch.bfloat16), window.kv_cache_spec(16, torch.bfloat16)
     assert (f.kind, f.num_kv_heads, f.head_size, f.block_size) == ("full_attention", 2, 8, 16)
     assert (w.kind, w.sliding_window) == ("sliding_window", 32)
+
+
+def test_hybrid_loading_fills_fused_projections_and_counts_them_once_whole():
+    """A hybrid checkpoint's separate q/k/v and gate/up tensors land in their fused parameter's rows, which
+    counts as loaded only when every shard arrived (a missing one stays a missing weight)."""
+    from transformers import JambaConfig
+
+    from model_registry.models.jamba import JambaForCausalLM
+
+    cfg = JambaConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                      expert_layer_offset=0, num_experts=2, num_experts_per_tok=1, mamba_d_state=4, mamba_d_conv=4,
+                      mamba_expand=2)
+    model = JambaForCausalLM(cfg, ReferenceAttention(), torch.float32)
+    pre = "model.layers.1."
+    hf = {f"{pre}self_attn.{p}_proj.weight": randn(n, 16) for p, n in (("q", 16), ("k", 8), ("v", 8))}
+    hf |= {f"{pre}feed_forward.{p}_proj.weight": randn(24, 16) for p in ("gate", "up")}
+    loaded = model.load_weights(list(hf.items()))
+    assert {f"{pre}self_attn.qkv_proj.weight", f"{pre}feed_forward.gate_up_proj.weight"} <= loaded
+    assert not any("q_proj" in n or "gate_proj" in n for n in loaded)
+    attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].feed_forward
+    assert torch.equal(attn.qkv_proj.weight, torch.cat([hf[f"{pre}self_attn.{p}_proj.weight"] for p in "qkv"]))
+    assert torch.equal(mlp.gate_up_proj.weight, torch.cat([hf[f"{pre}feed_forward.{p}_proj.weight"]
+                                                           for p in ("gate", "up")]))
+    partial = model.load_weights([(n, t) for n, t in hf.items() if "v_proj" not in n])
+    assert f"{pre}self_attn.qkv_proj.weight" not in partial

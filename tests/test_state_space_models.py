@@ -35,6 +35,12 @@ def _configs():
                                         expert_layer_offset=1, num_experts=2, num_experts_per_tok=1,
                                         mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
                                         architectures=["JambaForCausalLM"]),
+        # The attention layer with a dense MLP (a Mamba layer with the MoE): the CPU platform's fused layer call.
+        "jamba_dense": lambda: tf.JambaConfig(**common, intermediate_size=96, num_attention_heads=4,
+                                              num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1,
+                                              expert_layer_period=2, expert_layer_offset=0, num_experts=2,
+                                              num_experts_per_tok=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+                                              architectures=["JambaForCausalLM"]),
         "lfm2": lambda: tf.Lfm2Config(**common, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
                                       layer_types=["conv", "full_attention"], conv_L_cache=3,
                                       max_position_embeddings=256, architectures=["Lfm2ForCausalLM"]),
@@ -71,7 +77,7 @@ def _configs():
 
 ARCHS = list(_configs())
 # Hybrids (attention beside state layers) -> KV blocks small enough to preempt in the pressure test.
-HYBRIDS: dict[str, int] = {"jamba": 10, "lfm2": 10, "nemotron_h": 10, "granite_moe_hybrid": 10,
+HYBRIDS: dict[str, int] = {"jamba": 10, "jamba_dense": 10, "lfm2": 10, "nemotron_h": 10, "granite_moe_hybrid": 10,
                              "falcon_h1": 10, "zamba2": 10}
 
 

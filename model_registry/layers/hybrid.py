@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from model_registry.layers.attention import Attention
-from model_registry.layers.linear import ReplicatedLinear
+from model_registry.layers.linear import QKVParallelLinear, RowParallelLinear
 from model_registry.layers.mamba import MambaBase
 from model_registry.layers.moe import FusedMoE, expert_weight
 from model_registry.layers.norm import RMSNorm
@@ -29,6 +29,10 @@ from vllite_core.model_interfaces import IsStateful
 from vllite_core.model_ops import current_model_ops
 
 CacheLayer = Attention | MambaBase
+# Checkpoint name fragment -> (fused parameter fragment, shard), applied where the checkpoint's own name is no
+# parameter of the model (a hybrid with separate gate/up projections keeps them).
+STACKED = ((".q_proj.", ".qkv_proj.", "q"), (".k_proj.", ".qkv_proj.", "k"), (".v_proj.", ".qkv_proj.", "v"),
+           (".gate_proj.", ".gate_up_proj.", "gate"), (".up_proj.", ".gate_up_proj.", "up"))
 
 
 @dataclass(frozen=True)
@@ -46,20 +50,22 @@ def head_size(c: Any) -> int:
 
 
 class HybridAttention(nn.Module):
-    """Self-attention with separate ``q_proj``/``k_proj``/``v_proj``/``o_proj`` (the hybrids' checkpoint
-    names), RoPE when the step has tables, through the ``Attention`` layer (``scale``: ``head_size ** -0.5``
-    unless given). A variant changes q, k, v in ``project``."""
+    """Self-attention with q, k and v in one matmul (``qkv_proj``: a platform's fused decoder path reads one
+    weight; checkpoints' ``q_proj``/``k_proj``/``v_proj`` load into its shards, ``STACKED``) and ``o_proj``,
+    RoPE when the step has tables, through the ``Attention`` layer (``scale``: ``head_size ** -0.5`` unless
+    given). A variant changes q, k, v in ``project``."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_size: int,
                  backend: AttentionBackend, dtype: torch.dtype, bias: bool = False, scale: float | None = None,
                  out_size: int | None = None) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
-        self.q_proj = ReplicatedLinear(hidden_size, num_heads * head_size, bias, dtype)
-        self.k_proj = ReplicatedLinear(hidden_size, num_kv_heads * head_size, bias, dtype)
-        self.v_proj = ReplicatedLinear(hidden_size, num_kv_heads * head_size, bias, dtype)
-        self.o_proj = ReplicatedLinear(num_heads * head_size, out_size or hidden_size, bias, dtype)
-        self.attn = Attention(num_heads, num_kv_heads, head_size, backend, scale)
+        self.qkv_proj = QKVParallelLinear(hidden_size, head_size, num_heads, num_kv_heads, bias, dtype)
+        heads = self.qkv_proj.heads
+        self.num_heads, self.num_kv_heads, self.head_size = heads.num_heads, heads.num_kv_heads, head_size
+        self.sizes = [self.num_heads * head_size, self.num_kv_heads * head_size, self.num_kv_heads * head_size]
+        q_cols = (heads.q_start * head_size, heads.q_start * head_size + self.sizes[0])
+        self.o_proj = RowParallelLinear(num_heads * head_size, out_size or hidden_size, bias, dtype, q_cols)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_size, backend, scale)
         self.ops = current_model_ops()
 
     @classmethod
@@ -72,9 +78,9 @@ class HybridAttention(nn.Module):
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, H, D], k and v [T, Hkv, D]."""
         t = x.shape[0]
-        return (self.q_proj(x).view(t, self.num_heads, self.head_size),
-                self.k_proj(x).view(t, self.num_kv_heads, self.head_size),
-                self.v_proj(x).view(t, self.num_kv_heads, self.head_size))
+        q, k, v = self.qkv_proj(x).view(t, -1, self.head_size).split_with_sizes(
+            [self.num_heads, self.num_kv_heads, self.num_kv_heads], 1)
+        return q, k, v
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                md: AttentionMetadata, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -154,8 +160,9 @@ class HybridForCausalLM(nn.Module, IsStateful):
         return name
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load by (renamed) name, per-expert tensors into their ``FusedMoE``; a parameter reachable under
-        several names (a tied head, Zamba2's shared blocks) counts as loaded under all of them."""
+        """Load by (renamed) name, separate projections into their fused one's shards (``STACKED``), per-expert
+        tensors into their ``FusedMoE``; a parameter reachable under several names (a tied head, Zamba2's shared
+        blocks) counts as loaded under all of them."""
         moes = {name: m for name, m in self.named_modules() if isinstance(m, FusedMoE)}
         pieces = dict.fromkeys(moes, 0)
 
@@ -169,7 +176,7 @@ class HybridForCausalLM(nn.Module, IsStateful):
                 else:
                     yield hf_name, tensor
 
-        loaded = load_by_name(self, by_name(), self.rename)
+        loaded = load_by_name(self, by_name(), self.rename, STACKED)
         for name, moe in moes.items():
             if pieces[name] == 3 * moe.w13_weight.shape[0]:  # every expert's gate, up and down
                 loaded.update((f"{name}.w13_weight", f"{name}.w2_weight"))

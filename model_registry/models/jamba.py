@@ -7,29 +7,40 @@ Checkpoints may store experts per expert or stacked.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from model_registry.layers import ReplicatedLinear, RMSNorm
+from model_registry.layers import (
+    DecoderLayerRecord,
+    MergedColumnParallelLinear,
+    NormRecord,
+    RMSNorm,
+    RowParallelLinear,
+)
 from model_registry.layers.hybrid import HybridAttention, HybridForCausalLM, HybridStep
 from model_registry.layers.mamba import MambaMixer
 from model_registry.layers.moe import FusedMoE, TopKRouter
 from vllite_core.attention.backend import AttentionBackend
+from vllite_core.model_ops import current_model_ops
 
 
 class MLP(nn.Module):
+    """SiLU-gated MLP with gate and up in one matmul (the checkpoint's ``gate_proj``/``up_proj`` load into its
+    shards), the form a platform's fused decoder path reads."""
+
     def __init__(self, c: Any, dtype: torch.dtype) -> None:
         super().__init__()
-        self.gate_proj = ReplicatedLinear(c.hidden_size, c.intermediate_size, False, dtype)
-        self.up_proj = ReplicatedLinear(c.hidden_size, c.intermediate_size, False, dtype)
-        self.down_proj = ReplicatedLinear(c.intermediate_size, c.hidden_size, False, dtype)
+        size = c.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(c.hidden_size, {"gate": size, "up": size}, False, dtype)
+        self.down_proj = RowParallelLinear(size, c.hidden_size, False, dtype)
+        self.ops = current_model_ops()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 def _mamba_names(c: Any) -> SimpleNamespace:
@@ -39,6 +50,9 @@ def _mamba_names(c: Any) -> SimpleNamespace:
 
 
 class JambaLayer(nn.Module):
+    """A Mamba mixer or attention, then a dense or MoE feed-forward, each pre-norm with its residual add.
+    Attention with a dense MLP is a Llama-style layer without RoPE: it offers the platform's fused path."""
+
     def __init__(self, c: Any, kind: str, num_experts: int, attn_backend: AttentionBackend,
                  dtype: torch.dtype) -> None:
         super().__init__()
@@ -53,9 +67,39 @@ class JambaLayer(nn.Module):
             c.intermediate_size, dtype)
         self.input_layernorm = RMSNorm(c.hidden_size, eps, dtype)
         self.pre_ff_layernorm = RMSNorm(c.hidden_size, eps, dtype)
+        self.ops = current_model_ops()
+        self._native: Any = None  # the platform's whole-layer call or False; made on first use
+
+    def fast_path_record(self) -> DecoderLayerRecord | str:
+        """The layer as a platform's fused path reads it (``rope=None``: Jamba's attention has no positional
+        rotation), or why it has no such form."""
+        if self.kind != "attention":
+            return "a Mamba mixer layer"
+        if not isinstance(self.feed_forward, MLP):
+            return "an MoE feed-forward"
+        norms, attn, mlp = (self.input_layernorm, self.pre_ff_layernorm), self.self_attn, self.feed_forward
+        return DecoderLayerRecord(
+            input_norm=NormRecord("rms", norms[0].weight, float(norms[0].eps)),
+            post_attention_norm=NormRecord("rms", norms[1].weight, float(norms[1].eps)),
+            qkv_proj=attn.qkv_proj, o_proj=attn.o_proj, gate_up_proj=mlp.gate_up_proj, down_proj=mlp.down_proj,
+            attention=attn.attn, activation="silu", rope=None, ops=self.ops)
+
+    def native_layer(self) -> Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None:
+        """The platform's whole-layer call (``ModelOps.decoder_layer``), or None; made on first use, after
+        loading, when the weights are the final ones."""
+        if self._native is None:
+            self._native = self.ops.decoder_layer(self.fast_path_record()) or False
+        return self._native or None
 
     def forward(self, x: torch.Tensor, caches: list[torch.Tensor], mds: list[Any], step: HybridStep
                 ) -> torch.Tensor:
+        native = self.native_layer()
+        if native:
+            # The call makes its input the residual stream in place: the step's embeddings are read again by
+            # other hybrids, so never handed over.
+            out = native(None, x.clone() if x is step.embeddings else x, None, caches[0], mds[0])
+            if out is not None:
+                return out[0] + out[1]  # (x + attention) + feed-forward, as below
         h = self.input_layernorm(x)
         if self.kind == "attention":
             h = self.self_attn(h, caches[0], mds[0], step.rope)

@@ -49,7 +49,7 @@ class SharedAttention(HybridAttention):
     def adapted(self, x: torch.Tensor, hybrid_index: int, kv_cache: torch.Tensor, md: AttentionMetadata,
                 rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self.qkv_proj(x).split(self.sizes, -1)
         if self.use_adapters:
             q = q + self.linear_q_adapter_list[hybrid_index](x)
             k = k + self.linear_k_adapter_list[hybrid_index](x)

@@ -57,8 +57,8 @@ def why_not(ops: Any, record: DecoderLayerRecord | str) -> str | None:
         return "a norm other than RMSNorm"
     if record.post_attention_norm.weight.dtype != dt or record.input_norm.eps != record.post_attention_norm.eps:
         return "its two norms differ in dtype or eps"
-    if record.activation != "silu" or record.rope != "neox":
-        return f"activation {record.activation!r} / rope {record.rope!r} (the C++ layer: silu, neox)"
+    if record.activation != "silu" or record.rope not in ("neox", None):
+        return f"activation {record.activation!r} / rope {record.rope!r} (the C++ layer: silu, neox or none)"
     if type(record.attention.backend).forward is not TorchPagedAttention.forward:
         return f"attention backend {type(record.attention.backend).__name__} (the C++ layer: the CPU paged one)"
     if record.o_proj.tp.world_size != 1 or record.down_proj.tp.world_size != 1:
@@ -69,6 +69,21 @@ def why_not(ops: Any, record: DecoderLayerRecord | str) -> str | None:
     return None
 
 
+_IDENTITY: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}  # (head size, dtype) -> tables
+
+
+def identity_rope(rows: int, head_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos = 1 and sin = 0 for ``rows`` tokens: the C++ layer's rotation of a layer without RoPE is then
+    ``x * 1 + rotate_half(x) * 0``, x itself. One table per head size and dtype, grown to the most rows
+    asked, its leading rows returned (contiguous)."""
+    tables = _IDENTITY.get((head_size, dtype))
+    if tables is None or tables[0].shape[0] < rows:
+        n = max(rows, 2 * tables[0].shape[0] if tables is not None else 64)
+        tables = _IDENTITY[(head_size, dtype)] = (torch.ones(n, head_size, dtype=dtype),
+                                                 torch.zeros(n, head_size, dtype=dtype))
+    return tables[0][:rows], tables[1][:rows]
+
+
 def tell(reason: str) -> None:
     """Log once per process that layers stay on the Python path, and why."""
     if reason not in _TOLD:
@@ -77,13 +92,15 @@ def tell(reason: str) -> None:
 
 
 class NativeDecoderLayer:
-    """Callable ``(rope, x, residual, kv_cache, metadata) -> (out, residual) | None`` for one layer."""
+    """Callable ``(rope, x, residual, kv_cache, metadata) -> (out, residual) | None`` for one layer; a layer
+    without RoPE (``record.rope`` None) ignores ``rope`` and rotates by identity tables (``identity_rope``)."""
 
     def __init__(self, ops: Any, record: DecoderLayerRecord) -> None:
         attn = record.attention
         self.ops = ops
         self.fn = kernels.load().llama_decoder_layer
         self.dt = record.input_norm.weight.dtype
+        self.rope = record.rope
         self.norms = (record.input_norm.weight, record.post_attention_norm.weight)
         self.eps = float(record.input_norm.eps)
         self.linears = (record.qkv_proj, record.o_proj, record.gate_up_proj, record.down_proj)
@@ -213,13 +230,18 @@ class NativeDecoderLayer:
             out += [t for t in (params["weight"], params.get("bias"), self._scale(lin)) if t is not None]
         return out
 
-    def __call__(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, residual: torch.Tensor | None,
-                 kv_cache: torch.Tensor | None, md: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def __call__(self, rope: tuple[torch.Tensor, torch.Tensor] | None, x: torch.Tensor,
+                 residual: torch.Tensor | None, kv_cache: torch.Tensor | None,
+                 md: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
         dt = self.dt
         if (torch.is_grad_enabled() or x.dtype is not dt or kv_cache is None or kv_cache.dtype is not dt
                 or not kv_cache.numel()):
             return None
         if not self._usable():
+            return None
+        if self.rope is None:
+            rope = identity_rope(x.shape[0], self.heads[2], dt)
+        elif rope is None:
             return None
         cos, sin = rope
         if cos.dtype is not dt or not (cos.is_contiguous() and sin.is_contiguous()):
@@ -282,8 +304,9 @@ class NativeDecoderStack:
         """The callable over these layers' one-call paths, or None when one of them has none."""
         if not layers or any(layer is None for layer in layers):
             return None
-        if any(layer.dt is not layers[0].dt or layer.backend is not layers[0].backend for layer in layers):
-            return None
+        if any(layer.dt is not layers[0].dt or layer.backend is not layers[0].backend or layer.rope != "neox"
+               for layer in layers):
+            return None  # one dtype, one backend, the model's RoPE tables for every layer
         return cls(layers)  # type: ignore[arg-type]
 
     def __call__(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_caches: list[torch.Tensor],
