@@ -62,6 +62,11 @@ def test_merged_and_qkv_layers_place_each_checkpoint_tensor_in_its_rows():
     want = torch.cat([x.double() @ gate.double().T, x.double() @ up.double().T], dim=-1)
     torch.testing.assert_close(merged(x).double(), want, rtol=1e-5, atol=1e-5)
     assert merged.checkpoint_names == {"gate": "gate_proj.weight", "up": "up_proj.weight"}
+    stacked = MergedColumnParallelLinear(11, {"gate": 7, "up": 7}, False, torch.float32)
+    load_parameter(stacked.weight, torch.cat([gate, up]), None, "input_linear.weight")  # one stacked tensor
+    assert torch.equal(stacked.weight, merged.weight)
+    with pytest.raises(ValueError, match=r"weight input_linear\.weight: checkpoint shape \(13, 11\)"):
+        load_parameter(stacked.weight, randn(13, 11), None, "input_linear.weight")
 
     head, heads, kv_heads, hidden = 4, 6, 2, 10
     q, k, v = randn(heads * head, hidden), randn(kv_heads * head, hidden), randn(kv_heads * head, hidden)

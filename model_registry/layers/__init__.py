@@ -14,8 +14,9 @@ has a worked example. Every layer's weights are uninitialised parameters filled 
   ``MRotaryEmbedding``;
 - ``activation``: ``get_act_fn``, ``gated``;
 - ``attention``: ``Attention``, which declares its KV cache spec;
+- ``mlp``: ``GatedMLP``, the SiLU-gated feed-forward (gate/up fused, tensor-parallel);
 - ``moe``: ``TopKRouter`` (softmax/sigmoid, renormalised, grouped, correction bias), ``FusedMoE`` (experts through
-  one platform op, ``ModelOps.fused_moe``; shared experts), ``GatedMLP``;
+  one platform op, ``ModelOps.fused_moe``; shared experts as a ``GatedMLP``);
 - ``mamba``: the state-space mixers (``MambaMixer``, ``Mamba2Mixer``, ``ShortConv``), each declaring its state;
 - ``hybrid``: ``HybridForCausalLM``, the shell the state-space and hybrid models share, ``HybridAttention``;
 - ``fast_path``: the typed record a platform's fused decoder path reads;
@@ -40,7 +41,8 @@ from model_registry.layers.linear import (
     Segment,
 )
 from model_registry.layers.mamba import Mamba2Dims, Mamba2Mixer, MambaBase, MambaMixer, ShortConv
-from model_registry.layers.moe import FusedMoE, GatedMLP, TopKRouter
+from model_registry.layers.mlp import GatedMLP
+from model_registry.layers.moe import FusedMoE, TopKRouter
 from model_registry.layers.norm import GemmaRMSNorm, LayerNorm, RMSNorm, rms_normalize
 from model_registry.layers.ops import TORCH_OPS
 from model_registry.layers.params import copy_checked, empty_param, load_parameter

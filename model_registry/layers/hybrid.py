@@ -20,21 +20,15 @@ from model_registry.layers.linear import QKVParallelLinear, RowParallelLinear
 from model_registry.layers.mamba import MambaBase
 from model_registry.layers.moe import FusedMoE, expert_weight
 from model_registry.layers.norm import RMSNorm
+from model_registry.layers.params import STACKED_PROJECTIONS, load_by_name
 from model_registry.layers.rotary import RotaryEmbedding
 from model_registry.layers.vocab import ParallelLMHead, VocabParallelEmbedding
-from model_registry.models.hf_weights import load_by_name
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
 from vllite_core.core.kv_cache_spec import KVCacheSpec
 from vllite_core.model_interfaces import IsStateful
 from vllite_core.model_ops import current_model_ops
 
 CacheLayer = Attention | MambaBase
-# Checkpoint name fragment -> (fused parameter fragment, shard), applied where the checkpoint's own name is no
-# parameter of the model (a hybrid with separate gate/up projections keeps them).
-STACKED = ((".q_proj.", ".qkv_proj.", "q"), (".k_proj.", ".qkv_proj.", "k"), (".v_proj.", ".qkv_proj.", "v"),
-           (".gate_proj.", ".gate_up_proj.", "gate"), (".up_proj.", ".gate_up_proj.", "up"))
-
-
 @dataclass(frozen=True)
 class HybridStep:
     """What any layer of a step may read beside its input: the RoPE tables (None without rotary) and the
@@ -51,9 +45,9 @@ def head_size(c: Any) -> int:
 
 class HybridAttention(nn.Module):
     """Self-attention with q, k and v in one matmul (``qkv_proj``: a platform's fused decoder path reads one
-    weight; checkpoints' ``q_proj``/``k_proj``/``v_proj`` load into its shards, ``STACKED``) and ``o_proj``,
-    RoPE when the step has tables, through the ``Attention`` layer (``scale``: ``head_size ** -0.5`` unless
-    given). A variant changes q, k, v in ``project``."""
+    weight; checkpoints' ``q_proj``/``k_proj``/``v_proj`` load into its shards, ``STACKED_PROJECTIONS``) and
+    ``o_proj``, RoPE when the step has tables, through the ``Attention`` layer (``scale``: ``head_size ** -0.5``
+    unless given). A variant changes q, k, v in ``project``."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_size: int,
                  backend: AttentionBackend, dtype: torch.dtype, bias: bool = False, scale: float | None = None,
@@ -160,9 +154,9 @@ class HybridForCausalLM(nn.Module, IsStateful):
         return name
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load by (renamed) name, separate projections into their fused one's shards (``STACKED``), per-expert
-        tensors into their ``FusedMoE``; a parameter reachable under several names (a tied head, Zamba2's shared
-        blocks) counts as loaded under all of them."""
+        """Load by (renamed) name, separate projections into their fused one's shards (``STACKED_PROJECTIONS``),
+        per-expert tensors into their ``FusedMoE``; a parameter reachable under several names (a tied head,
+        Zamba2's shared blocks) counts as loaded under all of them."""
         moes = {name: m for name, m in self.named_modules() if isinstance(m, FusedMoE)}
         pieces = dict.fromkeys(moes, 0)
 
@@ -176,7 +170,7 @@ class HybridForCausalLM(nn.Module, IsStateful):
                 else:
                     yield hf_name, tensor
 
-        loaded = load_by_name(self, by_name(), self.rename, STACKED)
+        loaded = load_by_name(self, by_name(), self.rename, STACKED_PROJECTIONS)
         for name, moe in moes.items():
             if pieces[name] == 3 * moe.w13_weight.shape[0]:  # every expert's gate, up and down
                 loaded.update((f"{name}.w13_weight", f"{name}.w2_weight"))

@@ -117,7 +117,8 @@ class ColumnParallelLinear(LinearBase):
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel tensors in one matmul (gate and up): ``sizes`` maps shard -> full rows."""
+    """Several column-parallel tensors in one matmul (gate and up): ``sizes`` maps shard -> full rows. A
+    checkpoint may hold them as separate tensors (loaded by shard name) or stacked in one (``shard`` None)."""
 
     def __init__(self, in_features: int, sizes: dict[str, int], bias: bool, dtype: torch.dtype,
                  ops: ModelOps | None = None) -> None:
@@ -128,6 +129,18 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             segments[shard] = Segment(offset, start, stop - start, full)
             offset += stop - start
         super().__init__(in_features, offset, bias, dtype, segments, ops)
+
+    @torch.no_grad()
+    def load(self, param: torch.Tensor, src: torch.Tensor, shard: str | None, name: str) -> None:
+        if shard is not None:
+            super().load(param, src, shard, name)
+            return
+        check_full(src, 0, sum(seg.full for seg in self.segments.values()), name)
+        start = 0  # each shard's rows in the stacked tensor, this rank's part of each
+        for seg in self.segments.values():
+            rows = src[start + seg.src_start:start + seg.src_start + seg.length]
+            copy_checked(param.data[seg.dst_start:seg.dst_start + seg.length], rows, name)
+            start += seg.full
 
 
 class QKVParallelLinear(ColumnParallelLinear):

@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_registry.layers.linear import ReplicatedLinear
+from model_registry.layers.mlp import GatedMLP
 from model_registry.layers.params import copy_checked, empty_param
-from vllite_core.model_ops import ModelOps, current_model_ops
+from vllite_core.model_ops import current_model_ops
 
 ExpertShard = Literal["w1", "w2", "w3"]  # vLLM's names: gate, down, up
 
@@ -75,20 +76,6 @@ class TopKRouter(nn.Module):
 
     def _scaled(self, weights: torch.Tensor) -> torch.Tensor:
         return weights if self.routed_scaling_factor == 1.0 else weights * self.routed_scaling_factor
-
-
-class GatedMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up in one matmul (``gate_up_proj``: gate rows first)."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
-                 ops: ModelOps | None = None) -> None:
-        super().__init__()
-        self.gate_up_proj = ReplicatedLinear(hidden_size, 2 * intermediate_size, False, dtype, ops)
-        self.down_proj = ReplicatedLinear(intermediate_size, hidden_size, False, dtype, ops)
-        self.ops = self.down_proj.ops
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class FusedMoE(nn.Module):

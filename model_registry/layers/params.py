@@ -2,8 +2,16 @@
 the loaders that fill them from full checkpoint tensors."""
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
+
 import torch
 from torch import nn
+
+# Hugging Face's separate projections -> (the fused layer's name fragment, its shard): QKVParallelLinear's
+# ``qkv_proj`` and MergedColumnParallelLinear's ``gate_up_proj`` as the models name them.
+STACKED_PROJECTIONS = ((".q_proj.", ".qkv_proj.", "q"), (".k_proj.", ".qkv_proj.", "k"),
+                       (".v_proj.", ".qkv_proj.", "v"), (".gate_proj.", ".gate_up_proj.", "gate"),
+                       (".up_proj.", ".gate_up_proj.", "up"))
 
 
 def empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -34,3 +42,44 @@ def load_parameter(param: torch.Tensor, src: torch.Tensor, shard: str | None, na
         copy_checked(param.data, src, name)
     else:
         loader(param, src, shard, name)
+
+
+@torch.no_grad()
+def load_by_name(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                 rename: Callable[[str], str | None] = lambda n: n,
+                 stacked: Sequence[tuple[str, str, str]] = ()) -> set[str]:
+    """Copy each HF tensor into the parameter of the same name through its loader (``rename`` maps a
+    checkpoint name to a parameter name, or None to skip it); returns the parameter names loaded. A name
+    that is no parameter goes to a fused one through ``stacked`` ((fragment, fused fragment, shard)), which
+    counts as loaded once every shard ``stacked`` names for it arrived. Unknown names and shape mismatches
+    are errors, never silently dropped."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    shards_of: dict[str, set[str]] = {}
+    for _, fused, shard in stacked:
+        shards_of.setdefault(fused, set()).add(shard)
+    arrived: dict[str, set[str]] = {}
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for hf_name, tensor in weights:
+        name = rename(hf_name)
+        if name is None:
+            continue
+        param = params.get(name)
+        if param is not None:
+            load_parameter(param, tensor, None, hf_name)
+            loaded.add(name)
+            continue
+        target = next(((name.replace(part, fused), fused, shard) for part, fused, shard in stacked
+                       if part in name and name.replace(part, fused) in params), None)
+        if target is None:
+            unexpected.append(hf_name)
+            continue
+        fused_name, fused, shard = target
+        load_parameter(params[fused_name], tensor, shard, hf_name)
+        arrived.setdefault(fused_name, set()).add(shard)
+        if arrived[fused_name] == shards_of[fused]:
+            loaded.add(fused_name)
+    if unexpected:
+        shown = ", ".join(unexpected[:8]) + (" ..." if len(unexpected) > 8 else "")
+        raise ValueError(f"checkpoint has weights this model does not know: {shown}")
+    return loaded

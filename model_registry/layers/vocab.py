@@ -86,4 +86,4 @@ class ParallelLMHead(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] in the model dtype (the sampler widens them where it computes with them)."""
-        return gather_logits(self.quant_method.apply(self, hidden_states, None), self.shard)  # type: ignore[arg-type]
+        return gather_logits(self.quant_method.apply(self, hidden_states, None), self.shard)

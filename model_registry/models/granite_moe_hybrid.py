@@ -16,7 +16,8 @@ from torch import nn
 from model_registry.layers import RMSNorm
 from model_registry.layers.hybrid import HybridAttention, HybridForCausalLM, HybridStep, head_size
 from model_registry.layers.mamba import Mamba2Dims, Mamba2Mixer
-from model_registry.layers.moe import FusedMoE, GatedMLP, TopKRouter
+from model_registry.layers.mlp import GatedMLP
+from model_registry.layers.moe import FusedMoE, TopKRouter
 from model_registry.layers.rotary import RotaryEmbedding
 from vllite_core.attention.backend import AttentionBackend
 

@@ -16,31 +16,15 @@ from torch import nn
 
 from model_registry.layers import (
     DecoderLayerRecord,
-    MergedColumnParallelLinear,
+    GatedMLP,
     NormRecord,
     RMSNorm,
-    RowParallelLinear,
 )
 from model_registry.layers.hybrid import HybridAttention, HybridForCausalLM, HybridStep
 from model_registry.layers.mamba import MambaMixer
 from model_registry.layers.moe import FusedMoE, TopKRouter
 from vllite_core.attention.backend import AttentionBackend
 from vllite_core.model_ops import current_model_ops
-
-
-class MLP(nn.Module):
-    """SiLU-gated MLP with gate and up in one matmul (the checkpoint's ``gate_proj``/``up_proj`` load into its
-    shards), the form a platform's fused decoder path reads."""
-
-    def __init__(self, c: Any, dtype: torch.dtype) -> None:
-        super().__init__()
-        size = c.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(c.hidden_size, {"gate": size, "up": size}, False, dtype)
-        self.down_proj = RowParallelLinear(size, c.hidden_size, False, dtype)
-        self.ops = current_model_ops()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 def _mamba_names(c: Any) -> SimpleNamespace:
@@ -62,9 +46,11 @@ class JambaLayer(nn.Module):
             self.self_attn = HybridAttention.from_config(c, attn_backend, dtype)
         else:
             self.mamba = MambaMixer(_mamba_names(c), dtype, rms_eps=eps, norm_weights=True)
-        self.feed_forward = MLP(c, dtype) if num_experts <= 1 else FusedMoE(
-            TopKRouter(c.hidden_size, num_experts, c.num_experts_per_tok, dtype), c.hidden_size,
-            c.intermediate_size, dtype)
+        if num_experts <= 1:
+            self.feed_forward: nn.Module = GatedMLP(c.hidden_size, c.intermediate_size, dtype)
+        else:
+            router = TopKRouter(c.hidden_size, num_experts, c.num_experts_per_tok, dtype)
+            self.feed_forward = FusedMoE(router, c.hidden_size, c.intermediate_size, dtype)
         self.input_layernorm = RMSNorm(c.hidden_size, eps, dtype)
         self.pre_ff_layernorm = RMSNorm(c.hidden_size, eps, dtype)
         self.ops = current_model_ops()
@@ -75,7 +61,7 @@ class JambaLayer(nn.Module):
         rotation), or why it has no such form."""
         if self.kind != "attention":
             return "a Mamba mixer layer"
-        if not isinstance(self.feed_forward, MLP):
+        if not isinstance(self.feed_forward, GatedMLP):
             return "an MoE feed-forward"
         norms, attn, mlp = (self.input_layernorm, self.pre_ff_layernorm), self.self_attn, self.feed_forward
         return DecoderLayerRecord(

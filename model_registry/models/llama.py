@@ -9,7 +9,7 @@ optional per-layer sliding windows), Mistral may have a sliding window.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -18,7 +18,7 @@ from torch import nn
 from model_registry.layers import (
     Attention,
     DecoderLayerRecord,
-    MergedColumnParallelLinear,
+    GatedMLP,
     NormRecord,
     ParallelLMHead,
     QKVParallelLinear,
@@ -26,8 +26,8 @@ from model_registry.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
-    load_parameter,
 )
+from model_registry.layers.params import STACKED_PROJECTIONS, load_by_name
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
 from vllite_core.attention.kv_quant import kv_scale_name
 from vllite_core.core.kv_cache_spec import KVCacheSpec
@@ -83,24 +83,6 @@ class LlamaAttention(nn.Module):
         return self.o_proj.forward(out.reshape(t, self.q_size))
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
-        super().__init__()
-        act = getattr(hf_config, "hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise NotImplementedError(f"hidden_act {act!r} is not supported by the Llama implementation (silu only)")
-        bias = bool(getattr(hf_config, "mlp_bias", False))
-        size = hf_config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(hf_config.hidden_size, {"gate": size, "up": size}, bias,
-                                                       dtype)
-        self.intermediate_size = self.gate_up_proj.segments["gate"].length  # this rank's part
-        self.down_proj = RowParallelLinear(size, hf_config.hidden_size, bias, dtype)
-        self._ops = current_model_ops()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward(self._ops.silu_and_mul(self.gate_up_proj.forward(x)))
-
-
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype,
                  sliding_window: int | None) -> None:
@@ -109,7 +91,11 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype)
         self.self_attn = LlamaAttention(hf_config, attn_backend, dtype, sliding_window)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype)
-        self.mlp = LlamaMLP(hf_config, dtype)
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise NotImplementedError(f"hidden_act {act!r} is not supported by the Llama implementation (silu only)")
+        self.mlp = GatedMLP(hf_config.hidden_size, hf_config.intermediate_size, dtype,
+                            bool(getattr(hf_config, "mlp_bias", False)))
         self._ops = current_model_ops()
         self._native: Any = None  # the platform's whole-layer call (ModelOps.decoder_layer) or False; made on first use
 
@@ -183,14 +169,6 @@ class LlamaModel(nn.Module):
         return self.norm(x) if residual is None else self.norm.add_forward(x, residual)[0]
 
 
-# HF checkpoint name fragment -> (fused parameter fragment, shard).
-_STACKED = (
-    (".q_proj.", ".qkv_proj.", "q"),
-    (".k_proj.", ".qkv_proj.", "k"),
-    (".v_proj.", ".qkv_proj.", "v"),
-    (".gate_proj.", ".gate_up_proj.", "gate"),
-    (".up_proj.", ".gate_up_proj.", "up"),
-)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
@@ -252,7 +230,7 @@ class LlamaForCausalLM(nn.Module, SupportsLoRA, SupportsTensorParallel):
         down = self.model.layers[0].mlp.down_proj.local_features[0]
         for i in range(self.num_layers):
             pre = f"model.layers.{i}."
-            for hf, fused, shard in _STACKED:
+            for hf, fused, shard in STACKED_PROJECTIONS:
                 part = "self_attn" if shard in "qkv" else "mlp"
                 sl = self._shard_slice(shard)
                 out[f"{pre}{part}{hf[:-1]}"] = (f"{pre}{part}{fused[:-1]}", sl.start, sl.stop)
@@ -271,50 +249,29 @@ class LlamaForCausalLM(nn.Module, SupportsLoRA, SupportsTensorParallel):
         size = self.model.layers[0].mlp.intermediate_size
         return slice(0, size) if shard == "gate" else slice(size, 2 * size)
 
-    @staticmethod
-    def _canonical(name: str) -> str:
-        """A base model's checkpoint (no ``model.`` prefix) names the same tensors."""
-        return "model." + name if name.startswith(("layers.", "embed_tokens.", "norm.")) else name
+    def _rename(self, hf_name: str) -> str | None:
+        """A checkpoint name -> this model's (a base model's checkpoint has no ``model.`` prefix), or None for a
+        tensor it does not keep (rotary tables; the head's copy when it is the embedding)."""
+        if hf_name.endswith(_IGNORED_SUFFIXES):
+            return None
+        name = "model." + hf_name if hf_name.startswith(("layers.", "embed_tokens.", "norm.")) else hf_name
+        return None if name == "lm_head.weight" and self.tie_word_embeddings else name
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named tensors into the (fused) parameters; returns the parameter names fully loaded."""
-        params = dict(self.named_parameters(remove_duplicate=False))
-        shards_needed = {".qkv_proj.": {"q", "k", "v"}, ".gate_up_proj.": {"gate", "up"}}
-        shards_seen: dict[str, set[str]] = {}
-        loaded: set[str] = set()
-        unexpected: list[str] = []
-        for hf_name, tensor in weights:
-            if hf_name.endswith(_IGNORED_SUFFIXES):
-                continue
-            name = self._canonical(hf_name)
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue  # tied: the embedding is the head
-            if (kv_scale := kv_scale_name(name)) is not None:  # a float8 cache's per-layer scales
-                attn = dict(self.named_modules()).get(kv_scale[0])
-                if not isinstance(attn, LlamaAttention):
-                    unexpected.append(hf_name)
-                    continue
-                attn.attn.kv_scales.set_from_checkpoint(kv_scale[1], tensor, kv_scale[0])
-                continue
-            stacked = next(((name.replace(frag, fused), fused, shard) for frag, fused, shard in _STACKED
-                            if frag in name), None)
-            target = stacked[0] if stacked else name
-            if target not in params:
-                unexpected.append(hf_name)
-                continue
-            if stacked is None:
-                load_parameter(params[target], tensor, None, hf_name)
-                loaded.add(target)
-                continue
-            _, fused, shard = stacked
-            load_parameter(params[target], tensor, shard, hf_name)
-            seen = shards_seen.setdefault(target, set())
-            seen.add(shard)
-            if seen == shards_needed[fused]:
-                loaded.add(target)
-        if unexpected:
-            shown = ", ".join(unexpected[:8]) + (" ..." if len(unexpected) > 8 else "")
-            raise ValueError(f"checkpoint has weights this model does not know: {shown}")
+        """Copy HF-named tensors into the (fused) parameters; returns the parameter names fully loaded. A float8
+        cache's per-layer scales go to their attention layer."""
+        attention = {name: m.attn for name, m in self.named_modules() if isinstance(m, LlamaAttention)}
+
+        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            for hf_name, tensor in weights:
+                name = self._rename(hf_name)
+                kv_scale = kv_scale_name(name) if name is not None else None
+                if kv_scale is not None and kv_scale[0] in attention:
+                    attention[kv_scale[0]].kv_scales.set_from_checkpoint(kv_scale[1], tensor, kv_scale[0])
+                else:
+                    yield hf_name, tensor  # elsewhere: no parameter of that name, so refused as unknown
+
+        loaded = load_by_name(self, tensors(), self._rename, STACKED_PROJECTIONS)
         if self.tie_word_embeddings and "model.embed_tokens.weight" in loaded:
             loaded.add("lm_head.weight")
         return loaded

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from model_registry.layers import ReplicatedLinear, RotaryEmbedding, empty_param, load_parameter
-from model_registry.models.llama import _STACKED, LlamaDecoderLayer
+from model_registry.layers import ReplicatedLinear, RotaryEmbedding, empty_param
+from model_registry.layers.params import STACKED_PROJECTIONS, load_by_name
+from model_registry.models.llama import LlamaDecoderLayer
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
 from vllite_core.core.kv_cache_spec import KVCacheSpec
 
@@ -52,25 +53,17 @@ class EagleLlamaHead(nn.Module):
         return out + residual
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        params = dict(self.named_parameters())
-        seen: set[str] = set()
-        unknown = []
-        for name, tensor in weights.items():
+        """Every parameter must arrive (a fused one with all its shards); unknown names are errors."""
+
+        def rename(name: str) -> str | None:
             if name.endswith("rotary_emb.inv_freq"):
-                continue
-            if name == "embed_tokens.weight":
-                name = "embed_tokens"
-            stacked = next(((name.replace(frag, fused), shard) for frag, fused, shard in _STACKED if frag in name),
-                           None)
-            target = stacked[0] if stacked else name
-            if target not in params:
-                unknown.append(name)
-                continue
-            load_parameter(params[target], tensor, stacked[1] if stacked else None, name)
-            seen.add(target)
-        missing = sorted(set(params) - seen)
-        if unknown or missing:
-            raise ValueError(f"EAGLE head checkpoint: unknown tensors {unknown[:8]}, missing {missing[:8]}")
+                return None
+            return "embed_tokens" if name == "embed_tokens.weight" else name
+
+        loaded = load_by_name(self, weights.items(), rename, STACKED_PROJECTIONS)
+        missing = sorted(set(dict(self.named_parameters())) - loaded)
+        if missing:
+            raise ValueError(f"EAGLE head checkpoint: missing {missing[:8]}")
 
 
 def load_eagle_head(folder: str, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype,

@@ -21,7 +21,7 @@ from model_registry.layers import (
     LAYERS_API,
     Attention,
     DecoderLayerRecord,
-    MergedColumnParallelLinear,
+    GatedMLP,
     NormRecord,
     ParallelLMHead,
     QKVParallelLinear,
@@ -63,18 +63,6 @@ class MyAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, kv_cache, md).reshape(t, -1))
 
 
-class MyMLP(nn.Module):
-    def __init__(self, c: Any, dtype: torch.dtype) -> None:
-        super().__init__()
-        size = c.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(c.hidden_size, {"gate": size, "up": size}, False, dtype)
-        self.down_proj = RowParallelLinear(size, c.hidden_size, False, dtype)
-        self.ops = current_model_ops()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
-
-
 class MyDecoderLayer(nn.Module):
     """Pre-norm: ``h = x + attn(norm(x))``, ``out = h + mlp(norm(h))``, each residual add fused into the next
     norm (``RMSNorm.add_forward``), so the layer passes (output, residual) on."""
@@ -84,7 +72,7 @@ class MyDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.self_attn = MyAttention(c, attn_backend, dtype)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.mlp = MyMLP(c, dtype)
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, dtype)
         self.native: Any = None  # the platform's fused call for this record, or False; made on first use
 
     def fast_path_record(self) -> DecoderLayerRecord:
