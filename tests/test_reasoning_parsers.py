@@ -50,6 +50,20 @@ WHOLE = [
     ("qwen3", "I think.</think>The answer.", None, "I think.</think>The answer."),  # no start tag: all content
     ("qwen3", "<think>cut off", None, "<think>cut off"),  # no end tag, whole output: all content (vLLM)
     ("qwen3", "<think></think>answer", None, "answer"),
+    ("granite", "Here is my thought process: 2+2 is 4. Here is my response: 4", " 2+2 is 4. ", " 4"),
+    ("granite", "Here's my thought process:a Here's my response:b", "a ", "b"),
+    ("granite", "Just an answer.", None, "Just an answer."),
+    ("mistral", "[THINK]Plan it.[/THINK]Done.", "Plan it.", "Done."),
+    ("mistral", "Straight answer.", None, "Straight answer."),
+    ("mistral", "[THINK]cut short", "cut short", None),
+    ("glm45", "<think>hmm</think>ok", "hmm", "ok"),
+    ("glm45", "no tags", None, "no tags"),
+    ("openai_gptoss", "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Hi",
+     "Think.", "Hi"),
+    ("openai_gptoss", "<|channel|>analysis<|message|>Look up.<|end|><|start|>assistant<|channel|>commentary "
+                      "to=functions.f <|constrain|>json<|message|>{}<|call|>",
+     "Look up.", "<|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json<|message|>{}<|call|>"),
+    ("openai_gptoss", "plain words", None, "plain words"),
 ]
 
 
@@ -67,6 +81,14 @@ STREAMED = [
     ("qwen3", "No tags at all. a<b", None, "No tags at all. a<b"),
     ("qwen3", "<think>cut off", "cut off", None),  # streamed: reasoning as it comes
     ("qwen3", "pre <think>r</think> post", "r", "pre  post"),
+    ("granite", "Here is my thought process: 2+2 is 4. Here is my response: 4", " 2+2 is 4. ", " 4"),
+    ("granite", "Here's my thought process:a Here's my response:b", "a ", "b"),
+    ("mistral", "[THINK]Plan it.[/THINK]Done.", "Plan it.", "Done."),
+    ("openai_gptoss", "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Hi",
+     "Think.", "Hi"),
+    ("openai_gptoss", "<|channel|>analysis<|message|>Look up.<|end|><|start|>assistant<|channel|>commentary "
+                      "to=functions.f <|constrain|>json<|message|>{}<|call|>",
+     "Look up.", "<|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json<|message|>{}<|call|>"),
 ]
 
 
@@ -99,7 +121,7 @@ def test_skipped_special_tag_is_found_by_token_id():
 
 
 def test_known_names_and_unknown_name():
-    assert {"deepseek_r1", "qwen3"} <= set(reasoning_parser_names())
+    assert {"deepseek_r1", "qwen3", "granite", "mistral", "glm45", "openai_gptoss"} <= set(reasoning_parser_names())
     with pytest.raises(ReasoningParserError, match="known: .*deepseek_r1.*qwen3"):
         get_reasoning_parser("nope", _NoAddedTokens())
 
@@ -128,3 +150,16 @@ def test_a_plugin_adds_and_replaces_parsers(fresh_plugins):  # noqa: F811
     assert parser("bracket").extract("a[r]b[/r]c") == ("b", "ac")
     assert parser("qwen3").extract("a[r]b[/r]c") == ("b", "ac")  # the plugin's replaces the built-in
     assert parser("deepseek_r1").extract("x</think>y") == ("x", "y")
+
+
+def test_gptoss_reasoning_then_openai_tool_parser_give_the_call():
+    """The reasoning parser passes a harmony tool call on as content; the ``openai`` tool parser reads it."""
+    from vllite_core.plugins.manager import get_plugin_manager
+    from vllite_core.tool_parsers import load_tool_parsers
+
+    text = ("<|channel|>analysis<|message|>Need it.<|end|><|start|>assistant<|channel|>commentary "
+            'to=functions.get_weather <|constrain|>json<|message|>{"city": "Lima"}<|call|>')
+    reasoning, content = parser("openai_gptoss").extract(text)
+    parsed = load_tool_parsers(get_plugin_manager())["openai"]().parse(content, final=True)
+    assert reasoning == "Need it." and parsed.content == ""
+    assert [(c.name, c.arguments) for c in parsed.calls] == [("get_weather", '{"city": "Lima"}')]

@@ -294,3 +294,20 @@ def test_logits_processors_from_the_plugin_hook():
         load_logits_processors(["no_such_module:X"], pm)
     with pytest.raises(LogitsProcessorError, match="module:name"):
         load_logits_processors(["just_a_name"], pm)
+
+
+def test_the_token_that_stops_a_request_is_not_in_its_text(engines):
+    """vLLM's rule: a stop token id (or EOS) ends the request and stays in token_ids, but its text is not
+    in the output (even with skip_special_tokens=False), unless include_stop_str_in_output asks."""
+    llm = engines()
+    tok = llm.get_tokenizer()
+    base = one(llm, PROMPT, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)).outputs[0].token_ids
+    stop_tok = base[3]
+    for skip in (True, False):
+        out = one(llm, PROMPT, SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=[stop_tok],
+                                              skip_special_tokens=skip)).outputs[0]
+        assert out.token_ids[-1] == stop_tok and out.finish_reason == "stop" and out.stop_reason == stop_tok
+        assert out.text == tok.decode(out.token_ids[:-1], skip_special_tokens=skip)
+    kept = one(llm, PROMPT, SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=[stop_tok],
+                                           include_stop_str_in_output=True)).outputs[0]
+    assert kept.text == tok.decode(kept.token_ids)

@@ -135,7 +135,11 @@ class OutputProcessor:
                                                for lp in out.prompt_logprobs]
             if out.pooling_output is not None:
                 st.pooling_output = out.pooling_output
-            new_ids, stop = self._detokenize(child, out.new_token_ids)
+            # a request ended by its EOS or a stop token id: that token is kept in the ids but not in the text
+            # (vLLM's detokenizer skips it), so it shows even with skip_special_tokens=False only when asked
+            stop_token = (out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
+                          and not child.detok.params.include_stop_str_in_output)
+            new_ids, stop = self._detokenize(child, out.new_token_ids, stop_token)
             child.token_ids.extend(new_ids)
             if out.new_logprobs and child.logprobs is not None:
                 for lp in out.new_logprobs[:len(new_ids)]:
@@ -168,13 +172,15 @@ class OutputProcessor:
         return results, to_stop
 
     @staticmethod
-    def _detokenize(child: CompletionState, new_ids: list[int]) -> tuple[list[int], str | None]:
+    def _detokenize(child: CompletionState, new_ids: list[int], stop_token: bool) -> tuple[list[int], str | None]:
         """Add a step's tokens; returns the ones kept and the stop string found. Several tokens in a step
-        (speculative decoding) are checked one by one, so nothing after a stop string is output."""
-        if len(new_ids) <= 1 or not child.detok.params.stop:
-            child.detok.add_tokens(new_ids)
+        (speculative decoding) are checked one by one, so nothing after a stop string is output.
+        ``stop_token``: the last id ended the request (EOS or a stop token id): it is not detokenized."""
+        shown = new_ids[:-1] if stop_token and new_ids else new_ids
+        if len(shown) <= 1 or not child.detok.params.stop:
+            child.detok.add_tokens(shown)
             return new_ids, child.detok.check_stop()
-        for j, tid in enumerate(new_ids):
+        for j, tid in enumerate(shown):
             child.detok.add_tokens([tid])
             stop = child.detok.check_stop()
             if stop is not None:

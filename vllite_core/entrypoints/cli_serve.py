@@ -48,12 +48,14 @@ def add_serve_parser(sub: Any) -> None:
                    help="chat template for /v1/chat/completions and /v1/responses: a file path or the jinja "
                    "template itself (default: the tokenizer's)")
     g.add_argument("--reasoning-parser", default=None,
-                   help="split reasoning out of the output into `reasoning` (e.g. deepseek_r1, qwen3; "
+                   help="split reasoning out of the output into `reasoning` (deepseek_r1, qwen3, glm45, granite, "
+                   "mistral, openai_gptoss; "
                    "`vllite plugins` lists plugins that add more)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="allow tool_choice 'auto': the model's tool calls are parsed with --tool-call-parser")
     g.add_argument("--tool-call-parser", default=None, help="tool-call parser for tool_choice 'auto' (hermes, "
-                   "llama3_json, or a plugin's)")
+                   "llama3_json, mistral, pythonic, qwen3_coder, glm45, deepseek_v3, deepseek_v31, granite, openai, "
+                   "or a plugin's)")
     g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="LoRA adapters served as model names (needs --enable-lora): name=path, or JSON "
                    "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'")

@@ -9,4 +9,13 @@ VLLITE_PLUGIN_API = (1, 1)
 
 @hookimpl
 def vllite_register_reasoning_parsers() -> dict[str, type]:
-    return {"deepseek_r1": DeepSeekR1ReasoningParser, "qwen3": Qwen3ReasoningParser}
+    from vllite_core.reasoning.families import (
+        Glm45ReasoningParser,
+        GptOssReasoningParser,
+        GraniteReasoningParser,
+        MistralReasoningParser,
+    )
+
+    return {"deepseek_r1": DeepSeekR1ReasoningParser, "qwen3": Qwen3ReasoningParser,
+            "granite": GraniteReasoningParser, "mistral": MistralReasoningParser, "glm45": Glm45ReasoningParser,
+            "openai_gptoss": GptOssReasoningParser}

@@ -8,21 +8,33 @@ token id marks the boundary instead.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 Split = tuple[str | None, str | None]  # (reasoning, content); None where there is none
 
 
-def _none_if_empty(s: str) -> str | None:
+def none_if_empty(s: str) -> str | None:
     return s or None
 
 
-def _partial_tail(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
+def _partial_tail(text: str, tags: tuple[str, ...]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of one of ``tags``."""
+    best = 0
+    for tag in tags:
+        for n in range(min(len(tag) - 1, len(text)), best, -1):
+            if tag.startswith(text[-n:]):
+                best = n
+                break
+    return best
+
+
+def _find_any(text: str, tags: tuple[str, ...]) -> tuple[int, str]:
+    """The earliest of ``tags`` in ``text`` (the longest where two start together); (-1, "") if none."""
+    hits = [(text.find(t), -len(t), t) for t in tags if t in text]
+    if not hits:
+        return -1, ""
+    at, _, tag = min(hits)
+    return at, tag
 
 
 class ReasoningStream:
@@ -63,8 +75,8 @@ class ReasoningStream:
             if self.state == "content":
                 c += buf
                 break
-            tag = self.p.end_tag if self.state == "reasoning" else self.p.start_tag
-            at = buf.find(tag)
+            tags = self.p.end_tags if self.state == "reasoning" else self.p.start_tags
+            at, tag = _find_any(buf, tags)
             if at >= 0:
                 if self.state == "reasoning":
                     r += buf[:at]
@@ -74,7 +86,7 @@ class ReasoningStream:
                     self.state = "reasoning"
                 buf = buf[at + len(tag):]
                 continue
-            keep = _partial_tail(buf, tag)
+            keep = _partial_tail(buf, tags)
             out, self.held = buf[:len(buf) - keep], buf[len(buf) - keep:]
             if self.state == "reasoning":
                 r += out
@@ -83,7 +95,7 @@ class ReasoningStream:
             break
         self.reasoning += r
         self.content += c
-        return _none_if_empty(r), _none_if_empty(c)
+        return none_if_empty(r), none_if_empty(c)
 
     def finish(self) -> Split:
         """The held-back tail (it was no tag after all) where it belongs."""
@@ -98,7 +110,11 @@ class ReasoningStream:
 
 
 class ReasoningParser:
-    """Base of every reasoning parser (the hook's classes subclass it). ``tokenizer``: the model's."""
+    """Base of every reasoning parser (the hook's classes subclass it). ``tokenizer``: the model's.
+    ``keeps_special_tokens``: the format's markers are special tokens the output text must keep (the
+    request's ``skip_special_tokens`` is turned off)."""
+
+    keeps_special_tokens: ClassVar[bool] = False
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -111,9 +127,20 @@ class ReasoningParser:
 
 
 class ThinkTagParser(ReasoningParser):
+    """Reasoning between a start and an end tag; ``start_tags`` / ``end_tags`` list every spelling the
+    format allows (the first is the one a single token may stand for)."""
+
     start_tag = "<think>"
     end_tag = "</think>"
     initial_state = "reasoning"
+
+    @property
+    def start_tags(self) -> tuple[str, ...]:
+        return (self.start_tag,)
+
+    @property
+    def end_tags(self) -> tuple[str, ...]:
+        return (self.end_tag,)
 
     def __init__(self, tokenizer: Any) -> None:
         super().__init__(tokenizer)
@@ -132,7 +159,7 @@ class ThinkTagParser(ReasoningParser):
         s = self.stream()
         s.feed(text)
         s.finish()
-        return _none_if_empty(s.reasoning), _none_if_empty(s.content)
+        return none_if_empty(s.reasoning), none_if_empty(s.content)
 
 
 class DeepSeekR1ReasoningParser(ThinkTagParser):
@@ -152,5 +179,5 @@ class Qwen3ReasoningParser(ThinkTagParser):
 
     def extract(self, text: str) -> Split:
         if self.start_tag not in text or self.end_tag not in text:
-            return None, _none_if_empty(text)
+            return None, none_if_empty(text)
         return super().extract(text)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import secrets
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 from vllite_core.tool_parsers.partial_json import scan_call
 
@@ -22,7 +22,7 @@ from vllite_core.tool_parsers.partial_json import scan_call
 class ToolCall:
     name: str
     arguments: str  # JSON text
-    id: str = field(default_factory=lambda: "chatcmpl-tool-" + secrets.token_hex(12))
+    id: str = field(default_factory=lambda: default_call_id())
 
     def as_openai(self, index: int | None = None) -> dict[str, Any]:
         d: dict[str, Any] = {"id": self.id, "type": "function",
@@ -38,13 +38,25 @@ class ParsedText:
     calls: list[ToolCall]
 
 
+def default_call_id() -> str:
+    return "chatcmpl-tool-" + secrets.token_hex(12)
+
+
 class ToolParser:
-    """Base class: subclasses set ``name`` and implement ``parse``."""
+    """Base class: subclasses set ``name`` and implement ``parse``. ``tools``: the request's tool
+    definitions (OpenAI's shape), for formats whose argument values are typed by the schema.
+    ``keeps_special_tokens``: the format's markers are special tokens, so the output text must keep
+    them (the request's ``skip_special_tokens`` is turned off, as vLLM does for such parsers)."""
 
     name: ClassVar[str] = ""
+    keeps_special_tokens: ClassVar[bool] = False
 
-    def __init__(self, tokenizer: Any = None) -> None:
+    def __init__(self, tokenizer: Any = None, tools: list[dict[str, Any]] | None = None) -> None:
         self.tokenizer = tokenizer
+        self.tools = tools or []
+
+    def new_call_id(self) -> str:
+        return default_call_id()
 
     def parse(self, text: str, final: bool) -> ParsedText:
         """Content and complete tool calls in ``text``. While not ``final``, content must exclude any
@@ -82,8 +94,9 @@ class CallStream:
     """The tool-call deltas of one streamed choice, OpenAI-shaped: a call's first delta carries index, id,
     type and function name (with the arguments known so far, often ""), later ones argument fragments."""
 
-    def __init__(self) -> None:
+    def __init__(self, new_id: Callable[[], str] = default_call_id) -> None:
         self.sent: list[str] = []  # arguments sent, per call index
+        self.new_id = new_id
 
     def deltas(self, calls: list[tuple[str | None, str]]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -91,7 +104,7 @@ class CallStream:
             if name is None:
                 break  # calls stream in order: nothing after one whose name is still unknown
             if i == len(self.sent):
-                out.append(ToolCall(name, args).as_openai(i))
+                out.append(ToolCall(name, args, self.new_id()).as_openai(i))
                 self.sent.append(args)
             elif len(args) > len(self.sent[i]) and args.startswith(self.sent[i]):
                 out.append({"index": i, "function": {"arguments": args[len(self.sent[i]):]}})
@@ -105,7 +118,7 @@ class ToolParserStream:
     def __init__(self, parser: ToolParser) -> None:
         self.parser = parser
         self.sent_content = 0
-        self.calls = CallStream()
+        self.calls = CallStream(parser.new_call_id)
 
     def feed(self, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
         parsed = self.parser.parse(text, final)

@@ -124,3 +124,29 @@ def scan_call(text: str, pos: int, keys: tuple[str, ...] = ARGUMENT_KEYS) -> Par
         elif key == "name" and call.name is None and text[start] == '"':
             call.name = json.loads(text[start:end])
         pos = end
+
+
+def scan_call_array(text: str, pos: int) -> list[PartialCall] | None:
+    """The calls of a JSON array of call objects starting at ``pos`` (whitespace skipped), as far as
+    ``text`` holds them (the last one may be partial); None when what is there is not such an array."""
+    pos = skip_ws(text, pos)
+    if pos >= len(text):
+        return []
+    if text[pos] != "[":
+        return None
+    out: list[PartialCall] = []
+    pos += 1
+    while True:
+        pos = skip_ws(text, pos)
+        if pos >= len(text) or text[pos] == "]":
+            return out
+        if text[pos] == ",":
+            pos += 1
+            continue
+        call = scan_call(text, pos)
+        if call is None:
+            return None
+        out.append(call)
+        if not call.done:
+            return out
+        pos = call.end

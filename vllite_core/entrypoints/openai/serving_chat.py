@@ -224,10 +224,13 @@ class ChatServer:
         params = to_sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                                     st.engine.engine.default_sampling_params)
         apply_structured_outputs(st.engine, req, params, plan)
+        tools = ToolOutput(plan, st.tool_parser)
+        if any(p is not None and p.keeps_special_tokens for p in (tools.parser, st.reasoning_parser)):
+            params.skip_special_tokens = False  # the format's markers are control tokens (as vLLM's parsers ask)
         rid = new_id("chatcmpl")
         streams = await add_streams(st.engine, [prompt], params, rid, req.priority,
                               req.cache_salt, st.lora_request(req.model))
-        ctx = _Ctx(self, req, rid, len(ids), ToolOutput(plan, st.tool_parser))
+        ctx = _Ctx(self, req, rid, len(ids), tools)
         if req.stream:
             return StreamingResponse(ctx.stream(merged(st.engine, streams, delta=True)),
                                      media_type="text/event-stream", headers=SSE_HEADERS)

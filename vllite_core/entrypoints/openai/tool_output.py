@@ -17,7 +17,7 @@ from vllite_core.tool_parsers.base import CallStream, ToolParserStream
 class ToolOutput:
     def __init__(self, plan: ToolPlan, parser_cls: Any) -> None:
         self.plan = plan
-        self.parser = parser_cls() if plan.mode == "auto" and parser_cls is not None else None
+        self.parser = parser_cls(None, plan.tools) if plan.mode == "auto" and parser_cls is not None else None
         self.texts: dict[int, str] = {}
         self.streams: dict[int, ToolParserStream] = {}
         self.call_streams: dict[int, CallStream] = {}  # required / named
