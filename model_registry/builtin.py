@@ -26,6 +26,10 @@ BUILTIN_MODELS: dict[str, str] = {
     "MistralForSequenceClassification": "model_registry.models.llama_pooling:LlamaForSequenceClassification",
     "BertModel": "model_registry.models.bert:BertModel",
     "BertForSequenceClassification": "model_registry.models.bert:BertForSequenceClassification",
+    "RobertaModel": "model_registry.models.roberta:XLMRobertaModel",
+    "XLMRobertaModel": "model_registry.models.roberta:XLMRobertaModel",
+    "RobertaForSequenceClassification": "model_registry.models.roberta:XLMRobertaForSequenceClassification",
+    "XLMRobertaForSequenceClassification": "model_registry.models.roberta:XLMRobertaForSequenceClassification",
     # Multimodal decoders: images in the prompt.
     "LlavaForConditionalGeneration": "model_registry.models.llava:LlavaForConditionalGeneration",
     "Qwen2VLForConditionalGeneration": "model_registry.models.qwen2_vl:Qwen2VLForConditionalGeneration",

@@ -47,3 +47,38 @@ def save_bert_cross_encoder(path, seed: int = 1) -> torch.nn.Module:
                         intermediate_size=64, max_position_embeddings=128, num_labels=1,
                         architectures=["BertForSequenceClassification"])
     return save_classifier(path, config, tokenizer_from=minilm_path(), seed=seed)
+
+
+def save_roberta_tokenizer(path) -> None:
+    """A RoBERTa-shaped tokenizer (``<s> A </s></s> B </s>``, one token type, no token_type_ids) over
+    all-MiniLM-L6-v2's WordPiece vocabulary: XLM-R's own sentencepiece model is not on this machine, and the
+    tests need RoBERTa's pair layout, not its vocabulary."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    bert = AutoTokenizer.from_pretrained(minilm_path())
+    backend = bert.backend_tokenizer
+    cls, sep = bert.cls_token_id, bert.sep_token_id
+    backend.post_processor = TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] [SEP] $B [SEP]",
+        special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="[CLS]", cls_token="[CLS]", eos_token="[SEP]",
+                                  sep_token="[SEP]", pad_token="[PAD]", unk_token="[UNK]", mask_token="[MASK]",
+                                  model_input_names=["input_ids", "attention_mask"])
+    tok.save_pretrained(path)
+
+
+def save_xlm_roberta(path, head: bool, seed: int = 3) -> torch.nn.Module:
+    """A tiny random XLM-RoBERTa (``head``: a one-label cross-encoder) with ``save_roberta_tokenizer``'s tokenizer;
+    its padding index is the [PAD] id (0), so positions start at 1."""
+    from transformers import AutoModel, AutoModelForSequenceClassification, XLMRobertaConfig
+
+    arch = "XLMRobertaForSequenceClassification" if head else "XLMRobertaModel"
+    config = XLMRobertaConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                              intermediate_size=64, max_position_embeddings=66, type_vocab_size=1, pad_token_id=0,
+                              bos_token_id=101, eos_token_id=102, num_labels=1, architectures=[arch])
+    auto = AutoModelForSequenceClassification if head else AutoModel
+    model = randomize(auto.from_config(config, dtype=torch.float32), seed)
+    model.save_pretrained(path)
+    save_roberta_tokenizer(path)
+    return model

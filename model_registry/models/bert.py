@@ -77,6 +77,11 @@ class BertModel(nn.Module, IsPooling):
     pooling_task = "embed"
     default_pooling_type = "CLS"
     is_bidirectional = True
+    weight_prefix = "bert."  # the encoder's tensors in a checkpoint with a head
+
+    def position_offset(self) -> int:
+        """Added to each token's position before its embedding (RoBERTa starts after its padding index)."""
+        return 0
 
     def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
@@ -100,7 +105,8 @@ class BertModel(nn.Module, IsPooling):
                 attn_metadata: list[AttentionMetadata]) -> torch.Tensor:
         """Final hidden states [T, hidden] of every request's prompt (each whole in this step)."""
         ids, types = split_token_types(input_ids)
-        x = self.word_embeddings(ids) + self.position_embeddings(positions) + self.token_type_embeddings(types)
+        x = self.word_embeddings(ids) + self.position_embeddings(positions + self.position_offset()) \
+            + self.token_type_embeddings(types)
         x = self.embed_norm(x)
         prompts = PackedPrompts(attn_metadata[0].query_start_loc_cpu, x.device)
         for layer in self.layers:
@@ -116,7 +122,7 @@ class BertModel(nn.Module, IsPooling):
     # ---- weights -------------------------------------------------------------------------------
     def _target(self, name: str) -> tuple[str, slice | None] | None:
         """The parameter (and rows of a fused one) an HF BERT tensor fills; None: not part of this model."""
-        name = name.removeprefix("bert.")
+        name = name.removeprefix(self.weight_prefix)
         if name.startswith("embeddings."):
             rest = name.removeprefix("embeddings.")
             return {"word_embeddings.weight": ("word_embeddings.weight", None),
@@ -164,7 +170,7 @@ class BertModel(nn.Module, IsPooling):
 
     def _extra_weight(self, name: str, tensor: torch.Tensor, params: dict, loaded: set[str]) -> bool:
         """Weights outside the encoder: the unused pooler of a plain BertModel checkpoint is skipped."""
-        return name.removeprefix("bert.").startswith("pooler.")
+        return name.removeprefix(self.weight_prefix).startswith("pooler.")
 
 
 class BertForSequenceClassification(BertModel):
@@ -187,10 +193,12 @@ class BertForSequenceClassification(BertModel):
         pooled = torch.stack([pool_tokens(h, cfg.pooling_type) for h in hidden])
         return list(self.compute_logits(pooled))
 
+    head_weights = {"pooler.dense.weight": "pooler.weight", "pooler.dense.bias": "pooler.bias",
+                    "classifier.weight": "classifier.weight", "classifier.bias": "classifier.bias"}
+
     def _extra_weight(self, name: str, tensor: torch.Tensor, params: dict, loaded: set[str]) -> bool:
-        name = name.removeprefix("bert.")
-        target = {"pooler.dense.weight": "pooler.weight", "pooler.dense.bias": "pooler.bias",
-                  "classifier.weight": "classifier.weight", "classifier.bias": "classifier.bias"}.get(name)
+        name = name.removeprefix(self.weight_prefix)
+        target = self.head_weights.get(name)
         if target is None:
             return False
         copy_checked(params[target].data, tensor, name)

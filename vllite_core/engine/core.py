@@ -66,7 +66,9 @@ class ModelInfo:
 
 def _derive_max_model_len(config: VlliteConfig, hf_config: Any, model_cls: Any = None) -> int:
     limit = None
-    if config.model_config.capabilities.is_encoder_decoder:  # the decoder's positions differ from the encoder's
+    # a model that knows its own limit says it: an encoder-decoder's decoder positions differ from the encoder's,
+    # RoBERTa's positions start after its padding index
+    if model_cls is not None and hasattr(model_cls, "get_max_model_len"):
         limit = int(model_cls.get_max_model_len(hf_config))
     # A multimodal config nests its decoder's (get_text_config returns the config itself for a text model).
     text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config

@@ -1,0 +1,55 @@
+"""XLM-RoBERTa / RoBERTa encoders (bge-m3 embeddings, bge-reranker cross-encoders) against transformers on tiny
+random checkpoints: CLS embeddings, pair scores from the RoBERTa pair layout, and the context length left after
+the position offset."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_pooling import save_xlm_roberta
+
+from vllite_core import LLM, PoolingParams
+
+TEXTS = ["what is the capital of france?", "paris is the capital of france.",
+         "bananas are yellow and rich in potassium.", "the eiffel tower is in paris " * 4]
+
+
+@pytest.fixture(scope="module")
+def encoder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-xlmr")
+    return str(path), save_xlm_roberta(path, head=False)
+
+
+@pytest.fixture(scope="module")
+def reranker(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-xlmr-ce")
+    return str(path), save_xlm_roberta(path, head=True, seed=4)
+
+
+def test_xlm_roberta_embeddings_match_transformers(encoder):
+    from transformers import AutoTokenizer
+
+    path, model = encoder
+    tok = AutoTokenizer.from_pretrained(path)
+    llm = LLM(path, dtype="float32")
+    assert llm.llm_engine.max_model_len == 66 - (0 + 1)  # positions start after the padding index (0)
+    outs = llm.embed(TEXTS)
+    with torch.no_grad():
+        ref = torch.cat([model(**tok(t, return_tensors="pt")).last_hidden_state[:, 0] for t in TEXTS])
+    got = torch.stack([torch.as_tensor(o.outputs.embedding) for o in outs])
+    assert (got - F.normalize(ref, dim=-1)).abs().max() <= 1e-5
+    raw = llm.embed(TEXTS[:1], PoolingParams(normalize=False))[0]
+    assert (torch.as_tensor(raw.outputs.embedding) - ref[0]).abs().max() <= 1e-5
+
+
+def test_xlm_roberta_cross_encoder_scores_match_transformers(reranker):
+    from transformers import AutoTokenizer
+
+    path, model = reranker
+    tok = AutoTokenizer.from_pretrained(path)
+    pairs = [(TEXTS[0], t) for t in TEXTS[1:]]
+    with torch.no_grad():
+        ref = torch.cat([model(**tok(a, b, return_tensors="pt")).logits for a, b in pairs])[:, 0]
+    llm = LLM(path, dtype="float32")
+    scores = torch.tensor([o.outputs.score for o in llm.score(TEXTS[0], TEXTS[1:])])
+    assert (scores - ref.sigmoid()).abs().max() <= 1e-5
