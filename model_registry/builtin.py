@@ -30,6 +30,8 @@ BUILTIN_MODELS: dict[str, str] = {
     "XLMRobertaModel": "model_registry.models.roberta:XLMRobertaModel",
     "RobertaForSequenceClassification": "model_registry.models.roberta:XLMRobertaForSequenceClassification",
     "XLMRobertaForSequenceClassification": "model_registry.models.roberta:XLMRobertaForSequenceClassification",
+    "ModernBertModel": "model_registry.models.modernbert:ModernBertModel",
+    "ModernBertForSequenceClassification": "model_registry.models.modernbert:ModernBertForSequenceClassification",
     # Multimodal decoders: images in the prompt.
     "LlavaForConditionalGeneration": "model_registry.models.llava:LlavaForConditionalGeneration",
     "Qwen2VLForConditionalGeneration": "model_registry.models.qwen2_vl:Qwen2VLForConditionalGeneration",

@@ -82,3 +82,22 @@ def save_xlm_roberta(path, head: bool, seed: int = 3) -> torch.nn.Module:
     model.save_pretrained(path)
     save_roberta_tokenizer(path)
     return model
+
+
+def save_modernbert(path, head: bool, seed: int = 5) -> torch.nn.Module:
+    """A tiny random ModernBERT (4 layers: global, local, local, global; an 8-token local window, so prompts
+    longer than 4 tokens each side cross it) with all-MiniLM-L6-v2's tokenizer (``head``: a one-label
+    cross-encoder with mean pooling)."""
+    from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer, ModernBertConfig
+
+    arch = "ModernBertForSequenceClassification" if head else "ModernBertModel"
+    config = ModernBertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                              intermediate_size=48, max_position_embeddings=128, local_attention=8,
+                              global_rope_theta=160000.0, local_rope_theta=10000.0, pad_token_id=0,
+                              bos_token_id=101, eos_token_id=102, cls_token_id=101, sep_token_id=102,
+                              classifier_pooling="mean", num_labels=1, architectures=[arch])
+    auto = AutoModelForSequenceClassification if head else AutoModel
+    model = randomize(auto.from_config(config, dtype=torch.float32, attn_implementation="eager"), seed)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(minilm_path()).save_pretrained(path)
+    return model

@@ -1,4 +1,4 @@
-"""XLM-RoBERTa / RoBERTa encoders (bge-m3 embeddings, bge-reranker cross-encoders) against transformers on tiny
+"""XLM-RoBERTa / RoBERTa (bge-m3 embeddings, bge-reranker cross-encoders) and ModernBERT against transformers on tiny
 random checkpoints: CLS embeddings, pair scores from the RoBERTa pair layout, and the context length left after
 the position offset."""
 from __future__ import annotations
@@ -52,4 +52,31 @@ def test_xlm_roberta_cross_encoder_scores_match_transformers(reranker):
         ref = torch.cat([model(**tok(a, b, return_tensors="pt")).logits for a, b in pairs])[:, 0]
     llm = LLM(path, dtype="float32")
     scores = torch.tensor([o.outputs.score for o in llm.score(TEXTS[0], TEXTS[1:])])
+    assert (scores - ref.sigmoid()).abs().max() <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def modernbert(tmp_path_factory):
+    from tiny_pooling import save_modernbert
+
+    enc, ce = tmp_path_factory.mktemp("tiny-mbert"), tmp_path_factory.mktemp("tiny-mbert-ce")
+    return (str(enc), save_modernbert(enc, head=False)), (str(ce), save_modernbert(ce, head=True, seed=6))
+
+
+def test_modernbert_embeddings_and_scores_match_transformers(modernbert):
+    """Local layers' windows are crossed (prompts of 12+ tokens, an 8-token window); mean-pooled head."""
+    from transformers import AutoTokenizer
+
+    (enc_path, enc), (ce_path, ce) = modernbert
+    tok = AutoTokenizer.from_pretrained(enc_path)
+    texts = [t + " , as the old guide to the city says" for t in TEXTS]
+    assert all(len(tok(t).input_ids) > 10 for t in texts)
+    with torch.no_grad():
+        ref = torch.cat([enc(**tok(t, return_tensors="pt")).last_hidden_state[:, 0] for t in texts])
+    got = torch.stack([torch.as_tensor(o.outputs.embedding) for o in LLM(enc_path, dtype="float32").embed(texts)])
+    assert (got - F.normalize(ref, dim=-1)).abs().max() <= 1e-5
+    pairs = [(texts[0], t) for t in texts[1:]]
+    with torch.no_grad():
+        ref = torch.cat([ce(**tok(a, b, return_tensors="pt")).logits for a, b in pairs])[:, 0]
+    scores = torch.tensor([o.outputs.score for o in LLM(ce_path, dtype="float32").score(texts[0], texts[1:])])
     assert (scores - ref.sigmoid()).abs().max() <= 1e-5
