@@ -287,7 +287,7 @@ class NativeDecoderStack:
     # split_step), where every linear is on the bf16 or int8 GEMM (their results for a row do not depend on the
     # rows beside it). SmolLM2-135M on 2 Zen 4 cores, a decode forward against the whole step split kernel by
     # kernel (benchmarks/decode_forward.py --compare-split): 8 rows 2-40% slower (each thread reads every weight),
-    # 12 rows 2-8% faster, 16 rows 3-17%, 64 rows 4-5% (docs/benchmarks.md, the eighth Zen 4 session).
+    # 12 rows 2-8% faster, 16 rows 3-17%, 64 rows 4-5% (docs/benchmarks-notebook.md, the eighth Zen 4 session).
     SPLIT_MIN_ROWS_PER_THREAD = 6
 
     def __init__(self, layers: list[NativeDecoderLayer]) -> None:
