@@ -4,8 +4,9 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "EngineArgs", "RequestOutput", "CompletionOutput",
-           "Logprob", "LoRARequest", "PoolingParams", "PoolingRequestOutput", "EmbeddingRequestOutput",
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "BeamSearchParams", "EngineArgs", "RequestOutput",
+           "CompletionOutput", "Logprob", "LoRARequest", "PoolingParams", "PoolingRequestOutput",
+           "EmbeddingRequestOutput",
            "ClassificationRequestOutput", "ScoringRequestOutput", "__version__"]
 _POOLING = ("PoolingParams", "PoolingRequestOutput", "EmbeddingRequestOutput", "ClassificationRequestOutput",
             "ScoringRequestOutput")
@@ -16,7 +17,7 @@ def __getattr__(name: str) -> Any:
     if name == "LLM":
         from vllite_core.entrypoints.llm import LLM
         return LLM
-    if name in ("SamplingParams", "StructuredOutputsParams"):
+    if name in ("SamplingParams", "StructuredOutputsParams", "BeamSearchParams"):
         from vllite_core import sampling_params
         return getattr(sampling_params, name)
     if name == "EngineArgs":

@@ -343,3 +343,21 @@ def _token_ids(name: str, values: Any, max_len: int) -> list[int]:
         if not INT64_MIN <= v <= INT64_MAX:
             raise SamplingParamsError(name, f"token id {v} is out of the int64 range")
     return [int(v) for v in values]
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's beam-search parameters."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if self.beam_width < 1:
+            raise SamplingParamsError("beam_width", f"must be at least 1, got {self.beam_width}")
+        if self.max_tokens < 1:
+            raise SamplingParamsError("max_tokens", f"must be at least 1, got {self.max_tokens}")

@@ -7,9 +7,10 @@ from vllite_core.config import EngineArgs
 from vllite_core.engine.llm_engine import LLMEngine, PromptType
 from vllite_core.errors import InvalidRequestError
 from vllite_core.outputs import RequestOutput
-from vllite_core.sampling_params import RequestOutputKind, SamplingParams
+from vllite_core.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
+    from vllite_core.beam_search import BeamSearchOutput
     from vllite_core.entrypoints.transcription import Transcription
     from vllite_core.pooling import (
         ClassificationRequestOutput,
@@ -75,6 +76,18 @@ class LLM:
             self.llm_engine.abort_request(ids)
             raise
         return self._run(ids, use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    lora_request: Any = None, use_tqdm: bool = False) -> list["BeamSearchOutput"]:
+        """vLLM's beam search: ``params.beam_width`` best sequences per prompt (``vllite_core.beam_search``)."""
+        from vllite_core.beam_search import beam_search
+
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        tok = self.get_tokenizer()
+        return beam_search(lambda asked, sp: self.generate(asked, sp, use_tqdm=use_tqdm, lora_request=lora_request),
+                           list(prompts), params, self.llm_engine.eos_token_id,
+                           lambda ids: tok.decode(ids, skip_special_tokens=True), lora_request)
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
