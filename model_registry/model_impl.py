@@ -43,8 +43,9 @@ def check_model_impl(model_impl: str) -> None:
 def resolve_model_impl(registry: ModelRegistry, hf_config: Any, model_impl: str = "auto",
                        trust_remote_code: bool = False) -> ModelImplChoice:
     """The implementation ``model_impl`` asks for (see the module docstring). Errors: ``ConfigError`` for a bad
-    value, ``FallbackUnavailableError`` (a ``ConfigError``) when ``"transformers"`` cannot take the model,
-    ``UnknownArchitectureError`` when nothing can (its message gives the fallback's reason too)."""
+    value; ``FallbackUnavailableError`` (a ``ConfigError`` and an ``UnknownArchitectureError``) naming the
+    reason when the fallback is asked for, or is the only choice left, and cannot take the model;
+    ``UnknownArchitectureError`` for ``"vllite"`` without a registered class."""
     from model_registry.models.transformers_fallback import FallbackUnavailableError, fallback_model_class
 
     check_model_impl(model_impl)
@@ -55,12 +56,16 @@ def resolve_model_impl(registry: ModelRegistry, hf_config: Any, model_impl: str 
     try:
         arch, cls = registry.resolve_for_config(hf_config)
     except UnknownArchitectureError as e:
-        if model_impl == "vllite" or not archs:
+        if not archs:
             raise
+        if model_impl == "vllite":
+            raise UnknownArchitectureError(f"{e} (model_impl='vllite' asked for a native implementation; "
+                                           "model_impl='auto' or 'transformers' tries the Transformers "
+                                           "fallback)") from None
         try:
             cls = fallback_model_class(hf_config, trust_remote_code)
         except FallbackUnavailableError as why:
-            raise UnknownArchitectureError(f"{e} The Transformers fallback (model_impl='auto') cannot run it "
+            raise FallbackUnavailableError(f"{e} The Transformers fallback (model_impl='auto') cannot run it "
                                            f"either: {why}") from None
         return _chosen(ModelImplChoice(archs[0], cls, "transformers",
                                        "no native implementation is registered for it"))

@@ -26,6 +26,7 @@ from torch import nn
 
 from model_registry.layers import Attention
 from model_registry.layers.params import load_by_name
+from model_registry.registry import UnknownArchitectureError
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
 from vllite_core.core.kv_cache_spec import KVCacheSpec
 from vllite_core.errors import ConfigError
@@ -37,8 +38,9 @@ STEP_KWARG = "vllite_step"  # the keyword argument that carries one step's cache
 _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
-class FallbackUnavailableError(ConfigError):
-    """The Transformers fallback cannot run this model; the message says why."""
+class FallbackUnavailableError(ConfigError, UnknownArchitectureError):
+    """The Transformers fallback cannot run this model; the message says why. An ``UnknownArchitectureError``
+    too where no native class is registered either (``model_impl="auto"``)."""
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,7 @@ class TransformersForCausalLM(nn.Module):
         config = copy.deepcopy(hf_config)  # transformers records dtype and attention choice on the config
         with no_init_weights():  # the checkpoint fills every parameter
             self.hf = self.hf_class._from_config(config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
+        self.hf.tie_weights()  # what init_weights would have done: a tied head shares the embedding's table
         self.hf.eval()
         text = config.get_text_config()
         num_heads = text.num_attention_heads
