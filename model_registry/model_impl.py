@@ -80,8 +80,9 @@ def _chosen(choice: ModelImplChoice) -> ModelImplChoice:
     return choice
 
 
-def check_fallback_config(config: Any, choice: ModelImplChoice) -> None:
-    """ConfigError naming the option the Transformers fallback does not support."""
+def apply_fallback_rules(config: Any, choice: ModelImplChoice) -> None:
+    """For the Transformers fallback: a ConfigError naming an option it does not support, and graph capture
+    off (transformers' forward is not known to replay correctly from a captured graph)."""
     if choice.impl != "transformers":
         return
     arch = choice.architecture
@@ -98,3 +99,6 @@ def check_fallback_config(config: Any, choice: ModelImplChoice) -> None:
                           "(runner='generate')")
     if config.speculative_config is not None and config.speculative_config.method != "ngram":
         raise ConfigError(f"speculative_config: the Transformers fallback ({arch}) supports only the ngram method")
+    if not config.enforce_eager:
+        logger.info("The Transformers fallback runs %s without captured graphs (enforce_eager)", arch)
+        config.enforce_eager = True

@@ -194,3 +194,15 @@ def test_vllite_env_says_which_implementation_runs_the_model(neox, capsys):
     assert model["class"].endswith("GPTNeoXForCausalLM")
     assert main(["env", "--model", str(neox), "--model-impl", "vllite"]) == 1
     assert "model_impl:    none: model architecture GPTNeoXForCausalLM is not supported" in capsys.readouterr().out
+
+
+def test_model_impl_is_an_engine_flag():
+    import argparse
+
+    from vllite_core.entrypoints.engine_args_cli import add_engine_args, engine_args_from_namespace
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = engine_args_from_namespace(parser.parse_args(["--model-impl", "transformers"]))
+    assert args.create_config().model_config.model_impl == "transformers"
+    assert engine_args_from_namespace(parser.parse_args([])).model_impl == "auto"

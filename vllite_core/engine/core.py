@@ -107,7 +107,7 @@ def _encoder_cache(config: VlliteConfig) -> Any:
 
 class EngineCore:
     def __init__(self, config: VlliteConfig, platform: Any = None) -> None:
-        from model_registry.model_impl import check_fallback_config, resolve_model_impl
+        from model_registry.model_impl import apply_fallback_rules, resolve_model_impl
         from model_registry.registry import build_registry
         from model_registry.source import load_hf_config, resolve_model_source
         from vllite_core.platforms.resolve import resolve_platform
@@ -135,7 +135,7 @@ class EngineCore:
                 raise ConfigError(f"speculative_config.method: {config.speculative_config.method!r} runs its model "
                                   "on one rank; tensor_parallel_size > 1 is not supported with it (ngram is)")
         impl = resolve_model_impl(build_registry(pm), hf_config, mc.model_impl, mc.trust_remote_code)
-        check_fallback_config(config, impl)
+        apply_fallback_rules(config, impl)
         arch, model_cls = impl.architecture, impl.model_cls
         model_cls = pooling_setup.resolve_model_class(arch, model_cls, mc.runner, mc.convert)
         mc.capabilities = model_capabilities(model_cls)
