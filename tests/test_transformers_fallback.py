@@ -103,6 +103,30 @@ def test_native_llama_through_the_fallback_equals_its_native_run(tmp_path):
         assert a == pytest.approx(b, abs=1e-4)
 
 
+def test_sliding_window_layers_through_the_fallback(tmp_path):
+    """Mistral with a 16-token window under model_impl="transformers": a sliding-window cache group, and the
+    tokens of HF generate (which differ from full attention's here)."""
+    import copy
+
+    from transformers import MistralConfig
+
+    from vllite_core.core.kv_cache_spec import SlidingWindowSpec
+
+    hf = save_tiny(tmp_path, MistralConfig(**TINY, sliding_window=16, architectures=["MistralForCausalLM"]), seed=4)
+    prompts = _prompts(9)[2:]
+    ref = [_hf_generate(hf, p) for p in prompts]
+    full = copy.deepcopy(hf)
+    full.config.sliding_window = None
+    assert [_hf_generate(full, p)[0] for p in prompts] != [t for t, _ in ref]  # the window matters here
+    llm = LLM(model=str(tmp_path), dtype="float32", max_num_batched_tokens=CHUNK, num_kv_blocks=64,
+              model_impl="transformers")
+    assert [type(g.spec) for g in llm.llm_engine.core.kv_cache_manager.groups] == [SlidingWindowSpec]
+    toks, lps, _ = _run(llm, prompts)
+    assert toks == [t for t, _ in ref]
+    for got, (_, want) in zip(lps, ref):
+        assert got == pytest.approx(want, abs=1e-4)
+
+
 # ---- what the fallback refuses ---------------------------------------------------------------------
 
 

@@ -163,7 +163,6 @@ class TransformersForCausalLM(nn.Module):
     embeddings for logits."""
 
     hf_class: type
-    is_transformers_fallback = True
 
     def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
