@@ -87,9 +87,6 @@ def apply_fallback_rules(config: Any, choice: ModelImplChoice) -> None:
         return
     arch = choice.architecture
     mc = config.model_config
-    if config.parallel_config.tensor_parallel_size > 1:
-        raise ConfigError(f"tensor_parallel_size: the Transformers fallback runs {arch} on one rank; use "
-                          "tensor_parallel_size=1 (or a native implementation, model_impl='vllite')")
     if config.lora_config is not None:
         raise ConfigError(f"enable_lora: the Transformers fallback does not serve LoRA adapters ({arch})")
     if mc.quantization is not None:
