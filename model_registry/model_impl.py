@@ -87,8 +87,6 @@ def apply_fallback_rules(config: Any, choice: ModelImplChoice) -> None:
         return
     arch = choice.architecture
     mc = config.model_config
-    if config.lora_config is not None:
-        raise ConfigError(f"enable_lora: the Transformers fallback does not serve LoRA adapters ({arch})")
     if mc.quantization is not None:
         raise ConfigError(f"quantization: {mc.quantization!r} is not supported by the Transformers fallback ({arch})")
     if mc.runner == "pooling" or mc.convert not in ("auto", "none"):

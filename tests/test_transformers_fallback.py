@@ -201,8 +201,8 @@ def neox(tmp_path_factory):
 
 def test_options_the_fallback_does_not_support_are_refused(neox, fallback_model):
     path = neox
-    for kwargs, field in (({"tensor_parallel_size": 3}, "tensor_parallel_size"), ({"enable_lora": True},
-                          "enable_lora"), ({"quantization": "int8"}, "quantization")):
+    for kwargs, field in (({"tensor_parallel_size": 3}, "tensor_parallel_size"), ({"quantization": "int8"},
+                                                                                  "quantization")):
         with pytest.raises(ConfigError, match=f"{field}: .*Transformers fallback"):
             LLM(model=str(path), dtype="float32", num_kv_blocks=16, **kwargs)
     name, other, _, _ = fallback_model
@@ -229,6 +229,30 @@ def test_tensor_parallel_fallback_matches_hf(fallback_model):
     assert toks == [t for t, _ in ref]
     for got, (_, want) in zip(lps, ref):
         assert got == pytest.approx(want, abs=1e-4)
+
+
+def test_lora_adapters_through_the_fallback(tmp_path):
+    """A PEFT adapter on GPT-NeoX's fused query_key_value and MLP output, served beside a base request in one
+    batch: the adapted request equals peft's model under HF generate, the other one the base model's."""
+    from lora_fixtures import make_adapter
+
+    from vllite_core import LoRARequest
+
+    hf = save_tiny(tmp_path / "base", _configs()["gpt_neox"], seed=6)
+    peft_model = make_adapter(hf, tmp_path / "adapter", seed=1, scale=4.0, r=4, lora_alpha=8,
+                              target_modules=["query_key_value", "dense_4h_to_h"])
+    prompts = _prompts(13)[1:3]
+    ref_lora, ref_base = _hf_generate(peft_model, prompts[0]), _hf_generate(hf, prompts[1])
+    assert ref_lora[0] != _hf_generate(hf, prompts[0])[0]  # the adapter changes the answer
+    llm = LLM(model=str(tmp_path / "base"), dtype="float32", max_num_batched_tokens=CHUNK, num_kv_blocks=64,
+              enable_lora=True, max_lora_rank=8)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=N_OUT, ignore_eos=True, logprobs=0),
+                        lora_request=[LoRARequest("a", 1, str(tmp_path / "adapter")), None])
+    for out, (toks, lps) in zip(outs, (ref_lora, ref_base)):
+        got = out.outputs[0]
+        assert list(got.token_ids) == toks
+        assert [step[t].logprob for step, t in zip(got.logprobs, got.token_ids)] == pytest.approx(lps, abs=1e-4)
 
 
 def test_vllite_env_says_which_implementation_runs_the_model(neox, capsys):

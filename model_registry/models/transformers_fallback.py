@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from model_registry.layers import Attention
+from model_registry.layers import Attention, ReplicatedLinear
 from model_registry.layers.params import load_by_name
 from model_registry.models.transformers_tp import check_tp_plan, shard_linears
 from model_registry.registry import UnknownArchitectureError
@@ -32,7 +32,7 @@ from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
 from vllite_core.core.kv_cache_spec import KVCacheSpec
 from vllite_core.distributed import get_tp
 from vllite_core.errors import ConfigError
-from vllite_core.model_interfaces import SupportsTensorParallel
+from vllite_core.model_interfaces import SupportsLoRA, SupportsTensorParallel
 
 logger = logging.getLogger("vllite.model_registry")
 
@@ -160,7 +160,15 @@ def _layer_windows(text: Any, num_layers: int) -> list[int | None]:
 # ---- the engine model --------------------------------------------------------------------------------
 
 
-class TransformersForCausalLM(nn.Module, SupportsTensorParallel):
+class _AdaptableLinear(ReplicatedLinear):
+    """An HF ``nn.Linear`` turned into a layer with a LoRA slot (its parameters kept): HF modules pass
+    [batch, tokens, features], the LoRA op takes token rows."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+
+
+class TransformersForCausalLM(nn.Module, SupportsLoRA, SupportsTensorParallel):
     """The engine's contract around a transformers causal LM (``hf_class``, set by ``fallback_model_class``):
     one ``Attention`` per decoder layer for the paged cache, the HF base model for hidden states, its output
     embeddings for logits. On several ranks its linear layers shard by transformers' plan
@@ -197,6 +205,7 @@ class TransformersForCausalLM(nn.Module, SupportsTensorParallel):
         self._logit_scale = float(getattr(text, "logit_scale", None) or 1.0)  # Cohere: multiplies
         self._logits_scaling = float(getattr(text, "logits_scaling", None) or 1.0)  # Granite: divides
         self._final_softcap = getattr(text, "final_logit_softcapping", None)  # Gemma 2/3: tanh cap
+        self._lora_targets: dict[str, tuple[str, int, int]] | None = None
 
     @classmethod
     def check_tensor_parallel(cls, hf_config: Any, tensor_parallel_size: int) -> None:
@@ -224,6 +233,27 @@ class TransformersForCausalLM(nn.Module, SupportsTensorParallel):
         if self._final_softcap:
             logits = torch.tanh(logits / self._final_softcap) * self._final_softcap
         return logits
+
+    def lora_targets(self) -> dict[str, tuple[str, int, int]]:
+        """SupportsLoRA: each linear layer of the HF base model by its transformers name (what a PEFT adapter
+        names) -> that layer, all its rows. Asked only when the engine serves adapters, after loading: then each
+        ``nn.Linear`` of the base model becomes an ``_AdaptableLinear`` holding the same parameters (without
+        LoRA the HF modules stay untouched)."""
+        if self._lora_targets is None:
+            base = self.hf.base_model
+            prefix = "" if base is self.hf else f"{self.hf.base_model_prefix}."
+            targets = {}
+            for name, module in list(base.named_modules()):
+                if type(module) is not nn.Linear:
+                    continue
+                with torch.device(module.weight.device):
+                    layer = _AdaptableLinear(module.in_features, module.out_features, False, self.dtype)
+                layer.weight, layer.bias = module.weight, module.bias
+                parent, _, child = name.rpartition(".")
+                setattr(base.get_submodule(parent) if parent else base, child, layer)
+                targets[prefix + name] = (f"hf.{prefix}{name}", 0, module.out_features)
+            self._lora_targets = targets
+        return self._lora_targets
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Checkpoint tensors renamed as transformers' own loading renames them (the class's checkpoint
