@@ -199,36 +199,14 @@ def neox(tmp_path_factory):
     return path
 
 
-def test_options_the_fallback_does_not_support_are_refused(neox, fallback_model):
+def test_options_the_fallback_does_not_support_are_refused(neox):
     path = neox
-    for kwargs, field in (({"tensor_parallel_size": 3}, "tensor_parallel_size"), ({"quantization": "int8"},
+    for kwargs, field in (({"tensor_parallel_size": 2}, "tensor_parallel_size"), ({"quantization": "int8"},
                                                                                   "quantization")):
         with pytest.raises(ConfigError, match=f"{field}: .*Transformers fallback"):
             LLM(model=str(path), dtype="float32", num_kv_blocks=16, **kwargs)
-    name, other, _, _ = fallback_model
-    if name == "opt":  # transformers gives OPT no tensor-parallel plan
-        with pytest.raises(ConfigError, match="tensor_parallel_size: transformers' OPTForCausalLM has no tensor-"):
-            LLM(model=str(other), dtype="float32", num_kv_blocks=16, tensor_parallel_size=2)
     with pytest.raises(UnknownArchitectureError, match="not supported"):
         LLM(model=str(path), dtype="float32", num_kv_blocks=16, model_impl="vllite")
-
-
-@pytest.mark.slow
-def test_tensor_parallel_fallback_matches_hf(fallback_model):
-    """GPT-NeoX on two ranks through transformers' own plan (fused per-head query_key_value and the MLP split,
-    dense layers all-reduced): HF generate's tokens and logprobs."""
-    name, path, prompts, ref = fallback_model
-    if name != "gpt_neox":
-        pytest.skip("OPT has no tensor-parallel plan in transformers (refused: see the options test)")
-    llm = LLM(model=str(path), dtype="float32", max_num_batched_tokens=CHUNK, num_kv_blocks=64,
-              tensor_parallel_size=2)
-    try:
-        toks, lps, _ = _run(llm, prompts)
-    finally:
-        llm.llm_engine.core.shutdown()
-    assert toks == [t for t, _ in ref]
-    for got, (_, want) in zip(lps, ref):
-        assert got == pytest.approx(want, abs=1e-4)
 
 
 def test_lora_adapters_through_the_fallback(tmp_path):
