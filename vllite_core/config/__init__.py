@@ -26,6 +26,7 @@ SchedulerPolicy = Literal["fcfs", "priority"]
 
 
 QUANTIZATION_METHODS = ("int8", "gguf")  # model_registry.layers.quantization
+MODEL_IMPLS = ("auto", "vllite", "transformers")  # model_registry.model_impl
 
 
 @dataclass
@@ -50,6 +51,9 @@ class ModelConfig:
     generation_config: str = "auto"
     runner: str = "auto"  # auto | generate | pooling (vLLM's --runner)
     convert: str = "auto"  # auto | none | embed | classify | reward: a causal LM used as a pooling model
+    # auto | vllite | transformers (vLLM's --model-impl): a native class, or the Transformers fallback
+    # (model_registry.model_impl); auto: native when one is registered.
+    model_impl: str = "auto"
     # None | "int8" (W8A8) | "gguf" (GGUF blocks kept): model_registry.layers.quantization
     quantization: str | None = None
     pooler_config: Any = None  # vllite_core.pooling.PoolerConfig of a pooling model; set when the engine starts
@@ -66,6 +70,8 @@ class ModelConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ConfigError(f"quantization: must be one of {', '.join(QUANTIZATION_METHODS)}, "
                               f"got {self.quantization!r}")
+        if self.model_impl not in MODEL_IMPLS:
+            raise ConfigError(f"model_impl: must be one of {', '.join(MODEL_IMPLS)}, got {self.model_impl!r}")
         gc = self.generation_config
         if gc not in ("auto", "vllite", "vllm") and not os.path.isdir(os.path.expanduser(gc)):
             raise ConfigError(f"generation_config: must be 'auto', 'vllite' (or 'vllm') or a folder holding "
@@ -293,6 +299,7 @@ class EngineArgs:
     generation_config: str = "auto"
     runner: str = "auto"
     convert: str = "auto"
+    model_impl: str = "auto"
     quantization: str | None = None
     structured_outputs_config: dict | None = None  # {"backend": "auto" | "xgrammar" | "guidance" | "outlines", ...}
     jump_forward: bool = False  # structured output: append grammar-forced tokens without sampling them
@@ -350,7 +357,8 @@ class EngineArgs:
                                      trust_remote_code=self.trust_remote_code, revision=self.revision,
                                      download_dir=self.download_dir, gguf_file=self.gguf_file,
                                      generation_config=self.generation_config, runner=self.runner,
-                                     convert=self.convert, quantization=self.quantization),
+                                     convert=self.convert, model_impl=self.model_impl,
+                                     quantization=self.quantization),
             cache_config=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                                      kv_cache_dtype=self.kv_cache_dtype,
                                      calculate_kv_scales=self.calculate_kv_scales, num_kv_blocks=self.num_kv_blocks,

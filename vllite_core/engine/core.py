@@ -109,6 +109,7 @@ def _encoder_cache(config: VlliteConfig) -> Any:
 
 class EngineCore:
     def __init__(self, config: VlliteConfig, platform: Any = None) -> None:
+        from model_registry.model_impl import apply_fallback_rules, resolve_model_impl
         from model_registry.registry import build_registry
         from model_registry.source import load_hf_config, resolve_model_source
         from vllite_core.platforms.resolve import resolve_platform
@@ -129,13 +130,15 @@ class EngineCore:
 
         mc = config.model_config
         source = resolve_model_source(mc.model, mc.revision, mc.download_dir, mc.gguf_file)
-        hf_config = load_hf_config(source)
+        hf_config = load_hf_config(source, mc.trust_remote_code)
         if config.speculative_config is not None and hasattr(proposer_factory, "check_config"):
             proposer_factory.check_config(config.speculative_config, hf_config)  # a draft model: path, vocabulary
             if config.parallel_config.tensor_parallel_size > 1:
                 raise ConfigError(f"speculative_config.method: {config.speculative_config.method!r} runs its model "
                                   "on one rank; tensor_parallel_size > 1 is not supported with it (ngram is)")
-        arch, model_cls = build_registry(pm).resolve_for_config(hf_config)
+        impl = resolve_model_impl(build_registry(pm), hf_config, mc.model_impl, mc.trust_remote_code)
+        apply_fallback_rules(config, impl)
+        arch, model_cls = impl.architecture, impl.model_cls
         model_cls = pooling_setup.resolve_model_class(arch, model_cls, mc.runner, mc.convert)
         mc.capabilities = model_capabilities(model_cls)
         if mc.capabilities.is_stateful:
@@ -185,13 +188,14 @@ class EngineCore:
                                    if config.speculative_config else 0)
         self.model_info = ModelInfo(source, hf_config, arch, max_model_len, num_blocks)
         self.model_cls = model_cls
+        self.model_impl = impl
         self.step_times = StepTimes()
         # Set by the frontend, which owns the tokenizer (vllite_core.structured_output.StructuredOutputManager).
         self.structured_output: Any = None
         kinds = ", ".join(f"{g.spec.kind} x{len(g.layers)}" for g in groups)
-        logger.info("engine ready: %s on %s, max_model_len=%d, %d KV blocks of %d tokens (%d tokens, %s cache), "
-                    "cache groups: %s, %s executor, tensor_parallel_size=%d", arch, platform.name, max_model_len,
-                    num_blocks, cc.block_size, num_blocks * cc.block_size,
+        logger.info("engine ready: %s (model_impl: %s) on %s, max_model_len=%d, %d KV blocks of %d tokens "
+                    "(%d tokens, %s cache), cache groups: %s, %s executor, tensor_parallel_size=%d", arch, impl.impl,
+                    platform.name, max_model_len, num_blocks, cc.block_size, num_blocks * cc.block_size,
                     str(facts.kv_cache_dtype).replace("torch.", ""), kinds, self.executor.backend,
                     config.parallel_config.tensor_parallel_size)
 

@@ -44,6 +44,11 @@ def add_env_parser(subparsers: "argparse._SubParsersAction") -> argparse.Argumen
                    help="executor of that layout (default: uni for one rank, mp for more)")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="show the process layout `vllite serve` would start with this many engine cores")
+    p.add_argument("--model", default=None, metavar="MODEL",
+                   help="also say which implementation would run this model (folder, .gguf or Hub repo id)")
+    p.add_argument("--model-impl", default="auto", choices=["auto", "vllite", "transformers"],
+                   help="the engine's --model-impl to resolve --model with (default: auto)")
+    p.add_argument("--trust-remote-code", action="store_true", help="as the engine's --trust-remote-code")
     p.set_defaults(func=run_env)
     return p
 
@@ -130,6 +135,27 @@ def _process_layout(data_parallel_size: int) -> dict[str, Any]:
             "offline": "in-process (engine core in the caller's process)"}
 
 
+def _model_report(args: argparse.Namespace) -> dict[str, Any]:
+    """Which implementation runs ``--model`` (``model_registry.model_impl``), or why none can."""
+    from model_registry.model_impl import resolve_model_impl
+    from model_registry.registry import build_registry
+    from model_registry.source import load_hf_config, resolve_model_source
+
+    report: dict[str, Any] = {"model": args.model, "architecture": None, "model_impl": None, "reason": None,
+                              "class": None, "error": None}
+    try:
+        hf_config = load_hf_config(resolve_model_source(args.model), args.trust_remote_code)
+        choice = resolve_model_impl(build_registry(get_plugin_manager()), hf_config, args.model_impl,
+                                    args.trust_remote_code)
+    except (ValueError, OSError, ImportError) as e:
+        report["error"] = str(e)
+        return report
+    cls = getattr(choice.model_cls, "hf_class", choice.model_cls)
+    report.update(architecture=choice.architecture, model_impl=choice.impl, reason=choice.reason,
+                  **{"class": f"{cls.__module__}.{cls.__name__}"})
+    return report
+
+
 def run_env(args: argparse.Namespace) -> int:
     resolved: ResolvedPlatform | None = None
     error: str | None = None
@@ -143,6 +169,9 @@ def run_env(args: argparse.Namespace) -> int:
     report = _env_report(resolved, candidates, error)
     error = _add_layout(report, resolved, args) or error
     report["process_layout"] = _process_layout(args.data_parallel_size)
+    if args.model is not None:
+        report["model"] = _model_report(args)
+        error = error or report["model"]["error"]
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     else:
@@ -171,6 +200,14 @@ def _print_env(report: dict[str, Any], resolved: ResolvedPlatform | None,
             print("\n".join(format_layout(report["parallel"])))
     else:
         print("platform:      none resolved")
+    if "model" in report:
+        m = report["model"]
+        print(f"model:         {m['model']}" + (f" ({m['architecture']})" if m["architecture"] else ""))
+        if m["error"] is None:
+            what = "native" if m["model_impl"] == "vllite" else "Transformers fallback"
+            print(f"model_impl:    {m['model_impl']} ({what}, {m['class']}): {m['reason']}")
+        else:
+            print(f"model_impl:    none: {m['error']}")
     lay = report["process_layout"]
     print(f"processes:     {lay['serve']}")
     print(f"               offline LLM: {lay['offline']}")

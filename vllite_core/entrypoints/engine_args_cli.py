@@ -31,6 +31,9 @@ _HELP = {
     "quantization": "int8: linear weights quantized to int8 per output channel at load, activations per token "
                     "at run time (W8A8; the LM head stays in the model dtype); gguf: a GGUF checkpoint's Q8_0/Q4_0/"
                     "Q4_1 linear weights kept in their blocks and computed from them",
+    "model_impl": "auto | vllite | transformers: which implementation runs the model (vllite: a native one; "
+                  "transformers: transformers' own class with vllite's paged attention, the Transformers fallback; "
+                  "auto: native when one is registered, else the fallback)",
     "convert": "auto | none | embed | classify | reward: serve a causal LM as a pooling model",
     "jump_forward": "structured output: where the grammar allows exactly one token, append it without a "
                     "sampling step (outputs unchanged; requests asking for logprobs never jump)",

@@ -51,11 +51,13 @@ class WorkerWrapper:
         return socket.gethostname()
 
     def load_model(self, source: Any, hf_config: Any, architecture: str) -> None:
+        from model_registry.model_impl import resolve_model_impl
         from model_registry.registry import build_registry
         from vllite_core.pooling import setup as pooling_setup
 
         mc = self.worker.config.model_config
-        arch, model_cls = build_registry(self.worker.pm).resolve_for_config(hf_config)
+        impl = resolve_model_impl(build_registry(self.worker.pm), hf_config, mc.model_impl, mc.trust_remote_code)
+        arch, model_cls = impl.architecture, impl.model_cls
         model_cls = pooling_setup.resolve_model_class(arch, model_cls, mc.runner, mc.convert)
         self.worker.load_model(source, hf_config, architecture, model_cls)
 
