@@ -67,6 +67,10 @@ def test_dynamic_beyond_trained_length_uses_scaled_base():
 
 
 def test_unsupported_rope_type():
-    with pytest.raises(NotImplementedError, match="longrope"):
+    from vllite_core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="rope_type 'su'"):
+        RotaryEmbedding(_config({"rope_type": "su", "rope_theta": 1e4}), 64)
+    with pytest.raises(ConfigError, match="long_factor"):
         RotaryEmbedding(_config({"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 32,
-                                 "long_factor": [1.0] * 32, "original_max_position_embeddings": 64}), 64)
+                                 "original_max_position_embeddings": 64}), 64)
