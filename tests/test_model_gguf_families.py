@@ -47,10 +47,10 @@ def _config(arch):
         return t.Gemma3TextConfig(**{**TINY, "num_hidden_layers": 6}, head_dim=16, sliding_window=5,
                                   query_pre_attn_scalar=16, rope_parameters=rope)
     rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + i / 8 for i in range(6)],
-            "long_factor": [2.0 + i for i in range(6)], "original_max_position_embeddings": 12,
+            "long_factor": [2.0 + i for i in range(6)], "original_max_position_embeddings": 40,
             "partial_rotary_factor": 0.75}
     return t.Phi3Config(**TINY, pad_token_id=0, sliding_window=7, rope_parameters=rope,
-                        original_max_position_embeddings=12, partial_rotary_factor=0.75)
+                        original_max_position_embeddings=40, partial_rotary_factor=0.75)
 
 
 def _random(config, seed):
