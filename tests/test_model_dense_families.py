@@ -41,11 +41,11 @@ def _config(name: str):
                                logits_scaling=2.5)
     if name == "glm4":
         return t.Glm4Config(**BASE, head_dim=16, pad_token_id=0)
-    if name == "phi3":  # LongRoPE switching to its long factors at position 40: generation crosses it
+    if name == "phi3":  # LongRoPE within its original length (its short factors; the long ones: test_model_rope)
         rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + i / 8 for i in range(8)],
-                "long_factor": [2.0 + i for i in range(8)], "original_max_position_embeddings": 40}
+                "long_factor": [2.0 + i for i in range(8)], "original_max_position_embeddings": 64}
         return t.Phi3Config(**{**BASE, "num_key_value_heads": 4}, pad_token_id=0, sliding_window=7,
-                            rope_parameters=rope, original_max_position_embeddings=40)
+                            rope_parameters=rope, original_max_position_embeddings=64)
     if name == "phi4-partial":  # Phi-4-mini's partial rotary: 3/4 of each head
         return t.Phi3Config(**BASE, pad_token_id=0, partial_rotary_factor=0.75)
     if name == "gemma2":
