@@ -79,7 +79,7 @@ class DenseSpec:
     attn_soft_cap: float | None = None
     embed_scale: float | None = None  # multiplies the token embeddings (Gemma: sqrt(hidden), rounded to the dtype)
     embed_scale_in_dtype: bool = False
-    residual_multiplier: float = 1.0
+    residual_multiplier: float | None = None  # scales what each sublayer adds (Granite; set even when 1.0)
     logits_divisor: float = 1.0
     final_soft_cap: float | None = None
 
@@ -130,6 +130,23 @@ class AllHeadsRMSNorm(nn.Module):
         else:
             var = self.tp.communicator.all_reduce(h.pow(2).sum(-1, keepdim=True)) / (h.shape[-1] * self.tp.world_size)
         return (self.weight.float() * (h * torch.rsqrt(var + self.eps))).to(x.dtype)
+
+
+def fused_path_reason(s: DenseSpec, rope_kind: str | None) -> str | None:
+    """Why a layer of this spec cannot take a platform's fused decoder layer (which computes Llama's: pre-norms
+    only, RMSNorm, SiLU, full neox rotary, no soft-cap, no multiplier), or None when it can."""
+    why = next((why for bad, why in (
+        (set(s.norms) != {"attn_in", "mlp_in"}, "it has post-sublayer norms"),
+        (s.norm != "rms", "its norms are the (1 + w) form"),
+        (s.qk_norm is not None, "it normalises q and k"),
+        (s.activation != "silu", f"its activation is {s.activation}"),
+        (rope_kind is None, "it has no rotary embedding (NoPE layer)"),
+        (s.rope_style != "neox" or (s.rotary_dim or s.head_size) != s.head_size,
+         "its rotary is partial or interleaved"),
+        (s.attn_soft_cap is not None, "its attention logits are soft-capped"),
+        (s.residual_multiplier is not None, "its residual adds are scaled"),
+    ) if bad), None)
+    return f"{s.family}: {why} (the fused layer computes Llama's)" if why else None
 
 
 def _norm(spec: DenseSpec, size: int, dtype: torch.dtype) -> nn.Module:
@@ -204,22 +221,10 @@ class DenseDecoderLayer(nn.Module):
         self._native: Any = None
 
     def fast_path_record(self) -> DecoderLayerRecord | str:
-        """The platform's fused form when the layer is Llama's shape (pre-norms only, RMSNorm, SiLU, full neox
-        rotary, no soft-cap, no multiplier), else why not."""
-        s = self.spec
-        why = next((why for bad, why in (
-            (set(s.norms) != {"attn_in", "mlp_in"}, "it has post-sublayer norms"),
-            (s.norm != "rms", "its norms are the (1 + w) form"),
-            (s.qk_norm is not None, "it normalises q and k"),
-            (s.activation != "silu", f"its activation is {s.activation}"),
-            (self.rope_kind is None, "it has no rotary embedding (NoPE layer)"),
-            (s.rope_style != "neox" or (s.rotary_dim or s.head_size) != s.head_size,
-             "its rotary is partial or interleaved"),
-            (s.attn_soft_cap is not None, "its attention logits are soft-capped"),
-            (s.residual_multiplier != 1.0, "its residual adds are scaled"),
-        ) if bad), None)
+        """The platform's fused form when the layer is Llama's shape, else why not (``fused_path_reason``)."""
+        why = fused_path_reason(self.spec, self.rope_kind)
         if why:
-            return f"{s.family}: {why} (the fused layer computes Llama's)"
+            return why
         n1, n2, attn = self._roles["attn_in"], self._roles["mlp_in"], self.self_attn
         return DecoderLayerRecord(
             input_norm=NormRecord("rms", n1.weight, float(n1.eps)),
@@ -245,7 +250,8 @@ class DenseDecoderLayer(nn.Module):
     def _leave(self, role: str, h: torch.Tensor) -> torch.Tensor:
         norm = self._roles.get(role)
         h = norm(h) if norm is not None else h
-        return h * self.spec.residual_multiplier if self.spec.residual_multiplier != 1.0 else h
+        m = self.spec.residual_multiplier
+        return h * m if m is not None and m != 1.0 else h
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor] | None, x: torch.Tensor,
                 residual: torch.Tensor | None, kv_cache: torch.Tensor,
@@ -341,6 +347,13 @@ class DenseForCausalLM(LlamaForCausalLM):
         if s.final_soft_cap:
             logits = torch.tanh(logits / s.final_soft_cap) * s.final_soft_cap
         return logits
+
+    @classmethod
+    def fused_cpu_path(cls, hf_config: Any) -> str | None:
+        """Why this family's layers do not take the CPU platform's fused decoder layer, or None when they do
+        (read by the supported-architectures table, ``model_registry.support_table``)."""
+        spec = cls.spec(hf_config)
+        return next((why for kind in spec.rope_kinds if (why := fused_path_reason(spec, kind))), None)
 
     def ensure_positions(self, max_model_len: int) -> None:
         for emb in self.model.rotary.values():

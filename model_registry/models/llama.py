@@ -193,6 +193,12 @@ class LlamaForCausalLM(nn.Module, SupportsLoRA, SupportsTensorParallel):
         self.lm_head = ParallelLMHead(self.vocab_size, self.hidden_size, dtype,
                                       tied=self.model.embed_tokens if self.tie_word_embeddings else None)
 
+    @classmethod
+    def fused_cpu_path(cls, hf_config: Any) -> str | None:
+        """Why the layers do not take the CPU platform's fused decoder layer, or None when they do (every
+        Llama-family layer is the shape it computes)."""
+        return None
+
     def _build_model(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> nn.Module:
         """The decoder stack (the dense families build theirs: ``model_registry.models.dense``)."""
         return LlamaModel(hf_config, attn_backend, dtype)

@@ -120,6 +120,7 @@ def run_attention_case(backend: AttentionBackend, case: AttentionCase, device: t
         dmd.slot_mapping = md.slot_mapping.to(device)
         qd, kd, vd = q.to(device), k.to(device), v.to(device)
         if step == "context" and write_context is not None:
+            reference_paged_attention(q[:n], k[:n], v[:n], ref_cache, md, scale)  # the reference's cache too
             write_context(kd, vd, cache, dmd.slot_mapping)
             continue
         backend.prepare(dmd)
