@@ -27,6 +27,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "Gemma2ForCausalLM": "model_registry.models.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "model_registry.models.gemma:Gemma3ForCausalLM",
     "SmolLM3ForCausalLM": "model_registry.models.smollm3:SmolLM3ForCausalLM",
+    "Exaone4ForCausalLM": "model_registry.models.exaone4:Exaone4ForCausalLM",
     # Pooling models (embed / classify / score; vllite_core.pooling).
     "LlamaModel": "model_registry.models.llama_pooling:LlamaEmbeddingModel",
     "Qwen2Model": "model_registry.models.llama_pooling:LlamaEmbeddingModel",

@@ -59,12 +59,16 @@ def _config(name: str):
                                   layer_types=["sliding_attention", "full_attention", "sliding_attention"])
     if name == "smollm3":  # layers 1 and 3 without rotary (NoPE)
         return t.SmolLM3Config(**{**BASE, "num_hidden_layers": 4}, no_rope_layer_interval=2, pad_token_id=0)
+    if name == "exaone4":  # a sliding layer with rotary, a global layer without (global NoPE)
+        return t.Exaone4Config(**BASE, head_dim=16, sliding_window=5, pad_token_id=0,
+                               layer_types=["sliding_attention", "full_attention"])
     raise KeyError(name)
 
 
 ARCH = {"qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "granite": "GraniteForCausalLM",
         "glm4": "Glm4ForCausalLM", "phi3": "Phi3ForCausalLM", "phi4-partial": "Phi3ForCausalLM",
-        "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+        "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+        "exaone4": "Exaone4ForCausalLM"}
 FUSED = {"phi3": 2, "smollm3": 2}  # families with Llama-shaped layers: how many the C++ decoder layer takes
 
 
