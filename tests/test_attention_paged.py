@@ -186,5 +186,5 @@ def test_cpu_kernel_decode_rows_every_variant(dtype, heads, kv_heads, window):
     runnable = kernels.host_variants() if kernels.origin() == "installed" else [kernels.variant()]
     for name in runnable:
         out = torch.zeros_like(q)
-        kernels.load_variant(name).paged_attention(out, q, cache[0], cache[1], *args, 0.125, window or 0, 1.0, 1.0)
+        kernels.load_variant(name).paged_attention(out, q, cache[0], cache[1], *args, 0.125, window or 0, 1.0, 1.0, 0.0)
         torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol, msg=lambda m, n=name: f"{n}: {m}")

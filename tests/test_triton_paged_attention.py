@@ -66,7 +66,8 @@ def test_small_pages(backend, name):
     assert_attention_matches(run(backend, CASES[name], block_size=4, num_blocks=64), torch.float32)
 
 
-@pytest.mark.parametrize("name", ["mixed-gqa", "sliding-window", "long-chunks-gqa"])
+@pytest.mark.parametrize("name", ["mixed-gqa", "sliding-window", "long-chunks-gqa", "soft-cap",
+                                  "per-layer-windows-soft-cap"])
 def test_float16_matches_reference(backend, name):
     assert_attention_matches(run(backend, CASES[name], torch.float16, seed=1), torch.float16)
 

@@ -1,0 +1,22 @@
+"""docs/models.md's supported-architectures table is the one the registry generates (scripts/models_table.py)."""
+from __future__ import annotations
+
+import pathlib
+
+from model_registry.support_table import BEGIN, END, render, support_rows, updated_doc
+
+DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "models.md"
+
+
+def test_the_doc_table_is_generated_from_the_registry():
+    text = DOC.read_text()
+    assert BEGIN in text and END in text
+    assert updated_doc(text, render(support_rows())) == text, "run: python scripts/models_table.py"
+
+
+def test_rows_say_what_the_classes_declare():
+    rows = {r.architecture: r for r in support_rows()}
+    assert rows["Gemma2ForCausalLM"].gguf == ("gemma2",) and rows["Gemma2ForCausalLM"].tensor_parallel
+    assert rows["LlamaForCausalLM"].fused_cpu == "yes" and rows["Phi3ForCausalLM"].fused_cpu == "yes"
+    assert rows["Qwen3ForCausalLM"].fused_cpu == "no: it normalises q and k (the fused layer computes Llama's)"
+    assert rows["WhisperForConditionalGeneration"].fused_cpu == "-"
