@@ -18,6 +18,14 @@ BUILTIN_MODELS: dict[str, str] = {
     "LlamaForCausalLM": _LLAMA,
     "MistralForCausalLM": _LLAMA,
     "Qwen2ForCausalLM": _LLAMA,
+    # The dense families on the shared decoder (model_registry/models/dense.py), one short file each.
+    "Qwen3ForCausalLM": "model_registry.models.qwen3:Qwen3ForCausalLM",
+    "Olmo2ForCausalLM": "model_registry.models.olmo2:Olmo2ForCausalLM",
+    "GraniteForCausalLM": "model_registry.models.granite:GraniteForCausalLM",
+    "Glm4ForCausalLM": "model_registry.models.glm4:Glm4ForCausalLM",
+    "Phi3ForCausalLM": "model_registry.models.phi3:Phi3ForCausalLM",
+    "Gemma2ForCausalLM": "model_registry.models.gemma:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "model_registry.models.gemma:Gemma3ForCausalLM",
     # Pooling models (embed / classify / score; vllite_core.pooling).
     "LlamaModel": "model_registry.models.llama_pooling:LlamaEmbeddingModel",
     "Qwen2Model": "model_registry.models.llama_pooling:LlamaEmbeddingModel",

@@ -11,6 +11,7 @@ import logging
 from typing import Any
 
 from model_registry.gguf_file import GGUFFile
+from vllite_core.errors import ConfigError
 
 logger = logging.getLogger("vllite.model_registry")
 
@@ -19,7 +20,14 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("llama", "LlamaForCausalLM"),
     "mistral": ("mistral", "MistralForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
 }
+# llama.cpp scales Gemma's attention by 1/sqrt(hidden / heads) for the 27B models (46 layers for Gemma 2, 62 for
+# Gemma 3) and by 1/sqrt(head_dim) otherwise: the query_pre_attn_scalar the checkpoints had.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
 class UnsupportedGGUFError(ValueError):
@@ -50,11 +58,17 @@ def config_from_gguf(gguf: GGUFFile) -> Any:
         value = md.get(f"{arch}.{key}", default)
         return value.item() if hasattr(value, "item") else value
 
-    n_heads = int(get("attention.head_count"))
+    def need(key: str) -> Any:
+        value = get(key)
+        if value is None:
+            raise ConfigError(f"{gguf.path}: GGUF metadata lacks {arch}.{key}, which {architecture} needs")
+        return value
+
+    n_heads = int(need("attention.head_count"))
     n_kv = get("attention.head_count_kv", n_heads)
     if hasattr(n_kv, "__len__"):  # per-layer list in some files
         n_kv = max(int(x) for x in n_kv)
-    hidden = int(get("embedding_length"))
+    hidden = int(need("embedding_length"))
     tokens = md.get("tokenizer.ggml.tokens")
     vocab_size = get("vocab_size") or (len(tokens) if tokens is not None else None)
     if vocab_size is None:
@@ -63,8 +77,8 @@ def config_from_gguf(gguf: GGUFFile) -> Any:
         architectures=[architecture],
         vocab_size=int(vocab_size),
         hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
-        num_hidden_layers=int(get("block_count")),
+        intermediate_size=int(need("feed_forward_length")),
+        num_hidden_layers=int(need("block_count")),
         num_attention_heads=n_heads,
         num_key_value_heads=int(n_kv),
         max_position_embeddings=int(get("context_length", 2048)),
@@ -72,9 +86,11 @@ def config_from_gguf(gguf: GGUFFile) -> Any:
         rope_parameters=_rope_parameters(get),
         tie_word_embeddings="output.weight" not in gguf.tensors,
     )
-    head_dim = get("attention.key_length") or (get("rope.dimension_count") if model_type != "qwen2" else None)
+    rope_dim = get("rope.dimension_count")
+    head_dim = get("attention.key_length") or (rope_dim if model_type not in ("qwen2", "phi3") else None)
     if head_dim:
         kwargs["head_dim"] = int(head_dim)
+    kwargs.update(_family_fields(gguf, arch, get, need, kwargs))
     for key, attr in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                       ("padding_token_id", "pad_token_id")):
         value = md.get(f"tokenizer.ggml.{key}")
@@ -91,6 +107,39 @@ def config_from_gguf(gguf: GGUFFile) -> Any:
     if md.get("general.name"):
         kwargs["_name_or_path"] = str(md["general.name"])
     return AutoConfig.for_model(model_type, **kwargs)
+
+
+def _family_fields(gguf: GGUFFile, arch: str, get: Any, need: Any, kw: dict[str, Any]) -> dict[str, Any]:
+    """What the Gemma and Phi-3 configs take beyond the Llama fields, from llama.cpp's keys."""
+    out: dict[str, Any] = {}
+    head_dim = kw.get("head_dim") or kw["hidden_size"] // kw["num_attention_heads"]
+    if arch in ("gemma2", "gemma3"):
+        big = kw["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch]
+        out["query_pre_attn_scalar"] = kw["hidden_size"] // kw["num_attention_heads"] if big else head_dim
+        out["sliding_window"] = int(need("attention.sliding_window"))
+        out["hidden_activation"] = "gelu_pytorch_tanh"
+    if arch == "gemma2":
+        out["attn_logit_softcapping"] = get("attn_logit_softcapping")
+        out["final_logit_softcapping"] = get("final_logit_softcapping")
+    if arch == "gemma3":  # the local layers' rope: base 10000, no scaling (llama.cpp's fixed value)
+        out["rope_parameters"] = {"full_attention": kw["rope_parameters"],
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    if arch == "phi3":
+        rope_dim = get("rope.dimension_count")
+        if rope_dim:
+            out["partial_rotary_factor"] = int(rope_dim) / head_dim
+        if "rope_factors_long.weight" in gguf.tensors:
+            original = int(need("rope.scaling.original_context_length"))
+            rope = {"rope_type": "longrope", "rope_theta": kw["rope_parameters"]["rope_theta"],
+                    "original_max_position_embeddings": original,
+                    "long_factor": gguf.dequantize("rope_factors_long.weight").reshape(-1).tolist(),
+                    "short_factor": gguf.dequantize("rope_factors_short.weight").reshape(-1).tolist()}
+            attn_factor = get("rope.scaling.attn_factor")
+            if attn_factor is not None:
+                rope["attention_factor"] = float(attn_factor)
+            out["rope_parameters"] = rope
+            out["original_max_position_embeddings"] = original
+    return out
 
 
 def _rope_parameters(get: Any) -> dict[str, Any]:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from model_registry.gguf_file import GGUFFile
+from vllite_core.errors import ConfigError
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -31,25 +32,39 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3, gemma3: per-head q/k norms
+    "attn_k_norm": "self_attn.k_norm",
 }
+_GEMMA_NAMES = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+                "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+# Where an architecture's names differ from the llama scheme: Gemma's four norms; Phi-3's stacked q/k/v and
+# gate/up (llama.cpp keeps Phi-3's gate_up_proj, gate rows first, as ffn_up).
+_ARCH_BLOCK_NAMES = {"gemma2": _GEMMA_NAMES, "gemma3": _GEMMA_NAMES,
+                     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
+# llama.cpp's Gemma converters store every RMSNorm weight as 1 + w (its norm multiplies by the weight alone);
+# transformers' Gemma norms multiply by 1 + w: the 1 is taken off again here.
+_NORM_PLUS_ONE = {"gemma", "gemma2", "gemma3"}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-# Tensors llama.cpp adds that have no HF counterpart (precomputed rope factors).
-_SKIPPED = {"rope_freqs.weight"}
+# Tensors llama.cpp adds that have no HF counterpart (precomputed rope factors; Phi-3's LongRoPE factors, which
+# gguf_config reads into the config).
+_SKIPPED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 # llama.cpp architectures whose converter permutes q/k for its rotary layout.
 _PERMUTED_ARCHS = {"llama"}
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The transformers parameter name for a llama.cpp tensor name (None: no counterpart)."""
+def hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
+    """The transformers parameter name for a llama.cpp tensor name (None: no counterpart); ConfigError for a
+    tensor the mapping does not know (loading it as something else would give wrong answers)."""
     if gguf_name in _SKIPPED:
         return None
     base, _, kind = gguf_name.rpartition(".")
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{kind}"
     m = _BLOCK_RE.match(gguf_name)
-    if m and m.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no known Hugging Face name")
+    names = {**_BLOCK_NAMES, **_ARCH_BLOCK_NAMES.get(architecture, {})}
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
+    raise ConfigError(f"GGUF tensor {gguf_name!r} ({architecture}) has no known Hugging Face name")
 
 
 def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -62,11 +77,14 @@ def iter_gguf_weights(gguf: GGUFFile, num_heads: int, num_kv_heads: int,
                       dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) for every tensor of the file, dequantised to float32 and cast to ``dtype``."""
     permute = gguf.architecture in _PERMUTED_ARCHS
+    plus_one = gguf.architecture in _NORM_PLUS_ONE
     for name in gguf.tensors:
-        target = hf_name(name)
+        target = hf_name(name, gguf.architecture)
         if target is None:
             continue
         data = gguf.dequantize(name)
+        if plus_one and name.endswith("norm.weight"):
+            data = data - np.float32(1.0)
         if permute and ".attn_q." in name:
             data = unpermute_rotary(data, num_heads)
         elif permute and ".attn_k." in name:

@@ -152,7 +152,7 @@ def test_cpu_kernel_every_variant(cache_dtype):
             torch.arange(md.num_reqs, dtype=torch.int32))
     for name in kernels.host_variants():
         out = torch.zeros_like(q)
-        kernels.load_variant(name).paged_attention(out, q, cache[0], cache[1], *args, 0.125, 0, K_SCALE, V_SCALE)
+        kernels.load_variant(name).paged_attention(out, q, cache[0], cache[1], *args, 0.125, 0, K_SCALE, V_SCALE, 0.0)
         torch.testing.assert_close(out.double(), ref, **_tolerance(torch.float32), msg=lambda m, n=name: f"{n}: {m}")
 
 

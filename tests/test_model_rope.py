@@ -67,6 +67,37 @@ def test_dynamic_beyond_trained_length_uses_scaled_base():
 
 
 def test_unsupported_rope_type():
-    with pytest.raises(NotImplementedError, match="longrope"):
-        RotaryEmbedding(_config({"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 32,
-                                 "long_factor": [1.0] * 32, "original_max_position_embeddings": 64}), 64)
+    from vllite_core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="rope_type 'su'"):
+        RotaryEmbedding(_config({"rope_type": "su", "rope_theta": 1e4}), 64)
+    from types import SimpleNamespace
+
+    # A config transformers did not validate (a GGUF's, a hand-written one) lacking a field its rope type needs.
+    bare = SimpleNamespace(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 32,
+                                            "original_max_position_embeddings": 64}, max_position_embeddings=256)
+    with pytest.raises(ConfigError, match="long_factor"):
+        RotaryEmbedding(bare, 64)
+
+
+def test_longrope_short_and_long_tables_match_transformers():
+    """Phi-3's LongRoPE: positions below original_max_position_embeddings rotate by transformers' short-factor
+    frequencies, positions from it by its long-factor ones (what HF uses once a sequence is longer; a paged
+    engine does not recompute earlier keys, as HF's generate does when it crosses), both scaled by its
+    attention factor."""
+    from transformers import Phi3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + i / 8 for i in range(24)],
+            "long_factor": [2.0 + i for i in range(24)], "original_max_position_embeddings": 32,
+            "partial_rotary_factor": 0.75}
+    config = Phi3Config(hidden_size=128, num_attention_heads=2, max_position_embeddings=256, rope_parameters=rope,
+                        original_max_position_embeddings=32, partial_rotary_factor=0.75)
+    ours = RotaryEmbedding(config, 64, rotary_dim=48)
+    ours.ensure_positions(64)
+    for seq_len, rows in ((None, slice(0, 32)), (33, slice(32, 64))):
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=seq_len)
+        pos = torch.arange(rows.start, rows.stop).float()
+        emb = torch.cat([pos[:, None] * inv_freq[None, :]] * 2, dim=-1)
+        torch.testing.assert_close(ours.cos_cache[rows], emb.cos() * scaling, atol=1e-6, rtol=0)
+        torch.testing.assert_close(ours.sin_cache[rows], emb.sin() * scaling, atol=1e-6, rtol=0)

@@ -8,19 +8,26 @@ from torch import nn
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
 from vllite_core.attention.kv_quant import KVScales
 from vllite_core.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from vllite_core.errors import ConfigError
 
 
 class Attention(nn.Module):
     """Causal self-attention of ``num_heads`` query heads over ``num_kv_heads`` cached K/V heads (this rank's);
     ``scale`` defaults to ``head_size ** -0.5``; ``sliding_window`` (tokens) limits what a query sees and lets the
-    cache release blocks out of every future window."""
+    cache release blocks out of every future window; ``logits_soft_cap`` (Gemma 2's) bounds each scaled score
+    ``s`` to ``cap * tanh(s / cap)`` before the softmax."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, backend: AttentionBackend,
-                 scale: float | None = None, sliding_window: int | None = None) -> None:
+                 scale: float | None = None, sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.scale = head_size ** -0.5 if scale is None else scale
         self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap or None
+        if self.logits_soft_cap and not backend.supports_logits_soft_cap:
+            raise ConfigError(f"this model soft-caps its attention logits (logits_soft_cap={logits_soft_cap}); the "
+                              f"attention backend {backend.name!r} does not support that")
         self.backend = backend
         self.kv_scales = KVScales()  # float8 caches only: the checkpoint's, 1.0, or the first batch's
 
@@ -35,5 +42,7 @@ class Attention(nn.Module):
                 metadata: AttentionMetadata) -> torch.Tensor:
         """q [T, H, D], k and v [T, Hkv, D] -> [T, H, D]; k and v are written to the cache first."""
         self.kv_scales.maybe_calculate(k, v, kv_cache)
-        return self.backend.forward(q, k, v, kv_cache, metadata, self.scale, self.sliding_window,
-                                    **self.kv_scales.kwargs())
+        kwargs = self.kv_scales.kwargs()
+        if self.logits_soft_cap:  # only when set: a backend without soft-capping never sees the argument
+            kwargs["logits_soft_cap"] = self.logits_soft_cap
+        return self.backend.forward(q, k, v, kv_cache, metadata, self.scale, self.sliding_window, **kwargs)

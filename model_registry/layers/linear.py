@@ -106,6 +106,9 @@ class ColumnParallelLinear(LinearBase):
 
     @torch.no_grad()
     def load(self, param: torch.Tensor, src: torch.Tensor, shard: str | None, name: str) -> None:
+        if shard is None and None not in self.segments:
+            self._load_stacked(param, src, name)
+            return
         if shard not in self.segments:
             raise ValueError(f"weight {name}: {type(self).__name__} has no shard {shard!r}")
         seg = self.segments[shard]
@@ -114,6 +117,16 @@ class ColumnParallelLinear(LinearBase):
             self.checkpoint_names[shard] = name
         copy_checked(param.data[seg.dst_start:seg.dst_start + seg.length],
                      src[seg.src_start:seg.src_start + seg.length], name)
+
+    def _load_stacked(self, param: torch.Tensor, src: torch.Tensor, name: str) -> None:
+        """The named shards stacked in one checkpoint tensor, in order (Phi-3's ``qkv_proj``, a fused
+        ``gate_up_proj``): this rank's part of each."""
+        check_full(src, 0, sum(seg.full for seg in self.segments.values()), name)
+        start = 0
+        for seg in self.segments.values():
+            rows = src[start + seg.src_start:start + seg.src_start + seg.length]
+            copy_checked(param.data[seg.dst_start:seg.dst_start + seg.length], rows, name)
+            start += seg.full
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -129,18 +142,6 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             segments[shard] = Segment(offset, start, stop - start, full)
             offset += stop - start
         super().__init__(in_features, offset, bias, dtype, segments, ops)
-
-    @torch.no_grad()
-    def load(self, param: torch.Tensor, src: torch.Tensor, shard: str | None, name: str) -> None:
-        if shard is not None:
-            super().load(param, src, shard, name)
-            return
-        check_full(src, 0, sum(seg.full for seg in self.segments.values()), name)
-        start = 0  # each shard's rows in the stacked tensor, this rank's part of each
-        for seg in self.segments.values():
-            rows = src[start + seg.src_start:start + seg.src_start + seg.length]
-            copy_checked(param.data[seg.dst_start:seg.dst_start + seg.length], rows, name)
-            start += seg.full
 
 
 class QKVParallelLinear(ColumnParallelLinear):

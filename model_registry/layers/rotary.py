@@ -12,20 +12,23 @@ from typing import Any
 
 import torch
 
+from vllite_core.errors import ConfigError
 from vllite_core.model_ops import ModelOps
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
-def rope_parameters(hf_config: Any) -> dict[str, Any]:
+def rope_parameters(hf_config: Any, layer_type: str = "full_attention") -> dict[str, Any]:
     """The RoPE parameters of a config, whichever way it stores them.
 
     transformers 5 keeps them in ``config.rope_parameters`` (with ``rope_theta``
-    inside); older configs have ``rope_theta`` and ``rope_scaling`` attributes.
+    inside), per layer type where layer kinds differ (Gemma 3: ``sliding_attention``
+    and ``full_attention``; ``layer_type`` picks one); older configs have
+    ``rope_theta`` and ``rope_scaling`` attributes.
     """
     params = getattr(hf_config, "rope_parameters", None)
     if isinstance(params, dict) and "full_attention" in params and isinstance(params["full_attention"], dict):
-        params = params["full_attention"]  # per-layer-type layout
+        params = params.get(layer_type) or params["full_attention"]  # per-layer-type layout
     params = dict(params or {})
     legacy = getattr(hf_config, "rope_scaling", None)
     if isinstance(legacy, dict):
@@ -37,7 +40,7 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
         params["rope_type"] = "default"
     if "rope_theta" not in params:
         params["rope_theta"] = getattr(hf_config, "rope_theta", None) or 10000.0
-    if params["rope_type"] in ("llama3", "yarn"):
+    if params["rope_type"] in ("llama3", "yarn", "longrope"):
         # Like transformers: a top-level original_max_position_embeddings wins, else the trained length.
         top_level = getattr(hf_config, "original_max_position_embeddings", None)
         if top_level:
@@ -98,29 +101,70 @@ def _yarn_inv_freq(base: float, dim: int, p: dict[str, Any], max_pos: int) -> tu
     return inv_freq, float(attention_factor)
 
 
+def _longrope_inv_freq(base: float, dim: int, p: dict[str, Any], max_pos: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                        float]:
+    """Phi-3's LongRoPE: (short, long) frequencies, each divided by its per-frequency factors, and the attention
+    factor (from the ratio of the extended and the original lengths unless given)."""
+    original = p["original_max_position_embeddings"]
+    factor = p.get("factor") or max_pos / original
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    short, long = (1.0 / (torch.tensor(p[k], dtype=torch.float32) * base ** shape)
+                   for k in ("short_factor", "long_factor"))
+    return short, long, float(attention_factor)
+
+
+def rotary_dim_of(hf_config: Any, head_size: int) -> int:
+    """The rotating columns of a head: ``partial_rotary_factor`` of it (in the rope parameters or the config)."""
+    factor = rope_parameters(hf_config).get("partial_rotary_factor") or getattr(
+        hf_config, "partial_rotary_factor", None) or 1.0
+    return int(head_size * float(factor))
+
+
 class RotaryEmbedding(torch.nn.Module):
     """cos/sin tables indexed by position; ``lookup`` once per step, ``ModelOps.rotary`` in every layer.
     ``rotary_dim``: the leading columns of each head that rotate (partial rotary; the head size by default,
     ``apply_rotary`` rotates them); ``base``: a rope base of this table's own (a layer kind with its own
-    frequencies), else the config's ``rope_theta``."""
+    frequencies), else the config's ``rope_theta``; ``layer_type``: which per-layer-type parameters to take.
+
+    ``dynamic`` and ``longrope`` tables change frequencies past a length (the trained one; LongRoPE's original
+    one, short factors before it and long ones from it): a position's row is what transformers computes for a
+    sequence that reaches it, so generation from a prompt shorter than that length matches HF's ``generate``."""
 
     def __init__(self, hf_config: Any, head_size: int, rotary_dim: int | None = None,
-                 base: float | None = None) -> None:
+                 base: float | None = None, layer_type: str = "full_attention") -> None:
         super().__init__()
         head_size = rotary_dim or head_size  # the tables cover the rotating columns only
-        p = rope_parameters(hf_config)
+        p = rope_parameters(hf_config, layer_type)
         if base is not None:
             p["rope_theta"] = base
         self.rope_type = str(p["rope_type"])
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
-            raise NotImplementedError(
-                f"rope_type {self.rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+            raise ConfigError(f"rope_parameters.rope_type {self.rope_type!r} is not supported (supported: "
+                              f"{', '.join(SUPPORTED_ROPE_TYPES)})")
+        needed = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
+                  "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+                  "longrope": ("short_factor", "long_factor")}.get(self.rope_type, ())
+        missing = [k for k in needed if p.get(k) is None and not (k == "factor" and self.rope_type == "yarn")]
+        if missing:
+            raise ConfigError(f"rope_parameters of rope_type {self.rope_type!r} lack {', '.join(missing)}")
         self.params = p
         self.head_size = head_size
         self.base = float(p["rope_theta"])
         self.max_position_embeddings = int(getattr(hf_config, "max_position_embeddings", 2048) or 2048)
         self.attention_scaling = 1.0
-        if self.rope_type in ("default", "dynamic"):
+        self._split_at: int | None = self.max_position_embeddings if self.rope_type == "dynamic" else None
+        if self.rope_type == "longrope":
+            for k in ("short_factor", "long_factor"):
+                if len(p[k]) != head_size // 2:
+                    raise ConfigError(f"rope_parameters.{k} has {len(p[k])} values, the rotary dimension "
+                                      f"{head_size} needs {head_size // 2}")
+            inv_freq, self._long_inv_freq, self.attention_scaling = _longrope_inv_freq(
+                self.base, head_size, p, self.max_position_embeddings)
+            self._split_at = int(p["original_max_position_embeddings"])
+        elif self.rope_type in ("default", "dynamic"):
             inv_freq = _base_inv_freq(self.base, head_size)
         elif self.rope_type == "linear":
             inv_freq = _base_inv_freq(self.base, head_size) / p["factor"]
@@ -134,13 +178,15 @@ class RotaryEmbedding(torch.nn.Module):
         self.ensure_positions(self.max_position_embeddings)
 
     def _inv_freq_beyond(self) -> torch.Tensor:
-        """dynamic (NTK) frequencies past max_position_embeddings.
+        """LongRoPE's long frequencies, or dynamic (NTK) frequencies past max_position_embeddings.
 
         transformers recomputes them per batch from the longest sequence; a paged
         engine needs one table, so positions beyond the trained length use the
         frequencies for the full extended length (max_position_embeddings * factor),
         as vLLM does. Within the trained length they equal transformers' exactly.
         """
+        if self.rope_type == "longrope":
+            return self._long_inv_freq
         factor, dim, max_pos = self.params["factor"], self.head_size, self.max_position_embeddings
         seq_len = max_pos * factor
         base = self.base * ((factor * seq_len / max_pos) - (factor - 1)) ** (dim / (dim - 2))
@@ -159,7 +205,7 @@ class RotaryEmbedding(torch.nn.Module):
             return
         n = max(n, 2 * have)
         parts = []
-        split = min(max(have, self.max_position_embeddings), n) if self.rope_type == "dynamic" else n
+        split = min(max(have, self._split_at), n) if self._split_at is not None else n
         if split > have:
             parts.append(self._table(have, split, self.inv_freq))
         if n > split:
@@ -185,6 +231,22 @@ def apply_rotary(ops: ModelOps, q: torch.Tensor, k: torch.Tensor, cos: torch.Ten
         return ops.rotary(q, k, cos, sin)
     qr, kr = ops.rotary(q[..., :rd], k[..., :rd], cos, sin)
     return torch.cat((qr, q[..., rd:]), dim=-1), torch.cat((kr, k[..., rd:]), dim=-1)
+
+
+def apply_rotary_interleaved(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPT-J style rotation (GLM-4): column pairs (2i, 2i+1) rotate together by frequency i, over the leading
+    ``cos.shape[-1]`` columns of each head (the tables' halves repeat each frequency: the first half is used)."""
+    rd = cos.shape[-1]
+    c = cos[:, None, : rd // 2].repeat_interleave(2, dim=-1)
+    s = sin[:, None, : rd // 2].repeat_interleave(2, dim=-1)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        xr = x[..., :rd]
+        half = torch.stack((-xr[..., 1::2], xr[..., 0::2]), dim=-1).flatten(-2)
+        return torch.cat((xr * c + half * s, x[..., rd:]), dim=-1)
+
+    return rotate(q), rotate(k)
 
 
 class MRotaryEmbedding(RotaryEmbedding):

@@ -181,7 +181,7 @@ class LlamaForCausalLM(nn.Module, SupportsLoRA, SupportsTensorParallel):
         super().__init__()
         self.config = hf_config
         self.dtype = dtype
-        self.model = LlamaModel(hf_config, attn_backend, dtype)
+        self.model = self._build_model(hf_config, attn_backend, dtype)
         attn = self.model.layers[0].self_attn
         self.num_layers: int = hf_config.num_hidden_layers
         self.num_heads: int = attn.num_heads
@@ -192,6 +192,10 @@ class LlamaForCausalLM(nn.Module, SupportsLoRA, SupportsTensorParallel):
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(self.vocab_size, self.hidden_size, dtype,
                                       tied=self.model.embed_tokens if self.tie_word_embeddings else None)
+
+    def _build_model(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> nn.Module:
+        """The decoder stack (the dense families build theirs: ``model_registry.models.dense``)."""
+        return LlamaModel(hf_config, attn_backend, dtype)
 
     @classmethod
     def check_tensor_parallel(cls, hf_config: Any, tensor_parallel_size: int) -> None:
@@ -260,7 +264,8 @@ class LlamaForCausalLM(nn.Module, SupportsLoRA, SupportsTensorParallel):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into the (fused) parameters; returns the parameter names fully loaded. A float8
         cache's per-layer scales go to their attention layer."""
-        attention = {name: m.attn for name, m in self.named_modules() if isinstance(m, LlamaAttention)}
+        attention = {name: m.attn for name, m in self.named_modules()
+                     if name.endswith("self_attn") and isinstance(getattr(m, "attn", None), Attention)}
 
         def tensors() -> Iterator[tuple[str, torch.Tensor]]:
             for hf_name, tensor in weights:

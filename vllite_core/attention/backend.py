@@ -49,6 +49,9 @@ class AttentionBackend(ABC):
     # prepare()) and launches work whose shapes depend on tensor shapes alone: a captured device graph
     # replayed with new tensor contents then computes the right answer.
     supports_graph_capture: bool = False
+    # True when forward() takes ``logits_soft_cap`` (Gemma 2's attention); a model that needs it refuses a
+    # backend without it at build time (ConfigError), and the conformance kit skips its soft-cap cases.
+    supports_logits_soft_cap: bool = False
 
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
@@ -105,9 +108,12 @@ class AttentionBackend(ABC):
         sliding_window: int | None = None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """Write key/value into the cache at ``slot_mapping``, then return causal attention
         of each query over its request's context: [num_tokens, num_heads, head_size].
+        ``logits_soft_cap`` (Gemma 2): each scaled score s is ``cap * tanh(s / cap)`` before the
+        softmax; models pass it only when set (``vllite_core.attention.soft_cap``).
 
         A float8 cache stores ``key / k_scale`` and ``value / v_scale`` saturated to the format's range
         (``kv_quant.quantize``) and attention reads them multiplied back. Models pass the scales only

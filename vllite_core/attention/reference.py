@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
+from vllite_core.attention.soft_cap import soft_cap
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -36,8 +37,10 @@ def reference_paged_attention(
     metadata: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """Write K/V into the cache, then attend each query token over its request's cached context."""
+    """Write K/V into the cache, then attend each query token over its request's cached context (scores
+    soft-capped when ``logits_soft_cap`` is set)."""
     n = metadata.num_actual_tokens
     write_kv(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n])
     num_heads, head_size = query.shape[1], query.shape[2]
@@ -62,7 +65,7 @@ def reference_paged_attention(
             for h in range(num_heads):
                 kv_h = h // group
                 q = query[q_start + j, h].float()
-                scores = (ctx_k[lo:q_pos + 1, kv_h] @ q) * scale
+                scores = soft_cap((ctx_k[lo:q_pos + 1, kv_h] @ q) * scale, logits_soft_cap)
                 probs = torch.exp(scores - scores.max())
                 probs = probs / probs.sum()
                 out[q_start + j, h] = (probs @ ctx_v[lo:q_pos + 1, kv_h]).to(query.dtype)
@@ -73,10 +76,13 @@ class ReferenceAttention(AttentionBackend):
     """``reference_paged_attention`` as a backend (for conformance runs, never for speed)."""
 
     name = "reference"
+    supports_logits_soft_cap = True
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
-        return reference_paged_attention(query, key, value, kv_cache, metadata, scale, sliding_window)
+                metadata: AttentionMetadata, scale: float, sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
+        return reference_paged_attention(query, key, value, kv_cache, metadata, scale, sliding_window,
+                                         logits_soft_cap)
 
 
 def build_metadata(

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
 from vllite_core.attention.kv_quant import dequantize, is_fp8, store_scaled
+from vllite_core.attention.soft_cap import capped_attention
 from vllite_core.utils import cdiv
 
 
@@ -67,6 +68,7 @@ class SdpaPagedAttention(AttentionBackend):
     """Paged attention as one masked SDPA call per layer over a padded batch."""
 
     name = "sdpa_paged"
+    supports_logits_soft_cap = True
 
     def __init__(self, bucket: Callable[[int], int] | None = None) -> None:
         self.bucket = bucket or (lambda n: n)
@@ -130,6 +132,7 @@ class SdpaPagedAttention(AttentionBackend):
         sliding_window: int | None = None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         plan = metadata.extra
         if not isinstance(plan, SdpaPlan):
@@ -147,10 +150,14 @@ class SdpaPagedAttention(AttentionBackend):
         k = gather_blocks(kv_cache[0], table, query.dtype, k_scale).view(r, nb * block_size, num_kv_heads, head_size)
         v = gather_blocks(kv_cache[1], table, query.dtype, v_scale).view(r, nb * block_size, num_kv_heads, head_size)
         q = query.index_select(0, plan.q_index).view(r, qm, num_heads, head_size)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=self._mask(plan, block_size, sliding_window), scale=scale,
-            enable_gqa=num_heads != num_kv_heads)
+        mask = self._mask(plan, block_size, sliding_window)
+        if logits_soft_cap:
+            out = capped_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale,
+                                   logits_soft_cap)
+        else:
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale,
+                enable_gqa=num_heads != num_kv_heads)
         out = out.transpose(1, 2).reshape(r * qm, num_heads, head_size).index_select(0, plan.out_index)
         if out.shape[0] < query.shape[0]:
             out = torch.cat([out, out.new_zeros(query.shape[0] - out.shape[0], num_heads, head_size)])

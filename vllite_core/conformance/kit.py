@@ -36,6 +36,10 @@ class AttentionCase:
     head_size: int = 32
     sliding_window: int | None = None
     padding_rows: int = 0  # extra query rows after the real ones, slot -1 (what a padded graph batch sends)
+    logits_soft_cap: float | None = None  # Gemma 2's cap * tanh(score / cap)
+    # Several layers on the same step's metadata, each with its own window (Gemma's alternating local and global
+    # layers): the step's forward runs once per window; None: just ``sliding_window``.
+    layer_windows: tuple[int | None, ...] | None = None
 
     @property
     def seq_lens(self) -> tuple[int, ...]:
@@ -52,6 +56,9 @@ STANDARD_CASES: tuple[AttentionCase, ...] = (
     AttentionCase("long-chunks-gqa", (40, 1, 25), (30, 50, 0), num_heads=8, num_kv_heads=2),
     AttentionCase("sliding-window", (1, 6, 1, 5), (11, 0, 3, 9), num_heads=4, num_kv_heads=2, sliding_window=3),
     AttentionCase("padded-decode-batch", (1, 1, 1), (4, 9, 2), padding_rows=2),
+    AttentionCase("soft-cap", (1, 7, 1, 20), (10, 0, 37, 5), num_heads=8, num_kv_heads=2, logits_soft_cap=1.5),
+    AttentionCase("per-layer-windows-soft-cap", (1, 6, 1, 18), (21, 0, 3, 9), num_heads=4, num_kv_heads=2,
+                  logits_soft_cap=2.0, layer_windows=(4, None, 7)),
 )
 
 
@@ -109,7 +116,6 @@ def run_attention_case(backend: AttentionBackend, case: AttentionCase, device: t
         v = torch.randn(n + pad, hkv, d, generator=gen).to(dtype)
         if pad:
             md.slot_mapping = torch.cat([md.slot_mapping, torch.full((pad,), -1, dtype=torch.int64)])
-        ref = reference_paged_attention(q[:n], k[:n], v[:n], ref_cache, md, scale, case.sliding_window)
         dmd = build_metadata(q_lens, s_lens, tbls, block_size, device=device)
         dmd.slot_mapping = md.slot_mapping.to(device)
         qd, kd, vd = q.to(device), k.to(device), v.to(device)
@@ -117,13 +123,19 @@ def run_attention_case(backend: AttentionBackend, case: AttentionCase, device: t
             write_context(kd, vd, cache, dmd.slot_mapping)
             continue
         backend.prepare(dmd)
-        out = backend.forward(qd, kd, vd, cache, dmd, scale, case.sliding_window)
-        again = backend.forward(qd, kd, vd, cache, dmd, scale, case.sliding_window) if repeat else out
-        if tuple(out.shape) != tuple(qd.shape):
-            raise AssertionError(f"{step}: backend returned shape {tuple(out.shape)}, expected {tuple(qd.shape)}")
-        if out.dtype != dtype:
-            raise AssertionError(f"{step}: backend returned {out.dtype}, expected the query dtype {dtype}")
-        results.append(AttentionResult(step, out[:n].float().cpu(), ref.float(), again[:n].float().cpu()))
+        cap = case.logits_soft_cap
+        extra = {"logits_soft_cap": cap} if cap else {}  # a backend without soft-capping never sees it
+        windows = case.layer_windows or (case.sliding_window,)
+        for window in windows:  # one layer per window, the step's metadata shared
+            ref = reference_paged_attention(q[:n], k[:n], v[:n], ref_cache, md, scale, window, cap)
+            out = backend.forward(qd, kd, vd, cache, dmd, scale, window, **extra)
+            again = backend.forward(qd, kd, vd, cache, dmd, scale, window, **extra) if repeat else out
+            if tuple(out.shape) != tuple(qd.shape):
+                raise AssertionError(f"{step}: backend returned shape {tuple(out.shape)}, expected {tuple(qd.shape)}")
+            if out.dtype != dtype:
+                raise AssertionError(f"{step}: backend returned {out.dtype}, expected the query dtype {dtype}")
+            name = step if len(windows) == 1 else f"{step} (window {window})"
+            results.append(AttentionResult(name, out[:n].float().cpu(), ref.float(), again[:n].float().cpu()))
     return results
 
 

@@ -229,7 +229,7 @@ def use_gguf_blocks(model: torch.nn.Module, source: Any) -> int:
     gguf = open_gguf(source)
     by_hf = {}
     for name in gguf.tensors:
-        target = hf_name(name)
+        target = hf_name(name, gguf.architecture)
         if target is not None:
             by_hf[target] = name
     cfg = model.config

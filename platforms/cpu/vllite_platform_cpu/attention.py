@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
 from vllite_core.attention.kv_quant import dequantize, is_fp8, store_scaled
+from vllite_core.attention.soft_cap import capped_attention, soft_cap
 from vllite_platform_cpu import kernels as _kernels
 
 
@@ -57,6 +58,7 @@ class TorchPagedAttention(AttentionBackend):
     """PyTorch SDPA over a paged KV cache laid out as ``(2, num_blocks, block_size, num_kv_heads, head_size)``."""
 
     name = "torch_paged"
+    supports_logits_soft_cap = True
 
     def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Zeroed by the OS on first touch instead of written at start: on the VMs measured here the first
@@ -119,7 +121,9 @@ class TorchPagedAttention(AttentionBackend):
         sliding_window: int | None = None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
+        cap = logits_soft_cap or None
         plan = metadata.extra
         if not isinstance(plan, _Plan):
             plan = self._plan(metadata)
@@ -128,11 +132,11 @@ class TorchPagedAttention(AttentionBackend):
         n = plan.num_tokens
         out = torch.zeros_like(query) if n < query.shape[0] else torch.empty_like(query)
         if kv_cache is None or kv_cache.numel() == 0:  # no cache yet (e.g. a profile run): context = new tokens
-            return self._without_cache(query, key, value, metadata, out, scale, sliding_window)
+            return self._without_cache(query, key, value, metadata, out, scale, sliding_window, cap)
         if (plan.kernel_args is not None and kv_cache.dtype == query.dtype and k_scale == 1.0 and v_scale == 1.0
                 and query.stride(-1) == key.stride(-1) == value.stride(-1) == 1):  # store + attention: one call
             _kernels.paged_attention_store(out, query, key, value, kv_cache, plan.kernel_slots, *plan.kernel_args,
-                                           scale, sliding_window or 0)
+                                           scale, sliding_window or 0, cap or 0.0)
             return out
         key_cache, value_cache = kv_cache.unbind(0)
         new_k, new_v = key, value
@@ -145,10 +149,10 @@ class TorchPagedAttention(AttentionBackend):
         store_scaled(value_cache.view(-1, hkv, d), plan.slots, new_v, v_scale)
         if plan.kernel_args is not None and _kernel_reads(kv_cache.dtype, query.dtype) and query.stride(-1) == 1:
             _kernels.paged_attention(out, query, key_cache, value_cache, *plan.kernel_args, scale,
-                                     sliding_window or 0, k_scale, v_scale)
+                                     sliding_window or 0, k_scale, v_scale, cap or 0.0)
             return out
         if plan.decode_rows is not None:
-            dec = self._decode(query, kv_cache, plan, scale, sliding_window, k_scale, v_scale)
+            dec = self._decode(query, kv_cache, plan, scale, sliding_window, k_scale, v_scale, cap)
             if plan.pure_decode:
                 out[:dec.shape[0]] = dec
             else:
@@ -160,21 +164,22 @@ class TorchPagedAttention(AttentionBackend):
             else:
                 k = _gather(kv_cache[0], p.blocks, q.dtype, k_scale).flatten(0, 1)[:p.seq_len]
                 v = _gather(kv_cache[1], p.blocks, q.dtype, v_scale).flatten(0, 1)[:p.seq_len]
-            out[p.rows] = self._prefill(q, k, v, plan.masks, p.rows.start, scale, sliding_window)
+            out[p.rows] = self._prefill(q, k, v, plan.masks, p.rows.start, scale, sliding_window, cap)
         return out
 
     def _without_cache(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, md: AttentionMetadata,
-                       out: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+                       out: torch.Tensor, scale: float, window: int | None, cap: float | None) -> torch.Tensor:
         starts = md.query_start_loc_cpu
         masks: dict[tuple[object, int | None], torch.Tensor | None] = {}
         for i in range(md.num_reqs):
             rows = slice(starts[i], starts[i + 1])
             if rows.stop > rows.start:
-                out[rows] = self._prefill(query[rows], key[rows], value[rows], masks, i, scale, window)
+                out[rows] = self._prefill(query[rows], key[rows], value[rows], masks, i, scale, window, cap)
         return out
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: _Plan, scale: float,
-                window: int | None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                window: int | None, k_scale: float = 1.0, v_scale: float = 1.0,
+                cap: float | None = None) -> torch.Tensor:
         """One query token per request, all requests at once, with two batched matmuls.
 
         SDPA's CPU kernel is slow for a single query row (it splits and allocates per call:
@@ -207,7 +212,10 @@ class TorchPagedAttention(AttentionBackend):
             bias = torch.zeros(b, length, dtype=work, device=q.device).masked_fill_(~keep, float("-inf"))
             bias = plan.masks[("decode", window)] = bias.view(1, b, 1, length)
         scores = torch.bmm(q, k.transpose(1, 2)).view(hkv, b, g, length)
-        scores.mul_(scale).add_(bias)
+        scores.mul_(scale)
+        if cap:
+            scores = soft_cap(scores, cap)
+        scores.add_(bias)
         probs = torch.softmax(scores, dim=-1).view(hkv * b, g, length)
         out = torch.bmm(probs, v).view(hkv, b, g, d).transpose(0, 1).reshape(b, h, d)
         return out.to(query.dtype)
@@ -215,7 +223,7 @@ class TorchPagedAttention(AttentionBackend):
     @staticmethod
     def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  masks: dict[tuple[object, int | None], torch.Tensor | None], req: object, scale: float,
-                 window: int | None) -> torch.Tensor:
+                 window: int | None, cap: float | None = None) -> torch.Tensor:
         """Causal attention of q (the last q_len positions of the context) over k/v ([L, heads, D])."""
         q_len, seq_len = q.shape[0], k.shape[0]
         key = (req, window)
@@ -230,6 +238,9 @@ class TorchPagedAttention(AttentionBackend):
                     keep &= k_pos > q_pos - window
                 masks[key] = keep
         mask = masks[key]
+        if cap:
+            return capped_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask, scale, cap,
+                                    is_causal=mask is None).transpose(0, 1)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, is_causal=mask is None,
             scale=scale, enable_gqa=q.shape[1] != k.shape[1])

@@ -264,25 +264,25 @@ def error() -> str | None:
 def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     req_ids: torch.Tensor, scale: float, window: int = 0, k_scale: float = 1.0,
-                    v_scale: float = 1.0) -> None:
+                    v_scale: float = 1.0, soft_cap: float = 0.0) -> None:
     """Write into ``out`` the attention of the query rows of requests ``req_ids`` (causal, each query row
     at the end of its request's ``seq_lens`` context, optional sliding ``window``; 0 = none). A float8
     cache (e4m3fn or e5m2, under a float32 or bfloat16 query) is read as stored value x ``k_scale`` /
-    ``v_scale``."""
+    ``v_scale``. ``soft_cap`` > 0: each scaled score s is ``soft_cap * tanh(s / soft_cap)`` (Gemma 2)."""
     mod = load()
     assert mod is not None, error()
     mod.paged_attention(out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, req_ids,
-                        float(scale), int(window), float(k_scale), float(v_scale))
+                        float(scale), int(window), float(k_scale), float(v_scale), float(soft_cap))
 
 
 def paged_attention_store(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           kv_cache: torch.Tensor, slots: torch.Tensor, block_table: torch.Tensor,
                           seq_lens: torch.Tensor, query_start_loc: torch.Tensor, req_ids: torch.Tensor, scale: float,
-                          window: int = 0) -> None:
+                          window: int = 0, soft_cap: float = 0.0) -> None:
     """``paged_attention`` after storing ``key``/``value`` row t at cache slot ``slots[t]`` (int64; negative:
     not stored) of ``kv_cache`` ``[2, blocks, block_size, Hkv, D]`` in the query's dtype: one call per layer."""
     load().paged_attention_store(out, query, key, value, kv_cache, slots, block_table, seq_lens, query_start_loc,
-                                 req_ids, float(scale), int(window))
+                                 req_ids, float(scale), int(window), float(soft_cap))
 
 
 def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:

@@ -34,7 +34,7 @@ def _pow2(n: int, floor: int = 1) -> int:
 
 def compile_attention(spec: str, dtype: str = "float16", cache_dtype: str | None = None, num_heads: int = 32,
                       num_kv_heads: int = 8, head_size: int = 128, block_size: int = 16, sliding_window: int = 0,
-                      tile_n: int = 64) -> dict[str, Any]:
+                      tile_n: int = 64, soft_cap: float = 0.0) -> dict[str, Any]:
     """Compile ``paged_attention_kernel`` as ``TritonPagedAttention`` would launch it; returns facts."""
     import triton
     from triton.compiler import ASTSource
@@ -47,7 +47,7 @@ def compile_attention(spec: str, dtype: str = "float16", cache_dtype: str | None
     block_m = _pow2(qpk, 16)
     const = dict(QUERIES_PER_KV=qpk, HEAD_SIZE=head_size, HEAD_P=_pow2(head_size, 16), BLOCK_SIZE=block_size,
                  BLOCK_Q=block_m // qpk, BLOCK_M=block_m, TILE_N=tile_n, SLIDING_WINDOW=sliding_window,
-                 IEEE=dtype == "float32")
+                 IEEE=dtype == "float32", SOFT_CAP=soft_cap)
     ptrs = {"out_ptr": dt, "q_ptr": dt, "k_cache_ptr": ct, "v_cache_ptr": ct, "block_table_ptr": "i32",
             "seq_lens_ptr": "i32", "query_start_loc_ptr": "i32"}
     sig = {}

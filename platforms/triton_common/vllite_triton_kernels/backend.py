@@ -25,6 +25,7 @@ class TritonPagedAttention(AttentionBackend):
     """Paged attention in Triton over the ``(2, num_blocks, block_size, num_kv_heads, head_size)`` cache."""
 
     name = "triton_paged"
+    supports_logits_soft_cap = True
     supports_graph_capture = True
 
     def __init__(self, tile_n: int = 64, num_warps: int | None = None) -> None:
@@ -78,6 +79,7 @@ class TritonPagedAttention(AttentionBackend):
         sliding_window: int | None = None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         from vllite_triton_kernels.kernels import paged_attention_kernel
 
@@ -109,5 +111,6 @@ class TritonPagedAttention(AttentionBackend):
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
             QUERIES_PER_KV=qpk, HEAD_SIZE=head_size, HEAD_P=_pow2_at_least(head_size, 16),
             BLOCK_SIZE=k_cache.shape[1], BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=self.tile_n,
-            SLIDING_WINDOW=int(sliding_window or 0), IEEE=query.dtype == torch.float32, **extra)
+            SLIDING_WINDOW=int(sliding_window or 0), IEEE=query.dtype == torch.float32,
+            SOFT_CAP=float(logits_soft_cap or 0.0), **extra)
         return out

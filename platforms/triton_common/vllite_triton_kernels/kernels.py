@@ -95,7 +95,7 @@ def paged_attention_kernel(
     stride_cb, stride_cs, stride_ch, stride_bt,
     QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-    SLIDING_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr, IEEE: tl.constexpr, SOFT_CAP: tl.constexpr = 0.0,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -138,6 +138,8 @@ def paged_attention_kernel(
         k = tl.load(k_cache_ptr + base[None, :] + offs_d[:, None], mask=pos_ok[None, :] & d_ok[:, None], other=0.0)
         v = tl.load(v_cache_ptr + base[:, None] + offs_d[None, :], mask=pos_ok[:, None] & d_ok[None, :], other=0.0)
         s = _dot(q, k.to(q.dtype), IEEE) * scale  # [BLOCK_M, TILE_N], float32
+        if SOFT_CAP > 0:  # Gemma 2: cap * tanh(s / cap), tanh written with the portable sigmoid
+            s = SOFT_CAP * (2.0 * tl.sigmoid(2.0 * s / SOFT_CAP) - 1.0)
         keep = row_ok[:, None] & pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
         if SLIDING_WINDOW > 0:
             keep = keep & (pos[None, :] > q_pos[:, None] - SLIDING_WINDOW)

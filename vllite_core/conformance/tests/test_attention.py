@@ -14,9 +14,15 @@ def _dtypes(platform):
     return out
 
 
+def _skip_unsupported(backend, case):
+    if case.logits_soft_cap and not backend.supports_logits_soft_cap:
+        pytest.skip(f"{backend.name} does not support logits_soft_cap")
+
+
 @pytest.mark.parametrize("block_size", [16, 4])
 @pytest.mark.parametrize("case", STANDARD_CASES, ids=lambda c: c.name)
 def test_matches_reference_float32(platform, backend, device, case, block_size):
+    _skip_unsupported(backend, case)
     if torch.float32 not in platform.supported_dtypes():
         pytest.skip("the platform does not compute in float32")
     results = run_attention_case(backend, case, device, torch.float32, block_size=block_size)
@@ -25,6 +31,7 @@ def test_matches_reference_float32(platform, backend, device, case, block_size):
 
 @pytest.mark.parametrize("case", STANDARD_CASES, ids=lambda c: c.name)
 def test_matches_reference_half_precision(platform, backend, device, case):
+    _skip_unsupported(backend, case)
     halves = [d for d in _dtypes(platform) if d != torch.float32]
     if not halves:
         pytest.skip("the platform supports no 16-bit dtype")

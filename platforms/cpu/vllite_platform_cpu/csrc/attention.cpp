@@ -297,6 +297,13 @@ static inline float online_softmax(float* sv, int64_t n, float& mx, float& total
   return f;
 }
 
+// Gemma 2's attention logit soft-capping: each scaled score s becomes cap * tanh(s / cap) before the softmax
+// (cap 0: none), as transformers computes it (divide, tanh, multiply, in float32).
+static inline void soft_cap_scores(float* sv, int64_t n, float cap) {
+  if (cap <= 0.f) return;
+  for (int64_t j = 0; j < n; ++j) sv[j] = std::tanh(sv[j] / cap) * cap;
+}
+
 // decode_row's scores through AVX512-BF16 dot products: a bfloat16 query and cache where the CPU has them.
 #if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
 template <typename T, typename C, int DC>
@@ -348,7 +355,7 @@ template <typename T, typename C, int DC>
 static void decode_row(const T* qrow, int64_t qs1, T* orow, int64_t os1, const C* kc, const C* vc, int64_t ks0,
                        int64_t ks1, int64_t ks2, int64_t vs0, int64_t vs1, int64_t vs2, const int32_t* row_blocks,
                        int64_t BS, int64_t h0, int64_t HG, int64_t G, int64_t t_lo, int64_t t_hi, float sc,
-                       float v_scale, DecodeScratch& w, const NextRows<C>& next) {
+                       float v_scale, float cap, DecodeScratch& w, const NextRows<C>& next) {
   constexpr int64_t D = DC, NV = DC / VL, KC = 256, PD = 16;
   constexpr int QG = kValueHeads<DC>;
   const int64_t N = HG * G;  // states, st = h * G + g (query head (h0 + h) * G + g)
@@ -426,6 +433,7 @@ static void decode_row(const T* qrow, int64_t qs1, T* orow, int64_t os1, const C
     }
     // Online softmax over the chunk, per state.
     for (int64_t st = 0; st < N; ++st) {
+      soft_cap_scores(w.scores.data() + st * KC, n, cap);
       const float f = online_softmax(w.scores.data() + st * KC, n, w.mx[st], w.total[st]);
       if (f != 1.f) {
         const AVec fv(f);
@@ -519,7 +527,7 @@ static void decode_row(const T* qrow, int64_t qs1, T* orow, int64_t os1, const C
 template <typename scalar_t, typename cache_t, int DC>
 static void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                 const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                const at::Tensor& req_ids, double scale, int64_t window, float k_scale, float v_scale) {
+                const at::Tensor& req_ids, double scale, int64_t window, float k_scale, float v_scale, float cap) {
   const int64_t R = req_ids.size(0);
   const int64_t H = query.size(1), D = DC > 0 ? DC : query.size(2);
   const int64_t BS = key_cache.size(1), HKV = key_cache.size(2);
@@ -598,7 +606,7 @@ static void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_
           }
           decode_row<scalar_t, cache_t, DC>(q + (q0 + ia) * qs0, qs1, o + (q0 + ia) * os0, os1, kc, vc, ks0, ks1, ks2,
                                             vs0, vs1, vs2, row_blocks, BS, h0, HG, G, t_lo, p_first, sc, v_scale,
-                                            dscratch, next);
+                                            cap, dscratch, next);
           continue;
         }
       }
@@ -660,6 +668,7 @@ static void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_
                 } else {
                   for (int64_t j = jlo; j <= jhi; ++j) sg[j] = dot_scalar(qv, kr[j], D);
                 }
+                soft_cap_scores(sg + jlo, n, cap);
                 const float f = online_softmax(sg + jlo, n, mx[st], total[st]);
                 float* ap = acc.data() + st * D;
                 for (int64_t d = 0; d < D; ++d) ap[d] *= f;
@@ -698,22 +707,22 @@ template <typename scalar_t, typename cache_t>
 static void run_heads(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                       const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
                       const at::Tensor& query_start_loc, const at::Tensor& req_ids, double scale, int64_t window,
-                      float k_scale, float v_scale) {
+                      float k_scale, float v_scale, float cap) {
   const int64_t D = query.size(2);
   if (D == 64)
     run<scalar_t, cache_t, 64>(out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, req_ids,
-                               scale, window, k_scale, v_scale);
+                               scale, window, k_scale, v_scale, cap);
   else if (D == 128)
     run<scalar_t, cache_t, 128>(out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, req_ids,
-                                scale, window, k_scale, v_scale);
+                                scale, window, k_scale, v_scale, cap);
   else
     run<scalar_t, cache_t, 0>(out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, req_ids,
-                              scale, window, k_scale, v_scale);
+                              scale, window, k_scale, v_scale, cap);
 }
 
 void paged_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                      at::Tensor block_table, at::Tensor seq_lens, at::Tensor query_start_loc, at::Tensor req_ids,
-                     double scale, int64_t window, double k_scale, double v_scale) {
+                     double scale, int64_t window, double k_scale, double v_scale, double soft_cap) {
   const auto ct = key_cache.scalar_type();
   const bool fp8 = ct == at::ScalarType::Float8_e4m3fn || ct == at::ScalarType::Float8_e5m2;
   TORCH_CHECK(ct == value_cache.scalar_type() && out.scalar_type() == query.scalar_type()
@@ -729,19 +738,19 @@ void paged_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache, at:
   TORCH_CHECK(block_table.stride(1) == 1 && seq_lens.is_contiguous() && query_start_loc.is_contiguous()
                   && req_ids.is_contiguous(),
               "paged_attention: index tensors must be contiguous");
-  const float ks = static_cast<float>(k_scale), vs = static_cast<float>(v_scale);
+  const float ks = static_cast<float>(k_scale), vs = static_cast<float>(v_scale), cap = static_cast<float>(soft_cap);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, query.scalar_type(),
                                   "paged_attention", [&] {
     if (ct == query.scalar_type()) {
       run_heads<scalar_t, scalar_t>(out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
-                                    req_ids, scale, window, ks, vs);
+                                    req_ids, scale, window, ks, vs, cap);
     } else if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
       if (ct == at::ScalarType::Float8_e4m3fn)
         run_heads<scalar_t, c10::Float8_e4m3fn>(out, query, key_cache, value_cache, block_table, seq_lens,
-                                                query_start_loc, req_ids, scale, window, ks, vs);
+                                                query_start_loc, req_ids, scale, window, ks, vs, cap);
       else
         run_heads<scalar_t, c10::Float8_e5m2>(out, query, key_cache, value_cache, block_table, seq_lens,
-                                              query_start_loc, req_ids, scale, window, ks, vs);
+                                              query_start_loc, req_ids, scale, window, ks, vs, cap);
     }
   });
 }
@@ -754,7 +763,7 @@ void paged_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache, at:
 // kilobytes per row.
 void paged_attention_store(at::Tensor out, at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor kv_cache,
                            at::Tensor slots, at::Tensor block_table, at::Tensor seq_lens, at::Tensor query_start_loc,
-                           at::Tensor req_ids, double scale, int64_t window) {
+                           at::Tensor req_ids, double scale, int64_t window, double soft_cap) {
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && key.dim() == 3 && value.sizes() == key.sizes()
                   && key.size(1) == kv_cache.size(3) && key.size(2) == kv_cache.size(4)
                   && key.scalar_type() == kv_cache.scalar_type() && value.scalar_type() == kv_cache.scalar_type()
@@ -785,7 +794,7 @@ void paged_attention_store(at::Tensor out, at::Tensor query, at::Tensor key, at:
     }
   }
   paged_attention(out, query, kv_cache.select(0, 0), kv_cache.select(0, 1), block_table, seq_lens, query_start_loc,
-                  req_ids, scale, window, 1.0, 1.0);
+                  req_ids, scale, window, 1.0, 1.0, soft_cap);
 }
 
 }  // namespace VLLITE_CPU_ISA

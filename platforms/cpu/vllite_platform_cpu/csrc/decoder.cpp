@@ -114,7 +114,7 @@ std::tuple<at::Tensor, at::Tensor> layer_forward(at::Tensor x, const std::option
     attn = step.num_tokens < t ? at::zeros({t, s.num_heads, head_size}, qkv.options())
                                : at::empty({t, s.num_heads, head_size}, qkv.options());
     paged_attention_store(attn, parts[0], parts[1], parts[2], kv_cache, step.slots, step.block_table, step.seq_lens,
-                          step.query_start_loc, step.req_ids, s.scale, s.window);
+                          step.query_start_loc, step.req_ids, s.scale, s.window, 0.0);
   }
   h = lin(attn.view({t, s.num_heads * head_size}), 1);
   attn.reset();

@@ -35,10 +35,11 @@
   };                                                                                                                \
   void paged_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,              \
                        at::Tensor block_table, at::Tensor seq_lens, at::Tensor query_start_loc, at::Tensor req_ids, \
-                       double scale, int64_t window, double k_scale, double v_scale);                               \
+                       double scale, int64_t window, double k_scale, double v_scale, double soft_cap);              \
   void paged_attention_store(at::Tensor out, at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor kv_cache, \
                              at::Tensor slots, at::Tensor block_table, at::Tensor seq_lens,                         \
-                             at::Tensor query_start_loc, at::Tensor req_ids, double scale, int64_t window);         \
+                             at::Tensor query_start_loc, at::Tensor req_ids, double scale, int64_t window,          \
+                             double soft_cap);                                                                      \
   bool avx2_gemm_available();                                                                                       \
   std::vector<std::string> avx2_gemm_dtypes();                                                                      \
   at::Tensor avx2_gemm_pack(at::Tensor w);                                                                          \
