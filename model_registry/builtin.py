@@ -34,6 +34,8 @@ BUILTIN_MODELS: dict[str, str] = {
     "LlamaForSequenceClassification": "model_registry.models.llama_pooling:LlamaForSequenceClassification",
     "Qwen2ForSequenceClassification": "model_registry.models.llama_pooling:LlamaForSequenceClassification",
     "MistralForSequenceClassification": "model_registry.models.llama_pooling:LlamaForSequenceClassification",
+    "Qwen3Model": "model_registry.models.dense_pooling:Qwen3EmbeddingModel",
+    "Qwen3ForSequenceClassification": "model_registry.models.dense_pooling:Qwen3ForSequenceClassification",
     "BertModel": "model_registry.models.bert:BertModel",
     "BertForSequenceClassification": "model_registry.models.bert:BertForSequenceClassification",
     "RobertaModel": "model_registry.models.roberta:XLMRobertaModel",

@@ -80,3 +80,35 @@ def test_modernbert_embeddings_and_scores_match_transformers(modernbert):
         ref = torch.cat([ce(**tok(a, b, return_tensors="pt")).logits for a, b in pairs])[:, 0]
     scores = torch.tensor([o.outputs.score for o in LLM(ce_path, dtype="float32").score(texts[0], texts[1:])])
     assert (scores - ref.sigmoid()).abs().max() <= 1e-5
+
+
+QWEN3 = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+PROMPTS = [[5, 77, 301, 12, 9], list(range(20, 60)), [7] * 3 + list(range(100, 130))]
+
+
+def test_qwen3_embedding_and_classifier_match_transformers(tmp_path):
+    """Qwen3-Embedding's layout (a Qwen3Model checkpoint: last token, final norm) and Qwen3ForSequenceClassification,
+    prompts in 16-token chunks."""
+    from tiny_models import save_tiny
+    from tiny_pooling import save_classifier
+    from transformers import Qwen3Config
+
+    emb = save_tiny(tmp_path / "e", Qwen3Config(**QWEN3, architectures=["Qwen3ForCausalLM"]), seed=7)
+    with torch.no_grad():
+        ref = torch.stack([emb.model(torch.tensor([p])).last_hidden_state[0, -1] for p in PROMPTS])
+    emb.model.save_pretrained(tmp_path / "m")  # a Qwen3Model checkpoint, as Qwen3-Embedding ships
+    for path in (tmp_path / "e", tmp_path / "m"):
+        kw = {"runner": "pooling"} if path.name == "e" else {}
+        llm = LLM(str(path), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16,
+                  tokenizer=str(tmp_path / "e"), **kw)
+        got = torch.tensor([o.outputs.embedding for o in llm.embed([{"prompt_token_ids": p} for p in PROMPTS])])
+        assert (got - F.normalize(ref, dim=-1)).abs().max() <= 1e-5, path.name
+    cls = save_classifier(tmp_path / "c", Qwen3Config(**QWEN3, num_labels=2, pad_token_id=511,
+                                                      architectures=["Qwen3ForSequenceClassification"]))
+    with torch.no_grad():
+        ref = torch.cat([cls(torch.tensor([p])).logits for p in PROMPTS])
+    llm = LLM(str(tmp_path / "c"), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16)
+    got = torch.tensor([o.outputs.probs for o in llm.classify([{"prompt_token_ids": p} for p in PROMPTS],
+                                                               PoolingParams(activation=False))])
+    assert (got - ref).abs().max() <= 1e-5
