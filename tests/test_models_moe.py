@@ -1,0 +1,108 @@
+"""Mixture-of-experts families on the engine against Hugging Face transformers on the same tiny random weights
+(float32): greedy tokens identical to HF's own cached greedy loop, and each generated token's logprob within
+1e-4 of HF's log-softmax over the whole sequence. More experts than the top-k (routing matters), prompts
+longer than the chunk budget (chunked prefill beside decodes), one module per family, HF computed once."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_reference import hf_greedy
+from tiny_models import save_tiny
+
+from vllite_core import LLM, SamplingParams
+from vllite_core.errors import ConfigError
+
+MAX_TOKENS = 8
+PROMPT_LENS = (3, 21, 45)
+COMMON = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=256, rms_norm_eps=1e-5)
+
+
+def _configs():
+    import transformers as tf
+
+    return {
+        "mixtral": lambda: tf.MixtralConfig(**COMMON, intermediate_size=48, num_local_experts=6,
+                                            num_experts_per_tok=2, architectures=["MixtralForCausalLM"]),
+        # Layer 0 dense (mlp_only_layers), layer 1 sparse with the gated shared expert; weights not renormalised.
+        "qwen2_moe": lambda: tf.Qwen2MoeConfig(**COMMON, intermediate_size=80, moe_intermediate_size=32,
+                                               shared_expert_intermediate_size=48, num_experts=6,
+                                               num_experts_per_tok=2, mlp_only_layers=[0], norm_topk_prob=False,
+                                               architectures=["Qwen2MoeForCausalLM"]),
+        # decoder_sparse_step 2: layer 0 dense, layer 1 sparse; per-head q/k norm.
+        "qwen3_moe": lambda: tf.Qwen3MoeConfig(**COMMON, intermediate_size=80, moe_intermediate_size=32, head_dim=16,
+                                               num_experts=6, num_experts_per_tok=2, decoder_sparse_step=2,
+                                               norm_topk_prob=True, architectures=["Qwen3MoeForCausalLM"]),
+        "olmoe": lambda: tf.OlmoeConfig(**COMMON, intermediate_size=32, num_experts=6, num_experts_per_tok=2,
+                                        clip_qkv=2.0, architectures=["OlmoeForCausalLM"]),
+        "granite_moe": lambda: tf.GraniteMoeConfig(**COMMON, intermediate_size=32, num_local_experts=6,
+                                                   num_experts_per_tok=2, embedding_multiplier=2.0,
+                                                   residual_multiplier=0.5, attention_multiplier=0.2,
+                                                   logits_scaling=1.5, architectures=["GraniteMoeForCausalLM"]),
+    }
+
+
+@pytest.fixture(scope="module", params=list(_configs()))
+def family(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    hf = save_tiny(path, _configs()[request.param](), seed=len(request.param))
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    ref = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    with torch.inference_mode():
+        ref_lp = [torch.log_softmax(hf(input_ids=torch.tensor([p + r])).logits[0].float(), -1)[len(p) - 1:-1]
+                  for p, r in zip(prompts, ref, strict=True)]
+    return request.param, str(path), prompts, ref, ref_lp
+
+
+def test_greedy_and_logprobs_match_hf(family):
+    name, path, prompts, ref, ref_lp = family
+    # A 16-token budget splits the longer prompts into chunks beside the others' decodes.
+    llm = LLM(model=path, dtype="float32", max_model_len=128, max_num_batched_tokens=16, num_kv_blocks=48)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0))
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    for out, lp in zip(outs, ref_lp, strict=True):
+        got = out.outputs[0]
+        for i, t in enumerate(got.token_ids):
+            assert got.logprobs[i][t].logprob == pytest.approx(float(lp[i, t]), abs=1e-4), (name, i)
+
+
+def _mixtral(tmp_path, **kw):
+    import transformers as tf
+
+    cfg = tf.MixtralConfig(**{**COMMON, "num_hidden_layers": 1}, intermediate_size=16, num_local_experts=4,
+                           num_experts_per_tok=2, architectures=["MixtralForCausalLM"], **kw)
+    save_tiny(tmp_path, cfg)
+    return cfg
+
+
+def test_top_k_above_the_experts_is_a_config_error(tmp_path):
+    from vllite_platform_cpu.attention import TorchPagedAttention
+
+    from model_registry.models.mixtral import MixtralForCausalLM
+
+    cfg = _mixtral(tmp_path)
+    cfg.num_experts_per_tok = 5
+    with pytest.raises(ConfigError, match=r"num_experts_per_tok \(5\).*\(4\)"):
+        MixtralForCausalLM(cfg, TorchPagedAttention(), torch.float32)
+
+
+def test_missing_expert_weight_is_named_at_load(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _mixtral(tmp_path)
+    f = tmp_path / "model.safetensors"
+    tensors = load_file(f)
+    del tensors["model.layers.0.block_sparse_moe.experts.2.w3.weight"]
+    save_file(tensors, f, metadata={"format": "pt"})
+    from vllite_platform_cpu.attention import TorchPagedAttention
+
+    from model_registry.loader import load_model
+    from model_registry.models.mixtral import MixtralForCausalLM
+    from model_registry.source import load_hf_config, resolve_model_source
+
+    source = resolve_model_source(str(tmp_path))
+    with pytest.raises(ValueError, match=r"lacks expert weight\(s\) 2\.w3"):
+        load_model(source, load_hf_config(source), MixtralForCausalLM, TorchPagedAttention(), torch.float32,
+                   torch.device("cpu"))
