@@ -96,6 +96,7 @@ class FusedMoE(nn.Module):
             if shared_intermediate_size else None
         self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, False, dtype) if shared_expert_gate else None
         self.ops = current_model_ops()
+        self.state: dict = {}  # what the platform's fused_moe caches for these weights (packed panels)
 
     @torch.no_grad()
     def load_expert(self, src: torch.Tensor, expert: int, shard: ExpertShard, name: str) -> None:
@@ -107,7 +108,7 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.router(x)
-        out = self.ops.fused_moe(x, self.w13_weight, self.w2_weight, weights.to(x.dtype), ids)
+        out = self.ops.fused_moe(x, self.w13_weight, self.w2_weight, weights.to(x.dtype), ids, self.state)
         if self.shared_experts is None:
             return out
         shared = self.shared_experts(x)
