@@ -46,6 +46,8 @@ BUILTIN_MODELS: dict[str, str] = {
     "Qwen3MoeForCausalLM": "model_registry.models.qwen_moe:Qwen3MoeForCausalLM",
     "OlmoeForCausalLM": "model_registry.models.olmoe:OlmoeForCausalLM",
     "GraniteMoeForCausalLM": "model_registry.models.granite_moe:GraniteMoeForCausalLM",
+    "DeepseekV2ForCausalLM": "model_registry.models.deepseek:DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "model_registry.models.deepseek:DeepseekV3ForCausalLM",
     # Encoder-decoder: speech in, text out.
     "WhisperForConditionalGeneration": "model_registry.models.whisper:WhisperForConditionalGeneration",
 }

@@ -39,13 +39,31 @@ def _configs():
                                                    num_experts_per_tok=2, embedding_multiplier=2.0,
                                                    residual_multiplier=0.5, attention_multiplier=0.2,
                                                    logits_scaling=1.5, architectures=["GraniteMoeForCausalLM"]),
+        # MLA without a q LoRA, softmax routing limited to 2 of 4 groups, layer 0 dense, a shared expert.
+        "deepseek_v2": lambda: tf.DeepseekV2Config(**DEEPSEEK, q_lora_rank=None, topk_method="group_limited_greedy",
+                                                   routed_scaling_factor=1.5, architectures=["DeepseekV2ForCausalLM"]),
+        # MLA with a q LoRA, sigmoid scores with a (random) correction bias, renormalised and scaled.
+        "deepseek_v3": lambda: tf.DeepseekV3Config(**DEEPSEEK, q_lora_rank=24, norm_topk_prob=True,
+                                                   routed_scaling_factor=2.5, architectures=["DeepseekV3ForCausalLM"]),
     }
+
+
+DEEPSEEK = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                max_position_embeddings=256, rms_norm_eps=1e-5, intermediate_size=80, moe_intermediate_size=32,
+                n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, n_group=4, topk_group=2)
 
 
 @pytest.fixture(scope="module", params=list(_configs()))
 def family(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     hf = save_tiny(path, _configs()[request.param](), seed=len(request.param))
+    biases = [b for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias")]
+    if biases:  # buffers: save_tiny leaves them zero
+        with torch.no_grad():
+            for b in biases:
+                b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(b.numel())) * 0.3)
+        hf.save_pretrained(path)
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in PROMPT_LENS]
     ref = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]

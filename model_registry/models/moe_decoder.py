@@ -60,6 +60,12 @@ class MoeFamily:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    # Router options (``TopKRouter``): DeepSeek's sigmoid scores, grouped top-k, correction bias, scaling.
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    n_group: int | None = None
+    topk_group: int | None = None
+    correction_bias: bool = False
+    routed_scaling_factor: float = 1.0
 
 
 def check_experts(num_experts: int, top_k: int) -> None:
@@ -97,6 +103,9 @@ class MoeAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, d, backend, fam.attention_scale)
         self.ops = current_model_ops()
 
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        return self.attn.kv_cache_spec(block_size, dtype)
+
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
                 md: AttentionMetadata) -> torch.Tensor:
         t, d = x.shape[0], self.head_size
@@ -113,15 +122,15 @@ class MoeAttention(nn.Module):
 
 
 class MoeDecoderLayer(nn.Module):
-    def __init__(self, c: Any, fam: MoeFamily, sparse: bool, backend: AttentionBackend,
-                 dtype: torch.dtype) -> None:
+    def __init__(self, c: Any, fam: MoeFamily, sparse: bool, attention: nn.Module, dtype: torch.dtype) -> None:
         super().__init__()
         eps = float(c.rms_norm_eps)
         self.input_layernorm = RMSNorm(c.hidden_size, eps, dtype)
-        self.self_attn = MoeAttention(c, fam, backend, dtype)
+        self.self_attn = attention
         self.post_attention_layernorm = RMSNorm(c.hidden_size, eps, dtype)
         if sparse:
-            router = TopKRouter(c.hidden_size, fam.num_experts, fam.top_k, dtype, renormalize=fam.renormalize)
+            router = TopKRouter(c.hidden_size, fam.num_experts, fam.top_k, dtype, fam.scoring, fam.renormalize,
+                                fam.n_group, fam.topk_group, fam.correction_bias, fam.routed_scaling_factor)
             self.mlp: nn.Module = FusedMoE(router, c.hidden_size, fam.moe_intermediate_size, dtype,
                                            fam.shared_intermediate_size, fam.shared_expert_gate)
         else:
@@ -182,10 +191,11 @@ class MoeForCausalLM(nn.Module):
         self.vocab_size: int = c.vocab_size
         self.model = nn.Module()
         self.model.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, dtype)
-        self.model.layers = nn.ModuleList(MoeDecoderLayer(c, fam, sparse, attn_backend, dtype)
-                                          for sparse in fam.moe_layers)
+        self.model.layers = nn.ModuleList(
+            MoeDecoderLayer(c, fam, sparse, self.make_attention(c, fam, attn_backend, dtype), dtype)
+            for sparse in fam.moe_layers)
         self.model.norm = RMSNorm(c.hidden_size, float(c.rms_norm_eps), dtype)
-        self.model.rotary_emb = RotaryEmbedding(c, head_size_of(c))
+        self.model.rotary_emb = RotaryEmbedding(c, self.rotary_dim(c))
         self.tie_word_embeddings = bool(getattr(c, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(c.vocab_size, c.hidden_size, dtype,
                                       tied=self.model.embed_tokens if self.tie_word_embeddings else None)
@@ -194,8 +204,16 @@ class MoeForCausalLM(nn.Module):
     def family(cls, c: Any) -> MoeFamily:
         raise NotImplementedError
 
+    def make_attention(self, c: Any, fam: MoeFamily, backend: AttentionBackend, dtype: torch.dtype) -> nn.Module:
+        """A layer's attention: called ``(x, rope, kv_cache, metadata)``, declares ``kv_cache_spec``."""
+        return MoeAttention(c, fam, backend, dtype)
+
+    @classmethod
+    def rotary_dim(cls, c: Any) -> int:
+        return head_size_of(c)
+
     def get_kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> list[KVCacheSpec]:
-        return [layer.self_attn.attn.kv_cache_spec(block_size, dtype) for layer in self.model.layers]
+        return [layer.self_attn.kv_cache_spec(block_size, dtype) for layer in self.model.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: list[AttentionMetadata]) -> torch.Tensor:

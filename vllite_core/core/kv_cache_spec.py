@@ -56,6 +56,24 @@ class FullAttentionSpec(KVCacheSpec):
 
 
 @dataclass(frozen=True)
+class MLAAttentionSpec(FullAttentionSpec):
+    """Multi-head latent attention (DeepSeek-V2/V3): per token one compressed latent and one shared rope key,
+    ``head_size`` (kv_lora_rank + qk_rope_head_dim) values, instead of K and V for every head; ``num_kv_heads``
+    is 1. A full-attention group otherwise (prefix caching, chunked prefill); the cache tensor is
+    ``[num_blocks, block_size, head_size]`` and the model's attention reads it, not the platform's backend."""
+
+    kind: ClassVar[str] = "mla"
+
+    @property
+    def page_bytes(self) -> int:
+        return self.block_size * self.head_size * self.dtype.itemsize
+
+    @property
+    def page_signature(self) -> tuple:
+        return ("mla", self.block_size, self.head_size, self.dtype)
+
+
+@dataclass(frozen=True)
 class SlidingWindowSpec(KVCacheSpec):
     """Self-attention over the last ``sliding_window`` positions: blocks that fell out of every future
     query's window go back to the pool."""

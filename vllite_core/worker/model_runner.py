@@ -25,6 +25,7 @@ from vllite_core.config import VlliteConfig
 from vllite_core.core.kv_cache_spec import (
     CrossAttentionSpec,
     KVCacheSpec,
+    MLAAttentionSpec,
     SlidingWindowSpec,
     StateSpec,
     group_layers,
@@ -155,6 +156,8 @@ class ModelRunner:
     def _tensor_shape(self, spec: KVCacheSpec, num_blocks: int) -> tuple[int, ...]:
         if isinstance(spec, StateSpec):
             return state_tensor_shape(spec, num_blocks)
+        if isinstance(spec, MLAAttentionSpec):  # one latent row per token, read by the model's MLA layer
+            return (num_blocks, self.block_size, spec.head_size)
         return self.attn_backend.get_kv_cache_shape(num_blocks, self.block_size, spec.num_kv_heads, spec.head_size)
 
     def kv_cache_bytes_per_block(self) -> int:
