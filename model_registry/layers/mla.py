@@ -137,7 +137,8 @@ class MLAAttention(nn.Module):
         rope keys, the weighted latents mapped to values by ``W_UV``; the context is never expanded."""
         w_uk, w_uv = self._weights()
         q_lat = torch.einsum("thn,hnr->htr", q_nope, w_uk)
-        scores = (q_lat @ c.T + q_pe.transpose(0, 1) @ k_pe.T).float() * self.scale  # [H, tq, L]
+        scores = q_lat @ c.T + q_pe.transpose(0, 1) @ k_pe.T  # [H, tq, L], softmax in float32 at least
+        scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * self.scale
         scores = scores.masked_fill(~self._mask(q_nope.shape[0], c.shape[0], c.device), float("-inf"))
         o_lat = torch.softmax(scores, dim=-1).to(c.dtype) @ c  # [H, tq, rank]
         return torch.einsum("htr,hvr->thv", o_lat, w_uv)
