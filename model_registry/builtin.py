@@ -48,6 +48,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "GraniteMoeForCausalLM": "model_registry.models.granite_moe:GraniteMoeForCausalLM",
     "DeepseekV2ForCausalLM": "model_registry.models.deepseek:DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "model_registry.models.deepseek:DeepseekV3ForCausalLM",
+    "GptOssForCausalLM": "model_registry.models.gpt_oss:GptOssForCausalLM",
     # Encoder-decoder: speech in, text out.
     "WhisperForConditionalGeneration": "model_registry.models.whisper:WhisperForConditionalGeneration",
 }

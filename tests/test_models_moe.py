@@ -45,6 +45,10 @@ def _configs():
         # MLA with a q LoRA, sigmoid scores with a (random) correction bias, renormalised and scaled.
         "deepseek_v3": lambda: tf.DeepseekV3Config(**DEEPSEEK, q_lora_rank=24, norm_topk_prob=True,
                                                    routed_scaling_factor=2.5, architectures=["DeepseekV3ForCausalLM"]),
+        # Sliding (window 6) and full layers alternating, sinks, clamped SwiGLU with biases, yarn rope.
+        "gpt_oss": lambda: tf.GptOssConfig(**COMMON, intermediate_size=32, num_local_experts=6, num_experts_per_tok=2,
+                                           head_dim=16, sliding_window=6, swiglu_limit=1.5,
+                                           architectures=["GptOssForCausalLM"]),
     }
 
 

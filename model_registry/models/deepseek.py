@@ -47,7 +47,8 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
     def family(cls, c: Any) -> MoeFamily:
         return _family(c, cls.v3)
 
-    def make_attention(self, c: Any, fam: MoeFamily, backend: AttentionBackend, dtype: torch.dtype) -> nn.Module:
+    def make_attention(self, c: Any, fam: MoeFamily, layer: int, backend: AttentionBackend,
+                       dtype: torch.dtype) -> nn.Module:
         return MLAAttention(c, dtype)
 
     @classmethod

@@ -122,20 +122,16 @@ class MoeAttention(nn.Module):
 
 
 class MoeDecoderLayer(nn.Module):
-    def __init__(self, c: Any, fam: MoeFamily, sparse: bool, attention: nn.Module, dtype: torch.dtype) -> None:
+    """Pre-norm attention then feed-forward (``mlp``: a ``FusedMoE``, a dense ``GatedMLP``, or a family's own),
+    each branch scaled by the residual multiplier."""
+
+    def __init__(self, c: Any, fam: MoeFamily, attention: nn.Module, mlp: nn.Module, dtype: torch.dtype) -> None:
         super().__init__()
         eps = float(c.rms_norm_eps)
         self.input_layernorm = RMSNorm(c.hidden_size, eps, dtype)
         self.self_attn = attention
         self.post_attention_layernorm = RMSNorm(c.hidden_size, eps, dtype)
-        if sparse:
-            router = TopKRouter(c.hidden_size, fam.num_experts, fam.top_k, dtype, fam.scoring, fam.renormalize,
-                                fam.n_group, fam.topk_group, fam.correction_bias, fam.routed_scaling_factor)
-            self.mlp: nn.Module = FusedMoE(router, c.hidden_size, fam.moe_intermediate_size, dtype,
-                                           fam.shared_intermediate_size, fam.shared_expert_gate)
-        else:
-            assert fam.intermediate_size is not None, "a dense layer needs intermediate_size"
-            self.mlp = GatedMLP(c.hidden_size, fam.intermediate_size, dtype)
+        self.mlp = mlp
         self.residual_multiplier = fam.residual_multiplier
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
@@ -192,8 +188,9 @@ class MoeForCausalLM(nn.Module):
         self.model = nn.Module()
         self.model.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, dtype)
         self.model.layers = nn.ModuleList(
-            MoeDecoderLayer(c, fam, sparse, self.make_attention(c, fam, attn_backend, dtype), dtype)
-            for sparse in fam.moe_layers)
+            MoeDecoderLayer(c, fam, self.make_attention(c, fam, i, attn_backend, dtype),
+                            self.make_mlp(c, fam, sparse, dtype), dtype)
+            for i, sparse in enumerate(fam.moe_layers))
         self.model.norm = RMSNorm(c.hidden_size, float(c.rms_norm_eps), dtype)
         self.model.rotary_emb = RotaryEmbedding(c, self.rotary_dim(c))
         self.tie_word_embeddings = bool(getattr(c, "tie_word_embeddings", False))
@@ -204,9 +201,20 @@ class MoeForCausalLM(nn.Module):
     def family(cls, c: Any) -> MoeFamily:
         raise NotImplementedError
 
-    def make_attention(self, c: Any, fam: MoeFamily, backend: AttentionBackend, dtype: torch.dtype) -> nn.Module:
-        """A layer's attention: called ``(x, rope, kv_cache, metadata)``, declares ``kv_cache_spec``."""
+    def make_attention(self, c: Any, fam: MoeFamily, layer: int, backend: AttentionBackend,
+                       dtype: torch.dtype) -> nn.Module:
+        """Layer ``layer``'s attention: called ``(x, rope, kv_cache, metadata)``, declares ``kv_cache_spec``."""
         return MoeAttention(c, fam, backend, dtype)
+
+    def make_mlp(self, c: Any, fam: MoeFamily, sparse: bool, dtype: torch.dtype) -> nn.Module:
+        """A layer's feed-forward: the routed experts (and shared ones) when ``sparse``, else a dense MLP."""
+        if sparse:
+            router = TopKRouter(c.hidden_size, fam.num_experts, fam.top_k, dtype, fam.scoring, fam.renormalize,
+                                fam.n_group, fam.topk_group, fam.correction_bias, fam.routed_scaling_factor)
+            return FusedMoE(router, c.hidden_size, fam.moe_intermediate_size, dtype, fam.shared_intermediate_size,
+                            fam.shared_expert_gate)
+        assert fam.intermediate_size is not None, "a dense layer needs intermediate_size"
+        return GatedMLP(c.hidden_size, fam.intermediate_size, dtype)
 
     @classmethod
     def rotary_dim(cls, c: Any) -> int:

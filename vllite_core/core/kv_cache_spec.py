@@ -26,6 +26,9 @@ class KVCacheSpec:
     kind: ClassVar[str] = "abstract"
     # Full blocks of this kind can be found again by content hash (prefix caching).
     cacheable: ClassVar[bool] = True
+    # The model's own layer reads and writes this cache (MLA latents, attention with sinks), not the platform's
+    # backend: the tensor is ``[num_blocks, block_size, page_bytes / (block_size * itemsize)]``.
+    model_layout: ClassVar[bool] = False
 
     block_size: int
     num_kv_heads: int
@@ -63,6 +66,7 @@ class MLAAttentionSpec(FullAttentionSpec):
     ``[num_blocks, block_size, head_size]`` and the model's attention reads it, not the platform's backend."""
 
     kind: ClassVar[str] = "mla"
+    model_layout: ClassVar[bool] = True
 
     @property
     def page_bytes(self) -> int:
@@ -89,6 +93,23 @@ class SlidingWindowSpec(KVCacheSpec):
     def max_blocks_per_request(self, max_model_len: int) -> int:
         # The window's blocks plus the partly filled one at each end.
         return min(cdiv(max_model_len, self.block_size), cdiv(self.sliding_window - 1, self.block_size) + 1)
+
+
+@dataclass(frozen=True)
+class SinkAttentionSpec(FullAttentionSpec):
+    """Full attention with a learned per-head sink logit in the softmax (gpt-oss); K and V as usual, laid out
+    ``[block_size, 2, num_kv_heads, head_size]`` per block and read by the model's layer."""
+
+    kind: ClassVar[str] = "attention_sinks"
+    model_layout: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class SlidingSinkAttentionSpec(SlidingWindowSpec):
+    """``SinkAttentionSpec`` over a sliding window: blocks out of every future window go back to the pool."""
+
+    kind: ClassVar[str] = "sliding_window_sinks"
+    model_layout: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,6 @@ from vllite_core.config import VlliteConfig
 from vllite_core.core.kv_cache_spec import (
     CrossAttentionSpec,
     KVCacheSpec,
-    MLAAttentionSpec,
     SlidingWindowSpec,
     StateSpec,
     group_layers,
@@ -156,8 +155,8 @@ class ModelRunner:
     def _tensor_shape(self, spec: KVCacheSpec, num_blocks: int) -> tuple[int, ...]:
         if isinstance(spec, StateSpec):
             return state_tensor_shape(spec, num_blocks)
-        if isinstance(spec, MLAAttentionSpec):  # one latent row per token, read by the model's MLA layer
-            return (num_blocks, self.block_size, spec.head_size)
+        if spec.model_layout:  # read by the model's own layer (MLA latents, attention with sinks)
+            return (num_blocks, self.block_size, spec.page_bytes // (self.block_size * spec.dtype.itemsize))
         return self.attn_backend.get_kv_cache_shape(num_blocks, self.block_size, spec.num_kv_heads, spec.head_size)
 
     def kv_cache_bytes_per_block(self) -> int:
