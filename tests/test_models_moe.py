@@ -128,3 +128,9 @@ def test_missing_expert_weight_is_named_at_load(tmp_path):
     with pytest.raises(ValueError, match=r"lacks expert weight\(s\) 2\.w3"):
         load_model(source, load_hf_config(source), MixtralForCausalLM, TorchPagedAttention(), torch.float32,
                    torch.device("cpu"))
+
+
+def test_tensor_parallel_is_refused_by_name(tmp_path):
+    _mixtral(tmp_path)
+    with pytest.raises(ConfigError, match="tensor_parallel_size: MixtralForCausalLM does not support"):
+        LLM(model=str(tmp_path), dtype="float32", max_model_len=64, tensor_parallel_size=2)
