@@ -134,3 +134,42 @@ def test_tensor_parallel_is_refused_by_name(tmp_path):
     _mixtral(tmp_path)
     with pytest.raises(ConfigError, match="tensor_parallel_size: MixtralForCausalLM does not support"):
         LLM(model=str(tmp_path), dtype="float32", max_model_len=64, tensor_parallel_size=2)
+
+
+def test_gpt_oss_mxfp4_experts_dequantised_at_load(tmp_path):
+    """A gpt-oss checkpoint whose experts are MXFP4 blocks and scales (random bytes: every byte is a valid pair
+    of FP4 values), against HF on the weights transformers' own MXFP4 dequantiser gives."""
+    import json
+
+    import transformers as tf
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from model_registry.models.gpt_oss import dequantize_mxfp4
+
+    cfg = tf.GptOssConfig(**COMMON, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, head_dim=16,
+                          sliding_window=6, architectures=["GptOssForCausalLM"])
+    hf = save_tiny(tmp_path, cfg, seed=5)
+    gen = torch.Generator().manual_seed(9)
+    f = tmp_path / "model.safetensors"
+    tensors = load_file(f)
+    for i, layer in enumerate(hf.model.layers):
+        for proj, rows, cols in (("gate_up_proj", 64, 64), ("down_proj", 64, 32)):
+            blocks = torch.randint(0, 256, (4, rows, cols // 32, 16), dtype=torch.uint8, generator=gen)
+            scales = torch.randint(119, 124, (4, rows, cols // 32), dtype=torch.uint8, generator=gen)
+            want = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+            assert torch.equal(dequantize_mxfp4(blocks, scales, torch.float32), want)
+            with torch.no_grad():
+                getattr(layer.mlp.experts, proj).copy_(want)
+            name = f"model.layers.{i}.mlp.experts.{proj}"
+            del tensors[name]
+            tensors[f"{name}_scales"], tensors[f"{name}_blocks"] = scales, blocks
+    save_file(tensors, f, metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (5, 30)]
+    llm = LLM(model=str(tmp_path), dtype="float32", max_model_len=128, max_num_batched_tokens=16, num_kv_blocks=32)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]

@@ -2,9 +2,11 @@
 (``layers.sink_attention``), sliding-window and full layers alternating (``layer_types``), and a MoE whose router
 has a bias (softmax over the top-k logits) and whose experts have biases and a clamped SwiGLU:
 ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, l)``, gate and up interleaved in the
-checkpoint's ``gate_up_proj`` [E, H, 2I] columns. Float checkpoints only (MXFP4 expert blocks are refused)."""
+checkpoint's ``gate_up_proj`` [E, H, 2I] columns. MXFP4 checkpoints (the released ones: ``*_blocks`` and
+``*_scales`` expert tensors) are dequantised at load into the model dtype."""
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -92,14 +94,28 @@ class GptOssMoE(nn.Module):
         return self.experts(x, torch.softmax(top, dim=-1), ids)
 
 
+_FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """OCP MXFP4 -> ``dtype``: ``blocks`` [..., N, G, 16] uint8 hold 32 FP4 (E2M1) values per group of a row, the
+    low nibble first; ``scales`` [..., N, G] uint8 are each group's power of two (E8M0, bias 127). Returns
+    [..., G * 32, N]: the rows transposed to gpt-oss's input-major expert layout."""
+    lut = torch.tensor(_FP4_E2M1, dtype=torch.float32, device=blocks.device)
+    b = blocks.to(torch.uint8)
+    vals = torch.stack((lut[(b & 0x0F).long()], lut[(b >> 4).long()]), dim=-1).flatten(-2)  # [..., N, G, 32]
+    vals = torch.ldexp(vals, (scales.to(torch.int32) - 127).unsqueeze(-1).to(torch.float32))
+    return vals.flatten(-2).transpose(-1, -2).to(dtype).contiguous()
+
+
 class GptOssForCausalLM(MoeForCausalLM):
     @classmethod
     def family(cls, c: Any) -> MoeFamily:
         quant = getattr(c, "quantization_config", None)
-        if quant:
-            method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
-            raise ConfigError(f"quantization: gpt-oss {method} expert weights are not supported yet (a float "
-                              "checkpoint, e.g. dequantised with transformers, loads)")
+        method = (quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)) \
+            if quant else None
+        if method not in (None, "mxfp4"):
+            raise ConfigError(f"quantization: gpt-oss {method} checkpoints are not supported (float or MXFP4)")
         return MoeFamily(num_experts=c.num_local_experts, top_k=c.num_experts_per_tok,
                          moe_intermediate_size=c.intermediate_size, moe_layers=(True,) * c.num_hidden_layers,
                          renormalize=True, renames=((".self_attn.sinks", ".self_attn.attn.sinks"),))
@@ -115,3 +131,23 @@ class GptOssForCausalLM(MoeForCausalLM):
     @classmethod
     def rotary_dim(cls, c: Any) -> int:
         return c.head_dim
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """MXFP4 expert tensors (``<proj>_blocks`` with ``<proj>_scales``, in either order) dequantised into
+        ``<proj>``; everything else by name."""
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+
+        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if not name.endswith(("_blocks", "_scales")):
+                    yield name, tensor
+                    continue
+                base, part = name.rsplit("_", 1)
+                pending.setdefault(base, {})[part] = tensor
+                if len(pending[base]) == 2:
+                    got = pending.pop(base)
+                    yield base, dequantize_mxfp4(got["blocks"], got["scales"], self.dtype)
+            if pending:
+                raise ValueError(f"MXFP4 tensors without their pair: {', '.join(sorted(pending))}")
+
+        return super().load_weights(tensors())
