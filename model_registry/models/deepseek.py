@@ -14,6 +14,7 @@ from torch import nn
 from model_registry.layers.mla import MLAAttention
 from model_registry.models.moe_decoder import MoeFamily, MoeForCausalLM
 from vllite_core.attention.backend import AttentionBackend
+from vllite_core.errors import ConfigError
 
 _RENAMES = ((".mlp.gate.", ".mlp.router."),)
 
@@ -42,6 +43,11 @@ def _family(c: Any, v3: bool) -> MoeFamily:
 
 class DeepseekV2ForCausalLM(MoeForCausalLM):
     v3 = False
+
+    @classmethod
+    def check_tensor_parallel(cls, hf_config: Any, tensor_parallel_size: int) -> None:
+        raise ConfigError(f"tensor_parallel_size: {cls.__name__}'s multi-head latent attention runs on one rank; "
+                          "use tensor_parallel_size=1")
 
     @classmethod
     def family(cls, c: Any) -> MoeFamily:

@@ -110,6 +110,11 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 
 class GptOssForCausalLM(MoeForCausalLM):
     @classmethod
+    def check_tensor_parallel(cls, hf_config: Any, tensor_parallel_size: int) -> None:
+        raise ConfigError(f"tensor_parallel_size: {cls.__name__}'s attention with sinks runs on one rank; "
+                          "use tensor_parallel_size=1")
+
+    @classmethod
     def family(cls, c: Any) -> MoeFamily:
         quant = getattr(c, "quantization_config", None)
         method = (quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)) \

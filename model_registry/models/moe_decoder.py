@@ -32,7 +32,9 @@ from model_registry.layers.moe import expert_weight
 from model_registry.layers.params import STACKED_PROJECTIONS, load_by_name
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
 from vllite_core.core.kv_cache_spec import KVCacheSpec
+from vllite_core.distributed.sharding import check_heads
 from vllite_core.errors import ConfigError
+from vllite_core.model_interfaces import SupportsTensorParallel
 from vllite_core.model_ops import current_model_ops
 
 QKNorm = Literal["head", "full"] | None  # per head (Qwen3), over the whole projection (OLMoE), none
@@ -175,8 +177,20 @@ def load_with_experts(model: nn.Module, weights: Iterable[tuple[str, torch.Tenso
     return loaded
 
 
-class MoeForCausalLM(nn.Module):
-    """Embedding, ``MoeDecoderLayer``s, final norm and LM head; a family's file supplies ``family(config)``."""
+class MoeForCausalLM(nn.Module, SupportsTensorParallel):
+    """Embedding, ``MoeDecoderLayer``s, final norm and LM head; a family's file supplies ``family(config)``.
+    Over tensor-parallel ranks the attention heads split as Llama's do and every expert's intermediate
+    dimension splits (``FusedMoE``); a family whose layers cannot split refuses in ``check_tensor_parallel``."""
+
+    @classmethod
+    def check_tensor_parallel(cls, hf_config: Any, tensor_parallel_size: int) -> None:
+        """SupportsTensorParallel: ConfigError when the heads cannot be split over the ranks, or the family's
+        q/k norm spans all heads (OLMoE)."""
+        fam = cls.family(hf_config)
+        if fam.qk_norm == "full":
+            raise ConfigError(f"tensor_parallel_size: {cls.__name__} normalises q and k over all heads at once; "
+                              "use tensor_parallel_size=1")
+        check_heads(hf_config.num_attention_heads, hf_config.num_key_value_heads, tensor_parallel_size)
 
     def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
