@@ -72,3 +72,22 @@ def test_cache_blocks_and_prefix_reuse(deepseek, caplog):
     second = llm.generate([{"prompt_token_ids": prompts[1]}], greedy)[0]
     assert first.num_cached_tokens == 0 and second.num_cached_tokens == 3 * BLOCK
     assert [first.outputs[0].token_ids, second.outputs[0].token_ids] == [hf_greedy(hf, p, 6) for p in prompts]
+
+
+def test_decode_graphs_are_not_captured_over_model_read_caches():
+    """MLA (and sink) layers plan from the metadata's host lists, which a replayed graph would not refresh: the
+    runner asks the platform for no graphs when a group's cache is model-read, and does otherwise."""
+    from types import SimpleNamespace
+
+    from vllite_core.worker.graph_runner import ModelForward
+
+    asked = []
+    platform = SimpleNamespace(capture_graphs=lambda fwd, sizes, make_inputs, cfg: asked.append(sizes) or {})
+    config = SimpleNamespace(enforce_eager=False, lora_config=None, scheduler_config=SimpleNamespace(max_num_seqs=4),
+                             cache_config=SimpleNamespace(calculate_kv_scales=False),
+                             model_config=SimpleNamespace(capabilities=SimpleNamespace(is_stateful=False)))
+    kv = [torch.zeros(4, 16, 24)]
+    for model_read in (True, False):
+        forward = ModelForward(torch.nn.Identity(), SimpleNamespace(prepare=lambda md: None), 1)
+        forward.capture(platform, config, kv, 1, 16, 64, torch.device("cpu"), model_read_caches=model_read)
+    assert len(asked) == 1
