@@ -19,6 +19,7 @@ from model_registry.layers.mlp import GatedMLP
 from model_registry.layers.params import check_full, copy_checked, empty_param
 from vllite_core.distributed import get_tp
 from vllite_core.distributed.sharding import split
+from vllite_core.errors import ConfigError
 from vllite_core.model_ops import current_model_ops
 
 ExpertShard = Literal["w1", "w2", "w3"]  # vLLM's names: gate, down, up
@@ -34,6 +35,24 @@ def expert_weight(name: str) -> tuple[str, int, ExpertShard] | None:
     return (m.group(1), int(m.group(2)), _SHARD[m.group(3)]) if m else None
 
 
+def check_routing(num_experts: int, top_k: int, scoring: str, n_group: int | None, topk_group: int | None) -> None:
+    """A routing the router cannot serve is a ConfigError at load, naming the config field."""
+    if scoring not in ("softmax", "sigmoid"):
+        raise ConfigError(f"scoring_func: must be 'softmax' or 'sigmoid', got {scoring!r}")
+    if not 1 <= top_k <= num_experts:
+        raise ConfigError(f"num_experts_per_tok ({top_k}) must be between 1 and the number of experts "
+                          f"({num_experts})")
+    if n_group is None:
+        return
+    if n_group < 1 or num_experts % n_group:
+        raise ConfigError(f"n_group: {n_group} groups do not split {num_experts} experts evenly")
+    if topk_group is None or not 1 <= topk_group <= n_group:
+        raise ConfigError(f"topk_group: must be between 1 and n_group ({n_group}), got {topk_group}")
+    if top_k > topk_group * (num_experts // n_group):
+        raise ConfigError(f"num_experts_per_tok ({top_k}) exceeds the experts of the topk_group ({topk_group}) "
+                          f"groups kept ({topk_group * (num_experts // n_group)})")
+
+
 class TopKRouter(nn.Module):
     """Scores each token against ``num_experts`` (``weight`` [E, H]) and picks ``top_k`` of them; returns
     float32 weights and the expert ids, both [T, top_k]."""
@@ -43,6 +62,7 @@ class TopKRouter(nn.Module):
                  n_group: int | None = None, topk_group: int | None = None, correction_bias: bool = False,
                  routed_scaling_factor: float = 1.0) -> None:
         super().__init__()
+        check_routing(num_experts, top_k, scoring, n_group, topk_group)
         self.weight = empty_param(num_experts, hidden_size, dtype=dtype)
         self.e_score_correction_bias = empty_param(num_experts, dtype=torch.float32) if correction_bias else None
         self.top_k, self.scoring, self.renormalize = top_k, scoring, renormalize
