@@ -49,6 +49,12 @@ def _configs():
         "gpt_oss": lambda: tf.GptOssConfig(**COMMON, intermediate_size=32, num_local_experts=6, num_experts_per_tok=2,
                                            head_dim=16, sliding_window=6, swiglu_limit=1.5,
                                            architectures=["GptOssForCausalLM"]),
+        # Yarn rope with DeepSeek's mscale / mscale_all_dim (the softmax scale's correction), greedy V2 routing.
+        "deepseek_v2_yarn": lambda: tf.DeepseekV2Config(
+            **DEEPSEEK, q_lora_rank=None, topk_method="greedy", rope_parameters={
+                "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+                "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+            architectures=["DeepseekV2ForCausalLM"]),
     }
 
 
