@@ -58,6 +58,15 @@ BUILTIN_MODELS: dict[str, str] = {
     "GraniteMoeHybridForCausalLM": "model_registry.models.granite_moe_hybrid:GraniteMoeHybridForCausalLM",
     "FalconH1ForCausalLM": "model_registry.models.falcon_h1:FalconH1ForCausalLM",
     "Zamba2ForCausalLM": "model_registry.models.zamba2:Zamba2ForCausalLM",
+    # Mixtures of experts (model_registry/models/moe_decoder.py and one short file per family).
+    "MixtralForCausalLM": "model_registry.models.mixtral:MixtralForCausalLM",
+    "Qwen2MoeForCausalLM": "model_registry.models.qwen_moe:Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "model_registry.models.qwen_moe:Qwen3MoeForCausalLM",
+    "OlmoeForCausalLM": "model_registry.models.olmoe:OlmoeForCausalLM",
+    "GraniteMoeForCausalLM": "model_registry.models.granite_moe:GraniteMoeForCausalLM",
+    "DeepseekV2ForCausalLM": "model_registry.models.deepseek:DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "model_registry.models.deepseek:DeepseekV3ForCausalLM",
+    "GptOssForCausalLM": "model_registry.models.gpt_oss:GptOssForCausalLM",
     # Encoder-decoder: speech in, text out.
     "WhisperForConditionalGeneration": "model_registry.models.whisper:WhisperForConditionalGeneration",
 }

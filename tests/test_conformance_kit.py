@@ -83,3 +83,28 @@ def test_acme_is_selected_by_vllite_platform(fresh_plugins, monkeypatch):  # noq
     monkeypatch.setenv("ACME_VISIBLE_DEVICES", "")  # the device hidden: never selected
     with pytest.raises(PlatformResolutionError, match="not available"):
         resolve_platform()
+
+
+def test_kit_moe_check_catches_a_wrong_op():
+    """The torch default passes every MoE case; an op that drops the routing weights, or one that runs every
+    expert (reading the never-chosen ones, NaN), fails them."""
+    from vllite_core.conformance.kit import MOE_CASES, run_moe_case, tolerance
+    from vllite_core.model_ops import ModelOps
+
+    class Unweighted(ModelOps):
+        def fused_moe(self, x, w13, w2, topk_weights, topk_ids, state=None):
+            return super().fused_moe(x, w13, w2, torch.ones_like(topk_weights), topk_ids, state)
+
+    class EveryExpert(ModelOps):
+        def fused_moe(self, x, w13, w2, topk_weights, topk_ids, state=None):
+            out = super().fused_moe(x, w13, w2, topk_weights, topk_ids, state)
+            return out + 0 * torch.einsum("eih,th->ti", w13, x).sum(-1, keepdim=True)
+
+    atol, rtol = tolerance(torch.float32)
+    for case in MOE_CASES:
+        out, ref = run_moe_case(ModelOps(), case, "cpu", torch.float32)
+        torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+        for wrong in (Unweighted(), EveryExpert()):
+            with pytest.raises(AssertionError):
+                out, ref = run_moe_case(wrong, case, "cpu", torch.float32)
+                torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)

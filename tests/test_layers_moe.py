@@ -134,3 +134,20 @@ def test_per_expert_checkpoint_tensors_fill_the_stacked_weights():
     assert expert_weight("model.layers.0.feed_forward.experts.gate_up_proj") is None
     with pytest.raises(ValueError, match="experts.0.down_proj"):
         moe.load_expert(torch.zeros(H, INTER + 1), 0, "w2", "experts.0.down_proj.weight")
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(top_k=9), "num_experts_per_tok"),
+    (dict(top_k=0), "num_experts_per_tok"),
+    (dict(scoring="relu"), "scoring_func"),
+    (dict(n_group=3, topk_group=1), "n_group"),
+    (dict(n_group=4, topk_group=5), "topk_group"),
+    (dict(n_group=4, topk_group=None), "topk_group"),
+    (dict(top_k=5, n_group=4, topk_group=2), "num_experts_per_tok"),  # 2 groups of 2 experts kept
+])
+def test_router_configs_it_cannot_serve_are_config_errors(kwargs, field):
+    from vllite_core.errors import ConfigError
+
+    opts = dict(top_k=2) | kwargs
+    with pytest.raises(ConfigError, match=field):
+        TopKRouter(H, E, opts.pop("top_k"), torch.float32, **opts)

@@ -31,6 +31,10 @@ STATE_SPACE_ARCHITECTURES = ["MambaForCausalLM", "FalconMambaForCausalLM", "Mamb
                              "FalconH1ForCausalLM", "Zamba2ForCausalLM"]
 
 
+MOE_ARCHITECTURES = ["MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
+                     "GraniteMoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "GptOssForCausalLM"]
+
+
 def test_builtin_plugin_registers_the_llama_family_lazily():
     reg = build_registry(_plugin_manager(builtin))
     assert reg.architectures() == sorted(["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
@@ -39,7 +43,8 @@ def test_builtin_plugin_registers_the_llama_family_lazily():
                                           "BertModel",
                                           "BertForSequenceClassification", "LlamaModel", "Qwen2Model",
                                           "LlamaForSequenceClassification", "Qwen2ForSequenceClassification",
-                                          "MistralForSequenceClassification", *STATE_SPACE_ARCHITECTURES])
+                                          "MistralForSequenceClassification", *STATE_SPACE_ARCHITECTURES,
+                                          *MOE_ARCHITECTURES])
     assert all(isinstance(reg.entry(a).target, str) for a in reg.architectures())  # lazy "module:Class"
     assert builtin.VLLITE_PLUGIN_API == hookspecs.VLLITE_PLUGIN_API
     arch, cls = reg.resolve_for_config(SimpleNamespace(architectures=["Qwen2ForCausalLM"]))

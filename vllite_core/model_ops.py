@@ -234,11 +234,12 @@ class ModelOps:
 
 
     def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
+                  topk_ids: torch.Tensor, state: dict | None = None) -> torch.Tensor:
         """Mixture of SwiGLU experts: ``x`` [T, H]; ``w13`` [E, 2I, H] (gate rows, then up) and ``w2`` [E, H, I]
         stacked expert weights; each token goes to its ``topk_ids`` [T, k] experts, their outputs summed with
         ``topk_weights`` [T, k] (routing is the router's: ``model_registry.layers.moe``). Returns [T, H]. Only
-        the experts some token chose are computed."""
+        the experts some token chose are computed. ``state``: a per-layer dict a platform may cache repacked
+        expert weights in (as ``linear``'s)."""
         out = torch.zeros_like(x)
         for e in torch.unique(topk_ids).tolist():
             tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)

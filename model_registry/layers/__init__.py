@@ -16,7 +16,10 @@ has a worked example. Every layer's weights are uninitialised parameters filled 
 - ``attention``: ``Attention``, which declares its KV cache spec;
 - ``mlp``: ``GatedMLP``, the SiLU-gated feed-forward (gate/up fused, tensor-parallel);
 - ``moe``: ``TopKRouter`` (softmax/sigmoid, renormalised, grouped, correction bias), ``FusedMoE`` (experts through
-  one platform op, ``ModelOps.fused_moe``; shared experts as a ``GatedMLP``);
+  one platform op, ``ModelOps.fused_moe``; shared experts as a ``GatedMLP``; tensor-parallel over the experts'
+  intermediate dimension);
+- ``mla``: ``MLAAttention``, DeepSeek's multi-head latent attention over its own latent cache (``MLAAttentionSpec``);
+- ``sink_attention``: ``SinkAttention``, attention with a learned sink logit per head (gpt-oss), its own cache;
 - ``mamba``: the state-space mixers (``MambaMixer``, ``Mamba2Mixer``, ``ShortConv``), each declaring its state;
 - ``hybrid``: ``HybridForCausalLM``, the shell the state-space and hybrid models share, ``HybridAttention``;
 - ``fast_path``: the typed record a platform's fused decoder path reads;
@@ -41,22 +44,24 @@ from model_registry.layers.linear import (
     Segment,
 )
 from model_registry.layers.mamba import Mamba2Dims, Mamba2Mixer, MambaBase, MambaMixer, ShortConv
+from model_registry.layers.mla import MLAAttention
 from model_registry.layers.mlp import GatedMLP
 from model_registry.layers.moe import FusedMoE, TopKRouter
 from model_registry.layers.norm import GemmaRMSNorm, LayerNorm, RMSNorm, rms_normalize
 from model_registry.layers.ops import TORCH_OPS
 from model_registry.layers.params import copy_checked, empty_param, load_parameter
 from model_registry.layers.rotary import MRotaryEmbedding, RotaryEmbedding, apply_rotary, rope_parameters
+from model_registry.layers.sink_attention import SinkAttention
 from model_registry.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 
-LAYERS_API = (1, 0)  # (major, minor) of this package's public names
+LAYERS_API = (1, 1)  # (major, minor) of this package's public names; 1.1: MLAAttention, SinkAttention
 
 __all__ = [
     "LAYERS_API", "TORCH_OPS", "Attention", "ColumnParallelLinear", "Conv1d", "Conv2d", "DecoderLayerRecord",
     "Embedding", "FusedMoE", "GatedMLP", "GemmaRMSNorm", "HybridAttention", "HybridForCausalLM", "HybridStep",
-    "LayerNorm", "LinearBase", "MRotaryEmbedding", "Mamba2Dims", "Mamba2Mixer", "MambaBase", "MambaMixer",
-    "MergedColumnParallelLinear", "NormRecord", "ParallelLMHead", "QKVParallelLinear", "RMSNorm", "ReplicatedLinear",
-    "RotaryEmbedding", "RowParallelLinear", "Segment", "ShortConv", "TopKRouter", "VocabParallelEmbedding",
-    "apply_rotary", "copy_checked", "empty_param", "gated", "get_act_fn", "load_parameter", "rms_normalize",
-    "rope_parameters",
+    "LayerNorm", "LinearBase", "MLAAttention", "MRotaryEmbedding", "Mamba2Dims", "Mamba2Mixer", "MambaBase",
+    "MambaMixer", "MergedColumnParallelLinear", "NormRecord", "ParallelLMHead", "QKVParallelLinear", "RMSNorm",
+    "ReplicatedLinear", "RotaryEmbedding", "RowParallelLinear", "Segment", "ShortConv", "SinkAttention", "TopKRouter",
+    "VocabParallelEmbedding", "apply_rotary", "copy_checked", "empty_param", "gated", "get_act_fn", "load_parameter",
+    "rms_normalize", "rope_parameters",
 ]

@@ -16,7 +16,10 @@ from torch import nn
 
 from model_registry.layers.linear import ReplicatedLinear
 from model_registry.layers.mlp import GatedMLP
-from model_registry.layers.params import copy_checked, empty_param
+from model_registry.layers.params import check_full, copy_checked, empty_param
+from vllite_core.distributed import get_tp
+from vllite_core.distributed.sharding import split
+from vllite_core.errors import ConfigError
 from vllite_core.model_ops import current_model_ops
 
 ExpertShard = Literal["w1", "w2", "w3"]  # vLLM's names: gate, down, up
@@ -32,6 +35,24 @@ def expert_weight(name: str) -> tuple[str, int, ExpertShard] | None:
     return (m.group(1), int(m.group(2)), _SHARD[m.group(3)]) if m else None
 
 
+def check_routing(num_experts: int, top_k: int, scoring: str, n_group: int | None, topk_group: int | None) -> None:
+    """A routing the router cannot serve is a ConfigError at load, naming the config field."""
+    if scoring not in ("softmax", "sigmoid"):
+        raise ConfigError(f"scoring_func: must be 'softmax' or 'sigmoid', got {scoring!r}")
+    if not 1 <= top_k <= num_experts:
+        raise ConfigError(f"num_experts_per_tok ({top_k}) must be between 1 and the number of experts "
+                          f"({num_experts})")
+    if n_group is None:
+        return
+    if n_group < 1 or num_experts % n_group:
+        raise ConfigError(f"n_group: {n_group} groups do not split {num_experts} experts evenly")
+    if topk_group is None or not 1 <= topk_group <= n_group:
+        raise ConfigError(f"topk_group: must be between 1 and n_group ({n_group}), got {topk_group}")
+    if top_k > topk_group * (num_experts // n_group):
+        raise ConfigError(f"num_experts_per_tok ({top_k}) exceeds the experts of the topk_group ({topk_group}) "
+                          f"groups kept ({topk_group * (num_experts // n_group)})")
+
+
 class TopKRouter(nn.Module):
     """Scores each token against ``num_experts`` (``weight`` [E, H]) and picks ``top_k`` of them; returns
     float32 weights and the expert ids, both [T, top_k]."""
@@ -41,6 +62,7 @@ class TopKRouter(nn.Module):
                  n_group: int | None = None, topk_group: int | None = None, correction_bias: bool = False,
                  routed_scaling_factor: float = 1.0) -> None:
         super().__init__()
+        check_routing(num_experts, top_k, scoring, n_group, topk_group)
         self.weight = empty_param(num_experts, hidden_size, dtype=dtype)
         self.e_score_correction_bias = empty_param(num_experts, dtype=torch.float32) if correction_bias else None
         self.top_k, self.scoring, self.renormalize = top_k, scoring, renormalize
@@ -81,33 +103,59 @@ class TopKRouter(nn.Module):
 class FusedMoE(nn.Module):
     """Routed SwiGLU experts stacked as ``w13_weight`` [E, 2I, H] (gate rows, then up) and ``w2_weight``
     [E, H, I], plus optional shared experts (``shared_intermediate_size``) whose output, scaled by a sigmoid
-    gate when ``shared_expert_gate``, is added. Stacked checkpoint tensors load whole; per-expert ones through
-    ``load_expert``."""
+    gate when ``shared_expert_gate``, is added. Stacked checkpoint tensors load through the parameters' loaders;
+    per-expert ones through ``load_expert``. Over tensor-parallel ranks each rank holds every expert's slice
+    ``[i0, i1)`` of the intermediate dimension (gate and up rows, down columns), and the routed outputs are
+    summed over ranks (the shared experts' row-parallel ``down_proj`` sums its own)."""
 
     def __init__(self, router: TopKRouter, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
                  shared_intermediate_size: int | None = None, shared_expert_gate: bool = False) -> None:
         super().__init__()
         num_experts = router.weight.shape[0]
         self.router = router
-        self.intermediate_size = intermediate_size
-        self.w13_weight = empty_param(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype)
-        self.w2_weight = empty_param(num_experts, hidden_size, intermediate_size, dtype=dtype)
+        self.tp = get_tp()
+        self.intermediate_size = intermediate_size  # the checkpoint's (every rank's slice of it: ``local``)
+        self.local = split(intermediate_size, self.tp.world_size, self.tp.rank)
+        n = self.local[1] - self.local[0]
+        self.w13_weight = empty_param(num_experts, 2 * n, hidden_size, dtype=dtype)
+        self.w2_weight = empty_param(num_experts, hidden_size, n, dtype=dtype)
+        self.w13_weight.weight_loader = self._load_stacked  # type: ignore[attr-defined]
+        self.w2_weight.weight_loader = self._load_stacked  # type: ignore[attr-defined]
         self.shared_experts = GatedMLP(hidden_size, shared_intermediate_size, dtype) \
             if shared_intermediate_size else None
         self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, False, dtype) if shared_expert_gate else None
         self.ops = current_model_ops()
+        self.state: dict = {}  # what the platform's fused_moe caches for these weights (packed panels)
 
     @torch.no_grad()
     def load_expert(self, src: torch.Tensor, expert: int, shard: ExpertShard, name: str) -> None:
-        """One expert's gate (``w1``), up (``w3``) or down (``w2``) projection from the checkpoint."""
-        i = self.intermediate_size
-        dst = {"w1": self.w13_weight[expert, :i], "w3": self.w13_weight[expert, i:],
-               "w2": self.w2_weight[expert]}[shard]
-        copy_checked(dst, src, name)
+        """One expert's gate (``w1``), up (``w3``) or down (``w2``) projection from the checkpoint (this rank's
+        slice of it)."""
+        (i0, i1), n = self.local, self.local[1] - self.local[0]
+        if shard == "w2":
+            check_full(src, 1, self.intermediate_size, name)
+            copy_checked(self.w2_weight[expert], src[:, i0:i1], name)
+            return
+        check_full(src, 0, self.intermediate_size, name)
+        dst = self.w13_weight[expert, :n] if shard == "w1" else self.w13_weight[expert, n:]
+        copy_checked(dst, src[i0:i1], name)
+
+    @torch.no_grad()
+    def _load_stacked(self, param: torch.Tensor, src: torch.Tensor, shard: str | None, name: str) -> None:
+        """All experts at once: ``[E, 2I, H]`` (gate rows, then up) or ``[E, H, I]``, this rank's slice."""
+        (i0, i1), full = self.local, self.intermediate_size
+        if param is self.w2_weight:
+            check_full(src, 2, full, name)
+            copy_checked(param.data, src[:, :, i0:i1], name)
+            return
+        check_full(src, 1, 2 * full, name)
+        copy_checked(param.data, torch.cat((src[:, i0:i1], src[:, full + i0:full + i1]), 1), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.router(x)
-        out = self.ops.fused_moe(x, self.w13_weight, self.w2_weight, weights.to(x.dtype), ids)
+        out = self.ops.fused_moe(x, self.w13_weight, self.w2_weight, weights.to(x.dtype), ids, self.state)
+        if self.tp.world_size > 1:
+            out = self.tp.communicator.all_reduce(out)
         if self.shared_experts is None:
             return out
         shared = self.shared_experts(x)

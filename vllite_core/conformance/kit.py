@@ -149,6 +149,89 @@ def assert_attention_matches(results: Sequence[AttentionResult], dtype: torch.dt
 
 
 # ---------------------------------------------------------------------------------------------
+# Fused mixture-of-experts against a float64 per-token loop
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MoeCase:
+    """``tokens`` tokens each routed to ``top_k`` distinct experts of ``num_experts``; ``routing``: "uneven" (a
+    skewed spread) or "one-expert" (expert 0 in every token's first slot). The last ``unused`` experts are never
+    chosen and hold NaN: an op that reads them fails."""
+
+    name: str
+    tokens: int
+    top_k: int
+    routing: str = "uneven"
+    num_experts: int = 8
+    unused: int = 2
+    hidden: int = 64
+    intermediate: int = 48
+
+
+MOE_CASES: tuple[MoeCase, ...] = (
+    MoeCase("decode-one-token", 1, 2),
+    MoeCase("uneven-prefill", 41, 2),
+    MoeCase("top3-small-batch", 5, 3),
+    MoeCase("one-expert-takes-all", 17, 1, routing="one-expert"),
+    MoeCase("one-expert-first-slot-top2", 12, 2, routing="one-expert"),
+)
+
+
+def moe_case_inputs(case: MoeCase, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """(x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k], topk_ids [T, k]) in float32 on the CPU."""
+    gen = torch.Generator().manual_seed(seed)
+    used = case.num_experts - case.unused
+    x = torch.randn(case.tokens, case.hidden, generator=gen)
+    w13 = torch.randn(case.num_experts, 2 * case.intermediate, case.hidden, generator=gen) * 0.15
+    w2 = torch.randn(case.num_experts, case.hidden, case.intermediate, generator=gen) * 0.15
+    w13[used:], w2[used:] = float("nan"), float("nan")
+    ids = torch.stack([torch.randperm(used, generator=gen)[:case.top_k] for _ in range(case.tokens)])
+    if case.routing == "one-expert":
+        ids[ids == 0] = ids[:, 0:1].expand_as(ids)[ids == 0]  # keep ids distinct after moving 0 first
+        ids[:, 0] = 0
+    else:
+        ids[: case.tokens // 2, 0] = torch.where((ids[: case.tokens // 2, 1:] == 1).any(1),
+                                                 ids[: case.tokens // 2, 0], 1)  # expert 1 takes many
+    weights = torch.rand(case.tokens, case.top_k, generator=gen)
+    return x, w13, w2, weights, ids
+
+
+def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                  ids: torch.Tensor) -> torch.Tensor:
+    """Each token through each of its experts in float64, one at a time, weighted and summed."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate, up = (w13[e].double() @ x[t].double()).chunk(2)
+            out[t] += float(weights[t, j]) * (w2[e].double() @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+def run_moe_case(ops: Any, case: MoeCase, device: torch.device | str, dtype: torch.dtype,
+                 seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The platform op's output (CPU float32) and the float64 reference (float32) for ``case``: inputs rounded
+    to ``dtype`` first, so both see the same numbers. The op runs twice (its cached state reused); the runs
+    must agree."""
+    inputs = moe_case_inputs(case, seed)
+    ids = inputs[-1]
+    x, w13, w2, weights = (t.to(dtype) for t in inputs[:-1])
+    ref = moe_reference(x, w13, w2, weights, ids).float()
+    state: dict = {}
+    with torch.inference_mode():
+        dev = [t.to(device) for t in (x, w13, w2, weights, ids)]
+        out = ops.fused_moe(*dev, state)
+        again = ops.fused_moe(*dev, state)
+    if tuple(out.shape) != tuple(x.shape) or out.dtype != dtype:
+        raise AssertionError(f"{case.name}: fused_moe returned {tuple(out.shape)} {out.dtype}, expected "
+                             f"{tuple(x.shape)} {dtype}")
+    if not torch.equal(out, again):
+        raise AssertionError(f"{case.name}: a second call with the same state gave other numbers")
+    return out.float().cpu(), ref
+
+
+# ---------------------------------------------------------------------------------------------
 # A tiny random Llama
 # ---------------------------------------------------------------------------------------------
 

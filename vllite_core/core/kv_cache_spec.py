@@ -26,6 +26,9 @@ class KVCacheSpec:
     kind: ClassVar[str] = "abstract"
     # Full blocks of this kind can be found again by content hash (prefix caching).
     cacheable: ClassVar[bool] = True
+    # The model's own layer reads and writes this cache (MLA latents, attention with sinks), not the platform's
+    # backend: the tensor is ``[num_blocks, block_size, page_bytes / (block_size * itemsize)]``.
+    model_layout: ClassVar[bool] = False
 
     block_size: int
     num_kv_heads: int
@@ -56,6 +59,25 @@ class FullAttentionSpec(KVCacheSpec):
 
 
 @dataclass(frozen=True)
+class MLAAttentionSpec(FullAttentionSpec):
+    """Multi-head latent attention (DeepSeek-V2/V3): per token one compressed latent and one shared rope key,
+    ``head_size`` (kv_lora_rank + qk_rope_head_dim) values, instead of K and V for every head; ``num_kv_heads``
+    is 1. A full-attention group otherwise (prefix caching, chunked prefill); the cache tensor is
+    ``[num_blocks, block_size, head_size]`` and the model's attention reads it, not the platform's backend."""
+
+    kind: ClassVar[str] = "mla"
+    model_layout: ClassVar[bool] = True
+
+    @property
+    def page_bytes(self) -> int:
+        return self.block_size * self.head_size * self.dtype.itemsize
+
+    @property
+    def page_signature(self) -> tuple:
+        return ("mla", self.block_size, self.head_size, self.dtype)
+
+
+@dataclass(frozen=True)
 class SlidingWindowSpec(KVCacheSpec):
     """Self-attention over the last ``sliding_window`` positions: blocks that fell out of every future
     query's window go back to the pool."""
@@ -71,6 +93,23 @@ class SlidingWindowSpec(KVCacheSpec):
     def max_blocks_per_request(self, max_model_len: int) -> int:
         # The window's blocks plus the partly filled one at each end.
         return min(cdiv(max_model_len, self.block_size), cdiv(self.sliding_window - 1, self.block_size) + 1)
+
+
+@dataclass(frozen=True)
+class SinkAttentionSpec(FullAttentionSpec):
+    """Full attention with a learned per-head sink logit in the softmax (gpt-oss); K and V as usual, laid out
+    ``[block_size, 2, num_kv_heads, head_size]`` per block and read by the model's layer."""
+
+    kind: ClassVar[str] = "attention_sinks"
+    model_layout: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class SlidingSinkAttentionSpec(SlidingWindowSpec):
+    """``SinkAttentionSpec`` over a sliding window: blocks out of every future window go back to the pool."""
+
+    kind: ClassVar[str] = "sliding_window_sinks"
+    model_layout: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)

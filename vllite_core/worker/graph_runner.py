@@ -48,15 +48,18 @@ class ModelForward:
 
     # ---- set-up ------------------------------------------------------------------------------
     def capture(self, platform: Any, config: Any, kv_caches: list[torch.Tensor], num_groups: int, block_size: int,
-                max_model_len: int, device: torch.device) -> None:
+                max_model_len: int, device: torch.device, model_read_caches: bool = False) -> None:
         """Ask the platform for decode runners (nothing under ``enforce_eager``, with several cache groups, with
         LoRA on unless every adapted layer's op reads the step's mapping from device tensors alone
         (``ModelOps.lora_graph_safe``: each graph then reads its own mapping buffers, refilled before each
         replay), nor with ``calculate_kv_scales``: a capture would measure its dummy batch and bake the
-        scales in, nor for models with a recurrent state: the capture's dummy inputs are attention metadata)."""
+        scales in, nor for models with a recurrent state: the capture's dummy inputs are attention metadata, nor
+        with ``model_read_caches``: layers that read their own cache (MLA, sinks) plan from the metadata's host
+        lists, which a replay would not refresh)."""
         lora = self.lora if config.lora_config is not None else None
         if (config.enforce_eager or not kv_caches or num_groups != 1 or (lora is not None and not lora.graph_safe)
-                or config.cache_config.calculate_kv_scales or config.model_config.capabilities.is_stateful):
+                or config.cache_config.calculate_kv_scales or config.model_config.capabilities.is_stateful
+                or model_read_caches):
             return
         sizes = capture_sizes(config.scheduler_config.max_num_seqs)
         max_blocks = cdiv(max_model_len, block_size)

@@ -155,6 +155,8 @@ class ModelRunner:
     def _tensor_shape(self, spec: KVCacheSpec, num_blocks: int) -> tuple[int, ...]:
         if isinstance(spec, StateSpec):
             return state_tensor_shape(spec, num_blocks)
+        if spec.model_layout:  # read by the model's own layer (MLA latents, attention with sinks)
+            return (num_blocks, self.block_size, spec.page_bytes // (self.block_size * spec.dtype.itemsize))
         return self.attn_backend.get_kv_cache_shape(num_blocks, self.block_size, spec.num_kv_heads, spec.head_size)
 
     def kv_cache_bytes_per_block(self) -> int:

@@ -107,7 +107,8 @@ class Worker:
         self.runner.initialize_kv_cache(num_blocks)
         self.runner.model_forward.capture(self.platform, self.config, self.runner.kv_caches,
                                           len(self.runner.kv_cache_groups), self.runner.block_size,
-                                          self.runner.max_model_len, self.device)
+                                          self.runner.max_model_len, self.device,
+                                          any(g.spec.model_layout for g in self.runner.kv_cache_groups))
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None

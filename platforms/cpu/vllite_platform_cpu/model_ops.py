@@ -262,6 +262,34 @@ class CpuModelOps(ModelOps):
                             None if bias is None else bias.float())
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
+    def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, state: dict | None = None) -> torch.Tensor:
+        """Tokens grouped by expert (one stable sort of the T x k choices), then for each expert that received
+        tokens, and only for those, its two GEMMs over its own rows on ``linear``'s kernels (the AVX2 or bf16
+        GEMM's panels, small_linear at a few rows; each expert's packing cached in ``state``), SiLU-and-mul
+        between. The rows go back to their (token, slot) places and the routing weights scale and sum them in
+        one product: an expert no token chose is never read."""
+        if not (self._rows_ok(x) and x.dtype == w13.dtype == w2.dtype and x.dtype in _KERNEL_DTYPES
+                and topk_ids.dim() == 2 and w13.is_contiguous() and w2.is_contiguous()):
+            return super().fused_moe(x, w13, w2, topk_weights, topk_ids, state)
+        state = {} if state is None else state
+        t, k = topk_ids.shape
+        order = torch.argsort(topk_ids.reshape(-1), stable=True)
+        counts = torch.bincount(topk_ids.reshape(-1), minlength=w13.shape[0]).tolist()
+        grouped = x.index_select(0, order // k)  # the rows of each expert's tokens, expert by expert
+        ys = torch.empty(t * k, w2.shape[1], dtype=x.dtype)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows = slice(start, start + n)
+            h = self.silu_and_mul(self.linear(grouped[rows], w13[e], None, state.setdefault(("w13", e), {})))
+            ys[rows] = self.linear(h, w2[e], None, state.setdefault(("w2", e), {}))
+            start += n
+        back = torch.empty_like(ys)
+        back[order] = ys  # row t * k + j: token t's j-th expert
+        return torch.bmm(topk_weights.to(x.dtype).unsqueeze(1), back.view(t, k, -1)).squeeze(1)
+
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
         """One pass of C++ over each row (``csrc/pointwise.cpp``), bf16 logits read as they are: torch's argmax
         costs ~1.3 ms of a batch-64 step over SmolLM2's vocabulary, after a float32 copy."""

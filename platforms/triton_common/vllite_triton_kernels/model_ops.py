@@ -84,6 +84,14 @@ class TritonModelOps(ModelOps):
                                          HALF=d // 2, BLOCK_H=_pow2_at_least(x.shape[1], 1))
         return q, k
 
+    def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, state: dict | None = None) -> torch.Tensor:
+        """The experts on ``moe_kernels.py`` (two launches over tokens sorted by expert; no host sync)."""
+        if not (self._rows(x) and x.dtype == w13.dtype == w2.dtype and w13.is_contiguous() and w2.is_contiguous()
+                and topk_ids.dim() == 2 and topk_ids.device == x.device):
+            return super().fused_moe(x, w13, w2, topk_weights, topk_ids, state)
+        return fused_moe(x, w13, w2, topk_weights.to(x.dtype), topk_ids, self.block_m, self.block_n, self.block_k)
+
     def lora_add(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                  ranks: list[int], mapping: LoRAMapping) -> torch.Tensor:
         if ((x.device.type == "cpu" and not interpreter_enabled()) or x.dim() != 2 or y.stride(-1) != 1
@@ -94,6 +102,33 @@ class TritonModelOps(ModelOps):
         sgmv_add(y, x if x.stride(-1) == 1 else x.contiguous(), lora_a, lora_b, rank, mapping, self.block_m,
                  self.block_n, self.block_k)
         return y
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, block_m: int = 16, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
+    """``ModelOps.fused_moe`` on ``moe_kernels.py``: the (token, slot) choices sorted by expert on the device, the
+    gate/up GEMM with SiLU-and-mul in one launch, the down GEMM scaled by the routing weight in another, the k
+    slots of each token summed."""
+    from vllite_triton_kernels.moe_kernels import moe_down_kernel, moe_gate_up_kernel
+
+    t, k = topk_ids.shape
+    experts, hidden, inter = w13.shape[0], x.shape[1], w2.shape[2]
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True).to(torch.int32)
+    counts = torch.bincount(flat, minlength=experts).to(torch.int32)
+    starts = (torch.cumsum(counts, 0) - counts).to(torch.int32)
+    ieee = x.dtype == torch.float32
+    h = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(t * k, hidden, dtype=x.dtype, device=x.device)
+    weights = topk_weights.reshape(-1).contiguous()
+    m_tiles = -(-(t * k) // block_m)  # enough for an expert that takes every choice
+    moe_gate_up_kernel[(m_tiles, -(-inter // block_n), experts)](
+        x, w13, h, order, starts, counts, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+        TOP_K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee)
+    moe_down_kernel[(m_tiles, -(-hidden // block_n), experts)](
+        h, w2, y, weights, order, starts, counts, hidden, inter, h.stride(0), w2.stride(0), w2.stride(1),
+        y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee)
+    return y.view(t, k, hidden).sum(1) if k > 1 else y
 
 
 def sgmv_add(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, rank: int,

@@ -1,0 +1,75 @@
+"""The CPU platform's ``fused_moe`` (tokens grouped by expert, each expert's GEMMs on the platform's kernels)
+against a float64 per-token loop written here, on uneven routings (experts no token chose, whose weights are
+NaN so reading them would show; one expert taking every token; a single decode token), on every kernel path
+this host runs."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from vllite_platform_cpu import kernels
+from vllite_platform_cpu.model_ops import CpuModelOps
+from vllite_platform_cpu.platform import has_fast_bf16, use_avx2_gemm, use_bf16_gemm
+
+E, H, INTER = 6, 32, 24
+
+
+def _paths() -> dict[str, tuple[CpuModelOps, torch.dtype]]:
+    if not kernels.available():
+        return {}
+    native = has_fast_bf16()
+    out = {"onednn-f32": (CpuModelOps(fused=True, packed_linear=True), torch.float32),
+           "bf16": (CpuModelOps(fused=True, packed_linear=True, widen_16bit=not native, avx2_gemm=use_avx2_gemm(),
+                                bf16_gemm=use_bf16_gemm()), torch.bfloat16)}
+    if use_avx2_gemm():
+        out["avx2-f32"] = (CpuModelOps(fused=True, packed_linear=True, avx2_gemm=True), torch.float32)
+    return out
+
+
+PATHS = _paths()
+
+
+def _routing(kind: str, t: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """Expert ids [t, k], distinct per token; experts 4 and 5 never chosen except where said."""
+    if kind == "one-expert-takes-all":
+        ids = torch.stack([torch.full((t,), 2), torch.randint(0, 2, (t,), generator=gen)], 1)[:, :k]
+    else:  # uneven: a permutation of experts 0-3 per token, skewed towards 0
+        ids = torch.stack([torch.randperm(4, generator=gen)[:k] for _ in range(t)])
+        ids[: t // 2, 0] = 0
+        ids[: t // 2, 1:] = torch.where(ids[: t // 2, 1:] == 0, 3, ids[: t // 2, 1:])
+    return ids
+
+
+def _reference(x, w13, w2, weights, ids) -> torch.Tensor:
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate, up = (w13[e].double() @ x[t].double()).chunk(2)
+            out[t] += float(weights[t, j]) * (w2[e].double() @ (F.silu(gate) * up))
+    return out
+
+
+@pytest.mark.skipif(not PATHS, reason="the CPU kernels are not built")
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("kind,t,k", [("uneven", 37, 2), ("uneven", 1, 2), ("uneven", 3, 3),
+                                      ("one-expert-takes-all", 19, 1), ("one-expert-takes-all", 9, 2)])
+def test_cpu_fused_moe_matches_a_float64_loop(path, kind, t, k):
+    ops, dtype = PATHS[path]
+    gen = torch.Generator().manual_seed(t * 10 + k)
+    x = torch.randn(t, H, generator=gen).to(dtype)
+    w13 = (torch.randn(E, 2 * INTER, H, generator=gen) * 0.2).to(dtype)
+    w2 = (torch.randn(E, H, INTER, generator=gen) * 0.2).to(dtype)
+    w13[4:], w2[4:] = float("nan"), float("nan")  # never chosen: any read shows as NaN
+    ids = _routing(kind, t, k, gen)
+    weights = torch.rand(t, k, generator=gen).to(dtype)
+    state: dict = {}
+    with torch.inference_mode():
+        out = ops.fused_moe(x, w13, w2, weights, ids, state)
+        again = ops.fused_moe(x, w13, w2, weights, ids, state)  # cached packing reused
+    want = _reference(x, w13, w2, weights, ids)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(out.double(), want, **tol)
+    assert torch.equal(out, again) and out.dtype == dtype
+    chosen = set(ids.flatten().tolist())
+    assert {e for _, e in state} == chosen  # only the experts that received tokens were packed
