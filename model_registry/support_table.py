@@ -28,6 +28,21 @@ def _default_config(architecture: str) -> object | None:
     return None if model_type is None else AutoConfig.for_model(model_type)
 
 
+def _tensor_parallel(cls: type, arch: str, protocol: type) -> bool:
+    """Declared, and not refused for two ranks by the family's own check on its default config."""
+    if protocol not in cls.__mro__:
+        return False
+    check = getattr(cls, "check_tensor_parallel", None)
+    config = _default_config(arch) if check is not None else None
+    if config is None:
+        return True
+    try:
+        check(config, 2)
+    except Exception:  # noqa: BLE001 - any refusal means "not on two ranks"
+        return False
+    return True
+
+
 def support_rows() -> list[SupportRow]:
     from model_registry.builtin import vllite_register_models
     from model_registry.gguf_config import GGUF_ARCHITECTURES
@@ -48,7 +63,8 @@ def support_rows() -> list[SupportRow]:
             fused = "yes" if why is None else "no: " + why.split(": ", 1)[-1]
         target = registry.entry(arch).target
         rows.append(SupportRow(arch, target if isinstance(target, str) else f"{cls.__module__}:{cls.__name__}", gguf,
-                               SupportsTensorParallel in cls.__mro__, SupportsLoRA in cls.__mro__, fused))
+                               _tensor_parallel(cls, arch, SupportsTensorParallel), SupportsLoRA in cls.__mro__,
+                               fused))
     return rows
 
 
