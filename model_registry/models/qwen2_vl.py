@@ -21,17 +21,18 @@ from model_registry.layers.rotary import MRotaryEmbedding, rope_parameters
 from model_registry.models.language_model_shell import LanguageModelShell
 from model_registry.models.llama import LlamaForCausalLM
 from model_registry.models.mm_prompt import image_processor, placeholder_prompt
+from model_registry.models.qwen2_vl_video import VIDEO_FPS, image_patches, video_patches
 from model_registry.models.qwen2_vl_vision import Qwen2VisionTransformer
 from vllite_core.attention.backend import AttentionBackend
 from vllite_core.errors import InvalidRequestError
 from vllite_core.inputs import InputContext, ProcessedPrompt
 from vllite_core.model_interfaces import SupportsMRoPE, SupportsMultiModalDecoder
-from vllite_core.multimodal.features import MultiModalFeature, expand_placeholders
-from vllite_core.multimodal.images import hash_image
+from vllite_core.multimodal.features import MultiModalFeature, expand_each
+from vllite_core.multimodal.images import hash_image, hash_video, prompt_videos
 
 
 class Qwen2VLForConditionalGeneration(LanguageModelShell, nn.Module, SupportsMultiModalDecoder, SupportsMRoPE):
-    supported_modalities = ("image",)
+    supported_modalities = ("image", "video")
     v25 = False  # Qwen2.5-VL's vision blocks (RMSNorm, gated MLP, window attention)
 
     def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:
@@ -61,32 +62,37 @@ class Qwen2VLForConditionalGeneration(LanguageModelShell, nn.Module, SupportsMul
 
     @classmethod
     def process_prompt(cls, prompt: Any, ctx: InputContext) -> ProcessedPrompt:
-        """``<|vision_start|><|image_pad|><|vision_end|>`` per image in the text (or one ``image_token_id``
-        per image in ``prompt_token_ids``); each ``<|image_pad|>`` is expanded to the image's merged patches.
-        Patches and grid come from the folder's image processor, one image at a time (sizes differ)."""
+        """``<|vision_start|><|image_pad|><|vision_end|>`` per image and ``<|vision_start|><|video_pad|>
+        <|vision_end|>`` per video in the text (or one ``image_token_id`` / ``video_token_id`` per item in
+        ``prompt_token_ids``); each pad is expanded to its item's merged patches. Patches and grid come from the
+        folder's image processor, one image (or video frame) at a time (sizes differ)."""
         c = ctx.hf_config
-        image_id = cls.image_token_id(c)
+        image_id, video_id = cls.image_token_id(c), int(c.video_token_id)
         text, ids, images = placeholder_prompt(prompt, ctx, image_id, cls.supported_modalities)
-        if not images:
+        videos = prompt_videos(prompt, cls.supported_modalities)
+        if ids.count(video_id) != len(videos):
+            raise InvalidRequestError("multi_modal_data", f"the prompt has {ids.count(video_id)} video placeholder(s) "
+                                      f"for {len(videos)} video(s)")
+        if not images and not videos:
             return ProcessedPrompt(prompt_token_ids=ids, prompt=text)
         proc = image_processor(ctx)
         vc = c.vision_config
+        items = [("image", hash_image(img), *image_patches(proc, img, vc)) for img in images]
+        interval = cls.video_time_interval(c)
+        items += [("video", hash_video(frames), *video_patches(proc, frames, vc)) for frames in videos]
         merge = int(vc.spatial_merge_size)
-        patch_dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
-        data, lengths = [], []
-        for img in images:
-            out = proc([img], return_tensors="pt")
-            pixels, grid = out["pixel_values"], tuple(int(v) for v in out["image_grid_thw"][0])
-            if pixels.shape[-1] != patch_dim or grid[1] % merge or grid[2] % merge:
-                raise InvalidRequestError("multi_modal_data", f"the image processor gives patches of "
-                                          f"{pixels.shape[-1]} values on a {grid} grid; the vision tower takes "
-                                          f"{patch_dim} on grids divisible by {merge}")
-            data.append({"pixel_values": pixels, "image_grid_thw": grid})
-            lengths.append(grid[0] * grid[1] * grid[2] // merge ** 2)
-        ids, offsets = expand_placeholders(ids, image_id, lengths)
-        features = [MultiModalFeature("image", hash_image(img), off, n, d)
-                    for img, off, n, d in zip(images, offsets, lengths, data)]
+        lengths = [t * h * w // merge ** 2 for *_, (t, h, w) in items]
+        ids, offsets = expand_each(ids, {image_id: lengths[:len(images)], video_id: lengths[len(images):]})
+        features = [MultiModalFeature(kind, key, off, n, {"pixel_values": px, "image_grid_thw": grid,
+                                                          "time_interval": interval if kind == "video" else 1.0})
+                    for (kind, key, px, grid), off, n in zip(items, offsets[image_id] + offsets[video_id], lengths)]
+        features.sort(key=lambda f: f.offset)
         return ProcessedPrompt(prompt_token_ids=ids, prompt=text, mm_features=features)
+
+    @classmethod
+    def video_time_interval(cls, hf_config: Any) -> float:
+        """How far M-RoPE's temporal position moves per temporal patch of a video: 1 for Qwen2-VL."""
+        return 1.0
 
     def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list[MultiModalFeature]
                                   ) -> tuple[torch.Tensor, int]:
@@ -99,7 +105,8 @@ class Qwen2VLForConditionalGeneration(LanguageModelShell, nn.Module, SupportsMul
             pos += text
             t, h, w = f.data["image_grid_thw"]
             gh, gw = h // self.merge, w // self.merge
-            grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(gh), torch.arange(gw), indexing="ij"))
+            ts = (torch.arange(t) * f.data.get("time_interval", 1.0)).long()  # a video's frames spaced in time
+            grid = torch.stack(torch.meshgrid(ts, torch.arange(gh), torch.arange(gw), indexing="ij"))
             parts.append(grid.reshape(3, -1) + pos)
             pos += max(gh, gw)
             end = f.end
@@ -136,3 +143,11 @@ class Qwen2VLForConditionalGeneration(LanguageModelShell, nn.Module, SupportsMul
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
     v25 = True
+
+    @classmethod
+    def video_time_interval(cls, hf_config: Any) -> float:
+        """Qwen2.5-VL ties a video's temporal positions to time: ``tokens_per_second`` per second of video, a
+        temporal patch being ``temporal_patch_size / fps`` seconds (frames taken at VIDEO_FPS, as its processor
+        samples them)."""
+        vc = hf_config.vision_config
+        return float(vc.tokens_per_second) * int(vc.temporal_patch_size) / VIDEO_FPS

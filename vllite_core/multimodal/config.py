@@ -6,7 +6,7 @@ from typing import Any
 
 from vllite_core.errors import ConfigError
 
-MODALITIES = ("image",)
+MODALITIES = ("image", "video")
 
 
 @dataclass

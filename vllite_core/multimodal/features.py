@@ -31,14 +31,20 @@ def expand_placeholders(token_ids: Sequence[int], placeholder_id: int, lengths: 
                         ) -> tuple[list[int], list[int]]:
     """Each occurrence of ``placeholder_id`` (one per item, in order) repeated ``lengths[i]`` times; returns
     (expanded ids, each item's offset). The caller has checked the counts agree."""
+    out, offsets = expand_each(token_ids, {placeholder_id: lengths})
+    return out, offsets[placeholder_id]
+
+
+def expand_each(token_ids: Sequence[int], lengths: dict[int, Sequence[int]]
+                ) -> tuple[list[int], dict[int, list[int]]]:
+    """``expand_placeholders`` for several placeholder ids at once (images and videos): the n-th occurrence of
+    id ``k`` becomes ``lengths[k][n]`` copies; returns the expanded ids and each id's items' offsets."""
     out: list[int] = []
-    offsets: list[int] = []
-    item = 0
+    offsets: dict[int, list[int]] = {k: [] for k in lengths}
     for tok in token_ids:
-        if tok == placeholder_id:
-            offsets.append(len(out))
-            out.extend([placeholder_id] * lengths[item])
-            item += 1
+        if tok in lengths:
+            offsets[tok].append(len(out))
+            out.extend([tok] * lengths[tok][len(offsets[tok]) - 1])
         else:
             out.append(tok)
     return out, offsets

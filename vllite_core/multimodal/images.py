@@ -36,16 +36,57 @@ def prompt_images(prompt: Any, supported: tuple[str, ...] = ("image",)) -> list:
     return items
 
 
+def prompt_videos(prompt: Any, supported: tuple[str, ...]) -> list[list]:
+    """The prompt's videos (``{"video": frames}`` or ``{"video": [frames, ...]}``), each as its list of RGB PIL
+    frames; a video may be given as a list of PIL images or a uint8 array [frames, height, width, 3]."""
+    if not isinstance(prompt, dict) or not isinstance(prompt.get("multi_modal_data"), dict):
+        return []
+    prompt_images(prompt, supported)  # the modality checks
+    items = prompt["multi_modal_data"].get("video")
+    if items is None:
+        return []
+    single = _is_frames(items)
+    videos = [items] if single else list(items) if isinstance(items, (list, tuple)) else [items]
+    return [_frames(v, i) for i, v in enumerate(videos)]
+
+
+def _is_frames(x: Any) -> bool:
+    return (isinstance(x, (list, tuple)) and bool(x) and _is_image(x[0])) or getattr(x, "ndim", 0) == 4
+
+
+def _frames(video: Any, i: int) -> list:
+    from PIL import Image
+
+    if getattr(video, "ndim", 0) == 4:
+        import numpy as np
+
+        arr = np.asarray(video)
+        if arr.dtype != np.uint8 or arr.shape[-1] != 3:
+            raise MediaError("multi_modal_data", f"video {i} as an array must be uint8 [frames, height, width, 3], "
+                             f"got {arr.dtype} {list(arr.shape)}")
+        return [Image.fromarray(f) for f in arr]
+    if not isinstance(video, (list, tuple)) or not video or not all(_is_image(f) for f in video):
+        raise MediaError("multi_modal_data", f"video {i} must be a non-empty list of PIL images or a uint8 array")
+    sizes = {f.size for f in video}
+    if len(sizes) != 1:
+        raise MediaError("multi_modal_data", f"video {i}: its frames differ in size ({sorted(sizes)})")
+    return [f.convert("RGB") for f in video]
+
+
 def check_mm_prompt(prompt: Any, supported: tuple[str, ...], config: MultiModalConfig) -> None:
     """Refuse a prompt's media before the model sees them: unsupported modalities, more items than
-    ``limit_mm_per_prompt``, images over ``max_image_pixels``."""
+    ``limit_mm_per_prompt``, images (and video frames) over ``max_image_pixels``."""
     images = prompt_images(prompt, supported)
-    limit = config.limit("image")
-    if len(images) > limit:
-        raise MediaError("multi_modal_data", f"{len(images)} images in one prompt, more than "
-                         f"limit_mm_per_prompt allows (image: {limit})")
+    videos = prompt_videos(prompt, supported)
+    for modality, items in (("image", images), ("video", videos)):
+        limit = config.limit(modality)
+        if len(items) > limit:
+            raise MediaError("multi_modal_data", f"{len(items)} {modality}s in one prompt, more than "
+                             f"limit_mm_per_prompt allows ({modality}: {limit})")
     for i, img in enumerate(images):
         check_pixels(img.width, img.height, config, f"image {i}")
+    for i, frames in enumerate(videos):
+        check_pixels(frames[0].width, frames[0].height, config, f"video {i}'s frames")
 
 
 def check_pixels(width: int, height: int, config: MultiModalConfig, what: str,
@@ -70,6 +111,11 @@ def decode_image(data: bytes, config: MultiModalConfig, param: str = "image_url"
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
         raise MediaError(param, f"cannot decode the image: {e}") from None
     return img.convert("RGB")
+
+
+def hash_video(frames: list) -> str:
+    """Content hash of a video: its frames' hashes in order."""
+    return hashlib.sha256("".join(hash_image(f) for f in frames).encode()).hexdigest()
 
 
 def hash_image(img: Any) -> str:
