@@ -10,8 +10,9 @@ has a worked example. Every layer's weights are uninitialised parameters filled 
 - ``embedding``: ``Embedding``, a replicated table (learned positions, token types);
 - ``conv``: ``Conv1d``, ``Conv2d`` (an encoder's audio frames and image patches);
 - ``norm``: ``RMSNorm``, ``GemmaRMSNorm`` (the ``(1 + w)`` form), ``LayerNorm``, ``rms_normalize``;
-- ``rotary``: ``RotaryEmbedding`` (default, linear, dynamic, llama3, yarn; partial rotary, a base of its own),
-  ``MRotaryEmbedding``;
+- ``rotary``: ``RotaryEmbedding`` (default, linear, dynamic, llama3, yarn, longrope; partial rotary, a base of its
+  own, per-layer-type parameters), ``MRotaryEmbedding``, ``apply_rotary_interleaved`` (GLM-4's pairs),
+  ``rotary_dim_of``;
 - ``activation``: ``get_act_fn``, ``gated``;
 - ``attention``: ``Attention``, which declares its KV cache spec;
 - ``mlp``: ``GatedMLP``, the SiLU-gated feed-forward (gate/up fused, tensor-parallel);
@@ -50,11 +51,20 @@ from model_registry.layers.moe import FusedMoE, TopKRouter
 from model_registry.layers.norm import GemmaRMSNorm, LayerNorm, RMSNorm, rms_normalize
 from model_registry.layers.ops import TORCH_OPS
 from model_registry.layers.params import copy_checked, empty_param, load_parameter
-from model_registry.layers.rotary import MRotaryEmbedding, RotaryEmbedding, apply_rotary, rope_parameters
+from model_registry.layers.rotary import (
+    MRotaryEmbedding,
+    RotaryEmbedding,
+    apply_rotary,
+    apply_rotary_interleaved,
+    rope_parameters,
+    rotary_dim_of,
+)
 from model_registry.layers.sink_attention import SinkAttention
 from model_registry.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 
-LAYERS_API = (1, 1)  # (major, minor) of this package's public names; 1.1: MLAAttention, SinkAttention
+# (major, minor) of this package's public names; 1.1: MLAAttention, SinkAttention; 1.2: apply_rotary_interleaved,
+# rotary_dim_of
+LAYERS_API = (1, 2)
 
 __all__ = [
     "LAYERS_API", "TORCH_OPS", "Attention", "ColumnParallelLinear", "Conv1d", "Conv2d", "DecoderLayerRecord",
@@ -62,6 +72,6 @@ __all__ = [
     "LayerNorm", "LinearBase", "MLAAttention", "MRotaryEmbedding", "Mamba2Dims", "Mamba2Mixer", "MambaBase",
     "MambaMixer", "MergedColumnParallelLinear", "NormRecord", "ParallelLMHead", "QKVParallelLinear", "RMSNorm",
     "ReplicatedLinear", "RotaryEmbedding", "RowParallelLinear", "Segment", "ShortConv", "SinkAttention", "TopKRouter",
-    "VocabParallelEmbedding", "apply_rotary", "copy_checked", "empty_param", "gated", "get_act_fn", "load_parameter",
-    "rms_normalize", "rope_parameters",
+    "VocabParallelEmbedding", "apply_rotary", "apply_rotary_interleaved", "copy_checked", "empty_param", "gated",
+    "get_act_fn", "load_parameter", "rms_normalize", "rope_parameters", "rotary_dim_of",
 ]
