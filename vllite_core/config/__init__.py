@@ -25,7 +25,8 @@ LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed
 SchedulerPolicy = Literal["fcfs", "priority"]
 
 
-QUANTIZATION_METHODS = ("int8", "gguf")  # model_registry.layers.quantization
+# model_registry.layers.quantization: int8 and gguf at load; the others name a pre-quantized checkpoint's format
+QUANTIZATION_METHODS = ("int8", "gguf", "compressed-tensors", "fp8", "gptq", "awq")
 
 
 @dataclass
@@ -50,7 +51,8 @@ class ModelConfig:
     generation_config: str = "auto"
     runner: str = "auto"  # auto | generate | pooling (vLLM's --runner)
     convert: str = "auto"  # auto | none | embed | classify | reward: a causal LM used as a pooling model
-    # None | "int8" (W8A8) | "gguf" (GGUF blocks kept): model_registry.layers.quantization
+    # None (what config.json's quantization_config names, else none) | "int8" (W8A8) | "gguf" (GGUF blocks kept) |
+    # "compressed-tensors" | "fp8" | "gptq" | "awq" (must match the checkpoint's): model_registry.layers.quantization
     quantization: str | None = None
     pooler_config: Any = None  # vllite_core.pooling.PoolerConfig of a pooling model; set when the engine starts
     # What the resolved model class declares (vllite_core.model_interfaces); set when the engine starts.

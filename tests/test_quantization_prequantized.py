@@ -1,0 +1,148 @@
+"""Pre-quantized checkpoints (model_registry.layers.quantization.prequantized): each fixture under
+tests/fixtures/prequant/ was written once by its format's own producer (make_compressed_tensors.py:
+llm-compressor 0.14 / compressed-tensors 0.19; make_gptq_awq.py: auto-round 0.15) with reference.json holding
+what transformers 5.17 computed on it (greedy tokens and their logprobs, float32). vllite loads the folder with
+no ``quantization`` argument and must produce the same tokens; logprobs agree to float32 rounding where the
+arithmetic is the same, and within a stated tolerance where it is not (int8 W8A8 with dynamic activations runs
+on the int8 kernels, whose activation scale is amax/127 against compressed-tensors' amax/127.5)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllite_core.config import ConfigError
+
+FIXTURES = Path(__file__).parent / "fixtures" / "prequant"
+# fixture -> (max |logprob - reference| over the tokens of the prompts that match, the least number of the 4
+# prompts whose 8 tokens must all match). Every prompt's first token's logprob (the reference's token, from the
+# top 20) is within the same tolerance.
+CASES = {
+    "w4a16_g32": (1e-4, 4),
+    "w4a16_asym_g32": (1e-4, 4),
+    "w8a16_g32": (1e-4, 4),
+    "w4a16_gptq_actorder_weight_g32": (1e-4, 4),
+    "w8a8_int8_static": (1e-4, 4),
+    "w8a8_int8_dynamic": (0.15, 2),  # measured: 2 of 4 prompts, first-token logprobs within 0.1
+    "fp8_dynamic": (0.05, 4),  # measured up to 0.023 (an fp8 activation rounded the other way)
+    "fp8_static": (1e-2, 4),
+    "fp8_block": (1e-3, 4),
+    "gptq_w4_g32": (1e-4, 4),
+    "gptq_w4_g32_sym": (1e-4, 4),
+    "gptq_w8_g32": (1e-4, 4),
+    "awq_w4_g32": (1e-4, 4),
+}
+
+
+FAST = ("w4a16_g32", "w8a8_int8_dynamic", "fp8_block", "gptq_w4_g32", "awq_w4_g32")  # the rest: slow
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    from model_registry.source import load_tokenizer, resolve_model_source
+
+    d = tmp_path_factory.mktemp("tokenizer")
+    load_tokenizer(resolve_model_source(None)).save_pretrained(d)
+    return d
+
+
+def _folder(tmp_path_factory, tokenizer_dir: Path, name: str, edit=None) -> str:
+    """The fixture with a tokenizer beside it (the fixtures hold weights and config only)."""
+    d = tmp_path_factory.mktemp(name)
+    shutil.copytree(FIXTURES / name, d, dirs_exist_ok=True)
+    shutil.copytree(tokenizer_dir, d, dirs_exist_ok=True)
+    if edit is not None:
+        cfg = json.loads((d / "config.json").read_text())
+        edit(cfg)
+        (d / "config.json").write_text(json.dumps(cfg))
+    return str(d)
+
+
+@pytest.mark.parametrize("name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in CASES])
+def test_prequantized_matches_producer_reference(name, tmp_path_factory, tokenizer_dir):
+    from vllite_core import LLM, SamplingParams
+
+    tol, need = CASES[name]
+    ref = json.loads((FIXTURES / name / "reference.json").read_text())["outputs"]
+    llm = LLM(model=_folder(tmp_path_factory, tokenizer_dir, name), dtype="float32", num_threads=1)
+    model = llm.llm_engine.core.worker.runner.model
+    layer = model.model.layers[0].self_attn.qkv_proj
+    assert layer.quant_method.name in ("prequantized", "int8")
+    assert layer.weight.dtype in (torch.uint8, torch.int8, torch.float8_e4m3fn)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=20)
+    outs = llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in ref], sp)
+    same = 0
+    for r, o in zip(ref, outs):
+        first = o.outputs[0].logprobs[0]
+        assert r["token_ids"][0] in first, name
+        assert abs(first[r["token_ids"][0]].logprob - r["logprobs"][0]) < tol, (name, r)
+        got = list(o.outputs[0].token_ids)
+        if got != r["token_ids"]:
+            continue
+        same += 1
+        lps = [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, got)]
+        assert max(abs(a - b) for a, b in zip(lps, r["logprobs"])) < tol, (name, lps, r["logprobs"])
+    assert same >= need, name
+
+
+def test_quantization_argument_checked_against_checkpoint(tmp_path_factory, tokenizer_dir):
+    from vllite_core import LLM
+
+    folder = _folder(tmp_path_factory, tokenizer_dir, "w4a16_g32")
+    with pytest.raises(ConfigError, match="does not match the checkpoint's quantization_config"):
+        LLM(model=folder, dtype="float32", num_threads=1, quantization="int8")
+    with pytest.raises(ConfigError, match="does not match"):
+        LLM(model=folder, dtype="float32", num_threads=1, quantization="gptq")
+    llm = LLM(model=folder, dtype="float32", num_threads=1, quantization="compressed-tensors")  # the same: fine
+    assert llm.llm_engine.core.worker.runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.uint8
+
+
+def test_prequantized_method_needs_such_a_checkpoint():
+    from transformers import LlamaConfig
+
+    from model_registry.layers.quantization.prequantized import resolve_quantization
+
+    plain = LlamaConfig()
+    with pytest.raises(ConfigError, match="has no quantization_config"):
+        resolve_quantization(plain, "awq")
+    assert resolve_quantization(plain, "int8") == "int8" and resolve_quantization(plain, None) is None
+    fp8 = LlamaConfig(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    assert resolve_quantization(fp8, None) == "fp8" and resolve_quantization(fp8, "fp8") == "fp8"
+    with pytest.raises(ConfigError, match="'int8' does not match"):
+        resolve_quantization(fp8, "int8")
+
+
+def _scheme(cfg, **weights):
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"].update(weights)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda c: c["quantization_config"].update(quant_method="bitsandbytes"), "'bitsandbytes' checkpoints are not"),
+    (lambda c: _scheme(c, num_bits=3), "unsupported compressed-tensors scheme .*int 3-bit group"),
+    (lambda c: c["quantization_config"]["config_groups"]["group_0"].update(format="nvfp4-pack-quantized"),
+     "unsupported compressed-tensors scheme .*nvfp4-pack-quantized"),
+    (lambda c: _scheme(c, group_size=48), "weight_scale.*scale has shape|groups of 48"),
+    (lambda c: c["quantization_config"].update(sparsity_config={"format": "sparse-24"}), "sparse"),
+])
+def test_bad_prequantized_configs_are_config_errors(tmp_path_factory, tokenizer_dir, edit, match):
+    from vllite_core import LLM
+
+    folder = _folder(tmp_path_factory, tokenizer_dir, "w4a16_g32", edit)
+    with pytest.raises(ConfigError, match=match):
+        LLM(model=folder, dtype="float32", num_threads=1)
+
+
+def test_missing_scale_tensor_is_named(tmp_path_factory, tokenizer_dir):
+    from safetensors.torch import load_file, save_file
+
+    from vllite_core import LLM
+
+    folder = Path(_folder(tmp_path_factory, tokenizer_dir, "w4a16_g32"))
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.weight_scale"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight_scale"):
+        LLM(model=str(folder), dtype="float32", num_threads=1)
