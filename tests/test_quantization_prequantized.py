@@ -146,3 +146,113 @@ def test_missing_scale_tensor_is_named(tmp_path_factory, tokenizer_dir):
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ConfigError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight_scale"):
         LLM(model=str(folder), dtype="float32", num_threads=1)
+
+
+FP8_BLOCK = 32  # the fixture's block (Qwen3-FP8 and DeepSeek-V3 use 128x128; the tiny model is 64 wide)
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    """A tiny Llama saved in the ``quant_method: "fp8"`` layout of Qwen3-FP8 / DeepSeek-V3 (float8_e4m3fn weights,
+    ``weight_scale_inv`` per 32x32 block, dynamic activations), written here as those checkpoints are (the
+    block's amax / 448); and transformers' own reading of it (it dequantises fp8 checkpoints on CPU)."""
+    from safetensors.torch import load_file, save_file
+    from tiny_models import TINY, save_tiny
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    d = tmp_path_factory.mktemp("fp8")
+    save_tiny(d, LlamaConfig(**TINY))
+    out = {}
+    for k, v in load_file(d / "model.safetensors").items():
+        if k.endswith("proj.weight"):
+            n, kk = v.shape
+            blocks = v.reshape(n // FP8_BLOCK, FP8_BLOCK, kk // FP8_BLOCK, FP8_BLOCK)
+            s = blocks.abs().amax(dim=(1, 3)) / 448
+            out[k] = (blocks / s[:, None, :, None]).to(torch.float8_e4m3fn).reshape(n, kk)
+            out[k + "_scale_inv"] = s.float()
+        else:
+            out[k] = v
+    save_file(out, d / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                  "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+    (d / "config.json").write_text(json.dumps(cfg))
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    rows = []
+    with torch.no_grad():
+        for prompt in ([3, 40, 9, 100, 77], [5, 61, 200, 18], [300, 11, 12, 13, 14, 15]):
+            ids = torch.tensor([prompt])
+            tokens, lps = [], []
+            for _ in range(6):
+                lp = torch.log_softmax(hf(ids).logits[0, -1].float(), -1)
+                t = int(lp.argmax())
+                tokens.append(t)
+                lps.append(float(lp[t]))
+                ids = torch.cat([ids, torch.tensor([[t]])], dim=1)
+            rows.append((prompt, tokens, lps))
+    q_proj = hf.model.layers[1].self_attn.q_proj.weight.detach().clone()
+    return str(d), rows, q_proj
+
+
+def test_fp8_block_checkpoint_against_transformers(fp8_checkpoint):
+    """The weights vllite computes from are transformers' dequantisation bit for bit (every layer). transformers
+    runs them on float activations, vllite quantizes the activations to fp8 per token and 32-column group (as the
+    block-scaled models run, and as the compressed-tensors FP8 block fixture's producer computes them: that test
+    holds the arithmetic); on this random model e4m3's 3 mantissa bits move the logits, so only the first token's
+    logprob of transformers' choice is held, within 0.25."""
+    from vllite_core import LLM, SamplingParams
+
+    folder, rows, q_proj = fp8_checkpoint
+    llm = LLM(model=folder, dtype="float32", num_threads=1)
+    layer = llm.llm_engine.core.worker.runner.model.model.layers[1].self_attn.qkv_proj
+    w = layer.quant_method.weight
+    assert w.codes.dtype == torch.float8_e4m3fn and w.act.strategy == "group" and w.act.group == FP8_BLOCK
+    assert torch.equal(w.dequantize()[:q_proj.shape[0]], q_proj)
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=20)
+    outs = llm.generate([{"prompt_token_ids": p} for p, _, _ in rows], sp)
+    for (_, tokens, lps), o in zip(rows, outs):
+        first = o.outputs[0].logprobs[0]
+        assert tokens[0] in first and abs(first[tokens[0]].logprob - lps[0]) < 0.25  # measured up to 0.11
+
+
+def _pack_gptq_columns(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 [K, N] -> int32 [K * bits / 32, N] as GPTQ's qweight stores it (code k at bits * (k % per))."""
+    per = 32 // bits
+    k, n = codes.shape
+    words = codes.to(torch.int64).reshape(k // per, per, n) << (torch.arange(per) * bits)[None, :, None]
+    v = words.sum(dim=1)
+    return torch.where(v >= 1 << 31, v - (1 << 32), v).to(torch.int32)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gptq_desc_act_layer_against_formula(bits):
+    """GPTQ with desc_act: a g_idx that scatters the groups over the columns. The layer (repacked with its columns
+    sorted by group) computes x @ W.T with W[n, k] = (q[n, k] - (qzeros[g_idx[k], n] + 1)) * scales[g_idx[k], n],
+    GPTQ's documented v1 formula, evaluated here column by column in float64."""
+    from model_registry.layers import ReplicatedLinear
+    from model_registry.layers.quantization.gptq import GPTQFormat
+    from model_registry.layers.quantization.prequant import PrequantLinearMethod
+
+    g = torch.Generator().manual_seed(bits)
+    n, k, group = 24, 64, 16
+    groups = k // group
+    codes = torch.randint(0, 2 ** bits, (k, n), generator=g)
+    zeros = torch.randint(0, 2 ** bits - 1, (groups, n), generator=g)  # stored minus one
+    scales = (torch.rand(groups, n, generator=g) * 0.1 + 0.01).half()
+    g_idx = torch.arange(k) // group
+    g_idx = g_idx[torch.randperm(k, generator=g)].to(torch.int32)  # desc_act: groups in another column order
+    parts = {"qweight": _pack_gptq_columns(codes, bits), "qzeros": _pack_gptq_columns(zeros.T, bits).T.contiguous(),
+             "scales": scales, "g_idx": g_idx}
+    lin = ReplicatedLinear(k, n, bias=True, dtype=torch.float32)
+    method = PrequantLinearMethod(GPTQFormat(bits, group), {None: "proj"}, "proj")
+    method.create_weights(lin)
+    for suffix, t in parts.items():
+        getattr(lin, suffix).weight_loader(None, t, None, f"proj.{suffix}")
+    lin.bias.data.copy_(torch.randn(n, generator=g))
+    method.process_weights_after_loading(lin)
+    assert method.weight is not None and method.weight.perm is not None and method.weight.group == group
+    gi = g_idx.long()
+    w = (codes.double().T - (zeros.double().T[:, gi] + 1)) * scales.double().T[:, gi]
+    x = torch.randn(5, k, generator=g)
+    want = x.double() @ w.T + lin.bias.double()
+    torch.testing.assert_close(lin(x).double(), want, rtol=1e-5, atol=1e-4)
