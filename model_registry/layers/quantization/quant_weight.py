@@ -87,9 +87,17 @@ def codes_as_float(w: QuantWeight) -> torch.Tensor:
 
 
 def dequantize(w: QuantWeight) -> torch.Tensor:
-    """``(code - zero) * scale`` per group, float32 [N, K] (stored column order)."""
+    """``(code - zero) * scale`` per group, float32 [N, K] (stored column order). Whole groups broadcast their
+    scales (no gather: a 2048 x 8192 weight in tens of milliseconds, not seconds)."""
     v = codes_as_float(w)
     n, k = v.shape
+    if k % w.group == 0:
+        g = v.view(n, k // w.group, w.group)
+        if w.zeros is not None:
+            g.sub_(w.zeros[:, :, None])
+        elif w.zero:
+            g.sub_(float(w.zero))
+        return g.mul_(w.scales[:, :, None]).view(n, k)
     idx = torch.arange(k) // w.group
     if w.zeros is not None:
         v = v - w.zeros[:, idx]
