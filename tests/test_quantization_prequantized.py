@@ -256,3 +256,43 @@ def test_gptq_desc_act_layer_against_formula(bits):
     x = torch.randn(5, k, generator=g)
     want = x.double() @ w.T + lin.bias.double()
     torch.testing.assert_close(lin(x).double(), want, rtol=1e-5, atol=1e-4)
+
+
+def _int4_weight(n: int, k: int, group: int, asym: bool, seed: int):
+    from model_registry.layers.quantization.quant_weight import QuantWeight, pack_int4
+
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scales = torch.rand(n, k // group, generator=g) * 0.05 + 0.01
+    zeros = torch.randint(0, 16, (n, k // group), generator=g).float() if asym else None
+    w = QuantWeight(pack_int4(codes), scales, zeros, 4, group, n, k, 8)
+    z = zeros if asym else torch.full_like(scales, 8.0)
+    idx = torch.arange(k) // group
+    dense = (codes.double() - z.double()[:, idx]) * scales.double()[:, idx]
+    return w, dense
+
+
+@pytest.mark.parametrize("m, n, k, group", [(1, 2048 // 8, 512, 128), (3, 37, 96, 32), (7, 24, 40, 8),
+                                            (1, 5, 32, 32), (17, 64, 256, 64)])
+@pytest.mark.parametrize("asym", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_int4_linear_against_float64(m, n, k, group, asym, dtype):
+    """The CPU platform's int4 weight-only GEMM (csrc/wna16.cpp) against x @ W.T in float64 on the dequantised
+    weight, remainders included (K not a multiple of 16, odd row counts); the torch reference too."""
+    from vllite_platform_cpu import kernels
+    from vllite_platform_cpu.model_ops import CpuModelOps
+
+    from vllite_core.model_ops import ModelOps
+
+    w, dense = _int4_weight(n, k, group, asym, m * n + k)
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g).to(dtype)
+    want = x.double() @ dense.T + bias.double()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    ops = [ModelOps()] + ([CpuModelOps(fused=True, packed_linear=False)] if kernels.available() else [])
+    with torch.inference_mode():
+        for op in ops:
+            got = op.quant_linear(x, w, bias, {})
+            assert got.dtype == dtype and got.shape == (m, n)
+            torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * float(want.abs().max()))
