@@ -33,20 +33,29 @@ class WeightsNotFoundError(FileNotFoundError):
 def load_model(source: ModelSource, hf_config: Any, model_cls: type, attn_backend: AttentionBackend,
                dtype: torch.dtype, device: torch.device, quantization: str | None = None) -> torch.nn.Module:
     """An engine model of ``model_cls`` with the checkpoint's weights, in ``dtype`` on ``device``; its linear
-    layers given the ``quantization`` method's layout (``model_registry.layers.quantization``) when one is set."""
+    layers given the ``quantization`` method's layout (``model_registry.layers.quantization``) when one is set or
+    the checkpoint's config.json names one (``quantization_config``: loaded in its own layout)."""
+    from model_registry.layers.quantization import prequantized
+
     device = torch.device(device)
+    quantization = prequantized.resolve_quantization(hf_config, quantization)
     with torch.device(device):
         model = model_cls(hf_config, attn_backend, dtype)
+    prepared = None
+    if quantization in prequantized.PREQUANTIZED:  # the checkpoint's own layout: placeholders before loading
+        prepared = prequantized.prepare(model, quantization, hf_config)
     if source.kind == "gguf":
         weights = _gguf_weights(source, hf_config)
     else:
         weights = iter_hf_weights(source.path)
     loaded = model.load_weights(weights)
+    if prepared is not None:  # repacked now: a missing quantized tensor is named by its checkpoint name
+        loaded |= prequantized.finish(prepared, quantization)
     missing = sorted(name for name, _ in model.named_parameters(remove_duplicate=False) if name not in loaded)
     if missing:
         shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
         raise ValueError(f"{source.name}: the checkpoint does not provide {len(missing)} parameter(s): {shown}")
-    if quantization:
+    if quantization and prepared is None:
         from model_registry.layers.quantization import quantize_model
 
         quantize_model(model, quantization, source)

@@ -22,6 +22,7 @@ from vllite_core.attention.encoder import PackedPrompts, padded_attention
 if TYPE_CHECKING:
     from model_registry.layers.fast_path import DecoderLayerRecord
     from model_registry.layers.quantization.gguf import GGUFWeight
+    from model_registry.layers.quantization.quant_weight import QuantWeight
     from vllite_core.lora.mapping import LoRAMapping
 
 INT8_MAX = 127.0
@@ -86,6 +87,14 @@ class ModelOps:
         reference): a platform's kernel computes from the blocks."""
         y = F.linear(x.float(), weight.dequantize(), None if bias is None else bias.float())
         return y.to(x.dtype)
+
+    def quant_linear(self, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None,
+                     state: dict) -> torch.Tensor:
+        """``x @ W.T + bias`` with W a pre-quantized checkpoint's weight
+        (``model_registry.layers.quantization.quant_weight.QuantWeight``: int4/int8/fp8 codes, group-wise scales,
+        activations quantized first where the checkpoint says so). Here dequantised on every call and multiplied
+        in float32 (a reference, and the fallback of platforms without a kernel for the layout)."""
+        return weight.reference(x, bias)
 
     def linear_gelu(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     state: dict) -> torch.Tensor:

@@ -175,7 +175,8 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb
 class LlamaForCausalLM(nn.Module, SupportsLoRA, SupportsTensorParallel):
     """Engine model for LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM checkpoints."""
 
-    supported_quantization = ("int8", "gguf")  # model_registry.layers.quantization
+    # model_registry.layers.quantization
+    supported_quantization = ("int8", "gguf", "compressed-tensors", "fp8", "gptq", "awq")
 
     def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()

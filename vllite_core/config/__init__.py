@@ -25,7 +25,8 @@ LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed
 SchedulerPolicy = Literal["fcfs", "priority"]
 
 
-QUANTIZATION_METHODS = ("int8", "gguf")  # model_registry.layers.quantization
+# model_registry.layers.quantization: int8 and gguf at load; the others name a pre-quantized checkpoint's format
+QUANTIZATION_METHODS = ("int8", "gguf", "compressed-tensors", "fp8", "gptq", "awq")
 MODEL_IMPLS = ("auto", "vllite", "transformers")  # model_registry.model_impl
 
 
@@ -54,7 +55,8 @@ class ModelConfig:
     # auto | vllite | transformers (vLLM's --model-impl): a native class, or the Transformers fallback
     # (model_registry.model_impl); auto: native when one is registered.
     model_impl: str = "auto"
-    # None | "int8" (W8A8) | "gguf" (GGUF blocks kept): model_registry.layers.quantization
+    # None (what config.json's quantization_config names, else none) | "int8" (W8A8) | "gguf" (GGUF blocks kept) |
+    # "compressed-tensors" | "fp8" | "gptq" | "awq" (must match the checkpoint's): model_registry.layers.quantization
     quantization: str | None = None
     pooler_config: Any = None  # vllite_core.pooling.PoolerConfig of a pooling model; set when the engine starts
     # What the resolved model class declares (vllite_core.model_interfaces); set when the engine starts.

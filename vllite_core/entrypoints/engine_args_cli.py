@@ -30,7 +30,9 @@ _HELP = {
     "runner": "auto | generate | pooling (pooling: embeddings / scores; auto: what the architecture is)",
     "quantization": "int8: linear weights quantized to int8 per output channel at load, activations per token "
                     "at run time (W8A8; the LM head stays in the model dtype); gguf: a GGUF checkpoint's Q8_0/Q4_0/"
-                    "Q4_1 linear weights kept in their blocks and computed from them",
+                    "Q4_1 linear weights kept in their blocks and computed from them; compressed-tensors | fp8 | gptq "
+                    "| awq: a pre-quantized checkpoint (detected from config.json's quantization_config when left out; "
+                    "a different value is an error)",
     "model_impl": "auto | vllite | transformers: which implementation runs the model (vllite: a native one; "
                   "transformers: transformers' own class with vllite's paged attention, the Transformers fallback; "
                   "auto: native when one is registered, else the fallback)",

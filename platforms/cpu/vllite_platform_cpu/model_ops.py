@@ -290,6 +290,23 @@ class CpuModelOps(ModelOps):
         back[order] = ys  # row t * k + j: token t's j-th expert
         return torch.bmm(topk_weights.to(x.dtype).unsqueeze(1), back.view(t, k, -1)).squeeze(1)
 
+    def quant_linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None, state: dict) -> torch.Tensor:
+        """Pre-quantized weights (``model_registry.layers.quantization.quant_weight.QuantWeight``): 4-bit
+        weight-only ones (compressed-tensors W4A16, GPTQ, AWQ) through csrc/wna16.cpp's int4 GEMM on float32
+        activations; every other layout dequantised per call (the reference)."""
+        if not (self.fused and weight.bits == 4 and weight.act is None and not weight.is_float and x.dim() == 2
+                and x.device.type == "cpu" and not torch.is_grad_enabled() and weight.group % 2 == 0
+                and weight.cols % weight.group == 0 and kernels.available()):
+            return super().quant_linear(x, weight, bias, state)
+        h = x.float()
+        if weight.perm is not None:
+            h = h[:, weight.perm]
+        out = torch.empty(x.shape[0], weight.rows, dtype=torch.float32)
+        kernels.int4_linear(out, h.contiguous(), weight.codes, weight.scales, weight.zeros, weight.zero, weight.group)
+        if bias is not None:
+            out += bias.float()
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
+
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
         """One pass of C++ over each row (``csrc/pointwise.cpp``), bf16 logits read as they are: torch's argmax
         costs ~1.3 ms of a batch-64 step over SmolLM2's vocabulary, after a float32 copy."""

@@ -1,6 +1,6 @@
 // The entry points of every ISA variant of the kernels, as bindings.cpp registers them.
 //
-// attention.cpp, gemm.cpp, pointwise.cpp, quant.cpp, gguf.cpp, encoder.cpp, lora.cpp and decoder.cpp define them
+// attention.cpp, gemm.cpp, pointwise.cpp, quant.cpp, gguf.cpp, wna16.cpp, encoder.cpp, lora.cpp and decoder.cpp define them
 // inside vllite_cpu::VLLITE_CPU_ISA; the build compiles those files once per variant (vllite_platform_cpu/isa.py),
 // each into its own namespace.
 #pragma once
@@ -69,6 +69,8 @@
   void int8_gemm_silu(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at::Tensor> bias);             \
   void gguf_linear_x8(at::Tensor out, at::Tensor x, int64_t type, at::Tensor blocks, std::optional<at::Tensor> bias, \
                       int64_t gemm_min_rows, int64_t grain_bytes);                                                  \
+  void int4_linear(at::Tensor out, at::Tensor x, at::Tensor codes, at::Tensor scales,                              \
+                   std::optional<at::Tensor> zeros, int64_t zero, int64_t group);                                   \
   void lora_add(at::Tensor y, at::Tensor x, at::Tensor lora_a, at::Tensor lora_b, at::Tensor order,                 \
                 std::vector<int64_t> seg_slots, std::vector<int64_t> seg_starts, std::vector<int64_t> ranks);       \
   std::tuple<at::Tensor, at::Tensor> llama_decoder_layer(                                                           \
