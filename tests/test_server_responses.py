@@ -173,7 +173,7 @@ BAD = [
     ({"text": {"format": {"type": "yaml"}}}, "text.format"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"temperature": -1.0}, "temperature"),
-    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"reasoning": {"effort": "extreme"}}, "reasoning"),  # "high" is served: the template gets reasoning_effort
     ({"previous_response_id": "resp_nope"}, "previous_response_id"),
     ({"frobnicate": 1}, "frobnicate"),
 ]

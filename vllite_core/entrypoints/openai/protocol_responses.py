@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllite_core.entrypoints.openai.documented_fields import ResponsesDocumentedFields
 from vllite_core.entrypoints.openai.errors import bad_request
 from vllite_core.entrypoints.openai.protocol import ChatMessage, Int, _Strict
 
@@ -16,7 +17,7 @@ TEXT_PARTS = ("input_text", "output_text")
 _ITEM_KEYS = {"type", "role", "content", "id", "status"}
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(_Strict, ResponsesDocumentedFields):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -47,9 +48,6 @@ def check_unsupported(req: ResponsesRequest) -> None:
     if req.tool_choice not in (None, "none", "auto"):
         raise bad_request("tool_choice needs tools, which this server does not support yet", "tool_choice",
                           "unsupported_parameter")
-    if req.reasoning:
-        raise bad_request("reasoning options are not supported: the server's --reasoning-parser decides what "
-                          "reasoning is returned", "reasoning", "unsupported_parameter")
     if req.truncation not in (None, "disabled"):
         raise bad_request("only truncation 'disabled' is supported", "truncation", "unsupported_parameter")
     if req.include:

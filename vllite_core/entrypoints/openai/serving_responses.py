@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
+from vllite_core.entrypoints.openai.documented_fields import accept_responses
 from vllite_core.entrypoints.openai.errors import APIError, bad_request, from_exception
 from vllite_core.entrypoints.openai.protocol import ChatMessage
 from vllite_core.entrypoints.openai.protocol_responses import (
@@ -99,6 +100,7 @@ class ResponsesServer:
         st = self.state
         st.check_model(req.model)
         check_unsupported(req)
+        template_kwargs = accept_responses(req)
         conversation, rendered = self._conversation(req)
         params = _sampling_params(req)
         try:
@@ -106,7 +108,8 @@ class ResponsesServer:
         except APIError as e:  # named after chat's field: here it is text.format
             raise bad_request(e.message, "text.format") from None
         chat = SimpleNamespace(messages=rendered, add_generation_prompt=True, continue_final_message=False,
-                               chat_template=None, chat_template_kwargs=None, allow_special_tokens_in_content=False)
+                               chat_template=None, chat_template_kwargs=template_kwargs,
+                               allow_special_tokens_in_content=False)
         text, ids = await st.engine.run_prep(chat_prompt, st.engine.prep_tokenizer, chat, None, st.chat_template)
         rid = _id("resp")
         streams = await add_streams(st.engine, [{"prompt_token_ids": ids, "prompt": text}], params, rid, 0)
