@@ -165,7 +165,8 @@ BAD = [
     ({"input": [{"role": "user", "content": "ok"},
                 {"role": "user", "content": [{"type": "input_text", "text": "a"},
                                              {"type": "input_file", "file_id": "f"}]}]}, "input[1].content[1]"),
-    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]}, "input[0].type"),
+    ({"input": [{"type": "computer_call", "call_id": "c", "action": {}}]}, "input[0].type"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": 3}]}, "input[0].output"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
     ({"input": []}, "input"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": "not a schema"}}}, "text.format"),
@@ -173,7 +174,7 @@ BAD = [
     ({"text": {"format": {"type": "yaml"}}}, "text.format"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"temperature": -1.0}, "temperature"),
-    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"reasoning": {"effort": "extreme"}}, "reasoning"),  # "high" is served: the template gets reasoning_effort
     ({"previous_response_id": "resp_nope"}, "previous_response_id"),
     ({"frobnicate": 1}, "frobnicate"),
 ]

@@ -30,6 +30,28 @@ QUANTIZATION_METHODS = ("int8", "gguf", "compressed-tensors", "fp8", "gptq", "aw
 MODEL_IMPLS = ("auto", "vllite", "transformers")  # model_registry.model_impl
 
 
+AUTO_MAX_MODEL_LEN = -1  # max_model_len -1 / "auto": the model's length, or what the KV cache holds if less
+DEFAULT_MAX_MODEL_LEN = 2048  # vLLM's assumption for a config that names no context length
+_SUFFIXES = {"k": 1000, "m": 1000**2, "g": 1000**3, "K": 1024, "M": 1024**2, "G": 1024**3}
+
+
+def parse_max_model_len(value: Any) -> int | None:
+    """vLLM's forms: an int, -1 or "auto", or a human-readable count ("1k" = 1000, "1K" = 1024, "25.6k")."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower() == "auto":
+            return AUTO_MAX_MODEL_LEN
+        try:
+            if text[-1:] in _SUFFIXES:
+                return int(float(text[:-1]) * _SUFFIXES[text[-1]])
+            return int(text)
+        except ValueError:
+            pass
+    raise ConfigError(f"max_model_len: expected a token count (e.g. 4096, 8k, 32K), -1 or 'auto'; got {value!r}")
+
+
 @dataclass
 class ModelConfig:
     """What to load. ``model=None`` means the embedded default model."""
@@ -37,7 +59,10 @@ class ModelConfig:
     model: str | None = None
     tokenizer: str | None = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    max_model_len: int | None = None  # None: from the model's config
+    # None: from the model's config (DEFAULT_MAX_MODEL_LEN, with a warning, when it names none); -1 or "auto":
+    # that length, lowered to what the KV cache holds when it holds less (vLLM's --max-model-len auto).
+    max_model_len: int | str | None = None
+    max_model_len_auto: bool = False  # set from max_model_len -1 / "auto"
     seed: int = 0
     logprobs_mode: LogprobsMode = "raw_logprobs"
     max_logprobs: int = 20  # most top-k logprobs a request may ask for
@@ -67,8 +92,11 @@ class ModelConfig:
             raise ConfigError(f"dtype: unknown value {self.dtype!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ConfigError(f"logprobs_mode: must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
-        if self.max_model_len is not None and self.max_model_len <= 0:
-            raise ConfigError("max_model_len: must be positive")
+        self.max_model_len = parse_max_model_len(self.max_model_len)
+        if self.max_model_len == AUTO_MAX_MODEL_LEN:
+            self.max_model_len_auto = True
+        if self.max_model_len is not None and self.max_model_len <= 0 and self.max_model_len != AUTO_MAX_MODEL_LEN:
+            raise ConfigError("max_model_len: must be positive, or -1 / 'auto'")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ConfigError(f"quantization: must be one of {', '.join(QUANTIZATION_METHODS)}, "
                               f"got {self.quantization!r}")
@@ -273,7 +301,7 @@ class EngineArgs:
     model: str | None = None
     tokenizer: str | None = None
     dtype: str = "auto"
-    max_model_len: int | None = None
+    max_model_len: int | str | None = None  # also -1 / "auto" / "8k" (parse_max_model_len)
     seed: int = 0
     block_size: int = 16
     enable_prefix_caching: bool = True

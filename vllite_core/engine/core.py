@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllite_core.config import ConfigError, VlliteConfig
+from vllite_core.config import AUTO_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN, ConfigError, VlliteConfig
 from vllite_core.core.kv_cache_manager import KVCacheManager
 from vllite_core.core.scheduler import Scheduler, SchedulerStats
 from vllite_core.model_interfaces import model_capabilities
@@ -78,13 +78,39 @@ def _derive_max_model_len(config: VlliteConfig, hf_config: Any, model_cls: Any =
             limit = int(value)
             break
     asked = config.model_config.max_model_len
-    if asked is None:
-        if limit is None:
-            raise ConfigError("max_model_len: the model config does not say its context length; pass max_model_len")
+    if asked is None or asked == AUTO_MAX_MODEL_LEN:
+        if limit is None:  # vLLM's default and warning (a Mamba2 config names no length)
+            logger.warning("the model config names no context length (max_position_embeddings, n_positions, ...): "
+                           "assuming %d tokens; pass max_model_len to change it", DEFAULT_MAX_MODEL_LEN)
+            return DEFAULT_MAX_MODEL_LEN
         return limit
     if limit is not None and asked > limit:
         raise ConfigError(f"max_model_len: {asked} is larger than the model's context length ({limit})")
     return asked
+
+
+def fit_max_model_len(config: VlliteConfig, groups: Any, num_blocks: int) -> int:
+    """max_model_len lowered (to a multiple of the block size) until one request of that length fits in
+    ``num_blocks`` (the null block aside), with a warning; unchanged when it fits already."""
+    asked = config.model_config.max_model_len
+    assert asked is not None
+
+    def fits(n: int) -> bool:
+        return sum(g.spec.max_blocks_per_request(n) for g in groups) + 1 <= num_blocks
+
+    if fits(asked):
+        return asked
+    bs = config.cache_config.block_size
+    lo, hi = 0, asked // bs  # lo blocks fit, hi do not (in block-size steps)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid * bs) else (lo, mid)
+    if lo == 0:
+        raise ConfigError(f"max_model_len auto: the KV cache ({num_blocks} blocks) cannot hold one block of tokens")
+    logger.warning("max_model_len auto: the KV cache holds %d blocks, not the model's %d tokens: max_model_len is "
+                   "%d", num_blocks, asked, lo * bs)
+    config.finalize(lo * bs)
+    return lo * bs
 
 
 def encoder_cache_geometry(config: VlliteConfig) -> tuple[int, int] | None:
@@ -169,6 +195,8 @@ class EngineCore:
         self.worker = self.executor.driver_worker  # the in-process worker (uni executor), else None
         facts = self.executor.facts
         assert facts is not None
+        if mc.max_model_len_auto:  # --max-model-len auto: what the cache holds, if less than the model's length
+            max_model_len = fit_max_model_len(config, facts.kv_cache_groups, num_blocks)
         # What the model can emit (part of every engine model's contract: nested configs such as
         # Florence-2's have no top-level vocab_size).
         self.vocab_size = facts.vocab_size

@@ -13,6 +13,7 @@ import sys
 from vllite_core.entrypoints.cli_bench import add_bench_parser
 from vllite_core.entrypoints.cli_generate import add_chat_parser, add_generate_parser
 from vllite_core.entrypoints.cli_plugins import add_env_parser, add_plugins_parser
+from vllite_core.entrypoints.cli_run_batch import add_run_batch_parser
 from vllite_core.entrypoints.cli_serve import add_serve_parser
 
 
@@ -25,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_chat_parser(subparsers)
     add_bench_parser(subparsers)
     add_serve_parser(subparsers)
+    add_run_batch_parser(subparsers)
     return parser
 
 

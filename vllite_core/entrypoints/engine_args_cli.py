@@ -78,7 +78,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if typing.get_origin(hint) is list:
             group.add_argument(*names, dest=f.name, action="append", default=None, help=_HELP.get(f.name))
             continue
-        base = _base_type(hint)
+        base = str if f.name == "max_model_len" else _base_type(hint)  # 4096, 8k, 32K, -1, auto
         group.add_argument(*names, dest=f.name, type=base, default=f.default, help=_HELP.get(f.name))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from vllite_core.config import AUTO_MAX_MODEL_LEN
 from vllite_core.errors import ConfigError
 from vllite_core.model_interfaces import IsPooling
 from vllite_core.pooling.adapters import as_pooling_model, with_task
@@ -42,7 +43,7 @@ def setup_pooling(config: Any, folder: str | None, hf_config: Any, model_cls: ty
     sentence-transformers' ``max_seq_length`` as the default context length."""
     pooler = resolve_pooler_config(folder, hf_config, model_cls)
     mc = config.model_config
-    if mc.max_model_len is None and pooler.max_seq_length:
+    if mc.max_model_len in (None, AUTO_MAX_MODEL_LEN) and pooler.max_seq_length:
         mc.max_model_len = pooler.max_seq_length
     apply_pooling_rules(config, pooler)
     if pooler.bidirectional:

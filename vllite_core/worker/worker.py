@@ -96,7 +96,7 @@ class Worker:
             return cc.num_kv_blocks
         available = self.platform.determine_available_memory(self.config, self.runner.profile_run)
         num = int(available // self.runner.kv_cache_bytes_per_block())
-        if num < need:
+        if num < need and not self.config.model_config.max_model_len_auto:  # auto: the engine fits the length
             raise ConfigError(f"kv cache: {available / 2**30:.2f} GiB holds {num} blocks, fewer than one "
                               f"max_model_len sequence needs ({need}); lower max_model_len or raise kv_cache_memory")
         return num

@@ -1,9 +1,9 @@
 """The FastAPI app and its routes, the API-key gate, and running it under uvicorn.
 
 Routes: GET /health /version /metrics /v1/models /v1/responses/{id}; POST /v1/completions
-/v1/chat/completions /v1/responses /tokenize /detokenize. When the server has a key, every route
+/v1/chat/completions /v1/responses /v1/messages /tokenize /detokenize. When the server has a key, every route
 except ``OPEN_PATHS`` (health, version, metrics, the OpenAPI schema and docs) needs
-``Authorization: Bearer KEY``. CORS is off unless origins are given; a server bound
+``Authorization: Bearer KEY`` (or Anthropic's ``x-api-key: KEY``). CORS is off unless origins are given; a server bound
 to loopback refuses other Host headers (DNS rebinding). Every error leaves in
 OpenAI's shape (errors.py) and the server keeps serving. SIGTERM / Ctrl-C drain the
 in-flight requests (``serve``).
@@ -72,13 +72,26 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and scope.get("method") != "OPTIONS":
-            got = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(got, self.expected):
-                msg = "missing API key" if not got else "incorrect API key"
-                await APIError(401, f"{msg}: send 'Authorization: Bearer <key>'", code="invalid_api_key"
-                               ).response()(scope, receive, send)
+            headers = dict(scope["headers"])
+            got = headers.get(b"authorization", b"")
+            x_key = headers.get(b"x-api-key")  # Anthropic's clients send the key here
+            if not secrets.compare_digest(got, self.expected) and not (
+                    x_key is not None and secrets.compare_digest(b"Bearer " + x_key, self.expected)):
+                msg = "missing API key" if not (got or x_key) else "incorrect API key"
+                err = APIError(401, f"{msg}: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                               code="invalid_api_key")
+                await error_response_for(scope["path"], err)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def error_response_for(path: str, err: APIError) -> Response:
+    """``err`` in the shape of the API ``path`` belongs to: Anthropic's under /v1/messages, else OpenAI's."""
+    if path.startswith("/v1/messages"):
+        from vllite_core.entrypoints.anthropic.protocol import error_response
+
+        return error_response(err)
+    return err.response()
 
 
 def host_name(host_header: str) -> str:
@@ -334,6 +347,9 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
 
         add_runtime_routes(app, loras, body)  # only when the operator allowed runtime adapter updates
 
+    from vllite_core.entrypoints.anthropic.serving import add_routes as add_anthropic_routes
+
+    add_anthropic_routes(app, state, chat, body)  # POST /v1/messages, /v1/messages/count_tokens (Anthropic's API)
     from vllite_core.entrypoints.openai.serving_transcription import router as transcription_router
 
     app.include_router(transcription_router)  # POST /v1/audio/transcriptions (speech models)

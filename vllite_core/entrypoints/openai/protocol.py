@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from vllite_core.entrypoints.openai.documented_fields import ChatDocumentedFields
 from vllite_core.sampling_params import INT64_MAX, INT64_MIN
 
 Int = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
@@ -26,6 +27,7 @@ class _Strict(BaseModel):
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: usage in every chunk
+    include_obfuscation: bool | None = None  # OpenAI's; ignored (documented_fields)
 
 
 class _SamplingRequest(_Strict):
@@ -104,7 +106,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(_SamplingRequest, ChatDocumentedFields):
     messages: list[ChatMessage]
     max_tokens: Int | None = None  # deprecated by OpenAI, still accepted
     max_completion_tokens: Int | None = None

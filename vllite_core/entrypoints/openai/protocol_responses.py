@@ -3,20 +3,22 @@ input items turned into chat messages.
 
 Strict like the other bodies: an unknown field is a 400 naming it. ``input`` items are checked
 here, by hand, so the 400 names the exact item and part (``input[2].content[0]``) that this
-server cannot take (images, files, tool calls...)."""
+server cannot take (images, files...)."""
 from __future__ import annotations
 
 from typing import Any
 
+from vllite_core.entrypoints.openai.documented_fields import ResponsesDocumentedFields
 from vllite_core.entrypoints.openai.errors import bad_request
 from vllite_core.entrypoints.openai.protocol import ChatMessage, Int, _Strict
+from vllite_core.entrypoints.openai.responses_tools import call_message, merge_calls, output_message
 
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text")
 _ITEM_KEYS = {"type", "role", "content", "id", "status"}
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(_Strict, ResponsesDocumentedFields):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -40,16 +42,6 @@ class ResponsesRequest(_Strict):
 
 def check_unsupported(req: ResponsesRequest) -> None:
     """400 naming the field for what this server cannot do (never silently ignored)."""
-    if req.tools:
-        kinds = sorted({str(t.get("type")) for t in req.tools})
-        raise bad_request(f"tools are not supported by this server yet (got types: {', '.join(kinds)})", "tools",
-                          "unsupported_parameter")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise bad_request("tool_choice needs tools, which this server does not support yet", "tool_choice",
-                          "unsupported_parameter")
-    if req.reasoning:
-        raise bad_request("reasoning options are not supported: the server's --reasoning-parser decides what "
-                          "reasoning is returned", "reasoning", "unsupported_parameter")
     if req.truncation not in (None, "disabled"):
         raise bad_request("only truncation 'disabled' is supported", "truncation", "unsupported_parameter")
     if req.include:
@@ -106,6 +98,10 @@ def item_message(item: Any, i: int) -> ChatMessage:
     if not isinstance(item, dict):
         raise bad_request(f"{where} must be an object", where)
     kind = item.get("type", "message")
+    if kind == "function_call":  # a call the model made earlier, and below its result (responses_tools)
+        return call_message(item, where)
+    if kind == "function_call_output":
+        return output_message(item, where)
     if kind != "message":
         raise bad_request(f"{where}: input item type {kind!r} is not supported (only messages)", f"{where}.type",
                           "unsupported_input_item")
@@ -131,4 +127,4 @@ def input_messages(req: ResponsesRequest) -> list[ChatMessage]:
         return [ChatMessage(role="user", content=req.input)]
     if not req.input:
         raise bad_request("input must not be empty", "input")
-    return [item_message(item, i) for i, item in enumerate(req.input)]
+    return merge_calls([item_message(item, i) for i, item in enumerate(req.input)])

@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from vllite_core.entrypoints.openai.chat_reasoning import DeltaSplitter, message_fields
+from vllite_core.entrypoints.openai.documented_fields import accept_chat
 from vllite_core.entrypoints.openai.errors import bad_request, from_exception
 from vllite_core.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_json
 from vllite_core.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, TextPart
@@ -205,6 +206,7 @@ class ChatServer:
         st = self.state
         st.check_model(req.model)
         self._check_unsupported(req)
+        req = accept_chat(req)
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
         if plan.mode == "auto" and not (st.enable_auto_tool_choice and st.tool_parser is not None):
             raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',

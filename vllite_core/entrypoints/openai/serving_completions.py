@@ -9,6 +9,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from vllite_core.engine.llm_engine import PromptType
+from vllite_core.entrypoints.openai.documented_fields import accept_completion
 from vllite_core.entrypoints.openai.errors import bad_request, from_exception
 from vllite_core.entrypoints.openai.logprobs import CompletionLogprobs, prompt_logprobs_json
 from vllite_core.entrypoints.openai.protocol import CompletionRequest
@@ -56,6 +57,7 @@ class CompletionServer:
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         st = self.state
         st.check_model(req.model)
+        accept_completion(req)
         if req.suffix:
             raise bad_request("suffix is not supported", "suffix", "unsupported_parameter")
         prompts = _prompts(req)

@@ -19,6 +19,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
+from vllite_core.entrypoints.openai import responses_tools
+from vllite_core.entrypoints.openai.documented_fields import accept_responses
 from vllite_core.entrypoints.openai.errors import APIError, bad_request, from_exception
 from vllite_core.entrypoints.openai.protocol import ChatMessage
 from vllite_core.entrypoints.openai.protocol_responses import (
@@ -37,6 +39,7 @@ from vllite_core.entrypoints.openai.serving_common import (
     until_disconnect,
 )
 from vllite_core.entrypoints.openai.structured import apply_structured_outputs
+from vllite_core.entrypoints.openai.tool_output import ToolOutput
 from vllite_core.outputs import RequestOutput
 from vllite_core.sampling_params import SamplingParams
 
@@ -99,25 +102,37 @@ class ResponsesServer:
         st = self.state
         st.check_model(req.model)
         check_unsupported(req)
+        template_kwargs = accept_responses(req)
+        plan = responses_tools.plan(req)
+        if plan.mode == "auto" and not (st.enable_auto_tool_choice and st.tool_parser is not None):
+            raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
+                              "tool_choice")
         conversation, rendered = self._conversation(req)
         params = _sampling_params(req)
         try:
-            apply_structured_outputs(st.engine, SimpleNamespace(response_format=response_format_of(req.text)), params)
-        except APIError as e:  # named after chat's field: here it is text.format
-            raise bad_request(e.message, "text.format") from None
+            apply_structured_outputs(st.engine, SimpleNamespace(response_format=response_format_of(req.text)), params,
+                                     plan)
+        except APIError as e:  # named after chat's field: here it is text.format (or tools)
+            raise bad_request(e.message, e.param if e.param in ("tools", "tool_choice") else "text.format") from None
         chat = SimpleNamespace(messages=rendered, add_generation_prompt=True, continue_final_message=False,
-                               chat_template=None, chat_template_kwargs=None, allow_special_tokens_in_content=False)
-        text, ids = await st.engine.run_prep(chat_prompt, st.engine.prep_tokenizer, chat, None, st.chat_template)
+                               chat_template=None, chat_template_kwargs=template_kwargs,
+                               allow_special_tokens_in_content=False)
+        text, ids = await st.engine.run_prep(chat_prompt, st.engine.prep_tokenizer, chat, None, st.chat_template,
+                                             plan.template_tools)
         rid = _id("resp")
         streams = await add_streams(st.engine, [{"prompt_token_ids": ids, "prompt": text}], params, rid, 0)
-        build = _Builder(self, req, rid, len(ids), conversation)
+        build = _Builder(self, req, rid, len(ids), conversation, ToolOutput(plan, st.tool_parser))
         if req.stream:
             return StreamingResponse(build.events(merged(st.engine, streams, delta=True)),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
         out = (await until_disconnect(raw, final_outputs(st.engine, streams)))[0]
         c = out.outputs[0]
         reasoning, content = self._split(c.text)
-        return JSONResponse(build.finish(reasoning, content, c.finish_reason, len(c.token_ids), out.num_cached_tokens))
+        msg, finish = build.tools.message(content or "", c.finish_reason)
+        calls = [responses_tools.function_call_item(call) for call in msg.get("tool_calls") or []]
+        if calls:
+            content = msg["content"]
+        return JSONResponse(build.finish(reasoning, content, finish, len(c.token_ids), out.num_cached_tokens, calls))
 
     def _split(self, text: str) -> tuple[str | None, str | None]:
         parser = self.state.reasoning_parser
@@ -134,8 +149,9 @@ class _Builder:
     """The response object of one request, whole or as events."""
 
     def __init__(self, server: ResponsesServer, req: ResponsesRequest, rid: str, prompt_len: int,
-                 conversation: list[ChatMessage]) -> None:
+                 conversation: list[ChatMessage], tools: ToolOutput) -> None:
         self.server, self.req, self.rid, self.prompt_len = server, req, rid, prompt_len
+        self.tools = tools
         self.conversation = conversation
         self.created = int(time.time())
         self.msg_id, self.rs_id = _id("msg"), _id("rs")
@@ -149,8 +165,10 @@ class _Builder:
                 "incomplete_details": {"reason": incomplete} if incomplete else None,
                 "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "metadata": r.metadata or {},
                 "temperature": 1.0 if r.temperature is None else r.temperature,
-                "top_p": 1.0 if r.top_p is None else r.top_p, "parallel_tool_calls": True, "tool_choice": "auto",
-                "tools": [], "text": {"format": {"type": "text"}}, "previous_response_id": r.previous_response_id,
+                "top_p": 1.0 if r.top_p is None else r.top_p,
+                "parallel_tool_calls": r.parallel_tool_calls is not False, "tool_choice": r.tool_choice or "auto",
+                "tools": r.tools or [], "text": {"format": {"type": "text"}},
+                "previous_response_id": r.previous_response_id,
                 "reasoning": None, "store": r.store, "truncation": "disabled", "user": r.user}
 
     def reasoning_item(self, text: str, status: str = "completed") -> dict[str, Any]:
@@ -174,18 +192,23 @@ class _Builder:
                 "total_tokens": self.prompt_len + output_tokens}
 
     def finish(self, reasoning: str | None, content: str | None, finish_reason: str | None, output_tokens: int,
-               cached: int) -> dict[str, Any]:
-        """The final response object (stored when the request asks)."""
+               cached: int, calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The final response object (stored when the request asks). ``calls``: function_call items."""
         output = []
         if reasoning is not None:
             output.append(self.reasoning_item(reasoning))
-        if content is not None or reasoning is None:
+        if content is not None or (reasoning is None and not calls):
             output.append(self.message_item(content or ""))
+        output += calls or []
         incomplete = "max_output_tokens" if finish_reason == "length" else None
         status = "incomplete" if incomplete else "completed"
         resp = self.response(status, output, self._usage(output_tokens, cached, reasoning), incomplete)
         if self.req.store:
-            answer = ChatMessage(role="assistant", content=content or "")
+            answer = ChatMessage(role="assistant", content=content or "") if not calls else ChatMessage(
+                role="assistant", content=content or None, tool_calls=[
+                    {"id": c["call_id"], "type": "function", "function": {"name": c["name"],
+                                                                          "arguments": c["arguments"]}}
+                    for c in calls])
             self.server.store.put(resp, self.conversation + [answer])
         return resp
 
@@ -201,7 +224,8 @@ class _Builder:
         parser = self.server.state.reasoning_parser
         split = parser.stream() if parser is not None else None
         reasoning, content = "", ""
-        open_item: str | None = None  # "reasoning" | "message"
+        open_item: str | None = None  # "reasoning" | "message" | "call"
+        calls: list[dict[str, Any]] = []  # function_call items, the open one last
         opened: set[str] = set()
         index = -1
         n_tokens, cached, finish_reason = 0, 0, None
@@ -217,7 +241,34 @@ class _Builder:
                         ev("response.content_part.done", item_id=self.msg_id, output_index=index, content_index=0,
                            part=self.text_part(content)),
                         ev("response.output_item.done", output_index=index, item=self.message_item(content))]
+            if open_item == "call":
+                call = calls[-1]
+                call["status"] = "completed"
+                return [ev("response.function_call_arguments.done", item_id=call["id"], output_index=index,
+                           name=call["name"], arguments=call["arguments"]),
+                        ev("response.output_item.done", output_index=index, item=call)]
             return []
+
+        def tool_pieces(piece: str, finish: str | None) -> list[str]:
+            """Content through the tool plan: text, or function_call items with their argument deltas."""
+            nonlocal open_item, index
+            delta, _ = self.tools.delta(0, piece, finish)
+            out = pieces(None, delta["content"]) if delta.get("content") else []
+            for d in delta.get("tool_calls") or []:
+                fn = d.get("function") or {}
+                if d.get("id") is not None:  # a new call
+                    out += close()
+                    open_item, index = "call", index + 1
+                    opened.add("call")
+                    item = responses_tools.function_call_item(
+                        {"id": d["id"], "function": {"name": fn.get("name"), "arguments": ""}}, "in_progress")
+                    calls.append(item)
+                    out.append(ev("response.output_item.added", output_index=index, item=dict(item)))
+                if fn.get("arguments"):
+                    calls[-1]["arguments"] += fn["arguments"]
+                    out.append(ev("response.function_call_arguments.delta", item_id=calls[-1]["id"],
+                                  output_index=index, delta=fn["arguments"]))
+            return out
 
         def pieces(r: str | None, c: str | None) -> list[str]:
             nonlocal open_item, index, reasoning, content
@@ -256,18 +307,18 @@ class _Builder:
                 cached = out.num_cached_tokens
                 finish_reason = c.finish_reason or finish_reason
                 r_delta, c_delta = split.feed(c.text, list(c.token_ids)) if split else (None, c.text)
-                for e in pieces(r_delta, c_delta or None):
+                for e in pieces(r_delta, None) + tool_pieces(c_delta or "", None):
                     yield e
-            if split is not None:
-                for e in pieces(*split.finish()):
-                    yield e
+            r_rest, c_rest = split.finish() if split is not None else (None, "")
+            for e in pieces(r_rest, None) + tool_pieces(c_rest or "", finish_reason or "stop"):
+                yield e
             if not opened:
                 for e in pieces(None, ""):  # an empty answer is still a message item
                     yield e
             for e in close():
                 yield e
             final = self.finish(reasoning if "reasoning" in opened else None,
-                                content if "message" in opened else None, finish_reason, n_tokens, cached)
+                                content if "message" in opened else None, finish_reason, n_tokens, cached, calls)
             # response.completed also when max_output_tokens cut the answer (its status then says
             # "incomplete"): the openai client's stream helpers wait for this event to end a stream.
             yield ev("response.completed", response=final)
