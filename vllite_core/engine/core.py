@@ -194,10 +194,14 @@ class EngineCore:
                     config.parallel_config.tensor_parallel_size)
 
     def lora_layout(self) -> tuple[dict, dict]:
-        """(targets, in_features) of the model's LoRA layers: what an adapter is checked against."""
-        from vllite_core.lora.registry import lora_layout
+        """(targets, in_features) of the model's LoRA layers in checkpoint coordinates: what an adapter is
+        checked against (rank 0 reports it; vllite_core/lora/sharding.py)."""
+        assert self.executor.facts is not None and self.executor.facts.lora_layout is not None
+        return self.executor.facts.lora_layout
 
-        return lora_layout(self.worker.runner.model)
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Every worker forgets the adapter (a later request with its id loads it again)."""
+        self.executor.remove_lora(lora_int_id)
 
     def add_request(self, request: Request) -> None:
         so = request.sampling_params.structured_outputs

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from vllite_core.lora.request import LoRARequest
 from vllite_core.sampling_params import SamplingParams
 
 
@@ -26,7 +27,7 @@ class RowState:
     eos_token_id: int | None = None
     # Prompt logprobs gathered chunk by chunk until the prefill completes.
     prompt_logprobs: list = field(default_factory=list)
-    lora_adapter: object = None  # vllite_core.lora.adapter.LoRAAdapter, None: the base model
+    lora_request: LoRARequest | None = None  # the adapter by id (the worker's cache holds it), None: the base
 
 
 class InputBatch:

@@ -31,6 +31,7 @@ from vllite_core.core.kv_cache_spec import (
     plan_kv_tensors,
 )
 from vllite_core.core.sched_output import SchedulerOutput
+from vllite_core.lora.request import LoRARequest
 from vllite_core.sample.sampler import RowFaults, Sampler, SamplerOutput, gather_logprobs
 from vllite_core.state_cache import build_state_metadata, state_tensor_shape
 from vllite_core.utils import cdiv
@@ -133,11 +134,15 @@ class ModelRunner:
 
             self.mrope = MRopePositions(model)
         self.lora = None
+        self.load_failures: dict[str, str] = {}  # requests of this step that could not start, and why
         if config.lora_config is not None:
             from vllite_core.lora.slots import LoRASlots
 
             lc = config.lora_config
+            from vllite_core.lora.worker_cache import WorkerLoRACache
+
             self.lora = LoRASlots(model, lc.max_loras, lc.max_lora_rank, dtype, device)
+            self.lora_cache = WorkerLoRACache(model, lc)  # this rank's shards of the adapters, by id
             self.model_forward.lora = self.lora
         self.proposer = None  # speculative decoding (vllite_core/spec_decode)
         if config.speculative_config is not None:
@@ -208,7 +213,7 @@ class ModelRunner:
         b = self.batch
         enc = self.encoder_runner
         for rid in so.finished_req_ids:
-            b.remove(rid)
+            self._remove_row(rid)
             if enc is not None:
                 enc.remove_request(rid)
             if self.mrope is not None:
@@ -218,10 +223,12 @@ class ModelRunner:
             self.per_token.discard(rid)
             self.token_rows.pop(rid, None)
         for rid in so.preempted_req_ids:
-            b.remove(rid)
+            self._remove_row(rid)
             self.token_rows.pop(rid, None)  # it computes its prompt again from the start
         for new in so.scheduled_new_reqs:
-            b.remove(new.req_id)  # resumed after preemption
+            self._remove_row(new.req_id)  # resumed after preemption
+            if new.lora_request is not None and not self._acquire_lora(new.req_id, new.lora_request):
+                continue
             p = new.sampling_params
             gen = self.generators.get(new.req_id)
             if gen is None and p.seed is not None:
@@ -230,7 +237,7 @@ class ModelRunner:
                 self.generators[new.req_id] = gen
             state = RowState(new.req_id, new.num_prompt_tokens, p, gen,
                              list(new.token_ids[new.num_prompt_tokens:]), new.eos_token_id,
-                             lora_adapter=new.lora_adapter)
+                             lora_request=new.lora_request)
             b.add(state, new.token_ids, new.block_ids, new.num_computed_tokens, new.num_encoder_tokens)
             if new.pooling_params is not None:
                 self.pooling_params[new.req_id] = new.pooling_params
@@ -258,6 +265,29 @@ class ModelRunner:
         for rid, drafts in so.scheduled_spec_decode_tokens.items():  # inputs past the known tokens
             row, n = b.index[rid], len(drafts)
             b.token_ids[row, b.num_tokens[row]:b.num_tokens[row] + n] = drafts
+
+    def _remove_row(self, req_id: str) -> None:
+        state = self.batch.remove(req_id)
+        if state is not None and state.lora_request is not None:
+            self.lora_cache.release(state.lora_request.lora_int_id)
+
+    def _acquire_lora(self, req_id: str, lora_request: LoRARequest) -> bool:
+        """Load (or find) the request's adapter; a failure fails the request alone (no row for it)."""
+        from vllite_core.lora.errors import LoRAError
+
+        if self.lora is None:
+            self.load_failures[req_id] = "LoRA is not enabled on this engine (enable_lora=True)"
+            return False
+        try:
+            self.lora_cache.acquire(lora_request)
+            return True
+        except LoRAError as e:
+            self.load_failures[req_id] = str(e)
+            logger.warning("request %s failed: %s", req_id, e)
+            return False
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.lora_cache.remove(lora_int_id) if self.lora is not None else False
 
     def _metadata(self, query_start_loc: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray,
                   slot_mapping: np.ndarray, max_query_len: int, num_tokens: int,
@@ -294,7 +324,9 @@ class ModelRunner:
         seq_lens = computed + num_sched
         max_query_len = int(num_sched.max())
         if self.lora is not None:
-            self.lora.set_rows([b.states[r].lora_adapter for r in rows.tolist()], req_idx)
+            lrs = [b.states[r].lora_request for r in rows.tolist()]
+            self.lora.set_rows([self.lora_cache.get(lr.lora_int_id) if lr is not None else None for lr in lrs],
+                               req_idx)
         group_metadata = []
         for g, group in enumerate(self.kv_cache_groups):
             if isinstance(group.spec, CrossAttentionSpec):
@@ -452,6 +484,9 @@ class ModelRunner:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
         out = ModelRunnerOutput()
+        if self.load_failures:  # requests that could not start (their adapter did not load): not run
+            out.failed, self.load_failures = self.load_failures, {}
+            so = _without(so, out.failed)
         if so.total_num_scheduled_tokens == 0:
             return out
         inp = self._prepare_inputs(so)
@@ -500,3 +535,13 @@ class ModelRunner:
 
                 out.spec_token_ids = propose(self.proposer, b, sampled_rows)
         return out
+
+
+def _without(so: SchedulerOutput, failed: dict[str, str]) -> SchedulerOutput:
+    """The step without requests that never got a row (the scheduler keeps its own record unchanged)."""
+    import dataclasses
+
+    tokens = {rid: n for rid, n in so.num_scheduled_tokens.items() if rid not in failed}
+    drafts = {rid: d for rid, d in so.scheduled_spec_decode_tokens.items() if rid not in failed}
+    return dataclasses.replace(so, num_scheduled_tokens=tokens, total_num_scheduled_tokens=sum(tokens.values()),
+                               scheduled_spec_decode_tokens=drafts)

@@ -10,6 +10,7 @@ import torch
 from vllite_core.attention.kv_quant import configure_kv_scales
 from vllite_core.config import ConfigError, VlliteConfig
 from vllite_core.core.sched_output import SchedulerOutput
+from vllite_core.executor.wrapper import ModelFacts
 from vllite_core.platforms.interface import Platform
 from vllite_core.worker.model_runner import ModelRunner, ModelRunnerOutput
 
@@ -112,3 +113,18 @@ class Worker:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None
         return self.runner.execute_model(so)
+
+    def model_facts(self) -> ModelFacts:
+        """What the engine process needs of the model (only ids and sizes cross the executor)."""
+        assert self.runner is not None
+        r = self.runner
+        lora = None
+        if r.lora is not None:
+            from vllite_core.lora.sharding import full_layout
+
+            lora = full_layout(r.model)
+        return ModelFacts(int(r.model.vocab_size), r.kv_cache_groups, r.kv_cache_dtype, lora)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        assert self.runner is not None
+        return self.runner.remove_lora(lora_int_id)
