@@ -130,9 +130,6 @@ class EngineCore:
         hf_config = load_hf_config(source)
         if config.speculative_config is not None and hasattr(proposer_factory, "check_config"):
             proposer_factory.check_config(config.speculative_config, hf_config)  # a draft model: path, vocabulary
-            if config.parallel_config.tensor_parallel_size > 1:
-                raise ConfigError(f"speculative_config.method: {config.speculative_config.method!r} runs its model "
-                                  "on one rank; tensor_parallel_size > 1 is not supported with it (ngram is)")
         arch, model_cls = build_registry(pm).resolve_for_config(hf_config)
         model_cls = pooling_setup.resolve_model_class(arch, model_cls, mc.runner, mc.convert)
         mc.capabilities = model_capabilities(model_cls)

@@ -76,9 +76,8 @@ class Worker:
             runner_cls = TensorParallelModelRunner
         with use_model_ops(ops):  # the sampler keeps the platform's ops
             self.runner = runner_cls(self.config, model, backend, self.device, dtype, kv_dtype, processors)
-        if hasattr(self.runner.proposer, "load_model"):  # speculative decoding with a draft model of its own
-            with use_model_ops(ops):
-                self.runner.proposer.load_model(self.runner)
+        with use_model_ops(ops):  # the components' own models (a draft model, an EAGLE head)
+            self.runner.load_models()
 
     def determine_num_kv_blocks(self) -> int:
         assert self.runner is not None
