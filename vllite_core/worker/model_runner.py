@@ -228,9 +228,11 @@ class ModelRunner:
 
     def _update_states(self, so: SchedulerOutput) -> None:
         b = self.batch
-        for rid in so.finished_req_ids:
+        # In a fixed order: a removal moves the last row into the hole, and every tensor-parallel rank must
+        # end with the same rows (a set's order is its process's string hashing, which differs per rank).
+        for rid in sorted(so.finished_req_ids):
             self._remove_row(rid, finished=True)
-        for rid in so.preempted_req_ids:
+        for rid in sorted(so.preempted_req_ids):
             self._remove_row(rid, finished=False)
         for new in so.scheduled_new_reqs:
             self._remove_row(new.req_id, finished=False)  # resumed after preemption
