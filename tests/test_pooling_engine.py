@@ -194,7 +194,7 @@ def test_qwen2_token_embed_preempted(qwen2_path, qwen2_token_ref):
     assert llm.llm_engine.get_stats().num_preemptions_total > 0
     for o, ref in zip(outs, qwen2_token_ref):
         assert (o.outputs.data - ref).abs().max() <= 1e-5
-    assert not llm.llm_engine.core.worker.runner.token_rows
+    assert not any(r.token_rows for r in llm.llm_engine.core.worker.runner.requests.values())
 
 
 # ---- sequence classification ---------------------------------------------------------------------------

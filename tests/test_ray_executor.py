@@ -103,3 +103,17 @@ def test_two_nodes_match_hf_and_a_lost_actor_names_its_rank(cluster, qwen2, monk
         assert info.value.rank == 1
     finally:
         llm.llm_engine.core.shutdown()
+
+
+def test_lora_over_two_nodes_matches_peft(cluster, tmp_path, monkeypatch):
+    """Requests carry a LoRARequest to the actors; each loads its shard of the adapters: peft's greedy tokens."""
+    from test_lora_tensor_parallel import check_matches_peft, lora_case
+
+    monkeypatch.setenv("RAY_ADDRESS", cluster)
+    case = lora_case(tmp_path)
+    llm = LLM(str(case["root"] / "base"), dtype="float32", tensor_parallel_size=2, distributed_executor_backend="ray",
+              enable_lora=True, max_loras=2, max_lora_rank=16, num_kv_blocks=64, max_num_batched_tokens=32)
+    try:
+        check_matches_peft(llm, case)
+    finally:
+        llm.llm_engine.core.shutdown()

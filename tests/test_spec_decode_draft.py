@@ -290,3 +290,21 @@ def test_seeded_sampling_reproducible_with_draft(tiny_vocab, tiny_draft):  # noq
         runs.append([[c.token_ids for c in o.outputs] for o in outs])
         assert llm.llm_engine.get_stats().spec_decoding.num_accepted_tokens > 0
     assert runs[0] == runs[1]
+
+
+@pytest.mark.slow  # two worker processes per engine
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+def test_two_ranks_greedy_identical_to_one(pair, reference, eagle, method):
+    """tensor_parallel_size=2 (mp): each rank runs its shard of the draft (or EAGLE head) beside its shard of the
+    target, and rank 0's verification is shared: greedy tokens and logprobs equal one rank's."""
+    draft = pair[1] if method == "draft_model" else eagle
+    llm = LLM(model=pair[0], dtype="float32", tensor_parallel_size=2, num_kv_blocks=256, max_num_batched_tokens=64,
+              speculative_config={"method": method, "model": draft, "num_speculative_tokens": K})
+    try:
+        tokens, logprobs = _greedy(llm, logprobs=1)
+        assert tokens == reference[0]
+        assert np.allclose(np.concatenate(logprobs), np.concatenate(reference[1]), atol=1e-4)
+        sd = llm.llm_engine.get_stats().spec_decoding
+        assert sd.num_draft_tokens > 100 and sd.num_accepted_tokens > 0
+    finally:
+        llm.llm_engine.core.shutdown()

@@ -193,10 +193,6 @@ def test_a_model_without_tensor_parallel_support_is_refused():
         LLM(minilm_path(), tensor_parallel_size=2)
 
 
-def test_lora_needs_the_in_process_worker(tiny_path):
-    with pytest.raises(ConfigError, match="enable_lora"):
-        LLM(tiny_path, dtype="float32", tensor_parallel_size=2, enable_lora=True)
-
 
 def test_a_worker_that_exits_names_its_exit_code_and_last_error_line(tmp_path, monkeypatch, tiny_path):
     from vllite_core.executor import multiproc

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
+from vllite_core.lora.request import LoRARequest
 from vllite_core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -89,14 +90,14 @@ class Request:
     pooling_params: Any = None
     # Structured output: the request's grammar (vllite_core.structured_output.RequestGrammar), set on add.
     structured_output: Any = None
-    # The LoRA adapter (vllite_core.lora.adapter.LoRAAdapter) the request runs with; None: the base model.
-    lora_adapter: Any = None
+    # The LoRA adapter the request runs with, by name, id and path (each worker loads it); None: the base model.
+    lora_request: LoRARequest | None = None
     # Multimodal: one vllite_core.multimodal.MultiModalFeature per image (placeholder range, content hash, pixels).
     mm_features: list = field(default_factory=list)
 
     @property
     def lora_int_id(self) -> int:
-        return self.lora_adapter.int_id if self.lora_adapter is not None else 0
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     def __post_init__(self) -> None:
         self.status = RequestStatus.WAITING

@@ -26,6 +26,7 @@ from model_registry.layers.params import check_full, copy_checked, empty_param
 from model_registry.layers.quantization.base import UNQUANTIZED, LinearMethod
 from vllite_core.distributed import get_tp
 from vllite_core.distributed.sharding import shard_heads, split
+from vllite_core.lora.sharding import LoRAShard, RowSlice
 from vllite_core.model_ops import ModelOps, current_model_ops
 
 if TYPE_CHECKING:
@@ -58,7 +59,7 @@ class LinearBase(nn.Module):
         self.ops = ops or current_model_ops()
         self.state: dict = {}  # what the platform's op caches for this weight (packed panels), remade on change
         self.quant_method: LinearMethod = UNQUANTIZED
-        self.lora: LoRALayer | None = None  # set when the engine serves adapters (one rank only)
+        self.lora: LoRALayer | None = None  # set when the engine serves adapters (each rank its slice)
         # The checkpoint tensor that filled each shard of the weight (quantization="gguf" reads it again).
         self.checkpoint_names: dict[str | None, str] = {}
         self.weight.weight_loader = self.load  # type: ignore[attr-defined]
@@ -76,6 +77,10 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.quant_method.apply(self, x, self.bias)
         return y if self.lora is None else self.lora(x, y)
+
+    def lora_shard(self) -> LoRAShard:
+        """The part of the full layer this rank holds (an adapter's update is cut to it): all of it."""
+        return LoRAShard.whole(*self.local_features)
 
     @torch.no_grad()
     def load(self, param: torch.Tensor, src: torch.Tensor, shard: str | None, name: str) -> None:
@@ -103,6 +108,14 @@ class ColumnParallelLinear(LinearBase):
         self.segments = segments
         local = sum(s.length for s in segments.values())
         super().__init__(in_features, local, bias, dtype, ops)
+
+    def lora_shard(self) -> LoRAShard:
+        """Each fused tensor's rows on this rank (the tensors follow one another in the full layer)."""
+        rows, full_start = [], 0
+        for seg in self.segments.values():
+            rows.append(RowSlice(full_start, seg.src_start, seg.length, seg.dst_start, seg.full))
+            full_start += seg.full
+        return LoRAShard(self.local_features[1], 0, self.local_features[1], tuple(rows))
 
     @torch.no_grad()
     def load(self, param: torch.Tensor, src: torch.Tensor, shard: str | None, name: str) -> None:
@@ -173,7 +186,14 @@ class RowParallelLinear(LinearBase):
         if self.tp.world_size == 1:
             return super().forward(x)
         bias = self.bias if self.tp.rank == 0 else None  # added once to the sum
-        return self.tp.communicator.all_reduce(self._matmul(x, bias))
+        y = self._matmul(x, bias)
+        if self.lora is not None:  # this rank's columns of lora_A: the partial updates sum like the products
+            y = self.lora(x, y)
+        return self.tp.communicator.all_reduce(y)
+
+    def lora_shard(self) -> LoRAShard:
+        out = self.local_features[0]
+        return LoRAShard(self.in_features, *self.in_range, (RowSlice(0, 0, out, 0, out),))
 
     @torch.no_grad()
     def load(self, param: torch.Tensor, src: torch.Tensor, shard: str | None, name: str) -> None:

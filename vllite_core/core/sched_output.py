@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllite_core.lora.request import LoRARequest
 from vllite_core.sampling_params import SamplingParams
 
 
@@ -22,7 +23,7 @@ class NewRequestData:
     encoder_inputs: Any = None
     num_encoder_tokens: int = 0
     pooling_params: Any = None  # a pooling request's PoolingParams (it samples nothing)
-    lora_adapter: Any = None  # vllite_core.lora.adapter.LoRAAdapter, None: the base model
+    lora_request: LoRARequest | None = None  # the adapter by name, id and path (None: the base model)
     mm_features: list = field(default_factory=list)  # vllite_core.multimodal.MultiModalFeature per image
 
 

@@ -468,7 +468,7 @@ class _Step:
                 sampling_params=req.sampling_params, block_ids=sched.kv.get_block_ids(req),
                 num_computed_tokens=req.num_computed_tokens, eos_token_id=req.eos_token_id,
                 encoder_inputs=req.encoder_inputs, num_encoder_tokens=req.num_encoder_tokens,
-                pooling_params=req.pooling_params, lora_adapter=req.lora_adapter, mm_features=req.mm_features))
+                pooling_params=req.pooling_params, lora_request=req.lora_request, mm_features=req.mm_features))
         for req in self.running:
             out.scheduled_cached_reqs.append(CachedRequestData(
                 req_id=req.request_id, new_block_ids=self.new_block_ids[req.request_id],

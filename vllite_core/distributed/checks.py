@@ -9,12 +9,9 @@ from vllite_core.config import ConfigError, VlliteConfig
 def check_parallel_config(config: VlliteConfig, platform: Any, architecture: str, model_cls: Any,
                           hf_config: Any) -> None:
     """ConfigError naming the field: a model that cannot shard, heads that do not split, more ranks than
-    one machine has devices, a feature that needs the in-process worker."""
+    one machine has devices."""
     pc = config.parallel_config
     tp, backend = pc.tensor_parallel_size, pc.distributed_executor_backend
-    if config.lora_config is not None and backend != "uni":
-        raise ConfigError(f"enable_lora: LoRA adapters need the uni executor (one rank, in the engine process); "
-                          f"got distributed_executor_backend={backend!r}, tensor_parallel_size={tp}")
     if tp == 1:
         return
     if not config.model_config.capabilities.supports_tensor_parallel:

@@ -159,9 +159,6 @@ class EngineCore:
         hf_config = load_hf_config(source, mc.trust_remote_code)
         if config.speculative_config is not None and hasattr(proposer_factory, "check_config"):
             proposer_factory.check_config(config.speculative_config, hf_config)  # a draft model: path, vocabulary
-            if config.parallel_config.tensor_parallel_size > 1:
-                raise ConfigError(f"speculative_config.method: {config.speculative_config.method!r} runs its model "
-                                  "on one rank; tensor_parallel_size > 1 is not supported with it (ngram is)")
         impl = resolve_model_impl(build_registry(pm), hf_config, mc.model_impl, mc.trust_remote_code)
         apply_fallback_rules(config, impl)
         arch, model_cls = impl.architecture, impl.model_cls
@@ -228,10 +225,14 @@ class EngineCore:
                     config.parallel_config.tensor_parallel_size)
 
     def lora_layout(self) -> tuple[dict, dict]:
-        """(targets, in_features) of the model's LoRA layers: what an adapter is checked against."""
-        from vllite_core.lora.registry import lora_layout
+        """(targets, in_features) of the model's LoRA layers in checkpoint coordinates: what an adapter is
+        checked against (rank 0 reports it; vllite_core/lora/sharding.py)."""
+        assert self.executor.facts is not None and self.executor.facts.lora_layout is not None
+        return self.executor.facts.lora_layout
 
-        return lora_layout(self.worker.runner.model)
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Every worker forgets the adapter (a later request with its id loads it again)."""
+        self.executor.remove_lora(lora_int_id)
 
     def add_request(self, request: Request) -> None:
         so = request.sampling_params.structured_outputs

@@ -246,12 +246,7 @@ class EngineCoreClient:
 
     def add_request(self, request: Any) -> None:
         self._raise_if_dead()
-        adapter = request.lora_adapter
-        lora = None
-        if adapter is not None:
-            from vllite_core.lora.request import LoRARequest
-
-            lora = pickle.dumps(LoRARequest(adapter.name, adapter.int_id, adapter.path))
+        lora = pickle.dumps(request.lora_request) if request.lora_request is not None else None
         pooling = pickle.dumps(request.pooling_params) if request.pooling_params is not None else None
         msg = EngineCoreRequest(request.request_id, list(request.prompt_token_ids),
                                 pickle.dumps(request.sampling_params), request.eos_token_id, request.priority,

@@ -102,16 +102,15 @@ class EngineCoreProc:
         from vllite_core.request import Request, RequestStatus
 
         if isinstance(msg, EngineCoreRequest):
-            adapter = None
-            if msg.lora_request is not None:
-                adapter = self.engine.lora_registry.resolve(pickle.loads(msg.lora_request))
+            # The API process checked the adapter; the workers load it (their own caches).
+            lora = pickle.loads(msg.lora_request) if msg.lora_request is not None else None
             pooling = pickle.loads(msg.pooling_params) if msg.pooling_params is not None else None
             self.core.add_request(Request(
                 msg.request_id, msg.prompt_token_ids, pickle.loads(msg.sampling_params), eos_token_id=msg.eos_token_id,
                 priority=msg.priority, arrival_time=msg.arrival_time, max_tokens=msg.max_tokens,
                 encoder_inputs=msg.encoder_inputs, num_encoder_tokens=msg.num_encoder_tokens,
                 cache_salt=msg.cache_salt, block_extra_keys=tuple(msg.block_extra_keys),
-                pooling_params=pooling, lora_adapter=adapter,
+                pooling_params=pooling, lora_request=lora,
                 mm_features=pickle.loads(msg.mm_features) if msg.mm_features is not None else []))
         elif isinstance(msg, EngineCoreAbort):
             if msg.stopped:
@@ -122,8 +121,8 @@ class EngineCoreProc:
         elif isinstance(msg, EngineCoreUtility):
             if msg.method == "shutdown":
                 return False
-            if msg.method == "remove_lora" and self.engine.lora_registry is not None:
-                self.engine.lora_registry.remove(int(msg.args[0]))
+            if msg.method == "remove_lora":
+                self.core.remove_lora(int(msg.args[0]))
         return True
 
     def run(self, inp: zmq.Socket, out: zmq.Socket) -> None:

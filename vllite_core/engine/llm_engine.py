@@ -304,11 +304,15 @@ def parse_cache_salt(prompt: Any) -> str | None:
 
 
 def _lora_fields(processed: ProcessedPrompt) -> dict[str, Any]:
-    """A LoRA request's adapter and its prefix-cache identity (a digest of the adapter's files)."""
+    """A LoRA request's adapter (by name, id and path: the workers load it) and its prefix-cache identity
+    (a digest of the adapter's files, checked here)."""
     adapter = processed.lora_adapter
     if adapter is None:
         return {}
-    return {"lora_adapter": adapter, "block_extra_keys": ("lora", adapter.content_hash)}
+    from vllite_core.lora.request import LoRARequest
+
+    return {"lora_request": LoRARequest(adapter.name, adapter.int_id, adapter.path),
+            "block_extra_keys": ("lora", adapter.content_hash)}
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:

@@ -39,6 +39,9 @@ class Executor(ABC):
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.collective_rpc("execute_model", so)[0]
 
+    def remove_lora(self, lora_int_id: int) -> None:
+        self.collective_rpc("remove_lora", lora_int_id)
+
     @property
     def driver_worker(self) -> Any:
         """The in-process worker (``uni`` only; the others hold theirs in other processes)."""

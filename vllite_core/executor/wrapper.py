@@ -27,6 +27,8 @@ class ModelFacts:
     vocab_size: int
     kv_cache_groups: Any
     kv_cache_dtype: Any
+    # LoRA on: (targets, in_features) in checkpoint coordinates, what adapters are checked against.
+    lora_layout: tuple[dict, dict] | None = None
 
 
 class WorkerWrapper:
@@ -62,8 +64,7 @@ class WorkerWrapper:
         self.worker.load_model(source, hf_config, architecture, model_cls)
 
     def model_facts(self) -> ModelFacts:
-        runner = self.worker.runner
-        return ModelFacts(int(runner.model.vocab_size), runner.kv_cache_groups, runner.kv_cache_dtype)
+        return self.worker.model_facts()
 
     def call(self, method: str, *args: Any) -> Any:
         """A method of this wrapper, else of the worker. Only rank 0's step output is used: the other

@@ -1,9 +1,10 @@
-"""The frontend's adapter cache: LoRARequest -> checked LoRAAdapter, at most ``max_cpu_loras`` kept.
+"""The frontend's adapter checks: LoRARequest -> checked LoRAAdapter, at most ``max_cpu_loras`` kept.
 
 Requests are validated before they are queued, so a bad adapter is refused there (a typed
-``LoRAError``) and never reaches the step. Adapters are cached by ``lora_int_id`` (vLLM's rule: a
-new id is a new load); a request holds its adapter object, so evicting it here never takes it
-from a running request.
+``LoRAError``) and rarely reaches the step; the adapter's file digest becomes the request's
+prefix-cache identity. Only the ``LoRARequest`` goes on to the engine core: each worker loads its
+own shard (``worker_cache.py``). Checked adapters are cached by ``lora_int_id`` (vLLM's rule: a new
+id is a new load), against the whole model's layout (``sharding.full_layout``).
 """
 from __future__ import annotations
 
@@ -27,14 +28,6 @@ def layer_widths(module: Any) -> tuple[int, int]:
     weight's shape (a plain ``nn.Linear``)."""
     widths = getattr(module, "local_features", None)
     return tuple(widths) if widths is not None else tuple(module.weight.shape)
-
-
-def lora_layout(model: Any) -> tuple[dict[str, tuple[str, int, int]], dict[str, int]]:
-    """The model's LoRA targets and each target layer's input width: all an adapter is checked
-    against, so a process without the model (the API process) can check adapters too."""
-    targets = model.lora_targets()
-    modules = dict(model.named_modules())
-    return targets, {eng: int(layer_widths(modules[eng])[1]) for eng, _, _ in targets.values()}
 
 
 class LoRARegistry:

@@ -67,6 +67,7 @@ class LoRASlots:
         self.dtype = dtype
         self.device = device
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, least recently used first
+        self.resident: dict[int, LoRAAdapter] = {}  # what each slot holds (an id loaded again is loaded anew)
         self.mapping: LoRAMapping | None = None  # this step's tokens grouped by slot (None: no adapted token)
         self.layers: list[LoRALayer] = []
         fused: dict[str, int] = {}
@@ -87,12 +88,14 @@ class LoRASlots:
         wanted = {a.int_id: a for a in adapters}
         if len(wanted) > self.max_loras:
             raise RuntimeError(f"{len(wanted)} adapters in one step, more than max_loras={self.max_loras}")
-        for int_id in wanted:
-            if int_id in self.slot_of:
+        for int_id, adapter in wanted.items():
+            if int_id in self.slot_of and self.resident[int_id] is adapter:
                 self.slot_of.move_to_end(int_id)
         for int_id, adapter in wanted.items():
-            if int_id in self.slot_of:
+            if int_id in self.slot_of and self.resident[int_id] is adapter:
                 continue
+            if int_id in self.slot_of:  # reloaded under the same id: its slot is rewritten
+                self.slot_of.pop(int_id)
             used = set(self.slot_of.values())
             free = [s for s in range(self.max_loras) if s not in used]
             if free:
@@ -100,9 +103,11 @@ class LoRASlots:
             else:
                 victim = next(i for i in self.slot_of if i not in wanted)
                 slot = self.slot_of.pop(victim)
+                del self.resident[victim]
             for layer in self.layers:
                 layer.load(slot, adapter)
             self.slot_of[int_id] = slot
+            self.resident[int_id] = adapter
             self.loads += 1
         return {i: self.slot_of[i] for i in wanted}
 

@@ -29,7 +29,9 @@ from vllite_core.core.kv_cache_spec import FullAttentionSpec
 from vllite_core.errors import ConfigError
 from vllite_core.sample.sampler import RowFaults, Sampler, check_finite_rows
 from vllite_core.sampling_params import GREEDY_EPS
+from vllite_core.spec_decode.proposer import Proposer
 from vllite_core.utils import cdiv
+from vllite_core.worker.kv_metadata import attention_metadata
 from vllite_core.worker.sampling_inputs import build_sampling_metadata
 
 
@@ -51,10 +53,12 @@ def check_vocab(spec_config: SpeculativeConfig, draft_hf: Any, target_hf: Any) -
                           "a draft must share the target's tokenizer and vocabulary")
 
 
-class ModelProposer:
-    """What the runner needs of a model-based proposer; subclasses say how their model runs."""
+class ModelProposer(Proposer):
+    """A proposer with a model of its own (the runner's hooks, ``proposer.py``); subclasses say how their
+    model runs."""
 
     needs_lookahead = True  # the scheduler holds num_speculative_tokens slots past each step
+    runs_every_step = True  # catches up on every scheduled token, prompt chunks included
     token_shift = 0  # eagle: its row at position i reads the token at i + 1
 
     def __init__(self, spec_config: SpeculativeConfig, config: Any = None) -> None:
@@ -63,8 +67,6 @@ class ModelProposer:
         self.config = config
         self.kv_caches: list[torch.Tensor] = []
         self.layer_specs: list[FullAttentionSpec] = []
-        # q of each request's stored drafts ([num_drafts, vocab] float32), for requests sampled at random.
-        self.draft_probs: dict[str, torch.Tensor] = {}
         self.group = 0  # the target's cache group whose block table the proposer follows
 
     # ---- set-up --------------------------------------------------------------------------
@@ -73,10 +75,6 @@ class ModelProposer:
         """At engine start, before the target loads: the draft exists and shares the vocabulary."""
         _, draft_hf = resolve_draft(spec_config)
         check_vocab(spec_config, draft_hf, target_hf_config)
-
-    def load_model(self, runner: Any) -> None:
-        """Load the proposer's model beside the runner's (same device, dtype, attention backend)."""
-        raise NotImplementedError
 
     def _set_layer_specs(self, runner: Any, specs: list[Any]) -> None:
         if any(type(s) is not FullAttentionSpec for s in specs):
@@ -117,8 +115,6 @@ class ModelProposer:
         """Catch up on this step's tokens and draft for ``sampled_rows`` (the rows that got tokens)."""
         b = runner.batch
         bs = runner.block_size
-        for rid in [r for r in self.draft_probs if r not in b.index]:
-            del self.draft_probs[rid]
         rows, start = inp.rows, inp.computed
         sampled = np.isin(rows, sampled_rows)
         shift = self.token_shift
@@ -134,7 +130,7 @@ class ModelProposer:
             if st.sampling_params.structured_outputs is not None:  # never speculated (scheduler.py)
                 drafting[i] = False
         for i in np.nonzero(sampled & ~drafting)[0]:
-            self.draft_probs.pop(b.states[rows[i]].req_id, None)
+            b.states[rows[i]].draft_probs = None
         live = n > 0
         if not live.any():
             return {}
@@ -180,13 +176,10 @@ class ModelProposer:
                                               torch.as_tensor(keep, device=dev))
         out: dict[str, list[int]] = {}
         for a, r in enumerate(d_rows.tolist()):
-            rid = b.states[r].req_id
+            req = b.states[r]
             if drafts[a]:
-                out[rid] = drafts[a]
-            if probs[a] and len(probs[a]) == len(drafts[a]):
-                self.draft_probs[rid] = torch.stack(probs[a])
-            else:
-                self.draft_probs.pop(rid, None)
+                out[req.req_id] = drafts[a]
+            req.draft_probs = torch.stack(probs[a]) if probs[a] and len(probs[a]) == len(drafts[a]) else None
         return out
 
     def _attn(self, runner: Any, rows: np.ndarray, positions: np.ndarray, req_idx: np.ndarray, qsl: np.ndarray,
@@ -194,7 +187,8 @@ class ModelProposer:
         bs = runner.block_size
         table = runner.batch.block_tables[self.group][rows, :cdiv(int(seq_lens.max()), bs)]
         slots = table[req_idx, positions // bs].astype(np.int64) * bs + positions % bs
-        return runner._metadata(qsl, seq_lens, table, slots, max_query_len, len(positions))
+        return attention_metadata(runner.attn_backend, runner.device, bs, qsl, seq_lens, table, slots, max_query_len,
+                                  len(positions))
 
     def _sample(self, runner: Any, rows: np.ndarray, logits: torch.Tensor, extra: list[list[int]]
                 ) -> tuple[torch.Tensor, list[torch.Tensor] | None, np.ndarray]:

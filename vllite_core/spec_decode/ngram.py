@@ -11,9 +11,10 @@ import numpy as np
 import torch
 
 from vllite_core.config.speculative import SpeculativeConfig
+from vllite_core.spec_decode.proposer import Proposer
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     def __init__(self, spec_config: SpeculativeConfig, config: object = None) -> None:
         self.num_speculative_tokens = spec_config.num_speculative_tokens
         self.min_n = int(spec_config.prompt_lookup_min or 1)

@@ -16,8 +16,8 @@ import torch
 
 from vllite_core.sample.rejection_sampler import rejection_sample
 from vllite_core.sample.sampler import RowFaults
-from vllite_core.spec_decode.proposer import Proposer
 from vllite_core.worker.input_batch import InputBatch
+from vllite_core.worker.runner_request import RunnerRequest
 from vllite_core.worker.sampling_inputs import build_sampling_metadata
 
 logger = logging.getLogger("vllite.spec_decode")
@@ -38,29 +38,19 @@ def logits_indices(ends: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
     return first + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
-def propose(proposer: Proposer, b: InputBatch, rows: np.ndarray) -> dict[str, list[int]]:
-    """Drafts for the requests in ``rows`` (those that just sampled), by request id."""
-    if len(rows) == 0:
-        return {}
-    num_tokens = b.num_tokens[rows]
-    drafts = proposer.propose(b.token_ids[rows, :int(num_tokens.max())], num_tokens)
-    return {b.states[r].req_id: d for r, d in zip(rows.tolist(), drafts) if d}  # type: ignore[union-attr]
-
-
-def draft_probs(runner: Any, req_ids: list[str], drafts: list[list[int]], draft_ids: torch.Tensor, vocab: int
+def draft_probs(reqs: list[RunnerRequest], drafts: list[list[int]], draft_ids: torch.Tensor, vocab: int
                 ) -> torch.Tensor | None:
-    """q of every virtual row (request i: its drafts' rows, then its bonus row) from the proposer's kept
-    probabilities; None when it keeps none (q one-hot at each draft, as for ngram). A request without kept q
-    (greedy) is one-hot too; bonus rows are zero."""
-    kept = getattr(runner.proposer, "draft_probs", None)
-    if not kept:
+    """q of every virtual row (request i: its drafts' rows, then its bonus row) from the q the proposer kept
+    in the requests' records; None when none has any (q one-hot at each draft, as for ngram). A request
+    without kept q (greedy) is one-hot too; bonus rows are zero."""
+    if all(r.draft_probs is None for r in reqs):
         return None
     q = torch.zeros(len(draft_ids), vocab, dtype=torch.float32, device=draft_ids.device)
     has = (draft_ids >= 0).nonzero().squeeze(1)
     q[has, draft_ids[has]] = 1.0
     pos = 0
-    for rid, d in zip(req_ids, drafts):
-        qr = kept.get(rid)
+    for req, d in zip(reqs, drafts):
+        qr = req.draft_probs
         if d and qr is not None and len(qr) >= len(d):
             q[pos:pos + len(d)] = qr[:len(d)]
         pos += len(d) + 1
@@ -89,7 +79,7 @@ def verify(runner: Any, hidden: torch.Tensor, inp: Any, drafts: list[list[int]],
         logits = runner.model.compute_logits(hidden[idx])  # afresh each try: a processor may write into them
         md = build_sampling_metadata(b, vrows, logits.shape[-1], runner.device, runner.logits_processors, grammar,
                                      extra_outputs=extra)
-        q = None if md.all_greedy else draft_probs(runner, [b.states[rows[i]].req_id for i in live.tolist()],
+        q = None if md.all_greedy else draft_probs([b.states[rows[i]] for i in live.tolist()],
                                                    [drafts[i] for i in live.tolist()], draft_ids, logits.shape[-1])
         try:
             v = rejection_sample(runner.sampler, logits, md, draft_ids, q)

@@ -2,31 +2,14 @@
 
 A request keeps its row while it runs, so a step only writes what changed (new
 blocks, a sampled token) instead of rebuilding every request's inputs. Rows are
-kept dense (0..n-1) by moving the last row into a hole when a request leaves.
+kept dense (0..n-1) by moving the last row into a hole when a request leaves. Each row points at its
+request's record (``runner_request.RunnerRequest``: the Python objects beside the arrays).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
-import torch
 
-from vllite_core.sampling_params import SamplingParams
-
-
-@dataclass
-class RowState:
-    """What the runner keeps for a request beside its batch row (Python objects, not arrays)."""
-
-    req_id: str
-    num_prompt_tokens: int
-    sampling_params: SamplingParams
-    generator: torch.Generator | None = None
-    output_token_ids: list[int] = field(default_factory=list)
-    eos_token_id: int | None = None
-    # Prompt logprobs gathered chunk by chunk until the prefill completes.
-    prompt_logprobs: list = field(default_factory=list)
-    lora_adapter: object = None  # vllite_core.lora.adapter.LoRAAdapter, None: the base model
+from vllite_core.worker.runner_request import RunnerRequest
 
 
 class InputBatch:
@@ -54,14 +37,14 @@ class InputBatch:
         self.has_constraints = np.zeros(max_num_reqs, dtype=bool)
         # Encoder-decoder models: the encoder output's length (the cross-attention context).
         self.num_encoder_tokens = np.zeros(max_num_reqs, dtype=np.int64)
-        self.states: list[RowState | None] = [None] * max_num_reqs
+        self.states: list[RunnerRequest | None] = [None] * max_num_reqs
         self.index: dict[str, int] = {}
 
     @property
     def num_reqs(self) -> int:
         return len(self.index)
 
-    def add(self, state: RowState, token_ids: list[int], block_ids: list[list[int]], num_computed: int,
+    def add(self, state: RunnerRequest, token_ids: list[int], block_ids: list[list[int]], num_computed: int,
             num_encoder_tokens: int = 0) -> int:
         row = self.num_reqs
         if row >= self.max_num_reqs:
@@ -104,7 +87,7 @@ class InputBatch:
             self.token_ids[row, n] = token
         self.num_tokens[row] = n + 1
 
-    def remove(self, req_id: str) -> RowState | None:
+    def remove(self, req_id: str) -> RunnerRequest | None:
         """Remove a request and fill its row with the last one, keeping rows dense."""
         row = self.index.pop(req_id, None)
         if row is None:

@@ -5,6 +5,12 @@ numpy over the persistent batch. Logits are computed only for rows that finish
 their known tokens this step (a prefill chunk in the middle of a prompt samples
 nothing).
 
+What the runner does not do itself: each feature (LoRA, multimodal and M-RoPE, cross attention,
+pooling, speculative decoding, grammar bitmasks, per-request generators) is a component
+(``components.py``) whose hooks the step calls in order; each cache group's metadata comes from the
+builder of its spec kind (``kv_metadata.py``); every per-request field lives in the request's record
+(``runner_request.py``), kept in ``requests`` from admission until the request finishes.
+
 A fault of one request (``RowFaults`` from the sampler: a logits processor raising
 for its row, a non-finite logits row) fails that request alone: its id and the reason
 go in ``ModelRunnerOutput.failed``, no token is sampled for it, and the other rows
@@ -20,22 +26,25 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllite_core.attention import AttentionBackend, AttentionMetadata
+from vllite_core.attention import AttentionBackend
 from vllite_core.config import VlliteConfig
-from vllite_core.core.kv_cache_spec import (
-    CrossAttentionSpec,
-    KVCacheSpec,
-    SlidingWindowSpec,
-    StateSpec,
-    group_layers,
-    plan_kv_tensors,
-)
-from vllite_core.core.sched_output import SchedulerOutput
+from vllite_core.core.kv_cache_spec import group_layers, plan_kv_tensors
+from vllite_core.core.sched_output import NewRequestData, SchedulerOutput
+from vllite_core.errors import InvalidRequestError
 from vllite_core.sample.sampler import RowFaults, Sampler, SamplerOutput, gather_logprobs
-from vllite_core.state_cache import build_state_metadata, state_tensor_shape
 from vllite_core.utils import cdiv
+from vllite_core.worker.components import (
+    LoRA,
+    Multimodal,
+    RunnerComponent,
+    SpecDecode,
+    build_components,
+    first_of,
+)
 from vllite_core.worker.graph_runner import ModelForward
-from vllite_core.worker.input_batch import InputBatch, RowState
+from vllite_core.worker.input_batch import InputBatch
+from vllite_core.worker.kv_metadata import BuildContext, StepLayout, builder_for
+from vllite_core.worker.runner_request import RunnerRequest
 from vllite_core.worker.sampling_inputs import build_sampling_metadata
 
 logger = logging.getLogger("vllite.runner")
@@ -66,22 +75,39 @@ class ModelRunnerOutput:
 
 @dataclass
 class StepInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    layer_metadata: list[AttentionMetadata]  # one per cache layer; the layers of a group share one object
-    logits_indices: torch.Tensor
+    """One step's inputs. Components' ``prepare`` hooks see the host arrays (``host_*``); the runner then
+    moves them to the device (``input_ids``, ``positions``, ``logits_indices``)."""
+
+    layout: StepLayout
+    layer_metadata: list[Any]  # one per cache layer; the layers of a group share one object
     sample_rows: np.ndarray  # batch rows that sample, in logits order
     # Requests wanting prompt logprobs in this step: (row, first token index, num tokens, first position).
     prompt_lp: list[tuple[int, int, int, int]]
+    host_input_ids: np.ndarray
+    host_positions: np.ndarray  # [T], or [3, T] with M-RoPE
+    host_logits_indices: np.ndarray
     # Multimodal: (flat token indices, encoder embedding rows) replacing those tokens' embeddings.
     mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
     # Speculative decoding: the drafts each sample row verifies in this step (None: no row has any).
     drafts: list[list[int]] | None = None
+    grammar: Any = None  # structured output: the step's GrammarBitmask
+    input_ids: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    logits_indices: torch.Tensor | None = None
+
     # The scheduled batch rows in input order, their computed tokens before the step and first input index
     # (a model-based proposer runs the same tokens, vllite_core/spec_decode/model_proposer.py).
-    rows: np.ndarray | None = None
-    computed: np.ndarray | None = None
-    query_start: np.ndarray | None = None
+    @property
+    def rows(self) -> np.ndarray:
+        return self.layout.rows
+
+    @property
+    def computed(self) -> np.ndarray:
+        return self.layout.computed
+
+    @property
+    def query_start(self) -> np.ndarray:
+        return self.layout.query_start_loc[:-1]
 
 
 class ModelRunner:
@@ -105,86 +131,55 @@ class ModelRunner:
             for layer in group.layers:
                 self.group_of_layer[layer] = g
         self.tensor_plan = plan_kv_tensors(self.kv_cache_groups, len(self.kv_cache_specs))
-        self.cross_layers = [i for i, s in enumerate(self.kv_cache_specs) if isinstance(s, CrossAttentionSpec)]
+        self.build_ctx = BuildContext(attn_backend, device, self.block_size, self.max_model_len)
+        self.builders = [builder_for(g.spec) for g in self.kv_cache_groups]
         self.batch = InputBatch(config.scheduler_config.max_num_seqs, self.max_model_len, self.block_size,
-                                [self._table_width(g.spec) for g in self.kv_cache_groups])
+                                [b.table_width(g.spec, self.build_ctx)
+                                 for b, g in zip(self.builders, self.kv_cache_groups)])
         self.sampler = Sampler(config.model_config.logprobs_mode)
         self.logits_processors = list(logits_processors or [])
         self.kv_caches: list[torch.Tensor] = []
-        # Seeded generators live until the request finishes (a preempted request keeps its stream).
-        self.generators: dict[str, torch.Generator] = {}
+        # Every request the runner knows, from admission until it finishes (preempted ones included).
+        self.requests: dict[str, RunnerRequest] = {}
+        self.load_failures: dict[str, str] = {}  # requests of this step that could not start, and why
         # Decode steps go through captured graphs when the platform made some (graph_runner.py).
         self.model_forward = ModelForward(model, attn_backend, len(self.kv_cache_specs))
         self.pooler_config = config.model_config.pooler_config
-        self.pooling_params: dict[str, Any] = {}  # of the pooling requests in the batch
-        # Requests pooled per token (ALL): their hidden rows of earlier prompt chunks, until the prompt is complete.
-        self.per_token: set[str] = set()
-        self.token_rows: dict[str, list[torch.Tensor]] = {}
-        # Multi-LoRA: adapter slots attached to the model's linear layers (vllite_core/lora/slots.py).
-        # Multimodal models: encoder outputs by image content hash (vllite_core/multimodal/runner.py).
-        self.encoder_runner = None
-        if self.capabilities.is_multimodal_decoder:
-            from vllite_core.multimodal.runner import EncoderRunner
+        self.components: list[RunnerComponent] = build_components(self, config)
+        # The features' components by name, for the worker and tests (None: the feature is off).
+        self.lora: LoRA | None = first_of(self.components, LoRA)
+        mm: Multimodal | None = first_of(self.components, Multimodal)
+        self.encoder_runner = mm.encoder_runner if mm is not None else None
+        self.mrope = mm.mrope if mm is not None else None
+        spec: SpecDecode | None = first_of(self.components, SpecDecode)
+        self.proposer = spec.proposer if spec is not None else None
 
-            self.encoder_runner = EncoderRunner(model)
-        self.mrope = None  # three-dimensional rotary positions (vllite_core/multimodal/mrope.py)
-        if self.capabilities.uses_mrope:
-            from vllite_core.multimodal.mrope import MRopePositions
-
-            self.mrope = MRopePositions(model)
-        self.lora = None
-        if config.lora_config is not None:
-            from vllite_core.lora.slots import LoRASlots
-
-            lc = config.lora_config
-            self.lora = LoRASlots(model, lc.max_loras, lc.max_lora_rank, dtype, device)
-            self.model_forward.lora = self.lora
-        self.proposer = None  # speculative decoding (vllite_core/spec_decode)
-        if config.speculative_config is not None:
-            from vllite_core.spec_decode.registry import resolve_proposer_factory
-
-            self.proposer = resolve_proposer_factory(config.speculative_config)(config.speculative_config, config)
-
-    def _table_width(self, spec: KVCacheSpec) -> int:
-        """Block-table columns a group needs: sliding-window tables keep dead slots (as the null block)."""
-        if isinstance(spec, SlidingWindowSpec):
-            return cdiv(self.max_model_len, self.block_size)
-        return spec.max_blocks_per_request(self.max_model_len)
-
-    # ---- KV cache ---------------------------------------------------------------------
-    def _tensor_shape(self, spec: KVCacheSpec, num_blocks: int) -> tuple[int, ...]:
-        if isinstance(spec, StateSpec):
-            return state_tensor_shape(spec, num_blocks)
-        if spec.model_layout:  # read by the model's own layer (MLA latents, attention with sinks)
-            return (num_blocks, self.block_size, spec.page_bytes // (self.block_size * spec.dtype.itemsize))
-        return self.attn_backend.get_kv_cache_shape(num_blocks, self.block_size, spec.num_kv_heads, spec.head_size)
+    # ---- set-up -----------------------------------------------------------------------
+    def load_models(self) -> None:
+        """Models of the components' own (a draft model, an EAGLE head), after the target's."""
+        for c in self.components:
+            c.load_model()
 
     def kv_cache_bytes_per_block(self) -> int:
-        """Memory one block id costs in every cache tensor (in the backend's layout)."""
-        own = sum(int(np.prod(self._tensor_shape(spec, 1))) * spec.dtype.itemsize
+        """Memory one block id costs in every cache tensor (in the backend's layout), the components' too."""
+        own = sum(int(np.prod(builder_for(spec).tensor_shape(spec, 1, self.build_ctx))) * spec.dtype.itemsize
                   for spec in self.tensor_plan.tensor_specs)
-        return own + (self.proposer.kv_bytes_per_block() if hasattr(self.proposer, "kv_bytes_per_block") else 0)
+        return own + sum(c.kv_bytes_per_block() for c in self.components)
 
     def _allocate_caches(self, num_blocks: int) -> list[torch.Tensor]:
-        tensors = [self.attn_backend.allocate_kv_cache(self._tensor_shape(spec, num_blocks), spec.dtype, self.device)
+        tensors = [self.attn_backend.allocate_kv_cache(builder_for(spec).tensor_shape(spec, num_blocks,
+                                                                                      self.build_ctx),
+                                                       spec.dtype, self.device)
                    for spec in self.tensor_plan.tensor_specs]
         return [tensors[t] for t in self.tensor_plan.tensor_of_layer]
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = self._allocate_caches(num_blocks)
-        if hasattr(self.proposer, "initialize_kv_cache"):  # a draft model's pages of the same block ids
-            self.proposer.initialize_kv_cache(self, num_blocks)
+        for c in self.components:
+            c.initialize_kv_cache(num_blocks)
 
-    def _run_encoders(self, new_reqs: list[Any]) -> None:
-        """Encoder once per admitted request; its per-layer K/V go to the request's cross-attention blocks."""
-        hidden = self.model.encode([r.encoder_inputs for r in new_reqs])
-        for r, h in zip(new_reqs, hidden):
-            pos = np.arange(r.num_encoder_tokens)
-            for layer, (k, v) in zip(self.cross_layers, self.model.cross_kv(h), strict=True):
-                blocks = np.asarray(r.block_ids[self.group_of_layer[layer]], dtype=np.int64)
-                slots = torch.as_tensor(blocks[pos // self.block_size] * self.block_size + pos % self.block_size,
-                                        device=self.device)
-                self.attn_backend.write_kv(k, v, self.kv_caches[layer], slots)
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.lora.remove_lora(lora_int_id) if self.lora is not None else False
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -195,91 +190,69 @@ class ModelRunner:
         n = min(self.config.scheduler_config.max_num_batched_tokens, self.max_model_len)
         blocks = cdiv(n, self.block_size) + 1
         caches = self._allocate_caches(blocks)
-        pos = np.arange(n)
-        md = self._metadata(np.array([0, n]), np.array([n]), np.arange(1, blocks, dtype=np.int32)[None, :],
-                            (pos // self.block_size + 1) * self.block_size + pos % self.block_size, n, n)
+        table = np.arange(1, blocks, dtype=np.int32)[None, :]
+        group_md = [b.profile(g.spec, table, n, self.build_ctx) for b, g in zip(self.builders, self.kv_cache_groups)]
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        state_md = build_state_metadata(np.array([1]), np.array([0]), np.array([0, n]), n, n, self.device)
-        mds = [state_md if isinstance(spec, StateSpec) else md for spec in self.kv_cache_specs]
-        hidden = self.model(ids, torch.as_tensor(pos, device=self.device), caches, mds)
+        hidden = self.model(ids, torch.as_tensor(np.arange(n), device=self.device), caches,
+                            [group_md[g] for g in self.group_of_layer])
         self.model.compute_logits(hidden[-1:])
         del caches, hidden
 
     # ---- the step ---------------------------------------------------------------------
+    def _remove_row(self, req_id: str, finished: bool) -> None:
+        req = self.batch.remove(req_id)
+        if req is not None:
+            for c in self.components:
+                c.remove_request(req, finished)
+        if finished:
+            self.requests.pop(req_id, None)
+
+    def _add_row(self, new: NewRequestData) -> None:
+        req = self.requests.get(new.req_id)
+        if req is None:
+            req = self.requests[new.req_id] = RunnerRequest(new.req_id, new.num_prompt_tokens, new.sampling_params)
+        req.num_prompt_tokens, req.sampling_params = new.num_prompt_tokens, new.sampling_params
+        req.output_token_ids = list(new.token_ids[new.num_prompt_tokens:])
+        req.eos_token_id, req.lora_request, req.prompt_logprobs = new.eos_token_id, new.lora_request, []
+        for i, c in enumerate(self.components):
+            try:
+                c.add_request(req, new)
+            except InvalidRequestError as e:  # this request alone fails (an adapter that does not load)
+                for done in self.components[:i]:
+                    done.remove_request(req, True)
+                self.requests.pop(new.req_id, None)
+                self.load_failures[new.req_id] = str(e)
+                logger.warning("request %s failed: %s", new.req_id, e)
+                return
+        self.batch.add(req, new.token_ids, new.block_ids, new.num_computed_tokens, new.num_encoder_tokens)
+
     def _update_states(self, so: SchedulerOutput) -> None:
         b = self.batch
-        enc = self.encoder_runner
-        for rid in so.finished_req_ids:
-            b.remove(rid)
-            if enc is not None:
-                enc.remove_request(rid)
-            if self.mrope is not None:
-                self.mrope.remove_request(rid)
-            self.generators.pop(rid, None)
-            self.pooling_params.pop(rid, None)
-            self.per_token.discard(rid)
-            self.token_rows.pop(rid, None)
-        for rid in so.preempted_req_ids:
-            b.remove(rid)
-            self.token_rows.pop(rid, None)  # it computes its prompt again from the start
+        # In a fixed order: a removal moves the last row into the hole, and every tensor-parallel rank must
+        # end with the same rows (a set's order is its process's string hashing, which differs per rank).
+        for rid in sorted(so.finished_req_ids):
+            self._remove_row(rid, finished=True)
+        for rid in sorted(so.preempted_req_ids):
+            self._remove_row(rid, finished=False)
         for new in so.scheduled_new_reqs:
-            b.remove(new.req_id)  # resumed after preemption
-            p = new.sampling_params
-            gen = self.generators.get(new.req_id)
-            if gen is None and p.seed is not None:
-                gen = torch.Generator(device=self.device)
-                gen.manual_seed(p.seed)
-                self.generators[new.req_id] = gen
-            state = RowState(new.req_id, new.num_prompt_tokens, p, gen,
-                             list(new.token_ids[new.num_prompt_tokens:]), new.eos_token_id,
-                             lora_adapter=new.lora_adapter)
-            b.add(state, new.token_ids, new.block_ids, new.num_computed_tokens, new.num_encoder_tokens)
-            if new.pooling_params is not None:
-                self.pooling_params[new.req_id] = new.pooling_params
-                self.token_rows.pop(new.req_id, None)
-                if new.pooling_params.per_token or self.pooler_config.pooling_type == "ALL":
-                    self.per_token.add(new.req_id)
-            if enc is not None:
-                enc.add_request(new.req_id, new.mm_features)
-            if self.mrope is not None:
-                self.mrope.add_request(new.req_id, new.token_ids, new.num_prompt_tokens, new.mm_features)
-        if enc is not None:
-            enc.update(so.free_encoder_mm_hashes, so.scheduled_encoder_inputs)
-        if self.cross_layers:
-            fresh = [n for n in so.scheduled_new_reqs if n.num_encoder_tokens]
-            if fresh:
-                self._run_encoders(fresh)
-        for c in so.scheduled_cached_reqs:
-            row = b.index[c.req_id]
-            b.append_blocks(row, c.new_block_ids)
-            b.num_computed[row] = c.num_computed_tokens
-            if c.new_token_ids:  # jump-forward: tokens the scheduler appended without sampling
-                for tok in c.new_token_ids:
+            self._remove_row(new.req_id, finished=False)  # resumed after preemption
+            self._add_row(new)
+        for c in self.components:
+            c.begin_step(so)
+        for cached in so.scheduled_cached_reqs:
+            row = b.index[cached.req_id]
+            b.append_blocks(row, cached.new_block_ids)
+            b.num_computed[row] = cached.num_computed_tokens
+            if cached.new_token_ids:  # jump-forward: tokens the scheduler appended without sampling
+                for tok in cached.new_token_ids:
                     b.append_token(row, tok)
-                b.states[row].output_token_ids.extend(c.new_token_ids)  # type: ignore[union-attr]
+                b.states[row].output_token_ids.extend(cached.new_token_ids)  # type: ignore[union-attr]
         for rid, drafts in so.scheduled_spec_decode_tokens.items():  # inputs past the known tokens
             row, n = b.index[rid], len(drafts)
             b.token_ids[row, b.num_tokens[row]:b.num_tokens[row] + n] = drafts
 
-    def _metadata(self, query_start_loc: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray,
-                  slot_mapping: np.ndarray, max_query_len: int, num_tokens: int,
-                  prepare: bool = True) -> AttentionMetadata:
-        dev = self.device
-        md = AttentionMetadata(
-            num_actual_tokens=num_tokens,
-            query_start_loc=torch.as_tensor(query_start_loc.astype(np.int32), device=dev),
-            seq_lens=torch.as_tensor(seq_lens.astype(np.int32), device=dev),
-            block_table=torch.as_tensor(np.ascontiguousarray(block_table, dtype=np.int32), device=dev),
-            slot_mapping=torch.as_tensor(slot_mapping.astype(np.int64), device=dev),
-            max_query_len=int(max_query_len), max_seq_len=int(seq_lens.max()), block_size=self.block_size,
-            query_start_loc_cpu=query_start_loc.tolist(), seq_lens_cpu=seq_lens.tolist())
-        if prepare:
-            self.attn_backend.prepare(md)
-        return md
-
-    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+    def _layout(self, so: SchedulerOutput) -> StepLayout:
         b = self.batch
-        bs = self.block_size
         rows = np.fromiter((b.index[rid] for rid in so.num_scheduled_tokens), dtype=np.int64,
                            count=len(so.num_scheduled_tokens))
         num_sched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(rows))
@@ -287,58 +260,36 @@ class ModelRunner:
         rows, num_sched = rows[order], num_sched[order]
         total = int(num_sched.sum())
         cu = np.cumsum(num_sched)
-        query_start_loc = np.concatenate(([0], cu))
         starts = cu - num_sched
         req_idx = np.repeat(np.arange(len(rows)), num_sched)
         computed = b.num_computed[rows]
         positions = computed[req_idx] + np.arange(total) - starts[req_idx]
-        input_ids = b.token_ids[rows[req_idx], positions]
-        seq_lens = computed + num_sched
-        max_query_len = int(num_sched.max())
-        if self.lora is not None:
-            self.lora.set_rows([b.states[r].lora_adapter for r in rows.tolist()], req_idx)
-        group_metadata = []
-        for g, group in enumerate(self.kv_cache_groups):
-            if isinstance(group.spec, CrossAttentionSpec):
-                # Queries attend to the whole encoder output, written at admission: nothing to store.
-                enc_lens = b.num_encoder_tokens[rows]
-                table = b.block_tables[g][rows, :max(1, cdiv(int(enc_lens.max()), bs))]
-                group_metadata.append(self._metadata(query_start_loc, enc_lens, table, np.zeros(0, dtype=np.int64),
-                                                     max_query_len, total, prepare=False))
-                continue
-            if isinstance(group.spec, StateSpec):  # one block per request: its recurrent state
-                group_metadata.append(build_state_metadata(b.block_tables[g][rows, 0], computed, query_start_loc,
-                                                            max_query_len, total, self.device))
-                continue
-            table = b.block_tables[g][rows, :cdiv(int(seq_lens.max()), bs)]
-            slot_mapping = table[req_idx, positions // bs].astype(np.int64) * bs + positions % bs
-            group_metadata.append(self._metadata(query_start_loc, seq_lens, table, slot_mapping, max_query_len,
-                                                 total))
-        sampling = seq_lens >= b.num_tokens[rows]
-        logits_indices = cu[sampling] - 1
-        drafts = None
-        if so.scheduled_spec_decode_tokens:
-            from vllite_core.spec_decode.verify import logits_indices as spec_logits_indices
+        return StepLayout(rows=rows, computed=computed, num_sched=num_sched,
+                          query_start_loc=np.concatenate(([0], cu)), req_idx=req_idx, positions=positions,
+                          seq_lens=computed + num_sched, max_query_len=int(num_sched.max()), total=total)
 
-            drafts = [so.scheduled_spec_decode_tokens.get(b.states[r].req_id, []) for r in rows[sampling]]
-            logits_indices = spec_logits_indices(logits_indices, np.array([len(d) for d in drafts], dtype=np.int64))
+    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+        b = self.batch
+        lay = self._layout(so)
+        rows, computed = lay.rows, lay.computed
+        group_metadata = [builder.build(g.spec, b.block_tables[i], lay, b, self.build_ctx)
+                          for i, (builder, g) in enumerate(zip(self.builders, self.kv_cache_groups))]
+        sampling = lay.seq_lens >= b.num_tokens[rows]
         prompt_lp = []
         wants = (b.num_prompt_logprobs[rows] >= 0) & (computed < b.num_prompt[rows])
+        starts = lay.query_start_loc[:-1]
         for i in np.nonzero(wants)[0]:
-            prompt_lp.append((int(rows[i]), int(starts[i]), int(num_sched[i]), int(computed[i])))
-        mm_embeds = None
-        model_positions = positions
-        if self.encoder_runner is not None:
-            req_ids = [b.states[r].req_id for r in rows.tolist()]
-            mm_embeds = self.encoder_runner.gather(req_ids, computed, num_sched, starts)
-            if self.mrope is not None:
-                model_positions = self.mrope.step_positions(req_ids, positions, starts, num_sched)
-        return StepInputs(input_ids=torch.as_tensor(input_ids, device=self.device),
-                          positions=torch.as_tensor(model_positions, device=self.device),
-                          layer_metadata=[group_metadata[g] for g in self.group_of_layer],
-                          logits_indices=torch.as_tensor(logits_indices, device=self.device),
-                          sample_rows=rows[sampling], prompt_lp=prompt_lp, mm_embeds=mm_embeds, drafts=drafts,
-                          rows=rows, computed=computed, query_start=starts)
+            prompt_lp.append((int(rows[i]), int(starts[i]), int(lay.num_sched[i]), int(computed[i])))
+        step = StepInputs(layout=lay, layer_metadata=[group_metadata[g] for g in self.group_of_layer],
+                          sample_rows=rows[sampling], prompt_lp=prompt_lp,
+                          host_input_ids=b.token_ids[rows[lay.req_idx], lay.positions],
+                          host_positions=lay.positions, host_logits_indices=lay.query_start_loc[1:][sampling] - 1)
+        for c in self.components:
+            c.prepare(step, so)
+        step.input_ids = torch.as_tensor(step.host_input_ids, device=self.device)
+        step.positions = torch.as_tensor(step.host_positions, device=self.device)
+        step.logits_indices = torch.as_tensor(step.host_logits_indices, device=self.device)
+        return step
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inp: StepInputs) -> None:
         """Logprobs of each prompt token given the ones before it; raw, as prompt tokens are not sampled."""
@@ -391,48 +342,6 @@ class ModelRunner:
                 keep = torch.as_tensor(np.nonzero(alive)[0], device=inp.logits_indices.device)
                 logits = self.model.compute_logits(hidden[inp.logits_indices[keep]])
 
-    def _keep_token_rows(self, hidden: torch.Tensor, inp: StepInputs, so: SchedulerOutput) -> None:
-        """Per-token pooling requests in the middle of their prompt: keep this chunk's hidden rows (a copy:
-        the step's output buffer is reused)."""
-        assert inp.rows is not None and inp.query_start is not None
-        done = set(inp.sample_rows.tolist())
-        for row, start in zip(inp.rows.tolist(), inp.query_start.tolist()):
-            st = self.batch.states[row]
-            if row in done or st is None or st.req_id not in self.per_token:
-                continue
-            n = so.num_scheduled_tokens[st.req_id]
-            self.token_rows.setdefault(st.req_id, []).append(hidden[start:start + n].clone())
-
-    def _pool(self, hidden: torch.Tensor, inp: StepInputs, so: SchedulerOutput, out: ModelRunnerOutput) -> None:
-        """Pooling requests whose prompt ended: the rows they ran in this step are pooled (per-token
-        requests: after the rows kept from their earlier chunks)."""
-        from vllite_core.pooling.pooler import pooled_outputs
-
-        segments = []
-        for row, end in zip(inp.sample_rows.tolist(), inp.logits_indices.tolist()):
-            st = self.batch.states[row]
-            assert st is not None
-            n = so.num_scheduled_tokens[st.req_id]
-            rows = hidden[end + 1 - n:end + 1]
-            earlier = self.token_rows.pop(st.req_id, None)
-            if earlier:
-                rows = torch.cat(earlier + [rows])
-            segments.append((st.req_id, rows))
-        cfg, params, per_token = self.pooler_config, self.pooling_params, self.per_token
-        try:
-            out.pooler_output = pooled_outputs(self.model, cfg, segments, params, per_token)
-            return
-        except Exception as e:  # noqa: BLE001 - a model's pooling fault fails requests, never the engine
-            logger.warning("pooling failed for a batch of %d requests (%s: %s); pooling each alone",
-                           len(segments), type(e).__name__, e)
-        out.pooler_output = {}
-        for seg in segments:  # one request at a time: only the ones that fault fail
-            try:
-                out.pooler_output.update(pooled_outputs(self.model, cfg, [seg], params, per_token))
-            except Exception as e:  # noqa: BLE001
-                out.failed[seg[0]] = f"pooling failed: {type(e).__name__}: {e}"
-                logger.warning("request %s failed: %s", seg[0], out.failed[seg[0]])
-
     def _sample_step(self, hidden: torch.Tensor, inp: StepInputs, so: SchedulerOutput, out: ModelRunnerOutput
                      ) -> list[tuple[int, list[int], list | None, int]]:
         """(row, tokens, their logprobs, drafts verified) of each row that got tokens in this step."""
@@ -440,8 +349,8 @@ class ModelRunner:
             from vllite_core.spec_decode.verify import verify
 
             return [(r.row, r.token_ids, r.logprobs, r.num_drafts)
-                    for r in verify(self, hidden, inp, inp.drafts, out, so.grammar_bitmask)]
-        sample_rows, sampled = self._sample(hidden, inp, out, so.grammar_bitmask)
+                    for r in verify(self, hidden, inp, inp.drafts, out, inp.grammar)]
+        sample_rows, sampled = self._sample(hidden, inp, out, inp.grammar)
         if sampled is None:
             return []
         tokens = sampled.sampled_token_ids.tolist()
@@ -454,6 +363,9 @@ class ModelRunner:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
         out = ModelRunnerOutput()
+        if self.load_failures:  # requests that could not start (their adapter did not load): not run
+            out.failed, self.load_failures = self.load_failures, {}
+            so = _without(so, out.failed)
         if so.total_num_scheduled_tokens == 0:
             return out
         inp = self._prepare_inputs(so)
@@ -472,11 +384,9 @@ class ModelRunner:
             b.num_computed[b.index[rid]] += n
         if inp.prompt_lp:
             self._prompt_logprobs(hidden, inp)
-        if self.per_token:
-            self._keep_token_rows(hidden, inp, so)
-        if len(inp.sample_rows) and self.pooler_config is not None:
-            self._pool(hidden, inp, so, out)
-            return out
+        for c in self.components:
+            if c.after_forward(hidden, inp, so, out):
+                return out
         results = self._sample_step(hidden, inp, so, out) if len(inp.sample_rows) else []
         for row, toks, lps_row, num_drafts in results:
             st = b.states[row]
@@ -493,12 +403,17 @@ class ModelRunner:
             if b.num_prompt_logprobs[row] >= 0 and len(st.output_token_ids) == len(toks):
                 out.prompt_logprobs[st.req_id] = st.prompt_logprobs
                 st.prompt_logprobs = []
-        if self.proposer is not None and (results or hasattr(self.proposer, "propose_step")):
-            sampled_rows = np.array([r[0] for r in results], dtype=np.int64)
-            if hasattr(self.proposer, "propose_step"):  # a model of its own: runs on this step's tokens
-                out.spec_token_ids = self.proposer.propose_step(self, inp, hidden, sampled_rows)
-            else:
-                from vllite_core.spec_decode.verify import propose
-
-                out.spec_token_ids = propose(self.proposer, b, sampled_rows)
+        sampled_rows = np.array([r[0] for r in results], dtype=np.int64)
+        for c in self.components:
+            c.after_sample(hidden, inp, sampled_rows, out)
         return out
+
+
+def _without(so: SchedulerOutput, failed: dict[str, str]) -> SchedulerOutput:
+    """The step without requests that never got a row (the scheduler keeps its own record unchanged)."""
+    import dataclasses
+
+    tokens = {rid: n for rid, n in so.num_scheduled_tokens.items() if rid not in failed}
+    drafts = {rid: d for rid, d in so.scheduled_spec_decode_tokens.items() if rid not in failed}
+    return dataclasses.replace(so, num_scheduled_tokens=tokens, total_num_scheduled_tokens=sum(tokens.values()),
+                               scheduled_spec_decode_tokens=drafts)

@@ -10,6 +10,7 @@ import torch
 from vllite_core.attention.kv_quant import configure_kv_scales
 from vllite_core.config import ConfigError, VlliteConfig
 from vllite_core.core.sched_output import SchedulerOutput
+from vllite_core.executor.wrapper import ModelFacts
 from vllite_core.platforms.interface import Platform
 from vllite_core.worker.model_runner import ModelRunner, ModelRunnerOutput
 
@@ -75,9 +76,8 @@ class Worker:
             runner_cls = TensorParallelModelRunner
         with use_model_ops(ops):  # the sampler keeps the platform's ops
             self.runner = runner_cls(self.config, model, backend, self.device, dtype, kv_dtype, processors)
-        if hasattr(self.runner.proposer, "load_model"):  # speculative decoding with a draft model of its own
-            with use_model_ops(ops):
-                self.runner.proposer.load_model(self.runner)
+        with use_model_ops(ops):  # the components' own models (a draft model, an EAGLE head)
+            self.runner.load_models()
 
     def determine_num_kv_blocks(self) -> int:
         assert self.runner is not None
@@ -113,3 +113,18 @@ class Worker:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None
         return self.runner.execute_model(so)
+
+    def model_facts(self) -> ModelFacts:
+        """What the engine process needs of the model (only ids and sizes cross the executor)."""
+        assert self.runner is not None
+        r = self.runner
+        lora = None
+        if r.lora is not None:
+            from vllite_core.lora.sharding import full_layout
+
+            lora = full_layout(r.model)
+        return ModelFacts(int(r.model.vocab_size), r.kv_cache_groups, r.kv_cache_dtype, lora)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        assert self.runner is not None
+        return self.runner.remove_lora(lora_int_id)
