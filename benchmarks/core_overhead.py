@@ -5,8 +5,9 @@ A tiny random Llama (hidden 64, 2 layers: the model's share is small, so the eng
 serves BATCH greedy requests of IN prompt tokens and OUT output tokens, in process, through
 ``LLMEngine.step()``. Per decode step it reports:
 
-- ``outside_us``: the step's wall time less the core's model time (``execute``: the executor's
-  ``execute_model``), i.e. scheduling, updating requests, output processing and detokenizing;
+- ``outside_us``: the step's CPU time on the calling thread less that of the executor's
+  ``execute_model`` (the model), i.e. scheduling, updating requests, output processing and
+  detokenizing (CPU time of this thread, not wall time: other jobs on a shared host do not count);
 - ``stats_us``: one read of the core's numbers as AsyncLLM takes it after every engine-loop turn;
 - ``wire_us``: encoding and decoding one engine-core output message (BATCH outputs and the stats)
   as the engine-core process and its client do every step.
@@ -38,20 +39,32 @@ def _tree_env(tree: str) -> dict[str, str]:
     return env
 
 
-def _core_numbers(engine):
-    """(step times, a stats read as AsyncLLM takes it) for either tree's engine."""
-    core = engine.core
-    if hasattr(core, "engine_core"):  # a client of the core (this tree)
-        return (lambda: core.stats().step_times), core.stats
-    kv = core.kv_cache_manager  # the core itself (before the client protocol): stats + the KV numbers copied
+def _timed_model(engine) -> list[float]:
+    """Wrap the executor's ``execute_model`` (the model's share of a step) with a CPU-time counter."""
+    core = engine.core.engine_core if hasattr(engine.core, "engine_core") else engine.core
+    spent = [0.0]
+    real = core.executor.execute_model
 
-    def snapshot():
-        s = core.stats()
-        return (s.num_running, s.num_waiting, s.kv_cache_usage, kv.get_num_free_blocks(), kv.num_usable_blocks,
-                s.num_preemptions_total, s.prefix_cache_queries, s.prefix_cache_hits, s.spec_decoding, s.mm_cache,
-                s.num_jump_forward_tokens)
+    def timed(*args, **kw):
+        t0 = time.thread_time()
+        try:
+            return real(*args, **kw)
+        finally:
+            spent[0] += time.thread_time() - t0
 
-    return (lambda: core.step_times), snapshot
+    core.executor.execute_model = timed
+    return spent
+
+
+def _stats_read(engine):
+    """One read of the core's numbers as AsyncLLM's engine loop takes it after each turn, in either tree."""
+    from vllite_core.engine import async_llm
+
+    if not hasattr(async_llm, "EngineSnapshot"):  # this tree: the one record
+        return engine.core.stats
+    holder = type("Loop", (), {})()  # the tree before: scheduler stats, then the KV numbers, copied
+    holder.engine = engine
+    return lambda: async_llm.AsyncLLM._take_snapshot(holder)
 
 
 def _wire_message(outputs, stats):
@@ -82,7 +95,8 @@ def child(model: str, batch: int, input_len: int, output_len: int, reps: int) ->
         model=model, dtype="float32", num_kv_blocks=batch * (-(-(input_len + output_len) // 16) + 1) + 8,
         max_model_len=input_len + output_len + 16, max_num_seqs=batch, max_num_batched_tokens=batch * input_len,
         enable_prefix_caching=False))
-    step_times, read_stats = _core_numbers(engine)
+    model_s = _timed_model(engine)
+    read_stats = _stats_read(engine)
     rng = np.random.RandomState(0)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     best = None
@@ -91,22 +105,19 @@ def child(model: str, batch: int, input_len: int, output_len: int, reps: int) ->
             engine.add_request(f"r{i}", {"prompt_token_ids": rng.randint(17, 500, input_len).tolist()}, params)
         engine.step()  # the prefill
         outside, steps = 0.0, 0
-        last_outputs = None
         while engine.has_unfinished_requests():
-            before = step_times().execute
-            t0 = time.perf_counter()
-            outs = engine.step()
-            wall = time.perf_counter() - t0
-            outside += wall - (step_times().execute - before)
+            before = model_s[0]
+            t0 = time.thread_time()
+            engine.step()
+            outside += time.thread_time() - t0 - (model_s[0] - before)
             steps += 1
-            last_outputs = last_outputs or outs
         run = outside / steps
         best = run if best is None else min(best, run)
     n = 2000
-    t0 = time.perf_counter()
+    t0 = time.thread_time()
     for _ in range(n):
         read_stats()
-    stats_s = (time.perf_counter() - t0) / n
+    stats_s = (time.thread_time() - t0) / n
     # One step's message as the engine-core process sends it: BATCH outputs of one token each.
     from vllite_core.engine.core import EngineCoreOutput
 
@@ -115,10 +126,10 @@ def child(model: str, batch: int, input_len: int, output_len: int, reps: int) ->
     core = engine.core.engine_core if hasattr(engine.core, "engine_core") else engine.core
     msg = _wire_message(outputs, core.stats())
     enc, dec = MsgpackEncoder(), MsgpackDecoder(EngineMessage)
-    t0 = time.perf_counter()
+    t0 = time.thread_time()
     for _ in range(n):
         dec.decode(enc.encode(msg))
-    wire_s = (time.perf_counter() - t0) / n
+    wire_s = (time.thread_time() - t0) / n
     print(json.dumps({"outside_us": best * 1e6, "stats_us": stats_s * 1e6, "wire_us": wire_s * 1e6}), flush=True)
 
 

@@ -346,7 +346,7 @@ class Scheduler:
                               num_jump_forward_tokens=self.num_jump_forward_tokens,
                               spec_decoding=self.spec_stats.copy() if self.spec_stats is not None else None,
                               mm_cache=replace(self.encoder_cache.stats) if self.encoder_cache is not None else None,
-                              step_times=replace(step_times) if step_times is not None else StepTimes())
+                              step_times=step_times.copy() if step_times is not None else StepTimes())
 
 
 class _Step:

@@ -3,19 +3,18 @@
 
 The scheduler fills it (requests, KV blocks, prefix cache, preemptions, drafts, jump-forward, encoder
 cache); the core adds where its step time went. The same record crosses the process boundary as is
-(msgspec encodes dataclasses), AsyncLLM keeps the latest one for readers on other threads, and
-``combine`` sums the records of data-parallel engine cores.
+(a msgspec Struct, encoded as an array: it rides in every step's message), AsyncLLM keeps the latest
+one for readers on other threads, and ``combine`` sums the records of data-parallel engine cores.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import msgspec
 
 from vllite_core.multimodal.encoder_cache import EncoderCacheStats
 from vllite_core.spec_decode.metrics import SpecDecodingStats
 
 
-@dataclass
-class StepTimes:
+class StepTimes(msgspec.Struct, array_like=True):
     """Where the core's step time went since start; the model's share (``execute``) should dominate."""
 
     schedule: float = 0.0
@@ -24,14 +23,16 @@ class StepTimes:
     steps: int = 0  # steps that ran the model
     tokens: int = 0  # tokens scheduled in them
 
+    def copy(self) -> "StepTimes":
+        return StepTimes(self.schedule, self.execute, self.update, self.steps, self.tokens)
+
     def as_dict(self) -> dict[str, float]:
         total = self.schedule + self.execute + self.update
         return {"steps": self.steps, "tokens": self.tokens, "schedule_s": self.schedule, "execute_s": self.execute,
                 "update_s": self.update, "overhead_fraction": (self.schedule + self.update) / total if total else 0.0}
 
 
-@dataclass
-class SchedulerStats:
+class SchedulerStats(msgspec.Struct, array_like=True):
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0  # fraction of usable KV blocks held by requests
@@ -43,7 +44,7 @@ class SchedulerStats:
     num_jump_forward_tokens: int = 0  # structured output tokens appended without sampling (jump-forward)
     spec_decoding: SpecDecodingStats | None = None  # None: speculative decoding off
     mm_cache: EncoderCacheStats | None = None  # None: not a multimodal model
-    step_times: StepTimes = field(default_factory=StepTimes)
+    step_times: StepTimes = msgspec.field(default_factory=StepTimes)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
