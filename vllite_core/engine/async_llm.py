@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, TypeVar
 
 from vllite_core.core.stats import SchedulerStats
+from vllite_core.engine.core_client import EngineCoreClient
 from vllite_core.engine.delta import DeltaCursor
 from vllite_core.engine.heap_trim import HeapTrimmer
 from vllite_core.engine.llm_engine import LLMEngine, PromptType
@@ -203,6 +204,9 @@ class AsyncLLM:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
+        # The engine's core, through its client (in this process or in engine-core processes): the loop
+        # steps it through ``engine``; the numbers, the wake-ups and the layout come from it directly.
+        self.core: EngineCoreClient = engine.core
         # The loop thread detokenizes with engine.tokenizer; this copy serves the asyncio side.
         self.tokenizer = copy.deepcopy(engine.tokenizer)
         # Prompts are processed on this side, with this tokenizer (models that process their own
@@ -218,7 +222,7 @@ class AsyncLLM:
         self.max_model_len = engine.max_model_len
         self.loop_stats = LoopStats()
         # The core's numbers after the loop's latest turn, for readers on other threads (/metrics).
-        self.snapshot: SchedulerStats = engine.core.stats()
+        self.snapshot: SchedulerStats = self.core.stats()
         self.observers: list[Callable[[FinishedRequest], None]] = []
         self.dead: BaseException | None = None
         # Called on the asyncio loop, once, with the cause when the engine loop dies.
@@ -232,7 +236,7 @@ class AsyncLLM:
         # An engine core in its own process (mp_client.py): wake the loop when it dies, so the open
         # requests fail at once even while the loop sleeps; a post wakes its wait for outputs.
         self._wake_pending = False
-        engine.core.on_failure.append(self._wake_loop)
+        self.core.on_failure.append(self._wake_loop)
         self._thread = threading.Thread(target=self._run, name="vllite-engine-loop", daemon=True)
         self._thread.start()
 
@@ -261,18 +265,18 @@ class AsyncLLM:
 
     def layout(self) -> dict[str, Any]:
         """The process layout: this (API) process, and each engine core's process and data-parallel rank."""
-        return self.engine.core.layout()
+        return self.core.layout()
 
     def parallel_layout(self) -> dict[str, Any]:
         """The executor's ranks, processes and devices (each engine core's, as its core reported them)."""
-        return self.engine.core.info.parallel_layout
+        return self.core.info.parallel_layout
 
     def engine_stats(self) -> list[SchedulerStats]:
         """Each data-parallel engine core's latest numbers (one record for a single core)."""
-        return self.engine.core.engine_stats()
+        return self.core.engine_stats()
 
     def num_kv_blocks(self) -> int:
-        return self.engine.core.num_kv_blocks()
+        return self.core.num_kv_blocks()
 
     def _wake_loop(self) -> None:
         with self._cond:
@@ -403,7 +407,7 @@ class AsyncLLM:
 
     def _wake_now(self) -> None:
         self._wake_pending = False
-        self.engine.core.wake()
+        self.core.wake()
 
     def _dispatch(self, outputs: list[RequestOutput], failed: list[tuple[str, BaseException]]) -> None:
         for out in outputs:
@@ -443,7 +447,7 @@ class AsyncLLM:
         the other requests' outputs."""
         try:
             rec = stream.report(out, aborted)
-            rec.engine_index = self.engine.core.engine_of(stream.request_id)
+            rec.engine_index = self.core.engine_of(stream.request_id)
         except Exception:
             logger.exception("request report failed")
             return
@@ -475,7 +479,7 @@ class AsyncLLM:
     def _run(self) -> None:
         st = self.loop_stats
         st.thread_id = threading.get_native_id()
-        engine, core = self.engine, self.engine.core
+        engine, core = self.engine, self.core
         trimmer = HeapTrimmer()
         while True:
             st.trim_s += trimmer.maybe_trim(idle=not self._inbox and not engine.has_unfinished_requests())
@@ -529,4 +533,4 @@ class AsyncLLM:
             self._cond.notify()
         self._thread.join(timeout=10)
         self._prep.shutdown(wait=False, cancel_futures=True)
-        self.engine.core.shutdown()
+        self.core.shutdown()

@@ -92,7 +92,9 @@ class ServedLoRAs:
             req = self.requests.pop(name)
             self.parents.pop(name, None)
         self.registry().remove(req.lora_int_id)  # running requests keep the adapter they hold
-        self.engine.engine.core.remove_lora(req.lora_int_id)  # engine cores in their own processes cache theirs
+        core = self.engine.engine.core
+        if hasattr(core, "remove_lora"):  # engine cores in their own processes keep a cache of their own
+            core.remove_lora(req.lora_int_id)
 
     def models(self, created: int, max_model_len: int) -> list[dict[str, Any]]:
         return [{"id": name, "object": "model", "created": created, "owned_by": "vllite", "root": req.lora_path,
