@@ -50,7 +50,7 @@ def main() -> None:
     llm = LLM(**kw, dtype=a.dtype, num_threads=a.threads, max_model_len=256, max_num_seqs=a.batch,
               enable_prefix_caching=False)
     engine = llm.llm_engine
-    runner = engine.core.worker.runner
+    runner = engine.core.engine_core.worker.runner
     captured = {}
     inner = runner.model_forward
 

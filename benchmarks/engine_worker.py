@@ -53,7 +53,7 @@ class VlliteEngine:
         if a.threads:
             kw["num_threads"] = a.threads
         self.llm = LLM(a.model, **kw)
-        runner = self.llm.llm_engine.core.worker.runner
+        runner = self.llm.llm_engine.core.engine_core.worker.runner
         self.info = {"dtype": str(runner.dtype).replace("torch.", "")}
         fwd = getattr(runner, "model_forward", None)
         if fwd is not None and hasattr(fwd, "describe"):

@@ -29,7 +29,7 @@ def _setup(kv: str, a: argparse.Namespace):
     per_req = -(-(a.context + 1) // 16)
     llm = LLM(dtype="bfloat16", max_model_len=a.context + 16, kv_cache_dtype=kv,
               num_kv_blocks=a.batch * per_req + 1, max_num_seqs=a.batch)
-    runner = llm.llm_engine.core.worker.runner
+    runner = llm.llm_engine.core.engine_core.worker.runner
     model, backend = runner.model, runner.attn_backend
     g = torch.Generator().manual_seed(0)
     for cache in runner.kv_caches:

@@ -69,7 +69,7 @@ def main() -> None:
                for _ in range(a.batch)]
     sp = SamplingParams(temperature=0.0, max_tokens=a.output_len, ignore_eos=True)
     tmp = tempfile.mkdtemp(prefix="vllite-lora-bench-")
-    model = lora.llm_engine.core.worker.runner.model
+    model = lora.llm_engine.core.engine_core.worker.runner.model
     reqs = []
     for i in range(a.num_adapters + 1):
         write_adapter(os.path.join(tmp, f"a{i}"), model, a.rank, seed=i)

@@ -63,7 +63,7 @@ def decode_ms_per_token(path: Path, context: int, decode_tokens: int, max_len: i
     prompt = torch.randint(0, 1024, (context,), generator=torch.Generator().manual_seed(context)).tolist()
     engine.add_request("r", {"prompt_token_ids": prompt},
                        SamplingParams(temperature=0.0, max_tokens=decode_tokens + 1, ignore_eos=True))
-    req = engine.core.scheduler.requests["r"]
+    req = engine.core.engine_core.scheduler.requests["r"]
     while req.num_output_tokens == 0:  # prefill (chunked) until the first token
         engine.step()
     times = []

@@ -73,7 +73,7 @@ def main() -> None:
         t0 = time.perf_counter()
         processed = [engine.process_prompt(p) for p in prompts]
         prep = (time.perf_counter() - t0) / len(prompts)
-        model = engine.core.worker.runner.model
+        model = engine.core.engine_core.worker.runner.model
         pixels = [processed[0].mm_features[0].data]
         model.embed_multimodal(pixels)  # warm-up
         runs = []
@@ -89,8 +89,8 @@ def main() -> None:
         t0 = time.perf_counter()
         outs = llm.generate(processed, sp)
         wall = time.perf_counter() - t0
-        stats = engine.core.scheduler.encoder_cache.stats
-        runner = engine.core.worker.runner.encoder_runner
+        stats = engine.core.engine_core.scheduler.encoder_cache.stats
+        runner = engine.core.engine_core.worker.runner.encoder_runner
         print(json.dumps({
             "image_tokens": processed[0].mm_features[0].length,
             "preprocess_ms_per_image": round(prep * 1000, 2),

@@ -72,8 +72,8 @@ def offline(path: str, device: str, dtype: str, n: int, input_len: int, output_l
               "requests_per_s": round(n / elapsed, 3), "output_tokens_per_s": round(out_tokens / elapsed, 1),
               "total_tokens_per_s": round((out_tokens + n * input_len) / elapsed, 1),
               "one_request_ms_per_token": round(ms_per_token, 3), "one_request_first_token_ms": round(first * 1e3, 2),
-              "attention_backend": llm.llm_engine.core.worker.runner.attn_backend.name,
-              "graphs": llm.llm_engine.core.worker.runner.model_forward.describe()}
+              "attention_backend": llm.llm_engine.core.engine_core.worker.runner.attn_backend.name,
+              "graphs": llm.llm_engine.core.engine_core.worker.runner.model_forward.describe()}
     return result
 
 

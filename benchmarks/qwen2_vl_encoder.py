@@ -94,7 +94,7 @@ def main() -> None:
         t0 = time.perf_counter()
         processed = [engine.process_prompt(p) for p in prompts]
         prep = (time.perf_counter() - t0) / len(prompts)
-        model = engine.core.worker.runner.model
+        model = engine.core.engine_core.worker.runner.model
         data = [processed[0].mm_features[0].data]
         pixels, grid = data[0]["pixel_values"], torch.tensor([data[0]["image_grid_thw"]])
         with torch.inference_mode():

@@ -38,7 +38,7 @@ def main() -> None:
     llm = LLM(**kw, dtype=a.dtype, quantization=a.quantization, max_model_len=a.input_len + a.output_len + 16,
               max_num_seqs=a.batch, enable_prefix_caching=False)
     engine = llm.llm_engine
-    runner = engine.core.worker.runner
+    runner = engine.core.engine_core.worker.runner
     spent: dict[str, float] = {"model": 0.0, "lm_head": 0.0, "argmax": 0.0}
 
     def timed(obj: object, name: str, key: str) -> None:
@@ -84,7 +84,7 @@ def main() -> None:
 
 def _prefilling(engine: object) -> bool:
     """Whether some running request still has prompt tokens to compute."""
-    sched = engine.core.scheduler  # type: ignore[attr-defined]
+    sched = engine.core.engine_core.scheduler  # type: ignore[attr-defined]
     return bool(len(sched.waiting)) or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running)
 
 

@@ -49,9 +49,9 @@ class Timer:
 
 def run_batch(llm, prompts, params) -> tuple[float, int]:
     core = llm.llm_engine.core
-    st0 = core.step_times.as_dict()
+    st0 = core.stats().step_times.as_dict()
     llm.generate(prompts, params)
-    st1 = core.step_times.as_dict()
+    st1 = core.stats().step_times.as_dict()
     total = sum(st1[k] - st0[k] for k in ("schedule_s", "execute_s", "update_s"))
     return total, st1["steps"] - st0["steps"]
 
@@ -118,9 +118,9 @@ def jump_forward(a) -> dict:
     for _ in range(a.rounds):
         for jf, llm in engines.items():
             core = llm.llm_engine.core
-            st0 = core.step_times.as_dict()
+            st0 = core.stats().step_times.as_dict()
             outs = llm.generate(prompts, params)
-            st1 = core.step_times.as_dict()
+            st1 = core.stats().step_times.as_dict()
             t = totals[jf]
             t["s"] += sum(st1[k] - st0[k] for k in ("schedule_s", "execute_s", "update_s"))
             t["steps"] += st1["steps"] - st0["steps"]

@@ -20,7 +20,7 @@ with tempfile.TemporaryDirectory() as path:
         llm = LLM(model=path, device="cuda", dtype="float32", max_model_len=256,
                   distributed_executor_backend=backend, gpu_memory_utilization=0.3)
         got[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        print(backend, llm.llm_engine.core.executor.layout, got[backend], flush=True)
+        print(backend, llm.llm_engine.core.engine_core.executor.layout, got[backend], flush=True)
         llm.llm_engine.core.shutdown()
 assert got["uni"] == got["mp"], got
 print("PASS: mp (one worker process) == uni")

@@ -77,8 +77,8 @@ def test_output_kinds_stream_as_vllm_does(allm, tiny_path):
 
 
 def test_leaving_early_aborts_and_frees_blocks(allm):
-    kv = allm.engine.core.kv_cache_manager
-    start = kv.get_num_free_blocks()
+    core = allm.engine.core
+    start = core.stats().num_free_blocks
 
     async def main() -> None:
         agen = allm.generate({"prompt_token_ids": prompts(3)[2]}, SamplingParams(max_tokens=200, ignore_eos=True),
@@ -87,14 +87,14 @@ def test_leaving_early_aborts_and_frees_blocks(allm):
             break
         await agen.aclose()
         for _ in range(500):
-            if allm.snapshot.num_running == 0 and kv.get_num_free_blocks() == start:
+            if allm.snapshot.num_running == 0 and core.stats().num_free_blocks == start:
                 return
             await asyncio.sleep(0.01)
 
     seen = []
     allm.observers.append(lambda rec: seen.append(rec.finish_reasons))
     asyncio.run(main())
-    assert kv.get_num_free_blocks() == start and allm.snapshot.num_running == 0
+    assert core.stats().num_free_blocks == start and allm.snapshot.num_running == 0
     assert seen == [["abort"]]
 
 
@@ -140,7 +140,7 @@ def test_delta_view_reports_finish_once_and_skips_empty_news():
 
 def _record_salts(engine: LLMEngine) -> dict[str, str | None]:
     """request id -> the cache_salt of the Request the engine core was given (in this process, or the
-    EngineCoreClient that sends it to an engine-core process)."""
+    MPClient that sends it to an engine-core process)."""
     seen: dict[str, str | None] = {}
     sched = engine.core
     add = sched.add_request

@@ -37,19 +37,19 @@ def test_small_kv_cache_preempts_and_loses_nothing(tiny, policy):
     assert _generate(small, prompts) == reference
     stats = small.llm_engine.core.stats()
     assert stats.num_preemptions_total > 0
-    assert small.llm_engine.core.kv_cache_manager.get_num_free_blocks() == 39  # all back (one null block)
+    assert small.llm_engine.core.engine_core.kv_cache_manager.get_num_free_blocks() == 39  # all back (one null block)
 
 
 def test_aborts_free_blocks_and_spare_the_others(tiny):
     path, hf, prompts = tiny
     llm = LLM(model=path, dtype="float32", num_kv_blocks=40, max_num_batched_tokens=64)
     engine = llm.llm_engine
-    kv = engine.core.kv_cache_manager
+    kv = engine.core.engine_core.kv_cache_manager
     free0 = kv.get_num_free_blocks()
     ids = [f"r{i}" for i in range(6)]
     for rid, p in zip(ids, prompts):
         engine.add_request(rid, {"prompt_token_ids": p}, GREEDY)
-    sched = engine.core.scheduler
+    sched = engine.core.engine_core.scheduler
     aborted: dict[str, str] = {}
     done: dict[str, list[int]] = {}
     for _ in range(2000):

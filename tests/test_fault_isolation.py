@@ -40,8 +40,8 @@ def seeded(i: int) -> SamplingParams:
 
 
 def kv_all_free(engine: LLMEngine) -> bool:
-    kv = engine.core.kv_cache_manager
-    return kv.get_num_free_blocks() == kv.num_usable_blocks
+    stats = engine.core.stats()
+    return stats.num_free_blocks == stats.num_total_blocks
 
 
 @pytest.mark.parametrize("bad_token, cause", [(FAIL_TOKEN, "FailFor refuses request"), (NAN_TOKEN, "NaN")])
@@ -73,7 +73,7 @@ def test_fault_after_some_tokens_keeps_the_streamed_ones(llm):
                     logits[i] = float("nan")
             return logits
 
-    runner = llm.llm_engine.core.worker.runner
+    runner = llm.llm_engine.core.engine_core.worker.runner
     runner.logits_processors.append(Late())
     try:
         outs = llm.generate([{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [2, 3, 4]}],
@@ -132,7 +132,7 @@ def test_async_faulty_request_raises_alone(allm, llm):
 
 
 def break_forward_once(engine: LLMEngine) -> None:
-    runner = engine.core.worker.runner
+    runner = engine.core.engine_core.worker.runner
     real = runner.model_forward
 
     def boom(*args, **kwargs):

@@ -20,7 +20,7 @@ def _run(llm: LLM, prompts=PROMPTS, sp=GREEDY):
 
 
 def _attn_layers(llm: LLM):
-    return [layer.self_attn.attn for layer in llm.llm_engine.core.worker.runner.model.model.layers]
+    return [layer.self_attn.attn for layer in llm.llm_engine.core.engine_core.worker.runner.model.model.layers]
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +50,11 @@ def test_fp8_cache_holds_twice_the_blocks(tiny_path, e5m2_bf16):
     """Same kv_cache_memory: a float8 cache has twice the blocks of the bfloat16 one (the budget is divided
     by the bytes of one block; the floor may leave one more)."""
     base = LLM(model=tiny_path, dtype="bfloat16", kv_cache_memory=MEMORY)
-    n16 = base.llm_engine.core.model_info.num_kv_blocks
-    n8 = e5m2_bf16[0].llm_engine.core.model_info.num_kv_blocks
+    n16 = base.llm_engine.model_info.num_kv_blocks
+    n8 = e5m2_bf16[0].llm_engine.model_info.num_kv_blocks
     assert n8 in (2 * n16, 2 * n16 + 1), (n16, n8)
-    assert all(c.dtype == torch.float8_e5m2 for c in e5m2_bf16[0].llm_engine.core.worker.runner.kv_caches)
-    assert all(c.dtype == torch.bfloat16 for c in base.llm_engine.core.worker.runner.kv_caches)
+    assert all(c.dtype == torch.float8_e5m2 for c in e5m2_bf16[0].llm_engine.core.engine_core.worker.runner.kv_caches)
+    assert all(c.dtype == torch.bfloat16 for c in base.llm_engine.core.engine_core.worker.runner.kv_caches)
 
 
 def test_checkpoint_scales_are_applied_on_write_and_read(scaled_path, e5m2_bf16):
@@ -106,7 +106,7 @@ def test_smollm2_e4m3_cache_against_full_precision_cache():
     for kv in ("auto", "fp8"):
         llm = LLM(dtype="float32", max_model_len=256, kv_cache_dtype=kv, kv_cache_memory=64 << 20)
         runs[kv] = _run(llm, SMOL_PROMPTS, sp)
-        blocks[kv] = llm.llm_engine.core.model_info.num_kv_blocks
+        blocks[kv] = llm.llm_engine.model_info.num_kv_blocks
         del llm
     assert blocks["fp8"] in (4 * blocks["auto"], 4 * blocks["auto"] + 1)  # fp32 -> fp8: a quarter the bytes
     matched, diffs = [], []

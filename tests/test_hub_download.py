@@ -60,7 +60,7 @@ from vllite_core.entrypoints.llm import LLM
 from vllite_core.sampling_params import SamplingParams
 llm = LLM(model={LLAMA!r}, revision="v1", dtype="float32", num_kv_blocks=32)
 out = llm.generate([{{"prompt_token_ids": {PROMPT}}}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-print(json.dumps({{"tokens": out[0].outputs[0].token_ids, "path": llm.llm_engine.core.model_info.source.path}}))
+print(json.dumps({{"tokens": out[0].outputs[0].token_ids, "path": llm.llm_engine.model_info.source.path}}))
 """
 
 

@@ -50,7 +50,7 @@ def test_llava_greedy_matches_hf_mixed_batch(llava):
     # Placeholders expanded as transformers' processor expands them.
     want = proc(text=MIXED[2][0], images=MIXED[2][1], return_tensors="pt")["input_ids"][0].tolist()
     assert outs[2].prompt_token_ids == want
-    assert want.count(llm.llm_engine.core.model_info.hf_config.image_token_index) == 2 * NUM_IMAGE_TOKENS
+    assert want.count(llm.llm_engine.model_info.hf_config.image_token_index) == 2 * NUM_IMAGE_TOKENS
 
 
 def test_llava_chunk_budget_splits_placeholders_and_preemption(llava):
@@ -60,7 +60,7 @@ def test_llava_chunk_budget_splits_placeholders_and_preemption(llava):
     ref = _ref(llava, MIXED)
     llm = LLM(model=path, dtype="float32", num_kv_blocks=10, block_size=4, max_num_batched_tokens=5,
               long_prefill_token_threshold=0)
-    core = llm.llm_engine.core
+    core = llm.llm_engine.core.engine_core
     splits = []
     orig = core.worker.execute_model
 
@@ -100,7 +100,7 @@ def test_llava_same_image_prefix_and_encoder_cache_hits(llava):
     third = ("USER: <image>What colour? ASSISTANT:", [make_image(64, 48, 21)])
     ref = _ref(llava, [first, second, third])
     llm = LLM(model=path, dtype="float32", num_kv_blocks=64, block_size=4)
-    core = llm.llm_engine.core
+    core = llm.llm_engine.core.engine_core
     stats = core.scheduler.encoder_cache.stats
     encoded = core.worker.runner.encoder_runner
     out = llm.generate(_prompts([first]), GREEDY)[0]
@@ -122,7 +122,7 @@ def test_llava_encoder_cache_evicts_least_recently_used(llava):
     path, _, _ = llava
     imgs = [make_image(30, 30, 30 + i) for i in range(3)]
     llm = LLM(model=path, dtype="float32", num_kv_blocks=64, encoder_cache_size=8, enable_prefix_caching=False)
-    core = llm.llm_engine.core
+    core = llm.llm_engine.core.engine_core
     enc, runner = core.scheduler.encoder_cache, core.worker.runner.encoder_runner
     for i in (0, 1, 2, 1, 0):
         llm.generate(_prompts([(Q, [imgs[i]])]), GREEDY)
@@ -167,7 +167,7 @@ def test_llava_decoder_matches_hf_with_prompt_token_ids(llava):
     llm = LLM(model=path, dtype="float32", num_kv_blocks=32)
     out = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": img}}, GREEDY)[0]
     assert out.outputs[0].token_ids == ref[0]
-    assert torch.is_tensor(llm.llm_engine.core.worker.runner.model.vision_tower.patch_embedding)
+    assert torch.is_tensor(llm.llm_engine.core.engine_core.worker.runner.model.vision_tower.patch_embedding)
 
 
 def test_llava_encoder_budget_limits_each_step(llava):
@@ -177,7 +177,7 @@ def test_llava_encoder_budget_limits_each_step(llava):
     reqs = [(Q, [make_image(40, 30, 40 + i)]) for i in range(3)]
     ref = _ref(llava, reqs)
     llm = LLM(model=path, dtype="float32", num_kv_blocks=64, encoder_cache_size=NUM_IMAGE_TOKENS)
-    core = llm.llm_engine.core
+    core = llm.llm_engine.core.engine_core
     steps = []
     orig = core.worker.execute_model
 
@@ -198,7 +198,7 @@ def test_llava_abort_releases_encoder_cache_references(llava):
     llm = LLM(model=path, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=5,
               long_prefill_token_threshold=0)
     engine = llm.llm_engine
-    enc = engine.core.scheduler.encoder_cache
+    enc = engine.core.engine_core.scheduler.encoder_cache
     engine.add_request("r", {"prompt": Q, "multi_modal_data": {"image": make_image(40, 30, 50)}}, GREEDY)
     engine.step()  # 5 tokens: 3 text + 2 of the image's 4 placeholders; the image is held
     assert enc.held == {"r": set(enc.entries)} and len(enc.entries) == 1
@@ -214,4 +214,4 @@ def test_llava_parallel_sampling_shares_the_encoder_output(llava):
     llm = LLM(model=path, dtype="float32", num_kv_blocks=64)
     out = llm.generate(_prompts([req]), SamplingParams(n=3, temperature=0.0, max_tokens=N, ignore_eos=True))[0]
     assert [c.token_ids for c in out.outputs] == [ref] * 3
-    assert llm.llm_engine.core.worker.runner.encoder_runner.num_encoded == 1
+    assert llm.llm_engine.core.engine_core.worker.runner.encoder_runner.num_encoded == 1

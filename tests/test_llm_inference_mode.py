@@ -21,5 +21,5 @@ def test_engine_built_under_inference_mode_matches_hf(tiny_path):
         inside = llm.generate([{"prompt_token_ids": PROMPT}], params)[0].outputs[0].token_ids
     outside = llm.generate([{"prompt_token_ids": PROMPT}], params)[0].outputs[0].token_ids
     assert inside == outside == ref
-    weight = next(llm.llm_engine.core.worker.runner.model.parameters())
+    weight = next(llm.llm_engine.core.engine_core.worker.runner.model.parameters())
     assert not weight.is_inference()

@@ -86,7 +86,7 @@ def test_one_request_for_every_prompt(setup, llm):
 def test_more_adapters_than_slots_all_finish_unchanged(setup):
     llm = LLM(model=str(setup["root"] / "base"), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16,
               max_cpu_loras=2, num_kv_blocks=128)
-    sched = llm.llm_engine.core.scheduler
+    sched = llm.llm_engine.core.engine_core.scheduler
     seen: list[int] = []
     schedule = sched.schedule
 
@@ -99,7 +99,7 @@ def test_more_adapters_than_slots_all_finish_unchanged(setup):
     outs = llm.generate([{"prompt_token_ids": p} for p in setup["prompts"]], _sp(), lora_request=_lora_list(setup))
     assert [o.outputs[0].token_ids for o in outs] == setup["refs"]
     assert max(seen) == 2  # three adapters in flight, never more than two in a step
-    assert llm.llm_engine.core.worker.runner.lora.loads >= 3  # slots were reused (LRU eviction)
+    assert llm.llm_engine.core.engine_core.worker.runner.lora.loads >= 3  # slots were reused (LRU eviction)
     assert len(llm.llm_engine.lora_registry.list_loras()) == 2  # the CPU cache holds max_cpu_loras
 
 

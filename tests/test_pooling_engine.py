@@ -194,7 +194,7 @@ def test_qwen2_token_embed_preempted(qwen2_path, qwen2_token_ref):
     assert llm.llm_engine.get_stats().num_preemptions_total > 0
     for o, ref in zip(outs, qwen2_token_ref):
         assert (o.outputs.data - ref).abs().max() <= 1e-5
-    assert not any(r.token_rows for r in llm.llm_engine.core.worker.runner.requests.values())
+    assert not any(r.token_rows for r in llm.llm_engine.core.engine_core.worker.runner.requests.values())
 
 
 # ---- sequence classification ---------------------------------------------------------------------------
@@ -306,7 +306,7 @@ def test_pooling_fault_fails_only_that_request(qwen2_path):
     path, ref = qwen2_path
     # No prefix cache: the fault below is keyed on the rows a prompt runs in this step.
     llm = LLM(path, runner="pooling", dtype="float32", num_kv_blocks=64, enable_prefix_caching=False)
-    model = llm.llm_engine.core.worker.runner.model
+    model = llm.llm_engine.core.engine_core.worker.runner.model
     real_pool = model.pool
     bad_len = len(PROMPTS[1])
     assert sum(len(p) == bad_len for p in PROMPTS) == 1

@@ -287,12 +287,12 @@ def test_engine_gguf_on_the_default_model():
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     dense = LLM(dtype="float32", num_threads=1, max_model_len=128, enable_prefix_caching=False)
     base = dense.generate(prompts, sp)
-    dense_model = dense.llm_engine.core.worker.runner.model
+    dense_model = dense.llm_engine.core.engine_core.worker.runner.model
     dense_w = {n: m.weight.detach().clone() for n, m in dense_model.named_modules() if hasattr(m, "checkpoint_names")}
     dense_head = dense_model.lm_head.weight.detach().clone()
     del dense
     llm = LLM(dtype="float32", num_threads=1, max_model_len=128, enable_prefix_caching=False, quantization="gguf")
-    model = llm.llm_engine.core.worker.runner.model
+    model = llm.llm_engine.core.engine_core.worker.runner.model
     layers = {n: m for n, m in model.named_modules() if hasattr(m, "checkpoint_names")}
     assert len(layers) == 4 * 30 and all(m.quant_method.name == "gguf" for m in layers.values())
     for n, m in layers.items():  # shard order and the rotary row permutation of q and k

@@ -98,7 +98,7 @@ def test_engine_int8_close_to_unquantized(tiny_llama):
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
     base = LLM(model=tiny_llama, dtype="float32", num_threads=1).generate(prompts, sp)
     llm = LLM(model=tiny_llama, dtype="float32", num_threads=1, quantization="int8")
-    model = llm.llm_engine.core.worker.runner.model
+    model = llm.llm_engine.core.engine_core.worker.runner.model
     int8 = [p for n, p in model.named_parameters() if p.dtype == torch.int8]
     assert len(int8) == 2 * 2 * 2  # qkv, o, gate_up, down in each of 2 layers
     quant = llm.generate(prompts, sp)
@@ -122,11 +122,11 @@ def test_int8_lm_head_opt_in(tiny_llama, monkeypatch, dtype):
     prompts = [{"prompt_token_ids": [3 + i, 40 + 7 * i, 9, 100 + i, 77]} for i in range(6)]
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     plain = LLM(model=tiny_llama, dtype=dtype, num_threads=1, quantization="int8")
-    plain_head = plain.llm_engine.core.worker.runner.model.lm_head
+    plain_head = plain.llm_engine.core.engine_core.worker.runner.model.lm_head
     assert plain_head.quant_method.name == "unquantized"  # vLLM's default: the head as loaded
     monkeypatch.setenv("VLLITE_INT8_LM_HEAD", "1")
     llm = LLM(model=tiny_llama, dtype=dtype, num_threads=1, quantization="int8")
-    model = llm.llm_engine.core.worker.runner.model
+    model = llm.llm_engine.core.engine_core.worker.runner.model
     q, s = model.lm_head.quant_method.qweight, model.lm_head.quant_method.weight_scale
     want_q, want_s = quantize_rows_int8(model.lm_head.weight.detach())
     assert torch.equal(q, want_q) and torch.equal(s, want_s)

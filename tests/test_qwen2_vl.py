@@ -63,7 +63,7 @@ def test_qwen_vl_greedy_matches_hf_mixed_batch(qwen):
     assert [o.outputs[0].token_ids for o in outs] == ref[:len(REQUESTS)]
     assert ref[0] != ref[1]  # the image matters
     # The same prompt again: prefix blocks reused, the generated tokens' positions still carry the image's delta.
-    core = llm.llm_engine.core
+    core = llm.llm_engine.core.engine_core
     stats, runner = core.scheduler.encoder_cache.stats, core.worker.runner.encoder_runner
     encoded = runner.num_encoded
     again = llm.generate(_prompts([REQUESTS[1]]), GREEDY)[0]
@@ -88,7 +88,7 @@ def test_qwen_vl_chunks_split_images_and_preemption(qwen):
     path, ref, _, _ = qwen
     llm = LLM(model=path, dtype="float32", num_kv_blocks=14, block_size=4, max_num_batched_tokens=7,
               long_prefill_token_threshold=0)
-    core = llm.llm_engine.core
+    core = llm.llm_engine.core.engine_core
     runner = core.worker.runner
     mrope, features = runner.mrope, runner.encoder_runner.features
     cuts = []

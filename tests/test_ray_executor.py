@@ -92,7 +92,7 @@ def test_two_nodes_match_hf_and_a_lost_actor_names_its_rank(cluster, qwen2, monk
     llm = LLM(path, dtype="float32", tensor_parallel_size=2, distributed_executor_backend="ray", num_kv_blocks=64,
               max_num_batched_tokens=16)
     try:
-        executor = llm.llm_engine.core.executor
+        executor = llm.llm_engine.core.engine_core.executor
         assert executor.layout["nodes"] == 2 and executor.layout["ranks"] == 2
         params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)

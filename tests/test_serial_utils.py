@@ -7,17 +7,18 @@ import pickle
 import numpy as np
 import torch
 
+from vllite_core.core.stats import SchedulerStats, StepTimes
 from vllite_core.engine.core import EngineCoreOutput
 from vllite_core.engine.core_messages import (
     EngineCoreAbort,
     EngineCoreBatch,
     EngineCoreOutputs,
     EngineCoreRequest,
-    EngineCoreStats,
     EngineMessage,
 )
 from vllite_core.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 from vllite_core.sampling_params import SamplingParams
+from vllite_core.spec_decode.metrics import SpecDecodingStats
 from vllite_core.worker.model_runner import SampleLogprobs
 
 
@@ -45,7 +46,9 @@ def test_step_outputs_decode_into_their_types():
     pooled = torch.randn(8)
     out = EngineCoreOutput("r1", [5, 6], new_logprobs=[SampleLogprobs([5, 9], [-0.5, -1.5], 1)],
                            finish_reason="length", stop_reason=None, pooling_output=pooled, num_cached_tokens=16)
-    msg = EngineCoreOutputs(1, [out], EngineCoreStats(num_running=3, kv_cache_usage=0.25), True, 4)
+    stats = SchedulerStats(num_running=3, kv_cache_usage=0.25, spec_decoding=SpecDecodingStats(2, 1, 2, 1, [1, 0]),
+                           step_times=StepTimes(steps=5, tokens=9))
+    msg = EngineCoreOutputs(1, [out], stats, True, 4)
     got, _ = roundtrip(msg, EngineMessage)
     assert isinstance(got, EngineCoreOutputs) and got.engine_index == 1 and got.num_applied == 4
     back = got.outputs[0]

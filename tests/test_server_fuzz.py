@@ -98,7 +98,6 @@ def _post(client: TestClient, path: str, body) -> int:
 
 
 def _engine_alive_and_blocks_free(client: TestClient, allm: AsyncLLM) -> None:
-    kv = allm.engine.core.kv_cache_manager
     r = client.post("/v1/completions", json={"prompt": [3, 4, 5], "max_tokens": 2, "ignore_eos": True})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 2
@@ -106,7 +105,7 @@ def _engine_alive_and_blocks_free(client: TestClient, allm: AsyncLLM) -> None:
     while (allm.num_in_flight or allm.engine.has_unfinished_requests()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert allm.num_in_flight == 0 and not allm.engine.has_unfinished_requests()
-    assert kv.get_num_free_blocks() == _total_blocks(client)
+    assert allm.engine.core.stats().num_free_blocks == _total_blocks(client)
 
 
 def _total_blocks(client: TestClient) -> float:

@@ -72,7 +72,7 @@ def make_app(engine):
 
 
 def _free_blocks(engine: LLMEngine) -> int:
-    return engine.core.kv_cache_manager.get_num_free_blocks()
+    return engine.core.stats().num_free_blocks
 
 
 def _settle(allm: AsyncLLM, start_blocks: int) -> None:

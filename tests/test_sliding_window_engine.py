@@ -39,7 +39,7 @@ def _without_window(hf):
 
 def _held_blocks(llm) -> list[int]:
     """Real (non-null) blocks each running request holds in each cache group."""
-    sched = llm.llm_engine.core.scheduler
+    sched = llm.llm_engine.core.engine_core.scheduler
     return [sum(not b.is_null for b in blocks) for r in sched.running for blocks in r.kv_blocks]
 
 
@@ -50,7 +50,7 @@ def test_sliding_window_blocks_stay_bounded_and_tokens_match_hf(mistral):
     ref = hf_greedy(hf, prompt, n_out)
     assert hf_greedy(_without_window(hf), prompt, 8) != ref[:8]  # the window changes the tokens here
     llm = LLM(model=str(path), dtype="float32", block_size=BS, max_num_batched_tokens=CHUNK, num_kv_blocks=128)
-    groups = llm.llm_engine.core.kv_cache_manager.groups
+    groups = llm.llm_engine.core.engine_core.kv_cache_manager.groups
     assert [type(g.spec) for g in groups] == [SlidingWindowSpec]
     engine = llm.llm_engine
     engine.add_request("r", {"prompt_token_ids": prompt},
@@ -68,7 +68,8 @@ def test_sliding_window_blocks_stay_bounded_and_tokens_match_hf(mistral):
     print(f"sliding window {WINDOW}, {len(prompt) + n_out} tokens: peak {peak} blocks held vs {full} for full "
           "attention")
     # Every block is back, and a second request with the same prompt hits the prefix cache.
-    assert engine.core.kv_cache_manager.get_num_free_blocks() == engine.core.kv_cache_manager.num_usable_blocks
+    kv = engine.core.engine_core.kv_cache_manager
+    assert kv.get_num_free_blocks() == kv.num_usable_blocks
     again = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=8,
                                                                          ignore_eos=True))[0]
     assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == ref[:8]
@@ -84,12 +85,12 @@ def test_full_and_sliding_layers_run_as_two_groups(tmp_path):
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (5, 40, 90)]
     ref = [hf_greedy(hf, p, 30) for p in prompts]
     llm = LLM(model=str(tmp_path), dtype="float32", block_size=4, max_num_batched_tokens=32, num_kv_blocks=200)
-    runner = llm.llm_engine.core.worker.runner
+    runner = llm.llm_engine.core.engine_core.worker.runner
     assert [g.spec.kind for g in runner.kv_cache_groups] == ["full_attention", "sliding_window"]
     # Layer 0 (full) and layer 1 (sliding) are position 0 of their groups: one tensor serves both.
     assert runner.kv_caches[0] is runner.kv_caches[1]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == ref
-    kv = llm.llm_engine.core.kv_cache_manager
+    kv = llm.llm_engine.core.engine_core.kv_cache_manager
     assert kv.get_num_free_blocks() == kv.num_usable_blocks

@@ -60,7 +60,7 @@ def test_greedy_identical_chunked_prefix_cached_under_pressure(pair, reference, 
     common = dict(model=target, dtype="float32", num_threads=2, enforce_eager=True, max_num_batched_tokens=64,
                   enable_prefix_caching=True, max_model_len=128)
     roomy = LLM(**common, num_kv_blocks=256, speculative_config={"model": draft, "num_speculative_tokens": K})
-    assert type(roomy.llm_engine.core.worker.runner.proposer).__name__ == "DraftModelProposer"  # inferred
+    assert type(roomy.llm_engine.core.engine_core.worker.runner.proposer).__name__ == "DraftModelProposer"  # inferred
     tokens, logprobs = _greedy(roomy, logprobs=1)
     assert tokens == reference[0]  # and the accepted tokens' logprobs are the plain engine's
     assert np.allclose(np.concatenate(logprobs), np.concatenate(reference[1]), atol=1e-4)
@@ -70,7 +70,7 @@ def test_greedy_identical_chunked_prefix_cached_under_pressure(pair, reference, 
     assert _greedy(tight) == reference[0]
     stats = tight.llm_engine.get_stats()
     assert stats.num_preemptions_total > 0
-    tight.llm_engine.core.kv_cache_manager.check_integrity([])
+    tight.llm_engine.core.engine_core.kv_cache_manager.check_integrity([])
     for sd in (roomy.llm_engine.get_stats().spec_decoding, stats.spec_decoding):
         assert sd.num_draft_tokens > 100
         assert sum(sd.num_accepted_tokens_per_pos) == sd.num_accepted_tokens
@@ -203,7 +203,7 @@ def test_eagle_greedy_identical_chunked_prefix_cached_under_pressure(pair, refer
     stats = tight.llm_engine.get_stats()
     assert stats.num_preemptions_total > 0
     assert stats.spec_decoding.num_draft_tokens > 100
-    tight.llm_engine.core.kv_cache_manager.check_integrity([])
+    tight.llm_engine.core.engine_core.kv_cache_manager.check_integrity([])
 
 
 def _eagle_replay(target_path, tensors, outs, prompts, target_cfg):

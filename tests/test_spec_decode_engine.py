@@ -132,7 +132,7 @@ def test_greedy_identical_under_kv_pressure_and_n2(reference):
     for o, ref in zip(outs, reference["outs"]):
         assert [c.token_ids for c in o.outputs] == [ref.outputs[0].token_ids] * 2
     assert stats.spec_decoding.num_accepted_tokens > 0
-    llm.llm_engine.core.kv_cache_manager.check_integrity([])
+    llm.llm_engine.core.engine_core.kv_cache_manager.check_integrity([])
 
 
 def test_seeded_sampling_reproducible(tiny_vocab):

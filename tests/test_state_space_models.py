@@ -100,7 +100,7 @@ def test_greedy_matches_hf_with_chunked_prefill(tiny):
     llm = LLM(model=path, dtype="float32", max_model_len=256, max_num_batched_tokens=24, num_kv_blocks=64)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == ref
-    assert llm.llm_engine.core.kv_cache_manager.enable_caching is False
+    assert llm.llm_engine.core.engine_core.kv_cache_manager.enable_caching is False
 
 
 def test_staggered_arrivals_under_cache_pressure(tiny):
@@ -124,13 +124,13 @@ def test_staggered_arrivals_under_cache_pressure(tiny):
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
-        max_running = max(max_running, len(engine.core.scheduler.running))
+        max_running = max(max_running, len(engine.core.engine_core.scheduler.running))
     assert done == {f"r{i}": ref[i] for i in range(len(prompts))}
     if hybrid:
         assert engine.core.stats().num_preemptions_total > 0
     else:
         assert max_running == 2
-    kv = engine.core.kv_cache_manager
+    kv = engine.core.engine_core.kv_cache_manager
     assert kv.get_num_free_blocks() == kv.num_usable_blocks
 
 
@@ -153,7 +153,7 @@ def test_memory_budget_bounds_concurrent_requests(tiny, caplog):
     with caplog.at_level("INFO"):
         llm = LLM(model=path, dtype="float32", max_model_len=256, kv_cache_memory=int(4.5 * per_request))
     # One block per request in the (single) state group: 4 blocks, one of them the null block.
-    assert llm.llm_engine.core.model_info.num_kv_blocks == 4
+    assert llm.llm_engine.model_info.num_kv_blocks == 4
     assert llm.llm_engine.config.scheduler_config.max_num_seqs == 3
     assert "max_num_seqs lowered from 256 to 3" in caplog.text
     assert f"{per_request} bytes of recurrent state per request" in caplog.text
@@ -167,7 +167,7 @@ def test_memory_budget_bounds_concurrent_requests(tiny, caplog):
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
-        running.append(len(engine.core.scheduler.running))
+        running.append(len(engine.core.engine_core.scheduler.running))
     assert max(running) == 3
     assert done == {f"r{i}": (ref + ref)[i] for i in range(2 * len(prompts))}
 

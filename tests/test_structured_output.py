@@ -152,7 +152,7 @@ def test_backends_agree_on_allowed_tokens(llm):
     from vllite_core.structured_output.bitmask import unpack_bitmask
 
     eng = llm.llm_engine
-    mgr = eng.structured_output
+    mgr = eng.core.engine_core.structured_output
     rng = random.Random(0)
     specs = [dict(regex=r"[0-9]{3}-[0-9]{4}"), dict(regex=REGEXES[1]), dict(choice=CHOICES[1]),
              dict(regex=r'\{"a": [0-9]{1,3}, "b": "(x|yy)"\}')]
@@ -195,7 +195,7 @@ def test_structured_rows_leave_free_rows_unchanged(llm):
 
 
 def test_a_failing_compile_fails_only_its_request(llm, monkeypatch):
-    mgr = llm.llm_engine.structured_output
+    mgr = llm.llm_engine.core.engine_core.structured_output
     real = mgr._compile
 
     def compile_or_fail(name, params):
@@ -214,7 +214,7 @@ def test_a_failing_compile_fails_only_its_request(llm, monkeypatch):
 
 
 def test_compiled_grammars_are_cached(llm):
-    mgr = llm.llm_engine.structured_output
+    mgr = llm.llm_engine.core.engine_core.structured_output
     spec = {"type": "object", "properties": {"cached": {"type": "boolean"}}, "required": ["cached"]}
     before = mgr.num_compiles
     llm.generate([prompt(llm, "JSON.")] * 3, so_params(20, False, 0, json=spec))
@@ -322,9 +322,11 @@ def llm_jf():
 
 def _generate_counting(llm, prompts, params):
     core = llm.llm_engine.core
-    steps, jumped = core.step_times.steps, core.stats().num_jump_forward_tokens
+    before = core.stats()
     outs = llm.generate(prompts, params)
-    return outs, core.step_times.steps - steps, core.stats().num_jump_forward_tokens - jumped
+    after = core.stats()
+    return (outs, after.step_times.steps - before.step_times.steps,
+            after.num_jump_forward_tokens - before.num_jump_forward_tokens)
 
 
 @pytest.mark.slow

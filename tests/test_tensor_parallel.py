@@ -88,16 +88,16 @@ def test_speculative_decoding_over_two_ranks_matches_hf(qwen2):
 
 
 def test_layout_names_two_worker_processes(tp2):
-    layout = tp2.llm_engine.core.executor.layout
+    layout = tp2.llm_engine.core.engine_core.executor.layout
     assert layout["backend"] == "mp" and layout["ranks"] == 2 and layout["nodes"] == 1
-    pids = [p.pid for p in tp2.llm_engine.core.executor.procs]
+    pids = [p.pid for p in tp2.llm_engine.core.engine_core.executor.procs]
     assert len(set(pids)) == 2 and os.getpid() not in pids
     assert all(str(pid) in line for pid, line in zip(pids, layout["processes"]))
 
 
 def test_a_killed_worker_fails_the_step_naming_its_rank(qwen2, tp2):
     """Runs last: it kills the module engine's rank 1."""
-    executor = tp2.llm_engine.core.executor
+    executor = tp2.llm_engine.core.engine_core.executor
     os.kill(executor.procs[1].pid, signal.SIGKILL)
     executor.procs[1].wait(30)
     result: dict[str, BaseException] = {}

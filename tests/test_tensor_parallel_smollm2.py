@@ -47,7 +47,7 @@ def tp1(prompts):
 @pytest.fixture(scope="module")
 def tp2(prompts):
     llm = LLM(tensor_parallel_size=2, distributed_executor_backend="mp", **ENGINE)
-    assert llm.llm_engine.core.executor.layout["ranks"] == 2
+    assert llm.llm_engine.core.engine_core.executor.layout["ranks"] == 2
     outs = _run(llm, prompts)
     stats = llm.llm_engine.core.stats()
     llm.llm_engine.core.shutdown()

@@ -74,10 +74,10 @@ def test_greedy_matches_hf_with_mixed_lengths_in_one_step(tiny, llm, fe):
         tok, "<|startoftranscript|>", "<|en|>", "<|de|>", "<|fr|>", "<|transcribe|>", "<|translate|>",
         "<|notimestamps|>", "<|startofprev|>")
     core = llm.llm_engine.core
-    steps_before = core.step_times.steps
+    steps_before = core.stats().step_times.steps
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True))
     # Every request was prefilled in the first step and decoded together after it.
-    assert core.step_times.steps - steps_before == MAX_NEW
+    assert core.stats().step_times.steps - steps_before == MAX_NEW
     decoder_prompts = [o.prompt_token_ids for o in outs]
     assert decoder_prompts[0] == [sot, en, transcribe, nots]
     assert decoder_prompts[1] == [sot, de, transcribe]

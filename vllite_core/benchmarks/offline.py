@@ -53,7 +53,7 @@ def build_engine(engine_args: Any) -> Any:
 
 
 def engine_facts(engine: Any) -> dict[str, Any]:
-    core = engine.core
+    core = engine.core.engine_core  # build_engine's engine core runs in this process (InprocClient)
     cfg = engine.config
     # The runner lives in this process with the uni executor only; the others run it in each rank's worker.
     dtype = core.worker.runner.dtype if core.worker is not None else cfg.model_config.dtype
@@ -79,16 +79,15 @@ def engine_facts(engine: Any) -> dict[str, Any]:
 
 
 def vocab_size(engine: Any) -> int:
-    return int(getattr(engine, "vocab_size", 0) or engine.core.model_info.hf_config.vocab_size)
+    return int(getattr(engine, "vocab_size", 0) or engine.model_info.hf_config.vocab_size)
 
 
 def run_requests(engine: Any, requests: list[BenchRequest], keep_tokens: int = 0) -> RunResult:
     """Submit every request at once, step until all finish; per-request timings."""
     from vllite_core.sampling_params import SamplingParams
 
-    core = engine.core
     if engine.config.cache_config.enable_prefix_caching:
-        core.kv_cache_manager.reset_prefix_cache()
+        engine.core.reset_prefix_cache()
     ids: list[str] = []
     start = time.perf_counter()
     for i, r in enumerate(requests):

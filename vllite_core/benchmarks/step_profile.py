@@ -65,7 +65,7 @@ class StepProfiler:
         self._undo.append(lambda: setattr(obj, attr, inner) if had_own else delattr(obj, attr))
 
     def attach(self, llm_engine: Any) -> "StepProfiler":
-        core = llm_engine.core
+        core = llm_engine.core.engine_core  # the bench's engine core runs in this process (InprocClient)
         if core.worker is None:
             raise ValueError("distributed_executor_backend: the per-step profile times the model runner in this "
                              "process, which only the uni executor has")

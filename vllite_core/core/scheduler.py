@@ -10,35 +10,19 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from vllite_core.config import CacheConfig, SchedulerConfig
 from vllite_core.core.kv_cache_manager import KVCacheManager
 from vllite_core.core.request_queue import create_request_queue
 from vllite_core.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllite_core.core.stats import SchedulerStats, StepTimes
 from vllite_core.request import Request, RequestStatus
 from vllite_core.spec_decode.metrics import SpecDecodingStats
 from vllite_core.structured_output.jump_forward import can_jump, next_forced_token
 
 logger = logging.getLogger("vllite.scheduler")
-
-
-@dataclass
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_preemptions_total: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    spec_decoding: SpecDecodingStats | None = field(default=None)  # None: speculative decoding off
-    num_jump_forward_tokens: int = 0  # structured output tokens appended without sampling (jump-forward)
-    mm_cache: Any = None  # multimodal.encoder_cache.EncoderCacheStats (a copy); None: not a multimodal model
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 class Scheduler:
@@ -351,14 +335,18 @@ class Scheduler:
             return True
         return False
 
-    def stats(self) -> SchedulerStats:
+    def stats(self, step_times: StepTimes | None = None) -> SchedulerStats:
+        """The numbers now, as the one stats record (``step_times``: the core's, copied in)."""
         pcs = self.kv.prefix_cache_stats
         return SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting),
-                              kv_cache_usage=self.kv.usage, num_preemptions_total=self.num_preemptions_total,
+                              kv_cache_usage=self.kv.usage, num_free_blocks=self.kv.get_num_free_blocks(),
+                              num_total_blocks=self.kv.num_usable_blocks,
+                              num_preemptions_total=self.num_preemptions_total,
                               prefix_cache_queries=pcs.queries, prefix_cache_hits=pcs.hits,
-                              spec_decoding=self.spec_stats.copy() if self.spec_stats is not None else None,
                               num_jump_forward_tokens=self.num_jump_forward_tokens,
-                              mm_cache=replace(self.encoder_cache.stats) if self.encoder_cache is not None else None)
+                              spec_decoding=self.spec_stats.copy() if self.spec_stats is not None else None,
+                              mm_cache=replace(self.encoder_cache.stats) if self.encoder_cache is not None else None,
+                              step_times=step_times.copy() if step_times is not None else StepTimes())
 
 
 class _Step:

@@ -43,6 +43,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, TypeVar
 
+from vllite_core.core.stats import SchedulerStats
+from vllite_core.engine.core_client import EngineCoreClient
 from vllite_core.engine.delta import DeltaCursor
 from vllite_core.engine.heap_trim import HeapTrimmer
 from vllite_core.engine.llm_engine import LLMEngine, PromptType
@@ -72,23 +74,6 @@ class LoopStats:
     idle_s: float = 0.0
     trim_s: float = 0.0  # giving freed heap back to the OS (engine/heap_trim.py)
     thread_id: int | None = None  # native id of the engine loop thread
-
-
-@dataclass
-class EngineSnapshot:
-    """Scheduler numbers copied by the loop after each step, for readers on other threads."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_free_blocks: int = 0
-    num_total_blocks: int = 0
-    num_preemptions_total: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    spec_decoding: Any = None  # vllite_core.spec_decode.metrics.SpecDecodingStats; None: speculation off
-    mm_cache: Any = None  # vllite_core.multimodal.encoder_cache.EncoderCacheStats; None: text-only model
-    num_jump_forward_tokens: int = 0  # structured output tokens appended without sampling (jump-forward)
 
 
 @dataclass
@@ -219,6 +204,9 @@ class AsyncLLM:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
+        # The engine's core, through its client (in this process or in engine-core processes): the loop
+        # steps it through ``engine``; the numbers, the wake-ups and the layout come from it directly.
+        self.core: EngineCoreClient = engine.core
         # The loop thread detokenizes with engine.tokenizer; this copy serves the asyncio side.
         self.tokenizer = copy.deepcopy(engine.tokenizer)
         # Prompts are processed on this side, with this tokenizer (models that process their own
@@ -233,7 +221,8 @@ class AsyncLLM:
         self._reserved: set[str] = set()  # request ids being prepared on the prep thread
         self.max_model_len = engine.max_model_len
         self.loop_stats = LoopStats()
-        self.snapshot = EngineSnapshot()
+        # The core's numbers after the loop's latest turn, for readers on other threads (/metrics).
+        self.snapshot: SchedulerStats = self.core.stats()
         self.observers: list[Callable[[FinishedRequest], None]] = []
         self.dead: BaseException | None = None
         # Called on the asyncio loop, once, with the cause when the engine loop dies.
@@ -244,13 +233,10 @@ class AsyncLLM:
         self._inbox: list[_Add | _Abort] = []
         self._stopping = False
         self._ids = itertools.count()
-        self._take_snapshot()
-        # An engine core in its own process (core_client.py): wake the loop when it dies, so the open
+        # An engine core in its own process (mp_client.py): wake the loop when it dies, so the open
         # requests fail at once even while the loop sleeps; a post wakes its wait for outputs.
-        self._wake_core: Callable[[], None] | None = getattr(engine.core, "wake", None)
         self._wake_pending = False
-        if hasattr(engine.core, "on_failure"):
-            engine.core.on_failure.append(self._wake_loop)
+        self.core.on_failure.append(self._wake_loop)
         self._thread = threading.Thread(target=self._run, name="vllite-engine-loop", daemon=True)
         self._thread.start()
 
@@ -260,7 +246,8 @@ class AsyncLLM:
         """The server's engine: its core(s) in their own processes unless ``multiprocess`` is False or
         VLLITE_ENABLE_V1_MULTIPROCESSING=0 (then in this process, on the engine-loop thread).
         ``data_parallel_size`` > 1 needs the engine-core processes."""
-        from vllite_core.engine.core_client import EngineCoreClient, multiprocessing_enabled
+        from vllite_core.engine.core_client import multiprocessing_enabled
+        from vllite_core.engine.mp_client import MPClient
 
         if multiprocess is None:
             multiprocess = multiprocessing_enabled(default=True)
@@ -269,22 +256,27 @@ class AsyncLLM:
                 raise ConfigError(f"data_parallel_size: {data_parallel_size} needs the engine cores in their own "
                                   "processes (VLLITE_ENABLE_V1_MULTIPROCESSING=1)")
             return cls(LLMEngine.from_engine_args(args))
-        client = EngineCoreClient(args.create_config(), data_parallel_size)
+        client = MPClient(args.create_config(), data_parallel_size)
         try:
-            return cls(LLMEngine(client.config, core=client))
+            return cls(LLMEngine(client.info.config, core=client))
         except BaseException:
-            client.close()
+            client.shutdown()
             raise
 
     def layout(self) -> dict[str, Any]:
         """The process layout: this (API) process, and each engine core's process and data-parallel rank."""
-        core = self.engine.core
-        if hasattr(core, "layout"):
-            return core.layout()
-        import os
+        return self.core.layout()
 
-        return {"api_pid": os.getpid(), "data_parallel_size": 1,
-                "engine_cores": [{"dp_rank": 0, "pid": os.getpid(), "in_process": True}]}
+    def parallel_layout(self) -> dict[str, Any]:
+        """The executor's ranks, processes and devices (each engine core's, as its core reported them)."""
+        return self.core.info.parallel_layout
+
+    def engine_stats(self) -> list[SchedulerStats]:
+        """Each data-parallel engine core's latest numbers (one record for a single core)."""
+        return self.core.engine_stats()
+
+    def num_kv_blocks(self) -> int:
+        return self.core.num_kv_blocks()
 
     def _wake_loop(self) -> None:
         with self._cond:
@@ -401,7 +393,7 @@ class AsyncLLM:
         with self._cond:
             self._inbox.append(cmd)
             self._cond.notify()
-        if self._wake_core is not None and not self._wake_pending:
+        if not self._wake_pending:
             # Once per turn of the asyncio loop, after what this turn posts (the prompts of one request
             # reach the engine core in one message): a pipe write would hand the GIL to the loop thread
             # after the first post.
@@ -415,8 +407,7 @@ class AsyncLLM:
 
     def _wake_now(self) -> None:
         self._wake_pending = False
-        if self._wake_core is not None:
-            self._wake_core()
+        self.core.wake()
 
     def _dispatch(self, outputs: list[RequestOutput], failed: list[tuple[str, BaseException]]) -> None:
         for out in outputs:
@@ -456,9 +447,7 @@ class AsyncLLM:
         the other requests' outputs."""
         try:
             rec = stream.report(out, aborted)
-            engine_of = getattr(self.engine.core, "engine_of", None)
-            if engine_of is not None:
-                rec.engine_index = engine_of(stream.request_id)
+            rec.engine_index = self.core.engine_of(stream.request_id)
         except Exception:
             logger.exception("request report failed")
             return
@@ -472,15 +461,6 @@ class AsyncLLM:
                 logger.exception("request observer failed")
 
     # ---- engine loop thread ----------------------------------------------------------------
-    def _take_snapshot(self) -> None:
-        core = self.engine.core
-        s = core.stats()
-        kv = core.kv_cache_manager
-        self.snapshot = EngineSnapshot(s.num_running, s.num_waiting, s.kv_cache_usage, kv.get_num_free_blocks(),
-                                       kv.num_usable_blocks, s.num_preemptions_total, s.prefix_cache_queries,
-                                       s.prefix_cache_hits, s.spec_decoding, s.mm_cache,
-                                       s.num_jump_forward_tokens)
-
     def _apply(self, cmds: list[_Add | _Abort]) -> list[tuple[str, BaseException]]:
         failed = []
         for cmd in cmds:
@@ -499,7 +479,7 @@ class AsyncLLM:
     def _run(self) -> None:
         st = self.loop_stats
         st.thread_id = threading.get_native_id()
-        engine, core = self.engine, self.engine.core
+        engine, core = self.engine, self.core
         trimmer = HeapTrimmer()
         while True:
             st.trim_s += trimmer.maybe_trim(idle=not self._inbox and not engine.has_unfinished_requests())
@@ -516,8 +496,8 @@ class AsyncLLM:
             outputs: list[RequestOutput] = []
             ran = False
             step_s = 0.0
+            before = self.snapshot.step_times.steps
             if engine.has_unfinished_requests():
-                before = core.step_times.steps
                 t1 = time.perf_counter()
                 try:
                     outputs = engine.step()
@@ -530,8 +510,8 @@ class AsyncLLM:
                 st.step_s += step_s
                 st.steps += 1
                 trimmer.note_work()
-                ran = core.step_times.steps != before
-            self._take_snapshot()
+            self.snapshot = core.stats()
+            ran = self.snapshot.step_times.steps != before
             if (outputs or failed) and self._aloop is not None:
                 try:
                     self._aloop.call_soon_threadsafe(self._dispatch, outputs, failed)
@@ -553,5 +533,4 @@ class AsyncLLM:
             self._cond.notify()
         self._thread.join(timeout=10)
         self._prep.shutdown(wait=False, cancel_futures=True)
-        if hasattr(self.engine.core, "close"):
-            self.engine.core.close()
+        self.core.shutdown()

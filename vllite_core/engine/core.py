@@ -6,19 +6,25 @@ LLMEngine, the async server engine) detokenize and shape outputs.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllite_core.config import AUTO_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN, ConfigError, VlliteConfig
 from vllite_core.core.kv_cache_manager import KVCacheManager
-from vllite_core.core.scheduler import Scheduler, SchedulerStats
-from vllite_core.model_interfaces import model_capabilities
+from vllite_core.core.scheduler import Scheduler
+from vllite_core.core.stats import SchedulerStats, StepTimes
+from vllite_core.model_interfaces import ModelCapabilities, model_capabilities
 from vllite_core.pooling import setup as pooling_setup
 from vllite_core.request import Request, RequestStatus
 from vllite_core.state_cache import check_state_options, limit_max_num_seqs
+from vllite_core.structured_output.manager import StructuredOutputManager
 from vllite_core.worker.model_runner import SampleLogprobs
+
+if TYPE_CHECKING:
+    from model_registry.model_impl import ModelImplChoice
 
 logger = logging.getLogger("vllite.engine")
 
@@ -36,22 +42,6 @@ class EngineCoreOutput:
     num_preemptions: int = 0
     error: str | None = None  # finish_reason "error": what went wrong (this request alone failed)
     pooling_output: Any = None  # a pooling request's result (it finishes with it, no token sampled)
-
-
-@dataclass
-class StepTimes:
-    """Where a step's time went; the model's share should dominate."""
-
-    schedule: float = 0.0
-    execute: float = 0.0
-    update: float = 0.0
-    steps: int = 0
-    tokens: int = 0
-
-    def as_dict(self) -> dict[str, float]:
-        total = self.schedule + self.execute + self.update
-        return {"steps": self.steps, "tokens": self.tokens, "schedule_s": self.schedule, "execute_s": self.execute,
-                "update_s": self.update, "overhead_fraction": (self.schedule + self.update) / total if total else 0.0}
 
 
 @dataclass
@@ -133,96 +123,202 @@ def _encoder_cache(config: VlliteConfig) -> Any:
     return EncoderCacheManager(cache_size=geometry[0], budget=geometry[1])
 
 
+@dataclass
+class ResolvedModel:
+    """The checkpoint and the model class that serves it (what the executor loads)."""
+
+    source: Any
+    hf_config: Any
+    architecture: str
+    model_cls: type
+    capabilities: ModelCapabilities
+    impl: ModelImplChoice  # native or the Transformers fallback, and why
+
+
+@dataclass
+class CoreInfo:
+    """What a frontend needs from a running core, sent once when it is ready (the same record in-process)."""
+
+    config: VlliteConfig  # the config the core finalized (context length, KV blocks, capabilities)
+    model_info: ModelInfo
+    model_cls: type  # prompt processing for encoder-decoder / multimodal models
+    vocab_size: int
+    lora_layout: Any  # (targets, in_features) for the frontend's adapter checks; None without LoRA
+    platform: str
+    parallel_layout: dict[str, Any]  # the executor's ranks, processes and devices
+
+
+def _checked_config(config: VlliteConfig, platform: Any, pm: Any) -> VlliteConfig:
+    """A copy of ``config`` as the platform adjusts it and the plugins accept it (the caller's is untouched)."""
+    config = copy.deepcopy(config)
+    platform.check_and_update_config(config)
+    pm.hook.vllite_check_config(config=config)
+    return config
+
+
+def _proposer_factory(config: VlliteConfig, pm: Any) -> Any:
+    """The speculative proposer's factory; an unknown method fails before any model is loaded."""
+    if config.speculative_config is None:
+        return None
+    from vllite_core.spec_decode.registry import resolve_proposer_factory
+
+    return resolve_proposer_factory(config.speculative_config, pm)
+
+
+def _resolve_model(config: VlliteConfig, pm: Any, proposer_factory: Any) -> ResolvedModel:
+    """Find the checkpoint and its model class (native or the Transformers fallback, ``model_impl``); refuse a
+    draft model, LoRA or a runner the class cannot serve."""
+    from model_registry.model_impl import resolve_model_impl
+    from model_registry.registry import build_registry
+    from model_registry.source import load_hf_config, resolve_model_source
+
+    mc = config.model_config
+    source = resolve_model_source(mc.model, mc.revision, mc.download_dir, mc.gguf_file)
+    hf_config = load_hf_config(source, mc.trust_remote_code)
+    if config.speculative_config is not None and hasattr(proposer_factory, "check_config"):
+        proposer_factory.check_config(config.speculative_config, hf_config)  # a draft model: path, vocabulary
+    impl = resolve_model_impl(build_registry(pm), hf_config, mc.model_impl, mc.trust_remote_code)
+    arch = impl.architecture
+    model_cls = pooling_setup.resolve_model_class(arch, impl.model_cls, mc.runner, mc.convert)
+    caps = model_capabilities(model_cls)
+    if config.lora_config is not None and not caps.supports_lora:
+        raise ConfigError(f"enable_lora: {arch} does not support LoRA adapters (its model class does not "
+                          "declare SupportsLoRA)")
+    return ResolvedModel(source, hf_config, arch, model_cls, caps, impl)
+
+
+def _model_config(config: VlliteConfig, model: ResolvedModel, platform: Any) -> VlliteConfig:
+    """A copy of ``config`` for this model: its capabilities, pooling rules and context length applied."""
+    from vllite_core.distributed.checks import check_parallel_config
+
+    from model_registry.model_impl import apply_fallback_rules
+
+    config = copy.deepcopy(config)
+    apply_fallback_rules(config, model.impl)
+    mc = config.model_config
+    mc.capabilities = model.capabilities
+    if model.capabilities.is_stateful:
+        check_state_options(config, model.architecture)
+    if model.capabilities.is_pooling:
+        pooling_setup.setup_pooling(config, model.source.path, model.hf_config, model.model_cls)
+    check_parallel_config(config, platform, model.architecture, model.model_cls, model.hf_config)
+    config.finalize(_derive_max_model_len(config, model.hf_config, model.model_cls))
+    if mc.pooler_config is not None:
+        pooling_setup.size_encoder_cache(config, mc.pooler_config)
+    return config
+
+
+def _start_executor(config: VlliteConfig, platform: Any, model: ResolvedModel) -> tuple[Any, int]:
+    """The workers (one per tensor-parallel rank, where the executor puts them) with the model loaded and
+    its KV cache allocated; (executor, number of KV blocks)."""
+    from vllite_core.executor import make_executor
+
+    executor = make_executor(config, platform)
+    try:
+        executor.load_model(model.source, model.hf_config, model.architecture, model.model_cls)
+        num_blocks = executor.determine_num_kv_blocks()
+        executor.initialize_kv_cache(num_blocks)
+    except BaseException:
+        executor.shutdown()
+        raise
+    return executor, num_blocks
+
+
+def _kv_cache_manager(config: VlliteConfig, groups: list, num_blocks: int, proposer_factory: Any) -> KVCacheManager:
+    cc, sc = config.cache_config, config.speculative_config
+    lookahead = sc.num_speculative_tokens if sc is not None and getattr(proposer_factory, "needs_lookahead",
+                                                                         False) else 0
+    return KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, config.model_config.max_model_len,
+                          groups=groups, num_lookahead_tokens=lookahead)
+
+
+def _cache_config(config: VlliteConfig, kv: KVCacheManager, groups: list, num_blocks: int) -> VlliteConfig:
+    """A copy of ``config`` with what the KV cache allows: prefix caching only where every group can be
+    cached, no more running requests than the state cache holds."""
+    config = copy.deepcopy(config)
+    config.cache_config.enable_prefix_caching = kv.enable_caching
+    limit_max_num_seqs(config, groups, num_blocks)
+    return config
+
+
+def _scheduler(config: VlliteConfig, kv: KVCacheManager) -> Scheduler:
+    sc = config.speculative_config
+    return Scheduler(config.scheduler_config, config.cache_config, kv, config.model_config.max_model_len,
+                     max_loras=config.lora_config.max_loras if config.lora_config else 0,
+                     encoder_cache=_encoder_cache(config), num_spec_tokens=sc.num_speculative_tokens if sc else 0)
+
+
+def _structured_output_manager(config: VlliteConfig, model: ResolvedModel, vocab_size: int,
+                               pm: Any) -> StructuredOutputManager:
+    """The core's grammar compiler. Its tokenizer loads with the first grammar: a core that serves no
+    structured output request never loads one."""
+    from model_registry.source import load_tokenizer
+
+    def tokenizer() -> tuple[Any, int | None]:
+        tok = load_tokenizer(model.source, config.model_config.tokenizer)
+        return tok, model_eos_token_id(tok, model.hf_config)
+
+    return StructuredOutputManager(config.structured_outputs_config, None, vocab_size, None, pm,
+                                   load_tokenizer=tokenizer)
+
+
+def model_eos_token_id(tokenizer: Any, hf_config: Any) -> int | None:
+    """The tokenizer's EOS id, else the model config's (its first, when it lists several)."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+        if isinstance(eos, (list, tuple)):
+            eos = eos[0] if eos else None
+    return eos
+
+
 class EngineCore:
+    """Schedule, run the model, update requests. Built from the config alone: it resolves the model,
+    starts the workers and makes its own scheduler, KV cache manager and grammar compiler."""
+
     def __init__(self, config: VlliteConfig, platform: Any = None) -> None:
-        from model_registry.model_impl import apply_fallback_rules, resolve_model_impl
-        from model_registry.registry import build_registry
-        from model_registry.source import load_hf_config, resolve_model_source
         from vllite_core.platforms.resolve import resolve_platform
         from vllite_core.plugins.manager import get_plugin_manager
 
-        self.config = config
         pm = get_plugin_manager()
-        if platform is None:
-            platform = resolve_platform(config.device_config.device).platform
-        self.platform = platform
-        platform.check_and_update_config(config)
-        pm.hook.vllite_check_config(config=config)
-        proposer_factory = None
-        if config.speculative_config is not None:  # an unknown method fails before any model is loaded
-            from vllite_core.spec_decode.registry import resolve_proposer_factory
-
-            proposer_factory = resolve_proposer_factory(config.speculative_config, pm)
-
-        mc = config.model_config
-        source = resolve_model_source(mc.model, mc.revision, mc.download_dir, mc.gguf_file)
-        hf_config = load_hf_config(source, mc.trust_remote_code)
-        if config.speculative_config is not None and hasattr(proposer_factory, "check_config"):
-            proposer_factory.check_config(config.speculative_config, hf_config)  # a draft model: path, vocabulary
-        impl = resolve_model_impl(build_registry(pm), hf_config, mc.model_impl, mc.trust_remote_code)
-        apply_fallback_rules(config, impl)
-        arch, model_cls = impl.architecture, impl.model_cls
-        model_cls = pooling_setup.resolve_model_class(arch, model_cls, mc.runner, mc.convert)
-        mc.capabilities = model_capabilities(model_cls)
-        if mc.capabilities.is_stateful:
-            check_state_options(config, arch)
-        if mc.capabilities.is_pooling:
-            pooling_setup.setup_pooling(config, source.path, hf_config, model_cls)
-        if config.lora_config is not None and not config.model_config.capabilities.supports_lora:
-            raise ConfigError(f"enable_lora: {arch} does not support LoRA adapters (its model class does not "
-                              "declare SupportsLoRA)")
-        from vllite_core.distributed.checks import check_parallel_config
-        from vllite_core.executor import make_executor
-
-        check_parallel_config(config, platform, arch, model_cls, hf_config)
-        max_model_len = _derive_max_model_len(config, hf_config, model_cls)
-        config.finalize(max_model_len)
-        if mc.pooler_config is not None:
-            pooling_setup.size_encoder_cache(config, mc.pooler_config)
-
-        # The workers (one per tensor-parallel rank) run where the executor puts them.
-        self.executor = make_executor(config, platform)
-        try:
-            self.executor.load_model(source, hf_config, arch, model_cls)
-            num_blocks = self.executor.determine_num_kv_blocks()
-            self.executor.initialize_kv_cache(num_blocks)
-        except BaseException:
-            self.executor.shutdown()
-            raise
+        self.platform = platform if platform is not None else resolve_platform(config.device_config.device).platform
+        config = _checked_config(config, self.platform, pm)
+        proposer_factory = _proposer_factory(config, pm)
+        model = _resolve_model(config, pm, proposer_factory)
+        config = _model_config(config, model, self.platform)
+        self.executor, num_blocks = _start_executor(config, self.platform, model)
         self.worker = self.executor.driver_worker  # the in-process worker (uni executor), else None
         facts = self.executor.facts
         assert facts is not None
-        if mc.max_model_len_auto:  # --max-model-len auto: what the cache holds, if less than the model's length
-            max_model_len = fit_max_model_len(config, facts.kv_cache_groups, num_blocks)
+        if config.model_config.max_model_len_auto:  # --max-model-len auto: what the cache holds, if less
+            config = copy.deepcopy(config)
+            fit_max_model_len(config, facts.kv_cache_groups, num_blocks)
         # What the model can emit (part of every engine model's contract: nested configs such as
         # Florence-2's have no top-level vocab_size).
         self.vocab_size = facts.vocab_size
-        cc = config.cache_config
         groups = facts.kv_cache_groups
-        sc = config.speculative_config
-        lookahead = sc.num_speculative_tokens if sc is not None and getattr(proposer_factory, "needs_lookahead",
-                                                                             False) else 0
-        self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, max_model_len,
-                                               groups=groups, num_lookahead_tokens=lookahead)
-        cc.enable_prefix_caching = self.kv_cache_manager.enable_caching
-        limit_max_num_seqs(config, groups, num_blocks)
-        self.scheduler = Scheduler(config.scheduler_config, cc, self.kv_cache_manager, max_model_len,
-                                   max_loras=config.lora_config.max_loras if config.lora_config else 0,
-                                   encoder_cache=_encoder_cache(config),
-                                   num_spec_tokens=config.speculative_config.num_speculative_tokens
-                                   if config.speculative_config else 0)
-        self.model_info = ModelInfo(source, hf_config, arch, max_model_len, num_blocks)
-        self.model_cls = model_cls
-        self.model_impl = impl
+        self.kv_cache_manager = _kv_cache_manager(config, groups, num_blocks, proposer_factory)
+        self.config = config = _cache_config(config, self.kv_cache_manager, groups, num_blocks)
+        self.scheduler = _scheduler(config, self.kv_cache_manager)
+        self.structured_output = _structured_output_manager(config, model, self.vocab_size, pm)
+        max_model_len = config.model_config.max_model_len
+        self.model_info = ModelInfo(model.source, model.hf_config, model.architecture, max_model_len, num_blocks)
+        self.model_cls = model.model_cls
+        self.model_impl = model.impl
         self.step_times = StepTimes()
-        # Set by the frontend, which owns the tokenizer (vllite_core.structured_output.StructuredOutputManager).
-        self.structured_output: Any = None
+        cc = config.cache_config
         kinds = ", ".join(f"{g.spec.kind} x{len(g.layers)}" for g in groups)
         logger.info("engine ready: %s (model_impl: %s) on %s, max_model_len=%d, %d KV blocks of %d tokens "
-                    "(%d tokens, %s cache), cache groups: %s, %s executor, tensor_parallel_size=%d", arch, impl.impl,
-                    platform.name, max_model_len, num_blocks, cc.block_size, num_blocks * cc.block_size,
+                    "(%d tokens, %s cache), cache groups: %s, %s executor, tensor_parallel_size=%d",
+                    model.architecture, model.impl.impl, self.platform.name,
+                    max_model_len, num_blocks, cc.block_size, num_blocks * cc.block_size,
                     str(facts.kv_cache_dtype).replace("torch.", ""), kinds, self.executor.backend,
                     config.parallel_config.tensor_parallel_size)
+
+    def info(self) -> CoreInfo:
+        return CoreInfo(self.config, self.model_info, self.model_cls, self.vocab_size,
+                        self.lora_layout() if self.config.lora_config is not None else None, self.platform.name,
+                        self.executor.layout)
 
     def lora_layout(self) -> tuple[dict, dict]:
         """(targets, in_features) of the model's LoRA layers in checkpoint coordinates: what an adapter is
@@ -236,7 +332,7 @@ class EngineCore:
 
     def add_request(self, request: Request) -> None:
         so = request.sampling_params.structured_outputs
-        if so is not None and self.structured_output is not None:
+        if so is not None:
             request.structured_output = self.structured_output.submit(so)
             request.status = RequestStatus.WAITING_FOR_FSM
         self.scheduler.add_request(request)
@@ -254,8 +350,7 @@ class EngineCore:
         t0 = time.perf_counter()
         so = self.scheduler.schedule()
         sched = self.scheduler
-        if self.structured_output is not None:
-            so.grammar_bitmask = self.structured_output.grammar_bitmask(sched.requests, so)
+        so.grammar_bitmask = self.structured_output.grammar_bitmask(sched.requests, so)
         t1 = time.perf_counter()
         if so.is_empty and not so.finished_req_ids and not so.preempted_req_ids and not sched.grammar_errors:
             self._wait_for_grammars()
@@ -289,16 +384,22 @@ class EngineCore:
 
     def _wait_for_grammars(self) -> None:
         """Nothing to run: if requests wait for their grammars, sleep until one compiles (not a hot spin)."""
-        if self.structured_output is None:
-            return
         pending = [r.structured_output for r in self.scheduler.waiting
                    if r.status == RequestStatus.WAITING_FOR_FSM and r.structured_output is not None]
         if pending:
             self.structured_output.wait_any(pending, timeout=0.01)
 
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.num_unfinished
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (False when blocks are still held by requests)."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
     def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        return self.scheduler.stats(self.step_times)
 
     def shutdown(self) -> None:
-        """Stop the workers (other processes / actors for the mp and ray executors)."""
+        """Stop the workers (other processes / actors for the mp and ray executors) and the grammar compiler."""
+        self.structured_output.shutdown()
         self.executor.shutdown()

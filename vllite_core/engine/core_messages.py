@@ -6,7 +6,7 @@ as pickled bytes fields; tensors are raw frames (serial_utils).
 Client -> engine: ``EngineCoreRequest`` (a new request; one per engine request, so the n
 children of a parallel-sampling request are n of these), ``EngineCoreAbort`` (abort, or finish
 as stopped when the API's stop-string check ended it), ``EngineCoreUtility`` (LoRA cache
-removal, shutdown). Engine -> client: ``EngineCoreReady`` once (or ``EngineCoreFailed`` when
+removal, prefix cache reset, shutdown). Engine -> client: ``EngineCoreReady`` once (or ``EngineCoreFailed`` when
 start-up failed), then ``EngineCoreOutputs`` per step, ``EngineCoreFailed`` if the loop dies.
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from vllite_core.core.stats import SchedulerStats
 from vllite_core.engine.core import EngineCoreOutput
 
 
@@ -41,7 +42,7 @@ class EngineCoreAbort(msgspec.Struct, tag="abort", array_like=True):
 
 
 class EngineCoreUtility(msgspec.Struct, tag="utility", array_like=True):
-    method: str  # "remove_lora" | "shutdown"
+    method: str  # "remove_lora" | "reset_prefix_cache" | "shutdown"
     args: list[Any] = []
 
 
@@ -55,34 +56,10 @@ class EngineCoreBatch(msgspec.Struct, tag="batch", array_like=True):
     messages: list[ClientMessage]
 
 
-class EngineCoreStats(msgspec.Struct, array_like=True):
-    """The scheduler's numbers after a step (what AsyncLLM's snapshot and /metrics read)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_free_blocks: int = 0
-    num_total_blocks: int = 0
-    num_preemptions_total: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    steps: int = 0
-    step_tokens: int = 0
-    schedule_s: float = 0.0
-    execute_s: float = 0.0
-    update_s: float = 0.0
-    # Speculative decoding counters (SpecDecodingStats) as [k, drafts, draft tokens, accepted, *accepted per
-    # position]; None when speculation is off.
-    spec_decoding: list[int] | None = None
-    num_jump_forward_tokens: int = 0  # structured output tokens appended without sampling
-    # Encoder cache counters (EncoderCacheStats) as [queries, hits, evictions]; None for text-only models.
-    mm_cache: list[int] | None = None
-
-
 class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True):
     engine_index: int
     outputs: list[EngineCoreOutput]
-    stats: EngineCoreStats
+    stats: SchedulerStats  # the numbers after this step
     stepped: bool = True  # False: only the stats changed (an abort freed blocks)
     num_applied: int = 0  # client messages applied so far: the client waits for these numbers to catch up
 
@@ -90,8 +67,8 @@ class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True):
 class EngineCoreReady(msgspec.Struct, tag="ready", array_like=True):
     engine_index: int
     pid: int
-    info: bytes  # pickled core_proc.CoreInfo: the finalized config, ModelInfo, vocab size, model class...
-    stats: EngineCoreStats  # the numbers before any request (all blocks free)
+    info: bytes  # pickled engine.core.CoreInfo: the finalized config, ModelInfo, vocab size, model class...
+    stats: SchedulerStats  # the numbers before any request (all blocks free)
 
 
 class EngineCoreFailed(msgspec.Struct, tag="failed", array_like=True):

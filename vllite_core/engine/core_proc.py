@@ -1,10 +1,11 @@
 """The engine-core process: one EngineCore behind two ZMQ sockets (vLLM's EngineCoreProc).
 
 It pulls requests from its input socket and pushes each step's ``EngineCoreOutputs`` (token
-ids, logprobs, pooled tensors as raw frames, the scheduler's numbers) to the API process. It
-builds an ``LLMEngine`` for its core, its structured-output compiler (the grammar's tokenizer
-lives here) and its LoRA adapter cache, and never uses that engine's detokenizer: text is
-the API process's job (its OutputProcessor), as in vLLM.
+ids, logprobs, pooled tensors as raw frames, the ``SchedulerStats`` record) to the API process.
+It builds an ``EngineCore`` from the config alone (the core makes its own structured-output
+compiler, whose tokenizer loads with the first grammar) and its LoRA adapter cache; no
+frontend: no tokenizer at start-up, no detokenizer or output processor (text is the API
+process's job, as in vLLM).
 
 Start-up failure is sent back as the exception itself (the API re-raises it with its original
 text) and the process exits 1. A step that fails with a fault of no single request is sent the
@@ -18,12 +19,12 @@ import os
 import pickle
 import sys
 import traceback
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
-from vllite_core.engine.core import EngineCoreOutput
+from vllite_core.config import VlliteConfig
+from vllite_core.engine.core import EngineCore, EngineCoreOutput
 from vllite_core.engine.core_messages import (
     EngineCoreAbort,
     EngineCoreBatch,
@@ -31,7 +32,6 @@ from vllite_core.engine.core_messages import (
     EngineCoreOutputs,
     EngineCoreReady,
     EngineCoreRequest,
-    EngineCoreStats,
     EngineCoreUtility,
 )
 from vllite_core.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
@@ -39,20 +39,6 @@ from vllite_core.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 logger = logging.getLogger("vllite.engine_core")
 
 _PARENT_CHECK_MS = 1000  # how often an idle engine checks that the API process still exists
-
-
-@dataclass
-class CoreInfo:
-    """What the API process's LLMEngine needs from the engine (sent once, when it is ready)."""
-
-    config: Any  # the VlliteConfig after the engine finalized it (max_model_len, blocks, capabilities)
-    model_info: Any  # engine.core.ModelInfo
-    model_cls: Any  # the model class (prompt processing for encoder-decoder / multimodal models)
-    vocab_size: int
-    lora_layout: Any  # (targets, in_features) for the API's adapter checks, None without LoRA
-    platform: str
-    pid: int
-    parallel_layout: Any = None  # the executor's ranks, processes and devices (vllite_core.distributed.layout)
 
 
 def last_error_line(exc: BaseException) -> str:
@@ -69,33 +55,12 @@ def _picklable(exc: BaseException) -> Any:
 
 
 class EngineCoreProc:
-    def __init__(self, config: Any, engine_index: int) -> None:
-        from vllite_core.engine.llm_engine import LLMEngine
-
+    def __init__(self, config: VlliteConfig, engine_index: int) -> None:
         self.engine_index = engine_index
-        self.engine = LLMEngine(config)
-        self.core = self.engine.core
+        self.core = EngineCore(config)
         self.encoder = MsgpackEncoder()
         self.decoder = MsgpackDecoder(EngineCoreBatch)
         self.num_applied = 0
-
-    def info(self) -> CoreInfo:
-        e = self.engine
-        return CoreInfo(e.config, self.core.model_info, self.core.model_cls, e.vocab_size,
-                        self.core.lora_layout() if e.lora_registry is not None else None,
-                        self.core.platform.name, os.getpid(), self.core.executor.layout)
-
-    def stats(self) -> EngineCoreStats:
-        s, kv, st = self.core.stats(), self.core.kv_cache_manager, self.core.step_times
-        sd = s.spec_decoding
-        spec = None if sd is None else [sd.num_spec_tokens, sd.num_drafts, sd.num_draft_tokens,
-                                        sd.num_accepted_tokens, *sd.num_accepted_tokens_per_pos]
-        mm = None if s.mm_cache is None else [s.mm_cache.queries, s.mm_cache.hits, s.mm_cache.evictions]
-        return EngineCoreStats(s.num_running, s.num_waiting, s.kv_cache_usage, kv.get_num_free_blocks(),
-                               kv.num_usable_blocks, s.num_preemptions_total, s.prefix_cache_queries,
-                               s.prefix_cache_hits, st.steps, st.tokens, st.schedule, st.execute, st.update, spec,
-                               s.num_jump_forward_tokens,
-                               mm)
 
     def _apply(self, msg: Any) -> bool:
         """Apply one client message; False when it asks the process to stop."""
@@ -123,6 +88,8 @@ class EngineCoreProc:
                 return False
             if msg.method == "remove_lora":
                 self.core.remove_lora(int(msg.args[0]))
+            if msg.method == "reset_prefix_cache":
+                self.core.reset_prefix_cache()
         return True
 
     def run(self, inp: zmq.Socket, out: zmq.Socket) -> None:
@@ -154,7 +121,8 @@ class EngineCoreProc:
             outputs = self.core.step() if self.core.has_unfinished_requests() else []
             outputs = refused + outputs
             if outputs or applied:
-                msg = EngineCoreOutputs(self.engine_index, outputs, self.stats(), bool(outputs), self.num_applied)
+                msg = EngineCoreOutputs(self.engine_index, outputs, self.core.stats(), bool(outputs),
+                                        self.num_applied)
                 out.send_multipart(self.encoder.encode(msg), copy=False)
 
 
@@ -164,7 +132,7 @@ def _configure_logging() -> None:
                             format=f"%(levelname)s %(name)s[engine {os.getpid()}]: %(message)s")
 
 
-def run_engine_core(config: Any, engine_index: int, input_addr: str, output_addr: str) -> None:
+def run_engine_core(config: VlliteConfig, engine_index: int, input_addr: str, output_addr: str) -> None:
     """The process's entry point (multiprocessing, spawn)."""
     _configure_logging()
     ctx = zmq.Context()
@@ -183,8 +151,8 @@ def run_engine_core(config: Any, engine_index: int, input_addr: str, output_addr
     inp = ctx.socket(zmq.PULL)
     inp.setsockopt(zmq.LINGER, 0)
     inp.connect(input_addr)
-    out.send_multipart(encoder.encode(EngineCoreReady(engine_index, os.getpid(), pickle.dumps(proc.info()),
-                                                      proc.stats())))
+    out.send_multipart(encoder.encode(EngineCoreReady(engine_index, os.getpid(), pickle.dumps(proc.core.info()),
+                                                      proc.core.stats())))
     code = 0
     try:
         proc.run(inp, out)

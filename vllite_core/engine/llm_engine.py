@@ -7,15 +7,19 @@ import logging
 from typing import Any, Iterable
 
 from vllite_core.config import EngineArgs, VlliteConfig
-from vllite_core.engine.core import EngineCore, encoder_cache_geometry
+from vllite_core.core.stats import SchedulerStats
+from vllite_core.engine.core import EngineCore, encoder_cache_geometry, model_eos_token_id
+from vllite_core.engine.core_client import EngineCoreClient, InprocClient
 from vllite_core.engine.output_processor import OutputProcessor, child_request_ids
 from vllite_core.errors import EngineDeadError, InvalidRequestError, PromptTooLongError
 from vllite_core.inputs import InputContext, ProcessedPrompt
 from vllite_core.outputs import RequestOutput
+from vllite_core.plugins.manager import get_plugin_manager
 from vllite_core.pooling.params import PoolingParams
 from vllite_core.pooling.requests import POOLING_SAMPLING, prepare_pooling_prompt
 from vllite_core.request import Request, RequestStatus
 from vllite_core.sampling_params import SamplingParams
+from vllite_core.structured_output.manager import BackendSelector
 
 logger = logging.getLogger("vllite.engine")
 
@@ -23,22 +27,24 @@ PromptType = str | dict[str, Any]
 
 
 class LLMEngine:
-    def __init__(self, config: VlliteConfig, platform: Any = None, core: Any = None) -> None:
-        """``core``: an engine core that already runs (the API process passes its EngineCoreClient, whose
-        cores live in their own processes, with the config they finalized); by default one is built here."""
+    def __init__(self, config: VlliteConfig, platform: Any = None, core: EngineCoreClient | None = None) -> None:
+        """``core``: a client of an engine core that already runs (the API process passes an MPClient,
+        whose cores live in their own processes); by default an in-process core is built here. Either way
+        the config the core finalized (context length, KV blocks, model capabilities) is this engine's."""
         from model_registry.generation_config import load_generation_defaults
         from model_registry.source import load_tokenizer
 
-        self.config = config
-        self.core = core if core is not None else EngineCore(config, platform)
-        info = self.core.model_info
-        self.tokenizer = load_tokenizer(info.source, config.model_config.tokenizer)
-        self.max_model_len = info.max_model_len
+        self.core: EngineCoreClient = core if core is not None else InprocClient(EngineCore(config, platform))
+        info = self.core.info
+        self.config = config = info.config
+        self.model_info = info.model_info
+        self.tokenizer = load_tokenizer(info.model_info.source, config.model_config.tokenizer)
+        self.max_model_len = info.model_info.max_model_len
         # What the model can emit (part of every engine model's contract: nested configs such as
         # Florence-2's have no top-level vocab_size).
-        self.vocab_size = self.core.vocab_size
-        self.eos_token_id = self._eos_token_id(info.hf_config)
-        gen = load_generation_defaults(info.source, config.model_config.generation_config)
+        self.vocab_size = info.vocab_size
+        self.eos_token_id = model_eos_token_id(self.tokenizer, info.model_info.hf_config)
+        gen = load_generation_defaults(info.model_info.source, config.model_config.generation_config)
         # The model's recommended sampling values (vLLM's get_diff_sampling_param) and the EOS ids its
         # generation config adds to the tokenizer's: they stop generation like stop_token_ids.
         self.default_sampling_params: dict[str, Any] = dict(gen.sampling)
@@ -49,35 +55,20 @@ class LLMEngine:
                            "`--generation-config vllite`.", self.default_sampling_params)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
-        self.model_cls = self.core.model_cls
-        self.input_context = InputContext(self.tokenizer, info.hf_config, info.source.path)
+        self.model_cls = info.model_cls
+        self.input_context = InputContext(self.tokenizer, info.model_info.hf_config, info.model_info.source.path)
         self.dead: BaseException | None = None  # set when a step failed with a fault of no single request
-        self.structured_output = self._structured_output_manager()
-        self.core.structured_output = self.structured_output
+        # Which grammar backend takes a request (no tokenizer: the grammars compile in the core).
+        self.grammar_backends = BackendSelector(config.structured_outputs_config, get_plugin_manager())
         self.lora_registry = None  # LoRARequest -> checked adapter (vllite_core/lora/registry.py)
         if config.lora_config is not None:
             from vllite_core.lora.registry import LoRARegistry
 
-            self.lora_registry = LoRARegistry(self.core.lora_layout(), config.lora_config)
-
-    def _structured_output_manager(self) -> Any:
-        from vllite_core.plugins.manager import get_plugin_manager
-        from vllite_core.structured_output import StructuredOutputManager
-
-        return StructuredOutputManager(self.config.structured_outputs_config, self.tokenizer, self.vocab_size,
-                                       self.eos_token_id, get_plugin_manager())
+            self.lora_registry = LoRARegistry(info.lora_layout, config.lora_config)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
         return cls(args.create_config())
-
-    def _eos_token_id(self, hf_config: Any) -> int | None:
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        if eos is None:
-            eos = getattr(hf_config, "eos_token_id", None)
-            if isinstance(eos, (list, tuple)):
-                eos = eos[0] if eos else None
-        return eos
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation-config defaults (vLLM's ``get_default_sampling_params``)."""
@@ -121,7 +112,7 @@ class LLMEngine:
         if caps.is_multimodal_decoder:
             check_mm_prompt(prompt, self.model_cls.supported_modalities, self.config.multimodal_config)
         elif not caps.processes_prompts:  # an encoder-decoder model's prompt processor reads its own media
-            raise MediaError("multi_modal_data", f"{self.core.model_info.architecture} is a text-only model: it "
+            raise MediaError("multi_modal_data", f"{self.model_info.architecture} is a text-only model: it "
                              "does not take images")
 
     def _check_mm_features(self, features: list) -> None:
@@ -147,7 +138,7 @@ class LLMEngine:
         """Check a request against the model; returns its resolved max_tokens. Reads config, vocab size
         and params only (bad words are tokenized with ``tokenizer``, by default the engine's)."""
         if self.config.model_config.pooler_config is not None:
-            raise InvalidRequestError("model", f"{self.core.model_info.architecture} is a pooling model (task "
+            raise InvalidRequestError("model", f"{self.model_info.architecture} is a pooling model (task "
                                       f"{self.config.model_config.pooler_config.task}): it does not generate text")
         n = len(prompt_token_ids)
         if n == 0:
@@ -164,7 +155,7 @@ class LLMEngine:
                 raise InvalidRequestError(name, f"{k} is more than the engine's max_logprobs={max_lp}")
         params.check_vocab(self.vocab_size)
         if params.structured_outputs is not None and params.structured_outputs._backend is None:
-            self.structured_output.select(params.structured_outputs)
+            self.grammar_backends.select(params.structured_outputs)
         if params.bad_words and not params.bad_words_token_ids:
             params.tokenize_bad_words(tokenizer or self.tokenizer, self.vocab_size)
         room = self.max_model_len - n
@@ -240,12 +231,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
-    def get_stats(self):
-        """Scheduler counters: running/waiting, KV usage, preemptions, prefix-cache hits."""
+    def get_stats(self) -> SchedulerStats:
+        """The core's numbers: running/waiting, KV usage, preemptions, prefix-cache hits, step times."""
         return self.core.stats()
 
     def get_num_unfinished_requests(self) -> int:
-        return self.core.scheduler.num_unfinished
+        return self.core.get_num_unfinished_requests()
 
     def step(self, delta: bool = False) -> list[RequestOutput]:
         """One engine step. A request that fails alone comes back finished with ``finish_reason="error"``

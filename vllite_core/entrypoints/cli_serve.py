@@ -112,8 +112,7 @@ def run_serve(ns: argparse.Namespace) -> int:
         # the engine core's own error text, whether it failed here or in its process
         raise SystemExit(f"vllite serve: the engine failed to start: {type(e).__name__}: {e}") from None
     print(describe_layout(engine.layout()), flush=True)
-    core = engine.engine.core  # in this process, or the client of the engine-core processes
-    parallel = core.executor.layout if hasattr(core, "executor") else core.parallel_layout
+    parallel = engine.parallel_layout()
     if parallel:
         from vllite_core.distributed.layout import format_layout
 

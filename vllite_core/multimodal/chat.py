@@ -29,7 +29,7 @@ class ImageMarker:
 
     @classmethod
     def for_engine(cls, engine: Any) -> "ImageMarker":
-        return cls.new(engine.model_cls.chat_image_token_ids(engine.core.model_info.hf_config))
+        return cls.new(engine.model_cls.chat_image_token_ids(engine.model_info.hf_config))
 
     def encode(self, text: str, encode: Callable[[str], list[int]]) -> list[int]:
         """``encode`` of each piece of ``text`` between markers, the image's tokens for each marker."""

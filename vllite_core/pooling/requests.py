@@ -17,7 +17,7 @@ def check_task(engine: Any, params: PoolingParams) -> str:
     cfg = engine.config.model_config.pooler_config
     task = params.task
     if cfg is None:
-        raise InvalidRequestError("model", f"{engine.core.model_info.architecture} is a generative model: it serves "
+        raise InvalidRequestError("model", f"{engine.model_info.architecture} is a generative model: it serves "
                                   f"no pooling task{f' ({task})' if task else ''}; start it with runner='pooling'")
     task = task or cfg.task
     if task not in cfg.supported_tasks:
@@ -26,7 +26,7 @@ def check_task(engine: Any, params: PoolingParams) -> str:
     if params.dimensions is not None:
         if task not in ("embed", "token_embed"):
             raise InvalidRequestError("dimensions", f"only embeddings take dimensions, not {task}")
-        hidden = int(engine.core.model_info.hf_config.hidden_size)
+        hidden = int(engine.model_info.hf_config.hidden_size)
         if not cfg.is_matryoshka:
             raise InvalidRequestError("dimensions", "this model does not support matryoshka representation: "
                                       "dimensions must not be set")
@@ -75,7 +75,7 @@ def prepare_pooling_prompt(engine: Any, prompt: Any, params: PoolingParams, ctx:
                                   "(set truncate_prompt_tokens to truncate it)")
     vocab = engine.vocab_size
     # Token types (a pair's segment B) ride in the high bits, up to the model's number of types.
-    types = max(1, int(getattr(engine.core.model_info.hf_config, "type_vocab_size", 1) or 1))
+    types = max(1, int(getattr(engine.model_info.hf_config, "type_vocab_size", 1) or 1))
     bad = [t for t in ids if not (0 <= plain_token_id(t) < vocab and 0 <= token_type(t) < types)]
     if bad:
         raise InvalidRequestError("prompt_token_ids", f"token id {bad[0]} is out of range [0, {vocab})")

@@ -5,7 +5,12 @@ from vllite_core.structured_output.backend import (
     StructuredOutputBackend,
     UnsupportedGrammar,
 )
-from vllite_core.structured_output.manager import GrammarBitmask, RequestGrammar, StructuredOutputManager
+from vllite_core.structured_output.manager import (
+    BackendSelector,
+    GrammarBitmask,
+    RequestGrammar,
+    StructuredOutputManager,
+)
 
-__all__ = ["GrammarBitmask", "GrammarMatcher", "RequestGrammar", "StructuredOutputBackend",
+__all__ = ["BackendSelector", "GrammarBitmask", "GrammarMatcher", "RequestGrammar", "StructuredOutputBackend",
            "StructuredOutputManager", "UnsupportedGrammar"]

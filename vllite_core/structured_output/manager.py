@@ -1,14 +1,14 @@
 """StructuredOutputManager: picks each request's backend, compiles grammars off the step path, builds
 the step's token bitmask and advances each request's matcher.
 
-One per engine. The frontend calls ``select`` while validating a request (cheap, no tokenizer): the
-engine's backend, or under ``auto`` the first of xgrammar, guidance, outlines that can take it; a
-request none can take is refused naming each backend's reason. The core calls ``submit`` when the
-request is queued: the grammar compiles in a thread pool, cached by (backend, kind, spec, options)
-(the tokenizer is the engine's own, so it is part of every key implicitly), and the request waits
-(``RequestStatus.WAITING_FOR_FSM``) while the others run. Per step, ``grammar_bitmask`` writes one
-bitmask row per structured request that samples; the scheduler calls ``RequestGrammar.accept`` with
-each token it appends.
+One per engine core, which builds it. The frontend calls ``BackendSelector.select`` while validating
+a request (cheap, no tokenizer): the engine's backend, or under ``auto`` the first of xgrammar,
+guidance, outlines that can take it; a request none can take is refused naming each backend's
+reason. The core calls ``submit`` when the request is queued: the grammar compiles in a thread pool,
+cached by (backend, kind, spec, options) (the tokenizer is the core's own, loaded with the first
+grammar, so it is part of every key implicitly), and the request waits (``RequestStatus.WAITING_FOR_FSM``)
+while the others run. Per step, ``grammar_bitmask`` writes one bitmask row per structured request
+that samples; the scheduler calls ``RequestGrammar.accept`` with each token it appends.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -119,13 +119,12 @@ class RequestGrammar:
         return self.matcher is not None and self.matcher.is_terminated()
 
 
-class StructuredOutputManager:
-    def __init__(self, config: StructuredOutputsConfig, tokenizer: Any, vocab_size: int,
-                 eos_token_id: int | None, plugin_manager: Any) -> None:
+class BackendSelector:
+    """Picks a request's grammar backend from the engine's config (no tokenizer): what a frontend needs to
+    validate a request, and what the core's manager uses for a request that arrives unselected."""
+
+    def __init__(self, config: StructuredOutputsConfig, plugin_manager: Any) -> None:
         self.config = config
-        self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self.eos_token_id = eos_token_id
         self.classes = load_backend_classes(plugin_manager)
         if config.backend == "auto":
             order = [n for n in AUTO_ORDER if n in self.classes] + [n for n in self.classes if n not in AUTO_ORDER]
@@ -135,15 +134,7 @@ class StructuredOutputManager:
             raise ConfigError(f"structured_outputs_config.backend: unknown backend {config.backend!r} "
                               f"(known: auto, {', '.join(self.classes)})")
         self.order = order
-        self._instances: dict[str, Any] = {}
-        self._instance_lock = threading.Lock()
-        self._cache: dict[tuple, Future] = {}
-        self._cache_lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
-        self.num_compiles = 0  # grammars compiled (cache misses)
-        self.num_cache_hits = 0
 
-    # ---- frontend ---------------------------------------------------------------------
     def select(self, params: StructuredOutputsParams) -> str:
         """Choose the backend for a request (recorded on ``params``); SamplingParamsError naming the
         field, with each tried backend's reason, when none can take it."""
@@ -168,11 +159,40 @@ class StructuredOutputManager:
         if self.config.disable_additional_properties:
             params.disable_additional_properties = True
 
+
+class StructuredOutputManager:
+    """The engine core's grammar compiler and bitmask builder. ``tokenizer`` None: ``load_tokenizer``
+    gives (tokenizer, EOS id) when the first grammar compiles."""
+
+    def __init__(self, config: StructuredOutputsConfig, tokenizer: Any, vocab_size: int,
+                 eos_token_id: int | None, plugin_manager: Any,
+                 load_tokenizer: Callable[[], tuple[Any, int | None]] | None = None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self._load_tokenizer = load_tokenizer
+        self.selector = BackendSelector(config, plugin_manager)
+        self.classes = self.selector.classes
+        self.order = self.selector.order
+        self._instances: dict[str, Any] = {}
+        self._instance_lock = threading.Lock()
+        self._cache: dict[tuple, Future] = {}
+        self._cache_lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self.num_compiles = 0  # grammars compiled (cache misses)
+        self.num_cache_hits = 0
+
+    def select(self, params: StructuredOutputsParams) -> str:
+        return self.selector.select(params)
+
     # ---- engine core ------------------------------------------------------------------
     def backend(self, name: str) -> Any:
         with self._instance_lock:
             inst = self._instances.get(name)
             if inst is None:
+                if self.tokenizer is None and self._load_tokenizer is not None:
+                    self.tokenizer, self.eos_token_id = self._load_tokenizer()
                 inst = self.classes[name](self.tokenizer, self.vocab_size, self.eos_token_id)
                 self._instances[name] = inst
             return inst
@@ -232,3 +252,4 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from vllite_core.core.stats import SchedulerStats
 from vllite_core.engine.async_llm import AsyncLLM, FinishedRequest
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -75,16 +76,15 @@ class _EngineCollector(Collector):
                 m.add_metric([self.model, _ENGINE], value)
             yield m
 
-    def _per_engine(self) -> list:
-        """Each engine core's latest numbers (core_client.EngineCoreStats); empty for an in-process engine."""
-        core = self.engine.engine.core
-        return core.engine_stats() if hasattr(core, "engine_stats") else []
+    def _per_engine(self) -> list[SchedulerStats]:
+        """Each engine core's latest numbers (one SchedulerStats record per data-parallel engine core)."""
+        return self.engine.engine_stats()
 
     def _cache_info(self) -> GaugeMetricFamily:
         cfg = self.engine.engine.config.cache_config
         info = {"block_size": str(cfg.block_size), "cache_dtype": cfg.kv_cache_dtype,
                 "enable_prefix_caching": str(cfg.enable_prefix_caching),
-                "num_gpu_blocks": str(self.engine.engine.core.kv_cache_manager.block_pool.num_blocks)}
+                "num_gpu_blocks": str(self.engine.num_kv_blocks())}
         g = GaugeMetricFamily("vllm:cache_config_info", "Information of the engine's cache config.",
                               labels=["engine", *info])
         g.add_metric([_ENGINE, *info.values()], 1.0)

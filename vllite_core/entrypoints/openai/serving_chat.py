@@ -189,7 +189,7 @@ class ChatServer:
             return req, None, []
         engine = self.state.engine.engine
         if not engine.config.model_config.capabilities.is_multimodal_decoder:
-            raise bad_request(f"{engine.core.model_info.architecture} is a text-only model: it does not take "
+            raise bad_request(f"{engine.model_info.architecture} is a text-only model: it does not take "
                               "images", "messages.content.image_url")
         marker = mm_chat.ImageMarker.for_engine(engine)
         images = await asyncio.to_thread(mm_chat.load_images, [p.image_url.url for p in parts],

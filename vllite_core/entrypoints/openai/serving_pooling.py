@@ -168,7 +168,7 @@ async def _classify(state: ServerState, request: Request, req: ClassificationReq
     params = PoolingParams(truncate_prompt_tokens=req.truncate_prompt_tokens, activation=req.activation,
                            task="classify")
     outs = await _run(state, request, _prompts(req.input), params, "classify")
-    labels = getattr(state.engine.engine.core.model_info.hf_config, "id2label", None) or {}
+    labels = getattr(state.engine.engine.model_info.hf_config, "id2label", None) or {}
     data = []
     for i, o in enumerate(outs):
         probs = o.pooling_output.tolist()

@@ -164,7 +164,7 @@ def apply_structured_outputs(engine: Any, req: Any, params: Any, plan: ToolPlan 
         return
     field, so = found
     try:
-        engine.engine.structured_output.select(so)
+        engine.engine.grammar_backends.select(so)
     except SamplingParamsError as e:
         raise bad_request(str(e), field) from None
     params.structured_outputs = so

@@ -1,0 +1,406 @@
+"""MPClient: the EngineCoreClient (core_client.py) whose engine cores run in their own processes.
+
+``LLMEngine(config, core=client)`` runs on top of it as on an in-process core: requests are
+prepared and detokenized here (the OutputProcessor stays in the API process, as in vLLM),
+``add_request`` sends a request to an engine-core process (core_proc.py), ``step`` returns the next
+outputs that arrived, ``stats`` the latest ``SchedulerStats`` records the cores sent with them. With
+``data_parallel_size`` N there are N engine cores, each a full copy of the model; a request goes to
+the one with the fewest unfinished requests (running + waiting, as this client counts them: sent and
+not yet finished or aborted), and /metrics labels each engine's numbers with its index.
+
+Death: a monitor thread waits on the processes' sentinels. When one exits (a crash, kill -9,
+the OOM killer), ``step`` raises ``EngineDeadError`` naming the process, its exit code or
+signal and the last error line it sent, so AsyncLLM fails every open and new request with it.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import tempfile
+import threading
+import uuid
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import zmq
+
+from vllite_core.config import VlliteConfig
+from vllite_core.core.stats import SchedulerStats, combine
+from vllite_core.engine.core import CoreInfo, EngineCoreOutput
+from vllite_core.engine.core_messages import (
+    EngineCoreAbort,
+    EngineCoreBatch,
+    EngineCoreFailed,
+    EngineCoreOutputs,
+    EngineCoreReady,
+    EngineCoreRequest,
+    EngineCoreUtility,
+    EngineMessage,
+)
+from vllite_core.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
+from vllite_core.errors import ConfigError, EngineDeadError
+from vllite_core.request import Request, RequestStatus
+
+logger = logging.getLogger("vllite.engine_core_client")
+
+_POLL_MS = 100  # the longest step() waits before it returns (so AsyncLLM's inbox is never starved)
+_ROUTES_KEPT = 65536  # request -> engine routes remembered for the per-engine request metrics
+_STOP_S = 5.0  # how long close() waits for an engine core to exit before it terminates it
+
+
+class EngineStartupError(RuntimeError):
+    """An engine-core process failed before it was ready, with an error that could not be re-raised
+    as itself (or it died without saying why)."""
+
+
+def describe_exit(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            return f"killed by signal {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+@dataclass
+class _Engine:
+    index: int
+    proc: Any  # multiprocessing.Process
+    input_addr: str
+    sock: Any = None  # zmq PUSH to this engine
+    pid: int | None = None
+    stats: SchedulerStats = field(default_factory=SchedulerStats)
+    unfinished: int = 0  # requests sent, not yet finished or aborted
+    sent: int = 0  # messages sent to it
+    applied: int = 0  # messages it said it applied (its stats are current once this equals sent)
+    last_error: str | None = None  # the last error line the process sent (EngineCoreFailed)
+
+    def describe(self) -> str:
+        return f"engine core {self.index} (pid {self.pid or self.proc.pid})"
+
+
+class MPClient:
+    """An EngineCoreClient (core_client.py) that starts ``data_parallel_size`` engine-core processes and
+    waits until each is ready (or raises what failed there). ``step`` and the request methods are called
+    from one thread (the engine loop); sends are locked, so ``remove_lora`` may come from another."""
+
+    def __init__(self, config: VlliteConfig, data_parallel_size: int = 1) -> None:
+        if data_parallel_size < 1:
+            raise ConfigError(f"data_parallel_size: must be at least 1, got {data_parallel_size}")
+        from vllite_core.engine.core_proc import run_engine_core
+
+        self._ctx = zmq.Context()
+        self._tag = f"vllite-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._ipc_files: list[str] = []
+        self._out = self._ctx.socket(zmq.PULL)
+        self._out.setsockopt(zmq.LINGER, 0)
+        self._out.bind(self._addr("out"))
+        self._encoder = MsgpackEncoder()
+        self._decoder = MsgpackDecoder(EngineMessage)
+        self._send_lock = threading.Lock()
+        self._closed = False
+        self._died: _Engine | None = None
+        self._owner: dict[str, _Engine] = {}  # engine request id -> the engine that has it
+        self._outbox: dict[int, list[Any]] = {}  # engine index -> messages queued for it (sent by flush)
+        self._pending: deque[EngineCoreOutputs] = deque()  # arrived, not yet handed out by step()
+        self._routes: OrderedDict[str, int] = OrderedDict()  # recent request ids -> engine index (for metrics)
+        self.on_failure: list[Callable[[], None]] = []  # called (monitor thread) when an engine process exits
+        mp = multiprocessing.get_context("spawn")
+        self.engines: list[_Engine] = []
+        for i in range(data_parallel_size):
+            addr = self._addr(f"in{i}")
+            proc = mp.Process(target=run_engine_core, args=(config, i, addr, self._addr("out")),
+                              name=f"VlliteEngineCore_{i}", daemon=False)
+            self.engines.append(_Engine(i, proc, addr))
+        atexit.register(self.close)
+        for e in self.engines:
+            e.proc.start()
+            e.sock = self._ctx.socket(zmq.PUSH)
+            e.sock.setsockopt(zmq.LINGER, 0)
+            e.sock.setsockopt(zmq.SNDHWM, 0)  # no limit: a send fails (never blocks) only without a peer
+            e.sock.bind(e.input_addr)
+        try:
+            info = self._wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        self.info: CoreInfo = info
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._stop_r, self._stop_w = os.pipe()
+        self._poller = zmq.Poller()
+        self._poller.register(self._out, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._monitor = threading.Thread(target=self._watch, name="vllite-engine-monitor", daemon=True)
+        self._monitor.start()
+
+    def _addr(self, name: str) -> str:
+        path = os.path.join(tempfile.gettempdir(), f"{self._tag}-{name}")
+        if path not in self._ipc_files:
+            self._ipc_files.append(path)
+        return f"ipc://{path}"
+
+    # ---- start-up -------------------------------------------------------------------------
+    def _wait_ready(self) -> CoreInfo:
+        """Each engine's CoreInfo; the first start-up failure is raised as the error the process hit."""
+        infos: dict[int, Any] = {}
+        while len(infos) < len(self.engines):
+            if self._out.poll(200):
+                msg = self._decoder.decode([f.buffer for f in self._out.recv_multipart(copy=False)])
+                eng = self.engines[msg.engine_index]
+                if isinstance(msg, EngineCoreFailed):
+                    eng.proc.join(10)
+                    if isinstance(msg.error, BaseException):
+                        raise msg.error
+                    raise EngineStartupError(f"{eng.describe()} failed to start: {msg.text}")
+                if isinstance(msg, EngineCoreReady):
+                    eng.pid = msg.pid
+                    eng.stats = msg.stats
+                    infos[msg.engine_index] = pickle.loads(msg.info)
+                continue
+            for eng in self.engines:
+                if eng.index not in infos and eng.proc.exitcode is not None:
+                    raise EngineStartupError(f"{eng.describe()} failed to start: it exited "
+                                             f"({describe_exit(eng.proc.exitcode)}) before it was ready")
+        return infos[0]
+
+    # ---- what LLMEngine calls ---------------------------------------------------------------
+    def _pick(self) -> _Engine:
+        return min(self.engines, key=lambda e: (e.unfinished, e.index))
+
+    def _queue(self, eng: _Engine, msg: Any) -> None:
+        """Sent with the others queued before the next ``step`` (or ``flush``), as one message."""
+        self._outbox.setdefault(eng.index, []).append(msg)
+
+    def flush(self) -> None:
+        outbox, self._outbox = self._outbox, {}
+        for index, msgs in outbox.items():
+            if self._died is None and not self._send(self.engines[index], msgs):
+                self._died = self.engines[index]
+
+    def _send(self, eng: _Engine, msgs: list[Any]) -> bool:
+        """Never blocks: False when the engine is not connected (not started yet, or gone)."""
+        with self._send_lock:
+            try:
+                eng.sock.send_multipart(self._encoder.encode(EngineCoreBatch(msgs)), flags=zmq.NOBLOCK, copy=False)
+                eng.sent += len(msgs)
+                return True
+            except zmq.Again:
+                return False
+
+    def add_request(self, request: Request) -> None:
+        self._raise_if_dead()
+        lora = pickle.dumps(request.lora_request) if request.lora_request is not None else None
+        pooling = pickle.dumps(request.pooling_params) if request.pooling_params is not None else None
+        msg = EngineCoreRequest(request.request_id, list(request.prompt_token_ids),
+                                pickle.dumps(request.sampling_params), request.eos_token_id, request.priority,
+                                request.arrival_time, request.max_tokens, request.encoder_inputs,
+                                request.num_encoder_tokens, request.cache_salt, tuple(request.block_extra_keys),
+                                pooling, lora, pickle.dumps(request.mm_features) if request.mm_features else None)
+        eng = self._pick()
+        self._queue(eng, msg)
+        self._owner[request.request_id] = eng
+        eng.unfinished += 1
+        rid = request.request_id
+        self._routes[rid] = eng.index
+        if "#" in rid:  # a parallel-sampling child "id#i": its parent is what the API reports on
+            self._routes[rid.rpartition("#")[0]] = eng.index
+        while len(self._routes) > _ROUTES_KEPT:
+            self._routes.popitem(last=False)
+
+    def engine_of(self, request_id: str) -> int:
+        """The engine index a (recent) request was sent to; 0 when unknown."""
+        return self._routes.get(request_id, 0)
+
+    def _forget(self, request_ids: Iterable[str]) -> dict[int, list[str]]:
+        by_engine: dict[int, list[str]] = {}
+        for rid in request_ids:
+            eng = self._owner.pop(rid, None)
+            if eng is not None:
+                eng.unfinished -= 1
+                by_engine.setdefault(eng.index, []).append(rid)
+        return by_engine
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for index, ids in self._forget(request_ids).items():
+            self._queue(self.engines[index], EngineCoreAbort(ids))
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> None:
+        """Only the API's stop-string check finishes a request from this side: it stops in the engine."""
+        for index, ids in self._forget([request_id]).items():
+            self._queue(self.engines[index], EngineCoreAbort(ids, stopped=True))
+
+    def has_unfinished_requests(self) -> bool:
+        """Requests in flight, or messages (aborts) whose effect on the engine's numbers is not back yet."""
+        return (bool(self._owner) or bool(self._pending) or bool(self._outbox) or self._died is not None
+                or any(e.applied < e.sent for e in self.engines))
+
+    def get_num_unfinished_requests(self) -> int:
+        """Requests sent and not yet finished or aborted, as this client counts them."""
+        return len(self._owner)
+
+    def reset_prefix_cache(self) -> bool:
+        """Ask every engine core to forget its cached prefixes (sent with the next step)."""
+        for eng in self.engines:
+            self._queue(eng, EngineCoreUtility("reset_prefix_cache"))
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Drop an adapter from every engine's cache (running requests keep the one they hold)."""
+        for eng in self.engines:  # from another thread: sent at once, on its own
+            if self._died is None:
+                self._send(eng, [EngineCoreUtility("remove_lora", [lora_int_id])])
+
+    def step(self) -> list[EngineCoreOutput]:
+        """One engine step's outputs (maybe none, after _POLL_MS without news); EngineDeadError once an
+        engine is gone. One step per call, as in-process, so each step's tokens reach the streams (and the
+        inter-token metrics) as a step of their own even when several arrived together."""
+        self.flush()
+        self._raise_if_dead()
+        if not self._pending:
+            events = dict(self._poller.poll(_POLL_MS))
+            if self._wake_r in events:
+                try:
+                    os.read(self._wake_r, 4096)
+                except BlockingIOError:
+                    pass
+            if self._out in events:
+                self._drain()
+        while self._pending:
+            msg = self._pending.popleft()
+            eng = self.engines[msg.engine_index]
+            eng.stats = msg.stats
+            eng.applied = msg.num_applied
+            for out in msg.outputs:
+                if out.finish_reason is not None and self._owner.get(out.request_id) is eng:
+                    del self._owner[out.request_id]
+                    eng.unfinished -= 1
+            if msg.stepped or msg.outputs:
+                return msg.outputs
+        self._raise_if_dead()
+        return []
+
+    def _drain(self) -> None:
+        """Everything that arrived, in order, into ``_pending`` (a failure report marks its engine dead)."""
+        while True:
+            try:
+                frames = self._out.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            msg = self._decoder.decode([f.buffer for f in frames])
+            eng = self.engines[msg.engine_index]
+            if isinstance(msg, EngineCoreFailed):
+                eng.last_error = msg.text
+                eng.proc.join(5)
+                self._died = self._died or eng
+            elif isinstance(msg, EngineCoreOutputs):
+                self._pending.append(msg)
+
+    def _raise_if_dead(self) -> None:
+        eng = self._died
+        if eng is None:
+            return
+        if eng.last_error is None:
+            try:
+                self._drain()  # the last words it may have sent before it exited
+            except zmq.ZMQError:
+                pass
+        raise EngineDeadError(self.death_cause())
+
+    def death_cause(self) -> str:
+        eng = self._died
+        if eng is None:
+            return ""
+        text = f"{eng.describe()} died: {describe_exit(eng.proc.exitcode)}"
+        if eng.last_error:
+            text += f"; its last error: {eng.last_error}"
+        return text
+
+    # ---- statistics ---------------------------------------------------------------------------
+    def stats(self) -> SchedulerStats:
+        return combine([e.stats for e in self.engines])
+
+    def engine_stats(self) -> list[SchedulerStats]:
+        return [e.stats for e in self.engines]
+
+    def num_kv_blocks(self) -> int:
+        return self.info.model_info.num_kv_blocks * len(self.engines)
+
+    def layout(self) -> dict[str, Any]:
+        return {"api_pid": os.getpid(), "data_parallel_size": len(self.engines),
+                "engine_cores": [{"dp_rank": e.index, "pid": e.pid or e.proc.pid} for e in self.engines]}
+
+    # ---- death and shutdown -------------------------------------------------------------------
+    def wake(self) -> None:
+        """Make a waiting ``step`` return now (AsyncLLM has new requests or aborts to send)."""
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass
+
+    def _watch(self) -> None:
+        sentinels = {e.proc.sentinel: e for e in self.engines}
+        ready = multiprocessing.connection.wait([*sentinels, self._stop_r])
+        if self._closed:
+            return
+        for s in ready:
+            if s in sentinels:
+                eng = sentinels[s]
+                eng.proc.join(5)  # its pipe closes a moment before it can be reaped (the exit code known)
+                logger.error("%s exited (%s)", eng.describe(), describe_exit(eng.proc.exitcode))
+                self._died = self._died or eng
+                break
+        else:
+            return
+        self.wake()
+        for cb in self.on_failure:
+            try:
+                cb()
+            except Exception:
+                logger.exception("engine failure callback failed")
+
+    def shutdown(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if hasattr(self, "_stop_w"):
+            os.write(self._stop_w, b"x")
+        for eng in self.engines:
+            if eng.proc.is_alive() and eng.sock is not None:
+                try:
+                    self._send(eng, [EngineCoreUtility("shutdown")])
+                except zmq.ZMQError:
+                    pass
+        for eng in self.engines:
+            if eng.proc.pid is None:
+                continue
+            eng.proc.join(_STOP_S)
+            if eng.proc.is_alive():
+                eng.proc.terminate()
+                eng.proc.join(2)
+            if eng.proc.is_alive():
+                eng.proc.kill()
+                eng.proc.join(2)
+        for eng in self.engines:
+            if eng.sock is not None:
+                eng.sock.close(0)
+        self._out.close(0)
+        self._ctx.term()
+        for path in self._ipc_files:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        atexit.unregister(self.close)
+
