@@ -62,6 +62,7 @@ def make_app(engine):
         for a in made:  # one engine loop at a time on the engine
             a.close()
         made.append(AsyncLLM(engine))
+        kw.setdefault("trust_request_chat_template", True)  # these tests send their own templates
         return build_app(made[-1], ["tiny"], **kw)
 
     yield make

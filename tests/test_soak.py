@@ -29,7 +29,8 @@ def _small_words(path: str) -> list[str]:
 
 def test_small_soak_loses_nothing_and_returns_blocks(tiny_path):
     server = ServerProcess([tiny_path, "--dtype", "float32", "--num-gpu-blocks-override", "24",
-                          "--max-num-batched-tokens", "64", "--scheduling-policy", "priority"])
+                          "--max-num-batched-tokens", "64", "--scheduling-policy", "priority",
+                            "--trust-request-chat-template"])
     try:
         url = server.wait_ready()
         report = soak.soak(url, server.proc.pid, requests=60, warmup=5, concurrency=8, seed=1, priority=True,

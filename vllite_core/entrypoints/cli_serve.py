@@ -47,6 +47,15 @@ def add_serve_parser(sub: Any) -> None:
     g.add_argument("--chat-template", default=None,
                    help="chat template for /v1/chat/completions and /v1/responses: a file path or the jinja "
                    "template itself (default: the tokenizer's)")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a request's own chat_template (a program run on this server, in the template "
+                   "sandbox); default: such requests get 400")
+    g.add_argument("--chat-template-timeout", type=float, default=5.0,
+                   help="seconds one chat template render may take before it is stopped (400 naming chat_template)")
+    g.add_argument("--chat-template-max-output-chars", type=int, default=16 << 20,
+                   help="characters a chat template may produce (more: 400 naming chat_template)")
+    g.add_argument("--chat-template-memory-mb", type=int, default=512,
+                   help="MiB a chat template render may allocate (more: 400 naming chat_template)")
     g.add_argument("--reasoning-parser", default=None,
                    help="split reasoning out of the output into `reasoning` (e.g. deepseek_r1, qwen3; "
                    "`vllite plugins` lists plugins that add more)")
@@ -71,6 +80,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     from vllite_core.engine.async_llm import AsyncLLM
     from vllite_core.entrypoints.openai.api_server import bind_socket, default_model_name, serve
     from vllite_core.entrypoints.openai.serving_common import DEFAULT_MAX_BODY_BYTES
+    from vllite_core.entrypoints.openai.template_sandbox import TemplateLimits
 
     if ns.model_tag is not None:
         if ns.model is not None and ns.model != ns.model_tag:
@@ -79,7 +89,8 @@ def run_serve(ns: argparse.Namespace) -> int:
     api_key = ns.api_key or os.environ.get(API_KEY_ENV) or None
     names = ns.served_model_name or [default_model_name(ns.model)]
     for flag, least in (("max_waiting_requests", 1), ("request_timeout", 1e-3), ("body_read_timeout", 0),
-                        ("header_read_timeout", 1e-3),
+                        ("header_read_timeout", 1e-3), ("chat_template_timeout", 1e-3),
+                        ("chat_template_max_output_chars", 1), ("chat_template_memory_mb", 16),
                         ("shutdown_timeout", 0)):
         if getattr(ns, flag) is not None and getattr(ns, flag) < least:
             raise SystemExit(f"vllite serve: --{flag.replace('_', '-')} must be at least {least:g}")
@@ -133,7 +144,10 @@ def run_serve(ns: argparse.Namespace) -> int:
           max_waiting_requests=ns.max_waiting_requests, request_timeout=ns.request_timeout,
           body_read_timeout=ns.body_read_timeout or None, enable_docs=not ns.disable_fastapi_docs,
           chat_template=chat_template, reasoning_parser=reasoning_parser,
-          enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser, loras=loras)
+          enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser, loras=loras,
+          trust_request_chat_template=ns.trust_request_chat_template,
+          template_limits=TemplateLimits(ns.chat_template_timeout, ns.chat_template_max_output_chars,
+                                         ns.chat_template_memory_mb << 20))
     return 0
 
 

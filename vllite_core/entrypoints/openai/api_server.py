@@ -41,7 +41,7 @@ from vllite_core.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from vllite_core.entrypoints.openai.protocol_responses import ResponsesRequest
-from vllite_core.entrypoints.openai.serving_chat import ChatServer, chat_prompt
+from vllite_core.entrypoints.openai.serving_chat import ChatServer, RenderedChat, render_chat_prompt, rendered_chat_ids
 from vllite_core.entrypoints.openai.serving_common import (
     DEFAULT_BODY_READ_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
@@ -50,6 +50,7 @@ from vllite_core.entrypoints.openai.serving_common import (
 )
 from vllite_core.entrypoints.openai.serving_completions import CompletionServer
 from vllite_core.entrypoints.openai.serving_responses import ResponsesServer
+from vllite_core.entrypoints.openai.template_sandbox import TemplateLimits, TemplateSandbox
 
 logger = logging.getLogger("vllite.server")
 
@@ -159,12 +160,12 @@ def _openapi_body(model: Any) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
-def _tokenize(tokenizer: Any, req: TokenizeRequest, chat_template: str | None = None) -> list[int]:
-    """/tokenize's token ids, on the engine's prep thread. ``messages`` are tokenized as chat feeds
-    them to the model (``chat_prompt_ids``: special-token text in content stays text), plus the
-    tokenizer's own special tokens (BOS...) only when ``add_special_tokens`` is true."""
-    if req.messages is not None:
-        _, ids = chat_prompt(tokenizer, req, allow_special_tokens_in_content=False, default_template=chat_template)
+def _tokenize(tokenizer: Any, req: TokenizeRequest, rendered: RenderedChat | None = None) -> list[int]:
+    """/tokenize's token ids, on the engine's prep thread. ``messages`` (``rendered`` in the template
+    sandbox) are tokenized as chat feeds them to the model (special-token text in content stays
+    text), plus the tokenizer's own special tokens (BOS...) only when ``add_special_tokens`` is true."""
+    if rendered is not None:
+        ids = rendered_chat_ids(tokenizer, rendered)
         if req.add_special_tokens:
             ids = list(tokenizer.build_inputs_with_special_tokens(ids))
         return ids
@@ -184,7 +185,8 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
               body_read_timeout: float | None = DEFAULT_BODY_READ_TIMEOUT_S, enable_docs: bool = True,
               chat_template: str | None = None, reasoning_parser: str | None = None,
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-              loras: Any = None) -> FastAPI:
+              loras: Any = None, trust_request_chat_template: bool = False,
+              template_limits: TemplateLimits | None = None) -> FastAPI:
     """``allowed_origins``: CORS on for these (off when None); ``allowed_hosts``: the Host
     header must name one of these (no check when None; ``serve`` passes LOOPBACK_HOSTS on a
     loopback bind). ``chat_template``: the template text (chat_template.load_chat_template);
@@ -194,7 +196,9 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
     parser = get_reasoning_parser(reasoning_parser, engine.tokenizer) if reasoning_parser else None
     state = ServerState(engine, model_names, max_body_bytes, api_key, max_waiting_requests=max_waiting_requests,
                         request_timeout=request_timeout, body_read_timeout=body_read_timeout,
-                        chat_template=chat_template, reasoning_parser=parser, loras=loras)
+                        chat_template=chat_template, reasoning_parser=parser, loras=loras,
+                        templates=TemplateSandbox(template_limits),
+                        trust_request_chat_template=trust_request_chat_template)
     state.enable_auto_tool_choice = enable_auto_tool_choice
     if tool_call_parser is not None:
         from vllite_core.plugins.manager import get_plugin_manager
@@ -211,7 +215,9 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         metrics.set_api_thread(threading.get_native_id())
+        state.templates.start()
         yield
+        state.templates.close()
         engine.close()
 
     app = FastAPI(title="vllite", version=vllite_core.__version__, lifespan=lifespan,
@@ -312,8 +318,12 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
             state.check_model(req.model)
             if (req.prompt is None) == (req.messages is None):
                 raise bad_request("give exactly one of prompt or messages", "prompt")
+            rendered = None
+            if req.messages is not None:  # the template renders in its sandbox
+                rendered = await render_chat_prompt(state.templates, engine.tokenizer, req, False, state.chat_template,
+                                                    trust_request_template=state.trust_request_chat_template)
             # CPU work: off the event loop
-            ids = await engine.run_prep(_tokenize, engine.prep_tokenizer, req, state.chat_template)
+            ids = await engine.run_prep(_tokenize, engine.prep_tokenizer, req, rendered)
             return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids})
         return await guarded(run())
 

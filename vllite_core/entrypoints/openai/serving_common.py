@@ -17,6 +17,7 @@ from starlette.requests import ClientDisconnect, Request
 from vllite_core.engine.async_llm import AsyncLLM, RequestStream
 from vllite_core.engine.llm_engine import PromptType
 from vllite_core.entrypoints.openai.errors import APIError, bad_request
+from vllite_core.entrypoints.openai.template_sandbox import TemplateSandbox
 from vllite_core.outputs import RequestOutput
 from vllite_core.sampling_params import SamplingParams
 
@@ -46,6 +47,9 @@ class ServerState:
     enable_auto_tool_choice: bool = False
     tool_parser: Any = None  # a vllite_core.tool_parsers.ToolParser class
     loras: Any = None  # serving_lora.ServedLoRAs: adapters served by name (--enable-lora)
+    # Every chat template renders in this sandbox; a request's own only with --trust-request-chat-template.
+    templates: TemplateSandbox = field(default_factory=TemplateSandbox)
+    trust_request_chat_template: bool = False
 
     def num_waiting(self) -> int:
         """Requests accepted but without a first token yet (queued in the scheduler or in prefill)."""

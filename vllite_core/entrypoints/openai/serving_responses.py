@@ -27,7 +27,7 @@ from vllite_core.entrypoints.openai.protocol_responses import (
     input_messages,
     response_format_of,
 )
-from vllite_core.entrypoints.openai.serving_chat import chat_prompt
+from vllite_core.entrypoints.openai.serving_chat import render_chat_prompt, rendered_chat_ids
 from vllite_core.entrypoints.openai.serving_common import (
     SSE_HEADERS,
     ServerState,
@@ -107,7 +107,9 @@ class ResponsesServer:
             raise bad_request(e.message, "text.format") from None
         chat = SimpleNamespace(messages=rendered, add_generation_prompt=True, continue_final_message=False,
                                chat_template=None, chat_template_kwargs=None, allow_special_tokens_in_content=False)
-        text, ids = await st.engine.run_prep(chat_prompt, st.engine.prep_tokenizer, chat, None, st.chat_template)
+        rendered = await render_chat_prompt(st.templates, st.engine.tokenizer, chat, None, st.chat_template)
+        text = rendered.text
+        ids = await st.engine.run_prep(rendered_chat_ids, st.engine.prep_tokenizer, rendered)
         rid = _id("resp")
         streams = await add_streams(st.engine, [{"prompt_token_ids": ids, "prompt": text}], params, rid, 0)
         build = _Builder(self, req, rid, len(ids), conversation)
