@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: messages -> the model's chat template -> chat.completion."""
 from __future__ import annotations
 
+import asyncio
 import re
 import secrets
 import time
@@ -237,8 +238,6 @@ class ChatServer:
     async def _images(self, req: ChatCompletionRequest) -> tuple[ChatCompletionRequest, Any, list[Any]]:
         """Image parts replaced by a marker the tokenization turns into the model's placeholder token, and the
         images loaded (data URLs decoded, allowed http(s) URLs fetched off the event loop)."""
-        import asyncio
-
         from vllite_core.multimodal import chat as mm_chat
 
         parts = [p for m in req.messages if isinstance(m.content, list) for p in m.content if p.type == "image_url"]
@@ -283,7 +282,7 @@ class ChatServer:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = to_sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                                     st.engine.engine.default_sampling_params)
-        apply_structured_outputs(st.engine, req, params, plan)
+        await asyncio.to_thread(apply_structured_outputs, st.engine, req, params, plan)  # backend checks: CPU
         rid = new_id("chatcmpl")
         streams = await add_streams(st.engine, [prompt], params, rid, req.priority,
                               req.cache_salt, st.lora_request(req.model))

@@ -8,6 +8,7 @@ Stored responses (``store``, the default) live in memory, oldest dropped past a 
 for ``previous_response_id`` and GET."""
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -102,7 +103,8 @@ class ResponsesServer:
         conversation, rendered = self._conversation(req)
         params = _sampling_params(req)
         try:
-            apply_structured_outputs(st.engine, SimpleNamespace(response_format=response_format_of(req.text)), params)
+            await asyncio.to_thread(apply_structured_outputs, st.engine,
+                                    SimpleNamespace(response_format=response_format_of(req.text)), params)
         except APIError as e:  # named after chat's field: here it is text.format
             raise bad_request(e.message, "text.format") from None
         chat = SimpleNamespace(messages=rendered, add_generation_prompt=True, continue_final_message=False,
