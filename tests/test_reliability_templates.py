@@ -1,40 +1,18 @@
-"""Issue 58, rows 1-2: request-supplied chat templates. Refused unless the server trusts them
-(vLLM's --trust-request-chat-template); trusted, every template renders in the template sandbox,
-so a template looping 10^10 times or building a 1.5 GB string is a 400 naming ``chat_template``
-within its budget, while a canary (/health and tiny completions every 0.2 s) stays responsive and
-the server keeps rendering the next chat. Against a real `vllite serve` on 127.0.0.1."""
+"""Issue 58, rows 1-2 (in-process): a request's own chat template is refused unless the server
+trusts them (vLLM's --trust-request-chat-template); the template sandbox's budget and error
+mapping. The attacks against a real server: test_reliability_server.py."""
 from __future__ import annotations
 
 import asyncio
 import time
 
 import httpx
-import pytest
-from canary import Canary, measure, responsive
-from server_harness import ServerProcess
 
 from vllite_core.entrypoints.openai.template_sandbox import TemplateLimits, TemplateSandbox, render_job
 
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # ids within the tiny vocabulary
 CHAT = [{"role": "user", "content": "in the"}]
 HANG = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
-BLOAT = "{{ 'x' * 1500000000 }}"
-HUGE_OUTPUT = "{% for i in range(100000) %}{{ 'y' * 99999 }}{% endfor %}"
-
-
-@pytest.fixture(scope="module")
-def server(tiny_path):
-    srv = ServerProcess([tiny_path, "--dtype", "float32", "--num-kv-blocks", "64", "--chat-template", TEMPLATE,
-                         "--trust-request-chat-template", "--chat-template-timeout", "1",
-                         "--chat-template-max-output-chars", "100000"])
-    try:
-        yield srv.wait_ready(300)
-    finally:
-        srv.stop()
-
-
-def _chat(url: str, **extra: object) -> httpx.Response:
-    return httpx.post(url + "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2, **extra}, timeout=120)
 
 
 def test_request_template_refused_without_trust(tiny_path):
@@ -67,27 +45,6 @@ def test_request_template_refused_without_trust(tiny_path):
         err = r.json()["error"]
         assert err["param"] == "chat_template" and "--trust-request-chat-template" in err["message"]
     assert served.status_code == 200, served.text
-
-
-@pytest.mark.slow
-def test_hanging_and_bloating_templates_are_400_and_the_server_stays_responsive(server):
-    assert _chat(server, chat_template=TEMPLATE).status_code == 200  # trusted: a request's own template renders
-    baseline = measure(server, 3.0)
-    with Canary(server) as canary:
-        for bad in (HANG, BLOAT, HUGE_OUTPUT, HANG):
-            r = _chat(server, chat_template=bad)
-            assert r.status_code == 400, r.text
-            assert r.json()["error"]["param"] == "chat_template"
-            assert r.json()["error"]["code"] == "chat_template_over_budget"
-    # the tokenize route renders through the same sandbox
-    r = httpx.post(server + "/tokenize", json={"messages": CHAT}, timeout=60)
-    assert r.status_code == 200 and r.json()["count"] > 0
-    assert _chat(server).status_code == 200  # the pool rendered again after the kills
-    report = canary.report
-    print(f"canary: baseline worst {baseline.worst_s:.3f} s, during attacks worst {report.worst_s:.3f} s "
-          f"p99 {report.p99_s():.3f} s over {len(report.health_s) + len(report.completion_s)} probes")
-    assert report.health_s and report.completion_s
-    assert responsive(report, baseline), (report.failures[:3], report.worst_s, baseline.worst_s)
 
 
 def test_sandbox_budget_counts_render_time_and_recovers():

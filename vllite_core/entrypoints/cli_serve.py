@@ -56,6 +56,9 @@ def add_serve_parser(sub: Any) -> None:
                    help="characters a chat template may produce (more: 400 naming chat_template)")
     g.add_argument("--chat-template-memory-mb", type=int, default=512,
                    help="MiB a chat template render may allocate (more: 400 naming chat_template)")
+    g.add_argument("--health-stall-timeout", type=float, default=30.0,
+                   help="/health answers 503 when the engine core makes no step with requests in flight, or request "
+                   "preparation makes no progress, for this many seconds (and at once for a stopped core)")
     g.add_argument("--reasoning-parser", default=None,
                    help="split reasoning out of the output into `reasoning` (e.g. deepseek_r1, qwen3; "
                    "`vllite plugins` lists plugins that add more)")
@@ -91,6 +94,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     for flag, least in (("max_waiting_requests", 1), ("request_timeout", 1e-3), ("body_read_timeout", 0),
                         ("header_read_timeout", 1e-3), ("chat_template_timeout", 1e-3),
                         ("chat_template_max_output_chars", 1), ("chat_template_memory_mb", 16),
+                        ("health_stall_timeout", 1e-3),
                         ("shutdown_timeout", 0)):
         if getattr(ns, flag) is not None and getattr(ns, flag) < least:
             raise SystemExit(f"vllite serve: --{flag.replace('_', '-')} must be at least {least:g}")
@@ -147,7 +151,8 @@ def run_serve(ns: argparse.Namespace) -> int:
           enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser, loras=loras,
           trust_request_chat_template=ns.trust_request_chat_template,
           template_limits=TemplateLimits(ns.chat_template_timeout, ns.chat_template_max_output_chars,
-                                         ns.chat_template_memory_mb << 20))
+                                         ns.chat_template_memory_mb << 20),
+          health_stall_s=ns.health_stall_timeout)
     return 0
 
 

@@ -32,6 +32,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import vllite_core
 from vllite_core.engine.async_llm import AsyncLLM
 from vllite_core.entrypoints.openai.errors import APIError, bad_request, from_exception
+from vllite_core.entrypoints.openai.health import DEFAULT_STALL_S, HealthMonitor
 from vllite_core.entrypoints.openai.http_protocol import DEFAULT_HEADER_READ_TIMEOUT_S, header_timeout_protocol
 from vllite_core.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from vllite_core.entrypoints.openai.protocol import (
@@ -173,6 +174,14 @@ def _tokenize(tokenizer: Any, req: TokenizeRequest, rendered: RenderedChat | Non
     return list(tokenizer.encode(req.prompt or "", add_special_tokens=add))
 
 
+def _detokenize(tokenizer: Any, tokens: list[int], vocab: int) -> str:
+    """/detokenize's text, on the engine's prep thread."""
+    bad = next((t for t in tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is out of range [0, {vocab})", "tokens")
+    return tokenizer.decode(tokens)
+
+
 async def _async(fn: Any, *args: Any) -> Any:
     return fn(*args)
 
@@ -186,7 +195,7 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
               chat_template: str | None = None, reasoning_parser: str | None = None,
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
               loras: Any = None, trust_request_chat_template: bool = False,
-              template_limits: TemplateLimits | None = None) -> FastAPI:
+              template_limits: TemplateLimits | None = None, health_stall_s: float = DEFAULT_STALL_S) -> FastAPI:
     """``allowed_origins``: CORS on for these (off when None); ``allowed_hosts``: the Host
     header must name one of these (no check when None; ``serve`` passes LOOPBACK_HOSTS on a
     loopback bind). ``chat_template``: the template text (chat_template.load_chat_template);
@@ -257,10 +266,15 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
                 logger.exception("request failed")
             return err.response()
 
+    monitor = HealthMonitor(engine, health_stall_s)
+
     @app.get("/health")
     async def health() -> Response:
         if engine.dead is not None:
             return APIError(503, f"engine loop stopped: {engine.dead!r}", code="engine_dead").response()
+        problem = monitor.problem()
+        if problem is not None:
+            return APIError(503, problem, code="engine_stalled").response()
         return Response(status_code=200)
 
     @app.get("/version")
@@ -320,10 +334,11 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
                 raise bad_request("give exactly one of prompt or messages", "prompt")
             rendered = None
             if req.messages is not None:  # the template renders in its sandbox
-                rendered = await render_chat_prompt(state.templates, engine.tokenizer, req, False, state.chat_template,
-                                                    trust_request_template=state.trust_request_chat_template)
+                rendered = await state.within_timeout(render_chat_prompt(
+                    state.templates, engine.tokenizer, req, False, state.chat_template,
+                    trust_request_template=state.trust_request_chat_template))
             # CPU work: off the event loop
-            ids = await engine.run_prep(_tokenize, engine.prep_tokenizer, req, rendered)
+            ids = await state.within_timeout(engine.run_prep(_tokenize, engine.prep_tokenizer, req, rendered))
             return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids})
         return await guarded(run())
 
@@ -332,11 +347,13 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
         async def run() -> Response:
             req = await body(request, DetokenizeRequest)
             state.check_model(req.model)
-            vocab = engine.engine.vocab_size
-            bad = [t for t in req.tokens if not 0 <= t < vocab]
-            if bad:
-                raise bad_request(f"token id {bad[0]} is out of range [0, {vocab})", "tokens")
-            return JSONResponse({"prompt": engine.detokenize(req.tokens)})
+            # Decoding holds the GIL (1.3 s for 800k ids here, stalling every thread): at most what one
+            # sequence can hold, decoded on the prep thread.
+            if len(req.tokens) > engine.max_model_len:
+                raise bad_request(f"at most {engine.max_model_len} token ids (the model's context), got "
+                                  f"{len(req.tokens)}", "tokens")
+            text = await engine.run_prep(_detokenize, engine.prep_tokenizer, req.tokens, engine.engine.vocab_size)
+            return JSONResponse({"prompt": text})
         return await guarded(run())
 
     if loras is not None and loras.runtime_updates:

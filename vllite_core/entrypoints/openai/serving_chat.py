@@ -268,10 +268,10 @@ class ChatServer:
                               "tool_choice")
         req, marker, images = await self._images(req)
         # Template rendering and tokenizing are CPU work: on the engine's prep thread, with its tokenizer.
-        rendered = await render_chat_prompt(st.templates, self.tokenizer, req, None, st.chat_template,
-                                            plan.template_tools, st.trust_request_chat_template)
+        rendered = await st.within_timeout(render_chat_prompt(st.templates, self.tokenizer, req, None, st.chat_template,
+                                                              plan.template_tools, st.trust_request_chat_template))
         text = rendered.text
-        ids = await st.engine.run_prep(rendered_chat_ids, st.engine.prep_tokenizer, rendered, marker)
+        ids = await st.within_timeout(st.engine.run_prep(rendered_chat_ids, st.engine.prep_tokenizer, rendered, marker))
         prompt: Any = {"prompt_token_ids": ids, "prompt": text}
         if images:
             prompt["multi_modal_data"] = {"image": images}
@@ -285,7 +285,7 @@ class ChatServer:
         await asyncio.to_thread(apply_structured_outputs, st.engine, req, params, plan)  # backend checks: CPU
         rid = new_id("chatcmpl")
         streams = await add_streams(st.engine, [prompt], params, rid, req.priority,
-                              req.cache_salt, st.lora_request(req.model))
+                                    req.cache_salt, st.lora_request(req.model), max_tokens)
         ctx = _Ctx(self, req, rid, len(ids), ToolOutput(plan, st.tool_parser))
         if req.stream:
             return StreamingResponse(ctx.stream(merged(st.engine, streams, delta=True)),

@@ -66,7 +66,7 @@ class CompletionServer:
             params.prompt_logprobs = req.logprobs  # echoed prompt tokens get their logprobs too
         rid = new_id("cmpl")
         streams = await add_streams(st.engine, prompts, params, rid, req.priority, req.cache_salt,
-                                    st.lora_request(req.model))
+                                    st.lora_request(req.model), req.max_tokens)
         ctx = _Ctx(self, req, rid, [s.num_prompt_tokens for s in streams])
         if req.stream:
             return StreamingResponse(ctx.stream(merged(st.engine, streams, delta=True)),

@@ -109,11 +109,13 @@ class ResponsesServer:
             raise bad_request(e.message, "text.format") from None
         chat = SimpleNamespace(messages=rendered, add_generation_prompt=True, continue_final_message=False,
                                chat_template=None, chat_template_kwargs=None, allow_special_tokens_in_content=False)
-        rendered = await render_chat_prompt(st.templates, st.engine.tokenizer, chat, None, st.chat_template)
+        rendered = await st.within_timeout(render_chat_prompt(st.templates, st.engine.tokenizer, chat, None,
+                                                              st.chat_template))
         text = rendered.text
-        ids = await st.engine.run_prep(rendered_chat_ids, st.engine.prep_tokenizer, rendered)
+        ids = await st.within_timeout(st.engine.run_prep(rendered_chat_ids, st.engine.prep_tokenizer, rendered))
         rid = _id("resp")
-        streams = await add_streams(st.engine, [{"prompt_token_ids": ids, "prompt": text}], params, rid, 0)
+        streams = await add_streams(st.engine, [{"prompt_token_ids": ids, "prompt": text}], params, rid, 0,
+                                    requested_max_tokens=req.max_output_tokens)
         build = _Builder(self, req, rid, len(ids), conversation)
         if req.stream:
             return StreamingResponse(build.events(merged(st.engine, streams, delta=True)),
