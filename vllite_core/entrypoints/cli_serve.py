@@ -72,6 +72,8 @@ def add_serve_parser(sub: Any) -> None:
     g.add_argument("--lora-allowed-root", default=None, metavar="DIR",
                    help="with VLLM_ALLOW_RUNTIME_LORA_UPDATING set: the only directory /v1/load_lora_adapter may "
                    "load adapters from (without it runtime loads are refused)")
+    g.add_argument("--max-lora-adapter-bytes", type=int, default=1 << 30,
+                   help="runtime adapter loads: the most bytes an adapter's files may hold together (default 1 GiB)")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine cores behind this API server, each a full copy of the model in its own process; "
                    "a request goes to the least loaded one (needs VLLITE_ENABLE_V1_MULTIPROCESSING=1, the default)")
@@ -135,6 +137,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     if ns.enable_lora:
         try:
             loras = ServedLoRAs(engine, names[0], lora_modules, ns.lora_allowed_root, runtime_updates_allowed())
+            loras.max_adapter_bytes = ns.max_lora_adapter_bytes
         except ValueError as e:  # a bad adapter: refuse to start, naming it
             engine.close()
             sock.close()

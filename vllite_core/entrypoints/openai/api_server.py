@@ -359,6 +359,7 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
     if loras is not None and loras.runtime_updates:
         from vllite_core.entrypoints.openai.serving_lora import add_runtime_routes
 
+        loras.served_names |= set(model_names)
         add_runtime_routes(app, loras, body)  # only when the operator allowed runtime adapter updates
 
     from vllite_core.entrypoints.openai.serving_transcription import router as transcription_router
