@@ -7,13 +7,14 @@ Rows: 1-2 a hanging / bloating request chat_template (400 naming chat_template);
 schema nested 900 deep and 5 a 50k-entry enum (400 naming the field, checked off the event loop);
 6 the engine core stopped (SIGSTOP): /health 503, then 200 once it runs again; 9 /detokenize of a
 body's worth of ids (decoding holds the GIL: capped at the context) and max_tokens past the context:
-400 in vLLM's words."""
+400 in vLLM's words; 10 a second Ctrl-C ends the streams with an error event and exits non-zero."""
 from __future__ import annotations
 
 import json
 import os
 import re
 import signal
+import threading
 import time
 
 import httpx
@@ -28,14 +29,27 @@ CHAT = [{"role": "user", "content": "in the"}]
 HANG = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
 BLOAT = "{{ 'x' * 1500000000 }}"
 HUGE_OUTPUT = "{% for i in range(100000) %}{{ 'y' * 99999 }}{% endfor %}"
-MAX_MODEL_LEN = 256
+MAX_MODEL_LEN = 8192
 
 
 @pytest.fixture(scope="module")
-def server(tiny_path):
-    srv = ServerProcess([tiny_path, "--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len",
+def long_tiny_path(tmp_path_factory):
+    """The tiny random Llama with a long context, so that streams outlast a second Ctrl-C."""
+    from tiny_models import TINY, save_tiny
+    from transformers import LlamaConfig
+
+    path = tmp_path_factory.mktemp("tiny-llama-long")
+    save_tiny(path, LlamaConfig(**{**TINY, "max_position_embeddings": MAX_MODEL_LEN},
+                                architectures=["LlamaForCausalLM"]))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def server(long_tiny_path):
+    srv = ServerProcess([long_tiny_path, "--dtype", "float32", "--num-kv-blocks", "2048", "--max-model-len",
                          str(MAX_MODEL_LEN), "--chat-template", TEMPLATE, "--trust-request-chat-template",
-                         "--chat-template-timeout", "1", "--chat-template-max-output-chars", "100000"])
+                         "--chat-template-timeout", "1", "--chat-template-max-output-chars", "100000",
+                         "--shutdown-timeout", "120"])
     try:
         srv.wait_ready(300)
         yield srv
@@ -137,5 +151,47 @@ def test_row_9_detokenize_capped_and_max_tokens_past_the_context(server, baselin
                    f"({10 ** 9} > {MAX_MODEL_LEN} - 2).")
     r = _chat(url, max_completion_tokens=MAX_MODEL_LEN)
     assert r.status_code == 400 and "is too large" in r.json()["error"]["message"]
-    assert httpx.post(url + "/v1/completions", json={"prompt": [3, 4], "max_tokens": MAX_MODEL_LEN - 2},
-                      timeout=120).status_code == 200  # exactly what is left: served
+    r = httpx.post(url + "/v1/completions", json={"prompt": [3, 4], "max_tokens": MAX_MODEL_LEN - 1}, timeout=60)
+    assert r.status_code == 400 and f"({MAX_MODEL_LEN - 1} > {MAX_MODEL_LEN} - 2)" in r.text  # one past what is left
+
+
+def _stream(url: str, out: list, started: threading.Event) -> None:
+    events: list[str] = []
+    body = {"prompt": [3, 4], "max_tokens": MAX_MODEL_LEN - 2, "ignore_eos": True, "stream": True}
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line)
+                    started.set()
+        out.append(("ok", events))
+    except httpx.HTTPError as e:
+        out.append(("cut", f"{type(e).__name__}: {e}", events))
+    started.set()
+
+
+def test_row_10_a_second_ctrl_c_ends_streams_with_an_error_event_and_exits_non_zero(server):
+    """Last in the module: it stops the server. The drain (--shutdown-timeout 120) would outlast the
+    test; the second Ctrl-C ends the streams at once, each with an error event and [DONE]."""
+    results: list = []
+    threads = []
+    for _ in range(3):
+        started = threading.Event()
+        t = threading.Thread(target=_stream, args=(server.url, results, started))
+        t.start()
+        assert started.wait(60)
+        threads.append(t)
+    server.proc.send_signal(signal.SIGINT)
+    end = time.monotonic() + 60
+    while "waiting up to" not in server.output:  # the first signal's drain began
+        assert time.monotonic() < end, server.output
+        time.sleep(0.1)
+    server.proc.send_signal(signal.SIGINT)
+    for t in threads:
+        t.join(60)
+    assert server.proc.wait(60) != 0, server.output
+    assert len(results) == 3 and all(r[0] == "ok" for r in results), results
+    for _, events in results:
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][6:])["error"]["code"] == "server_shutting_down"
+    assert "second signal" in server.output and "Traceback" not in server.output, server.output

@@ -451,6 +451,24 @@ def _make_server(config: Any, state: ServerState, drain_s: float) -> Any:
                 handle.cancel()
                 state.stopping.set()
 
+        second_signal = False  # a second Ctrl-C / SIGTERM ended the in-flight requests (exit status 1)
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not self.should_exit:
+                super().handle_exit(sig, frame)
+                return
+            # A second signal: end every in-flight request now (streams get an error event and [DONE]),
+            # give them a moment to send it, then stop waiting for connections.
+            self._captured_signals.append(sig)
+            self.second_signal = True
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                self.force_exit = True
+                return
+            loop.call_soon_threadsafe(state.stopping.set)
+            loop.call_later(SECOND_SIGNAL_GRACE_S, setattr, self, "force_exit", True)
+
         @contextlib.contextmanager
         def capture_signals(self) -> Any:
             with super().capture_signals():
@@ -462,6 +480,8 @@ def _make_server(config: Any, state: ServerState, drain_s: float) -> Any:
 
     return Server(config)
 
+
+SECOND_SIGNAL_GRACE_S = 1.0  # after a second signal, for the ended streams to send their error event
 
 KEEP_ALIVE_ENV = ("VLLITE_KEEP_ALIVE_ON_ENGINE_DEATH", "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH")
 ENGINE_DEATH_GRACE_S = 2.0  # /health answers 503 this long after the engine died, then the server exits 1
@@ -522,3 +542,5 @@ def serve(engine: AsyncLLM, model_names: list[str], sock: socket.socket, api_key
         print(f"vllite: server stopped {how} after {time.monotonic() - t0:.0f} s", flush=True)
     if engine.dead is not None:  # exit status 1, naming the cause
         raise SystemExit(f"vllite serve: the engine died: {engine.dead!r}")
+    if server.second_signal:  # not a clean stop: in-flight requests were ended without their drain
+        raise SystemExit("vllite serve: stopped by a second signal; in-flight requests were ended")
