@@ -26,6 +26,7 @@ from vllite_core.entrypoints.openai.errors import APIError, bad_request
 
 logger = logging.getLogger("vllite.server")
 
+PATH_ENV = "VLLITE_TEMPLATE_WORKER_PATH"
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "template_worker.py")
 STARTUP_TIMEOUT_S = 60.0  # a worker's own start-up (importing the renderer); not the render budget
 BACKSTOP_S = 5.0  # past its budget the worker answers itself; past this too, the parent kills it
@@ -85,10 +86,12 @@ class _Worker:
 
     def __init__(self, limits: TemplateLimits) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-P", _WORKER, str(limits.timeout_s), str(limits.max_output_chars),
+            # -I: no script directory on sys.path (its modules must not shadow anything); this process's
+            # path comes after the worker's own, for jinja2 and transformers wherever they are installed.
+            [sys.executable, "-I", _WORKER, str(limits.timeout_s), str(limits.max_output_chars),
              str(limits.memory_bytes)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
+            env={**os.environ, PATH_ENV: os.pathsep.join(p for p in sys.path if p)})
         self.ready = False
         self.buf = b""
 

@@ -1,5 +1,5 @@
-"""The chat-template renderer process (template_sandbox.TemplateSandbox starts it by file path, so
-neither the vllite package nor torch is imported here).
+"""The chat-template renderer process (template_sandbox.TemplateSandbox starts it by file path with
+``python -I``, so neither the vllite package nor torch is imported here).
 
 A chat template is a program: jinja2's sandbox stops it reaching Python internals but not looping
 for hours or building a 1.5 GB string. This process imports the renderer once, then forks one
@@ -114,6 +114,8 @@ def _run_job(line: str, timeout_s: float, max_chars: int, memory_bytes: int) -> 
 
 def main() -> None:
     timeout_s, max_chars, memory_bytes = float(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    sys.path += [p for p in os.environ.get("VLLITE_TEMPLATE_WORKER_PATH", "").split(os.pathsep)
+                 if p and p not in sys.path]  # the server's path (run with -I: none of PYTHON*)
     import jinja2  # noqa: F401  (imported once, shared by every forked child)
     from transformers.utils import chat_template_utils  # noqa: F401
 
