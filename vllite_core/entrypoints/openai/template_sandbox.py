@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllite_core.entrypoints.openai.errors import APIError, bad_request
+from vllite_core.entrypoints.openai.template_worker import wall_budget
 
 logger = logging.getLogger("vllite.server")
 
@@ -35,7 +36,7 @@ BACKSTOP_S = 5.0  # past its budget the worker answers itself; past this too, th
 @dataclass(frozen=True)
 class TemplateLimits:
     """The budget of one render (flags: --chat-template-*; docs/serving.md)."""
-    timeout_s: float = 5.0  # seconds of rendering (queueing for a worker is not counted)
+    timeout_s: float = 5.0  # CPU seconds of rendering (whole seconds; queueing for a worker is not counted)
     max_output_chars: int = 16 << 20
     memory_bytes: int = 512 << 20  # address space a worker may grow by
     workers: int = 2
@@ -201,7 +202,7 @@ class TemplateSandbox:
         except (BrokenPipeError, OSError):
             self._drop(w)
             raise APIError(503, "the chat template renderer stopped", code="template_renderer_failed") from None
-        line = w.receive(time.monotonic() + lim.timeout_s + BACKSTOP_S, 6 * lim.max_output_chars + 4096)
+        line = w.receive(time.monotonic() + wall_budget(lim.timeout_s) + BACKSTOP_S, 6 * lim.max_output_chars + 4096)
         if line is None:  # the worker itself did not answer in time: it is replaced
             self._drop(w)
             self.killed += 1

@@ -4,8 +4,8 @@
 A chat template is a program: jinja2's sandbox stops it reaching Python internals but not looping
 for hours or building a 1.5 GB string. This process imports the renderer once, then forks one
 child per job: the child caps its address space (``RLIMIT_AS``: what it has plus the memory
-budget), lowers its CPU priority and renders; this process waits for the child's reply at most the
-time budget, reads at most the output budget, and kills the child past either. So this process
+budget) and its CPU time (the time budget), lowers its priority and renders; this process reads at
+most the output budget and kills the child past it or past a wall-clock backstop. So this process
 never runs template code itself and is never wedged by one. Jobs arrive as one JSON line each on
 stdin; replies leave as one JSON line each on stdout: ``{"text": ...}`` or
 ``{"error": KIND, "message": ...}``. JSON, never pickle: the parent must not trust what a
@@ -14,6 +14,7 @@ template could have shaped.
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import select
@@ -56,12 +57,16 @@ def _render(job: dict, max_chars: int) -> dict:
     return {"text": text}
 
 
-def _child(job: dict, max_chars: int, memory_bytes: int, wfd: int) -> None:
-    """In the forked child: cap, render, write the reply, exit (never returns)."""
+def _child(job: dict, timeout_s: float, max_chars: int, memory_bytes: int, wfd: int) -> None:
+    """In the forked child: cap, render, write the reply, exit (never returns). The time budget is
+    CPU time (``RLIMIT_CPU``: SIGXCPU ends the child), so a loaded machine does not fail a cheap
+    template; the parent's wall-clock deadline is only the backstop."""
     try:
-        os.nice(10)  # a spinning template yields the CPU to the server and the engine
+        os.nice(5)  # a spinning template yields the CPU to the server and the engine
         limit = _vm_size() + memory_bytes
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        cpu = max(1, math.ceil(timeout_s))
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
         try:
             data = json.dumps(_render(job, max_chars), ensure_ascii=False).encode()
         except MemoryError:
@@ -79,9 +84,10 @@ def _run_job(line: str, timeout_s: float, max_chars: int, memory_bytes: int) -> 
     pid = os.fork()
     if pid == 0:
         os.close(rfd)
-        _child(job, max_chars, memory_bytes, wfd)
+        _child(job, timeout_s, max_chars, memory_bytes, wfd)
     os.close(wfd)
-    deadline, chunks, size, cap = time.monotonic() + timeout_s, [], 0, 6 * max_chars + 4096
+    deadline = time.monotonic() + wall_budget(timeout_s)
+    chunks, size, cap = [], 0, 6 * max_chars + 4096
     reply: dict | None = None
     try:
         while True:
@@ -103,13 +109,21 @@ def _run_job(line: str, timeout_s: float, max_chars: int, memory_bytes: int) -> 
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        os.waitpid(pid, 0)
+        _, status = os.waitpid(pid, 0)
     if reply is not None:
         return reply
     try:
         return json.loads(b"".join(chunks))
-    except ValueError:  # the child died before it answered (killed for memory by the kernel)
+    except ValueError:  # the child died before it answered
+        if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGXCPU:
+            return {"error": "timeout", "message": f"the chat template took over {timeout_s:g} s of CPU to render"}
         return {"error": "memory", "message": "the chat template's render process died (over its memory budget)"}
+
+
+def wall_budget(timeout_s: float) -> float:
+    """The wall-clock backstop of a render whose CPU budget is ``timeout_s`` (a niced child on a busy
+    machine gets less than a core)."""
+    return 4 * max(1.0, timeout_s) + 1.0
 
 
 def main() -> None:
