@@ -80,3 +80,26 @@ def test_sandbox_budget_counts_render_time_and_recovers():
         assert e.code == "unsafe_chat_template"
     finally:
         sb.close()
+
+
+def test_sandbox_renders_what_apply_chat_template_renders():
+    """The reference: the tokenizer's own apply_chat_template on the same messages (SmolLM2's
+    template, with a generation prompt, continuing a final message, and with tools)."""
+    from model_registry.source import load_tokenizer, resolve_model_source
+
+    tok = load_tokenizer(resolve_model_source(None))
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hel"}]
+    cases = [(msgs[:2], dict(add_generation_prompt=True)), (msgs, dict(continue_final_message=True)),
+             (msgs[:2], dict(add_generation_prompt=True, tools=tools))]
+    sb = TemplateSandbox(TemplateLimits(workers=1))
+    try:
+        for convo, kw in cases:
+            want = tok.apply_chat_template(convo, tokenize=False, **kw)
+            extra = {"tools": kw["tools"]} if "tools" in kw else None
+            job = render_job(tok, convo, kw.get("add_generation_prompt", False),
+                             kw.get("continue_final_message", False), None, extra, False)
+            assert asyncio.run(sb.render(job)) == want
+    finally:
+        sb.close()

@@ -72,7 +72,8 @@ def render_job(tokenizer: Any, conversation: list[dict[str, Any]], add_generatio
         template = tokenizer.get_chat_template(chat_template, tools)
     except ValueError as e:  # no template at all
         raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
-    special = {k: str(v) for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)}
+    special = {k: [str(t) for t in v] if isinstance(v, (list, tuple)) else str(v)
+               for k, v in tokenizer.special_tokens_map.items()}  # what apply_chat_template passes
     convo = [{k: v for k, v in m.items() if v is not None} for m in conversation]
     try:
         json.dumps(kwargs)
