@@ -51,7 +51,7 @@ def add_serve_parser(sub: Any) -> None:
                    help="accept a request's own chat_template (a program run on this server, in the template "
                    "sandbox); default: such requests get 400")
     g.add_argument("--chat-template-timeout", type=float, default=5.0,
-                   help="seconds one chat template render may take before it is stopped (400 naming chat_template)")
+                   help="CPU seconds one chat template render may take before it is stopped (400 naming chat_template)")
     g.add_argument("--chat-template-max-output-chars", type=int, default=16 << 20,
                    help="characters a chat template may produce (more: 400 naming chat_template)")
     g.add_argument("--chat-template-memory-mb", type=int, default=512,
