@@ -9,6 +9,13 @@ the end. The mix (seeded): completions and chat, streaming and not, ``n`` 1-3, l
 strings, priorities, ``ignore_eos``; 10 % of the requests are aborted by the client (cancelled
 after a random delay), 5 % are streams whose client disconnects after the first chunks.
 
+With ``--attacks F`` a fraction F of the requests are issue 58's attacks, each of which must be
+refused with a 400 (anything else counts as lost): a chat template looping 10^10 times or building
+a 1.5 GB string (the started server gets ``--trust-request-chat-template``), a JSON schema nested
+900 deep, a 5,000-entry enum, ``max_tokens`` past the context, /detokenize of 100k ids. A canary
+(/health and a 1-token completion every 0.2 s) runs through the whole soak: its worst and p99
+latency and failures are reported, and so is the count of 5xx answers.
+
 Reported: lost requests (a request that should have completed and did not: an exception, a
 status other than 200, a stream without ``[DONE]``, a wrong number of choices), hung ones (no
 answer within ``--request-timeout-s``), whether every KV block is free at the end (``/metrics``:
@@ -31,6 +38,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from canary import Canary  # noqa: E402
 from server_harness import ServerProcess  # noqa: E402
 
 WORDS = ["in the", "of the", "and then", "a story", "the river", "once upon a time", "she said", "it was"]
@@ -73,7 +81,7 @@ class Plan:
     i: int
     route: str
     body: dict[str, Any]
-    behaviour: str  # "normal" | "abort" | "disconnect"
+    behaviour: str  # "normal" | "abort" | "disconnect" | "attack" (must be a 400)
     abort_after_s: float = 0.0
 
 
@@ -85,13 +93,33 @@ class Result:
     disconnected: int = 0
     lost: int = 0
     hung: int = 0
+    refused_attacks: int = 0
     statuses: dict[str, int] = field(default_factory=dict)
     lost_examples: list[str] = field(default_factory=list)
     latencies_s: list[float] = field(default_factory=list)
 
 
+ATTACKS: dict[str, tuple[str, dict[str, Any]]] = {
+    "hanging_template": ("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        "chat_template": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"}),
+    "bloating_template": ("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "chat_template": "{{ 'x' * 1500000000 }}"}),
+    "deep_schema": ("/v1/completions", {"prompt": [3, 4], "max_tokens": 2,
+                                        "guided_json": '{"default": ' + "[" * 900 + "]" * 900 + "}"}),
+    "huge_enum": ("/v1/completions", {"prompt": [3, 4], "max_tokens": 2,
+                                      "guided_json": {"enum": [f"e{i}" for i in range(5000)]}}),
+    "max_tokens_past_context": ("/v1/completions", {"prompt": [3, 4], "max_tokens": 10 ** 9}),
+    "detokenize_100k": ("/detokenize", {"tokens": [3] * 100_000}),
+}
+
+
 def make_plan(i: int, rng: random.Random, *, priority: bool, chat_template: str | None, vocab: int,
-              max_tokens: int, words: list[str], abort_within_s: float = 1.5) -> Plan:
+              max_tokens: int, words: list[str], abort_within_s: float = 1.5, attacks: float = 0.0) -> Plan:
+    if attacks and rng.random() < attacks:
+        name = rng.choice(sorted(ATTACKS))
+        route, body = ATTACKS[name]
+        return Plan(i, route, {**body, "attack": name}, "attack")
     stream = rng.random() < 0.5
     n = rng.choice([1, 1, 1, 2, 3])
     body: dict[str, Any] = {"max_tokens": rng.randint(2, max_tokens), "n": n, "stream": stream,
@@ -200,7 +228,16 @@ async def run_one(client: httpx.AsyncClient, plan: Plan, res: Result, timeout_s:
                         break
         res.disconnected += 1  # leaving the block closes the connection mid-stream
 
-    work = {"normal": normal, "abort": abort, "disconnect": disconnect}[plan.behaviour]
+    async def attack() -> None:
+        body = {k: v for k, v in plan.body.items() if k != "attack"}
+        r = await client.post(plan.route, json=body)
+        res.statuses[str(r.status_code)] = res.statuses.get(str(r.status_code), 0) + 1
+        if r.status_code != 400:
+            lost(f"attack {plan.body['attack']}: status {r.status_code}: {r.text[:200]}")
+            return
+        res.refused_attacks += 1
+
+    work = {"normal": normal, "abort": abort, "disconnect": disconnect, "attack": attack}[plan.behaviour]
     try:
         await asyncio.wait_for(work(), timeout_s)
     except asyncio.TimeoutError:
@@ -248,15 +285,16 @@ def percentile(xs: list[float], q: float) -> float | None:
 
 def soak(url: str, pid: int | None, *, requests: int, warmup: int, concurrency: int, seed: int,
          priority: bool, chat_template: str | None, vocab: int, max_tokens: int, timeout_s: float,
-         api_key: str | None = None, words: list[str] | None = None, abort_within_s: float = 1.5
-         ) -> dict[str, Any]:
+         api_key: str | None = None, words: list[str] | None = None, abort_within_s: float = 1.5,
+         attacks: float = 0.0) -> dict[str, Any]:
     """``words``: the text prompts are made of these (default WORDS); an aborted request is
-    cancelled by its client after a uniform random delay in [0, ``abort_within_s``]."""
+    cancelled by its client after a uniform random delay in [0, ``abort_within_s``]; ``attacks``:
+    the fraction of the (post-warm-up) requests that are ATTACKS."""
     rng = random.Random(seed)
     kw = dict(priority=priority, chat_template=chat_template, vocab=vocab, max_tokens=max_tokens,
               words=words or WORDS, abort_within_s=abort_within_s)
     warm = [make_plan(-1 - i, rng, **kw) for i in range(warmup)]
-    plans = [make_plan(i, rng, **kw) for i in range(requests)]
+    plans = [make_plan(i, rng, **kw, attacks=attacks) for i in range(requests)]
     warm_res = Result()
     asyncio.run(run_plans(url, warm, concurrency, timeout_s, api_key, warm_res))
     wait_idle(url)
@@ -265,10 +303,12 @@ def soak(url: str, pid: int | None, *, requests: int, warmup: int, concurrency: 
     t0 = time.monotonic()
     trend = []  # the server's RSS after each quarter of the requests: a leak grows, a warm-up levels off
     step = max(1, -(-len(plans) // 4))
-    for k in range(0, len(plans), step):
-        asyncio.run(run_plans(url, plans[k:k + step], concurrency, timeout_s, api_key, res))
-        r = rss_mb(pid)
-        trend.append(None if r is None else round(r, 1))
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with Canary(url, prompt=[3, 4, 5], headers=headers) as canary:
+        for k in range(0, len(plans), step):
+            asyncio.run(run_plans(url, plans[k:k + step], concurrency, timeout_s, api_key, res))
+            r = rss_mb(pid)
+            trend.append(None if r is None else round(r, 1))
     wall = time.monotonic() - t0
     m = wait_idle(url)
     rss_after = rss_mb(pid)
@@ -289,7 +329,11 @@ def soak(url: str, pid: int | None, *, requests: int, warmup: int, concurrency: 
         rss_growth_mb=None if rss_before is None or rss_after is None else round(rss_after - rss_before, 1),
         latency_p50_s=None if not lat else round(percentile(lat, 50), 3),
         latency_p99_s=None if not lat else round(percentile(lat, 99), 3),
-        ok=res.lost == 0 and res.hung == 0 and blocks_back and healthy,
+        five_xx=sum(n for code, n in res.statuses.items() if code.startswith("5")),
+        canary_probes=len(canary.report.health_s) + len(canary.report.completion_s),
+        canary_worst_s=round(canary.report.worst_s, 3), canary_p99_s=round(canary.report.p99_s(), 3),
+        canary_failures=canary.report.failures[:5],
+        ok=res.lost == 0 and res.hung == 0 and blocks_back and healthy and not canary.report.failures,
     )
     return out
 
@@ -307,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--vocab", type=int, default=49152, help="token ids in prompts are below this")
     ap.add_argument("--chat-template", help="send this chat_template with chat requests")
+    ap.add_argument("--attacks", type=float, default=0.0, help="fraction of requests that are attacks (must be 400)")
     ap.add_argument("--no-priority", action="store_true", help="the server runs fcfs: send no priorities")
     ap.add_argument("--request-timeout-s", type=float, default=300.0, help="a request past this is hung")
     ap.add_argument("--seed", type=int, default=0)
@@ -319,12 +364,14 @@ def main(argv: list[str] | None = None) -> int:
         args = ([a.model] if a.model else []) + ["--num-gpu-blocks-override", str(a.num_gpu_blocks_override)]
         if not a.no_priority:
             args += ["--scheduling-policy", "priority"]
+        if a.chat_template or a.attacks:
+            args += ["--trust-request-chat-template"]
         server = ServerProcess(args + list(a.server_arg))
         url, pid = server.wait_ready(600), server.proc.pid
     try:
         report = soak(url, pid, requests=a.requests, warmup=a.warmup, concurrency=a.concurrency, seed=a.seed,
                       priority=not a.no_priority, chat_template=a.chat_template, vocab=a.vocab,
-                      max_tokens=a.max_tokens, timeout_s=a.request_timeout_s, api_key=a.api_key)
+                      max_tokens=a.max_tokens, timeout_s=a.request_timeout_s, api_key=a.api_key, attacks=a.attacks)
     finally:
         if server is not None:
             rc = server.stop()

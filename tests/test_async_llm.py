@@ -237,7 +237,7 @@ def test_cache_salt_through_the_server(allm):
     from vllite_core.entrypoints.openai.api_server import build_app
 
     seen = _record_salts(allm.engine)
-    with TestClient(build_app(allm, ["tiny"])) as client:
+    with TestClient(build_app(allm, ["tiny"], trust_request_chat_template=True)) as client:
         chat = [{"role": "user", "content": "in the"}]
         template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # ids within the tiny vocabulary
         bodies = [("/v1/completions", {"prompt": "in the", "max_tokens": 2, "cache_salt": "c1"}),

@@ -134,7 +134,7 @@ def client(tiny_path):
 
     eng = LLMEngine.from_engine_args(EngineArgs.from_kwargs(model=tiny_path, **ENGINE))
     a = AsyncLLM(eng)
-    with TestClient(build_app(a, ["tiny"])) as c:
+    with TestClient(build_app(a, ["tiny"], trust_request_chat_template=True)) as c:
         yield c
     a.close()
 

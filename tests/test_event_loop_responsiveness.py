@@ -53,13 +53,13 @@ def test_health_answers_while_a_big_request_is_prepared(allm, monkeypatch, route
         monkeypatch.setattr(allm, "prepare", _held(allm.prepare, started, release, threads))
         path, body = "/v1/completions", {"prompt": BIG, "max_tokens": 2}
     elif route == "chat":
-        monkeypatch.setattr(serving_chat, "chat_prompt", _held(serving_chat.chat_prompt, started, release, threads))
-        path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": BIG}], "max_tokens": 2,
-                                              "chat_template": TEMPLATE}
+        monkeypatch.setattr(serving_chat, "rendered_chat_ids",
+                            _held(serving_chat.rendered_chat_ids, started, release, threads))
+        path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": BIG}], "max_tokens": 2}
     else:
         monkeypatch.setattr(api_server, "_tokenize", _held(api_server._tokenize, started, release, threads))
         path, body = "/tokenize", {"prompt": BIG}
-    app = build_app(allm, ["tiny"])
+    app = build_app(allm, ["tiny"], chat_template=TEMPLATE)  # rendered in the template sandbox
     order: list[str] = []
 
     async def main() -> tuple[httpx.Response, httpx.Response]:

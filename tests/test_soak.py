@@ -1,6 +1,7 @@
 """A small soak (benchmarks/soak.py) against a real `vllite serve` on a tiny random Llama under KV
 pressure: 60 mixed requests (streams, n > 1, logprobs, stop strings, priorities, client aborts,
-mid-stream disconnects); nothing lost or hung, every KV block back, the server healthy after.
+mid-stream disconnects, issue 58's attacks, each a 400); nothing lost or hung, no 5xx, the canary
+never failed, every KV block back, the server healthy after.
 No wall-clock or memory asserts (the machine is shared)."""
 from __future__ import annotations
 
@@ -29,12 +30,13 @@ def _small_words(path: str) -> list[str]:
 
 def test_small_soak_loses_nothing_and_returns_blocks(tiny_path):
     server = ServerProcess([tiny_path, "--dtype", "float32", "--num-gpu-blocks-override", "24",
-                          "--max-num-batched-tokens", "64", "--scheduling-policy", "priority"])
+                          "--max-num-batched-tokens", "64", "--scheduling-policy", "priority",
+                            "--trust-request-chat-template", "--chat-template-timeout", "1"])
     try:
         url = server.wait_ready()
         report = soak.soak(url, server.proc.pid, requests=60, warmup=5, concurrency=8, seed=1, priority=True,
                            chat_template=TEMPLATE, vocab=TINY["vocab_size"], max_tokens=12, timeout_s=120,
-                           words=_small_words(tiny_path), abort_within_s=0.05)
+                           words=_small_words(tiny_path), abort_within_s=0.05, attacks=0.1)
     finally:
         rc = server.stop()
     print(report)
@@ -42,6 +44,7 @@ def test_small_soak_loses_nothing_and_returns_blocks(tiny_path):
     assert report["warmup_lost"] == 0
     assert report["blocks_back"] and report["kv_free_blocks"] == report["kv_total_blocks"] > 0
     assert report["healthy_after"] and report["ok"]
-    assert report["completed"] + report["aborted_by_client"] + report["disconnected"] == 60
+    assert report["completed"] + report["aborted_by_client"] + report["disconnected"] + report["refused_attacks"] == 60
+    assert report["refused_attacks"] > 0 and report["five_xx"] == 0 and not report["canary_failures"]
     assert report["aborted_by_client"] > 0 and report["disconnected"] > 0
     assert rc == 0, server.output

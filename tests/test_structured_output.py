@@ -198,10 +198,10 @@ def test_a_failing_compile_fails_only_its_request(llm, monkeypatch):
     mgr = llm.llm_engine.core.engine_core.structured_output
     real = mgr._compile
 
-    def compile_or_fail(name, params):
+    def compile_or_fail(name, params, started):
         if params.regex == "b+":
             raise RuntimeError("compiler crashed")
-        return real(name, params)
+        return real(name, params, started)
 
     monkeypatch.setattr(mgr, "_compile", compile_or_fail)
     p = prompt(llm, "Say yes.")

@@ -44,7 +44,55 @@ class SamplingParamsError(ValueError):
 # The kinds of constraint one StructuredOutputsParams may carry (exactly one per request).
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 MAX_CHOICES = 1024
-MAX_GRAMMAR_SPEC_LEN = 1 << 20  # characters of a schema, regex, grammar or structural tag
+MAX_GRAMMAR_SPEC_LEN = 256 << 10  # characters of a schema, regex, grammar or structural tag
+# Compile cost grows with these, far faster than with length (a 22 KB schema nested 900 deep, a
+# 50k-entry enum): bounded so one request cannot hold the compile pool for minutes.
+MAX_SCHEMA_DEPTH = 64  # nesting of objects / arrays in a JSON schema, of groups in a regex
+MAX_ENUM_ENTRIES = 4096  # enum / const values in a schema, alternatives (|) in a regex or grammar
+
+
+def _nesting(text: str, opening: str, closing: str, quote: str | None) -> int:
+    """The deepest nesting of ``opening`` / ``closing`` in ``text``, outside ``quote``-d strings
+    (backslash escapes honoured): linear, no parse (a deep document would exhaust a parser first)."""
+    depth = worst = 0
+    in_str = escaped = False
+    for ch in text:
+        if in_str:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == quote:
+                in_str = False
+        elif ch == "\\" and quote is None:
+            escaped = not escaped
+        elif escaped:
+            escaped = False
+        elif ch == quote:
+            in_str = True
+        elif ch in opening:
+            depth += 1
+            worst = max(worst, depth)
+        elif ch in closing:
+            depth -= 1
+    return worst
+
+
+def _enum_entries(schema: Any) -> int:
+    """enum / const values anywhere in a parsed schema (iterative: no recursion limit)."""
+    count, stack = 0, [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if k == "enum" and isinstance(v, list):
+                    count += len(v)
+                elif k == "const":
+                    count += 1
+                stack.append(v)
+        elif isinstance(node, list):
+            stack.extend(node)
+    return count
 
 
 @dataclass
@@ -90,12 +138,20 @@ class StructuredOutputsParams:
         if self.json is not None:
             if not isinstance(self.json, str):
                 bad("json", f"must be a JSON schema (a dict or a JSON string), got {type(self.json).__name__}")
+            if len(self.json) > MAX_GRAMMAR_SPEC_LEN:
+                bad("json", f"at most {MAX_GRAMMAR_SPEC_LEN} characters, got {len(self.json)}")
+            depth = _nesting(self.json, "[{", "]}", '"')
+            if depth > MAX_SCHEMA_DEPTH:
+                bad("json", f"the schema nests {depth} deep, over the limit of {MAX_SCHEMA_DEPTH}")
             try:
                 schema = _json.loads(self.json)
             except ValueError as e:
                 bad("json", f"not valid JSON: {e}")
             if not isinstance(schema, (dict, bool)):
                 bad("json", "a JSON schema must be an object (or true/false)")
+            entries = _enum_entries(schema)
+            if entries > MAX_ENUM_ENTRIES:
+                bad("json", f"the schema has {entries} enum/const values, over the limit of {MAX_ENUM_ENTRIES}")
         for name in ("regex", "grammar", "structural_tag", "whitespace_pattern"):
             v = getattr(self, name)
             if v is None:
@@ -104,8 +160,14 @@ class StructuredOutputsParams:
                 bad(name, "must be a non-empty string")
             if len(v) > MAX_GRAMMAR_SPEC_LEN:
                 bad(name, f"at most {MAX_GRAMMAR_SPEC_LEN} characters, got {len(v)}")
-        if self.json is not None and len(self.json) > MAX_GRAMMAR_SPEC_LEN:
-            bad("json", f"at most {MAX_GRAMMAR_SPEC_LEN} characters, got {len(self.json)}")
+            if name in ("regex", "grammar"):
+                alternatives = v.count("|")
+                if alternatives > MAX_ENUM_ENTRIES:
+                    bad(name, f"{alternatives} alternatives (|), over the limit of {MAX_ENUM_ENTRIES}")
+            if name == "regex":
+                depth = _nesting(v, "(", ")", None)
+                if depth > MAX_SCHEMA_DEPTH:
+                    bad(name, f"groups nest {depth} deep, over the limit of {MAX_SCHEMA_DEPTH}")
         if self.regex is not None:
             import re
             try:

@@ -172,6 +172,7 @@ class StructuredOutputsConfig:
     backend: str = "auto"  # auto | xgrammar | guidance | outlines | a plugin's backend
     compile_timeout_s: float = 30.0  # a grammar still compiling after this fails its request
     max_compile_threads: int = 2
+    grammar_cache_bytes: int = 256 << 20  # compiled grammars kept for reuse, least recently used dropped first
     disable_fallback: bool = False  # auto: never fall back to another backend
     disable_any_whitespace: bool = False  # JSON: no free whitespace (every request)
     disable_additional_properties: bool = False
@@ -179,8 +180,8 @@ class StructuredOutputsConfig:
     # (vllite_core/structured_output/jump_forward.py).
     jump_forward: bool = False
 
-    KEYS = ("backend", "compile_timeout_s", "max_compile_threads", "disable_fallback", "disable_any_whitespace",
-            "disable_additional_properties", "jump_forward")
+    KEYS = ("backend", "compile_timeout_s", "max_compile_threads", "grammar_cache_bytes", "disable_fallback",
+            "disable_any_whitespace", "disable_additional_properties", "jump_forward")
 
     @classmethod
     def from_value(cls, value: Any) -> "StructuredOutputsConfig":
@@ -198,6 +199,8 @@ class StructuredOutputsConfig:
             raise ConfigError("structured_outputs_config.backend: must be a backend name")
         if not cfg.compile_timeout_s > 0:
             raise ConfigError("structured_outputs_config.compile_timeout_s: must be > 0")
+        if not isinstance(cfg.grammar_cache_bytes, int) or cfg.grammar_cache_bytes < 0:
+            raise ConfigError("structured_outputs_config.grammar_cache_bytes: must be an integer >= 0")
         if not isinstance(cfg.max_compile_threads, int) or cfg.max_compile_threads < 1:
             raise ConfigError("structured_outputs_config.max_compile_threads: must be an integer >= 1")
         return cfg

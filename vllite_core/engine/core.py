@@ -189,9 +189,8 @@ def _resolve_model(config: VlliteConfig, pm: Any, proposer_factory: Any) -> Reso
 
 def _model_config(config: VlliteConfig, model: ResolvedModel, platform: Any) -> VlliteConfig:
     """A copy of ``config`` for this model: its capabilities, pooling rules and context length applied."""
-    from vllite_core.distributed.checks import check_parallel_config
-
     from model_registry.model_impl import apply_fallback_rules
+    from vllite_core.distributed.checks import check_parallel_config
 
     config = copy.deepcopy(config)
     apply_fallback_rules(config, model.impl)

@@ -47,6 +47,18 @@ def add_serve_parser(sub: Any) -> None:
     g.add_argument("--chat-template", default=None,
                    help="chat template for /v1/chat/completions and /v1/responses: a file path or the jinja "
                    "template itself (default: the tokenizer's)")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a request's own chat_template (a program run on this server, in the template "
+                   "sandbox); default: such requests get 400")
+    g.add_argument("--chat-template-timeout", type=float, default=5.0,
+                   help="CPU seconds one chat template render may take before it is stopped (400 naming chat_template)")
+    g.add_argument("--chat-template-max-output-chars", type=int, default=16 << 20,
+                   help="characters a chat template may produce (more: 400 naming chat_template)")
+    g.add_argument("--chat-template-memory-mb", type=int, default=512,
+                   help="MiB a chat template render may allocate (more: 400 naming chat_template)")
+    g.add_argument("--health-stall-timeout", type=float, default=30.0,
+                   help="/health answers 503 when the engine core makes no step with requests in flight, or request "
+                   "preparation makes no progress, for this many seconds (and at once for a stopped core)")
     g.add_argument("--reasoning-parser", default=None,
                    help="split reasoning out of the output into `reasoning` (deepseek_r1, qwen3, glm45, granite, "
                    "mistral, openai_gptoss; "
@@ -62,6 +74,8 @@ def add_serve_parser(sub: Any) -> None:
     g.add_argument("--lora-allowed-root", default=None, metavar="DIR",
                    help="with VLLM_ALLOW_RUNTIME_LORA_UPDATING set: the only directory /v1/load_lora_adapter may "
                    "load adapters from (without it runtime loads are refused)")
+    g.add_argument("--max-lora-adapter-bytes", type=int, default=1 << 30,
+                   help="runtime adapter loads: the most bytes an adapter's files may hold together (default 1 GiB)")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine cores behind this API server, each a full copy of the model in its own process; "
                    "a request goes to the least loaded one (needs VLLITE_ENABLE_V1_MULTIPROCESSING=1, the default)")
@@ -73,6 +87,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     from vllite_core.engine.async_llm import AsyncLLM
     from vllite_core.entrypoints.openai.api_server import bind_socket, default_model_name, serve
     from vllite_core.entrypoints.openai.serving_common import DEFAULT_MAX_BODY_BYTES
+    from vllite_core.entrypoints.openai.template_sandbox import TemplateLimits
 
     if ns.model_tag is not None:
         if ns.model is not None and ns.model != ns.model_tag:
@@ -81,7 +96,9 @@ def run_serve(ns: argparse.Namespace) -> int:
     api_key = ns.api_key or os.environ.get(API_KEY_ENV) or None
     names = ns.served_model_name or [default_model_name(ns.model)]
     for flag, least in (("max_waiting_requests", 1), ("request_timeout", 1e-3), ("body_read_timeout", 0),
-                        ("header_read_timeout", 1e-3),
+                        ("header_read_timeout", 1e-3), ("chat_template_timeout", 1e-3),
+                        ("chat_template_max_output_chars", 1), ("chat_template_memory_mb", 16),
+                        ("health_stall_timeout", 1e-3),
                         ("shutdown_timeout", 0)):
         if getattr(ns, flag) is not None and getattr(ns, flag) < least:
             raise SystemExit(f"vllite serve: --{flag.replace('_', '-')} must be at least {least:g}")
@@ -121,6 +138,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     if ns.enable_lora:
         try:
             loras = ServedLoRAs(engine, names[0], lora_modules, ns.lora_allowed_root, runtime_updates_allowed())
+            loras.max_adapter_bytes = ns.max_lora_adapter_bytes
         except ValueError as e:  # a bad adapter: refuse to start, naming it
             engine.close()
             sock.close()
@@ -134,7 +152,11 @@ def run_serve(ns: argparse.Namespace) -> int:
           max_waiting_requests=ns.max_waiting_requests, request_timeout=ns.request_timeout,
           body_read_timeout=ns.body_read_timeout or None, enable_docs=not ns.disable_fastapi_docs,
           chat_template=chat_template, reasoning_parser=reasoning_parser,
-          enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser, loras=loras)
+          enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser, loras=loras,
+          trust_request_chat_template=ns.trust_request_chat_template,
+          template_limits=TemplateLimits(ns.chat_template_timeout, ns.chat_template_max_output_chars,
+                                         ns.chat_template_memory_mb << 20),
+          health_stall_s=ns.health_stall_timeout)
     return 0
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -56,12 +57,13 @@ class RequestGrammar:
     """One request's grammar: the compile it waits for, then its matcher."""
 
     def __init__(self, manager: "StructuredOutputManager", backend_name: str, params: StructuredOutputsParams,
-                 future: Future, timeout_s: float) -> None:
+                 future: Future, timeout_s: float, compile_started: "_Started") -> None:
         self.manager = manager
         self.backend_name = backend_name
         self.params = params
         self.future = future
-        self.deadline = time.monotonic() + timeout_s
+        self.timeout_s = timeout_s
+        self.compile_started = compile_started  # when its compile began: the timeout counts from there
         self.matcher: GrammarMatcher | None = None
         self.error: str | None = None
         self.jump_forward = manager.config.jump_forward
@@ -75,8 +77,10 @@ class RequestGrammar:
         if self.matcher is not None:
             return True
         if not self.future.done():
-            if time.monotonic() > self.deadline:
-                self.error = f"structured_outputs: the {self.backend_name} grammar did not compile in time"
+            start = self.compile_started.at
+            if start is not None and time.monotonic() - start > self.timeout_s:
+                self.error = (f"structured_outputs.{self.params.kind}: the {self.backend_name} grammar did not "
+                              f"compile in {self.timeout_s:g} s (compile_timeout_s)")
             return False
         exc = self.future.exception()
         if exc is None:
@@ -117,6 +121,29 @@ class RequestGrammar:
 
     def is_terminated(self) -> bool:
         return self.matcher is not None and self.matcher.is_terminated()
+
+
+@dataclass
+class _Started:
+    """When a compile left the pool's queue and began (None while queued): a compile's timeout
+    counts its own time, not the compiles queued before it."""
+    at: float | None = None
+
+
+@dataclass
+class _CacheEntry:
+    future: Future
+    started: _Started
+    size: int = 0  # bytes, once compiled
+
+
+def grammar_size(compiled: Any, spec: Any) -> int:
+    """A compiled grammar's bytes: the backend's own count where it has one (xgrammar), else an
+    estimate from the spec's length."""
+    size = getattr(compiled, "memory_size_bytes", None)
+    if isinstance(size, int) and size > 0:
+        return size
+    return 4096 + 64 * len(str(spec))
 
 
 class BackendSelector:
@@ -177,11 +204,13 @@ class StructuredOutputManager:
         self.order = self.selector.order
         self._instances: dict[str, Any] = {}
         self._instance_lock = threading.Lock()
-        self._cache: dict[tuple, Future] = {}
-        self._cache_lock = threading.Lock()
+        # Compiled grammars by key, least recently used first, bounded by config.grammar_cache_bytes.
+        self._cache: OrderedDict[tuple, _CacheEntry] = OrderedDict()
+        self._cache_lock = threading.RLock()  # RLock: a compile done at once calls back under it
         self._pool: ThreadPoolExecutor | None = None
         self.num_compiles = 0  # grammars compiled (cache misses)
         self.num_cache_hits = 0
+        self.num_cache_evictions = 0
 
     def select(self, params: StructuredOutputsParams) -> str:
         return self.selector.select(params)
@@ -204,22 +233,52 @@ class StructuredOutputManager:
         key = (name, params.kind, tuple(spec) if isinstance(spec, list) else spec, params.disable_any_whitespace,
                params.disable_additional_properties, params.whitespace_pattern)
         with self._cache_lock:
-            fut = self._cache.get(key)
-            if fut is None or (fut.done() and fut.exception() is not None):
+            entry = self._cache.get(key)
+            if entry is None or (entry.future.done() and entry.future.exception() is not None):
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(self.config.max_compile_threads,
                                                     thread_name_prefix="vllite-grammar")
-                fut = self._pool.submit(self._compile, name, params)
-                self._cache[key] = fut
+                started = _Started()
+                entry = _CacheEntry(self._pool.submit(self._compile, name, params, started), started)
+                self._cache[key] = entry
+                entry.future.add_done_callback(self._compiled)
                 self.num_compiles += 1
             else:
                 self.num_cache_hits += 1
+            self._cache.move_to_end(key)
+            self._evict()
             # The request's own matcher is built in the pool too (llguidance compiles per matcher): tasks
             # run in submission order, so the compile it waits for has started already (no deadlock).
-            matcher = self._pool.submit(self._matcher, name, fut)
-        return RequestGrammar(self, name, params, matcher, self.config.compile_timeout_s)
+            matcher = self._pool.submit(self._matcher, name, entry.future)
+        return RequestGrammar(self, name, params, matcher, self.config.compile_timeout_s, entry.started)
 
-    def _compile(self, name: str, params: StructuredOutputsParams) -> Any:
+    def _compiled(self, _: Future) -> None:
+        with self._cache_lock:  # a finished compile has its size now: within the bound again
+            self._evict()
+
+    def _evict(self) -> None:
+        """Drop least recently used compiled grammars until the cache is within its byte bound
+        (compiles still running stay: requests wait on them). Under ``_cache_lock``."""
+        for key, e in list(self._cache.items()):
+            if self.cache_bytes <= self.config.grammar_cache_bytes:
+                return
+            if e.future.done():
+                del self._cache[key]
+                self.num_cache_evictions += 1
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of the compiled grammars the cache holds (/metrics: vllite:grammar_cache_bytes)."""
+        total = 0
+        for key, e in list(self._cache.items()):
+            if e.future.done() and e.future.exception() is None:
+                if not e.size:
+                    e.size = grammar_size(e.future.result(), key[2])
+                total += e.size
+        return total
+
+    def _compile(self, name: str, params: StructuredOutputsParams, started: _Started) -> Any:
+        started.at = time.monotonic()
         return self.backend(name).compile(params)
 
     def _matcher(self, name: str, compiled: Future) -> GrammarMatcher:

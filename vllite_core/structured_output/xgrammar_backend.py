@@ -6,7 +6,6 @@ an output would then not validate, so ``check`` refuses schemas that use them an
 from __future__ import annotations
 
 import json
-import threading
 from typing import Any, ClassVar
 
 import torch
@@ -85,8 +84,9 @@ class XgrammarBackend:
 
         stop = [eos_token_id] if eos_token_id is not None else None
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop)
-        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
-        self._lock = threading.Lock()  # one compile at a time per compiler (its cache is shared)
+        # Thread-safe: the manager's pool compiles several grammars at once. No cache here: the manager
+        # keeps compiled grammars, bounded by bytes (xgrammar's own cache would grow without bound).
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
     @classmethod
     def check(cls, params: StructuredOutputsParams) -> None:
@@ -115,19 +115,18 @@ class XgrammarBackend:
 
     def compile(self, params: StructuredOutputsParams) -> Any:
         c = self.compiler
-        with self._lock:
-            if params.json is not None:
-                return c.compile_json_schema(params.json, any_whitespace=not params.disable_any_whitespace)
-            if params.json_object:  # an object, as OpenAI's json_object means (the builtin grammar takes any value)
-                return c.compile_json_schema('{"type": "object"}', any_whitespace=not params.disable_any_whitespace)
-            if params.regex is not None:
-                return c.compile_regex(params.regex)
-            if params.choice is not None:
-                return c.compile_regex(choice_regex(params.choice))
-            if params.grammar is not None:
-                return c.compile_grammar(params.grammar)
-            items, triggers = _structural_tag(params.structural_tag or "{}")
-            return c.compile_structural_tag(items, triggers)
+        if params.json is not None:
+            return c.compile_json_schema(params.json, any_whitespace=not params.disable_any_whitespace)
+        if params.json_object:  # an object, as OpenAI's json_object means (the builtin grammar takes any value)
+            return c.compile_json_schema('{"type": "object"}', any_whitespace=not params.disable_any_whitespace)
+        if params.regex is not None:
+            return c.compile_regex(params.regex)
+        if params.choice is not None:
+            return c.compile_regex(choice_regex(params.choice))
+        if params.grammar is not None:
+            return c.compile_grammar(params.grammar)
+        items, triggers = _structural_tag(params.structural_tag or "{}")
+        return c.compile_structural_tag(items, triggers)
 
     def matcher(self, compiled: Any) -> "XgrammarMatcher":
         return XgrammarMatcher(compiled)

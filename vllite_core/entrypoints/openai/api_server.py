@@ -32,6 +32,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import vllite_core
 from vllite_core.engine.async_llm import AsyncLLM
 from vllite_core.entrypoints.openai.errors import APIError, bad_request, from_exception
+from vllite_core.entrypoints.openai.health import DEFAULT_STALL_S, HealthMonitor
 from vllite_core.entrypoints.openai.http_protocol import DEFAULT_HEADER_READ_TIMEOUT_S, header_timeout_protocol
 from vllite_core.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from vllite_core.entrypoints.openai.protocol import (
@@ -41,7 +42,7 @@ from vllite_core.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from vllite_core.entrypoints.openai.protocol_responses import ResponsesRequest
-from vllite_core.entrypoints.openai.serving_chat import ChatServer, chat_prompt
+from vllite_core.entrypoints.openai.serving_chat import ChatServer, RenderedChat, render_chat_prompt, rendered_chat_ids
 from vllite_core.entrypoints.openai.serving_common import (
     DEFAULT_BODY_READ_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
@@ -50,6 +51,7 @@ from vllite_core.entrypoints.openai.serving_common import (
 )
 from vllite_core.entrypoints.openai.serving_completions import CompletionServer
 from vllite_core.entrypoints.openai.serving_responses import ResponsesServer
+from vllite_core.entrypoints.openai.template_sandbox import TemplateLimits, TemplateSandbox
 
 logger = logging.getLogger("vllite.server")
 
@@ -172,17 +174,25 @@ def _openapi_body(model: Any) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
-def _tokenize(tokenizer: Any, req: TokenizeRequest, chat_template: str | None = None) -> list[int]:
-    """/tokenize's token ids, on the engine's prep thread. ``messages`` are tokenized as chat feeds
-    them to the model (``chat_prompt_ids``: special-token text in content stays text), plus the
-    tokenizer's own special tokens (BOS...) only when ``add_special_tokens`` is true."""
-    if req.messages is not None:
-        _, ids = chat_prompt(tokenizer, req, allow_special_tokens_in_content=False, default_template=chat_template)
+def _tokenize(tokenizer: Any, req: TokenizeRequest, rendered: RenderedChat | None = None) -> list[int]:
+    """/tokenize's token ids, on the engine's prep thread. ``messages`` (``rendered`` in the template
+    sandbox) are tokenized as chat feeds them to the model (special-token text in content stays
+    text), plus the tokenizer's own special tokens (BOS...) only when ``add_special_tokens`` is true."""
+    if rendered is not None:
+        ids = rendered_chat_ids(tokenizer, rendered)
         if req.add_special_tokens:
             ids = list(tokenizer.build_inputs_with_special_tokens(ids))
         return ids
     add = True if req.add_special_tokens is None else req.add_special_tokens
     return list(tokenizer.encode(req.prompt or "", add_special_tokens=add))
+
+
+def _detokenize(tokenizer: Any, tokens: list[int], vocab: int) -> str:
+    """/detokenize's text, on the engine's prep thread."""
+    bad = next((t for t in tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is out of range [0, {vocab})", "tokens")
+    return tokenizer.decode(tokens)
 
 
 async def _async(fn: Any, *args: Any) -> Any:
@@ -197,7 +207,8 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
               body_read_timeout: float | None = DEFAULT_BODY_READ_TIMEOUT_S, enable_docs: bool = True,
               chat_template: str | None = None, reasoning_parser: str | None = None,
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-              loras: Any = None) -> FastAPI:
+              loras: Any = None, trust_request_chat_template: bool = False,
+              template_limits: TemplateLimits | None = None, health_stall_s: float = DEFAULT_STALL_S) -> FastAPI:
     """``allowed_origins``: CORS on for these (off when None); ``allowed_hosts``: the Host
     header must name one of these (no check when None; ``serve`` passes LOOPBACK_HOSTS on a
     loopback bind). ``chat_template``: the template text (chat_template.load_chat_template);
@@ -207,7 +218,9 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
     parser = get_reasoning_parser(reasoning_parser, engine.tokenizer) if reasoning_parser else None
     state = ServerState(engine, model_names, max_body_bytes, api_key, max_waiting_requests=max_waiting_requests,
                         request_timeout=request_timeout, body_read_timeout=body_read_timeout,
-                        chat_template=chat_template, reasoning_parser=parser, loras=loras)
+                        chat_template=chat_template, reasoning_parser=parser, loras=loras,
+                        templates=TemplateSandbox(template_limits),
+                        trust_request_chat_template=trust_request_chat_template)
     state.enable_auto_tool_choice = enable_auto_tool_choice
     if tool_call_parser is not None:
         from vllite_core.plugins.manager import get_plugin_manager
@@ -224,7 +237,9 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         metrics.set_api_thread(threading.get_native_id())
+        state.templates.start()
         yield
+        state.templates.close()
         engine.close()
 
     app = FastAPI(title="vllite", version=vllite_core.__version__, lifespan=lifespan,
@@ -264,10 +279,15 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
                 logger.exception("request failed")
             return err.response()
 
+    monitor = HealthMonitor(engine, health_stall_s)
+
     @app.get("/health")
     async def health() -> Response:
         if engine.dead is not None:
             return APIError(503, f"engine loop stopped: {engine.dead!r}", code="engine_dead").response()
+        problem = monitor.problem()
+        if problem is not None:
+            return APIError(503, problem, code="engine_stalled").response()
         return Response(status_code=200)
 
     @app.get("/version")
@@ -325,8 +345,13 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
             state.check_model(req.model)
             if (req.prompt is None) == (req.messages is None):
                 raise bad_request("give exactly one of prompt or messages", "prompt")
+            rendered = None
+            if req.messages is not None:  # the template renders in its sandbox
+                rendered = await state.within_timeout(render_chat_prompt(
+                    state.templates, engine.tokenizer, req, False, state.chat_template,
+                    trust_request_template=state.trust_request_chat_template))
             # CPU work: off the event loop
-            ids = await engine.run_prep(_tokenize, engine.prep_tokenizer, req, state.chat_template)
+            ids = await state.within_timeout(engine.run_prep(_tokenize, engine.prep_tokenizer, req, rendered))
             return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids})
         return await guarded(run())
 
@@ -335,16 +360,19 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
         async def run() -> Response:
             req = await body(request, DetokenizeRequest)
             state.check_model(req.model)
-            vocab = engine.engine.vocab_size
-            bad = [t for t in req.tokens if not 0 <= t < vocab]
-            if bad:
-                raise bad_request(f"token id {bad[0]} is out of range [0, {vocab})", "tokens")
-            return JSONResponse({"prompt": engine.detokenize(req.tokens)})
+            # Decoding holds the GIL (1.3 s for 800k ids here, stalling every thread): at most what one
+            # sequence can hold, decoded on the prep thread.
+            if len(req.tokens) > engine.max_model_len:
+                raise bad_request(f"at most {engine.max_model_len} token ids (the model's context), got "
+                                  f"{len(req.tokens)}", "tokens")
+            text = await engine.run_prep(_detokenize, engine.prep_tokenizer, req.tokens, engine.engine.vocab_size)
+            return JSONResponse({"prompt": text})
         return await guarded(run())
 
     if loras is not None and loras.runtime_updates:
         from vllite_core.entrypoints.openai.serving_lora import add_runtime_routes
 
+        loras.served_names |= set(model_names)
         add_runtime_routes(app, loras, body)  # only when the operator allowed runtime adapter updates
 
     from vllite_core.entrypoints.anthropic.serving import add_routes as add_anthropic_routes
@@ -439,6 +467,24 @@ def _make_server(config: Any, state: ServerState, drain_s: float) -> Any:
                 handle.cancel()
                 state.stopping.set()
 
+        second_signal = False  # a second Ctrl-C / SIGTERM ended the in-flight requests (exit status 1)
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not self.should_exit:
+                super().handle_exit(sig, frame)
+                return
+            # A second signal: end every in-flight request now (streams get an error event and [DONE]),
+            # give them a moment to send it, then stop waiting for connections.
+            self._captured_signals.append(sig)
+            self.second_signal = True
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                self.force_exit = True
+                return
+            loop.call_soon_threadsafe(state.stopping.set)
+            loop.call_later(SECOND_SIGNAL_GRACE_S, setattr, self, "force_exit", True)
+
         @contextlib.contextmanager
         def capture_signals(self) -> Any:
             with super().capture_signals():
@@ -450,6 +496,8 @@ def _make_server(config: Any, state: ServerState, drain_s: float) -> Any:
 
     return Server(config)
 
+
+SECOND_SIGNAL_GRACE_S = 1.0  # after a second signal, for the ended streams to send their error event
 
 KEEP_ALIVE_ENV = ("VLLITE_KEEP_ALIVE_ON_ENGINE_DEATH", "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH")
 ENGINE_DEATH_GRACE_S = 2.0  # /health answers 503 this long after the engine died, then the server exits 1
@@ -510,3 +558,5 @@ def serve(engine: AsyncLLM, model_names: list[str], sock: socket.socket, api_key
         print(f"vllite: server stopped {how} after {time.monotonic() - t0:.0f} s", flush=True)
     if engine.dead is not None:  # exit status 1, naming the cause
         raise SystemExit(f"vllite serve: the engine died: {engine.dead!r}")
+    if server.second_signal:  # not a clean stop: in-flight requests were ended without their drain
+        raise SystemExit("vllite serve: stopped by a second signal; in-flight requests were ended")

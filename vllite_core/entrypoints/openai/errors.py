@@ -54,5 +54,10 @@ def from_exception(exc: BaseException) -> APIError:
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), code="engine_dead")
     if isinstance(exc, RequestFailedError):  # this request alone failed in the engine; the rest go on
+        msg = exc.message
+        if msg.startswith("structured_outputs") and "compile" in msg:
+            # the request's own constraint did not compile (or not within compile_timeout_s): a 400
+            code = "grammar_compile_timeout" if "did not compile in" in msg else "grammar_compile_failed"
+            return APIError(400, str(exc), msg.split(":", 1)[0], code)
         return APIError(500, str(exc), code="request_failed")
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")

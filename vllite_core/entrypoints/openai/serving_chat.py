@@ -1,9 +1,11 @@
 """POST /v1/chat/completions: messages -> the model's chat template -> chat.completion."""
 from __future__ import annotations
 
+import asyncio
 import re
 import secrets
 import time
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -29,6 +31,7 @@ from vllite_core.entrypoints.openai.serving_common import (
     usage,
 )
 from vllite_core.entrypoints.openai.structured import apply_structured_outputs, plan_tools
+from vllite_core.entrypoints.openai.template_sandbox import TemplateSandbox, render_job
 from vllite_core.entrypoints.openai.tool_output import ToolOutput
 from vllite_core.outputs import RequestOutput
 
@@ -83,39 +86,36 @@ def _encode_plain(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
 
 
-def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage], text: str, add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, chat_template: str | None = None,
-                    template_kwargs: dict[str, Any] | None = None, image_marker: Any = None) -> list[int]:
-    """The token ids of ``text`` (``render_chat`` of these messages), where only the template's own
-    special tokens are control tokens: special-token text inside message content is tokenized as
-    plain text, so a user cannot forge a turn. When no content holds special-token text this is the
-    ordinary tokenization. Otherwise the messages are rendered again with a random placeholder per
-    such content; the template's text around the placeholders has its special tokens parsed, the
-    contents do not. A template that changes content (so the placeholders cannot be mapped back onto
-    ``text``) makes such a request a 400 rather than a guess. ``image_marker`` (multimodal.chat.ImageMarker):
-    its text in a content becomes the model's image placeholder token."""
+def _mark_special_contents(tokenizer: Any, dicts: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """``dicts`` with a random placeholder for each content that holds special-token text, and
+    placeholder -> content (empty when no content does)."""
+    specials = _special_tokens(tokenizer)
+    marked = [i for i, d in enumerate(dicts) if isinstance(d.get("content"), str)
+              and any(tok in d["content"] for tok in specials)]
+    if not marked:
+        return dicts, {}
+    nonce = secrets.token_hex(8)
+    holders = {f"\u27e6{nonce}:{i}\u27e7": dicts[i]["content"] for i in marked}
+    dicts = list(dicts)
+    for holder, i in zip(holders, marked):
+        dicts[i] = {**dicts[i], "content": holder}
+    return dicts, holders
+
+
+def _ids_from_shaped(tokenizer: Any, text: str, shaped: str | None, holders: dict[str, str],
+                     image_marker: Any = None) -> list[int]:
+    """The token ids of ``text`` given ``shaped`` (the same render with ``holders`` for the contents
+    holding special-token text): only the template's own special tokens are control tokens."""
     def encode_plain(t: str) -> list[int]:
         return image_marker.encode(t, lambda p: _encode_plain(tokenizer, p)) if image_marker else \
             _encode_plain(tokenizer, t)
 
-    specials = _special_tokens(tokenizer)
-    dicts = messages_to_dicts(messages)
-    marked = [i for i, d in enumerate(dicts) if isinstance(d.get("content"), str)
-              and any(tok in d["content"] for tok in specials)]
-    if not marked:  # the template has the special tokens
+    if not holders:  # the template has the special tokens
         if image_marker is not None:
             return image_marker.encode(text, lambda t: list(tokenizer.encode(t, add_special_tokens=False)))
         return list(tokenizer.encode(text, add_special_tokens=False))
-    nonce = secrets.token_hex(8)
-    holders = {f"\u27e6{nonce}:{i}\u27e7": dicts[i]["content"] for i in marked}
-    for holder, i in zip(holders, marked):
-        dicts[i] = {**dicts[i], "content": holder}
-    try:
-        shaped = tokenizer.apply_chat_template(dicts, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                               continue_final_message=continue_final_message,
-                                               chat_template=chat_template, **(template_kwargs or {}))
-    except Exception as e:
-        raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
+    assert shaped is not None
+    specials = _special_tokens(tokenizer)
     pieces = re.split("(" + "|".join(re.escape(h) for h in holders) + ")", shaped)
     if (sorted(p for p in pieces[1::2]) != sorted(holders)
             or "".join(holders.get(p, p) for p in pieces) != text):
@@ -138,26 +138,85 @@ def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage], text: str, add_
     return ids + encode_plain(plain)
 
 
-def chat_prompt(tokenizer: Any, req: Any, allow_special_tokens_in_content: bool | None = None,
-                default_template: str | None = None,
-                tools: list[dict[str, Any]] | None = None, image_marker: Any = None) -> tuple[str, list[int]]:
-    """(rendered text, token ids) of a chat request's messages, as chat feeds them to the model
-    (``chat_prompt_ids`` unless the request opts out with ``allow_special_tokens_in_content``).
-    ``default_template``: the server's --chat-template, used when the request names none.
-    CPU-heavy: the server runs it on the engine's prep thread (AsyncLLM.run_prep)."""
-    cont = getattr(req, "continue_final_message", False)
-    template = getattr(req, "chat_template", None) or default_template
+def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage], text: str, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, chat_template: str | None = None,
+                    template_kwargs: dict[str, Any] | None = None, image_marker: Any = None) -> list[int]:
+    """The token ids of ``text`` (``render_chat`` of these messages), where only the template's own
+    special tokens are control tokens: special-token text inside message content is tokenized as
+    plain text, so a user cannot forge a turn. When no content holds special-token text this is the
+    ordinary tokenization. Otherwise the messages are rendered again with a random placeholder per
+    such content; the template's text around the placeholders has its special tokens parsed, the
+    contents do not. A template that changes content (so the placeholders cannot be mapped back onto
+    ``text``) makes such a request a 400 rather than a guess. ``image_marker`` (multimodal.chat.ImageMarker):
+    its text in a content becomes the model's image placeholder token. In-process rendering: the
+    server renders in its sandbox instead (``render_chat_prompt``)."""
+    dicts, holders = _mark_special_contents(tokenizer, messages_to_dicts(messages))
+    shaped = None
+    if holders:
+        try:
+            shaped = tokenizer.apply_chat_template(dicts, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                   continue_final_message=continue_final_message,
+                                                   chat_template=chat_template, **(template_kwargs or {}))
+        except Exception as e:
+            raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
+    return _ids_from_shaped(tokenizer, text, shaped, holders, image_marker)
+
+
+UNTRUSTED_TEMPLATE = ("Chat template is passed with request, but --trust-request-chat-template is not set. "
+                      "Refused request with untrusted chat template.")
+
+
+@dataclass(frozen=True)
+class RenderedChat:
+    """A chat request's prompt text as its template rendered it (in the sandbox), and what its
+    tokenization needs: ``shaped``, the render with ``holders`` standing for the contents that hold
+    special-token text (None when none do, or when such text is to be parsed: ``parse_specials``)."""
+    text: str
+    shaped: str | None = None
+    holders: dict[str, str] = field(default_factory=dict)
+    parse_specials: bool = False
+
+
+async def render_chat_prompt(sandbox: TemplateSandbox, tokenizer: Any, req: Any,
+                             allow_special_tokens_in_content: bool | None = None, default_template: str | None = None,
+                             tools: list[dict[str, Any]] | None = None, trust_request_template: bool = False
+                             ) -> RenderedChat:
+    """Render a chat request's messages in the template sandbox (off the event loop and the prep
+    thread, under its budget). A request's own ``chat_template`` (or one in ``chat_template_kwargs``)
+    is refused unless the server trusts them (--trust-request-chat-template)."""
     kwargs = getattr(req, "chat_template_kwargs", None)
+    own = getattr(req, "chat_template", None)
+    if (own is not None or (kwargs and "chat_template" in kwargs)) and not trust_request_template:
+        raise bad_request(UNTRUSTED_TEMPLATE, "chat_template", "untrusted_chat_template")
+    messages = req.messages
+    add, cont = req.add_generation_prompt, getattr(req, "continue_final_message", False)
+    if not messages:
+        raise bad_request("messages must contain at least one message", "messages")
+    if add and cont:
+        raise bad_request("add_generation_prompt and continue_final_message cannot both be true",
+                          "continue_final_message")
+    template = own or default_template
     if tools:  # templates that know tools describe them to the model
         kwargs = {"tools": tools, **(kwargs or {})}
-    text = render_chat(tokenizer, req.messages, req.add_generation_prompt, cont, template, kwargs)
+    dicts = messages_to_dicts(messages)
+    text = await sandbox.render(render_job(tokenizer, dicts, add, cont, template, kwargs, own is not None))
     if allow_special_tokens_in_content is None:
         allow_special_tokens_in_content = bool(getattr(req, "allow_special_tokens_in_content", False))
-    if allow_special_tokens_in_content:  # opt-out: special-token text in content is parsed
+    if allow_special_tokens_in_content:
+        return RenderedChat(text, parse_specials=True)
+    marked, holders = _mark_special_contents(tokenizer, dicts)
+    if not holders:
+        return RenderedChat(text)
+    shaped = await sandbox.render(render_job(tokenizer, marked, add, cont, template, kwargs, own is not None))
+    return RenderedChat(text, shaped, holders)
+
+
+def rendered_chat_ids(tokenizer: Any, rendered: RenderedChat, image_marker: Any = None) -> list[int]:
+    """The token ids of a rendered chat (CPU work: on the engine's prep thread, with its tokenizer)."""
+    if rendered.parse_specials:  # opt-out: special-token text in content is parsed
         encode = lambda t: list(tokenizer.encode(t, add_special_tokens=False))  # noqa: E731
-        return text, image_marker.encode(text, encode) if image_marker else encode(text)
-    return text, chat_prompt_ids(tokenizer, req.messages, text, req.add_generation_prompt, cont, template, kwargs,
-                                 image_marker)
+        return image_marker.encode(rendered.text, encode) if image_marker else encode(rendered.text)
+    return _ids_from_shaped(tokenizer, rendered.text, rendered.shaped, rendered.holders, image_marker)
 
 
 def echo_text(req: ChatCompletionRequest) -> str:
@@ -180,8 +239,6 @@ class ChatServer:
     async def _images(self, req: ChatCompletionRequest) -> tuple[ChatCompletionRequest, Any, list[Any]]:
         """Image parts replaced by a marker the tokenization turns into the model's placeholder token, and the
         images loaded (data URLs decoded, allowed http(s) URLs fetched off the event loop)."""
-        import asyncio
-
         from vllite_core.multimodal import chat as mm_chat
 
         parts = [p for m in req.messages if isinstance(m.content, list) for p in m.content if p.type == "image_url"]
@@ -213,8 +270,10 @@ class ChatServer:
                               "tool_choice")
         req, marker, images = await self._images(req)
         # Template rendering and tokenizing are CPU work: on the engine's prep thread, with its tokenizer.
-        text, ids = await st.engine.run_prep(chat_prompt, st.engine.prep_tokenizer, req, None, st.chat_template,
-                                             plan.template_tools, marker)
+        rendered = await st.within_timeout(render_chat_prompt(st.templates, self.tokenizer, req, None, st.chat_template,
+                                                              plan.template_tools, st.trust_request_chat_template))
+        text = rendered.text
+        ids = await st.within_timeout(st.engine.run_prep(rendered_chat_ids, st.engine.prep_tokenizer, rendered, marker))
         prompt: Any = {"prompt_token_ids": ids, "prompt": text}
         if images:
             prompt["multi_modal_data"] = {"image": images}
@@ -225,13 +284,13 @@ class ChatServer:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = to_sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                                     st.engine.engine.default_sampling_params)
-        apply_structured_outputs(st.engine, req, params, plan)
+        await asyncio.to_thread(apply_structured_outputs, st.engine, req, params, plan)  # backend checks: CPU
         tools = ToolOutput(plan, st.tool_parser)
         if any(p is not None and p.keeps_special_tokens for p in (tools.parser, st.reasoning_parser)):
             params.skip_special_tokens = False  # the format's markers are control tokens (as vLLM's parsers ask)
         rid = new_id("chatcmpl")
         streams = await add_streams(st.engine, [prompt], params, rid, req.priority,
-                              req.cache_salt, st.lora_request(req.model))
+                                    req.cache_salt, st.lora_request(req.model), max_tokens)
         ctx = _Ctx(self, req, rid, len(ids), tools)
         if req.stream:
             return StreamingResponse(ctx.stream(merged(st.engine, streams, delta=True)),

@@ -17,6 +17,7 @@ from starlette.requests import ClientDisconnect, Request
 from vllite_core.engine.async_llm import AsyncLLM, RequestStream
 from vllite_core.engine.llm_engine import PromptType
 from vllite_core.entrypoints.openai.errors import APIError, bad_request
+from vllite_core.entrypoints.openai.template_sandbox import TemplateSandbox
 from vllite_core.outputs import RequestOutput
 from vllite_core.sampling_params import SamplingParams
 
@@ -46,6 +47,9 @@ class ServerState:
     enable_auto_tool_choice: bool = False
     tool_parser: Any = None  # a vllite_core.tool_parsers.ToolParser class
     loras: Any = None  # serving_lora.ServedLoRAs: adapters served by name (--enable-lora)
+    # Every chat template renders in this sandbox; a request's own only with --trust-request-chat-template.
+    templates: TemplateSandbox = field(default_factory=TemplateSandbox)
+    trust_request_chat_template: bool = False
 
     def num_waiting(self) -> int:
         """Requests accepted but without a first token yet (queued in the scheduler or in prefill)."""
@@ -60,6 +64,19 @@ class ServerState:
         self.check_capacity()
         deadline = None if self.request_timeout is None else time.monotonic() + self.request_timeout
         _LIMITS.set(_Limits(deadline, self.request_timeout, self.stopping, self))
+
+    async def within_timeout(self, work: Awaitable[T]) -> T:
+        """``work`` (request preparation: a template render, tokenizing, a LoRA load) under the
+        request's --request-timeout, counted from its arrival: 504 past it."""
+        limits = _LIMITS.get()
+        if limits is None or limits.deadline is None:
+            return await work
+        left = limits.deadline - time.monotonic()
+        try:
+            return await asyncio.wait_for(work, max(left, 0.0))
+        except asyncio.TimeoutError:
+            raise APIError(504, f"the request ran past the server's {limits.timeout:g} s request timeout while "
+                           "being prepared and was aborted", code="request_timeout") from None
 
     def check_capacity(self) -> None:
         if self.max_waiting_requests is not None and self.num_waiting() >= self.max_waiting_requests:
@@ -182,11 +199,13 @@ def with_cache_salt(prompt: PromptType, salt: str | None) -> PromptType:
 
 
 async def add_streams(engine: AsyncLLM, prompts: list[PromptType], params: SamplingParams, base_id: str,
-                      priority: int, cache_salt: str | None = None, lora_request: Any = None) -> list[RequestStream]:
+                      priority: int, cache_salt: str | None = None, lora_request: Any = None,
+                      requested_max_tokens: int | None = None) -> list[RequestStream]:
     """One engine request per prompt (each carrying ``cache_salt``); all or nothing. The prompts are
     tokenized and validated on the engine's prep thread (AsyncLLM.run_prep), not on the event loop.
     Under ServerState.admit the waiting limit is checked again after that, where the requests are
-    queued (no await in between, so concurrent requests cannot all slip under it)."""
+    queued (no await in between, so concurrent requests cannot all slip under it). ``requested_max_tokens``
+    (the request's own) past the context left after a prompt is a 400, as in vLLM."""
     limits = _LIMITS.get()
     if limits is not None:
         limits.state.check_capacity()
@@ -197,9 +216,13 @@ async def add_streams(engine: AsyncLLM, prompts: list[PromptType], params: Sampl
     def prepare_all() -> list:
         return [engine.prepare(with_cache_salt(p, cache_salt), params, lora_request) for p in prompts]
 
-    prepared = await engine.run_prep(prepare_all)
-    if limits is not None:
+    if limits is not None:  # preparation counts toward --request-timeout
+        prepared = await limits.state.within_timeout(engine.run_prep(prepare_all))
         limits.state.check_capacity()
+    else:
+        prepared = await engine.run_prep(prepare_all)
+    for (processed, _) in prepared:  # the request's own max_tokens (a model default is capped instead)
+        check_max_tokens(engine.max_model_len, len(processed.prompt_token_ids), requested_max_tokens)
     streams: list[RequestStream] = []
     try:
         for rid, (processed, max_tokens) in zip(rids, prepared):
@@ -209,6 +232,15 @@ async def add_streams(engine: AsyncLLM, prompts: list[PromptType], params: Sampl
             engine.abort(s.request_id)
         raise
     return streams
+
+
+def check_max_tokens(max_model_len: int, num_prompt_tokens: int, max_tokens: int | None) -> None:
+    """vLLM's refusal (and wording) of a max_tokens the context cannot hold after this prompt."""
+    if max_tokens is not None and max_tokens > max_model_len - num_prompt_tokens:
+        raise bad_request(f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum "
+                          f"context length is {max_model_len} tokens and your request has {num_prompt_tokens} input "
+                          f"tokens ({max_tokens} > {max_model_len} - {num_prompt_tokens}).", "max_tokens",
+                          "context_length_exceeded")
 
 
 def merged(engine: AsyncLLM, streams: list[RequestStream], delta: bool) -> AsyncIterator[tuple[int, RequestOutput]]:

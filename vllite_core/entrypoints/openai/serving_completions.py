@@ -1,6 +1,7 @@
 """POST /v1/completions: prompts (text or token ids, one or many) -> text_completion."""
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, AsyncIterator
 
@@ -62,12 +63,12 @@ class CompletionServer:
             raise bad_request("suffix is not supported", "suffix", "unsupported_parameter")
         prompts = _prompts(req)
         params = to_sampling_params(req, req.max_tokens, req.logprobs, st.engine.engine.default_sampling_params)
-        apply_structured_outputs(st.engine, req, params)
+        await asyncio.to_thread(apply_structured_outputs, st.engine, req, params)  # backend checks: CPU
         if req.echo and req.logprobs is not None and params.prompt_logprobs is None:
             params.prompt_logprobs = req.logprobs  # echoed prompt tokens get their logprobs too
         rid = new_id("cmpl")
         streams = await add_streams(st.engine, prompts, params, rid, req.priority, req.cache_salt,
-                                    st.lora_request(req.model))
+                                    st.lora_request(req.model), req.max_tokens)
         ctx = _Ctx(self, req, rid, [s.num_prompt_tokens for s in streams])
         if req.stream:
             return StreamingResponse(ctx.stream(merged(st.engine, streams, delta=True)),

@@ -20,6 +20,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 
 from vllite_core.entrypoints.openai.errors import APIError, bad_request
+from vllite_core.entrypoints.openai.lora_checks import DEFAULT_MAX_LORA_BYTES, check_adapter_dir, check_lora_name
 from vllite_core.lora.errors import LoRAError
 from vllite_core.lora.request import LoRARequest
 
@@ -65,6 +66,8 @@ class ServedLoRAs:
         self._lock = threading.Lock()
         self.requests: dict[str, LoRARequest] = {}
         self.parents: dict[str, str] = {}
+        self.served_names: set[str] = {base_name}  # every --served-model-name: no adapter may take one over
+        self.max_adapter_bytes = DEFAULT_MAX_LORA_BYTES
         for m in modules:
             self.add(m.name, m.path, m.base_model_name)
 
@@ -127,11 +130,10 @@ def add_runtime_routes(app: FastAPI, loras: ServedLoRAs, read: Any) -> None:
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> PlainTextResponse:
         req = await read(request, LoadLoRAAdapterRequest)
-        if not req.lora_name:
-            raise bad_request("must be a non-empty name", "lora_name")
-        if req.lora_name in loras.requests or req.lora_name == loras.base_name:
-            raise bad_request(f"an adapter or model named {req.lora_name!r} is already served", "lora_name")
+        check_lora_name(req.lora_name, {*loras.requests, loras.base_name, *loras.served_names})
         path = loras.check_path(req.lora_path)
+        assert loras.allowed_root is not None  # check_path refused otherwise
+        check_adapter_dir(path, loras.allowed_root, loras.max_adapter_bytes)
         try:
             await loras.engine.run_prep(loras.add, req.lora_name, path)
         except LoRAError as e:

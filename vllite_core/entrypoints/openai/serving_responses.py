@@ -8,6 +8,7 @@ Stored responses (``store``, the default) live in memory, oldest dropped past a 
 for ``previous_response_id`` and GET."""
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -29,7 +30,7 @@ from vllite_core.entrypoints.openai.protocol_responses import (
     input_messages,
     response_format_of,
 )
-from vllite_core.entrypoints.openai.serving_chat import chat_prompt
+from vllite_core.entrypoints.openai.serving_chat import render_chat_prompt, rendered_chat_ids
 from vllite_core.entrypoints.openai.serving_common import (
     SSE_HEADERS,
     ServerState,
@@ -110,17 +111,20 @@ class ResponsesServer:
         conversation, rendered = self._conversation(req)
         params = _sampling_params(req)
         try:
-            apply_structured_outputs(st.engine, SimpleNamespace(response_format=response_format_of(req.text)), params,
-                                     plan)
+            await asyncio.to_thread(apply_structured_outputs, st.engine,
+                                    SimpleNamespace(response_format=response_format_of(req.text)), params, plan)
         except APIError as e:  # named after chat's field: here it is text.format (or tools)
             raise bad_request(e.message, e.param if e.param in ("tools", "tool_choice") else "text.format") from None
         chat = SimpleNamespace(messages=rendered, add_generation_prompt=True, continue_final_message=False,
                                chat_template=None, chat_template_kwargs=template_kwargs,
                                allow_special_tokens_in_content=False)
-        text, ids = await st.engine.run_prep(chat_prompt, st.engine.prep_tokenizer, chat, None, st.chat_template,
-                                             plan.template_tools)
+        rendered = await st.within_timeout(render_chat_prompt(st.templates, st.engine.tokenizer, chat, None,
+                                                              st.chat_template, plan.template_tools))
+        text = rendered.text
+        ids = await st.within_timeout(st.engine.run_prep(rendered_chat_ids, st.engine.prep_tokenizer, rendered))
         rid = _id("resp")
-        streams = await add_streams(st.engine, [{"prompt_token_ids": ids, "prompt": text}], params, rid, 0)
+        streams = await add_streams(st.engine, [{"prompt_token_ids": ids, "prompt": text}], params, rid, 0,
+                                    requested_max_tokens=req.max_output_tokens)
         build = _Builder(self, req, rid, len(ids), conversation, ToolOutput(plan, st.tool_parser))
         if req.stream:
             return StreamingResponse(build.events(merged(st.engine, streams, delta=True)),
