@@ -70,7 +70,7 @@ def test_adapters_change_the_output(case):
 
 
 def test_mixed_batch_over_two_ranks_matches_peft(case, tp2):
-    assert tp2.llm_engine.core.executor.backend == "mp"
+    assert tp2.llm_engine.core.engine_core.executor.backend == "mp"
     check_matches_peft(tp2, case)
 
 

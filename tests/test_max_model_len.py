@@ -75,7 +75,7 @@ def test_auto_fits_the_kv_cache(llama, caplog):
         LLM(model=path, dtype="float32", kv_cache_memory=budget)
     with caplog.at_level("WARNING"):
         llm = LLM(model=path, dtype="float32", max_model_len="auto", kv_cache_memory=budget)
-    assert llm.llm_engine.core.model_info.num_kv_blocks == 9
+    assert llm.llm_engine.core.engine_core.model_info.num_kv_blocks == 9
     assert llm.llm_engine.max_model_len == 8 * 16 and "max_model_len auto" in caplog.text
     ids = list(range(10, 40))
     out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=8))[0].outputs[0]

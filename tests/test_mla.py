@@ -55,7 +55,7 @@ def test_cache_blocks_and_prefix_reuse(deepseek, caplog):
     with caplog.at_level(logging.INFO):
         llm = LLM(model=path, dtype="float32", max_model_len=128, max_num_batched_tokens=32, kv_cache_memory=budget,
                   enable_prefix_caching=True, block_size=BLOCK)
-    core = llm.llm_engine.core
+    core = llm.llm_engine.core.engine_core
     mla = MLAAttentionSpec(BLOCK, 1, 16 + 8, torch.float32)
     mha = FullAttentionSpec(BLOCK, 4, 16 + 8, torch.float32)  # same heads: K of qk_head_dim, V padded to it
     layers = CFG["num_hidden_layers"]

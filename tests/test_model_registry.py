@@ -31,6 +31,11 @@ STATE_SPACE_ARCHITECTURES = ["MambaForCausalLM", "FalconMambaForCausalLM", "Mamb
                              "FalconH1ForCausalLM", "Zamba2ForCausalLM"]
 
 
+DENSE_ARCHITECTURES = ["Qwen3ForCausalLM", "Olmo2ForCausalLM", "GraniteForCausalLM", "Glm4ForCausalLM",
+                       "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "SmolLM3ForCausalLM",
+                       "Exaone4ForCausalLM"]
+
+
 MOE_ARCHITECTURES = ["MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
                      "GraniteMoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "GptOssForCausalLM"]
 
@@ -40,11 +45,14 @@ def test_builtin_plugin_registers_the_llama_family_lazily():
     assert reg.architectures() == sorted(["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                                           "WhisperForConditionalGeneration", "LlavaForConditionalGeneration",
                                           "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
-                                          "BertModel",
-                                          "BertForSequenceClassification", "LlamaModel", "Qwen2Model",
+                                          "BertModel", "BertForSequenceClassification", "RobertaModel",
+                                          "XLMRobertaModel", "RobertaForSequenceClassification",
+                                          "XLMRobertaForSequenceClassification", "ModernBertModel",
+                                          "ModernBertForSequenceClassification", "Qwen3Model",
+                                          "Qwen3ForSequenceClassification", "LlamaModel", "Qwen2Model",
                                           "LlamaForSequenceClassification", "Qwen2ForSequenceClassification",
                                           "MistralForSequenceClassification", *STATE_SPACE_ARCHITECTURES,
-                                          *MOE_ARCHITECTURES])
+                                          *MOE_ARCHITECTURES, *DENSE_ARCHITECTURES])
     assert all(isinstance(reg.entry(a).target, str) for a in reg.architectures())  # lazy "module:Class"
     assert builtin.VLLITE_PLUGIN_API == hookspecs.VLLITE_PLUGIN_API
     arch, cls = reg.resolve_for_config(SimpleNamespace(architectures=["Qwen2ForCausalLM"]))

@@ -68,7 +68,7 @@ def test_prequantized_matches_producer_reference(name, tmp_path_factory, tokeniz
     tol, need = CASES[name]
     ref = json.loads((FIXTURES / name / "reference.json").read_text())["outputs"]
     llm = LLM(model=_folder(tmp_path_factory, tokenizer_dir, name), dtype="float32", num_threads=1)
-    model = llm.llm_engine.core.worker.runner.model
+    model = llm.llm_engine.core.engine_core.worker.runner.model
     layer = model.model.layers[0].self_attn.qkv_proj
     assert layer.quant_method.name in ("prequantized", "int8")
     assert layer.weight.dtype in (torch.uint8, torch.int8, torch.float8_e4m3fn)
@@ -97,7 +97,7 @@ def test_quantization_argument_checked_against_checkpoint(tmp_path_factory, toke
     with pytest.raises(ConfigError, match="does not match"):
         LLM(model=folder, dtype="float32", num_threads=1, quantization="gptq")
     llm = LLM(model=folder, dtype="float32", num_threads=1, quantization="compressed-tensors")  # the same: fine
-    assert llm.llm_engine.core.worker.runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.uint8
+    assert llm.llm_engine.core.engine_core.worker.runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.uint8
 
 
 def test_prequantized_method_needs_such_a_checkpoint():
@@ -204,7 +204,7 @@ def test_fp8_block_checkpoint_against_transformers(fp8_checkpoint):
 
     folder, rows, q_proj = fp8_checkpoint
     llm = LLM(model=folder, dtype="float32", num_threads=1)
-    layer = llm.llm_engine.core.worker.runner.model.model.layers[1].self_attn.qkv_proj
+    layer = llm.llm_engine.core.engine_core.worker.runner.model.model.layers[1].self_attn.qkv_proj
     w = layer.quant_method.weight
     assert w.codes.dtype == torch.float8_e4m3fn and w.act.strategy == "group" and w.act.group == FP8_BLOCK
     assert torch.equal(w.dequantize()[:q_proj.shape[0]], q_proj)

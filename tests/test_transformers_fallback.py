@@ -73,7 +73,7 @@ def test_fallback_matches_hf_generate_with_chunks_and_prefix_hits(fallback_model
     name, path, prompts, ref = fallback_model
     with caplog.at_level("INFO", logger="vllite"):
         llm = LLM(model=str(path), dtype="float32", max_num_batched_tokens=CHUNK, num_kv_blocks=64)
-    core = llm.llm_engine.core
+    core = llm.llm_engine.core.engine_core
     assert core.model_impl.impl == "transformers"  # auto: nothing native is registered for it
     assert "Using the Transformers fallback" in caplog.text and "model_impl: transformers" in caplog.text
     toks, lps, _ = _run(llm, prompts)
@@ -95,7 +95,7 @@ def test_native_llama_through_the_fallback_equals_its_native_run(tmp_path):
     for impl in ("vllite", "transformers"):
         llm = LLM(model=str(tmp_path), dtype="float32", max_num_batched_tokens=CHUNK, num_kv_blocks=64,
                   model_impl=impl)
-        assert llm.llm_engine.core.model_impl.impl == impl
+        assert llm.llm_engine.core.engine_core.model_impl.impl == impl
         runs[impl] = _run(llm, prompts)[:2]
         del llm
     assert runs["transformers"][0] == runs["vllite"][0]
@@ -120,7 +120,7 @@ def test_sliding_window_layers_through_the_fallback(tmp_path):
     assert [_hf_generate(full, p)[0] for p in prompts] != [t for t, _ in ref]  # the window matters here
     llm = LLM(model=str(tmp_path), dtype="float32", max_num_batched_tokens=CHUNK, num_kv_blocks=64,
               model_impl="transformers")
-    assert [type(g.spec) for g in llm.llm_engine.core.kv_cache_manager.groups] == [SlidingWindowSpec]
+    assert [type(g.spec) for g in llm.llm_engine.core.engine_core.kv_cache_manager.groups] == [SlidingWindowSpec]
     toks, lps, _ = _run(llm, prompts)
     assert toks == [t for t, _ in ref]
     for got, (_, want) in zip(lps, ref):
@@ -187,7 +187,7 @@ def test_remote_code_needs_trust_remote_code(tmp_path):
         LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=16)
     llm = LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=32, max_num_batched_tokens=CHUNK,
               trust_remote_code=True)
-    assert llm.llm_engine.core.model_impl.model_cls.hf_class.__name__ == "MyNeoXForCausalLM"
+    assert llm.llm_engine.core.engine_core.model_impl.model_cls.hf_class.__name__ == "MyNeoXForCausalLM"
     prompt = _prompts(3)[2]
     assert _run(llm, [prompt])[0] == [_hf_generate(hf, prompt)[0]]
 

@@ -25,6 +25,9 @@ from vllite_core.errors import ConfigError
 logger = logging.getLogger("vllite.quantization")
 
 PREQUANTIZED = ("compressed-tensors", "fp8", "gptq", "awq")  # quant_method names of config.json
+# Formats a model's own loader reads (gpt-oss's MXFP4 experts are dequantised at load in models/gpt_oss.py):
+# no linear-layer method is installed for them.
+MODEL_READ = ("mxfp4",)
 
 
 class PrequantConfig(Protocol):
@@ -55,6 +58,8 @@ def resolve_quantization(hf_config: Any, requested: str | None) -> str | None:
                               "config.json has no quantization_config")
         return requested
     method = str(qc.get("quant_method", "")).replace("_", "-")
+    if method in MODEL_READ:
+        return requested
     if method not in PREQUANTIZED:
         raise ConfigError(f"quantization_config.quant_method: {qc.get('quant_method')!r} checkpoints are not "
                           f"supported; supported: {', '.join(PREQUANTIZED)}")

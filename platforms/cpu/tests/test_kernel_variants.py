@@ -229,7 +229,7 @@ def test_paged_attention(name, dtype, head_size, heads, kv_heads, q_lens, s_lens
     q, kc, vc, table, seq, starts = _paged_case(head_size, heads, kv_heads, q_lens, s_lens, dtype)
     out = torch.empty_like(q)
     mod.paged_attention(out, q, kc, vc, table, seq, starts, torch.arange(len(s_lens), dtype=torch.int32), 0.125,
-                        window, 1.0, 1.0)  # k_scale, v_scale: used by float8 caches only
+                        window, 1.0, 1.0, 0.0)  # k_scale, v_scale (float8 caches), soft_cap (0: none)
     ref = _ref_paged(q, kc, vc, table, seq, starts, 0.125, window)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
@@ -262,10 +262,10 @@ def test_paged_attention_store(name, dtype):
     out = torch.empty(t, 9, 64, dtype=dtype)
     rid = torch.arange(len(s_lens), dtype=torch.int32)
     qp = torch.cat([q, q[:1]])
-    mod.paged_attention_store(out, qp, k, v, kv, slots, table, seq, starts, rid, 0.125, 0)
+    mod.paged_attention_store(out, qp, k, v, kv, slots, table, seq, starts, rid, 0.125, 0, 0.0)
     assert torch.equal(kv, ref)
     expect = torch.empty_like(qp)
-    mod.paged_attention(expect, qp, ref[0], ref[1], table, seq, starts, rid, 0.125, 0, 1.0, 1.0)
+    mod.paged_attention(expect, qp, ref[0], ref[1], table, seq, starts, rid, 0.125, 0, 1.0, 1.0, 0.0)
     assert torch.equal(out[:q.shape[0]], expect[:q.shape[0]])
 
 
@@ -398,7 +398,7 @@ def test_first_use_build_matches_the_installed_variant(fresh, monkeypatch, tmp_p
     outs = []
     for mod in (jit, installed.default):
         out = torch.empty_like(q)
-        mod.paged_attention(out, q, kc, vc, table, seq, starts, rid, 0.125, 0, 1.0, 1.0)
+        mod.paged_attention(out, q, kc, vc, table, seq, starts, rid, 0.125, 0, 1.0, 1.0, 0.0)
         x = torch.randn(5, 2 * 576, generator=torch.Generator().manual_seed(3))
         s = x.new_empty(5, 576)
         mod.silu_and_mul(s, x)

@@ -27,7 +27,7 @@ from vllite_core.entrypoints.anthropic.protocol import (
     to_chat,
 )
 from vllite_core.entrypoints.openai.errors import APIError, from_exception
-from vllite_core.entrypoints.openai.serving_chat import ChatServer, chat_prompt
+from vllite_core.entrypoints.openai.serving_chat import ChatServer, render_chat_prompt, rendered_chat_ids
 from vllite_core.entrypoints.openai.serving_common import SSE_HEADERS, ServerState
 from vllite_core.entrypoints.openai.structured import plan_tools
 
@@ -187,7 +187,11 @@ def add_routes(app: FastAPI, state: ServerState, chat: ChatServer, body: BodyRea
             if any(isinstance(m.content, list) for m in creq.messages):
                 raise APIError(400, "count_tokens does not count images here", "messages", "unsupported_content")
             plan = plan_tools(creq.tools, creq.tool_choice, creq.parallel_tool_calls)
-            _, ids = await state.engine.run_prep(chat_prompt, state.engine.prep_tokenizer, creq, None,
-                                                 state.chat_template, plan.template_tools)
+            # rendered in the template sandbox as chat renders it, then tokenized on the prep thread
+            rendered = await state.within_timeout(render_chat_prompt(
+                state.templates, state.engine.tokenizer, creq, None, state.chat_template, plan.template_tools,
+                state.trust_request_chat_template))
+            ids = await state.within_timeout(state.engine.run_prep(rendered_chat_ids, state.engine.prep_tokenizer,
+                                                                   rendered))
             return JSONResponse({"input_tokens": len(ids)})
         return await guarded(run())
