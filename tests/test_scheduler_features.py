@@ -205,16 +205,12 @@ def test_a_grammar_that_fails_to_compile_fails_its_request_while_it_waits():
 
 
 # ---- LoRA admission ---------------------------------------------------------------------------------
-@dataclass
-class FakeAdapter:
-    """What the scheduler reads of a request's adapter: its id."""
-
-    int_id: int
-
-
 def lora_req(rid: str, lora_id: int, start: int) -> Request:
+    """A request running adapter ``lora_id`` (0: the base model); the scheduler reads only its id."""
+    from vllite_core.lora.request import LoRARequest
+
     r = req(rid, 8, max_tokens=2, start=start)
-    r.lora_adapter = FakeAdapter(lora_id) if lora_id else None
+    r.lora_request = LoRARequest(f"adapter{lora_id}", lora_id, "/unused") if lora_id else None
     return r
 
 
