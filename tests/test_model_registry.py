@@ -36,8 +36,10 @@ def test_builtin_plugin_registers_the_llama_family_lazily():
     assert reg.architectures() == sorted(["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                                           "WhisperForConditionalGeneration", "LlavaForConditionalGeneration",
                                           "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
-                                          "BertModel",
-                                          "BertForSequenceClassification", "LlamaModel", "Qwen2Model",
+                                          "BertModel", "BertForSequenceClassification", "RobertaModel",
+                                          "XLMRobertaModel", "RobertaForSequenceClassification",
+                                          "XLMRobertaForSequenceClassification", "ModernBertModel",
+                                          "ModernBertForSequenceClassification", "LlamaModel", "Qwen2Model",
                                           "LlamaForSequenceClassification", "Qwen2ForSequenceClassification",
                                           "MistralForSequenceClassification", *STATE_SPACE_ARCHITECTURES])
     assert all(isinstance(reg.entry(a).target, str) for a in reg.architectures())  # lazy "module:Class"

@@ -320,7 +320,8 @@ def test_llm_chat_parity(think_model):
 # ---- start-up options ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("option,expect", [
-    ({"reasoning_parser": "nope"}, "unknown --reasoning-parser 'nope'; known: deepseek_r1, qwen3"),
+    ({"reasoning_parser": "nope"},
+     "unknown --reasoning-parser 'nope'; known: deepseek_r1, glm45, granite, mistral, openai_gptoss, qwen3"),
     ({"chat_template": "/no/such/template.jinja"}, "no such file"),
 ])
 def test_startup_errors(option, expect):
