@@ -53,7 +53,7 @@ class LLMEngine:
             logger.warning("Default sampling parameters have been overridden by the model's Hugging Face generation "
                            "config recommended from the model creator: %s. If this is not intended, relaunch with "
                            "`--generation-config vllite`.", self.default_sampling_params)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_id)
         self._ids = itertools.count()
         self.model_cls = info.model_cls
         self.input_context = InputContext(self.tokenizer, info.model_info.hf_config, info.model_info.source.path)

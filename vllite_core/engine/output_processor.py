@@ -65,8 +65,10 @@ def child_request_ids(request_id: str, n: int) -> list[str]:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, eos_token_id: int | None = None) -> None:
         self.tokenizer = tokenizer
+        # the engine's EOS id: a request it ended keeps it in token_ids but not in its text
+        self.eos_token_id = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eos_token_id", None)
         self.states: dict[str, RequestOutputState] = {}  # parent id -> state
         self.child_to_parent: dict[str, str] = {}
 
@@ -136,9 +138,13 @@ class OutputProcessor:
             if out.pooling_output is not None:
                 st.pooling_output = out.pooling_output
             # a request ended by its EOS or a stop token id: that token is kept in the ids but not in the text
-            # (vLLM's detokenizer skips it), so it shows even with skip_special_tokens=False only when asked
-            stop_token = (out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
-                          and not child.detok.params.include_stop_str_in_output)
+            # (vLLM's detokenizer skips it), so it shows even with skip_special_tokens=False only when asked; a
+            # request ended otherwise (its grammar complete) keeps its last token's text
+            params = child.detok.params
+            last = out.new_token_ids[-1] if out.new_token_ids else None
+            stop_token = (out.finish_reason == "stop" and not params.include_stop_str_in_output
+                          and last is not None and (out.stop_reason == last if isinstance(out.stop_reason, int)
+                                                    else out.stop_reason is None and last == self.eos_token_id))
             new_ids, stop = self._detokenize(child, out.new_token_ids, stop_token)
             child.token_ids.extend(new_ids)
             if out.new_logprobs and child.logprobs is not None:
