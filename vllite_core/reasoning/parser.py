@@ -10,22 +10,13 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from vllite_core.tool_parsers.tagged_json import partial_tag_at_end
+
 Split = tuple[str | None, str | None]  # (reasoning, content); None where there is none
 
 
 def none_if_empty(s: str) -> str | None:
     return s or None
-
-
-def _partial_tail(text: str, tags: tuple[str, ...]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of one of ``tags``."""
-    best = 0
-    for tag in tags:
-        for n in range(min(len(tag) - 1, len(text)), best, -1):
-            if tag.startswith(text[-n:]):
-                best = n
-                break
-    return best
 
 
 def _find_any(text: str, tags: tuple[str, ...]) -> tuple[int, str]:
@@ -86,7 +77,7 @@ class ReasoningStream:
                     self.state = "reasoning"
                 buf = buf[at + len(tag):]
                 continue
-            keep = _partial_tail(buf, tags)
+            keep = partial_tag_at_end(buf, tags)
             out, self.held = buf[:len(buf) - keep], buf[len(buf) - keep:]
             if self.state == "reasoning":
                 r += out

@@ -15,6 +15,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from vllite_core.tool_parsers.tagged_json import partial_tag_at_end
+
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")
 _RECIPIENT = re.compile(r"to=([^\s<]+)")
@@ -75,13 +77,7 @@ def read_messages(text: str, final: bool) -> list[HarmonyMessage]:
 
 def held_back(body: str, markers: tuple[str, ...] = ENDS) -> int:
     """How much of a still-open body's tail could be the start of one of ``markers``."""
-    best = 0
-    for marker in markers:
-        for n in range(min(len(marker) - 1, len(body)), best, -1):
-            if marker.startswith(body[-n:]):
-                best = n
-                break
-    return best
+    return partial_tag_at_end(body, markers)
 
 
 def visible_body(message: HarmonyMessage) -> str:
