@@ -73,7 +73,7 @@ def beam_search(generate: Generate, prompts: Sequence[Any], params: BeamSearchPa
                 child = BeamSearchSequence(tokens + [tid], parent.logprobs + [top], parent.cum_logprob + lp.logprob,
                                            lora_request=lora_request)
                 if tid == eos_token_id and not params.ignore_eos:
-                    child.finish_reason = "stop"
+                    child.finish_reason, child.stop_reason = "stop", tid
                     done[p].append(child)
                 else:
                     grown[p].append(child)

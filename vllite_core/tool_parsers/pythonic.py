@@ -56,6 +56,18 @@ def _calls(source: str) -> list[tuple[str, str]] | None:
     return out
 
 
+def _complete(body: str) -> tuple[list[tuple[str, str]], int]:
+    """The calls complete in ``body`` (a list still being written): the longest prefix that, closed with
+    ``]``, parses as calls, and that prefix's length (1, the bracket, when none is complete)."""
+    for k in range(len(body), 1, -1):
+        if body[k - 1] != ")":
+            continue
+        calls = _calls(body[:k] + "]")
+        if calls is not None:
+            return calls, k
+    return [], 1
+
+
 class PythonicToolParser(ToolParser):
     name: ClassVar[str] = "pythonic"
 
@@ -63,7 +75,7 @@ class PythonicToolParser(ToolParser):
         body = _body(text)
         if not final:
             if not body or body.startswith("[") or START.startswith(text.strip()):
-                return ParsedText("", [ToolCall(n, a) for n, a in self._complete(body)])
+                return ParsedText("", [ToolCall(n, a) for n, a in _complete(body)[0]])
             return ParsedText(text, [])
         calls = _calls(body)
         if calls is None:
@@ -74,23 +86,10 @@ class PythonicToolParser(ToolParser):
         body = _body(text)
         if not body.startswith("["):
             return []
-        done = self._complete(body)
+        done, consumed = _complete(body)
         out: list[tuple[str | None, str]] = list(done)
-        tail = body[self._consumed:]
+        tail = body[consumed:]
         m = re.match(r"\s*,?\s*([A-Za-z_][\w.]*)\s*\(", tail)
         if m:  # the next call's name is written: it goes out with empty arguments for now
             out.append((m.group(1), ""))
         return out
-
-    def _complete(self, body: str) -> list[tuple[str, str]]:
-        """The calls complete in ``body`` (a list still being written): the longest prefix that, closed
-        with ``]``, parses as calls. Sets ``_consumed`` to that prefix's length."""
-        self._consumed = 1
-        for k in range(len(body), 1, -1):
-            if body[k - 1] != ")":
-                continue
-            calls = _calls(body[:k] + "]")
-            if calls is not None:
-                self._consumed = k
-                return calls
-        return []
