@@ -23,6 +23,7 @@ from vllite_core.executor.wrapper import RankInfo, WorkerWrapper
 logger = logging.getLogger("vllite.executor")
 
 PLACEMENT_TIMEOUT_S = 60.0
+DEATH_GRACE_S = 5.0  # how long the other ranks get to show a dead actor once one rank's task failed
 
 
 class RayWorker(WorkerWrapper):
@@ -148,13 +149,17 @@ class RayExecutor(Executor):
         return f"{nid[:12]} ({host}, {ip})"
 
     def _gather(self, refs: list[Any]) -> list[Any]:
-        """Results in rank order; the first failure (any rank, in the order they come) raises."""
+        """Results in rank order. A dead actor is named first: when one rank's task fails (often a peer's
+        collective broken by the death), the others get a short grace to show an actor that died."""
         ray = self.ray
         index = {ref: i for i, ref in enumerate(refs)}
         results: dict[int, Any] = {}
+        task_error: tuple[int, Any] | None = None
         pending = list(refs)
         while pending:
-            done, pending = ray.wait(pending, num_returns=1)
+            done, pending = ray.wait(pending, num_returns=1, timeout=None if task_error is None else DEATH_GRACE_S)
+            if not done:
+                break
             rank = index[done[0]]
             try:
                 results[rank] = ray.get(done[0])
@@ -166,9 +171,13 @@ class RayExecutor(Executor):
                     self.dead = WorkerDiedError(rank, self._node_of(rank), str(cause))
                     self.shutdown()
                     raise type(cause)(f"{cause} (worker rank {rank})") from None
-                summary = f"{type(cause).__name__}: {cause}" if cause is not None else str(e).splitlines()[0]
-                logger.error("worker rank %d failed:\n%s", rank, e)
-                self._fail(rank, summary)
+                task_error = task_error or (rank, e)
+        if task_error is not None:
+            rank, e = task_error
+            cause = getattr(e, "cause", None)
+            summary = f"{type(cause).__name__}: {cause}" if cause is not None else str(e).splitlines()[0]
+            logger.error("worker rank %d failed:\n%s", rank, e)
+            self._fail(rank, summary)
         return [results[i] for i in range(len(refs))]
 
     def _fail(self, rank: int, cause: str) -> None:
