@@ -530,6 +530,8 @@ class AsyncLLM:
                     restart_in = self._restart_delay()
                     if restart_in is None:
                         logger.exception("engine step failed (a fault of no single request); the engine is dead")
+                        if self.restart_policy is not None:
+                            self._log_budget_spent()
                         self.dead = e
                     else:
                         logger.error("%s; the engine core restarts in %g s", exc, restart_in)
@@ -570,6 +572,11 @@ class AsyncLLM:
         """Seconds before the next restart of a dead core, None when it may not come back."""
         return self.restart_policy.next_delay() if self.restart_policy is not None else None
 
+    def _log_budget_spent(self) -> None:
+        assert self.restart_policy is not None
+        logger.error("the engine core may not restart again (%d restarts in %g s): the engine is dead",
+                     self.restart_policy.max_restarts, self.restart_policy.window_s)
+
     def _restart(self, delay: float | None) -> None:
         """On the loop thread: start the dead core again after ``delay``, retrying with the policy's
         backoff; past the budget the engine is dead (``on_dead`` runs)."""
@@ -598,8 +605,7 @@ class AsyncLLM:
             logger.warning("the engine core is serving again (restart %d of at most %d in %g s)", made,
                            self.restart_policy.max_restarts, self.restart_policy.window_s)
             return
-        logger.error("the engine core may not restart again (%d restarts in %g s): the engine is dead",
-                     self.restart_policy.max_restarts, self.restart_policy.window_s)
+        self._log_budget_spent()
         self.dead = cause
         self._hand_over([], [("", EngineDeadError(f"the engine core died and was not restarted: {cause}"))], True)
 

@@ -343,8 +343,8 @@ class EngineCore:
                     str(facts.kv_cache_dtype).replace("torch.", ""), kinds, self.executor.backend,
                     config.parallel_config.tensor_parallel_size)
         m, gib = self.memory, 2 ** 30
-        how = ("committed now (commit_kv_cache)" if m.kv_committed else
-               "committed as blocks are first used (commit_kv_cache commits it at start)")
+        how = ("committed now: commit_kv_cache" if m.kv_committed else
+               "committed as blocks are first used; commit_kv_cache commits it at start")
         logger.info("engine memory: weights %.2f GiB, KV cache %.2f GiB (%s); the process holds %.2f GiB now and "
                     "will hold up to %.2f GiB%s", m.weights_bytes / gib, m.kv_cache_bytes / gib,
                     how if m.kv_in_host_memory else "device memory", m.resident_bytes / gib,
