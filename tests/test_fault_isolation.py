@@ -214,7 +214,7 @@ def test_server_process_exits_nonzero_when_the_engine_dies(tiny_path):
     srv = ServerProcess(["--model", tiny_path, "--dtype", "float32", "--num-kv-blocks", "64",
                          "--logits-processors", "lp_fixtures:BreakOnce", "--engine-restart-max", "0"], env=env)
     try:
-        url = srv.wait_ready(timeout=120)
+        url = srv.wait_ready(timeout=600)
         r = httpx.post(url + "/v1/completions", json={"model": tiny_path, "prompt": [BREAK_TOKEN, 5, 6],
                                                       "max_tokens": 4}, timeout=30)
         assert r.status_code == 503 and "BreakOnce" in r.json()["error"]["message"]
