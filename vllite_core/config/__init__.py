@@ -119,6 +119,7 @@ class CacheConfig:
     num_kv_blocks: int | None = None  # override of the profiled number (alias: num_gpu_blocks_override)
     kv_cache_memory: int | None = None  # bytes for the KV cache (overrides memory_utilization)
     memory_utilization: float = 0.9  # fraction of device memory the engine may use (gpu_memory_utilization)
+    commit_kv_cache: bool = False  # write every KV cache page at start-up: a fixed footprint from the start
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -321,6 +322,7 @@ class EngineArgs:
     calculate_kv_scales: bool = False
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None
+    commit_kv_cache: bool = False
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     device: str | None = None
@@ -395,7 +397,7 @@ class EngineArgs:
             cache_config=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                                      kv_cache_dtype=self.kv_cache_dtype,
                                      calculate_kv_scales=self.calculate_kv_scales, num_kv_blocks=self.num_kv_blocks,
-                                     kv_cache_memory=self.kv_cache_memory,
+                                     kv_cache_memory=self.kv_cache_memory, commit_kv_cache=self.commit_kv_cache,
                                      memory_utilization=self.gpu_memory_utilization),
             scheduler_config=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
                                              max_num_seqs=self.max_num_seqs,

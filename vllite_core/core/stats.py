@@ -2,9 +2,10 @@
 ``LLMEngine.get_stats()``.
 
 The scheduler fills it (requests, KV blocks, prefix cache, preemptions, drafts, jump-forward, encoder
-cache); the core adds where its step time went. The same record crosses the process boundary as is
-(a msgspec Struct, encoded as an array: it rides in every step's message), AsyncLLM keeps the latest
-one for readers on other threads, and ``combine`` sums the records of data-parallel engine cores.
+cache); the core adds where its step time went and its compiled-grammar cache. The same record
+crosses the process boundary as is (a msgspec Struct, encoded as an array: it rides in every step's
+message), AsyncLLM keeps the latest one for readers on other threads, and ``combine`` sums the
+records of data-parallel engine cores.
 """
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     prefix_cache_queries: int = 0  # tokens
     prefix_cache_hits: int = 0
     num_jump_forward_tokens: int = 0  # structured output tokens appended without sampling (jump-forward)
+    grammar_cache_bytes: int = 0  # compiled grammars held (the core's StructuredOutputManager.cache_bytes)
+    grammar_cache_evictions: int = 0  # compiled grammars dropped to stay within grammar_cache_bytes
     spec_decoding: SpecDecodingStats | None = None  # None: speculative decoding off
     mm_cache: EncoderCacheStats | None = None  # None: not a multimodal model
     step_times: StepTimes = msgspec.field(default_factory=StepTimes)
@@ -66,6 +69,8 @@ def combine(records: list[SchedulerStats]) -> SchedulerStats:
         prefix_cache_queries=sum(s.prefix_cache_queries for s in records),
         prefix_cache_hits=sum(s.prefix_cache_hits for s in records),
         num_jump_forward_tokens=sum(s.num_jump_forward_tokens for s in records),
+        grammar_cache_bytes=sum(s.grammar_cache_bytes for s in records),
+        grammar_cache_evictions=sum(s.grammar_cache_evictions for s in records),
         spec_decoding=_sum_spec(spec) if spec else None,
         mm_cache=EncoderCacheStats(sum(m.queries for m in mm), sum(m.hits for m in mm),
                                    sum(m.evictions for m in mm)) if mm else None,

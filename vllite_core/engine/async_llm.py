@@ -30,6 +30,12 @@ and its other completions (``n > 1``) are aborted; the other requests go on. An
 error in a step that belongs to no request stops the loop: ``dead`` is set, every
 open stream raises ``EngineDeadError`` naming the cause, new requests are refused
 with it, and the ``on_dead`` callbacks run (the server uses one to exit).
+
+A dead engine-core process (``core.restartable``) is brought back instead, within the restart
+budget (engine/restart.py): its open streams fail with ``EngineDeadError`` as above, ``restarting``
+holds the cause while new requests are refused with it and the loop starts the core again after
+the policy's backoff; then the engine serves as before. Past the budget it is dead as above.
+Requests queued before the death are recognised by ``_epoch`` and never reach the new core.
 """
 from __future__ import annotations
 
@@ -48,6 +54,7 @@ from vllite_core.engine.core_client import EngineCoreClient
 from vllite_core.engine.delta import DeltaCursor
 from vllite_core.engine.heap_trim import HeapTrimmer
 from vllite_core.engine.llm_engine import LLMEngine, PromptType
+from vllite_core.engine.restart import RestartPolicy
 from vllite_core.errors import ConfigError, EngineDeadError, InvalidRequestError, RequestFailedError
 from vllite_core.inputs import InputContext, ProcessedPrompt
 from vllite_core.outputs import RequestOutput
@@ -189,11 +196,13 @@ class _Add:
     params: SamplingParams
     max_tokens: int
     priority: int
+    epoch: int = 0  # the engine core's life it was queued for (AsyncLLM._epoch)
 
 
 @dataclass
 class _Abort:
     request_id: str
+    epoch: int = 0
 
 
 class AsyncLLM:
@@ -202,7 +211,8 @@ class AsyncLLM:
     Call everything except ``close()`` from the asyncio loop the server runs on.
     """
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, restart: RestartPolicy | None = None) -> None:
+        """``restart``: how often a dead engine-core process is started again (None: never)."""
         self.engine = engine
         # The engine's core, through its client (in this process or in engine-core processes): the loop
         # steps it through ``engine``; the numbers, the wake-ups and the layout come from it directly.
@@ -225,6 +235,11 @@ class AsyncLLM:
         self.snapshot: SchedulerStats = self.core.stats()
         self.observers: list[Callable[[FinishedRequest], None]] = []
         self.dead: BaseException | None = None
+        # While the engine core restarts: why it died (new requests are refused with it, /health is 503).
+        self.restarting: BaseException | None = None
+        self.restart_policy = restart if restart is not None and self.core.restartable else None
+        self.num_restarts = 0  # engine-core restarts that brought it back
+        self._epoch = 0  # +1 at each core death: what was queued before never reaches the new core
         # Called on the asyncio loop, once, with the cause when the engine loop dies.
         self.on_dead: list[Callable[[BaseException], None]] = []
         self._streams: dict[str, RequestStream] = {}
@@ -241,11 +256,11 @@ class AsyncLLM:
         self._thread.start()
 
     @classmethod
-    def from_engine_args(cls, args: Any, data_parallel_size: int = 1,
-                         multiprocess: bool | None = None) -> "AsyncLLM":
+    def from_engine_args(cls, args: Any, data_parallel_size: int = 1, multiprocess: bool | None = None,
+                         restart: RestartPolicy | None = None) -> "AsyncLLM":
         """The server's engine: its core(s) in their own processes unless ``multiprocess`` is False or
         VLLITE_ENABLE_V1_MULTIPROCESSING=0 (then in this process, on the engine-loop thread).
-        ``data_parallel_size`` > 1 needs the engine-core processes."""
+        ``data_parallel_size`` > 1 needs the engine-core processes; ``restart`` applies to them."""
         from vllite_core.engine.core_client import multiprocessing_enabled
         from vllite_core.engine.mp_client import MPClient
 
@@ -258,7 +273,7 @@ class AsyncLLM:
             return cls(LLMEngine.from_engine_args(args))
         client = MPClient(args.create_config(), data_parallel_size)
         try:
-            return cls(LLMEngine(client.info.config, core=client))
+            return cls(LLMEngine(client.info.config, core=client), restart)
         except BaseException:
             client.shutdown()
             raise
@@ -307,6 +322,8 @@ class AsyncLLM:
         """What ``add_request`` checks before any work: engine alive, id new, priority allowed."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine loop stopped: {self.dead!r}")
+        if self.restarting is not None:
+            raise EngineDeadError(f"the engine core is restarting after it died: {self.restarting}")
         loop = asyncio.get_running_loop()
         if self._aloop is None:
             self._aloop = loop
@@ -324,7 +341,7 @@ class AsyncLLM:
         self.check_new(request_id, priority)
         stream = RequestStream(request_id, params, len(processed.prompt_token_ids))
         self._streams[request_id] = stream
-        self._post(_Add(request_id, processed, params, max_tokens, priority))
+        self._post(_Add(request_id, processed, params, max_tokens, priority, self._epoch))
         return stream
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None,
@@ -383,7 +400,7 @@ class AsyncLLM:
         if not stream.finished:
             stream.finished = True
             self._report(stream, stream.latest, aborted=True)
-        self._post(_Abort(request_id))
+        self._post(_Abort(request_id, self._epoch))
 
     @property
     def num_in_flight(self) -> int:
@@ -409,7 +426,10 @@ class AsyncLLM:
         self._wake_pending = False
         self.core.wake()
 
-    def _dispatch(self, outputs: list[RequestOutput], failed: list[tuple[str, BaseException]]) -> None:
+    def _dispatch(self, outputs: list[RequestOutput], failed: list[tuple[str, BaseException]],
+                  fatal: bool = False) -> None:
+        """Hand outputs to their streams; ``failed`` with an empty id fails every stream (the core died),
+        and ``fatal`` (it stays dead) runs the ``on_dead`` callbacks."""
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -420,7 +440,7 @@ class AsyncLLM:
                 stream._fail(RequestFailedError(out.request_id, errors[0]))
                 self._report(stream, out, aborted=False)
                 if not out.finished:
-                    self._post(_Abort(out.request_id))
+                    self._post(_Abort(out.request_id, self._epoch))
                 continue
             stream._put(out)
             if out.finished:
@@ -435,7 +455,7 @@ class AsyncLLM:
             for s in targets:
                 s._fail(exc)
                 self._report(s, s.latest, aborted=True)
-            if not rid:
+            if not rid and fatal:
                 for cb in self.on_dead:
                     try:
                         cb(self.dead or exc)
@@ -464,6 +484,8 @@ class AsyncLLM:
     def _apply(self, cmds: list[_Add | _Abort]) -> list[tuple[str, BaseException]]:
         failed = []
         for cmd in cmds:
+            if cmd.epoch != self._epoch:  # queued for a core that died: its stream has failed already
+                continue
             try:
                 if isinstance(cmd, _Add):
                     self.engine.add_prepared_request(cmd.request_id, cmd.processed, cmd.params, cmd.max_tokens,
@@ -497,28 +519,37 @@ class AsyncLLM:
             ran = False
             step_s = 0.0
             before = self.snapshot.step_times.steps
+            restart_in: float | None = None
             if engine.has_unfinished_requests():
                 t1 = time.perf_counter()
                 try:
                     outputs = engine.step()
                 except Exception as e:
-                    logger.exception("engine step failed (a fault of no single request); the engine is dead")
-                    self.dead = e
-                    failed.append(("", e if isinstance(e, EngineDeadError)
-                                   else EngineDeadError(f"the engine died: a step failed with {e!r}")))
+                    exc = e if isinstance(e, EngineDeadError) else EngineDeadError(
+                        f"the engine died: a step failed with {e!r}")
+                    restart_in = self._restart_delay()
+                    if restart_in is None:
+                        logger.exception("engine step failed (a fault of no single request); the engine is dead")
+                        if self.restart_policy is not None:
+                            self._log_budget_spent()
+                        self.dead = e
+                    else:
+                        logger.error("%s; the engine core restarts in %g s", exc, restart_in)
+                        self.restarting = exc
+                        self._epoch += 1
+                    failed.append(("", exc))
                 step_s = time.perf_counter() - t1
                 st.step_s += step_s
                 st.steps += 1
                 trimmer.note_work()
             self.snapshot = core.stats()
             ran = self.snapshot.step_times.steps != before
-            if (outputs or failed) and self._aloop is not None:
-                try:
-                    self._aloop.call_soon_threadsafe(self._dispatch, outputs, failed)
-                except RuntimeError:  # the asyncio loop is closed: shutting down
-                    return
+            if (outputs or failed) and not self._hand_over(outputs, failed, self.dead is not None):
+                return
             st.other_s += time.perf_counter() - t0 - step_s
-            if self.dead is not None:
+            if restart_in is not None:
+                self._restart(restart_in)
+            if self.dead is not None or self._stopping:
                 return
             if not ran and not cmds:
                 t2 = time.perf_counter()
@@ -526,6 +557,57 @@ class AsyncLLM:
                     if not self._inbox and not self._stopping:
                         self._cond.wait(_BACKOFF_S)
                 st.idle_s += time.perf_counter() - t2
+
+    def _hand_over(self, outputs: list[RequestOutput], failed: list[tuple[str, BaseException]], fatal: bool) -> bool:
+        """Dispatch on the asyncio loop; False when that loop is closed (shutting down)."""
+        if self._aloop is None:
+            return True
+        try:
+            self._aloop.call_soon_threadsafe(self._dispatch, outputs, failed, fatal)
+        except RuntimeError:
+            return False
+        return True
+
+    def _restart_delay(self) -> float | None:
+        """Seconds before the next restart of a dead core, None when it may not come back."""
+        return self.restart_policy.next_delay() if self.restart_policy is not None else None
+
+    def _log_budget_spent(self) -> None:
+        assert self.restart_policy is not None
+        logger.error("the engine core may not restart again (%d restarts in %g s): the engine is dead",
+                     self.restart_policy.max_restarts, self.restart_policy.window_s)
+
+    def _restart(self, delay: float | None) -> None:
+        """On the loop thread: start the dead core again after ``delay``, retrying with the policy's
+        backoff; past the budget the engine is dead (``on_dead`` runs)."""
+        assert self.restart_policy is not None
+        cause = self.restarting
+        while delay is not None:
+            with self._cond:
+                if not self._stopping:
+                    self._cond.wait_for(lambda: self._stopping, timeout=delay)
+            if self._stopping:
+                return
+            made = self.restart_policy.record()
+            try:
+                self.engine.restart_core()
+            except BaseException as e:  # noqa: BLE001 - the start-up failed: try again, or give up
+                if self._stopping:
+                    return
+                cause = e
+                delay = self._restart_delay()
+                logger.error("engine core restart %d failed (%r)%s", made, e,
+                             "" if delay is None else f"; trying again in {delay:g} s")
+                continue
+            self.num_restarts += 1
+            self.snapshot = self.core.stats()
+            self.restarting = None
+            logger.warning("the engine core is serving again (restart %d of at most %d in %g s)", made,
+                           self.restart_policy.max_restarts, self.restart_policy.window_s)
+            return
+        self._log_budget_spent()
+        self.dead = cause
+        self._hand_over([], [("", EngineDeadError(f"the engine core died and was not restarted: {cause}"))], True)
 
     def close(self) -> None:
         with self._cond:

@@ -136,6 +136,33 @@ class ResolvedModel:
 
 
 @dataclass
+class MemoryReport:
+    """The memory an engine core will really hold: its resident set after start-up plus the part of the
+    KV cache not yet committed (pages of a cache in host memory are committed as blocks are first used,
+    unless ``commit_kv_cache`` wrote them all at start). Per engine core (tensor-parallel: rank 0's)."""
+
+    weights_bytes: int  # the model's parameters and buffers
+    kv_cache_bytes: int  # the whole KV cache (every block)
+    resident_bytes: int  # the core process's RSS when it became ready
+    kv_in_host_memory: bool  # the cache counts towards the process's RSS (a cpu platform)
+    kv_committed: bool  # written at start-up (commit_kv_cache): already in ``resident_bytes``
+
+    @property
+    def planned_bytes(self) -> int:
+        """Host memory to plan for: what it holds plus what the KV cache will still commit."""
+        pending = self.kv_cache_bytes if self.kv_in_host_memory and not self.kv_committed else 0
+        return self.resident_bytes + pending
+
+
+def _memory_report(config: VlliteConfig, platform: Any, facts: Any, num_blocks: int) -> MemoryReport:
+    import psutil
+
+    return MemoryReport(facts.weights_bytes, num_blocks * facts.kv_cache_bytes_per_block,
+                        psutil.Process().memory_info().rss, platform.device_type == "cpu",
+                        config.cache_config.commit_kv_cache)
+
+
+@dataclass
 class CoreInfo:
     """What a frontend needs from a running core, sent once when it is ready (the same record in-process)."""
 
@@ -146,6 +173,7 @@ class CoreInfo:
     lora_layout: Any  # (targets, in_features) for the frontend's adapter checks; None without LoRA
     platform: str
     parallel_layout: dict[str, Any]  # the executor's ranks, processes and devices
+    memory: MemoryReport
 
 
 def _checked_config(config: VlliteConfig, platform: Any, pm: Any) -> VlliteConfig:
@@ -305,6 +333,7 @@ class EngineCore:
         self.model_cls = model.model_cls
         self.model_impl = model.impl
         self.step_times = StepTimes()
+        self.memory = _memory_report(config, self.platform, facts, num_blocks)
         cc = config.cache_config
         kinds = ", ".join(f"{g.spec.kind} x{len(g.layers)}" for g in groups)
         logger.info("engine ready: %s (model_impl: %s) on %s, max_model_len=%d, %d KV blocks of %d tokens "
@@ -313,11 +342,18 @@ class EngineCore:
                     max_model_len, num_blocks, cc.block_size, num_blocks * cc.block_size,
                     str(facts.kv_cache_dtype).replace("torch.", ""), kinds, self.executor.backend,
                     config.parallel_config.tensor_parallel_size)
+        m, gib = self.memory, 2 ** 30
+        how = ("committed now: commit_kv_cache" if m.kv_committed else
+               "committed as blocks are first used; commit_kv_cache commits it at start")
+        logger.info("engine memory: weights %.2f GiB, KV cache %.2f GiB (%s); the process holds %.2f GiB now and "
+                    "will hold up to %.2f GiB%s", m.weights_bytes / gib, m.kv_cache_bytes / gib,
+                    how if m.kv_in_host_memory else "device memory", m.resident_bytes / gib,
+                    m.planned_bytes / gib, " with its KV cache full" if m.kv_in_host_memory else "")
 
     def info(self) -> CoreInfo:
         return CoreInfo(self.config, self.model_info, self.model_cls, self.vocab_size,
                         self.lora_layout() if self.config.lora_config is not None else None, self.platform.name,
-                        self.executor.layout)
+                        self.executor.layout, self.memory)
 
     def lora_layout(self) -> tuple[dict, dict]:
         """(targets, in_features) of the model's LoRA layers in checkpoint coordinates: what an adapter is
@@ -396,7 +432,10 @@ class EngineCore:
         return self.kv_cache_manager.reset_prefix_cache()
 
     def stats(self) -> SchedulerStats:
-        return self.scheduler.stats(self.step_times)
+        s = self.scheduler.stats(self.step_times)
+        s.grammar_cache_bytes = self.structured_output.cache_bytes
+        s.grammar_cache_evictions = self.structured_output.num_cache_evictions
+        return s
 
     def shutdown(self) -> None:
         """Stop the workers (other processes / actors for the mp and ray executors) and the grammar compiler."""

@@ -43,6 +43,8 @@ class EngineCoreClient(Protocol):
     info: CoreInfo
     # Called (from a monitor thread) when an engine core dies on its own; never for an in-process core.
     on_failure: list[Callable[[], None]]
+    # Whether ``restart`` can bring a dead core back (an engine-core process can be started again).
+    restartable: bool
 
     def add_request(self, request: Request) -> None: ...
 
@@ -81,6 +83,9 @@ class EngineCoreClient(Protocol):
     def wake(self) -> None:
         """Make a ``step`` that waits for outputs return now (new requests or aborts to send)."""
 
+    def restart(self) -> None:
+        """Start the dead core(s) again, forgetting every request sent before; raises what start-up raised."""
+
     def shutdown(self) -> None: ...
 
 
@@ -91,6 +96,7 @@ class InprocClient:
         self.engine_core = engine_core
         self.info = engine_core.info()
         self.on_failure: list[Callable[[], None]] = []
+        self.restartable = False  # a failed step leaves this process's core in an unknown state
 
     def add_request(self, request: Request) -> None:
         self.engine_core.add_request(request)
@@ -134,6 +140,9 @@ class InprocClient:
 
     def wake(self) -> None:
         """Nothing waits: ``step`` returns when the core's step does."""
+
+    def restart(self) -> None:
+        raise NotImplementedError("an in-process engine core is not restarted (restartable is False)")
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

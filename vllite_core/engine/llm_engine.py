@@ -231,6 +231,14 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
+    def restart_core(self) -> None:
+        """After the core died (``core.restartable``): forget every request (the caller failed them) and
+        start the core again; the engine serves once this returns."""
+        for rid in list(self.output_processor.states):
+            self.output_processor.abort(rid)
+        self.core.restart()
+        self.dead = None
+
     def get_stats(self) -> SchedulerStats:
         """The core's numbers: running/waiting, KV usage, preemptions, prefix-cache hits, step times."""
         return self.core.stats()

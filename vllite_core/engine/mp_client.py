@@ -10,7 +10,8 @@ not yet finished or aborted), and /metrics labels each engine's numbers with its
 
 Death: a monitor thread waits on the processes' sentinels. When one exits (a crash, kill -9,
 the OOM killer), ``step`` raises ``EngineDeadError`` naming the process, its exit code or
-signal and the last error line it sent, so AsyncLLM fails every open and new request with it.
+signal and the last error line it sent, so AsyncLLM fails every open request with it; ``restart``
+then starts the dead process(es) again (AsyncLLM decides whether, within its restart budget).
 """
 from __future__ import annotations
 
@@ -95,8 +96,6 @@ class MPClient:
     def __init__(self, config: VlliteConfig, data_parallel_size: int = 1) -> None:
         if data_parallel_size < 1:
             raise ConfigError(f"data_parallel_size: must be at least 1, got {data_parallel_size}")
-        from vllite_core.engine.core_proc import run_engine_core
-
         self._ctx = zmq.Context()
         self._tag = f"vllite-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._ipc_files: list[str] = []
@@ -113,22 +112,15 @@ class MPClient:
         self._pending: deque[EngineCoreOutputs] = deque()  # arrived, not yet handed out by step()
         self._routes: OrderedDict[str, int] = OrderedDict()  # recent request ids -> engine index (for metrics)
         self.on_failure: list[Callable[[], None]] = []  # called (monitor thread) when an engine process exits
-        mp = multiprocessing.get_context("spawn")
-        self.engines: list[_Engine] = []
-        for i in range(data_parallel_size):
-            addr = self._addr(f"in{i}")
-            proc = mp.Process(target=run_engine_core, args=(config, i, addr, self._addr("out")),
-                              name=f"VlliteEngineCore_{i}", daemon=False)
-            self.engines.append(_Engine(i, proc, addr))
+        self.restartable = True
+        self._config = config
+        self._restarts = 0  # engine processes started again after a death (their socket names differ)
+        self.engines = [_Engine(i, None, "") for i in range(data_parallel_size)]
         atexit.register(self.close)
         for e in self.engines:
-            e.proc.start()
-            e.sock = self._ctx.socket(zmq.PUSH)
-            e.sock.setsockopt(zmq.LINGER, 0)
-            e.sock.setsockopt(zmq.SNDHWM, 0)  # no limit: a send fails (never blocks) only without a peer
-            e.sock.bind(e.input_addr)
+            self._spawn(e)
         try:
-            info = self._wait_ready()
+            info = self._wait_ready(self.engines)
         except BaseException:
             self.close()
             raise
@@ -139,6 +131,26 @@ class MPClient:
         self._poller = zmq.Poller()
         self._poller.register(self._out, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
+        self._start_monitor()
+
+    def _spawn(self, eng: _Engine) -> None:
+        """Start engine ``eng.index``'s process, with a fresh input socket (nothing queued for a dead one)."""
+        from vllite_core.engine.core_proc import run_engine_core
+
+        if eng.sock is not None:
+            eng.sock.close(0)
+        eng.input_addr = self._addr(f"in{eng.index}" + (f"-r{self._restarts}" if self._restarts else ""))
+        mp = multiprocessing.get_context("spawn")
+        eng.proc = mp.Process(target=run_engine_core, args=(self._config, eng.index, eng.input_addr, self._addr("out")),
+                              name=f"VlliteEngineCore_{eng.index}", daemon=False)
+        eng.proc.start()
+        eng.pid = None
+        eng.sock = self._ctx.socket(zmq.PUSH)
+        eng.sock.setsockopt(zmq.LINGER, 0)
+        eng.sock.setsockopt(zmq.SNDHWM, 0)  # no limit: a send fails (never blocks) only without a peer
+        eng.sock.bind(eng.input_addr)
+
+    def _start_monitor(self) -> None:
         self._monitor = threading.Thread(target=self._watch, name="vllite-engine-monitor", daemon=True)
         self._monitor.start()
 
@@ -149,13 +161,22 @@ class MPClient:
         return f"ipc://{path}"
 
     # ---- start-up -------------------------------------------------------------------------
-    def _wait_ready(self) -> CoreInfo:
-        """Each engine's CoreInfo; the first start-up failure is raised as the error the process hit."""
+    def _wait_ready(self, engines: list[_Engine]) -> CoreInfo:
+        """Each starting engine's CoreInfo (the first one's is returned); the first start-up failure is
+        raised as the error the process hit. Outputs other (running) engines send meanwhile are kept."""
         infos: dict[int, Any] = {}
-        while len(infos) < len(self.engines):
+        starting = {e.index for e in engines}
+        while len(infos) < len(engines):
             if self._out.poll(200):
                 msg = self._decoder.decode([f.buffer for f in self._out.recv_multipart(copy=False)])
                 eng = self.engines[msg.engine_index]
+                if eng.index not in starting:
+                    if isinstance(msg, EngineCoreOutputs):
+                        self._pending.append(msg)
+                    elif isinstance(msg, EngineCoreFailed):
+                        eng.last_error = msg.text
+                        self._died = self._died or eng
+                    continue
                 if isinstance(msg, EngineCoreFailed):
                     eng.proc.join(10)
                     if isinstance(msg.error, BaseException):
@@ -166,11 +187,11 @@ class MPClient:
                     eng.stats = msg.stats
                     infos[msg.engine_index] = pickle.loads(msg.info)
                 continue
-            for eng in self.engines:
+            for eng in engines:
                 if eng.index not in infos and eng.proc.exitcode is not None:
                     raise EngineStartupError(f"{eng.describe()} failed to start: it exited "
                                              f"({describe_exit(eng.proc.exitcode)}) before it was ready")
-        return infos[0]
+        return infos[engines[0].index]
 
     # ---- what LLMEngine calls ---------------------------------------------------------------
     def _pick(self) -> _Engine:
@@ -323,6 +344,52 @@ class MPClient:
         if eng.last_error:
             text += f"; its last error: {eng.last_error}"
         return text
+
+    # ---- restart ---------------------------------------------------------------------------------
+    def restart(self) -> None:
+        """Bring the dead engine core(s) back: each exited process starts again from the config (the
+        model loads again). Every request sent before is forgotten (the caller failed them): engines
+        still running (data parallel) abort theirs. Raises what the new process's start-up raised
+        (the engine stays dead; a later ``restart`` tries again)."""
+        dead = [e for e in self.engines if e is self._died or not e.proc.is_alive()]
+        for eng in dead:
+            eng.proc.join(5)
+            if eng.proc.is_alive():  # it reported a failed step and hangs on its way out
+                eng.proc.kill()
+                eng.proc.join(5)
+        self._monitor.join(10)  # it has seen the death (and must not report this one after the restart)
+        try:
+            self._drain()  # the dead process's last messages
+        except zmq.ZMQError:
+            pass
+        self._pending.clear()
+        self._outbox.clear()
+        for eng in self.engines:
+            ids = [rid for rid, owner in self._owner.items() if owner is eng]
+            if ids and eng not in dead:
+                self._send(eng, [EngineCoreAbort(ids)])
+            eng.unfinished = 0
+        self._owner.clear()
+        self._restarts += 1
+        for eng in dead:
+            eng.sent = eng.applied = 0
+            eng.last_error = None
+            eng.stats = SchedulerStats()
+            logger.warning("%s: starting again", eng.describe())
+            self._spawn(eng)
+        self._died = None
+        try:
+            self._wait_ready(dead)
+        except BaseException:
+            for eng in dead:
+                if eng.proc.is_alive():
+                    eng.proc.kill()
+                eng.proc.join(5)
+            self._died = dead[0]
+            raise
+        self._start_monitor()
+        logger.warning("engine core(s) %s serving again (pid %s)", ", ".join(str(e.index) for e in dead),
+                       ", ".join(str(e.pid) for e in dead))
 
     # ---- statistics ---------------------------------------------------------------------------
     def stats(self) -> SchedulerStats:

@@ -5,6 +5,7 @@ import argparse
 import os
 from typing import Any
 
+from vllite_core.engine.restart import DEFAULT_MAX_RESTARTS, DEFAULT_WINDOW_S
 from vllite_core.entrypoints.engine_args_cli import add_engine_args, engine_args_from_namespace
 
 API_KEY_ENV = "VLLITE_API_KEY"
@@ -79,12 +80,20 @@ def add_serve_parser(sub: Any) -> None:
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine cores behind this API server, each a full copy of the model in its own process; "
                    "a request goes to the least loaded one (needs VLLITE_ENABLE_V1_MULTIPROCESSING=1, the default)")
+    g.add_argument("--engine-restart-max", type=int, default=DEFAULT_MAX_RESTARTS,
+                   help="a dead engine-core process is started again (its open requests fail with engine_dead, "
+                   "/health answers 503 meanwhile) at most this many times within --engine-restart-window; "
+                   "then the server exits non-zero (0: exit at the first death)")
+    g.add_argument("--engine-restart-window", type=float, default=DEFAULT_WINDOW_S,
+                   help="seconds over which --engine-restart-max counts restarts (each waits 1 s, doubling with "
+                   "the restarts already made in the window, up to 30 s)")
     add_engine_args(p)
     p.set_defaults(func=run_serve)
 
 
 def run_serve(ns: argparse.Namespace) -> int:
     from vllite_core.engine.async_llm import AsyncLLM
+    from vllite_core.engine.restart import RestartPolicy
     from vllite_core.entrypoints.openai.api_server import bind_socket, default_model_name, serve
     from vllite_core.entrypoints.openai.serving_common import DEFAULT_MAX_BODY_BYTES
     from vllite_core.entrypoints.openai.template_sandbox import TemplateLimits
@@ -98,7 +107,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     for flag, least in (("max_waiting_requests", 1), ("request_timeout", 1e-3), ("body_read_timeout", 0),
                         ("header_read_timeout", 1e-3), ("chat_template_timeout", 1e-3),
                         ("chat_template_max_output_chars", 1), ("chat_template_memory_mb", 16),
-                        ("health_stall_timeout", 1e-3),
+                        ("health_stall_timeout", 1e-3), ("engine_restart_max", 0), ("engine_restart_window", 1e-3),
                         ("shutdown_timeout", 0)):
         if getattr(ns, flag) is not None and getattr(ns, flag) < least:
             raise SystemExit(f"vllite serve: --{flag.replace('_', '-')} must be at least {least:g}")
@@ -117,7 +126,8 @@ def run_serve(ns: argparse.Namespace) -> int:
         raise SystemExit("vllite serve: --data-parallel-size must be at least 1")
     sock = bind_socket(ns.host, ns.port)  # a busy port fails now, not after loading the model
     try:
-        engine = AsyncLLM.from_engine_args(engine_args_from_namespace(ns), ns.data_parallel_size)
+        restart = RestartPolicy(ns.engine_restart_max, ns.engine_restart_window)
+        engine = AsyncLLM.from_engine_args(engine_args_from_namespace(ns), ns.data_parallel_size, restart=restart)
     except KeyboardInterrupt:
         sock.close()
         print("vllite: stopped while loading the model", flush=True)
@@ -129,6 +139,7 @@ def run_serve(ns: argparse.Namespace) -> int:
         # the engine core's own error text, whether it failed here or in its process
         raise SystemExit(f"vllite serve: the engine failed to start: {type(e).__name__}: {e}") from None
     print(describe_layout(engine.layout()), flush=True)
+    print(describe_memory(engine.core.info.memory, len(engine.engine_stats())), flush=True)
     parallel = engine.parallel_layout()
     if parallel:
         from vllite_core.distributed.layout import format_layout
@@ -168,6 +179,21 @@ def describe_layout(layout: dict[str, Any]) -> str:
     ranks = ", ".join(f"DP rank {c['dp_rank']} pid {c['pid']}" for c in cores)
     return (f"vllite: process layout: API server pid {layout['api_pid']}; {len(cores)} engine core "
             f"process{'es' if len(cores) != 1 else ''} ({ranks})")
+
+
+def describe_memory(mem: Any, num_cores: int) -> str:
+    """One start-up line: what each engine core will really hold (its KV cache counted in full)."""
+    gib = 2 ** 30
+    each = " each" if num_cores > 1 else ""
+    if not mem.kv_in_host_memory:
+        return (f"vllite: memory{each}: weights {mem.weights_bytes / gib:.2f} GiB, KV cache "
+                f"{mem.kv_cache_bytes / gib:.2f} GiB in device memory; the engine core holds "
+                f"{mem.resident_bytes / gib:.2f} GiB of host memory")
+    how = "committed at start (--commit-kv-cache)" if mem.kv_committed else \
+        "committed as blocks are first used; --commit-kv-cache commits it at start"
+    return (f"vllite: memory{each}: weights {mem.weights_bytes / gib:.2f} GiB + KV cache "
+            f"{mem.kv_cache_bytes / gib:.2f} GiB ({how}): the engine core holds {mem.resident_bytes / gib:.2f} GiB "
+            f"now and will hold up to {mem.planned_bytes / gib:.2f} GiB")
 
 
 def _frontend_options(ns: argparse.Namespace) -> tuple[str | None, str | None]:

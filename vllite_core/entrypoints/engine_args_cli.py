@@ -23,6 +23,8 @@ _HELP = {
     "logprobs_mode": "raw_logprobs | processed_logprobs | raw_logits | processed_logits",
     "num_kv_blocks": "number of KV cache blocks (overrides memory profiling; alias --num-gpu-blocks-override)",
     "kv_cache_memory": "bytes of memory for the KV cache",
+    "commit_kv_cache": "write every KV cache page at start-up, so the process holds its full footprint from the "
+                       "start (default: pages are committed as blocks are first used; start-up takes longer)",
     "device": "platform name (default: VLLITE_PLATFORM or the best available)",
     "num_threads": "CPU threads for torch (default: all cores)",
     "enforce_eager": "disable graph capture / compilation",

@@ -29,6 +29,8 @@ class ModelFacts:
     kv_cache_dtype: Any
     # LoRA on: (targets, in_features) in checkpoint coordinates, what adapters are checked against.
     lora_layout: tuple[dict, dict] | None = None
+    weights_bytes: int = 0  # the model's parameters and buffers on this rank
+    kv_cache_bytes_per_block: int = 0  # what one block id costs in every cache tensor of this rank
 
 
 class WorkerWrapper:

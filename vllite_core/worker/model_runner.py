@@ -178,6 +178,16 @@ class ModelRunner:
         for c in self.components:
             c.initialize_kv_cache(num_blocks)
 
+    def commit_kv_cache(self) -> None:
+        """Write every page of the cache tensors now (``commit_kv_cache``): memory a platform maps lazily
+        (the cpu platform's, committed as blocks are first used) is all held from start-up, a fixed
+        footprint; the tensors are zero either way."""
+        seen: set[int] = set()
+        for t in self.kv_caches:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                t.zero_()
+
     def remove_lora(self, lora_int_id: int) -> bool:
         return self.lora.remove_lora(lora_int_id) if self.lora is not None else False
 

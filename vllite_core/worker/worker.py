@@ -105,6 +105,8 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         assert self.runner is not None
         self.runner.initialize_kv_cache(num_blocks)
+        if self.config.cache_config.commit_kv_cache:
+            self.runner.commit_kv_cache()
         self.runner.model_forward.capture(self.platform, self.config, self.runner.kv_caches,
                                           len(self.runner.kv_cache_groups), self.runner.block_size,
                                           self.runner.max_model_len, self.device,
@@ -123,7 +125,9 @@ class Worker:
             from vllite_core.lora.sharding import full_layout
 
             lora = full_layout(r.model)
-        return ModelFacts(int(r.model.vocab_size), r.kv_cache_groups, r.kv_cache_dtype, lora)
+        weights = sum(t.numel() * t.element_size() for t in (*r.model.parameters(), *r.model.buffers()))
+        return ModelFacts(int(r.model.vocab_size), r.kv_cache_groups, r.kv_cache_dtype, lora, weights,
+                          r.kv_cache_bytes_per_block())
 
     def remove_lora(self, lora_int_id: int) -> bool:
         assert self.runner is not None

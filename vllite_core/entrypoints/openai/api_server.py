@@ -285,6 +285,9 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
     async def health() -> Response:
         if engine.dead is not None:
             return APIError(503, f"engine loop stopped: {engine.dead!r}", code="engine_dead").response()
+        if engine.restarting is not None:
+            return APIError(503, f"the engine core is restarting after it died: {engine.restarting}",
+                            code="engine_restarting").response()
         problem = monitor.problem()
         if problem is not None:
             return APIError(503, problem, code="engine_stalled").response()

@@ -27,12 +27,12 @@ class HealthMonitor:
         self._snapshot_seen = time.monotonic()
         self._probe: asyncio.Future | None = None
         self._probe_sent = 0.0
-        self._core_pids = [c["pid"] for c in engine.layout()["engine_cores"] if not c.get("in_process")]
 
     def _core_problem(self) -> str | None:
         import psutil
 
-        for pid in self._core_pids:
+        # read each time: a restarted engine core has a new pid
+        for pid in [c["pid"] for c in self.engine.layout()["engine_cores"] if not c.get("in_process")]:
             try:
                 status = psutil.Process(pid).status()
             except psutil.NoSuchProcess:

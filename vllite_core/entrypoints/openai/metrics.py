@@ -90,6 +90,29 @@ class _EngineCollector(Collector):
         g.add_metric([_ENGINE, *info.values()], 1.0)
         return g
 
+    def _memory(self) -> Iterator[Metric]:
+        """What the engine cores will hold (their start-up report, every core's together) and hold now."""
+        import psutil
+
+        mem = self.engine.core.info.memory
+        n = len(self.engine.engine_stats())  # data-parallel engine cores, each a full copy
+        g = GaugeMetricFamily("vllite:engine_memory_bytes", "Engine-core memory at start-up: weights, kv_cache (in "
+                              "full), resident (RSS when ready), planned (resident + the KV cache not yet "
+                              "committed: what the process will hold with its cache full).",
+                              labels=["model_name", "part"])
+        for part, v in (("weights", mem.weights_bytes), ("kv_cache", mem.kv_cache_bytes),
+                        ("resident", mem.resident_bytes), ("planned", mem.planned_bytes)):
+            g.add_metric([self.model, part], v * n)
+        yield g
+        rss = 0
+        for core in self.engine.layout()["engine_cores"]:
+            try:
+                rss += psutil.Process(core["pid"]).memory_info().rss
+            except psutil.Error:  # restarting
+                pass
+        yield from self._both(GaugeMetricFamily, "engine_resident_bytes", "Resident memory of the engine-core "
+                              "process(es) now (this process for an in-process engine).", rss, vllm=False)
+
     def _spec_decoding(self, sd) -> Iterator[Metric]:
         """vLLM's speculative-decoding counters (vllite_core.spec_decode.metrics.SpecDecodingStats)."""
         c = CounterMetricFamily
@@ -129,6 +152,8 @@ class _EngineCollector(Collector):
         yield from self._both(c, "num_preemptions", "Preemptions (recompute) since start.", s.num_preemptions_total,
                               field="num_preemptions_total")
         yield from self._both(c, "engine_loop_steps", "Engine loop steps.", ls.steps, vllm=False)
+        yield from self._both(c, "engine_core_restarts", "Engine-core processes started again after they died.",
+                              self.engine.num_restarts, vllm=False)
         if s.spec_decoding is not None:
             yield from self._spec_decoding(s.spec_decoding)
         if s.mm_cache is not None:  # the encoder cache, counted in images (vLLM's multi-modal cache counters)
@@ -141,7 +166,12 @@ class _EngineCollector(Collector):
         if self.engine.engine.config.structured_outputs_config.jump_forward:
             yield from self._both(c, "jump_forward_tokens", "Structured output tokens appended without a sampling "
                                   "step (the grammar allowed exactly one).", s.num_jump_forward_tokens, vllm=False)
+        yield from self._both(g, "grammar_cache_bytes", "Bytes of compiled structured-output grammars cached "
+                              "(bounded by grammar_cache_bytes).", s.grammar_cache_bytes, vllm=False)
+        yield from self._both(c, "grammar_cache_evictions", "Compiled grammars evicted to stay within the bound.",
+                              s.grammar_cache_evictions, vllm=False)
         yield self._cache_info()
+        yield from self._memory()
         loop = CounterMetricFamily("vllite:engine_loop_seconds", "Engine loop wall time by phase "
                                    "(step: LLMEngine.step; other: inbox and hand-off; idle: asleep; "
                                    "trim: giving freed heap back to the OS).", labels=["model_name", "phase"])
