@@ -186,6 +186,7 @@ def test_tensor_parallel_sleep_and_weight_swap(models):
         llm.llm_engine.core.shutdown()
 
 
+@pytest.mark.slow
 def test_engine_core_process_sleep_rpc_and_weights(models):
     """The engine core in its own process (MPClient): the calls cross the core's socket as typed messages;
     its RSS drops by the KV cache at level 1; a request while asleep fails with a clear error; a call that
@@ -244,6 +245,7 @@ def test_server_dev_routes(models):
                            env={"VLLM_SERVER_DEV_MODE": "1"})
     try:
         url = server.wait_ready()
+        http = httpx.Client(timeout=120)  # a shared 2-core host: calls can take seconds
         client = openai.OpenAI(base_url=url + "/v1", api_key="none")
 
         def complete() -> str:
@@ -251,17 +253,17 @@ def test_server_dev_routes(models):
                                              extra_body={"ignore_eos": True}).choices[0].text
 
         before = complete()
-        assert httpx.get(url + "/is_sleeping").json() == {"is_sleeping": False}
-        assert httpx.post(url + "/sleep", params={"level": 1}).status_code == 200
-        assert httpx.get(url + "/is_sleeping").json() == {"is_sleeping": True}
+        assert http.get(url + "/is_sleeping").json() == {"is_sleeping": False}
+        assert http.post(url + "/sleep", params={"level": 1}).status_code == 200
+        assert http.get(url + "/is_sleeping").json() == {"is_sleeping": True}
         with pytest.raises(openai.APIStatusError) as err:
             complete()
         assert err.value.status_code == 503 and "sleeping" in str(err.value)
-        assert httpx.post(url + "/sleep", params={"level": 5}).status_code == 400
-        assert httpx.post(url + "/wake_up", params={"tags": ["kv_cache"]}).status_code == 200
-        assert httpx.get(url + "/is_sleeping").json() == {"is_sleeping": False}
+        assert http.post(url + "/sleep", params={"level": 5}).status_code == 400
+        assert http.post(url + "/wake_up", params={"tags": ["kv_cache"]}).status_code == 200
+        assert http.get(url + "/is_sleeping").json() == {"is_sleeping": False}
         assert complete() == before
-        rpc = httpx.post(url + "/collective_rpc", json={"method": "reload_weights", "args": [str(root / "b")]})
+        rpc = http.post(url + "/collective_rpc", json={"method": "reload_weights", "args": [str(root / "b")]})
         assert rpc.status_code == 200 and rpc.json()["results"][0] > 0
         assert complete() != before  # model B's weights now
     finally:
