@@ -62,10 +62,6 @@ def _fill_kv_cache(worker) -> int:
     return sum(t.numel() * t.element_size() for t in distinct.values())
 
 
-def _pid(worker) -> int:
-    return os.getpid()
-
-
 def _rank(worker, offset: int = 0) -> int:
     return worker.tp.rank + offset
 
