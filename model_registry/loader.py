@@ -44,11 +44,7 @@ def load_model(source: ModelSource, hf_config: Any, model_cls: type, attn_backen
     prepared = None
     if quantization in prequantized.PREQUANTIZED:  # the checkpoint's own layout: placeholders before loading
         prepared = prequantized.prepare(model, quantization, hf_config)
-    if source.kind == "gguf":
-        weights = _gguf_weights(source, hf_config)
-    else:
-        weights = iter_hf_weights(source.path)
-    loaded = model.load_weights(weights)
+    loaded = model.load_weights(checkpoint_weights(source, hf_config))
     if prepared is not None:  # repacked now: a missing quantized tensor is named by its checkpoint name
         loaded |= prequantized.finish(prepared, quantization)
     missing = sorted(name for name, _ in model.named_parameters(remove_duplicate=False) if name not in loaded)
@@ -64,6 +60,16 @@ def load_model(source: ModelSource, hf_config: Any, model_cls: type, attn_backen
     if report.paths:
         logger.info("%s", report.describe(current_model_ops().name))
     return model
+
+
+def checkpoint_weights(source: ModelSource, hf_config: Any, folder: str | None = None
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) of the model's checkpoint, or of the HF checkpoint ``folder`` (a weight update)."""
+    if folder is not None:
+        return iter_hf_weights(folder)
+    if source.kind == "gguf":
+        return _gguf_weights(source, hf_config)
+    return iter_hf_weights(source.path)
 
 
 def _gguf_weights(source: ModelSource, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:

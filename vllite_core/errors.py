@@ -4,6 +4,7 @@ the config all raise them without an import circle).
 - ``ConfigError``: a configuration value is invalid (the message names the field); the engine does not start.
 - ``InvalidRequestError`` (and ``PromptTooLongError``): a request is refused, the engine keeps serving.
 - ``EngineDeadError`` / ``RequestFailedError``: what a fault inside the engine means for the open requests.
+- ``EngineSleepingError``: a request reached an engine put to sleep (sleep mode).
 """
 from __future__ import annotations
 
@@ -31,6 +32,14 @@ class PromptTooLongError(InvalidRequestError):
 class EngineDeadError(RuntimeError):
     """The engine hit an error that belongs to no request (the model's forward pass raising, say):
     every open request fails with this, naming the cause, and no request can be served any more."""
+
+
+class EngineSleepingError(RuntimeError):
+    """A request reached an engine put to sleep (``LLM.sleep``): its KV cache (and maybe its weights) are
+    released until ``wake_up``. The request is refused; the server answers 503."""
+
+    def __init__(self, what: str = "the request") -> None:
+        super().__init__(f"{what}: the engine is sleeping (its KV cache is released); call wake_up() first")
 
 
 class RequestFailedError(RuntimeError):

@@ -83,6 +83,9 @@ class ModelConfig:
     # None (what config.json's quantization_config names, else none) | "int8" (W8A8) | "gguf" (GGUF blocks kept) |
     # "compressed-tensors" | "fp8" | "gptq" | "awq" (must match the checkpoint's): model_registry.layers.quantization
     quantization: str | None = None
+    # sleep(level)/wake_up() may release and restore the KV cache and the weights (vLLM's enable_sleep_mode;
+    # docs/sleep_mode.md).
+    enable_sleep_mode: bool = False
     pooler_config: Any = None  # vllite_core.pooling.PoolerConfig of a pooling model; set when the engine starts
     # What the resolved model class declares (vllite_core.model_interfaces); set when the engine starts.
     capabilities: ModelCapabilities = field(default_factory=ModelCapabilities)
@@ -336,6 +339,7 @@ class EngineArgs:
     convert: str = "auto"
     model_impl: str = "auto"
     quantization: str | None = None
+    enable_sleep_mode: bool = False
     structured_outputs_config: dict | None = None  # {"backend": "auto" | "xgrammar" | "guidance" | "outlines", ...}
     jump_forward: bool = False  # structured output: append grammar-forced tokens without sampling them
     enable_lora: bool = False
@@ -393,7 +397,7 @@ class EngineArgs:
                                      download_dir=self.download_dir, gguf_file=self.gguf_file,
                                      generation_config=self.generation_config, runner=self.runner,
                                      convert=self.convert, model_impl=self.model_impl,
-                                     quantization=self.quantization),
+                                     quantization=self.quantization, enable_sleep_mode=self.enable_sleep_mode),
             cache_config=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                                      kv_cache_dtype=self.kv_cache_dtype,
                                      calculate_kv_scales=self.calculate_kv_scales, num_kv_blocks=self.num_kv_blocks,

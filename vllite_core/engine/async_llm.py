@@ -40,6 +40,7 @@ Requests queued before the death are recognised by ``_epoch`` and never reach th
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import copy
 import itertools
 import logging
@@ -55,7 +56,13 @@ from vllite_core.engine.delta import DeltaCursor
 from vllite_core.engine.heap_trim import HeapTrimmer
 from vllite_core.engine.llm_engine import LLMEngine, PromptType
 from vllite_core.engine.restart import RestartPolicy
-from vllite_core.errors import ConfigError, EngineDeadError, InvalidRequestError, RequestFailedError
+from vllite_core.errors import (
+    ConfigError,
+    EngineDeadError,
+    EngineSleepingError,
+    InvalidRequestError,
+    RequestFailedError,
+)
 from vllite_core.inputs import InputContext, ProcessedPrompt
 from vllite_core.outputs import RequestOutput
 from vllite_core.sampling_params import RequestOutputKind, SamplingParams
@@ -205,6 +212,15 @@ class _Abort:
     epoch: int = 0
 
 
+@dataclass
+class _Call:
+    """A call of the engine core's client run on the loop thread (the one thread that talks to the core):
+    sleep mode, collective_rpc, a prefix cache reset. Its result or error goes to ``future``."""
+
+    fn: Callable[[], Any]
+    future: concurrent.futures.Future
+
+
 class AsyncLLM:
     """``generate()`` streams RequestOutputs for one request; ``abort()`` ends one early.
 
@@ -245,7 +261,7 @@ class AsyncLLM:
         self._streams: dict[str, RequestStream] = {}
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._cond = threading.Condition()
-        self._inbox: list[_Add | _Abort] = []
+        self._inbox: list[_Add | _Abort | _Call] = []
         self._stopping = False
         self._ids = itertools.count()
         # An engine core in its own process (mp_client.py): wake the loop when it dies, so the open
@@ -319,11 +335,13 @@ class AsyncLLM:
         return self.engine.prepare_request(prompt, params, self._prep_ctx, lora_request)
 
     def check_new(self, request_id: str, priority: int = 0) -> None:
-        """What ``add_request`` checks before any work: engine alive, id new, priority allowed."""
+        """What ``add_request`` checks before any work: engine alive and awake, id new, priority allowed."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine loop stopped: {self.dead!r}")
         if self.restarting is not None:
             raise EngineDeadError(f"the engine core is restarting after it died: {self.restarting}")
+        if self.engine.sleeping:
+            raise EngineSleepingError(f"request {request_id!r}")
         loop = asyncio.get_running_loop()
         if self._aloop is None:
             self._aloop = loop
@@ -402,11 +420,38 @@ class AsyncLLM:
             self._report(stream, stream.latest, aborted=True)
         self._post(_Abort(request_id, self._epoch))
 
+    # ---- sleep mode, collective_rpc (docs/sleep_mode.md): run on the loop thread ------------------------
+    async def _call(self, fn: Callable[[], T]) -> T:
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine loop stopped: {self.dead!r}")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._post(_Call(fn, future))
+        return await asyncio.wrap_future(future)
+
+    async def sleep(self, level: int = 1) -> None:
+        """vLLM's ``AsyncLLM.sleep``: refused while requests are in flight."""
+        if self._streams:
+            raise ValueError(f"sleep: {len(self._streams)} request(s) are in flight; let them finish first")
+        await self._call(lambda: self.engine.sleep(level))
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self._call(lambda: self.engine.wake_up(tags))
+
+    async def is_sleeping(self) -> bool:
+        return await self._call(self.engine.is_sleeping)
+
+    async def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
+                             kwargs: dict[str, Any] | None = None) -> list[Any]:
+        return await self._call(lambda: self.engine.collective_rpc(method, args, kwargs))
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self._call(self.engine.reset_prefix_cache)
+
     @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    def _post(self, cmd: _Add | _Abort) -> None:
+    def _post(self, cmd: _Add | _Abort | _Call) -> None:
         with self._cond:
             self._inbox.append(cmd)
             self._cond.notify()
@@ -481,9 +526,15 @@ class AsyncLLM:
                 logger.exception("request observer failed")
 
     # ---- engine loop thread ----------------------------------------------------------------
-    def _apply(self, cmds: list[_Add | _Abort]) -> list[tuple[str, BaseException]]:
+    def _apply(self, cmds: list[_Add | _Abort | _Call]) -> list[tuple[str, BaseException]]:
         failed = []
         for cmd in cmds:
+            if isinstance(cmd, _Call):
+                try:
+                    cmd.future.set_result(cmd.fn())
+                except BaseException as e:  # noqa: BLE001 - the caller's error, raised where it awaits
+                    cmd.future.set_exception(e)
+                continue
             if cmd.epoch != self._epoch:  # queued for a core that died: its stream has failed already
                 continue
             try:

@@ -10,23 +10,28 @@ import copy
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from vllite_core.config import AUTO_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN, ConfigError, VlliteConfig
 from vllite_core.core.kv_cache_manager import KVCacheManager
 from vllite_core.core.scheduler import Scheduler
 from vllite_core.core.stats import SchedulerStats, StepTimes
+from vllite_core.errors import EngineSleepingError
 from vllite_core.model_interfaces import ModelCapabilities, model_capabilities
 from vllite_core.pooling import setup as pooling_setup
 from vllite_core.request import Request, RequestStatus
 from vllite_core.state_cache import check_state_options, limit_max_num_seqs
 from vllite_core.structured_output.manager import StructuredOutputManager
 from vllite_core.worker.model_runner import SampleLogprobs
+from vllite_core.worker.sleep import SleepReport, check_level, check_tags
 
 if TYPE_CHECKING:
     from model_registry.model_impl import ModelImplChoice
 
 logger = logging.getLogger("vllite.engine")
+
+# Worker methods that load new weights: the core forgets its cached prefixes after one runs.
+WEIGHT_UPDATES = ("load_weights", "reload_weights")
 
 
 @dataclass
@@ -334,6 +339,7 @@ class EngineCore:
         self.model_impl = model.impl
         self.step_times = StepTimes()
         self.memory = _memory_report(config, self.platform, facts, num_blocks)
+        self.sleeping = False  # sleep mode: the workers released their KV cache (and maybe their weights)
         cc = config.cache_config
         kinds = ", ".join(f"{g.spec.kind} x{len(g.layers)}" for g in groups)
         logger.info("engine ready: %s (model_impl: %s) on %s, max_model_len=%d, %d KV blocks of %d tokens "
@@ -366,6 +372,8 @@ class EngineCore:
         self.executor.remove_lora(lora_int_id)
 
     def add_request(self, request: Request) -> None:
+        if self.sleeping:
+            raise EngineSleepingError(f"request {request.request_id!r}")
         so = request.sampling_params.structured_outputs
         if so is not None:
             request.structured_output = self.structured_output.submit(so)
@@ -436,6 +444,51 @@ class EngineCore:
         s.grammar_cache_bytes = self.structured_output.cache_bytes
         s.grammar_cache_evictions = self.structured_output.num_cache_evictions
         return s
+
+    # ---- sleep mode, the user's RPCs, weight updates (docs/sleep_mode.md) ------------------------------
+    def sleep(self, level: int = 1) -> list[SleepReport]:
+        """Every worker releases its KV cache (level 1) and its weights (level 2); requests are refused
+        until ``wake_up``. Only with no request in flight. Each rank's released bytes."""
+        if not self.config.model_config.enable_sleep_mode:
+            raise ConfigError("enable_sleep_mode: sleep() needs the engine started with enable_sleep_mode=True")
+        check_level(level)
+        if self.has_unfinished_requests():
+            raise ValueError(f"sleep: {self.get_num_unfinished_requests()} request(s) are in flight; let them "
+                             "finish (or abort them) first")
+        reports = self.executor.sleep(level)
+        self.sleeping = True
+        self.kv_cache_manager.reset_prefix_cache()  # the cached blocks' K/V are gone
+        logger.info("sleep(level=%d): released %.1f MiB of KV cache and %.1f MiB of weights", level,
+                    sum(r.kv_cache_bytes for r in reports) / 2**20, sum(r.weight_bytes for r in reports) / 2**20)
+        return reports
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what ``sleep`` released (``tags``: "weights", "kv_cache"; None: both)."""
+        check_tags(tags)
+        self.executor.wake_up(tags)
+        self.sleeping = self.executor.is_sleeping()
+
+    def is_sleeping(self) -> bool:
+        return self.sleeping
+
+    def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """``method`` (a worker method's name, or a function called with the worker first) on every rank;
+        the results in rank order. After a weight update (``WEIGHT_UPDATES``) cached prefixes are forgotten:
+        their K/V came from the old weights."""
+        if callable(method):
+            import cloudpickle
+
+            payload: str | bytes = cloudpickle.dumps(method)
+        elif isinstance(method, str):
+            payload = method
+        else:
+            raise TypeError(f"method: a worker method's name or a function, got {type(method).__name__}")
+        results = self.executor.run_on_workers(payload, tuple(args), dict(kwargs or {}))
+        if method in WEIGHT_UPDATES and not self.reset_prefix_cache():
+            logger.warning("%s: the prefix cache could not be reset (requests hold blocks computed with the old "
+                           "weights)", method)
+        return results
 
     def shutdown(self) -> None:
         """Stop the workers (other processes / actors for the mp and ray executors) and the grammar compiler."""

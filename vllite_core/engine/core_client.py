@@ -18,6 +18,7 @@ from vllite_core.core.stats import SchedulerStats
 from vllite_core.engine.core import CoreInfo, EngineCore, EngineCoreOutput
 from vllite_core.errors import ConfigError
 from vllite_core.request import Request, RequestStatus
+from vllite_core.worker.sleep import SleepReport
 
 MULTIPROCESSING_ENV = ("VLLITE_ENABLE_V1_MULTIPROCESSING", "VLLM_ENABLE_V1_MULTIPROCESSING")
 
@@ -85,6 +86,17 @@ class EngineCoreClient(Protocol):
 
     def restart(self) -> None:
         """Start the dead core(s) again, forgetting every request sent before; raises what start-up raised."""
+    # Sleep mode and the user's RPCs (docs/sleep_mode.md): answered calls, from the thread that steps.
+    def sleep(self, level: int) -> list[SleepReport]:
+        """Every engine core's workers release their KV cache (and weights, level 2); each rank's bytes."""
+
+    def wake_up(self, tags: list[str] | None) -> None: ...
+
+    def is_sleeping(self) -> bool: ...
+
+    def collective_rpc(self, method: str | Callable[..., Any], args: tuple,
+                       kwargs: dict[str, Any] | None) -> list[Any]:
+        """Every rank's result (every engine core's ranks, in engine order)."""
 
     def shutdown(self) -> None: ...
 
@@ -143,6 +155,18 @@ class InprocClient:
 
     def restart(self) -> None:
         raise NotImplementedError("an in-process engine core is not restarted (restartable is False)")
+    def sleep(self, level: int) -> list[SleepReport]:
+        return self.engine_core.sleep(level)
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        self.engine_core.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine_core.is_sleeping()
+
+    def collective_rpc(self, method: str | Callable[..., Any], args: tuple,
+                       kwargs: dict[str, Any] | None) -> list[Any]:
+        return self.engine_core.collective_rpc(method, args, kwargs)
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

@@ -6,8 +6,10 @@ as pickled bytes fields; tensors are raw frames (serial_utils).
 Client -> engine: ``EngineCoreRequest`` (a new request; one per engine request, so the n
 children of a parallel-sampling request are n of these), ``EngineCoreAbort`` (abort, or finish
 as stopped when the API's stop-string check ended it), ``EngineCoreUtility`` (LoRA cache
-removal, prefix cache reset, shutdown). Engine -> client: ``EngineCoreReady`` once (or ``EngineCoreFailed`` when
-start-up failed), then ``EngineCoreOutputs`` per step, ``EngineCoreFailed`` if the loop dies.
+removal, prefix cache reset, shutdown: nothing answered), the calls the client waits for (``CallMessage``: sleep
+mode and ``collective_rpc``, each with a ``call_id``). Engine -> client: ``EngineCoreReady`` once (or
+``EngineCoreFailed`` when start-up failed), then ``EngineCoreOutputs`` per step, ``EngineCoreCallResult`` per
+call, ``EngineCoreFailed`` if the loop dies.
 """
 from __future__ import annotations
 
@@ -46,7 +48,36 @@ class EngineCoreUtility(msgspec.Struct, tag="utility", array_like=True):
     args: list[Any] = []
 
 
-ClientMessage = EngineCoreRequest | EngineCoreAbort | EngineCoreUtility
+class EngineCoreSleep(msgspec.Struct, tag="sleep", array_like=True):
+    """Sleep mode: release the KV cache (level 1) and the weights (level 2). Answered by a call result
+    holding each rank's ``SleepReport``."""
+
+    call_id: int
+    level: int
+
+
+class EngineCoreWakeUp(msgspec.Struct, tag="wake_up", array_like=True):
+    call_id: int
+    tags: list[str] | None = None  # "weights", "kv_cache"; None: both
+
+
+class EngineCoreIsSleeping(msgspec.Struct, tag="is_sleeping", array_like=True):
+    call_id: int
+
+
+class EngineCoreCollectiveRpc(msgspec.Struct, tag="collective_rpc", array_like=True):
+    """A worker method on every rank: ``method`` by name, or ``function`` (cloudpickled, called with the
+    worker first). Answered with the ranks' results."""
+
+    call_id: int
+    method: str | None
+    function: bytes | None
+    args: bytes  # pickled tuple (a state dict's tensors ride along)
+    kwargs: bytes  # pickled dict
+
+
+CallMessage = EngineCoreSleep | EngineCoreWakeUp | EngineCoreIsSleeping | EngineCoreCollectiveRpc
+ClientMessage = EngineCoreRequest | EngineCoreAbort | EngineCoreUtility | CallMessage
 
 
 class EngineCoreBatch(msgspec.Struct, tag="batch", array_like=True):
@@ -77,4 +108,14 @@ class EngineCoreFailed(msgspec.Struct, tag="failed", array_like=True):
     text: str  # the traceback's last line
 
 
-EngineMessage = EngineCoreOutputs | EngineCoreReady | EngineCoreFailed
+class EngineCoreCallResult(msgspec.Struct, tag="result", array_like=True):
+    """The answer to one call message: its pickled value, or the error it raised (the engine goes on)."""
+
+    engine_index: int
+    call_id: int
+    value: bytes = b""
+    error: Any = None  # the exception (pickled), or its text when it cannot be pickled
+    text: str = ""  # the error's last line
+
+
+EngineMessage = EngineCoreOutputs | EngineCoreReady | EngineCoreFailed | EngineCoreCallResult

@@ -26,13 +26,19 @@ import zmq
 from vllite_core.config import VlliteConfig
 from vllite_core.engine.core import EngineCore, EngineCoreOutput
 from vllite_core.engine.core_messages import (
+    CallMessage,
     EngineCoreAbort,
     EngineCoreBatch,
+    EngineCoreCallResult,
+    EngineCoreCollectiveRpc,
     EngineCoreFailed,
+    EngineCoreIsSleeping,
     EngineCoreOutputs,
     EngineCoreReady,
     EngineCoreRequest,
+    EngineCoreSleep,
     EngineCoreUtility,
+    EngineCoreWakeUp,
 )
 from vllite_core.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 
@@ -92,6 +98,25 @@ class EngineCoreProc:
                 self.core.reset_prefix_cache()
         return True
 
+    def _call(self, msg: CallMessage) -> EngineCoreCallResult:
+        """Run one call and answer it; what it raises goes back to the caller, the engine goes on."""
+        try:
+            if isinstance(msg, EngineCoreSleep):
+                value: Any = self.core.sleep(msg.level)
+            elif isinstance(msg, EngineCoreWakeUp):
+                value = self.core.wake_up(msg.tags)
+            elif isinstance(msg, EngineCoreIsSleeping):
+                value = self.core.is_sleeping()
+            else:
+                import cloudpickle
+
+                method = msg.method if msg.method is not None else cloudpickle.loads(msg.function)
+                value = self.core.collective_rpc(method, pickle.loads(msg.args), pickle.loads(msg.kwargs))
+            return EngineCoreCallResult(self.engine_index, msg.call_id, pickle.dumps(value))
+        except Exception as e:  # noqa: BLE001 - answered to the caller, named
+            logger.warning("engine core call %s failed: %s", type(msg).__name__, last_error_line(e))
+            return EngineCoreCallResult(self.engine_index, msg.call_id, error=_picklable(e), text=last_error_line(e))
+
     def run(self, inp: zmq.Socket, out: zmq.Socket) -> None:
         poller = zmq.Poller()
         poller.register(inp, zmq.POLLIN)
@@ -107,6 +132,12 @@ class EngineCoreProc:
             while inp.poll(0):
                 frames = [f.buffer for f in inp.recv_multipart(copy=False)]
                 for msg in self.decoder.decode(frames).messages:
+                    if isinstance(msg, (EngineCoreSleep, EngineCoreWakeUp, EngineCoreIsSleeping,
+                                        EngineCoreCollectiveRpc)):
+                        out.send_multipart(self.encoder.encode(self._call(msg)), copy=False)
+                        applied = True
+                        self.num_applied += 1
+                        continue
                     try:
                         if not self._apply(msg):
                             return

@@ -30,6 +30,16 @@ def _load_malloc_trim() -> Callable[[int], int] | None:
         return None
 
 
+def trim_heap() -> bool:
+    """Trim once now (sleep mode, after the KV cache or the weights were freed); False where the C
+    library has no ``malloc_trim``."""
+    trim = _load_malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
 class HeapTrimmer:
     def __init__(self, interval_s: float | None = None) -> None:
         if interval_s is None:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from vllite_core.config import EngineArgs, VlliteConfig
 from vllite_core.core.stats import SchedulerStats
 from vllite_core.engine.core import EngineCore, encoder_cache_geometry, model_eos_token_id
 from vllite_core.engine.core_client import EngineCoreClient, InprocClient
 from vllite_core.engine.output_processor import OutputProcessor, child_request_ids
-from vllite_core.errors import EngineDeadError, InvalidRequestError, PromptTooLongError
+from vllite_core.errors import EngineDeadError, EngineSleepingError, InvalidRequestError, PromptTooLongError
 from vllite_core.inputs import InputContext, ProcessedPrompt
 from vllite_core.outputs import RequestOutput
 from vllite_core.plugins.manager import get_plugin_manager
@@ -20,6 +20,7 @@ from vllite_core.pooling.requests import POOLING_SAMPLING, prepare_pooling_promp
 from vllite_core.request import Request, RequestStatus
 from vllite_core.sampling_params import SamplingParams
 from vllite_core.structured_output.manager import BackendSelector
+from vllite_core.worker.sleep import SleepReport
 
 logger = logging.getLogger("vllite.engine")
 
@@ -58,6 +59,7 @@ class LLMEngine:
         self.model_cls = info.model_cls
         self.input_context = InputContext(self.tokenizer, info.model_info.hf_config, info.model_info.source.path)
         self.dead: BaseException | None = None  # set when a step failed with a fault of no single request
+        self.sleeping = False  # sleep mode: requests are refused until wake_up (docs/sleep_mode.md)
         # Which grammar backend takes a request (no tokenizer: the grammars compile in the core).
         self.grammar_backends = BackendSelector(config.structured_outputs_config, get_plugin_manager())
         self.lora_registry = None  # LoRARequest -> checked adapter (vllite_core/lora/registry.py)
@@ -183,6 +185,8 @@ class LLMEngine:
                     priority: int = 0, arrival_time: float | None = None, lora_request: Any = None) -> str:
         """Check, process and validate a request, then queue it (``add_prepared_request``)."""
         params = params or SamplingParams()
+        if self.sleeping:
+            raise EngineSleepingError()
         if request_id is None:
             request_id = str(next(self._ids))
         if self.output_processor.has(request_id):
@@ -245,6 +249,27 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return self.core.get_num_unfinished_requests()
+
+    # ---- sleep mode, collective_rpc, weight updates (docs/sleep_mode.md) ---------------------------------
+    def sleep(self, level: int = 1) -> list[SleepReport]:
+        """Release the KV cache (level 1) and the weights (level 2) of every worker; each rank's bytes."""
+        reports = self.core.sleep(level)
+        self.sleeping = True
+        return reports
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.core.wake_up(tags)
+        self.sleeping = self.core.is_sleeping()
+
+    def is_sleeping(self) -> bool:
+        return self.core.is_sleeping()
+
+    def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        return self.core.collective_rpc(method, args, kwargs)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.core.reset_prefix_cache()
 
     def step(self, delta: bool = False) -> list[RequestOutput]:
         """One engine step. A request that fails alone comes back finished with ``finish_reason="error"``

@@ -16,6 +16,7 @@ then starts the dead process(es) again (AsyncLLM decides whether, within its res
 from __future__ import annotations
 
 import atexit
+import itertools
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -35,18 +36,25 @@ from vllite_core.config import VlliteConfig
 from vllite_core.core.stats import SchedulerStats, combine
 from vllite_core.engine.core import CoreInfo, EngineCoreOutput
 from vllite_core.engine.core_messages import (
+    CallMessage,
     EngineCoreAbort,
     EngineCoreBatch,
+    EngineCoreCallResult,
+    EngineCoreCollectiveRpc,
     EngineCoreFailed,
+    EngineCoreIsSleeping,
     EngineCoreOutputs,
     EngineCoreReady,
     EngineCoreRequest,
+    EngineCoreSleep,
     EngineCoreUtility,
+    EngineCoreWakeUp,
     EngineMessage,
 )
 from vllite_core.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 from vllite_core.errors import ConfigError, EngineDeadError
 from vllite_core.request import Request, RequestStatus
+from vllite_core.worker.sleep import SleepReport
 
 logger = logging.getLogger("vllite.engine_core_client")
 
@@ -111,6 +119,8 @@ class MPClient:
         self._outbox: dict[int, list[Any]] = {}  # engine index -> messages queued for it (sent by flush)
         self._pending: deque[EngineCoreOutputs] = deque()  # arrived, not yet handed out by step()
         self._routes: OrderedDict[str, int] = OrderedDict()  # recent request ids -> engine index (for metrics)
+        self._call_ids = itertools.count()
+        self._results: dict[int, EngineCoreCallResult] = {}  # answers to calls, until their caller takes them
         self.on_failure: list[Callable[[], None]] = []  # called (monitor thread) when an engine process exits
         self.restartable = True
         self._config = config
@@ -280,6 +290,56 @@ class MPClient:
             if self._died is None:
                 self._send(eng, [EngineCoreUtility("remove_lora", [lora_int_id])])
 
+    # ---- answered calls: sleep mode, collective_rpc ------------------------------------------------
+    def _call(self, make: Callable[[int], CallMessage]) -> list[Any]:
+        """Send ``make(call_id)`` to every engine core (after what is queued) and wait for the answers;
+        each core's value in engine order. A call that raised there raises here (the engine goes on).
+        Called from the thread that steps (outputs arriving meanwhile are kept for ``step``)."""
+        self.flush()
+        self._raise_if_dead()
+        ids = []
+        for eng in self.engines:
+            call_id = next(self._call_ids)
+            if not self._send(eng, [make(call_id)]):
+                self._died = self._died or eng
+                self._raise_if_dead()
+            ids.append(call_id)
+        while not all(i in self._results for i in ids):
+            self._raise_if_dead()
+            if self._out.poll(_POLL_MS):
+                self._drain()
+        answers = [self._results.pop(i) for i in ids]
+        for a in answers:
+            if a.error is not None:
+                if isinstance(a.error, BaseException):
+                    raise a.error
+                raise RuntimeError(f"engine core {a.engine_index}: {a.text}")
+        return [pickle.loads(a.value) for a in answers]
+
+    def sleep(self, level: int) -> list[SleepReport]:
+        return [r for rs in self._call(lambda i: EngineCoreSleep(i, level)) for r in rs]
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        self._call(lambda i: EngineCoreWakeUp(i, tags))
+
+    def is_sleeping(self) -> bool:
+        return any(self._call(EngineCoreIsSleeping))
+
+    def collective_rpc(self, method: str | Callable[..., Any], args: tuple,
+                       kwargs: dict[str, Any] | None) -> list[Any]:
+        """Every rank's result, engine core by engine core. A function travels cloudpickled."""
+        if callable(method):
+            import cloudpickle
+
+            name, function = None, cloudpickle.dumps(method)
+        elif isinstance(method, str):
+            name, function = method, None
+        else:
+            raise TypeError(f"method: a worker method's name or a function, got {type(method).__name__}")
+        payload, kw = pickle.dumps(tuple(args)), pickle.dumps(dict(kwargs or {}))
+        return [r for rs in self._call(lambda i: EngineCoreCollectiveRpc(i, name, function, payload, kw))
+                for r in rs]
+
     def step(self) -> list[EngineCoreOutput]:
         """One engine step's outputs (maybe none, after _POLL_MS without news); EngineDeadError once an
         engine is gone. One step per call, as in-process, so each step's tokens reach the streams (and the
@@ -324,6 +384,8 @@ class MPClient:
                 self._died = self._died or eng
             elif isinstance(msg, EngineCoreOutputs):
                 self._pending.append(msg)
+            elif isinstance(msg, EngineCoreCallResult):
+                self._results[msg.call_id] = msg
 
     def _raise_if_dead(self) -> None:
         eng = self._died

@@ -28,6 +28,8 @@ _HELP = {
     "device": "platform name (default: VLLITE_PLATFORM or the best available)",
     "num_threads": "CPU threads for torch (default: all cores)",
     "enforce_eager": "disable graph capture / compilation",
+    "enable_sleep_mode": "allow sleep(level) / wake_up(): release the KV cache (level 1) and the weights (level 2) "
+                         "between uses and restore them (docs/sleep_mode.md)",
     "logits_processors": "global logits processor as module:attr (repeatable)",
     "runner": "auto | generate | pooling (pooling: embeddings / scores; auto: what the architecture is)",
     "quantization": "int8: linear weights quantized to int8 per output channel at load, activations per token "

@@ -1,7 +1,7 @@
 """The offline API: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from vllite_core.config import EngineArgs
 from vllite_core.engine.llm_engine import LLMEngine, PromptType
@@ -226,6 +226,35 @@ class LLM:
                            truncate_prompt_tokens)
         return [ScoringRequestOutput.from_score(o.request_id, None if o.error else float(o.outputs.data[0]),
                                                 o.prompt_token_ids, o.error) for o in outs]
+
+    # ---- sleep mode, collective_rpc, weight updates (docs/sleep_mode.md) ---------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Release the KV cache (level 1) and the weights too (level 2), giving their memory back, until
+        ``wake_up``; requests meanwhile raise EngineSleepingError. Needs ``enable_sleep_mode=True`` and no
+        request in flight. On a CPU, level 1 keeps the weights where they are; on a device they move to host
+        memory. Level 2's wake reloads the weights from the checkpoint."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what ``sleep`` released: ``tags`` ["weights"] and/or ["kv_cache"] (None: both), so a
+        trainer can load new weights before the KV cache takes its memory back."""
+        self.llm_engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.is_sleeping()
+
+    def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """``method`` on every worker (every tensor-parallel rank): a worker method by name
+        (``load_weights``, ``reload_weights``, ``sleep``...) or a function called with the worker first
+        (pickled to worker processes); each rank's result, in rank order. After ``load_weights`` /
+        ``reload_weights`` the prefix cache is reset (its K/V came from the old weights); after a function
+        of your own that changes weights, call ``reset_prefix_cache()``."""
+        return self.llm_engine.collective_rpc(method, args, kwargs)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (False when running requests still hold blocks)."""
+        return self.llm_engine.reset_prefix_cache()
 
     def _next_id(self) -> str:
         self._counter += 1

@@ -10,6 +10,7 @@ from vllite_core.config import VlliteConfig
 from vllite_core.core.sched_output import SchedulerOutput
 from vllite_core.executor.wrapper import ModelFacts
 from vllite_core.worker.model_runner import ModelRunnerOutput
+from vllite_core.worker.sleep import SleepReport
 
 
 class Executor(ABC):
@@ -41,6 +42,21 @@ class Executor(ABC):
 
     def remove_lora(self, lora_int_id: int) -> None:
         self.collective_rpc("remove_lora", lora_int_id)
+
+    # ---- sleep mode and the user's RPCs (every rank; worker/sleep.py) -----------------------------------
+    def sleep(self, level: int) -> list[SleepReport]:
+        return self.collective_rpc("sleep", level)
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        self.collective_rpc("wake_up", tags)
+
+    def is_sleeping(self) -> bool:
+        return any(self.collective_rpc("is_sleeping"))
+
+    def run_on_workers(self, method: str | bytes, args: tuple, kwargs: dict[str, Any]) -> list[Any]:
+        """``collective_rpc`` as vLLM's users call it: a worker method by name, or a cloudpickled function
+        called with the worker first (``WorkerWrapper.run``); every rank's result, in rank order."""
+        return self.collective_rpc("run", method, args, kwargs)
 
     @property
     def driver_worker(self) -> Any:

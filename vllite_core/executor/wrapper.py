@@ -68,6 +68,18 @@ class WorkerWrapper:
     def model_facts(self) -> ModelFacts:
         return self.worker.model_facts()
 
+    def run(self, method: str | bytes, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """The user's ``collective_rpc``: a method of the worker by name, or a function (cloudpickled by
+        the engine) called with the worker first, as vLLM does."""
+        if isinstance(method, bytes):
+            import cloudpickle
+
+            return cloudpickle.loads(method)(self.worker, *args, **kwargs)
+        target = getattr(self.worker, method, None)
+        if target is None or method.startswith("_") or not callable(target):
+            raise ValueError(f"method: the worker has no method {method!r}")
+        return target(*args, **kwargs)
+
     def call(self, method: str, *args: Any) -> Any:
         """A method of this wrapper, else of the worker. Only rank 0's step output is used: the other
         ranks return None rather than ship theirs."""

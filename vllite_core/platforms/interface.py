@@ -155,6 +155,10 @@ class Platform(ABC):
     def synchronize(self) -> None:
         """Wait for queued device work."""
 
+    def empty_cache(self) -> None:
+        """Hand device memory the framework's caching allocator keeps back to the driver (sleep mode frees
+        the KV cache and the weights and wants the memory seen free); nothing where there is no such cache."""
+
     def seed_everything(self, seed: int) -> None:
         torch.manual_seed(seed)
 

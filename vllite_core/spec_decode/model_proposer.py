@@ -96,6 +96,9 @@ class ModelProposer(Proposer):
                                                                       s.head_size), s.dtype, runner.device)
                           for s in self.layer_specs]
 
+    def release_kv_cache(self) -> None:
+        self.kv_caches = []
+
     # ---- the model's part (subclasses) ---------------------------------------------------------
     def first_forward(self, runner: Any, ids: torch.Tensor, positions: torch.Tensor, md: Any,
                       target_rows: torch.Tensor, target_hidden: torch.Tensor, last: torch.Tensor

@@ -38,6 +38,9 @@ class Proposer:
     def initialize_kv_cache(self, runner: ModelRunner, num_blocks: int) -> None:
         """The proposer's pages of the same block ids as the target's."""
 
+    def release_kv_cache(self) -> None:
+        """Drop those pages (sleep mode)."""
+
     def propose(self, token_ids: np.ndarray, num_tokens: np.ndarray) -> list[list[int]]:
         """``token_ids`` [B, L] int64, row i valid up to ``num_tokens[i]`` (prompt + accepted outputs).
         Returns up to ``num_speculative_tokens`` drafts per row (an empty list: no guess)."""

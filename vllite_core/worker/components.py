@@ -49,6 +49,9 @@ class RunnerComponent(Protocol):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """This component's pages of the target's block ids."""
 
+    def release_kv_cache(self) -> None:
+        """Drop those pages (sleep mode); ``initialize_kv_cache`` makes them again."""
+
     def add_request(self, req: RunnerRequest, new: NewRequestData) -> None:
         """A request gets a row; raise InvalidRequestError to fail it alone."""
 
@@ -275,6 +278,9 @@ class SpecDecode(RunnerComponent):
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.proposer.initialize_kv_cache(self.runner, num_blocks)
+
+    def release_kv_cache(self) -> None:
+        self.proposer.release_kv_cache()
 
     def remove_request(self, req: RunnerRequest, finished: bool) -> None:
         req.draft_probs = None

@@ -187,6 +187,17 @@ class ModelRunner:
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
                 t.zero_()
+    def release_kv_cache(self) -> int:
+        """Drop every KV cache tensor (sleep mode) and the graphs captured over them; the bytes released.
+        ``initialize_kv_cache`` makes a fresh (zeroed) cache."""
+        from vllite_core.worker.sleep import tensor_bytes
+
+        freed = tensor_bytes(self.kv_caches)
+        self.kv_caches = []
+        self.model_forward.runners, self.model_forward.sizes = {}, []
+        for c in self.components:
+            c.release_kv_cache()
+        return freed
 
     def remove_lora(self, lora_int_id: int) -> bool:
         return self.lora.remove_lora(lora_int_id) if self.lora is not None else False

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -13,6 +14,18 @@ from vllite_core.core.sched_output import SchedulerOutput
 from vllite_core.executor.wrapper import ModelFacts
 from vllite_core.platforms.interface import Platform
 from vllite_core.worker.model_runner import ModelRunner, ModelRunnerOutput
+from vllite_core.worker.sleep import (
+    SleepReport,
+    SleepState,
+    check_level,
+    check_tags,
+    give_back_memory,
+    mark_changed,
+    model_tensors,
+    offload_weights,
+    restore_weights,
+    tensor_bytes,
+)
 
 logger = logging.getLogger("vllite.worker")
 
@@ -41,6 +54,9 @@ class Worker:
         self.tp = get_tp()  # this process's rank (0 of 1 unless an executor made it one of several)
         self.device = platform.device(self.tp.local_rank)
         self.runner: ModelRunner | None = None
+        self.loaded: tuple[Any, Any, str, type] | None = None  # load_model's arguments: a level-2 wake reloads
+        self.num_kv_blocks = 0
+        self.sleep_state = SleepState()
 
     # Weights and caches are built as normal tensors even when the caller holds torch.inference_mode()
     # (``with torch.inference_mode(): LLM(...)``): inference tensors have no version counter, which the
@@ -51,6 +67,7 @@ class Worker:
         from model_registry.loader import load_model
         from vllite_core.model_ops import use_model_ops
 
+        self.loaded = (source, hf_config, architecture, model_cls)
         self.platform.init_device(self.config)
         self.platform.seed_everything(self.config.model_config.seed)
         dtype = resolve_dtype(self.config.model_config.dtype, self.platform)
@@ -104,6 +121,7 @@ class Worker:
     @torch.inference_mode(False)
     def initialize_kv_cache(self, num_blocks: int) -> None:
         assert self.runner is not None
+        self.num_kv_blocks = num_blocks
         self.runner.initialize_kv_cache(num_blocks)
         if self.config.cache_config.commit_kv_cache:
             self.runner.commit_kv_cache()
@@ -132,3 +150,78 @@ class Worker:
     def remove_lora(self, lora_int_id: int) -> bool:
         assert self.runner is not None
         return self.runner.remove_lora(lora_int_id)
+
+    # ---- sleep mode (worker/sleep.py) ---------------------------------------------------------------
+    def sleep(self, level: int) -> SleepReport:
+        """Release the KV cache (level 1) and the weights (level 2), giving the memory back; what was
+        already released stays so. The engine core calls this only with no request in flight."""
+        check_level(level)
+        state = self.sleep_state
+        kv = weights = 0
+        if self.runner is not None and not state.kv_cache:
+            kv = self.runner.release_kv_cache()
+        state.kv_cache = True
+        if level == 2 and self.runner is not None:
+            weights = tensor_bytes(model_tensors(self.runner.model))
+            self.runner = None  # the model, its packed weights, the batch state: rebuilt by wake_up
+        elif level == 1 and not state.weights and self.device.type != "cpu" and self.runner is not None:
+            offload_weights(self.runner.model)  # a host copy, as vLLM keeps (a CPU worker's stay put)
+            weights = tensor_bytes(model_tensors(self.runner.model))
+        state.weights = state.weights or weights > 0 or self.runner is None
+        state.level = max(state.level, level)
+        give_back_memory(self.platform)
+        return SleepReport(kv, weights)
+
+    @torch.inference_mode(False)
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore the weights (reloaded from the checkpoint after level 2) and/or a fresh KV cache."""
+        state = self.sleep_state
+        for tag in check_tags(tags):
+            if tag == "weights" and state.weights:
+                if self.runner is None:
+                    assert self.loaded is not None
+                    self.load_model(*self.loaded)
+                else:
+                    restore_weights(self.runner.model, self.device)
+                state.weights = False
+            elif tag == "kv_cache" and state.kv_cache:
+                if self.runner is None:
+                    raise ValueError("tags: the KV cache cannot wake before the weights after sleep(level=2); "
+                                     "wake 'weights' first (or both)")
+                self.initialize_kv_cache(self.num_kv_blocks)
+                state.kv_cache = False
+        if not state.sleeping:
+            state.level = 0
+
+    def is_sleeping(self) -> bool:
+        return self.sleep_state.sleeping
+
+    # ---- weight updates (RLHF: new weights into a running engine) ------------------------------------
+    @torch.inference_mode(False)
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor]) -> int:
+        """Copy checkpoint-named tensors (an iterable of (name, tensor), or a state dict) into the running
+        model; every rank slices its own shard. Returns how many parameters were filled. Unknown names and
+        shape mismatches raise. The engine core forgets its cached prefixes after this (their K/V came from
+        the old weights)."""
+        if self.runner is None or self.sleep_state.weights:
+            raise ValueError("load_weights: the weights are asleep; wake_up(tags=['weights']) first")
+        from model_registry.layers.quantization import prequantized
+
+        assert self.loaded is not None
+        quantization = prequantized.resolve_quantization(self.loaded[1], self.config.model_config.quantization)
+        if quantization is not None:
+            raise ValueError(f"load_weights: the model is quantized ({quantization}); new weights cannot be copied "
+                             "into its quantized layout")
+        items = weights.items() if isinstance(weights, dict) else weights
+        model = self.runner.model
+        loaded = model.load_weights((name, t.to(self.device)) for name, t in items)
+        mark_changed(model)
+        return len(loaded)
+
+    def reload_weights(self, path: str | None = None) -> int:
+        """``load_weights`` from an HF checkpoint folder (None: the checkpoint the engine started with)."""
+        from model_registry.loader import checkpoint_weights
+
+        assert self.loaded is not None
+        source, hf_config = self.loaded[0], self.loaded[1]
+        return self.load_weights(checkpoint_weights(source, hf_config, path))

@@ -230,6 +230,9 @@ class CudaPlatform(Platform):
     def synchronize(self) -> None:
         torch.cuda.synchronize()
 
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
     def describe(self) -> dict[str, Any]:
         facts = super().describe()
         cap = self.capability()

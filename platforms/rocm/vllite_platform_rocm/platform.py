@@ -213,6 +213,9 @@ class RocmPlatform(Platform):
     def synchronize(self) -> None:
         torch.cuda.synchronize()
 
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
     def describe(self) -> dict:
         facts = super().describe()
         facts["dist_backend"] = "nccl (rccl)"

@@ -149,6 +149,9 @@ class XpuPlatform(Platform):
     def synchronize(self) -> None:
         torch.xpu.synchronize()
 
+    def empty_cache(self) -> None:
+        torch.xpu.empty_cache()
+
     def describe(self) -> dict[str, Any]:
         facts = super().describe()
         facts["attention"] = "%s (%s)" % self.attention_choice()

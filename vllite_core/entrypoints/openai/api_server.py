@@ -378,6 +378,10 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
         loras.served_names |= set(model_names)
         add_runtime_routes(app, loras, body)  # only when the operator allowed runtime adapter updates
 
+    from vllite_core.entrypoints.openai.serving_dev import add_dev_routes, dev_mode_enabled
+
+    if dev_mode_enabled():  # /sleep /wake_up /is_sleeping /reset_prefix_cache /collective_rpc (vLLM's dev routes)
+        add_dev_routes(app, engine)
     from vllite_core.entrypoints.anthropic.serving import add_routes as add_anthropic_routes
 
     add_anthropic_routes(app, state, chat, body)  # POST /v1/messages, /v1/messages/count_tokens (Anthropic's API)

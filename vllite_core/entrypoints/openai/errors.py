@@ -42,7 +42,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 def from_exception(exc: BaseException) -> APIError:
     """Map the engine's typed request errors (they carry ``.param``) to 400s."""
     from vllite_core.engine.async_llm import EngineDeadError
-    from vllite_core.errors import InvalidRequestError, PromptTooLongError, RequestFailedError
+    from vllite_core.errors import EngineSleepingError, InvalidRequestError, PromptTooLongError, RequestFailedError
     from vllite_core.sampling_params import SamplingParamsError
 
     if isinstance(exc, APIError):
@@ -53,6 +53,8 @@ def from_exception(exc: BaseException) -> APIError:
         return APIError(400, str(exc), exc.param)
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), code="engine_dead")
+    if isinstance(exc, EngineSleepingError):
+        return APIError(503, str(exc), code="engine_sleeping")
     if isinstance(exc, RequestFailedError):  # this request alone failed in the engine; the rest go on
         msg = exc.message
         if msg.startswith("structured_outputs") and "compile" in msg:
