@@ -2,7 +2,9 @@
 
 The linear layers whose tensors are Q8_0, Q4_0 or Q4_1 keep their 32-weight blocks (``GGUFWeight``: the packed
 values plus an fp16 scale, and minimum for Q4_1, per block; 8 output rows interleaved) instead of the
-dequantised float copy: 0.56-1.06 bytes per weight instead of 4. ``ModelOps.gguf_linear`` computes from them (the
+dequantised float copy: 0.56-1.06 bytes per weight instead of 4. Q4_K, Q5_K and Q6_K (a ``Q4_K_M`` file's types)
+keep their 256-weight super-blocks the same way (``kquants.py``: 0.58-0.82 bytes per weight); other types
+(Q2_K, Q3_K, IQ*) are dequantised at load, logged. ``ModelOps.gguf_linear`` computes from them (the
 reference dequantises; the CPU platform's kernel quantizes the activations per block to int8 and sums integer
 products, as llama.cpp does). Other layers and tensor types stay as loaded. Only a GGUF checkpoint can use it.
 
@@ -37,12 +39,19 @@ from vllite_core.errors import ConfigError
 logger = logging.getLogger("vllite.quantization")
 
 GGUF_BLOCK = 32  # weights per block in Q8_0, Q4_0 and Q4_1
-GGUF_TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # ggml's ids, what the kernels take
+KQ_BLOCK = 256  # weights per super-block in the K-quants
+GGUF_TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}  # ggml's ids (the kernels')
+KQUANTS = ("Q4_K", "Q5_K", "Q6_K")
 
 
 GGUF_GROUP = 8  # output rows whose blocks are interleaved in a GGUFWeight
 _QBYTES = {"Q8_0": 256, "Q4_0": 128, "Q4_1": 128}  # packed values of one block of GGUF_GROUP rows
-GGUF_RECORD = {"Q8_0": 256 + 16, "Q4_0": 128 + 16, "Q4_1": 128 + 32}  # + fp16 scales (and Q4_1 minimums)
+# Bytes of one record (8 rows): + fp16 scales (and Q4_1 minimums); K-quants: see kquants.py.
+GGUF_RECORD = {"Q8_0": 256 + 16, "Q4_0": 128 + 16, "Q4_1": 128 + 32, "Q4_K": 1184, "Q5_K": 1440, "Q6_K": 1680}
+
+
+def weights_per_record(qtype: str) -> int:
+    return KQ_BLOCK if qtype in KQUANTS else GGUF_BLOCK
 
 
 @dataclass(frozen=True)
@@ -67,7 +76,7 @@ class GGUFWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.rows, self.blocks.shape[1] // GGUF_RECORD[self.qtype] * GGUF_BLOCK
+        return self.rows, self.blocks.shape[1] // GGUF_RECORD[self.qtype] * weights_per_record(self.qtype)
 
     def nbytes(self) -> int:
         return self.blocks.numel()
@@ -116,6 +125,10 @@ def unpack_gguf(w: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 def dequantize_gguf(w: GGUFWeight) -> torch.Tensor:
     """The float32 weight [N, K] the blocks stand for (bit-identical to the dequantised load)."""
+    if w.qtype in KQUANTS:
+        from model_registry.layers.quantization.kquants import dequantize_kquant
+
+        return dequantize_kquant(w)
     n, k = w.shape
     qs, d, m = unpack_gguf(w)
     d = d[:, :, None]
@@ -148,12 +161,16 @@ class GGUFLinearMethod(LinearMethod):
         return self.gguf_weight.nbytes()
 
 
-_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}  # bytes per block of 32 weights
+_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # bytes per (super-)block
 
 
 def repack(raw: np.ndarray, qtype: str) -> GGUFWeight:
-    """GGUF blocks, ``raw`` uint8 [N, K / 32 * bytes per block], as a ``GGUFWeight`` (the same bytes, 8 rows'
-    blocks interleaved; fp16 scales kept)."""
+    """GGUF blocks, ``raw`` uint8 [N, K / 32 * bytes per block] (K / 256 for K-quants), as a ``GGUFWeight`` (the
+    same values, 8 rows' blocks interleaved; fp16 scales kept)."""
+    if qtype in KQUANTS:
+        from model_registry.layers.quantization.kquants import repack_kquant
+
+        return repack_kquant(raw, qtype)
     n = raw.shape[0]
     blocks = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True)).view(n, -1, _BYTES[qtype])
     d = blocks[:, :, 0:2].contiguous().view(torch.float16).reshape(n, -1)
@@ -188,6 +205,8 @@ def _layer_blocks(layer: LinearBase, gguf: GGUFFile, by_hf: dict[str, str],
             return None
         qtype, raw = _rows(gguf, name, heads)
         if qtype not in _BYTES:
+            if qtype.endswith("_K") or qtype.startswith("IQ"):
+                logger.info("quantization gguf: %s is %s, which has no kernel here: dequantised at load", name, qtype)
             return None
         types.add(qtype)
         parts.append(raw if seg is None else raw[seg.src_start:seg.src_start + seg.length])
@@ -197,10 +216,13 @@ def _layer_blocks(layer: LinearBase, gguf: GGUFFile, by_hf: dict[str, str],
     raw = np.concatenate(parts) if len(parts) > 1 else parts[0]
     if isinstance(layer, RowParallelLinear) and layer.in_range != (0, layer.in_features):
         lo, hi = layer.in_range
-        if lo % GGUF_BLOCK or hi % GGUF_BLOCK:
+        blk = weights_per_record(qtype)
+        if lo % blk or hi % blk:
+            logger.info("quantization gguf: %s's columns %d..%d of this rank cut %s blocks of %d: dequantised",
+                        name, lo, hi, qtype, blk)
             return None
         per = _BYTES[qtype]
-        raw = raw[:, lo // GGUF_BLOCK * per:hi // GGUF_BLOCK * per]
+        raw = raw[:, lo // blk * per:hi // blk * per]
     return repack(raw, qtype)
 
 
@@ -220,8 +242,8 @@ def _head_blocks(head: ParallelLMHead, gguf: GGUFFile, by_hf: dict[str, str]) ->
 
 
 def use_gguf_blocks(model: torch.nn.Module, source: Any) -> int:
-    """Switch every linear layer of ``model`` whose tensors are Q8_0/Q4_0/Q4_1 in the GGUF file ``source``
-    to its blocks; returns how many were (ConfigError when the checkpoint is not GGUF)."""
+    """Switch every linear layer of ``model`` whose tensors are Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K in the GGUF file
+    ``source`` to its blocks; returns how many were (ConfigError when the checkpoint is not GGUF)."""
     if getattr(source, "kind", None) != "gguf":
         raise ConfigError("quantization: 'gguf' needs a GGUF checkpoint (a .gguf file)")
     from model_registry.source import open_gguf
