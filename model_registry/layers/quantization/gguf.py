@@ -161,6 +161,34 @@ class GGUFLinearMethod(LinearMethod):
         return self.gguf_weight.nbytes()
 
 
+class GGUFShardsLinearMethod(LinearMethod):
+    """A fused layer whose shards are GGUF tensors of different types (q/k Q4_K and v Q6_K in a Q4_K_M file): one
+    ``GGUFWeight`` per shard, in output order, each computed from its blocks and the outputs put side by side
+    (``layer.weight`` becomes an empty placeholder: the float copy dropped)."""
+
+    name: ClassVar[str] = "gguf"
+
+    def __init__(self, parts: list[GGUFWeight]) -> None:
+        self.parts = parts
+
+    @classmethod
+    def use_blocks(cls, layer: LinearBase, parts: list[GGUFWeight]) -> None:
+        layer.weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+        layer.set_quant_method(cls(parts))
+
+    def apply(self, layer: LinearLike, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        outs, start = [], 0
+        for w in self.parts:
+            rows = w.shape[0]
+            part_bias = None if bias is None else bias[start:start + rows]
+            outs.append(layer.ops.gguf_linear(x, w, part_bias, layer.state))
+            start += rows
+        return torch.cat(outs, dim=-1)
+
+    def weight_bytes(self, layer: LinearLike) -> int:
+        return sum(w.nbytes() for w in self.parts)
+
+
 _BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # bytes per (super-)block
 
 
@@ -194,11 +222,14 @@ def _rows(gguf: GGUFFile, name: str, heads: dict[str, int]) -> tuple[str, np.nda
 
 
 def _layer_blocks(layer: LinearBase, gguf: GGUFFile, by_hf: dict[str, str],
-                  heads: dict[str, int]) -> GGUFWeight | None:
+                  heads: dict[str, int]) -> list[GGUFWeight] | None:
+    """The layer's weight as blocks: one GGUFWeight when its shards' tensors share a type, else one per shard in
+    output order (a Q4_K_M file's Q4_K q/k beside a Q6_K v); None when a tensor is of another type or this rank's
+    columns cut its blocks."""
     segments = getattr(layer, "segments", None) or {None: None}
     if set(layer.checkpoint_names) != set(segments):
         return None
-    types, parts = set(), []
+    parts: list[tuple[str, np.ndarray]] = []
     for shard, seg in sorted(segments.items(), key=lambda kv: kv[1].dst_start if kv[1] else 0):
         name = by_hf.get(layer.checkpoint_names[shard])
         if name is None:
@@ -208,22 +239,20 @@ def _layer_blocks(layer: LinearBase, gguf: GGUFFile, by_hf: dict[str, str],
             if qtype.endswith("_K") or qtype.startswith("IQ"):
                 logger.info("quantization gguf: %s is %s, which has no kernel here: dequantised at load", name, qtype)
             return None
-        types.add(qtype)
-        parts.append(raw if seg is None else raw[seg.src_start:seg.src_start + seg.length])
-    if len(types) != 1:
-        return None
-    qtype = types.pop()
-    raw = np.concatenate(parts) if len(parts) > 1 else parts[0]
-    if isinstance(layer, RowParallelLinear) and layer.in_range != (0, layer.in_features):
-        lo, hi = layer.in_range
-        blk = weights_per_record(qtype)
-        if lo % blk or hi % blk:
-            logger.info("quantization gguf: %s's columns %d..%d of this rank cut %s blocks of %d: dequantised",
-                        name, lo, hi, qtype, blk)
-            return None
-        per = _BYTES[qtype]
-        raw = raw[:, lo // blk * per:hi // blk * per]
-    return repack(raw, qtype)
+        raw = raw if seg is None else raw[seg.src_start:seg.src_start + seg.length]
+        if isinstance(layer, RowParallelLinear) and layer.in_range != (0, layer.in_features):
+            lo, hi = layer.in_range
+            blk = weights_per_record(qtype)
+            if lo % blk or hi % blk:
+                logger.info("quantization gguf: %s's columns %d..%d of this rank cut %s blocks of %d: dequantised",
+                            name, lo, hi, qtype, blk)
+                return None
+            raw = raw[:, lo // blk * _BYTES[qtype]:hi // blk * _BYTES[qtype]]
+        parts.append((qtype, raw))
+    if len({qtype for qtype, _ in parts}) == 1:
+        raw = np.concatenate([r for _, r in parts]) if len(parts) > 1 else parts[0][1]
+        return [repack(raw, parts[0][0])]
+    return [repack(raw, qtype) for qtype, raw in parts]
 
 
 def _head_blocks(head: ParallelLMHead, gguf: GGUFFile, by_hf: dict[str, str]) -> GGUFWeight | None:
@@ -267,13 +296,16 @@ def use_gguf_blocks(model: torch.nn.Module, source: Any) -> int:
             continue
         if not isinstance(layer, LinearBase):
             continue
-        w = _layer_blocks(layer, gguf, by_hf, heads)
-        if w is None:
+        parts = _layer_blocks(layer, gguf, by_hf, heads)
+        if parts is None:
             dense += 1
             continue
         before += layer.weight.numel() * layer.weight.element_size()
-        GGUFLinearMethod.use_blocks(layer, w)
-        after += w.nbytes()
+        if len(parts) == 1:
+            GGUFLinearMethod.use_blocks(layer, parts[0])
+        else:
+            GGUFShardsLinearMethod.use_blocks(layer, parts)
+        after += sum(w.nbytes() for w in parts)
         count += 1
     logger.info("quantization gguf: %d linear layers from their blocks (weights %.1f -> %.1f MiB), %d stay dense",
                 count, before / 2**20, after / 2**20, dense)
