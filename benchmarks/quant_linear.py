@@ -62,6 +62,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--gguf-only", action="store_true", help="bf16 and the GGUF types only")
+    ap.add_argument("--copies", type=int, default=1,
+                    help="GGUF: calls rotate over this many copies of the blocks (8: past a 32 MB L3, as a model's "
+                         "layers are; 1: the same blocks every call, cache-resident when they fit)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from vllite_platform_cpu.model_ops import CpuModelOps
@@ -75,7 +78,9 @@ def main() -> None:
         base = _time(lambda: ops.linear(x, w, None, state), args.iters)
         print(f"bf16 [{n} x {k}] rows {args.rows}: {base:.3f} ms")
         for name, gw in _gguf_weights(n, k).items():
-            ms = _time(lambda: ops.gguf_linear(x, gw, None, {}), args.iters)
+            copies = [gw] + [GGUFWeight(gw.qtype, gw.blocks.clone(), gw.rows) for _ in range(args.copies - 1)]
+            turn = iter(range(1 << 30))
+            ms = _time(lambda: ops.gguf_linear(x, copies[next(turn) % len(copies)], None, {}), args.iters)
             print(f"{name}: {ms:.3f} ms ({base / ms:.2f}x bf16), weight {gw.nbytes() / 2**20:.1f} MiB "
                   f"vs {w.numel() * 2 / 2**20:.1f}")
         if args.gguf_only:

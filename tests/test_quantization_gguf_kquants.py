@@ -248,13 +248,12 @@ def _write_kquant_gguf(path) -> None:
     (q/k rows permuted), with ``_MIX``'s K-quant tensors."""
     import re
 
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    c = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
-                    tie_word_embeddings=False)
-    torch.manual_seed(0)
-    hf = LlamaForCausalLM(c)
+    shapes = {"self_attn.q_proj": (256, 256), "self_attn.k_proj": (128, 256), "self_attn.v_proj": (128, 256),
+              "self_attn.o_proj": (256, 256), "mlp.gate_proj": (512, 256), "mlp.up_proj": (512, 256),
+              "mlp.down_proj": (256, 512), "input_layernorm": (256,), "post_attention_layernorm": (256,)}
+    tensors = [("model.embed_tokens.weight", (512, 256))]
+    tensors += [(f"model.layers.{i}.{part}.weight", shape) for i in range(2) for part, shape in shapes.items()]
+    tensors += [("model.norm.weight", (256,)), ("lm_head.weight", (512, 256))]  # Hugging Face's order
     w = GGUFWriter(str(path), "llama")
     w.add_name("tiny k-quant model")
     for key, v in (("context_length", 128), ("embedding_length", 256), ("feed_forward_length", 512),
@@ -262,16 +261,16 @@ def _write_kquant_gguf(path) -> None:
                    ("vocab_size", 512)):
         w.add_uint32(f"llama.{key}", v)
     w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
-    w.add_float32("llama.rope.freq_base", c.rope_parameters["rope_theta"])
+    w.add_float32("llama.rope.freq_base", 10000.0)
     w.add_uint32("tokenizer.ggml.bos_token_id", 1)
     w.add_uint32("tokenizer.ggml.eos_token_id", 2)
     gen = torch.Generator().manual_seed(0)
-    for name, t in hf.state_dict().items():
+    for name, shape in tensors:
         if name.endswith("norm.weight"):
-            data = (torch.rand(t.shape, generator=gen) + 0.5).numpy()
+            data = (torch.rand(shape, generator=gen) + 0.5).numpy()
         else:
             std = 0.15 if "embed" in name else 0.25 if "lm_head" in name else 0.06  # a peaked next-token choice
-            data = (torch.randn(t.shape, generator=gen) * std).numpy()
+            data = (torch.randn(shape, generator=gen) * std).numpy()
         m = re.match(r"model\.layers\.(\d+)\.(?:self_attn|mlp)?\.?(\w+)\.weight$", name)
         gname = f"blk.{m.group(1)}.{_TO_GGUF[m.group(2)]}.weight" if m else {
             "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
