@@ -1,5 +1,6 @@
 // A linear layer computed straight from GGUF block-quantized weights (quantization="gguf"): Q8_0, Q4_0 and
-// Q4_1, compiled once per ISA variant (integer dot products with AVX2 where the variant has it, vpdpbusd where it
+// Q4_1, and the K-quants Q4_K, Q5_K and Q6_K (super-blocks of 256; their record layout and arithmetic are
+// described at klayout and kgroup_tile below), compiled once per ISA variant (integer dot products with AVX2 where the variant has it, vpdpbusd where it
 // has AVX512-VNNI, plain C++ otherwise; many rows through dequantised panels and a GEMM's tiles).
 //
 // Why: the default model ships as Q4_1 (0.625 bytes per weight); dequantised to float32 a decode step
