@@ -1,8 +1,9 @@
 """One linear of a Llama-3.2-1B-shaped model (down_proj: 2048 x 8192, or --shape N K) at batch ``--rows``:
 the bf16 weight through the platform's ``ModelOps.linear`` against a pre-quantized ``QuantWeight`` (W4A16
-group 128, W8A16, or FP8 block 128) through ``ModelOps.quant_linear``; median milliseconds of ``--iters`` calls.
+group 128, W8A16, or FP8 block 128) through ``ModelOps.quant_linear``, and GGUF blocks (Q4_0, Q4_K, Q5_K, Q6_K:
+random blocks, ``--gguf``) through ``ModelOps.gguf_linear``; median milliseconds of ``--iters`` calls.
 
-    python benchmarks/quant_linear.py --rows 1 --threads 2
+    python benchmarks/quant_linear.py --rows 1 --threads 2 [--gguf-only]
 """
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import argparse
 import statistics
 import time
 
+import numpy as np
 import torch
 
+from model_registry.layers.quantization.gguf import GGUFWeight, repack
 from model_registry.layers.quantization.quant_weight import QuantWeight, pack_int4
 
 
@@ -25,6 +28,20 @@ def _weights(n: int, k: int) -> dict[str, QuantWeight]:
                                      8, 128, n, k, 128),
            "fp8-block128": QuantWeight(torch.randn(n, k, generator=g).to(torch.float8_e4m3fn), scales, None, 8, 128,
                                        n, k, 0)}
+    return out
+
+
+def _gguf_weights(n: int, k: int) -> dict[str, GGUFWeight]:
+    """Random GGUF blocks (every byte random but the fp16 scales) repacked as a GGUF checkpoint's are at load."""
+    rng = np.random.default_rng(0)
+    out = {}
+    for qtype, nbytes, scale_at in (("Q4_0", 18, (0,)), ("Q4_K", 144, (0, 2)), ("Q5_K", 176, (0, 2)),
+                                    ("Q6_K", 210, (208,))):
+        per = 32 if qtype == "Q4_0" else 256
+        raw = rng.integers(0, 256, (n, k // per, nbytes), dtype=np.uint8)
+        for at in scale_at:
+            raw[:, :, at:at + 2] = (rng.random((n, k // per, 1)) * 1e-3).astype(np.float16).view(np.uint8)
+        out[f"gguf-{qtype}"] = repack(raw.reshape(n, -1), qtype)
     return out
 
 
@@ -44,6 +61,10 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--gguf-only", action="store_true", help="bf16 and the GGUF types only")
+    ap.add_argument("--copies", type=int, default=1,
+                    help="GGUF: calls rotate over this many copies of the blocks (8: past a 32 MB L3, as a model's "
+                         "layers are; 1: the same blocks every call, cache-resident when they fit)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from vllite_platform_cpu.model_ops import CpuModelOps
@@ -56,6 +77,14 @@ def main() -> None:
     with torch.inference_mode():
         base = _time(lambda: ops.linear(x, w, None, state), args.iters)
         print(f"bf16 [{n} x {k}] rows {args.rows}: {base:.3f} ms")
+        for name, gw in _gguf_weights(n, k).items():
+            copies = [gw] + [GGUFWeight(gw.qtype, gw.blocks.clone(), gw.rows) for _ in range(args.copies - 1)]
+            turn = iter(range(1 << 30))
+            ms = _time(lambda: ops.gguf_linear(x, copies[next(turn) % len(copies)], None, {}), args.iters)
+            print(f"{name}: {ms:.3f} ms ({base / ms:.2f}x bf16), weight {gw.nbytes() / 2**20:.1f} MiB "
+                  f"vs {w.numel() * 2 / 2**20:.1f}")
+        if args.gguf_only:
+            return
         for name, qw in _weights(n, k).items():
             ms = _time(lambda: ops.quant_linear(x, qw, None, {}), args.iters)
             print(f"{name}: {ms:.3f} ms ({base / ms:.2f}x bf16), weight {qw.nbytes() / 2**20:.1f} MiB "

@@ -2,7 +2,8 @@
 ``vllite_core.config.QUANTIZATION_METHODS``).
 
 - ``int8`` (``int8.py``): W8A8, weights quantized per output row at load, activations per row at run time;
-- ``gguf`` (``gguf.py``): a GGUF checkpoint's Q8_0/Q4_0/Q4_1 blocks kept and computed from.
+- ``gguf`` (``gguf.py``, ``kquants.py``): a GGUF checkpoint's Q8_0/Q4_0/Q4_1 blocks and Q4_K/Q5_K/Q6_K
+  super-blocks kept and computed from.
 
 A model takes part by listing the method in ``supported_quantization`` and building its projections from
 ``model_registry.layers.linear``; any other model is a ConfigError at start. This module imports no method at

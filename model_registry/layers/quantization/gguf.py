@@ -2,7 +2,9 @@
 
 The linear layers whose tensors are Q8_0, Q4_0 or Q4_1 keep their 32-weight blocks (``GGUFWeight``: the packed
 values plus an fp16 scale, and minimum for Q4_1, per block; 8 output rows interleaved) instead of the
-dequantised float copy: 0.56-1.06 bytes per weight instead of 4. ``ModelOps.gguf_linear`` computes from them (the
+dequantised float copy: 0.56-1.06 bytes per weight instead of 4. Q4_K, Q5_K and Q6_K (a ``Q4_K_M`` file's types)
+keep their 256-weight super-blocks the same way (``kquants.py``: 0.58-0.82 bytes per weight); other types
+(Q2_K, Q3_K, IQ*) are dequantised at load, logged. ``ModelOps.gguf_linear`` computes from them (the
 reference dequantises; the CPU platform's kernel quantizes the activations per block to int8 and sums integer
 products, as llama.cpp does). Other layers and tensor types stay as loaded. Only a GGUF checkpoint can use it.
 
@@ -37,12 +39,19 @@ from vllite_core.errors import ConfigError
 logger = logging.getLogger("vllite.quantization")
 
 GGUF_BLOCK = 32  # weights per block in Q8_0, Q4_0 and Q4_1
-GGUF_TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # ggml's ids, what the kernels take
+KQ_BLOCK = 256  # weights per super-block in the K-quants
+GGUF_TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}  # ggml's ids (the kernels')
+KQUANTS = ("Q4_K", "Q5_K", "Q6_K")
 
 
 GGUF_GROUP = 8  # output rows whose blocks are interleaved in a GGUFWeight
 _QBYTES = {"Q8_0": 256, "Q4_0": 128, "Q4_1": 128}  # packed values of one block of GGUF_GROUP rows
-GGUF_RECORD = {"Q8_0": 256 + 16, "Q4_0": 128 + 16, "Q4_1": 128 + 32}  # + fp16 scales (and Q4_1 minimums)
+# Bytes of one record (8 rows): + fp16 scales (and Q4_1 minimums); K-quants: see kquants.py.
+GGUF_RECORD = {"Q8_0": 256 + 16, "Q4_0": 128 + 16, "Q4_1": 128 + 32, "Q4_K": 1184, "Q5_K": 1440, "Q6_K": 1680}
+
+
+def weights_per_record(qtype: str) -> int:
+    return KQ_BLOCK if qtype in KQUANTS else GGUF_BLOCK
 
 
 @dataclass(frozen=True)
@@ -67,7 +76,7 @@ class GGUFWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.rows, self.blocks.shape[1] // GGUF_RECORD[self.qtype] * GGUF_BLOCK
+        return self.rows, self.blocks.shape[1] // GGUF_RECORD[self.qtype] * weights_per_record(self.qtype)
 
     def nbytes(self) -> int:
         return self.blocks.numel()
@@ -116,6 +125,10 @@ def unpack_gguf(w: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 def dequantize_gguf(w: GGUFWeight) -> torch.Tensor:
     """The float32 weight [N, K] the blocks stand for (bit-identical to the dequantised load)."""
+    if w.qtype in KQUANTS:
+        from model_registry.layers.quantization.kquants import dequantize_kquant
+
+        return dequantize_kquant(w)
     n, k = w.shape
     qs, d, m = unpack_gguf(w)
     d = d[:, :, None]
@@ -148,12 +161,44 @@ class GGUFLinearMethod(LinearMethod):
         return self.gguf_weight.nbytes()
 
 
-_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}  # bytes per block of 32 weights
+class GGUFShardsLinearMethod(LinearMethod):
+    """A fused layer whose shards are GGUF tensors of different types (q/k Q4_K and v Q6_K in a Q4_K_M file): one
+    ``GGUFWeight`` per shard, in output order, each computed from its blocks and the outputs put side by side
+    (``layer.weight`` becomes an empty placeholder: the float copy dropped)."""
+
+    name: ClassVar[str] = "gguf"
+
+    def __init__(self, parts: list[GGUFWeight]) -> None:
+        self.parts = parts
+
+    @classmethod
+    def use_blocks(cls, layer: LinearBase, parts: list[GGUFWeight]) -> None:
+        layer.weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+        layer.set_quant_method(cls(parts))
+
+    def apply(self, layer: LinearLike, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        outs, start = [], 0
+        for w in self.parts:
+            rows = w.shape[0]
+            part_bias = None if bias is None else bias[start:start + rows]
+            outs.append(layer.ops.gguf_linear(x, w, part_bias, layer.state))
+            start += rows
+        return torch.cat(outs, dim=-1)
+
+    def weight_bytes(self, layer: LinearLike) -> int:
+        return sum(w.nbytes() for w in self.parts)
+
+
+_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # bytes per (super-)block
 
 
 def repack(raw: np.ndarray, qtype: str) -> GGUFWeight:
-    """GGUF blocks, ``raw`` uint8 [N, K / 32 * bytes per block], as a ``GGUFWeight`` (the same bytes, 8 rows'
-    blocks interleaved; fp16 scales kept)."""
+    """GGUF blocks, ``raw`` uint8 [N, K / 32 * bytes per block] (K / 256 for K-quants), as a ``GGUFWeight`` (the
+    same values, 8 rows' blocks interleaved; fp16 scales kept)."""
+    if qtype in KQUANTS:
+        from model_registry.layers.quantization.kquants import repack_kquant
+
+        return repack_kquant(raw, qtype)
     n = raw.shape[0]
     blocks = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True)).view(n, -1, _BYTES[qtype])
     d = blocks[:, :, 0:2].contiguous().view(torch.float16).reshape(n, -1)
@@ -177,31 +222,37 @@ def _rows(gguf: GGUFFile, name: str, heads: dict[str, int]) -> tuple[str, np.nda
 
 
 def _layer_blocks(layer: LinearBase, gguf: GGUFFile, by_hf: dict[str, str],
-                  heads: dict[str, int]) -> GGUFWeight | None:
+                  heads: dict[str, int]) -> list[GGUFWeight] | None:
+    """The layer's weight as blocks: one GGUFWeight when its shards' tensors share a type, else one per shard in
+    output order (a Q4_K_M file's Q4_K q/k beside a Q6_K v); None when a tensor is of another type or this rank's
+    columns cut its blocks."""
     segments = getattr(layer, "segments", None) or {None: None}
     if set(layer.checkpoint_names) != set(segments):
         return None
-    types, parts = set(), []
+    parts: list[tuple[str, np.ndarray]] = []
     for shard, seg in sorted(segments.items(), key=lambda kv: kv[1].dst_start if kv[1] else 0):
         name = by_hf.get(layer.checkpoint_names[shard])
         if name is None:
             return None
         qtype, raw = _rows(gguf, name, heads)
         if qtype not in _BYTES:
+            if qtype.endswith("_K") or qtype.startswith("IQ"):
+                logger.info("quantization gguf: %s is %s, which has no kernel here: dequantised at load", name, qtype)
             return None
-        types.add(qtype)
-        parts.append(raw if seg is None else raw[seg.src_start:seg.src_start + seg.length])
-    if len(types) != 1:
-        return None
-    qtype = types.pop()
-    raw = np.concatenate(parts) if len(parts) > 1 else parts[0]
-    if isinstance(layer, RowParallelLinear) and layer.in_range != (0, layer.in_features):
-        lo, hi = layer.in_range
-        if lo % GGUF_BLOCK or hi % GGUF_BLOCK:
-            return None
-        per = _BYTES[qtype]
-        raw = raw[:, lo // GGUF_BLOCK * per:hi // GGUF_BLOCK * per]
-    return repack(raw, qtype)
+        raw = raw if seg is None else raw[seg.src_start:seg.src_start + seg.length]
+        if isinstance(layer, RowParallelLinear) and layer.in_range != (0, layer.in_features):
+            lo, hi = layer.in_range
+            blk = weights_per_record(qtype)
+            if lo % blk or hi % blk:
+                logger.info("quantization gguf: %s's columns %d..%d of this rank cut %s blocks of %d: dequantised",
+                            name, lo, hi, qtype, blk)
+                return None
+            raw = raw[:, lo // blk * _BYTES[qtype]:hi // blk * _BYTES[qtype]]
+        parts.append((qtype, raw))
+    if len({qtype for qtype, _ in parts}) == 1:
+        raw = np.concatenate([r for _, r in parts]) if len(parts) > 1 else parts[0][1]
+        return [repack(raw, parts[0][0])]
+    return [repack(raw, qtype) for qtype, raw in parts]
 
 
 def _head_blocks(head: ParallelLMHead, gguf: GGUFFile, by_hf: dict[str, str]) -> GGUFWeight | None:
@@ -220,8 +271,8 @@ def _head_blocks(head: ParallelLMHead, gguf: GGUFFile, by_hf: dict[str, str]) ->
 
 
 def use_gguf_blocks(model: torch.nn.Module, source: Any) -> int:
-    """Switch every linear layer of ``model`` whose tensors are Q8_0/Q4_0/Q4_1 in the GGUF file ``source``
-    to its blocks; returns how many were (ConfigError when the checkpoint is not GGUF)."""
+    """Switch every linear layer of ``model`` whose tensors are Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K in the GGUF file
+    ``source`` to its blocks; returns how many were (ConfigError when the checkpoint is not GGUF)."""
     if getattr(source, "kind", None) != "gguf":
         raise ConfigError("quantization: 'gguf' needs a GGUF checkpoint (a .gguf file)")
     from model_registry.source import open_gguf
@@ -245,13 +296,16 @@ def use_gguf_blocks(model: torch.nn.Module, source: Any) -> int:
             continue
         if not isinstance(layer, LinearBase):
             continue
-        w = _layer_blocks(layer, gguf, by_hf, heads)
-        if w is None:
+        parts = _layer_blocks(layer, gguf, by_hf, heads)
+        if parts is None:
             dense += 1
             continue
         before += layer.weight.numel() * layer.weight.element_size()
-        GGUFLinearMethod.use_blocks(layer, w)
-        after += w.nbytes()
+        if len(parts) == 1:
+            GGUFLinearMethod.use_blocks(layer, parts[0])
+        else:
+            GGUFShardsLinearMethod.use_blocks(layer, parts)
+        after += sum(w.nbytes() for w in parts)
         count += 1
     logger.info("quantization gguf: %d linear layers from their blocks (weights %.1f -> %.1f MiB), %d stay dense",
                 count, before / 2**20, after / 2**20, dense)

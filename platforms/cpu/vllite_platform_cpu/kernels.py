@@ -450,9 +450,9 @@ def gguf_linear(out: torch.Tensor, x: torch.Tensor, type_id: int, blocks: torch.
                 gemm_min_rows: int | None = None, grain_bytes: int | None = None) -> None:
     """``out = x @ W.T + bias`` (``x`` and ``out`` both float32 or both bfloat16, float32 bias) from GGUF blocks
     (``model_registry.layers.quantization.gguf.GGUFWeight.blocks``, 8 rows interleaved; ``type_id`` ggml's: Q4_0 2,
-    Q4_1 3, Q8_0 8): below ``gemm_min_rows`` rows ``x`` quantized per 32-block to int8 and integer dot products,
-    from there dequantised panels and the float32 GEMM, or for bfloat16 on AVX512-BF16 bfloat16 panels and the bf16 GEMM
-    (csrc/gguf.cpp)."""
+    Q4_1 3, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14): below ``gemm_min_rows`` rows ``x`` quantized per 32-block to int8
+    and integer dot products, from there dequantised panels and the float32 GEMM, or for bfloat16 on AVX512-BF16
+    bfloat16 panels and the bf16 GEMM (csrc/gguf.cpp)."""
     rows = GGUF_GEMM_MIN_ROWS if gemm_min_rows is None else gemm_min_rows
     grain = GGUF_GRAIN_BYTES if grain_bytes is None else grain_bytes
     load().gguf_linear_x8(out, x, int(type_id), blocks, bias, int(rows), int(grain))

@@ -1,5 +1,6 @@
 // A linear layer computed straight from GGUF block-quantized weights (quantization="gguf"): Q8_0, Q4_0 and
-// Q4_1, compiled once per ISA variant (integer dot products with AVX2 where the variant has it, vpdpbusd where it
+// Q4_1, and the K-quants Q4_K, Q5_K and Q6_K (super-blocks of 256; their record layout and arithmetic are
+// described at klayout and kgroup_tile below), compiled once per ISA variant (integer dot products with AVX2 where the variant has it, vpdpbusd where it
 // has AVX512-VNNI, plain C++ otherwise; many rows through dequantised panels and a GEMM's tiles).
 //
 // Why: the default model ships as Q4_1 (0.625 bytes per weight); dequantised to float32 a decode step
@@ -75,19 +76,44 @@ constexpr int64_t QK = 32;  // weights per block
 constexpr int64_t G = 8;    // output rows per group
 constexpr int64_t RM = 4;   // input rows per tile
 constexpr int64_t GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8;  // ggml's type ids
+constexpr int64_t GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14;
+constexpr int64_t QKK = 256;  // weights per K-quant super-block (one record)
+
+static inline bool is_kquant(int64_t type) { return type >= GGML_Q4_K && type <= GGML_Q6_K; }
+
+// A K-quant record (GGUFWeight's layout for Q4_K / Q5_K / Q6_K): 8 rows x one super-block of 256 weights.
+//   [0, 1024): 32 chunks of 32 bytes; byte 4r + i of chunk t = 8jj + c holds row r's weight 64jj + 4c + i in its
+//              low nibble and weight 64jj + 32 + 4c + i in its high one (the low 4 bits of the value);
+//   Q5_K [1024, 1280): the 5th bits, 8 vectors of 32 bytes, vector 2jj + h (h: 0 low nibbles, 1 high ones):
+//              bit c of byte b = the 5th bit of that nibble of byte b of chunk 8jj + c;
+//   Q6_K [1024, 1536): the 5th and 6th bits, 16 vectors, vector 4jj + 2h + u: bits 2c', 2c' + 1 of byte b =
+//              the two high bits of that nibble of byte b of chunk 8jj + 4u + c';
+//   then the scales as bytes [sub-block][row] (Q4_K/Q5_K: 8 sub-blocks of 32, uint8 0..63; Q6_K: 16 of 16,
+//   int8), the minimums [8][8] uint8 (Q4_K/Q5_K), the 8 rows' fp16 d and (Q4_K/Q5_K) fp16 dmin.
+// Weight values (gguf.quants' float32 arithmetic): Q4_K/Q5_K (d * sc) * q - (dmin * m); Q6_K (d * sc) * (q - 32).
+struct KLayout {
+  int64_t sc, mn, d, dmin, rec;
+};
+static inline KLayout klayout(int64_t type) {
+  if (type == GGML_Q4_K) return {1024, 1088, 1152, 1168, 1184};
+  if (type == GGML_Q5_K) return {1280, 1344, 1408, 1424, 1440};
+  return {1536, -1, 1664, -1, 1680};
+}
 
 struct Weights {
   int64_t type;
   const uint8_t* p;  // [groups][nb][rec]
-  int64_t nb, rec;   // blocks per row, bytes per record
-  int64_t qbytes;    // value bytes of a record (256 or 128): the scales follow, then the minimums
+  int64_t nb, rec;   // records per group (blocks of 32, or super-blocks of 256 for K-quants), bytes per record
+  int64_t qbytes;    // value bytes of a record (256 or 128): the scales follow, then the minimums (not K-quants)
+  int64_t per;       // weights per record along K: 32, or 256 (K-quants)
   const uint8_t* record(int64_t g, int64_t b) const { return p + (g * nb + b) * rec; }
 };
 
 struct Acts {
-  const int8_t* q;  // [M, K]
-  const float* d;   // [M, nb]
-  const float* s;   // [M, nb]: d * sum(q) of the block
+  const int8_t* q;    // [M, K]
+  const float* d;     // [M, nb]
+  const float* s;     // [M, nb]: d * sum(q) of the block
+  const uint32_t* bs; // [M, nb] (Q6_K only): sum(q) of the block's first 16 values, and (high half) of its last 16
   int64_t K, nb;
 };
 
@@ -160,6 +186,86 @@ static void group_scalar(const Weights& w, int64_t g, const Acts& a, int64_t r0,
           acc[r] += d * v + half_at(rec + w.qbytes + 2 * G, r) * xs;
         else
           acc[r] += d * v;
+      }
+    }
+    for (int64_t r = 0; r < G; ++r) out[i * ldo + r] = acc[r];
+  }
+}
+
+// Row r's integer value of weight k (0..255) of a K-quant record (0..15, 0..31 or 0..63).
+static inline int32_t kq_value(int64_t type, const uint8_t* rec, int64_t r, int64_t k) {
+  const int64_t jj = k / 64, h = (k % 64) / 32, c = (k % 32) / 4, byte = 4 * r + k % 4;
+  const uint8_t v = rec[32 * (8 * jj + c) + byte];
+  int32_t q = h ? (v >> 4) : (v & 15);
+  if (type == GGML_Q5_K) q |= ((rec[1024 + 32 * (2 * jj + h) + byte] >> c) & 1) << 4;
+  if (type == GGML_Q6_K) q |= ((rec[1024 + 32 * (4 * jj + 2 * h + c / 4) + byte] >> (2 * (c % 4))) & 3) << 4;
+  return q;
+}
+
+// Row r's scale of sub-block j (of 32 weights; of 16 for Q6_K) and minimum (Q4_K/Q5_K).
+static inline int32_t kq_scale(int64_t type, const uint8_t* rec, int64_t r, int64_t j) {
+  const uint8_t b = rec[klayout(type).sc + 8 * j + r];
+  return type == GGML_Q6_K ? static_cast<int32_t>(static_cast<int8_t>(b)) : static_cast<int32_t>(b);
+}
+static inline int32_t kq_min(int64_t type, const uint8_t* rec, int64_t r, int64_t j) {
+  return rec[klayout(type).mn + 8 * j + r];
+}
+
+// A K-quant record's 256 x 8 weights as float32 (gguf.quants' values), k-major: out[k * ldo + r], r < 8.
+static void kq_dequant_record(int64_t type, const uint8_t* rec, float* out, int64_t ldo) {
+  const KLayout L = klayout(type);
+  for (int64_t r = 0; r < G; ++r) {
+    const float d = half_at(rec + L.d, r);
+    if (type == GGML_Q6_K) {
+      for (int64_t k = 0; k < QKK; ++k)
+        out[k * ldo + r] = (d * static_cast<float>(kq_scale(type, rec, r, k / 16)))
+                           * static_cast<float>(kq_value(type, rec, r, k) - 32);
+    } else {
+      const float dmin = half_at(rec + L.dmin, r);
+      for (int64_t k = 0; k < QKK; ++k) {
+        const float sc = d * static_cast<float>(kq_scale(type, rec, r, k / 32));
+        const float mn = dmin * static_cast<float>(kq_min(type, rec, r, k / 32));
+        out[k * ldo + r] = sc * static_cast<float>(kq_value(type, rec, r, k)) - mn;
+      }
+    }
+  }
+}
+
+// Plain C++ for K-quants: per super-block and row, sum over 32-blocks of xd * (integer sums times the integer
+// scales), minus dmin * sum(m * xs); Q6_K's -32 as 32 * sum(sc * sum(xq)) per 16.
+static void kgroup_scalar(const Weights& w, int64_t g, const Acts& a, int64_t r0, int64_t rows, float* out,
+                          int64_t ldo) {
+  const KLayout L = klayout(w.type);
+  for (int64_t i = 0; i < rows; ++i) {
+    float acc[G] = {};
+    const int8_t* xq = a.q + (r0 + i) * a.K;
+    for (int64_t sb = 0; sb < w.nb; ++sb) {
+      const uint8_t* rec = w.record(g, sb);
+      for (int64_t r = 0; r < G; ++r) {
+        float accs = 0.f, accm = 0.f;
+        for (int64_t j = 0; j < QKK / QK; ++j) {
+          const int64_t b = sb * (QKK / QK) + j;
+          const int8_t* xb = xq + b * QK;
+          int32_t isum = 0;
+          if (w.type == GGML_Q6_K) {
+            for (int64_t u = 0; u < 2; ++u) {
+              int32_t dot = 0, bsum = 0;
+              for (int64_t l = 16 * u; l < 16 * u + 16; ++l) {
+                dot += kq_value(w.type, rec, r, j * QK + l) * xb[l];
+                bsum += xb[l];
+              }
+              isum += kq_scale(w.type, rec, r, 2 * j + u) * (dot - 32 * bsum);
+            }
+          } else {
+            int32_t dot = 0;
+            for (int64_t l = 0; l < QK; ++l) dot += kq_value(w.type, rec, r, j * QK + l) * xb[l];
+            isum = kq_scale(w.type, rec, r, j) * dot;
+            accm += static_cast<float>(kq_min(w.type, rec, r, j)) * a.s[(r0 + i) * a.nb + b];
+          }
+          accs += a.d[(r0 + i) * a.nb + b] * static_cast<float>(isum);
+        }
+        acc[r] += half_at(rec + L.d, r) * accs;
+        if (w.type != GGML_Q6_K) acc[r] -= half_at(rec + L.dmin, r) * accm;
       }
     }
     for (int64_t r = 0; r < G; ++r) out[i * ldo + r] = acc[r];
@@ -255,8 +361,118 @@ static void group_rows(int rows, const Weights& w, int64_t g, const Acts& a, int
   }
 }
 
+// 8 bytes (one per row) as int32 lanes holding the value in both 16-bit halves (madd_epi16's multiplier).
+static inline __m256i pair_u8(const uint8_t* p) {
+  const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_or_si256(x, _mm256_slli_epi32(x, 16));
+}
+// Two sets of 8 int8 (one per row): lane r = (a[r], b[r]) as two int16.
+static inline __m256i pair_s8(const uint8_t* a, const uint8_t* b) {
+  const __m256i x = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)));
+  const __m256i y = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
+  return _mm256_blend_epi16(x, _mm256_slli_epi32(y, 16), 0xAA);
+}
+
+// K-quants: out[i * ldo + 0..8] = the group's 8 outputs for input rows r0 .. r0 + R. Per super-block and half of
+// 64 weights (h: the low nibbles, one 32-block; the high nibbles, the next), maddubs sums of a chunk's 4 weights
+// of the 8 rows add up in int16 (Q4_K 8 chunks: at most 8 * 2 * 15 * 127 = 30480; Q5_K 4 chunks, 31 as the
+// largest value; Q6_K 2 chunks, 63) and madd_epi16 widens them times the rows' integer scales; per 32-block one
+// float FMA by the activation scale; per super-block the rows' d (and dmin times sum(m * xs)).
+template <int R, int64_t TYPE>
+static inline void kgroup_tile(const Weights& w, int64_t g, const Acts& a, int64_t r0, float* out, int64_t ldo) {
+  constexpr bool Q5 = TYPE == GGML_Q5_K, Q6 = TYPE == GGML_Q6_K;
+  constexpr int FLUSH = Q6 ? 2 : Q5 ? 4 : 8;
+  const KLayout L = klayout(TYPE);
+  __m256 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0f), bit5 = _mm256_set1_epi8(0x10), bits56 = _mm256_set1_epi8(0x30);
+  const uint8_t* rec = w.record(g, 0);
+  for (int64_t sb = 0; sb < w.nb; ++sb, rec += w.rec) {
+    const char* ahead = reinterpret_cast<const char*>(rec + 2 * w.rec);  // the group's stream, 2 records on
+    for (int64_t o = 0; o < w.rec; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
+    __m256 accs[R], accm[R];
+    for (int i = 0; i < R; ++i) accs[i] = accm[i] = _mm256_setzero_ps();
+    for (int jj = 0; jj < 4; ++jj) {
+      for (int h = 0; h < 2; ++h) {
+        const int64_t b = sb * (QKK / QK) + 2 * jj + h;  // the activations' 32-block
+        __m256i sc16[2], hb[2];
+        if constexpr (Q6) {
+          sc16[0] = pair_s8(rec + L.sc + 8 * (4 * jj + 2 * h), rec + L.sc + 8 * (4 * jj + 2 * h));
+          sc16[1] = pair_s8(rec + L.sc + 8 * (4 * jj + 2 * h + 1), rec + L.sc + 8 * (4 * jj + 2 * h + 1));
+          for (int u = 0; u < 2; ++u)
+            hb[u] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 1024 + 32 * (4 * jj + 2 * h + u)));
+        } else {
+          sc16[0] = sc16[1] = pair_u8(rec + L.sc + 8 * (2 * jj + h));
+          if constexpr (Q5) hb[0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 1024 + 32 * (2 * jj + h)));
+        }
+        __m256i s16[R], d32[R];
+        for (int i = 0; i < R; ++i) s16[i] = d32[i] = _mm256_setzero_si256();
+        __m256i hcur = Q5 ? hb[0] : _mm256_setzero_si256();
+        for (int c = 0; c < 8; ++c) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * (8 * jj + c)));
+          __m256i q = h ? _mm256_and_si256(_mm256_srli_epi16(v, 4), low) : _mm256_and_si256(v, low);
+          if constexpr (Q5) {  // bit c of each byte to bit 4
+            q = _mm256_or_si256(q, _mm256_and_si256(_mm256_slli_epi16(hcur, 4), bit5));
+            hcur = _mm256_srli_epi16(hcur, 1);
+          }
+          if constexpr (Q6) {  // bits 2c', 2c' + 1 of each byte to bits 4, 5
+            if (c % 4 == 0) hcur = hb[c / 4];
+            q = _mm256_or_si256(q, _mm256_and_si256(_mm256_slli_epi16(hcur, 4), bits56));
+            hcur = _mm256_srli_epi16(hcur, 2);
+          }
+          for (int i = 0; i < R; ++i)
+            s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(q, bcast4(a.q + (r0 + i) * a.K + b * QK + 4 * c)));
+          if ((c + 1) % FLUSH == 0) {
+            const __m256i sc = sc16[Q6 ? c / 4 : 0];
+            for (int i = 0; i < R; ++i) {
+              d32[i] = _mm256_add_epi32(d32[i], _mm256_madd_epi16(s16[i], sc));
+              s16[i] = _mm256_setzero_si256();
+            }
+          }
+        }
+        if constexpr (Q6) {  // - 32 * (sc_u0 * sum16_0 + sc_u1 * sum16_1)
+          const __m256i pairs = pair_s8(rec + L.sc + 8 * (4 * jj + 2 * h), rec + L.sc + 8 * (4 * jj + 2 * h + 1));
+          for (int i = 0; i < R; ++i) {
+            const __m256i bs = _mm256_set1_epi32(static_cast<int32_t>(a.bs[(r0 + i) * a.nb + b]));
+            d32[i] = _mm256_sub_epi32(d32[i], _mm256_slli_epi32(_mm256_madd_epi16(pairs, bs), 5));
+          }
+        }
+        __m256 mf = _mm256_setzero_ps();
+        if constexpr (!Q6)
+          mf = _mm256_cvtepi32_ps(
+              _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + L.mn + 8 * (2 * jj + h)))));
+        for (int i = 0; i < R; ++i) {
+          accs[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d32[i]), _mm256_set1_ps(a.d[(r0 + i) * a.nb + b]), accs[i]);
+          if constexpr (!Q6) accm[i] = _mm256_fmadd_ps(mf, _mm256_set1_ps(a.s[(r0 + i) * a.nb + b]), accm[i]);
+        }
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + L.d)));
+    for (int i = 0; i < R; ++i) acc[i] = _mm256_fmadd_ps(d, accs[i], acc[i]);
+    if constexpr (!Q6) {
+      const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + L.dmin)));
+      for (int i = 0; i < R; ++i) acc[i] = _mm256_fnmadd_ps(dmin, accm[i], acc[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + i * ldo, acc[i]);
+}
+
+template <int64_t TYPE>
+static void kgroup_rows(int rows, const Weights& w, int64_t g, const Acts& a, int64_t r0, float* out, int64_t ldo) {
+  switch (rows) {
+    case 4: kgroup_tile<4, TYPE>(w, g, a, r0, out, ldo); break;
+    case 3: kgroup_tile<3, TYPE>(w, g, a, r0, out, ldo); break;
+    case 2: kgroup_tile<2, TYPE>(w, g, a, r0, out, ldo); break;
+    default: kgroup_tile<1, TYPE>(w, g, a, r0, out, ldo); break;
+  }
+}
+
 // A record's 32 x 8 weights as float32 (the dequantised load's values), k-major: out[k * ldo + r], r < 8.
 static inline void dequant_record(const Weights& w, const uint8_t* rec, float* out, int64_t ldo) {
+  if (is_kquant(w.type)) {  // 256 weights
+    kq_dequant_record(w.type, rec, out, ldo);
+    return;
+  }
   // Each 128-bit lane of a chunk is 4 rows x 4 bytes; this shuffle makes it 4 bytes (rows) per weight, and the
   // permute puts the two lanes' rows side by side: 8 bytes (rows 0..7) per weight.
   const __m256i tr = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,  //
@@ -303,11 +519,11 @@ static void dequant_panel(const Weights& w, int64_t groups, int64_t p, float* pa
   for (int64_t h = 0; h < 2; ++h) {
     const int64_t g = 2 * p + h;
     for (int64_t b = 0; b < w.nb; ++b) {
-      float* o = panel + b * QK * NR + h * G;
+      float* o = panel + b * w.per * NR + h * G;
       if (g < groups) {
         dequant_record(w, w.record(g, b), o, NR);
       } else {
-        for (int64_t k = 0; k < QK; ++k) _mm256_storeu_ps(o + k * NR, _mm256_setzero_ps());
+        for (int64_t k = 0; k < w.per; ++k) _mm256_storeu_ps(o + k * NR, _mm256_setzero_ps());
       }
     }
   }
@@ -323,7 +539,8 @@ static inline __m512i bf16_bits(__m512 v) { return _mm512_srli_epi32(bf16_round_
 
 // panel [K / 2][32][2] bfloat16 (gemm.cpp's bf16 panel layout) = the weights of groups 4p .. 4p + 3 (zero past the
 // last group): the dequantised load's float32 values rounded as its .to(torch.bfloat16) rounds them, so the sums
-// are those of the bf16 GEMM on the dequantised bfloat16 weight. tmp: 32 x 32 floats (one block of the 4 groups).
+// are those of the bf16 GEMM on the dequantised bfloat16 weight. tmp: w.per x 32 floats (one record of the 4
+// groups).
 static void dequant_panel_bf16(const Weights& w, int64_t groups, int64_t p, uint16_t* panel, float* tmp) {
   for (int64_t b = 0; b < w.nb; ++b) {
     for (int64_t h = 0; h < 4; ++h) {
@@ -331,11 +548,11 @@ static void dequant_panel_bf16(const Weights& w, int64_t groups, int64_t p, uint
       if (g < groups) {
         dequant_record(w, w.record(g, b), tmp + h * G, NB16);
       } else {
-        for (int64_t k = 0; k < QK; ++k) _mm256_storeu_ps(tmp + k * NB16 + h * G, _mm256_setzero_ps());
+        for (int64_t k = 0; k < w.per; ++k) _mm256_storeu_ps(tmp + k * NB16 + h * G, _mm256_setzero_ps());
       }
     }
-    uint16_t* dst = panel + b * QK * NB16;  // the block's 16 pairs of k
-    for (int64_t kk = 0; kk < QK / 2; ++kk)
+    uint16_t* dst = panel + b * w.per * NB16;  // the record's pairs of k
+    for (int64_t kk = 0; kk < w.per / 2; ++kk)
       for (int64_t c = 0; c < NB16; c += 16) {  // k = 2kk in the low half of each column's 32 bits, 2kk + 1 above
         const __m512i lo = bf16_bits(_mm512_loadu_ps(tmp + 2 * kk * NB16 + c));
         const __m512i hi = bf16_bits(_mm512_loadu_ps(tmp + (2 * kk + 1) * NB16 + c));
@@ -356,26 +573,28 @@ static void dequant_panel_bf16(const Weights& w, int64_t groups, int64_t p, uint
 void gguf_linear_x8(at::Tensor out, at::Tensor x, int64_t type, at::Tensor blocks, std::optional<at::Tensor> bias,
                     int64_t gemm_min_rows, int64_t grain_bytes) {
   using namespace gguf_impl;
-  TORCH_CHECK(type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q8_0,
-              "gguf_linear: type must be Q4_0, Q4_1 or Q8_0");
+  TORCH_CHECK(type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q8_0 || is_kquant(type),
+              "gguf_linear: type must be Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K");
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && blocks.dim() == 2 && x.is_contiguous() && out.is_contiguous()
                   && blocks.is_contiguous() && (bf16 || x.scalar_type() == at::kFloat)
                   && out.scalar_type() == x.scalar_type() && blocks.scalar_type() == at::kByte,
               "gguf_linear: contiguous x [M, K] and out [M, N], both float32 or both bfloat16; contiguous uint8 blocks");
   const int64_t M = x.size(0), K = x.size(1), N = out.size(0) == M ? out.size(1) : -1;
-  const int64_t qbytes = type == GGML_Q8_0 ? 256 : 128;
-  const int64_t rec = qbytes + 2 * G * (type == GGML_Q4_1 ? 2 : 1);
-  const int64_t nb = K / QK, groups = (N + G - 1) / G;
-  TORCH_CHECK(N >= 0 && K % QK == 0 && blocks.size(0) == groups && blocks.size(1) == nb * rec,
-              "gguf_linear: shapes (K a multiple of 32, blocks [ceil(N / 8), K / 32 * record bytes])");
+  const bool kq = is_kquant(type);
+  const int64_t qbytes = type == GGML_Q8_0 ? 256 : 128, per = kq ? QKK : QK;
+  const int64_t rec = kq ? klayout(type).rec : qbytes + 2 * G * (type == GGML_Q4_1 ? 2 : 1);
+  const int64_t nb = K / QK, nrec = K / per, groups = (N + G - 1) / G;
+  TORCH_CHECK(N >= 0 && K % per == 0 && blocks.size(0) == groups && blocks.size(1) == nrec * rec,
+              "gguf_linear: shapes (K a multiple of 32, of 256 for K-quants; blocks [ceil(N / 8), K / (32 or 256) * "
+              "record bytes])");
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == at::kFloat, "gguf_linear: bias");
     bp = bias->data_ptr<float>();
   }
   if (M == 0 || N == 0) return;
-  const Weights w{type, blocks.data_ptr<uint8_t>(), nb, rec, qbytes};
+  const Weights w{type, blocks.data_ptr<uint8_t>(), nrec, rec, qbytes, per};
   if (bf16) {
 #ifdef VLLITE_GGUF_BF16
     if (M >= gemm_min_rows) {
@@ -386,11 +605,11 @@ void gguf_linear_x8(at::Tensor out, at::Tensor x, int64_t type, at::Tensor block
       auto* C = reinterpret_cast<uint16_t*>(out.data_ptr());
       split_for(P * row_blocks, 1, [&](int64_t tb, int64_t te) {
         std::vector<uint16_t> panel(K * NB16);
-        alignas(64) float tmp[QK * NB16];
+        std::vector<float> tmp(QKK * NB16);
         int64_t have = -1;
         for (int64_t t = tb; t < te; ++t) {
           const int64_t p = t / row_blocks, m0 = (t % row_blocks) * MC, m1 = std::min(M, m0 + MC), n0 = p * NB16;
-          if (p != have) dequant_panel_bf16(w, groups, have = p, panel.data(), tmp);
+          if (p != have) dequant_panel_bf16(w, groups, have = p, panel.data(), tmp.data());
           bf16_gemm_panel(A + m0 * K, m1 - m0, K, panel.data(), C + m0 * N + n0, N, bp ? bp + n0 : nullptr,
                           std::min(NB16, N - n0));
         }
@@ -429,10 +648,17 @@ void gguf_linear_x8(at::Tensor out, at::Tensor x, int64_t type, at::Tensor block
   std::vector<float> xd(M * nb), xs(M * nb);
   for (int64_t r = 0; r < M; ++r)
     quantize_row(xp + r * K, nb, xq.data() + r * K, xd.data() + r * nb, xs.data() + r * nb);
-  const Acts a{xq.data(), xd.data(), xs.data(), K, nb};
+  std::vector<uint32_t> bs(type == GGML_Q6_K ? M * nb : 0);
+  for (int64_t i = 0; i < static_cast<int64_t>(bs.size()); ++i) {  // Q6_K: sums of each half of each block
+    const int8_t* qb = xq.data() + i * QK;
+    int32_t lo = 0, hi = 0;
+    for (int64_t j = 0; j < QK / 2; ++j) lo += qb[j], hi += qb[QK / 2 + j];
+    bs[i] = (static_cast<uint32_t>(static_cast<uint16_t>(lo))) | (static_cast<uint32_t>(static_cast<uint16_t>(hi)) << 16);
+  }
+  const Acts a{xq.data(), xd.data(), xs.data(), bs.data(), K, nb};
 
   // Each thread a contiguous run of groups (one stream), all input rows; small calls on this thread alone.
-  const int64_t group_bytes = nb * rec * ((M + RM - 1) / RM);
+  const int64_t group_bytes = nrec * rec * ((M + RM - 1) / RM);
   const int64_t grain = std::max<int64_t>(1, (grain_bytes + group_bytes - 1) / group_bytes);
   split_for(groups, grain, [&](int64_t gb, int64_t ge) {
     alignas(32) float tmp[RM * G];
@@ -444,14 +670,23 @@ void gguf_linear_x8(at::Tensor out, at::Tensor x, int64_t type, at::Tensor block
         float* o = direct ? op + r * N + n0 : tmp;
         const int64_t ldo = direct ? N : G;
 #ifdef VLLITE_GGUF_AVX2
-        if (type == GGML_Q8_0)
+        if (type == GGML_Q4_K)
+          kgroup_rows<GGML_Q4_K>(rows, w, g, a, r, o, ldo);
+        else if (type == GGML_Q5_K)
+          kgroup_rows<GGML_Q5_K>(rows, w, g, a, r, o, ldo);
+        else if (type == GGML_Q6_K)
+          kgroup_rows<GGML_Q6_K>(rows, w, g, a, r, o, ldo);
+        else if (type == GGML_Q8_0)
           group_rows<GGML_Q8_0>(rows, w, g, a, r, o, ldo);
         else if (type == GGML_Q4_1)
           group_rows<GGML_Q4_1>(rows, w, g, a, r, o, ldo);
         else
           group_rows<GGML_Q4_0>(rows, w, g, a, r, o, ldo);
 #else
-        group_scalar(w, g, a, r, rows, o, ldo);
+        if (kq)
+          kgroup_scalar(w, g, a, r, rows, o, ldo);
+        else
+          group_scalar(w, g, a, r, rows, o, ldo);
 #endif
         for (int64_t i = 0; i < rows; ++i)
           for (int64_t c = 0; c < cols; ++c) {
