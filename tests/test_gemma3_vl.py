@@ -67,9 +67,10 @@ def test_gemma3_greedy_matches_hf_mixed_batch(gemma3):
 
 def test_gemma3_images_are_never_cut_across_steps(gemma3):
     """A 6-token step budget: every image's 4 tokens land in one step (a chunk stops before an image it would
-    cut); 12 blocks of 4 tokens for five requests force preemptions. Tokens are still HF's."""
+    cut); 24 blocks of 4 tokens (12 per cache group: sliding and global layers) for five requests force a
+    preemption. Tokens are still HF's."""
     path, ref, _ = gemma3
-    llm = LLM(model=path, dtype="float32", num_kv_blocks=12, block_size=4, max_num_batched_tokens=6,
+    llm = LLM(model=path, dtype="float32", num_kv_blocks=24, block_size=4, max_num_batched_tokens=6,
               long_prefill_token_threshold=0)
     core = llm.llm_engine.core.engine_core
     cuts, stops = [], []
@@ -139,3 +140,15 @@ def test_gemma3_broken_image_names_the_part(gemma3):
     assert e.value.param == "multi_modal_data"
     ok = llm.generate({"prompt": Q, "multi_modal_data": {"image": make_image(30, 30, 0)}}, GREEDY)[0]
     assert len(ok.outputs[0].token_ids) == N and TOKENS_PER_IMAGE == 4  # the engine still serves
+
+
+def test_gemma3_causal_image_tokens_would_differ(gemma3, monkeypatch):
+    """The non-causal spans are what makes the tokens HF's: with them off (image tokens causal) some output
+    differs."""
+    import model_registry.models.gemma3_mm as gemma3_mm
+
+    path, ref, _ = gemma3
+    monkeypatch.setattr(gemma3_mm, "token_spans", lambda *a: None)
+    llm = LLM(model=path, dtype="float32", num_kv_blocks=64, block_size=4)
+    outs = llm.generate(_prompts(REQUESTS), GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] != ref[:len(REQUESTS)]
