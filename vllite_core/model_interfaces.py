@@ -90,6 +90,12 @@ class SupportsMultiModalDecoder(SupportsMultiModal, Protocol):
         return [cls.image_token_id(hf_config)]
 
 
+class HasBidirectionalMMItems(Protocol):
+    """Each multimodal item's placeholder tokens attend to one another (Gemma 3's images): the scheduler never
+    splits an item's placeholders across steps, and the model marks them as non-causal spans in the step's
+    attention metadata (``vllite_core.attention.spans``)."""
+
+
 class SupportsMRoPE(Protocol):
     """Rotary positions in three dimensions (temporal, height, width: Qwen2-VL). The runner asks once per
     request for its prompt's positions and the delta its later tokens add to their index (vLLM's names), and
@@ -156,6 +162,7 @@ class ModelCapabilities:
     supports_multimodal: bool = False
     is_multimodal_decoder: bool = False  # media as prompt embeddings: encoder cache, image-aware block hashes
     uses_mrope: bool = False  # three-dimensional rotary positions, a per-request position delta
+    mm_items_bidirectional: bool = False  # an item's placeholders are scheduled in one step (non-causal spans)
     supports_transcription: bool = False
     supports_lora: bool = False
     supports_tensor_parallel: bool = False
@@ -169,6 +176,7 @@ _DECLARATIONS: dict[str, tuple[type, tuple[str, ...]]] = {
                                                           "embed_multimodal", "embed_input_ids", "image_token_id")),
     "supports_multimodal": (SupportsMultiModal, ("process_prompt",)),
     "uses_mrope": (SupportsMRoPE, ("get_mrope_input_positions",)),
+    "mm_items_bidirectional": (HasBidirectionalMMItems, ()),
     "supports_transcription": (SupportsTranscription, ("max_audio_seconds", "language_detection_prompt")),
     "supports_lora": (SupportsLoRA, ("lora_targets",)),
     "supports_tensor_parallel": (SupportsTensorParallel, ("check_tensor_parallel",)),

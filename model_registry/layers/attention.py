@@ -40,9 +40,18 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
-        """q [T, H, D], k and v [T, Hkv, D] -> [T, H, D]; k and v are written to the cache first."""
+        """q [T, H, D], k and v [T, Hkv, D] -> [T, H, D]; k and v are written to the cache first. Rows of the
+        metadata's non-causal spans (Gemma 3's images) are then recomputed seeing their whole span."""
         self.kv_scales.maybe_calculate(k, v, kv_cache)
         kwargs = self.kv_scales.kwargs()
+        scaled = dict(kwargs)
         if self.logits_soft_cap:  # only when set: a backend without soft-capping never sees the argument
             kwargs["logits_soft_cap"] = self.logits_soft_cap
-        return self.backend.forward(q, k, v, kv_cache, metadata, self.scale, self.sliding_window, **kwargs)
+        out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale, self.sliding_window, **kwargs)
+        if metadata.noncausal_spans is not None:
+            if self.logits_soft_cap:
+                raise NotImplementedError("non-causal spans with soft-capped attention logits")
+            rows = metadata.noncausal_spans.rows.to(out.device)
+            out[rows] = self.backend.forward_spans(q, kv_cache, metadata, self.scale, self.sliding_window,
+                                                   **scaled).to(out.dtype)
+        return out

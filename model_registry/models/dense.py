@@ -284,6 +284,7 @@ class DenseModel(nn.Module):
         self.norm = _norm(spec, c.hidden_size, dtype)
         self._ops = current_model_ops()
         self._native_stack: Any = None
+        self.scale_inputs_embeds = True  # False: a multimodal shell passes embeddings it has scaled (Gemma 3)
 
     @property
     def rotary_emb(self) -> RotaryEmbedding:
@@ -299,7 +300,7 @@ class DenseModel(nn.Module):
                 attn_metadata: list[AttentionMetadata], inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         s = self.spec
-        if s.embed_scale is not None:
+        if s.embed_scale is not None and (inputs_embeds is None or self.scale_inputs_embeds):
             x = x * (torch.tensor(s.embed_scale, dtype=x.dtype) if s.embed_scale_in_dtype else s.embed_scale)
         ropes = {kind: emb.lookup(positions, x.dtype) for kind, emb in self.rotary.items()}
         stack = self._stack()

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from vllite_core.attention.kv_quant import store_scaled
+from vllite_core.attention.spans import NonCausalSpans, span_mask
 from vllite_core.utils import cdiv
 
 
@@ -35,6 +36,8 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     # Backend-specific extras, from AttentionBackend.prepare().
     extra: Any = None
+    # Query rows that also see the keys after them up to their span's end (set by the model: Gemma 3's images).
+    noncausal_spans: NonCausalSpans | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -92,6 +95,32 @@ class AttentionBackend(ABC):
                 q, k, v, scale=scale, enable_gqa=q.shape[0] != k.shape[0])
             out[q0:q1] = o.transpose(0, 1)
         return out
+
+    def forward_spans(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+                      scale: float, sliding_window: int | None = None, k_scale: float = 1.0,
+                      v_scale: float = 1.0) -> torch.Tensor:
+        """The outputs of ``metadata.noncausal_spans``' rows (in ``spans.rows`` order), after ``forward`` wrote
+        the step's K/V: each row attends to its request's keys before its span's end, within the window. A
+        torch default for the default layout."""
+        spans = metadata.noncausal_spans
+        assert spans is not None
+        bs = kv_cache.shape[2]
+        outs = []
+        for sp in spans.spans:
+            lo = 0 if sliding_window is None else max(0, sp.first_pos - sliding_window + 1)
+            b0, b1 = lo // bs, cdiv(sp.end, bs)
+            blocks = metadata.block_table[sp.req, b0:b1].long()
+            k = kv_cache[0].index_select(0, blocks).reshape(-1, *kv_cache.shape[-2:])[lo - b0 * bs:sp.end - b0 * bs]
+            v = kv_cache[1].index_select(0, blocks).reshape(-1, *kv_cache.shape[-2:])[lo - b0 * bs:sp.end - b0 * bs]
+            q = query[sp.rows[0]:sp.rows[1]].transpose(0, 1)  # [H, Tq, D]
+            k, v = k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)
+            if k_scale != 1.0 or v_scale != 1.0:
+                k, v = k * k_scale, v * v_scale
+            mask = span_mask(sp, lo, sliding_window, q.device)
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[0] != k.shape[0])
+            outs.append(o.transpose(0, 1))
+        return torch.cat(outs)
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         """Called once per step after the runner builds the metadata; may set ``metadata.extra``."""

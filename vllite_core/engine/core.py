@@ -125,7 +125,8 @@ def _encoder_cache(config: VlliteConfig) -> Any:
         return None
     from vllite_core.multimodal.encoder_cache import EncoderCacheManager
 
-    return EncoderCacheManager(cache_size=geometry[0], budget=geometry[1])
+    return EncoderCacheManager(cache_size=geometry[0], budget=geometry[1],
+                               whole_items=config.model_config.capabilities.mm_items_bidirectional)
 
 
 @dataclass

@@ -30,9 +30,12 @@ class EncoderCacheStats:
 
 
 class EncoderCacheManager:
-    def __init__(self, cache_size: int, budget: int) -> None:
+    def __init__(self, cache_size: int, budget: int, whole_items: bool = False) -> None:
         self.cache_size = cache_size  # embedding rows the runner keeps
         self.budget = budget  # embedding rows the encoder may compute in one step
+        # An item's placeholders attend to one another (Gemma 3): a step takes all of an item's remaining
+        # placeholders or stops before it, never cutting it.
+        self.whole_items = whole_items
         self.entries: OrderedDict[str, int] = OrderedDict()  # hash -> rows, unreferenced ones in LRU order
         self.refs: dict[str, set[str]] = {}  # hash -> ids of requests holding it
         self.held: dict[str, set[str]] = {}  # request id -> hashes it holds
@@ -44,14 +47,17 @@ class EncoderCacheManager:
     def plan(self, req, start: int, num_tokens: int, step_rows: int) -> tuple[int, list[MultiModalFeature], int]:
         """Tokens ``req`` may compute from ``start`` (at most ``num_tokens``): the range stops before the first
         image whose output is not cached (entries made earlier in this step count) and does not fit in the
-        step's encoder budget (``step_rows`` used so far) or in the cache. Returns (tokens, images to encode
-        for it, their rows)."""
+        step's encoder budget (``step_rows`` used so far) or in the cache, and, with ``whole_items``, before
+        an image the range would cut. Returns (tokens, images to encode for it, their rows)."""
         end = start + num_tokens
         todo: list[MultiModalFeature] = []
         rows = 0
         for f in req.mm_features:
             if not f.overlaps(start, end):
                 continue
+            if self.whole_items and end < f.end:
+                end = f.offset
+                break
             if f.identifier in self.entries or any(t.identifier == f.identifier for t in todo):
                 continue
             if step_rows + rows + f.length > self.budget or not self._can_fit(rows + f.length):
