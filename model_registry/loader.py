@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,7 @@ def load_model(source: ModelSource, hf_config: Any, model_cls: type, attn_backen
     if source.kind == "gguf":
         weights = _gguf_weights(source, hf_config)
     else:
-        weights = iter_hf_weights(source.path)
+        weights = iter_hf_weights(source.path, getattr(model, "skips_weight", None))
     loaded = model.load_weights(weights)
     if prepared is not None:  # repacked now: a missing quantized tensor is named by its checkpoint name
         loaded |= prequantized.finish(prepared, quantization)
@@ -90,15 +90,17 @@ def hf_weight_files(folder: str) -> list[Path]:
     raise WeightsNotFoundError(f"{folder}: no *.safetensors (or pytorch_model*.bin) weights found")
 
 
-def iter_hf_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of an HF checkpoint folder, one file at a time."""
+def iter_hf_weights(folder: str, skip: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of an HF checkpoint folder, one file at a time; a safetensors tensor
+    ``skip`` names (another pipeline stage's) is not read."""
     from safetensors import safe_open
 
     for path in hf_weight_files(folder):
         if path.suffix == ".safetensors":
             with safe_open(os.fspath(path), framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    if skip is None or not skip(name):
+                        yield name, f.get_tensor(name)
         else:
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             yield from state.items()

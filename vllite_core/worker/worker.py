@@ -70,7 +70,11 @@ class Worker:
         kv_dtype = self.platform.kv_cache_torch_dtype(self.config.cache_config.kv_cache_dtype, dtype)
         configure_kv_scales(model, kv_dtype, self.config.cache_config.calculate_kv_scales)
         runner_cls: type[ModelRunner] = ModelRunner
-        if self.tp.world_size > 1:
+        if self.tp.pp_size > 1:
+            from vllite_core.worker.pp_runner import PipelineParallelModelRunner
+
+            runner_cls = PipelineParallelModelRunner
+        elif self.tp.world_size > 1:
             from vllite_core.worker.tp_runner import TensorParallelModelRunner
 
             runner_cls = TensorParallelModelRunner
@@ -105,6 +109,8 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         assert self.runner is not None
         self.runner.initialize_kv_cache(num_blocks)
+        if self.tp.pp_size > 1:  # a stage's forward takes the previous stage's activations: no decode graphs yet
+            return
         self.runner.model_forward.capture(self.platform, self.config, self.runner.kv_caches,
                                           len(self.runner.kv_cache_groups), self.runner.block_size,
                                           self.runner.max_model_len, self.device,
