@@ -20,7 +20,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 LLAMA = dict(TINY, num_hidden_layers=3, tie_word_embeddings=True)
 QWEN3 = dict(TINY, num_hidden_layers=2, head_dim=16)
 BLOCK_BYTES_PER_LAYER = 2 * 16 * 2 * 16 * 4  # K and V, 16 tokens, 2 KV heads of 16, float32
-KV_MEMORY = 3 * 16 * 2 * BLOCK_BYTES_PER_LAYER  # 96 blocks of all 3 layers on one rank
+KV_MEMORY = 96 * BLOCK_BYTES_PER_LAYER  # 32 blocks of all 3 layers on one rank, 48 of 2 layers, 96 of 1
 
 
 def _prompts(vocab: int) -> list[list[int]]:
