@@ -23,11 +23,11 @@ def check_parallel_config(config: VlliteConfig, platform: Any, architecture: str
     if world > 1 and backend == "mp":
         devices = platform.device_count()
         if world > devices:
-            name = "tensor_parallel_size" if pp == 1 else "pipeline_parallel_size"
-            raise ConfigError(f"{name}: {world} ranks (tensor_parallel_size={tp} x pipeline_parallel_size={pp}) on "
-                              f"this machine, but the {platform.name} platform has {devices} device(s) for them "
-                              f"here (one rank per device); lower it, or use distributed_executor_backend='ray' "
-                              f"to span machines")
+            name, shape = ("tensor_parallel_size", "") if pp == 1 else (
+                "pipeline_parallel_size", f" (tensor_parallel_size={tp} x pipeline_parallel_size={pp})")
+            raise ConfigError(f"{name}: {world} ranks{shape} on this machine, but the {platform.name} platform has "
+                              f"{devices} device(s) for them here (one rank per device); lower it, or use "
+                              f"distributed_executor_backend='ray' to span machines")
 
 
 def check_pipeline_parallel(config: VlliteConfig, architecture: str, model_cls: Any, hf_config: Any) -> None:
