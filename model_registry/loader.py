@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,7 @@ def load_model(source: ModelSource, hf_config: Any, model_cls: type, attn_backen
     prepared = None
     if quantization in prequantized.PREQUANTIZED:  # the checkpoint's own layout: placeholders before loading
         prepared = prequantized.prepare(model, quantization, hf_config)
-    loaded = model.load_weights(checkpoint_weights(source, hf_config))
+    loaded = model.load_weights(checkpoint_weights(source, hf_config, skip=getattr(model, "skips_weight", None)))
     if prepared is not None:  # repacked now: a missing quantized tensor is named by its checkpoint name
         loaded |= prequantized.finish(prepared, quantization)
     missing = sorted(name for name, _ in model.named_parameters(remove_duplicate=False) if name not in loaded)
@@ -62,14 +62,15 @@ def load_model(source: ModelSource, hf_config: Any, model_cls: type, attn_backen
     return model
 
 
-def checkpoint_weights(source: ModelSource, hf_config: Any, folder: str | None = None
-                       ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) of the model's checkpoint, or of the HF checkpoint ``folder`` (a weight update)."""
+def checkpoint_weights(source: ModelSource, hf_config: Any, folder: str | None = None,
+                       skip: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) of the model's checkpoint, or of the HF checkpoint ``folder`` (a weight update);
+    ``skip``: names this rank does not hold (another pipeline stage's layers), never read."""
     if folder is not None:
-        return iter_hf_weights(folder)
+        return iter_hf_weights(folder, skip)
     if source.kind == "gguf":
         return _gguf_weights(source, hf_config)
-    return iter_hf_weights(source.path)
+    return iter_hf_weights(source.path, skip)
 
 
 def _gguf_weights(source: ModelSource, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
@@ -96,15 +97,17 @@ def hf_weight_files(folder: str) -> list[Path]:
     raise WeightsNotFoundError(f"{folder}: no *.safetensors (or pytorch_model*.bin) weights found")
 
 
-def iter_hf_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of an HF checkpoint folder, one file at a time."""
+def iter_hf_weights(folder: str, skip: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of an HF checkpoint folder, one file at a time; a safetensors tensor
+    ``skip`` names (another pipeline stage's) is not read."""
     from safetensors import safe_open
 
     for path in hf_weight_files(folder):
         if path.suffix == ".safetensors":
             with safe_open(os.fspath(path), framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    if skip is None or not skip(name):
+                        yield name, f.get_tensor(name)
         else:
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             yield from state.items()

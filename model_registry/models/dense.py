@@ -31,10 +31,12 @@ from model_registry.layers import (
     apply_rotary,
 )
 from model_registry.layers.params import check_full, copy_checked, empty_param
+from model_registry.layers.pipeline import StageLayers
 from model_registry.layers.rotary import apply_rotary_interleaved
 from model_registry.models.llama import LlamaForCausalLM, _layer_windows
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
 from vllite_core.distributed import get_tp
+from vllite_core.distributed.pipeline import IntermediateTensors
 from vllite_core.errors import ConfigError
 from vllite_core.model_ops import current_model_ops
 
@@ -268,20 +270,22 @@ class DenseDecoderLayer(nn.Module):
 
 
 class DenseModel(nn.Module):
-    """Embedding (optionally scaled), the layers, the final norm; one rope lookup per table per step."""
+    """Embedding (optionally scaled), the layers, the final norm; one rope lookup per table per step. With
+    pipeline stages only this rank's part (``model_registry.layers.pipeline``), as ``LlamaModel``."""
 
     def __init__(self, c: Any, spec: DenseSpec, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
         from model_registry.layers import VocabParallelEmbedding
 
         self.spec = spec
-        self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, dtype)
+        self.stage = stage = StageLayers(spec.num_layers)
+        self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, dtype) if stage.is_first else None
         used = {k for k in spec.rope_kinds if k is not None}
         self.rotary = nn.ModuleDict({
             kind: RotaryEmbedding(c, spec.head_size, spec.rotary_dim, spec.rope_bases[kind][1],
                                   spec.rope_bases[kind][0]) for kind in sorted(used)})
-        self.layers = nn.ModuleList(DenseDecoderLayer(c, spec, attn_backend, dtype, i) for i in range(spec.num_layers))
-        self.norm = _norm(spec, c.hidden_size, dtype)
+        self.layers = stage.build(spec.num_layers, lambda i: DenseDecoderLayer(c, spec, attn_backend, dtype, i))
+        self.norm = _norm(spec, c.hidden_size, dtype) if stage.is_last else None
         self._ops = current_model_ops()
         self._native_stack: Any = None
         self.scale_inputs_embeds = True  # False: a multimodal shell passes embeddings it has scaled (Gemma 3)
@@ -293,26 +297,37 @@ class DenseModel(nn.Module):
     def _stack(self) -> Callable[..., Any] | None:
         if self._native_stack is None:  # after loading; one rope table shared by every layer only
             one_table = len(self.rotary) == 1 and None not in self.spec.rope_kinds
-            self._native_stack = (one_table and self._ops.decoder_stack(list(self.layers))) or False
+            self._native_stack = (one_table and self._ops.decoder_stack(self.stage_layers)) or False
         return self._native_stack or None
 
+    @property
+    def stage_layers(self) -> list[nn.Module]:
+        """This rank's layers, in order (all of them without pipeline stages)."""
+        return list(self.layers)[self.stage.start:self.stage.end]
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: list[AttentionMetadata], inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+                attn_metadata: list[AttentionMetadata], inputs_embeds: torch.Tensor | None = None,
+                intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
         s = self.spec
-        if s.embed_scale is not None and (inputs_embeds is None or self.scale_inputs_embeds):
-            x = x * (torch.tensor(s.embed_scale, dtype=x.dtype) if s.embed_scale_in_dtype else s.embed_scale)
+        residual: torch.Tensor | None
+        if intermediate is None:
+            x, residual = (self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds), None
+            if s.embed_scale is not None and (inputs_embeds is None or self.scale_inputs_embeds):
+                x = x * (torch.tensor(s.embed_scale, dtype=x.dtype) if s.embed_scale_in_dtype else s.embed_scale)
+        else:
+            x, residual = intermediate.hidden_states, intermediate.residual
         ropes = {kind: emb.lookup(positions, x.dtype) for kind, emb in self.rotary.items()}
-        stack = self._stack()
-        if stack:
-            out = stack(ropes[s.rope_kinds[0]], x, kv_caches, attn_metadata)
-            if out is not None:
-                x, residual = out
-                return self._final(x, residual)
-        residual = None
-        for layer, kv_cache, md in zip(self.layers, kv_caches, attn_metadata, strict=True):
-            rope = ropes[layer.rope_kind] if layer.rope_kind is not None else None
-            x, residual = layer.forward(rope, x, residual, kv_cache, md)
+        stack = self._stack() if residual is None else None  # the native stack starts from the embedding
+        out = stack(ropes[s.rope_kinds[0]], x, kv_caches, attn_metadata) if stack else None
+        if out is not None:
+            x, residual = out
+        else:
+            for layer, kv_cache, md in zip(self.stage_layers, kv_caches, attn_metadata, strict=True):
+                rope = ropes[layer.rope_kind] if layer.rope_kind is not None else None
+                x, residual = layer.forward(rope, x, residual, kv_cache, md)
+        if not self.stage.is_last:
+            assert residual is not None  # every stage holds at least one layer
+            return IntermediateTensors(x, residual)
         return self._final(x, residual)
 
     def _final(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
@@ -364,7 +379,7 @@ class DenseForCausalLM(LlamaForCausalLM):
         """The Llama shell's targets plus the stacked projections by their own names (Phi-3's adapters name
         ``qkv_proj`` and ``gate_up_proj``)."""
         out = super().lora_targets()
-        attn, mlp = self.model.layers[0].self_attn, self.model.layers[0].mlp
+        attn, mlp = self.first_layer.self_attn, self.first_layer.mlp
         for i in range(self.num_layers):
             pre = f"model.layers.{i}."
             out[f"{pre}self_attn.qkv_proj"] = (f"{pre}self_attn.qkv_proj", 0, attn.q_size + 2 * attn.kv_size)

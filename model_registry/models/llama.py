@@ -28,9 +28,11 @@ from model_registry.layers import (
     VocabParallelEmbedding,
 )
 from model_registry.layers.params import STACKED_PROJECTIONS, load_by_name
+from model_registry.layers.pipeline import StageLayers
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
 from vllite_core.attention.kv_quant import kv_scale_name
 from vllite_core.core.kv_cache_spec import KVCacheSpec
+from vllite_core.distributed.pipeline import IntermediateTensors
 from vllite_core.distributed.sharding import check_heads
 from vllite_core.model_interfaces import SupportsLoRA, SupportsTensorParallel
 from vllite_core.model_ops import current_model_ops
@@ -138,34 +140,51 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """The embedding, the decoder layers, the final norm; with pipeline stages only this rank's part of them
+    (``model_registry.layers.pipeline``): the embedding on the first stage, the norm on the last."""
+
     def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
-        # This rank's block of token rows (the whole table on one rank).
-        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, dtype)
         num_layers = hf_config.num_hidden_layers
+        self.stage = stage = StageLayers(num_layers)
+        # This rank's block of token rows (the whole table on one rank).
+        self.embed_tokens = (VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, dtype)
+                             if stage.is_first else None)
         head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         self.rotary_emb = RotaryEmbedding(hf_config, head_size)
         windows = _layer_windows(hf_config, num_layers)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, attn_backend, dtype, windows[i]) for i in range(num_layers))
-        self.norm = RMSNorm(hf_config.hidden_size, float(getattr(hf_config, "rms_norm_eps", 1e-6)), dtype)
+        self.layers = stage.build(num_layers, lambda i: LlamaDecoderLayer(hf_config, attn_backend, dtype, windows[i]))
+        self.norm = (RMSNorm(hf_config.hidden_size, float(getattr(hf_config, "rms_norm_eps", 1e-6)), dtype)
+                     if stage.is_last else None)
         self._ops = current_model_ops()
         self._native_stack: Any = None  # the platform's all-layers call (ModelOps.decoder_stack) or False: on first use
 
+    @property
+    def stage_layers(self) -> list[nn.Module]:
+        """This rank's layers, in order (all of them without pipeline stages)."""
+        return list(self.layers)[self.stage.start:self.stage.end]
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: list[AttentionMetadata], inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+                attn_metadata: list[AttentionMetadata], inputs_embeds: torch.Tensor | None = None,
+                intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        """Final hidden states, or on a stage before the last what the next stage continues from;
+        ``intermediate``: what the previous stage handed this one."""
+        if intermediate is None:
+            x, residual = (self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds), None
+        else:
+            x, residual = intermediate.hidden_states, intermediate.residual
         rope = self.rotary_emb.lookup(positions, x.dtype)  # shared by every layer
         stack = self._native_stack
         if stack is None:  # after loading, as each layer's own call
-            stack = self._native_stack = self._ops.decoder_stack(list(self.layers)) or False
-        if stack:
-            out = stack(rope, x, kv_caches, attn_metadata)
-            if out is not None:
-                return self.norm.add_forward(out[0], out[1])[0]
-        residual = None
-        for layer, kv_cache, md in zip(self.layers, kv_caches, attn_metadata, strict=True):
-            x, residual = layer.forward(rope, x, residual, kv_cache, md)
+            stack = self._native_stack = self._ops.decoder_stack(self.stage_layers) or False
+        out = stack(rope, x, kv_caches, attn_metadata) if stack and residual is None else None
+        if out is not None:  # the native stack starts from the embedding
+            x, residual = out
+        else:
+            for layer, kv_cache, md in zip(self.stage_layers, kv_caches, attn_metadata, strict=True):
+                x, residual = layer.forward(rope, x, residual, kv_cache, md)
+        if not self.stage.is_last:
+            return IntermediateTensors(x, residual)
         return self.norm(x) if residual is None else self.norm.add_forward(x, residual)[0]
 
 
@@ -183,7 +202,8 @@ class LlamaForCausalLM(nn.Module, SupportsLoRA, SupportsTensorParallel):
         self.config = hf_config
         self.dtype = dtype
         self.model = self._build_model(hf_config, attn_backend, dtype)
-        attn = self.model.layers[0].self_attn
+        self.stage: StageLayers = self.model.stage
+        attn = self.first_layer.self_attn
         self.num_layers: int = hf_config.num_hidden_layers
         self.num_heads: int = attn.num_heads
         self.num_kv_heads: int = attn.num_kv_heads
@@ -191,8 +211,20 @@ class LlamaForCausalLM(nn.Module, SupportsLoRA, SupportsTensorParallel):
         self.hidden_size: int = hf_config.hidden_size
         self.vocab_size: int = hf_config.vocab_size
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(self.vocab_size, self.hidden_size, dtype,
-                                      tied=self.model.embed_tokens if self.tie_word_embeddings else None)
+        # On the last stage only; tied to the embedding when this stage also holds it, else its own copy of the
+        # table (loaded from the embedding's tensor).
+        tied = self.model.embed_tokens if self.tie_word_embeddings and self.stage.is_first else None
+        self.lm_head = (ParallelLMHead(self.vocab_size, self.hidden_size, dtype, tied=tied)
+                        if self.stage.is_last else None)
+
+    # Pipeline stages (``pipeline_parallel_size``): every model built on LlamaModel / DenseModel builds only its
+    # stage's layers (model_registry.layers.pipeline); vllite_core.distributed.checks reads this.
+    supports_pipeline_parallel = True
+
+    @property
+    def first_layer(self) -> nn.Module:
+        """The first layer this rank holds (every layer has the same shapes)."""
+        return self.model.layers[self.stage.start]
 
     @classmethod
     def fused_cpu_path(cls, hf_config: Any) -> str | None:
@@ -213,13 +245,17 @@ class LlamaForCausalLM(nn.Module, SupportsLoRA, SupportsTensorParallel):
     def get_kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> list[KVCacheSpec]:
         """One self-attention cache per layer: sliding-window layers get their own group, whose blocks
         out of the window are released."""
-        return [layer.self_attn.attn.kv_cache_spec(block_size, dtype) for layer in self.model.layers]
+        return [layer.self_attn.attn.kv_cache_spec(block_size, dtype) for layer in self.model.stage_layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: list[AttentionMetadata], inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                attn_metadata: list[AttentionMetadata], inputs_embeds: torch.Tensor | None = None,
+                intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
         """Hidden states [T, hidden_size] for the flattened tokens of every request in the step (a multimodal
-        wrapper passes ``inputs_embeds`` with image rows in place of their placeholders)."""
-        return self.model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds)
+        wrapper passes ``inputs_embeds`` with image rows in place of their placeholders). With pipeline stages
+        ``kv_caches`` are this stage's layers' and a stage before the last returns ``IntermediateTensors``."""
+        if intermediate is None:
+            return self.model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds)
+        return self.model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds, intermediate)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -238,7 +274,7 @@ class LlamaForCausalLM(nn.Module, SupportsLoRA, SupportsTensorParallel):
     def lora_targets(self) -> dict[str, tuple[str, int, int]]:
         """SupportsLoRA: each HF projection name -> (the engine layer holding it, its output rows there)."""
         out: dict[str, tuple[str, int, int]] = {}
-        down = self.model.layers[0].mlp.down_proj.local_features[0]
+        down = self.first_layer.mlp.down_proj.local_features[0]
         for i in range(self.num_layers):
             pre = f"model.layers.{i}."
             for hf, fused, shard in STACKED_PROJECTIONS:
@@ -254,10 +290,10 @@ class LlamaForCausalLM(nn.Module, SupportsLoRA, SupportsTensorParallel):
     def _shard_slice(self, shard: str) -> slice:
         """Rows of a fused weight that hold one checkpoint tensor."""
         if shard in ("q", "k", "v"):
-            attn = self.model.layers[0].self_attn
+            attn = self.first_layer.self_attn
             start = {"q": 0, "k": attn.q_size, "v": attn.q_size + attn.kv_size}[shard]
             return slice(start, start + (attn.q_size if shard == "q" else attn.kv_size))
-        size = self.model.layers[0].mlp.intermediate_size
+        size = self.first_layer.mlp.intermediate_size
         return slice(0, size) if shard == "gate" else slice(size, 2 * size)
 
     def _rename(self, hf_name: str) -> str | None:
@@ -266,7 +302,18 @@ class LlamaForCausalLM(nn.Module, SupportsLoRA, SupportsTensorParallel):
         if hf_name.endswith(_IGNORED_SUFFIXES):
             return None
         name = "model." + hf_name if hf_name.startswith(("layers.", "embed_tokens.", "norm.")) else hf_name
-        return None if name == "lm_head.weight" and self.tie_word_embeddings else name
+        if name == "lm_head.weight" and self.tie_word_embeddings:
+            return None
+        if self.stage.is_whole:
+            return name
+        if name == "model.embed_tokens.weight" and self.tie_word_embeddings and self.stage.is_last:
+            return name if self.stage.is_first else "lm_head.weight"  # the last stage's head is the table
+        return name if self.stage.owns_weight(name) else None
+
+    def skips_weight(self, hf_name: str) -> bool:
+        """A checkpoint tensor this rank does not keep (another stage's, a rotary table): the loader does not
+        read it."""
+        return self._rename(hf_name) is None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into the (fused) parameters; returns the parameter names fully loaded. A float8
@@ -284,6 +331,6 @@ class LlamaForCausalLM(nn.Module, SupportsLoRA, SupportsTensorParallel):
                     yield hf_name, tensor  # elsewhere: no parameter of that name, so refused as unknown
 
         loaded = load_by_name(self, tensors(), self._rename, STACKED_PROJECTIONS)
-        if self.tie_word_embeddings and "model.embed_tokens.weight" in loaded:
+        if self.tie_word_embeddings and self.stage.is_first and "model.embed_tokens.weight" in loaded:
             loaded.add("lm_head.weight")
         return loaded

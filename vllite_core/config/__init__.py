@@ -234,31 +234,37 @@ EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 @dataclass
 class ParallelConfig:
-    """How the model is spread over processes (vLLM's names): ``tensor_parallel_size`` ranks, each one
-    worker, run by ``distributed_executor_backend``: ``uni`` (the worker in the engine's process), ``mp``
-    (one process per rank on this machine) or ``ray`` (Ray actors, across a Ray cluster's nodes).
-    None picks ``uni`` for one rank, ``mp`` for more."""
+    """How the model is spread over processes (vLLM's names): ``tensor_parallel_size`` ranks per pipeline
+    stage, ``pipeline_parallel_size`` stages (each owning a contiguous block of layers), one worker per rank,
+    run by ``distributed_executor_backend``: ``uni`` (the worker in the engine's process), ``mp`` (one process
+    per rank on this machine) or ``ray`` (Ray actors, across a Ray cluster's nodes). None picks ``uni`` for
+    one rank, ``mp`` for more. Global rank = stage * tensor_parallel_size + tensor-parallel rank (vLLM's order)."""
 
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        tp = self.tensor_parallel_size
-        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-            raise ConfigError(f"tensor_parallel_size: must be an integer >= 1, got {tp!r}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            n = getattr(self, name)
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ConfigError(f"{name}: must be an integer >= 1, got {n!r}")
+        world = self.world_size
         backend = self.distributed_executor_backend
         if backend is None:
-            self.distributed_executor_backend = "uni" if tp == 1 else "mp"
+            self.distributed_executor_backend = "uni" if world == 1 else "mp"
         elif backend not in EXECUTOR_BACKENDS:
             raise ConfigError(f"distributed_executor_backend: must be one of {', '.join(EXECUTOR_BACKENDS)}, "
                               f"got {backend!r}")
-        elif backend == "uni" and tp > 1:
-            raise ConfigError(f"distributed_executor_backend: 'uni' runs one worker, but tensor_parallel_size="
-                              f"{tp} needs {tp}; use 'mp' or 'ray'")
+        elif backend == "uni" and world > 1:
+            field_name = "tensor_parallel_size" if self.pipeline_parallel_size == 1 else "pipeline_parallel_size"
+            raise ConfigError(f"distributed_executor_backend: 'uni' runs one worker, but {field_name} needs "
+                              f"{world} (tensor_parallel_size={self.tensor_parallel_size} x pipeline_parallel_size="
+                              f"{self.pipeline_parallel_size}); use 'mp' or 'ray'")
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass
@@ -356,6 +362,7 @@ class EngineArgs:
     speculative_config: dict | str | None = None  # {"method": "ngram", "num_speculative_tokens": 4, ...}
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # uni | mp | ray (None: uni for one rank, else mp)
+    pipeline_parallel_size: int = 1
 
     ALIASES = {"num_gpu_blocks_override": "num_kv_blocks", "memory_utilization": "gpu_memory_utilization"}
     REJECTED = {
@@ -420,5 +427,6 @@ class EngineArgs:
                 media_fetch_timeout=self.media_fetch_timeout, max_media_bytes=self.max_media_bytes,
                 encoder_cache_size=self.encoder_cache_size),
             speculative_config=SpeculativeConfig.from_value(self.speculative_config),
-            parallel_config=ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend),
+            parallel_config=ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend,
+                                           self.pipeline_parallel_size),
         )

@@ -38,10 +38,10 @@ class Communicator:
         return torch.cat(parts, dim=dim)
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """``x`` of rank ``src`` on every rank (in place)."""
+        """``x`` of rank ``src`` (counted in this group) on every rank (in place)."""
         import torch.distributed as dist
 
-        dist.broadcast(x, src, group=self.group)
+        dist.broadcast(x, src if self.group is None else dist.get_global_rank(self.group, src), group=self.group)
         return x
 
 

@@ -344,11 +344,12 @@ class EngineCore:
         cc = config.cache_config
         kinds = ", ".join(f"{g.spec.kind} x{len(g.layers)}" for g in groups)
         logger.info("engine ready: %s (model_impl: %s) on %s, max_model_len=%d, %d KV blocks of %d tokens "
-                    "(%d tokens, %s cache), cache groups: %s, %s executor, tensor_parallel_size=%d",
+                    "(%d tokens, %s cache), cache groups: %s, %s executor, tensor_parallel_size=%d, "
+                    "pipeline_parallel_size=%d",
                     model.architecture, model.impl.impl, self.platform.name,
                     max_model_len, num_blocks, cc.block_size, num_blocks * cc.block_size,
                     str(facts.kv_cache_dtype).replace("torch.", ""), kinds, self.executor.backend,
-                    config.parallel_config.tensor_parallel_size)
+                    config.parallel_config.tensor_parallel_size, config.parallel_config.pipeline_parallel_size)
         m, gib = self.memory, 2 ** 30
         how = ("committed now: commit_kv_cache" if m.kv_committed else
                "committed as blocks are first used; commit_kv_cache commits it at start")

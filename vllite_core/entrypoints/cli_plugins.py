@@ -40,6 +40,9 @@ def add_env_parser(subparsers: "argparse._SubParsersAction") -> argparse.Argumen
                    help="resolve this platform explicitly (as the engine would with --device NAME)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="show the parallel layout an engine with N ranks would use here")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="M",
+                   help="with M pipeline stages of N ranks each (with --model: which layers each stage holds; "
+                        "a model with fewer layers than stages is refused)")
     p.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
                    help="executor of that layout (default: uni for one rank, mp for more)")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
@@ -114,12 +117,32 @@ def _add_layout(report: dict[str, Any], resolved: ResolvedPlatform | None, args:
 
     if resolved is None:
         return None
+    hf_config = model_cls = None
+    if args.model is not None:  # the model's layers and heads checked against the layout
+        hf_config, model_cls = _layout_model(args)
     try:
         report["parallel"] = planned_layout(resolved.platform, args.tensor_parallel_size,
-                                            args.distributed_executor_backend)
+                                            args.distributed_executor_backend, args.pipeline_parallel_size,
+                                            hf_config, model_cls)
     except ConfigError as e:
         return str(e)
     return None
+
+
+def _layout_model(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(hf_config, model class) of ``--model``, or (None, None) when it does not resolve (the model report says
+    why)."""
+    from model_registry.model_impl import resolve_model_impl
+    from model_registry.registry import build_registry
+    from model_registry.source import load_hf_config, resolve_model_source
+
+    try:
+        hf_config = load_hf_config(resolve_model_source(args.model), args.trust_remote_code)
+        choice = resolve_model_impl(build_registry(get_plugin_manager()), hf_config, args.model_impl,
+                                    args.trust_remote_code)
+    except (ValueError, OSError, ImportError):
+        return None, None
+    return hf_config, choice.model_cls
 def _process_layout(data_parallel_size: int) -> dict[str, Any]:
     """What `vllite serve` starts (VLLITE_ENABLE_V1_MULTIPROCESSING decides) and where the offline LLM runs."""
     from vllite_core.engine.core_client import multiprocessing_enabled

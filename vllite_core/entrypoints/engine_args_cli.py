@@ -44,6 +44,8 @@ _HELP = {
     "jump_forward": "structured output: where the grammar allows exactly one token, append it without a "
                     "sampling step (outputs unchanged; requests asking for logprobs never jump)",
     "tensor_parallel_size": "shard the model over N ranks (one worker and one device each)",
+    "pipeline_parallel_size": "split the model's layers over M pipeline stages of tensor_parallel_size ranks each "
+                              "(world = tensor_parallel_size x pipeline_parallel_size; dense decoders)",
     "distributed_executor_backend": "uni (one worker in the engine process) | mp (one process per rank on this "
                                     "machine) | ray (Ray actors over a Ray cluster); default: uni for one rank, "
                                     "mp for more",
@@ -63,6 +65,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             names.append("-q")
         if f.name == "gpu_memory_utilization":
             names.append("--memory-utilization")
+        if f.name in ("tensor_parallel_size", "pipeline_parallel_size"):  # vLLM's short forms
+            names.append("-tp" if f.name == "tensor_parallel_size" else "-pp")
         if f.name == "structured_outputs_config":
             group.add_argument("--structured-outputs-config", dest="structured_outputs_config", type=_json_object,
                                default=None, help="structured output settings as JSON (vLLM's): "

@@ -1,16 +1,20 @@
 """Executors run the model's workers for the engine core: in its own process (``uni``), one process per
 rank on this machine (``mp``), or Ray actors across a cluster (``ray``). The core calls the same five
-methods whichever runs; every rank gets every call and the results come from rank 0."""
+methods whichever runs; every rank gets every call and the results come from the output rank (rank 0, or
+the first rank of the last pipeline stage, which samples)."""
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from typing import Any
 
 from vllite_core.config import VlliteConfig
 from vllite_core.core.sched_output import SchedulerOutput
-from vllite_core.executor.wrapper import ModelFacts
+from vllite_core.executor.wrapper import ModelFacts, output_rank
 from vllite_core.worker.model_runner import ModelRunnerOutput
 from vllite_core.worker.sleep import SleepReport
+
+logger = logging.getLogger("vllite.executor")
 
 
 class Executor(ABC):
@@ -26,19 +30,37 @@ class Executor(ABC):
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         """Call ``method`` on every rank's worker (``WorkerWrapper.call``); the results in rank order."""
 
+    @property
+    def output_rank(self) -> int:
+        return output_rank(self.config.parallel_config)
+
     def load_model(self, source: Any, hf_config: Any, architecture: str, model_cls: type) -> None:
         self.collective_rpc("load_model", source, hf_config, architecture)
-        self.facts = self.collective_rpc("model_facts")[0]
+        facts = self.collective_rpc("model_facts")
+        self.facts = facts[self.output_rank]
+        if self.config.parallel_config.pipeline_parallel_size > 1:
+            from vllite_core.distributed.checks import check_stage_cache_groups
+
+            check_stage_cache_groups(facts, self.config.parallel_config)
 
     def determine_num_kv_blocks(self) -> int:
-        """Each rank sizes its own cache (its KV heads, its memory); every rank must hold them all."""
-        return min(self.collective_rpc("determine_num_kv_blocks"))
+        """Each rank sizes its own cache (its KV heads, its layers, its memory); every rank must hold them all.
+        With pipeline stages each holds only its layers' cache, and the blocks of each stage are reported."""
+        per_rank = self.collective_rpc("determine_num_kv_blocks")
+        pc = self.config.parallel_config
+        if pc.pipeline_parallel_size > 1:
+            tp = pc.tensor_parallel_size
+            per_stage = [min(per_rank[s * tp:(s + 1) * tp]) for s in range(pc.pipeline_parallel_size)]
+            self.layout["kv_blocks_per_stage"] = per_stage
+            logger.info("KV cache blocks per pipeline stage: %s (the engine uses %d, the fewest)",
+                        ", ".join(f"stage {s}: {n}" for s, n in enumerate(per_stage)), min(per_stage))
+        return min(per_rank)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.collective_rpc("initialize_kv_cache", num_blocks)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        return self.collective_rpc("execute_model", so)[0]
+        return self.collective_rpc("execute_model", so)[self.output_rank]
 
     def remove_lora(self, lora_int_id: int) -> None:
         self.collective_rpc("remove_lora", lora_int_id)

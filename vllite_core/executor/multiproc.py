@@ -118,7 +118,9 @@ class MultiprocExecutor(Executor):
         self.layout = {"backend": "mp", "ranks": world, "nodes": 1,
                        "processes": [f"rank {r}: pid {p.pid} on {self.node}" for r, p in enumerate(self.procs)],
                        "devices": [str(platform.device(r)) for r in range(world)],
-                       "dist_backend": platform.dist_backend}
+                       "dist_backend": platform.dist_backend,
+                       "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
+                       "pipeline_parallel_size": config.parallel_config.pipeline_parallel_size}
         logger.info("mp executor: %d worker processes (%s), %s collectives", world,
                     ", ".join(str(p.pid) for p in self.procs), platform.dist_backend)
 

@@ -137,7 +137,9 @@ class RayExecutor(Executor):
                        "processes": [f"rank {r}: Ray actor on node {nid[:12]} ({host}, {ip})"
                                      for r, (nid, ip, host) in enumerate(self.nodes)],
                        "devices": [f"{platform.device_type} (bundle {r})" for r in range(world)],
-                       "dist_backend": platform.dist_backend}
+                       "dist_backend": platform.dist_backend,
+                       "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
+                       "pipeline_parallel_size": config.parallel_config.pipeline_parallel_size}
         logger.info("ray executor: %d actors on %d node(s), %s collectives at %s", world, len(node_ids),
                     platform.dist_backend, init_method)
 
@@ -192,7 +194,7 @@ class RayExecutor(Executor):
         return self._gather([actor.call.remote(method, *refs) for actor in self.actors])
 
     def execute_model(self, so: Any) -> Any:
-        return self.collective_rpc("execute_model", so)[0]
+        return self.collective_rpc("execute_model", so)[self.output_rank]
 
     def shutdown(self) -> None:
         ray = self.ray

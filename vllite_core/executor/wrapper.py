@@ -50,7 +50,7 @@ class WorkerWrapper:
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(info.rank), str(info.world_size)
         self.rank_info = info
         init_tensor_parallel(info.rank, info.world_size, info.local_rank, info.local_world_size, info.init_method,
-                             platform)
+                             platform, pipeline_parallel_size=config.parallel_config.pipeline_parallel_size)
         self.worker = Worker(config, platform, get_plugin_manager())
         return socket.gethostname()
 
@@ -81,12 +81,21 @@ class WorkerWrapper:
         return target(*args, **kwargs)
 
     def call(self, method: str, *args: Any) -> Any:
-        """A method of this wrapper, else of the worker. Only rank 0's step output is used: the other
-        ranks return None rather than ship theirs."""
+        """A method of this wrapper, else of the worker. Only the output rank's step output is used (rank 0,
+        or the first rank of the last pipeline stage): the other ranks return None rather than ship theirs."""
         target = getattr(self, method, None)
         if target is None:
             target = getattr(self.worker, method)
         result = target(*args)
-        if method == "execute_model" and self.rank_info is not None and self.rank_info.rank != 0:
+        if method == "execute_model" and self.rank_info is not None and self.rank_info.rank != self.output_rank:
             return None
         return result
+
+    @property
+    def output_rank(self) -> int:
+        return output_rank(self.worker.config.parallel_config)
+
+
+def output_rank(parallel_config: Any) -> int:
+    """The rank whose step output the engine reads: the first rank of the last pipeline stage (it samples)."""
+    return (parallel_config.pipeline_parallel_size - 1) * parallel_config.tensor_parallel_size

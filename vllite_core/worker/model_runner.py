@@ -49,6 +49,9 @@ from vllite_core.worker.sampling_inputs import build_sampling_metadata
 
 logger = logging.getLogger("vllite.runner")
 
+# What one batch row got in a step: (row, its new tokens, their logprobs or None, drafts it verified).
+StepResult = tuple[int, list[int], list | None, int]
+
 
 @dataclass
 class SampleLogprobs:
@@ -364,7 +367,7 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[inp.logits_indices[keep]])
 
     def _sample_step(self, hidden: torch.Tensor, inp: StepInputs, so: SchedulerOutput, out: ModelRunnerOutput
-                     ) -> list[tuple[int, list[int], list | None, int]]:
+                     ) -> list[StepResult]:
         """(row, tokens, their logprobs, drafts verified) of each row that got tokens in this step."""
         if inp.drafts is not None:
             from vllite_core.spec_decode.verify import verify
@@ -390,25 +393,46 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return out
         inp = self._prepare_inputs(so)
-        if inp.mm_embeds is not None:  # image rows replace their placeholders' embeddings (eager: not a decode)
-            embeds = self.model.embed_input_ids(inp.input_ids)
-            embeds[inp.mm_embeds[0]] = inp.mm_embeds[1].to(embeds.dtype)
-            hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.layer_metadata,
-                                inputs_embeds=embeds)
-        elif inp.positions.dim() > 1:  # M-RoPE prompt positions (a prompt's last tokens may look like a decode)
-            hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.layer_metadata)
-        else:
-            hidden = self.model_forward(inp.input_ids, inp.positions, self.kv_caches, inp.layer_metadata)
+        hidden = self._forward(inp)
         b = self.batch
         # Every scheduled token is now in the cache.
         for rid, n in so.num_scheduled_tokens.items():
             b.num_computed[b.index[rid]] += n
+        if hidden is None:  # a pipeline stage before the last: the last one sampled, its tokens are appended here
+            self._apply_results(self.exchange_results(None), out)
+            return out
         if inp.prompt_lp:
             self._prompt_logprobs(hidden, inp)
         for c in self.components:
             if c.after_forward(hidden, inp, so, out):
                 return out
         results = self._sample_step(hidden, inp, so, out) if len(inp.sample_rows) else []
+        results = self.exchange_results(results)
+        self._apply_results(results, out)
+        sampled_rows = np.array([r[0] for r in results], dtype=np.int64)
+        for c in self.components:
+            c.after_sample(hidden, inp, sampled_rows, out)
+        return out
+
+    def _forward(self, inp: StepInputs) -> torch.Tensor | None:
+        """The model's hidden states for the step's tokens (None on a pipeline stage before the last)."""
+        if inp.mm_embeds is not None:  # image rows replace their placeholders' embeddings (eager: not a decode)
+            embeds = self.model.embed_input_ids(inp.input_ids)
+            embeds[inp.mm_embeds[0]] = inp.mm_embeds[1].to(embeds.dtype)
+            return self.model(inp.input_ids, inp.positions, self.kv_caches, inp.layer_metadata, inputs_embeds=embeds)
+        if inp.positions.dim() > 1:  # M-RoPE prompt positions (a prompt's last tokens may look like a decode)
+            return self.model(inp.input_ids, inp.positions, self.kv_caches, inp.layer_metadata)
+        return self.model_forward(inp.input_ids, inp.positions, self.kv_caches, inp.layer_metadata)
+
+    def exchange_results(self, results: list[StepResult] | None) -> list[StepResult]:
+        """The step's per-row results on every rank: one rank has them already (pp_runner.py sends the last
+        pipeline stage's to the others)."""
+        assert results is not None
+        return results
+
+    def _apply_results(self, results: list[StepResult], out: ModelRunnerOutput) -> None:
+        """Append each row's new tokens to the batch and the output."""
+        b = self.batch
         for row, toks, lps_row, num_drafts in results:
             st = b.states[row]
             assert st is not None
@@ -424,10 +448,6 @@ class ModelRunner:
             if b.num_prompt_logprobs[row] >= 0 and len(st.output_token_ids) == len(toks):
                 out.prompt_logprobs[st.req_id] = st.prompt_logprobs
                 st.prompt_logprobs = []
-        sampled_rows = np.array([r[0] for r in results], dtype=np.int64)
-        for c in self.components:
-            c.after_sample(hidden, inp, sampled_rows, out)
-        return out
 
 
 def _without(so: SchedulerOutput, failed: dict[str, str]) -> SchedulerOutput:

@@ -87,7 +87,11 @@ class Worker:
         kv_dtype = self.platform.kv_cache_torch_dtype(self.config.cache_config.kv_cache_dtype, dtype)
         configure_kv_scales(model, kv_dtype, self.config.cache_config.calculate_kv_scales)
         runner_cls: type[ModelRunner] = ModelRunner
-        if self.tp.world_size > 1:
+        if self.tp.pp_size > 1:
+            from vllite_core.worker.pp_runner import PipelineParallelModelRunner
+
+            runner_cls = PipelineParallelModelRunner
+        elif self.tp.world_size > 1:
             from vllite_core.worker.tp_runner import TensorParallelModelRunner
 
             runner_cls = TensorParallelModelRunner
@@ -125,6 +129,8 @@ class Worker:
         self.runner.initialize_kv_cache(num_blocks)
         if self.config.cache_config.commit_kv_cache:
             self.runner.commit_kv_cache()
+        if self.tp.pp_size > 1:  # a stage's forward takes the previous stage's activations: no decode graphs yet
+            return
         self.runner.model_forward.capture(self.platform, self.config, self.runner.kv_caches,
                                           len(self.runner.kv_cache_groups), self.runner.block_size,
                                           self.runner.max_model_len, self.device,
@@ -214,7 +220,8 @@ class Worker:
                              "into its quantized layout")
         items = weights.items() if isinstance(weights, dict) else weights
         model = self.runner.model
-        loaded = model.load_weights((name, t.to(self.device)) for name, t in items)
+        skip = getattr(model, "skips_weight", None)  # another pipeline stage's tensors
+        loaded = model.load_weights((name, t.to(self.device)) for name, t in items if skip is None or not skip(name))
         mark_changed(model)
         return len(loaded)
 
@@ -224,4 +231,5 @@ class Worker:
 
         assert self.loaded is not None
         source, hf_config = self.loaded[0], self.loaded[1]
-        return self.load_weights(checkpoint_weights(source, hf_config, path))
+        return self.load_weights(checkpoint_weights(source, hf_config, path,
+                                                    skip=getattr(self.runner.model, "skips_weight", None)))

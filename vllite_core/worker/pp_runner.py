@@ -1,0 +1,78 @@
+"""The model runner of one rank of a pipeline stage (``pipeline_parallel_size`` > 1).
+
+Every rank of every stage gets the same scheduler output and keeps the same batch state; each runs
+only its stage's layers over its own KV cache (its layers' only). The first stage embeds the step's
+tokens, each stage before the last sends (hidden states, residual) to the same tensor-parallel rank
+of the next stage and the next receives them (``vllite_core.distributed.pipeline``); the last stage
+normalises, computes logits and samples, and its first rank broadcasts each row's new tokens to every
+rank, which appends them to its batch as the last stage did. One batch is in flight at a time: the
+stages run one after the other within a step.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vllite_core.distributed import get_tp
+from vllite_core.distributed.pipeline import IntermediateTensors, PipelineChannel
+from vllite_core.utils import cdiv
+from vllite_core.worker.model_runner import StepInputs, StepResult
+from vllite_core.worker.tp_runner import TensorParallelModelRunner
+
+
+class PipelineParallelModelRunner(TensorParallelModelRunner):
+    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003 - ModelRunner's
+        super().__init__(*args, **kwargs)
+        st = get_tp()
+        self.channel = PipelineChannel(st.global_rank, st.world_size, st.pp_rank, st.pp_size)
+        self.output_rank = (st.pp_size - 1) * st.world_size  # the last stage's first rank
+        self.hidden_size = int(self.model.hidden_size)
+
+    def _run_stage(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[torch.Tensor],
+                   layer_metadata: list, received: IntermediateTensors | None) -> torch.Tensor | None:
+        out = self.model(input_ids, positions, caches, layer_metadata, intermediate=received)
+        if isinstance(out, IntermediateTensors):
+            self.channel.send(out)
+            return None
+        return out
+
+    def _receive(self, num_tokens: int) -> IntermediateTensors | None:
+        return None if self.channel.is_first else self.channel.recv(num_tokens, self.hidden_size, self.dtype,
+                                                                     self.device)
+
+    def _forward(self, inp: StepInputs) -> torch.Tensor | None:
+        assert inp.input_ids is not None and inp.positions is not None
+        received = self._receive(int(inp.input_ids.shape[0]))
+        return self._run_stage(inp.input_ids, inp.positions, self.kv_caches, inp.layer_metadata, received)
+
+    def exchange_results(self, results: list[StepResult] | None) -> list[StepResult]:
+        """The last stage's rows and tokens on every rank (logprobs stay on the last stage: only its output
+        leaves)."""
+        import torch.distributed as dist
+
+        box = [None if results is None else [(row, toks, None, drafts) for row, toks, _, drafts in results]]
+        dist.broadcast_object_list(box, src=self.output_rank)
+        if results is not None:  # the last stage keeps its own, logprobs included
+            return results
+        assert box[0] is not None
+        return box[0]
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """One forward pass of this stage at the largest step size (the activations a previous stage would send
+        are received as zeros here: nothing is sent while profiling)."""
+        n = min(self.config.scheduler_config.max_num_batched_tokens, self.max_model_len)
+        blocks = cdiv(n, self.block_size) + 1
+        caches = self._allocate_caches(blocks)
+        table = np.arange(1, blocks, dtype=np.int32)[None, :]
+        group_md = [b.profile(g.spec, table, n, self.build_ctx) for b, g in zip(self.builders, self.kv_cache_groups)]
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        received = None
+        if not self.channel.is_first:
+            zeros = torch.zeros(n, self.hidden_size, dtype=self.dtype, device=self.device)
+            received = IntermediateTensors(zeros, zeros.clone())
+        out = self.model(ids, torch.as_tensor(np.arange(n), device=self.device), caches,
+                         [group_md[g] for g in self.group_of_layer], intermediate=received)
+        if not isinstance(out, IntermediateTensors):
+            self.model.compute_logits(out[-1:])
+        del caches, out
