@@ -32,9 +32,9 @@ from model_registry.layers.moe import expert_weight
 from model_registry.layers.params import STACKED_PROJECTIONS, load_by_name
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
 from vllite_core.core.kv_cache_spec import KVCacheSpec
-from vllite_core.distributed.sharding import check_heads
+from vllite_core.distributed.sharding import check_heads, shard_experts
 from vllite_core.errors import ConfigError
-from vllite_core.model_interfaces import SupportsTensorParallel
+from vllite_core.model_interfaces import SupportsExpertParallel, SupportsTensorParallel
 from vllite_core.model_ops import current_model_ops
 
 QKNorm = Literal["head", "full"] | None  # per head (Qwen3), over the whole projection (OLMoE), none
@@ -156,9 +156,9 @@ def load_with_experts(model: nn.Module, weights: Iterable[tuple[str, torch.Tenso
             expert = expert_weight(name) if name is not None else None
             if expert is not None and expert[0] in moes:
                 moe = moes[expert[0]]
-                if expert[1] >= moe.w13_weight.shape[0]:
+                if expert[1] >= moe.num_experts:
                     raise ValueError(f"weight {hf_name}: expert {expert[1]} is past the config's "
-                                     f"{moe.w13_weight.shape[0]} experts")
+                                     f"{moe.num_experts} experts")
                 moe.load_expert(tensor, expert[1], expert[2], hf_name)
                 arrived[expert[0]].add((expert[1], expert[2]))
             else:
@@ -168,7 +168,7 @@ def load_with_experts(model: nn.Module, weights: Iterable[tuple[str, torch.Tenso
     for name, moe in moes.items():
         if f"{name}.w13_weight" in loaded and f"{name}.w2_weight" in loaded:
             continue  # stacked in the checkpoint
-        missing = [f"{e}.{s}" for e in range(moe.w13_weight.shape[0]) for s in ("w1", "w2", "w3")
+        missing = [f"{e}.{s}" for e in range(moe.num_experts) for s in ("w1", "w2", "w3")
                    if (e, s) not in arrived[name]]
         if arrived[name] and missing:
             raise ValueError(f"{name}: the checkpoint lacks expert weight(s) {', '.join(missing[:8])}")
@@ -177,10 +177,16 @@ def load_with_experts(model: nn.Module, weights: Iterable[tuple[str, torch.Tenso
     return loaded
 
 
-class MoeForCausalLM(nn.Module, SupportsTensorParallel):
+class MoeForCausalLM(nn.Module, SupportsTensorParallel, SupportsExpertParallel):
     """Embedding, ``MoeDecoderLayer``s, final norm and LM head; a family's file supplies ``family(config)``.
     Over tensor-parallel ranks the attention heads split as Llama's do and every expert's intermediate
-    dimension splits (``FusedMoE``); a family whose layers cannot split refuses in ``check_tensor_parallel``."""
+    dimension splits (``FusedMoE``), or with expert parallelism the experts are placed whole by rank; a family
+    whose layers cannot split refuses in ``check_tensor_parallel``."""
+
+    @classmethod
+    def check_expert_parallel(cls, hf_config: Any, tensor_parallel_size: int) -> None:
+        """SupportsExpertParallel: ConfigError when the routed experts do not divide over the ranks."""
+        shard_experts(cls.family(hf_config).num_experts, tensor_parallel_size, 0)
 
     @classmethod
     def check_tensor_parallel(cls, hf_config: Any, tensor_parallel_size: int) -> None:

@@ -233,10 +233,13 @@ class ParallelConfig:
     """How the model is spread over processes (vLLM's names): ``tensor_parallel_size`` ranks, each one
     worker, run by ``distributed_executor_backend``: ``uni`` (the worker in the engine's process), ``mp``
     (one process per rank on this machine) or ``ray`` (Ray actors, across a Ray cluster's nodes).
-    None picks ``uni`` for one rank, ``mp`` for more."""
+    None picks ``uni`` for one rank, ``mp`` for more. ``enable_expert_parallel``: a mixture of experts places
+    whole experts on the ranks (an equal share each) instead of splitting every expert's width over them; the
+    rest of the model stays tensor-parallel."""
 
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         tp = self.tensor_parallel_size
@@ -350,6 +353,7 @@ class EngineArgs:
     speculative_config: dict | str | None = None  # {"method": "ngram", "num_speculative_tokens": 4, ...}
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # uni | mp | ray (None: uni for one rank, else mp)
+    enable_expert_parallel: bool = False  # MoE: whole experts placed by rank over the tensor-parallel ranks
 
     ALIASES = {"num_gpu_blocks_override": "num_kv_blocks", "memory_utilization": "gpu_memory_utilization"}
     REJECTED = {
@@ -414,5 +418,6 @@ class EngineArgs:
                 media_fetch_timeout=self.media_fetch_timeout, max_media_bytes=self.max_media_bytes,
                 encoder_cache_size=self.encoder_cache_size),
             speculative_config=SpeculativeConfig.from_value(self.speculative_config),
-            parallel_config=ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend),
+            parallel_config=ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend,
+                                           self.enable_expert_parallel),
         )

@@ -20,6 +20,8 @@ class TensorParallelState:
     local_rank: int = 0  # index of this rank's device on its node
     local_world_size: int = 1  # ranks on this node (they share its cores / host memory)
     communicator: Communicator = field(default_factory=SingleRankCommunicator)
+    # ParallelConfig.enable_expert_parallel: a FusedMoE holds whole experts (this rank's share), not slices.
+    enable_expert_parallel: bool = False
 
 
 _state = TensorParallelState()
@@ -30,7 +32,8 @@ def get_tp() -> TensorParallelState:
 
 
 def init_tensor_parallel(rank: int, world_size: int, local_rank: int, local_world_size: int, init_method: str,
-                         platform: Any, timeout_s: float = 600.0) -> TensorParallelState:
+                         platform: Any, timeout_s: float = 600.0,
+                         enable_expert_parallel: bool = False) -> TensorParallelState:
     """Join the process group (the platform's ``dist_backend``) and make this rank's communicator."""
     global _state
     if world_size > 1:
@@ -41,7 +44,7 @@ def init_tensor_parallel(rank: int, world_size: int, local_rank: int, local_worl
         comm = platform.make_communicator(None)
     else:
         comm = SingleRankCommunicator()
-    _state = TensorParallelState(rank, world_size, local_rank, local_world_size, comm)
+    _state = TensorParallelState(rank, world_size, local_rank, local_world_size, comm, enable_expert_parallel)
     return _state
 
 
