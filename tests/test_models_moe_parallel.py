@@ -141,14 +141,13 @@ def _families():
     }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe"])
-def test_expert_parallel_two_ranks_match_hf(tmp_path, name):
-    hf = save_tiny(tmp_path, _families()[name](), seed=11 + len(name))
-    gen = torch.Generator().manual_seed(9)
+def _generate_matches_hf(path, hf, seed: int, **engine) -> None:
+    """Two prompts (one longer than the 16-token chunk budget) over two ranks of the mp executor: HF's greedy
+    tokens, each token's logprob within 1e-4 of HF's."""
+    gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (4, 27)]
-    llm = LLM(model=str(tmp_path), dtype="float32", max_model_len=128, max_num_batched_tokens=16, num_kv_blocks=32,
-              tensor_parallel_size=2, enable_expert_parallel=True)
+    llm = LLM(model=str(path), dtype="float32", max_model_len=128, max_num_batched_tokens=16, num_kv_blocks=32,
+              tensor_parallel_size=2, **engine)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0))
@@ -160,4 +159,41 @@ def test_expert_parallel_two_ranks_match_hf(tmp_path, name):
         with torch.inference_mode():
             lp = torch.log_softmax(hf(input_ids=torch.tensor([p + got.token_ids])).logits[0].float(), -1)[len(p) - 1:]
         for i, t in enumerate(got.token_ids):
-            assert got.logprobs[i][t].logprob == pytest.approx(float(lp[i, t]), abs=1e-4), (name, i)
+            assert got.logprobs[i][t].logprob == pytest.approx(float(lp[i, t]), abs=1e-4), i
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_expert_parallel_two_ranks_match_hf(tmp_path, name):
+    hf = save_tiny(tmp_path, _families()[name](), seed=11 + len(name))
+    _generate_matches_hf(tmp_path, hf, 9, enable_expert_parallel=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,ep", [("olmoe", False), ("deepseek_v2", False), ("deepseek_v3", True),
+                                     ("gpt_oss", False), ("gpt_oss", True)])
+def test_families_once_refused_tensor_parallelism_match_hf_over_two_ranks(tmp_path, name, ep):
+    """OLMoE (its q/k norm over all heads: the sums span the ranks), DeepSeek (MLA heads split, the latent cache
+    on every rank; V3 with its experts placed by rank), gpt-oss (sinks split with their heads; experts' width
+    split, or placed by rank)."""
+    from test_models_moe import _configs
+
+    hf = save_tiny(tmp_path, _configs()[name](), seed=21 + len(name))
+    biases = [b for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias")]
+    if biases:  # buffers: save_tiny leaves them zero
+        with torch.no_grad():
+            for b in biases:
+                b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(b.numel())) * 0.3)
+        hf.save_pretrained(tmp_path)
+    _generate_matches_hf(tmp_path, hf, 10, enable_expert_parallel=ep)
+
+
+def test_mla_refuses_more_ranks_than_heads():
+    import transformers as tf
+    from test_models_moe import DEEPSEEK
+
+    from model_registry.models.deepseek import DeepseekV3ForCausalLM
+
+    DeepseekV3ForCausalLM.check_tensor_parallel(tf.DeepseekV3Config(**DEEPSEEK), 4)
+    with pytest.raises(ConfigError, match="tensor_parallel_size: 8 ranks is more than .* 4 attention heads"):
+        DeepseekV3ForCausalLM.check_tensor_parallel(tf.DeepseekV3Config(**DEEPSEEK), 8)
