@@ -4,7 +4,9 @@
    not its total. Three random-weight checkpoints from transformers configs, same width, layers, attention and
    vocabulary: a Mixtral with ``--experts`` experts of ``--expert-inter`` (top ``--top-k``), a Llama whose FFN is
    the active size (``top_k * expert_inter``) and a Llama whose FFN is the total (``experts * expert_inter``).
-   All three engines (``LLM``, current platform) are loaded at once, each prefills one request, then their
+   All three engines (``LLM``, current platform) are loaded at once and each first decodes ``--warmup-tokens``
+   untimed (the CPU op packs an expert's weights into its kernel's panels the first time a decode row picks it,
+   once per expert: without the warm-up the timed steps pay for it), then each prefills one request and their
    decode steps take turns (MoE, dense active, dense total, MoE, ...), each step timed alone, so the host's
    drifting load hits all three alike. Fastest and median step reported, and their ratios.
 2. batched throughput: the same MoE through vllite (``LLM.generate``) and through Hugging Face transformers
@@ -48,7 +50,8 @@ def build_models(root: Path, hidden: int, layers: int, experts: int, top_k: int,
     return paths
 
 
-def decode_side_by_side(paths: dict[str, Path], context: int, decode_tokens: int, max_len: int) -> dict:
+def decode_side_by_side(paths: dict[str, Path], context: int, decode_tokens: int, max_len: int,
+                        warmup_tokens: int) -> dict:
     """Each engine's decode steps of one request, the engines taking turns step by step; ms (fastest, median)."""
     from vllite_core import LLM, SamplingParams
 
@@ -57,6 +60,9 @@ def decode_side_by_side(paths: dict[str, Path], context: int, decode_tokens: int
     for name, path in paths.items():
         llm = LLM(model=str(path), dtype="float32", max_model_len=max_len, max_num_seqs=1,
                   num_kv_blocks=max_len // 16 + 8, enable_prefix_caching=False)
+        if warmup_tokens:
+            llm.generate([{"prompt_token_ids": prompt[:8]}],
+                         SamplingParams(temperature=0.0, max_tokens=warmup_tokens, ignore_eos=True))
         engine = engines[name] = llm.llm_engine
         engine.add_request("r", {"prompt_token_ids": prompt},
                            SamplingParams(temperature=0.0, max_tokens=decode_tokens + 1, ignore_eos=True))
@@ -120,6 +126,7 @@ def main() -> None:
     ap.add_argument("--expert-inter", type=int, default=512)
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--decode-tokens", type=int, default=48)
+    ap.add_argument("--warmup-tokens", type=int, default=64, help="untimed decode steps per engine first")
     ap.add_argument("--no-dense-total", action="store_true", help="leave out the dense model of the total size")
     ap.add_argument("--num-prompts", type=int, default=16, help="batched throughput: prompts in the batch")
     ap.add_argument("--input-len", type=int, default=64)
@@ -129,13 +136,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    max_len = args.context + args.decode_tokens + 16
+    max_len = max(args.context + args.decode_tokens, 8 + args.warmup_tokens) + 16
     with open("/proc/loadavg") as f:
         load_before = f.read().split()[:3]
     with tempfile.TemporaryDirectory() as tmp:
         paths = build_models(Path(tmp), args.hidden, args.layers, args.experts, args.top_k, args.expert_inter,
                              max_len, not args.no_dense_total)
-        row = decode_side_by_side(paths, args.context, args.decode_tokens, max_len)
+        row = decode_side_by_side(paths, args.context, args.decode_tokens, max_len, args.warmup_tokens)
         for name in paths:
             print(f"{name:>13}: {row[f'{name}_ms_per_token_min']:.2f} / {row[f'{name}_ms_per_token_median']:.2f} "
                   "ms per token (min / median)", flush=True)
