@@ -8,7 +8,7 @@ from vllite_core.plugins import hookimpl
 if TYPE_CHECKING:
     from model_registry.registry import ModelRegistry
 
-VLLITE_PLUGIN_API = (1, 3)
+VLLITE_PLUGIN_API = (1, 4)
 PLUGIN_NAME = "vllite-builtin-models"
 
 _LLAMA = "model_registry.models.llama:LlamaForCausalLM"

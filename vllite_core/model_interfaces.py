@@ -135,6 +135,15 @@ class SupportsTensorParallel(Protocol):
         """Raise ``ConfigError`` (naming ``tensor_parallel_size``) if this checkpoint cannot be split so."""
 
 
+class SupportsExpertParallel(Protocol):
+    """Its mixture-of-experts layers can hold whole experts per rank instead of every expert's slice
+    (``ParallelConfig.enable_expert_parallel``); the engine asks it before any worker starts."""
+
+    @classmethod
+    def check_expert_parallel(cls, hf_config: Any, tensor_parallel_size: int) -> None:
+        """Raise ``ConfigError`` (naming ``enable_expert_parallel``) if the experts cannot be placed so."""
+
+
 class IsStateful(Protocol):
     """Keeps a recurrent state per request (Mamba and hybrids, ``StateSpec`` layers): no prefix caching."""
 
@@ -166,6 +175,7 @@ class ModelCapabilities:
     supports_transcription: bool = False
     supports_lora: bool = False
     supports_tensor_parallel: bool = False
+    supports_expert_parallel: bool = False
     is_stateful: bool = False
     is_pooling: bool = False
 
@@ -180,6 +190,7 @@ _DECLARATIONS: dict[str, tuple[type, tuple[str, ...]]] = {
     "supports_transcription": (SupportsTranscription, ("max_audio_seconds", "language_detection_prompt")),
     "supports_lora": (SupportsLoRA, ("lora_targets",)),
     "supports_tensor_parallel": (SupportsTensorParallel, ("check_tensor_parallel",)),
+    "supports_expert_parallel": (SupportsExpertParallel, ("check_expert_parallel",)),
     "is_stateful": (IsStateful, ()),
     "is_pooling": (IsPooling, ("pool", "pooling_task", "default_pooling_type", "is_bidirectional")),
     # Last: the Protocols above that build on it name themselves in the error.

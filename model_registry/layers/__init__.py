@@ -9,7 +9,8 @@ has a worked example. Every layer's weights are uninitialised parameters filled 
 - ``vocab``: ``VocabParallelEmbedding``, ``ParallelLMHead`` (tied or not);
 - ``embedding``: ``Embedding``, a replicated table (learned positions, token types);
 - ``conv``: ``Conv1d``, ``Conv2d`` (an encoder's audio frames and image patches);
-- ``norm``: ``RMSNorm``, ``GemmaRMSNorm`` (the ``(1 + w)`` form), ``LayerNorm``, ``rms_normalize``;
+- ``norm``: ``RMSNorm``, ``ShardedRMSNorm`` (over a dimension split over ranks), ``GemmaRMSNorm`` (the
+  ``(1 + w)`` form), ``LayerNorm``, ``rms_normalize``;
 - ``rotary``: ``RotaryEmbedding`` (default, linear, dynamic, llama3, yarn, longrope; partial rotary, a base of its
   own, per-layer-type parameters), ``MRotaryEmbedding``, ``apply_rotary_interleaved`` (GLM-4's pairs),
   ``rotary_dim_of``;
@@ -48,7 +49,7 @@ from model_registry.layers.mamba import Mamba2Dims, Mamba2Mixer, MambaBase, Mamb
 from model_registry.layers.mla import MLAAttention
 from model_registry.layers.mlp import GatedMLP
 from model_registry.layers.moe import FusedMoE, TopKRouter
-from model_registry.layers.norm import GemmaRMSNorm, LayerNorm, RMSNorm, rms_normalize
+from model_registry.layers.norm import GemmaRMSNorm, LayerNorm, RMSNorm, ShardedRMSNorm, rms_normalize
 from model_registry.layers.ops import TORCH_OPS
 from model_registry.layers.params import copy_checked, empty_param, load_parameter
 from model_registry.layers.rotary import (
@@ -63,15 +64,16 @@ from model_registry.layers.sink_attention import SinkAttention
 from model_registry.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 
 # (major, minor) of this package's public names; 1.1: MLAAttention, SinkAttention; 1.2: apply_rotary_interleaved,
-# rotary_dim_of
-LAYERS_API = (1, 2)
+# rotary_dim_of; 1.3: ShardedRMSNorm
+LAYERS_API = (1, 3)
 
 __all__ = [
     "LAYERS_API", "TORCH_OPS", "Attention", "ColumnParallelLinear", "Conv1d", "Conv2d", "DecoderLayerRecord",
     "Embedding", "FusedMoE", "GatedMLP", "GemmaRMSNorm", "HybridAttention", "HybridForCausalLM", "HybridStep",
     "LayerNorm", "LinearBase", "MLAAttention", "MRotaryEmbedding", "Mamba2Dims", "Mamba2Mixer", "MambaBase",
     "MambaMixer", "MergedColumnParallelLinear", "NormRecord", "ParallelLMHead", "QKVParallelLinear", "RMSNorm",
-    "ReplicatedLinear", "RotaryEmbedding", "RowParallelLinear", "Segment", "ShortConv", "SinkAttention", "TopKRouter",
+    "ReplicatedLinear", "RotaryEmbedding", "RowParallelLinear", "Segment", "ShardedRMSNorm", "ShortConv",
+    "SinkAttention", "TopKRouter",
     "VocabParallelEmbedding", "apply_rotary", "apply_rotary_interleaved", "copy_checked", "empty_param", "gated",
     "get_act_fn", "load_parameter", "rms_normalize", "rope_parameters", "rotary_dim_of",
 ]

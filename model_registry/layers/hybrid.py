@@ -172,7 +172,7 @@ class HybridForCausalLM(nn.Module, IsStateful):
 
         loaded = load_by_name(self, by_name(), self.rename, STACKED_PROJECTIONS)
         for name, moe in moes.items():
-            if pieces[name] == 3 * moe.w13_weight.shape[0]:  # every expert's gate, up and down
+            if pieces[name] == 3 * moe.num_experts:  # every expert's gate, up and down
                 loaded.update((f"{name}.w13_weight", f"{name}.w2_weight"))
         names: dict[int, list[str]] = {}
         for name, p in self.named_parameters(remove_duplicate=False):

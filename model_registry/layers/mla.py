@@ -18,11 +18,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_registry.layers.linear import ReplicatedLinear
+from model_registry.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from model_registry.layers.norm import RMSNorm
 from model_registry.layers.rotary import rope_parameters
 from vllite_core.attention.backend import AttentionMetadata
 from vllite_core.core.kv_cache_spec import KVCacheSpec, MLAAttentionSpec
+from vllite_core.distributed import get_tp
+from vllite_core.distributed.sharding import split
 from vllite_core.errors import ConfigError
 from vllite_core.utils import cdiv
 
@@ -57,26 +59,35 @@ def rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 class MLAAttention(nn.Module):
     """DeepSeek's attention: q from ``q_proj`` or the low-rank ``q_a_proj`` -> norm -> ``q_b_proj``; the KV latent
-    and rope key from ``kv_a_proj_with_mqa``; one rank (``ReplicatedLinear``)."""
+    and rope key from ``kv_a_proj_with_mqa``. Over tensor-parallel ranks the heads split (``split``): the
+    per-head projections (``q_proj`` / ``q_b_proj``, ``kv_b_proj``) are column-parallel over them and ``o_proj``
+    row-parallel; the latent path (``q_a_proj``, ``kv_a_proj_with_mqa``) and so the cache are the same on every
+    rank (each holds all the latents, and computes its heads from them)."""
 
     def __init__(self, c: Any, dtype: torch.dtype) -> None:
         super().__init__()
-        self.num_heads = h = c.num_attention_heads
+        tp = get_tp()
+        h0, h1 = split(c.num_attention_heads, tp.world_size, tp.rank)
+        self.num_heads = h1 - h0
         self.nope, self.rope, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
         self.rank = c.kv_lora_rank
         qk = self.nope + self.rope
+        total_qk, kv, total_kv = c.num_attention_heads * qk, self.nope + self.v_dim, c.num_attention_heads * (
+            self.nope + self.v_dim)
         bias = bool(getattr(c, "attention_bias", False))
         self.q_lora_rank = getattr(c, "q_lora_rank", None)
         if self.q_lora_rank:
             self.q_a_proj = ReplicatedLinear(c.hidden_size, self.q_lora_rank, bias, dtype)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, _LATENT_NORM_EPS, dtype)
-            self.q_b_proj = ReplicatedLinear(self.q_lora_rank, h * qk, False, dtype)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, total_qk, False, dtype,
+                                                 out_range=(h0 * qk, h1 * qk))
         else:
-            self.q_proj = ReplicatedLinear(c.hidden_size, h * qk, False, dtype)
+            self.q_proj = ColumnParallelLinear(c.hidden_size, total_qk, False, dtype, out_range=(h0 * qk, h1 * qk))
         self.kv_a_proj_with_mqa = ReplicatedLinear(c.hidden_size, self.rank + self.rope, bias, dtype)
         self.kv_a_layernorm = RMSNorm(self.rank, _LATENT_NORM_EPS, dtype)
-        self.kv_b_proj = ReplicatedLinear(self.rank, h * (self.nope + self.v_dim), False, dtype)
-        self.o_proj = ReplicatedLinear(h * self.v_dim, c.hidden_size, bias, dtype)
+        self.kv_b_proj = ColumnParallelLinear(self.rank, total_kv, False, dtype, out_range=(h0 * kv, h1 * kv))
+        self.o_proj = RowParallelLinear(c.num_attention_heads * self.v_dim, c.hidden_size, bias, dtype,
+                                        (h0 * self.v_dim, h1 * self.v_dim))
         self.scale = mla_softmax_scale(c)
         self.interleaved = bool(getattr(c, "rope_interleave", True))
 

@@ -18,7 +18,7 @@ from model_registry.layers.linear import ReplicatedLinear
 from model_registry.layers.mlp import GatedMLP
 from model_registry.layers.params import check_full, copy_checked, empty_param
 from vllite_core.distributed import get_tp
-from vllite_core.distributed.sharding import split
+from vllite_core.distributed.sharding import shard_experts, split
 from vllite_core.errors import ConfigError
 from vllite_core.model_ops import current_model_ops
 
@@ -105,20 +105,26 @@ class FusedMoE(nn.Module):
     [E, H, I], plus optional shared experts (``shared_intermediate_size``) whose output, scaled by a sigmoid
     gate when ``shared_expert_gate``, is added. Stacked checkpoint tensors load through the parameters' loaders;
     per-expert ones through ``load_expert``. Over tensor-parallel ranks each rank holds every expert's slice
-    ``[i0, i1)`` of the intermediate dimension (gate and up rows, down columns), and the routed outputs are
-    summed over ranks (the shared experts' row-parallel ``down_proj`` sums its own)."""
+    ``[i0, i1)`` of the intermediate dimension (gate and up rows, down columns); with expert parallelism
+    (``enable_expert_parallel``) it holds the whole experts ``[e0, e1)`` instead (``experts``), computes only the
+    choices routed to them (every rank routes every token) and leaves the others' rows zero. Either way the
+    routed outputs are summed over ranks (the shared experts' row-parallel ``down_proj`` sums its own)."""
 
     def __init__(self, router: TopKRouter, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
                  shared_intermediate_size: int | None = None, shared_expert_gate: bool = False) -> None:
         super().__init__()
-        num_experts = router.weight.shape[0]
+        self.num_experts = num_experts = router.weight.shape[0]
         self.router = router
-        self.tp = get_tp()
+        self.tp = tp = get_tp()
         self.intermediate_size = intermediate_size  # the checkpoint's (every rank's slice of it: ``local``)
-        self.local = split(intermediate_size, self.tp.world_size, self.tp.rank)
-        n = self.local[1] - self.local[0]
-        self.w13_weight = empty_param(num_experts, 2 * n, hidden_size, dtype=dtype)
-        self.w2_weight = empty_param(num_experts, hidden_size, n, dtype=dtype)
+        self.expert_parallel = tp.enable_expert_parallel and tp.world_size > 1
+        if self.expert_parallel:  # whole experts [e0, e1) on this rank
+            self.experts, self.local = shard_experts(num_experts, tp.world_size, tp.rank), (0, intermediate_size)
+        else:  # every expert, this rank's slice of each one's width
+            self.experts, self.local = (0, num_experts), split(intermediate_size, tp.world_size, tp.rank)
+        n, held = self.local[1] - self.local[0], self.experts[1] - self.experts[0]
+        self.w13_weight = empty_param(held, 2 * n, hidden_size, dtype=dtype)
+        self.w2_weight = empty_param(held, hidden_size, n, dtype=dtype)
         self.w13_weight.weight_loader = self._load_stacked  # type: ignore[attr-defined]
         self.w2_weight.weight_loader = self._load_stacked  # type: ignore[attr-defined]
         self.shared_experts = GatedMLP(hidden_size, shared_intermediate_size, dtype) \
@@ -130,20 +136,25 @@ class FusedMoE(nn.Module):
     @torch.no_grad()
     def load_expert(self, src: torch.Tensor, expert: int, shard: ExpertShard, name: str) -> None:
         """One expert's gate (``w1``), up (``w3``) or down (``w2``) projection from the checkpoint (this rank's
-        slice of it)."""
+        slice of it; nothing when another rank holds the expert)."""
         (i0, i1), n = self.local, self.local[1] - self.local[0]
+        if not self.experts[0] <= expert < self.experts[1]:
+            return
+        e = expert - self.experts[0]
         if shard == "w2":
             check_full(src, 1, self.intermediate_size, name)
-            copy_checked(self.w2_weight[expert], src[:, i0:i1], name)
+            copy_checked(self.w2_weight[e], src[:, i0:i1], name)
             return
         check_full(src, 0, self.intermediate_size, name)
-        dst = self.w13_weight[expert, :n] if shard == "w1" else self.w13_weight[expert, n:]
+        dst = self.w13_weight[e, :n] if shard == "w1" else self.w13_weight[e, n:]
         copy_checked(dst, src[i0:i1], name)
 
     @torch.no_grad()
     def _load_stacked(self, param: torch.Tensor, src: torch.Tensor, shard: str | None, name: str) -> None:
         """All experts at once: ``[E, 2I, H]`` (gate rows, then up) or ``[E, H, I]``, this rank's slice."""
         (i0, i1), full = self.local, self.intermediate_size
+        check_full(src, 0, self.num_experts, name)
+        src = src[self.experts[0]:self.experts[1]]
         if param is self.w2_weight:
             check_full(src, 2, full, name)
             copy_checked(param.data, src[:, :, i0:i1], name)
@@ -153,7 +164,10 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.router(x)
-        out = self.ops.fused_moe(x, self.w13_weight, self.w2_weight, weights.to(x.dtype), ids, self.state)
+        if self.expert_parallel:
+            out = self._held_experts(x, weights.to(x.dtype), ids)
+        else:
+            out = self.ops.fused_moe(x, self.w13_weight, self.w2_weight, weights.to(x.dtype), ids, self.state)
         if self.tp.world_size > 1:
             out = self.tp.communicator.all_reduce(out)
         if self.shared_experts is None:
@@ -162,3 +176,16 @@ class FusedMoE(nn.Module):
         if self.shared_expert_gate is not None:
             shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
         return out + shared
+
+    def _held_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Expert parallelism: the (token, choice) pairs routed to this rank's experts, run through the
+        platform's op as top-1 rows (one row per pair, local expert ids), summed back into their tokens."""
+        e0, e1 = self.experts
+        token, slot = ((ids >= e0) & (ids < e1)).nonzero(as_tuple=True)
+        out = torch.zeros_like(x)
+        if token.numel():
+            y = self.ops.fused_moe(x.index_select(0, token), self.w13_weight, self.w2_weight,
+                                   weights[token, slot].unsqueeze(1), (ids[token, slot] - e0).unsqueeze(1),
+                                   self.state)
+            out.index_add_(0, token, y)
+        return out

@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_registry.layers.params import empty_param
+from model_registry.layers.params import check_full, copy_checked, empty_param
+from vllite_core.distributed import get_tp
 from vllite_core.model_ops import ModelOps, current_model_ops
 
 
@@ -31,6 +32,32 @@ class RMSNorm(nn.Module):
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(norm(residual + x), residual + x)``; may reuse both inputs' storage."""
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class ShardedRMSNorm(nn.Module):
+    """RMSNorm over a dimension of ``full`` values split over the tensor-parallel ranks (OLMoE's q/k norm over
+    all heads, when the heads are split): this rank holds values ``[start, stop)`` and their weights; the sum of
+    squares is summed over ranks (one all-reduce of [T] floats). ``replicas``: ranks holding each value (KV heads
+    replicated over more ranks than there are heads), divided out of the sum."""
+
+    def __init__(self, full: int, shard: tuple[int, int], eps: float, dtype: torch.dtype, replicas: int = 1) -> None:
+        super().__init__()
+        self.full, self.shard, self.eps, self.replicas = full, shard, eps, replicas
+        self.weight = empty_param(shard[1] - shard[0], dtype=dtype)
+        self.weight.weight_loader = self._load  # type: ignore[attr-defined]
+        self.tp = get_tp()
+
+    @torch.no_grad()
+    def _load(self, param: torch.Tensor, src: torch.Tensor, shard: str | None, name: str) -> None:
+        check_full(src, 0, self.full, name)
+        copy_checked(param.data, src[self.shard[0]:self.shard[1]], name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        squares = self.tp.communicator.all_reduce(h.pow(2).sum(-1, keepdim=True))
+        if self.replicas != 1:
+            squares = squares / self.replicas
+        return self.weight * (h * torch.rsqrt(squares / self.full + self.eps)).to(x.dtype)
 
 
 class GemmaRMSNorm(nn.Module):

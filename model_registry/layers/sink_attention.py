@@ -10,22 +10,32 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from model_registry.layers.params import empty_param
+from model_registry.layers.params import check_full, copy_checked, empty_param
 from vllite_core.attention.backend import AttentionMetadata
 from vllite_core.core.kv_cache_spec import KVCacheSpec, SinkAttentionSpec, SlidingSinkAttentionSpec
 from vllite_core.errors import ConfigError
 
 
 class SinkAttention(nn.Module):
-    """Causal attention of ``num_heads`` query heads over ``num_kv_heads`` cached heads, plus ``sinks`` [H]."""
+    """Causal attention of ``num_heads`` query heads over ``num_kv_heads`` cached heads, plus ``sinks`` [H].
+    Over tensor-parallel ranks the heads are this rank's: ``head_start`` is the first one's index among the
+    checkpoint's ``total_heads`` sinks (loaded as that slice)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
-                 sliding_window: int | None = None, scale: float | None = None) -> None:
+                 sliding_window: int | None = None, scale: float | None = None, head_start: int = 0,
+                 total_heads: int | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.sliding_window = sliding_window
         self.scale = head_size ** -0.5 if scale is None else scale
         self.sinks = empty_param(num_heads, dtype=dtype)
+        self.head_start, self.total_heads = head_start, total_heads or num_heads
+        self.sinks.weight_loader = self._load_sinks  # type: ignore[attr-defined]
+
+    @torch.no_grad()
+    def _load_sinks(self, param: torch.Tensor, src: torch.Tensor, shard: str | None, name: str) -> None:
+        check_full(src, 0, self.total_heads, name)
+        copy_checked(param.data, src[self.head_start:self.head_start + self.num_heads], name)
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         if dtype.itemsize == 1:

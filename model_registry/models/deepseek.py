@@ -46,8 +46,10 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
 
     @classmethod
     def check_tensor_parallel(cls, hf_config: Any, tensor_parallel_size: int) -> None:
-        raise ConfigError(f"tensor_parallel_size: {cls.__name__}'s multi-head latent attention runs on one rank; "
-                          "use tensor_parallel_size=1")
+        """MLA splits by heads (no KV heads: every rank holds the latents), so at most one rank per head."""
+        if tensor_parallel_size > hf_config.num_attention_heads:
+            raise ConfigError(f"tensor_parallel_size: {tensor_parallel_size} ranks is more than {cls.__name__}'s "
+                              f"{hf_config.num_attention_heads} attention heads")
 
     @classmethod
     def family(cls, c: Any) -> MoeFamily:

@@ -25,6 +25,7 @@ from model_registry.layers import (
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
+    ShardedRMSNorm,
     TopKRouter,
     VocabParallelEmbedding,
 )
@@ -32,9 +33,10 @@ from model_registry.layers.moe import expert_weight
 from model_registry.layers.params import STACKED_PROJECTIONS, load_by_name
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
 from vllite_core.core.kv_cache_spec import KVCacheSpec
-from vllite_core.distributed.sharding import check_heads
+from vllite_core.distributed import get_tp
+from vllite_core.distributed.sharding import check_heads, shard_experts
 from vllite_core.errors import ConfigError
-from vllite_core.model_interfaces import SupportsTensorParallel
+from vllite_core.model_interfaces import SupportsExpertParallel, SupportsTensorParallel
 from vllite_core.model_ops import current_model_ops
 
 QKNorm = Literal["head", "full"] | None  # per head (Qwen3), over the whole projection (OLMoE), none
@@ -96,11 +98,15 @@ class MoeAttention(nn.Module):
         self.o_proj = RowParallelLinear(heads * d, c.hidden_size, False, dtype,
                                         (h.q_start * d, h.q_start * d + self.sizes[0]))
         self.qk_norm = fam.qk_norm
-        if fam.qk_norm is not None:
-            q_dim, k_dim = (d, d) if fam.qk_norm == "head" else (heads * d, kv_heads * d)
-            if fam.qk_norm == "full" and h.num_heads != heads:
-                raise ConfigError("tensor_parallel_size: a q/k norm over all heads needs one rank")
-            self.q_norm, self.k_norm = RMSNorm(q_dim, eps, dtype), RMSNorm(k_dim, eps, dtype)
+        if fam.qk_norm == "head":
+            self.q_norm, self.k_norm = RMSNorm(d, eps, dtype), RMSNorm(d, eps, dtype)
+        elif fam.qk_norm == "full" and h.num_heads == heads:
+            self.q_norm, self.k_norm = RMSNorm(heads * d, eps, dtype), RMSNorm(kv_heads * d, eps, dtype)
+        elif fam.qk_norm == "full":  # heads split over ranks: the norm's sums span them (one all-reduce each)
+            replicas = max(1, get_tp().world_size // kv_heads)
+            self.q_norm = ShardedRMSNorm(heads * d, (h.q_start * d, (h.q_start + h.num_heads) * d), eps, dtype)
+            self.k_norm = ShardedRMSNorm(kv_heads * d, (h.kv_start * d, (h.kv_start + h.num_kv_heads) * d), eps,
+                                         dtype, replicas)
         self.clip_qkv = fam.clip_qkv
         self.attn = Attention(self.num_heads, self.num_kv_heads, d, backend, fam.attention_scale)
         self.ops = current_model_ops()
@@ -156,9 +162,9 @@ def load_with_experts(model: nn.Module, weights: Iterable[tuple[str, torch.Tenso
             expert = expert_weight(name) if name is not None else None
             if expert is not None and expert[0] in moes:
                 moe = moes[expert[0]]
-                if expert[1] >= moe.w13_weight.shape[0]:
+                if expert[1] >= moe.num_experts:
                     raise ValueError(f"weight {hf_name}: expert {expert[1]} is past the config's "
-                                     f"{moe.w13_weight.shape[0]} experts")
+                                     f"{moe.num_experts} experts")
                 moe.load_expert(tensor, expert[1], expert[2], hf_name)
                 arrived[expert[0]].add((expert[1], expert[2]))
             else:
@@ -168,7 +174,7 @@ def load_with_experts(model: nn.Module, weights: Iterable[tuple[str, torch.Tenso
     for name, moe in moes.items():
         if f"{name}.w13_weight" in loaded and f"{name}.w2_weight" in loaded:
             continue  # stacked in the checkpoint
-        missing = [f"{e}.{s}" for e in range(moe.w13_weight.shape[0]) for s in ("w1", "w2", "w3")
+        missing = [f"{e}.{s}" for e in range(moe.num_experts) for s in ("w1", "w2", "w3")
                    if (e, s) not in arrived[name]]
         if arrived[name] and missing:
             raise ValueError(f"{name}: the checkpoint lacks expert weight(s) {', '.join(missing[:8])}")
@@ -177,19 +183,20 @@ def load_with_experts(model: nn.Module, weights: Iterable[tuple[str, torch.Tenso
     return loaded
 
 
-class MoeForCausalLM(nn.Module, SupportsTensorParallel):
+class MoeForCausalLM(nn.Module, SupportsTensorParallel, SupportsExpertParallel):
     """Embedding, ``MoeDecoderLayer``s, final norm and LM head; a family's file supplies ``family(config)``.
     Over tensor-parallel ranks the attention heads split as Llama's do and every expert's intermediate
-    dimension splits (``FusedMoE``); a family whose layers cannot split refuses in ``check_tensor_parallel``."""
+    dimension splits (``FusedMoE``), or with expert parallelism the experts are placed whole by rank; a family
+    whose layers cannot split refuses in ``check_tensor_parallel``."""
+
+    @classmethod
+    def check_expert_parallel(cls, hf_config: Any, tensor_parallel_size: int) -> None:
+        """SupportsExpertParallel: ConfigError when the routed experts do not divide over the ranks."""
+        shard_experts(cls.family(hf_config).num_experts, tensor_parallel_size, 0)
 
     @classmethod
     def check_tensor_parallel(cls, hf_config: Any, tensor_parallel_size: int) -> None:
-        """SupportsTensorParallel: ConfigError when the heads cannot be split over the ranks, or the family's
-        q/k norm spans all heads (OLMoE)."""
-        fam = cls.family(hf_config)
-        if fam.qk_norm == "full":
-            raise ConfigError(f"tensor_parallel_size: {cls.__name__} normalises q and k over all heads at once; "
-                              "use tensor_parallel_size=1")
+        """SupportsTensorParallel: ConfigError when the heads cannot be split over the ranks."""
         check_heads(hf_config.num_attention_heads, hf_config.num_key_value_heads, tensor_parallel_size)
 
     def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:

@@ -238,11 +238,14 @@ class ParallelConfig:
     stage, ``pipeline_parallel_size`` stages (each owning a contiguous block of layers), one worker per rank,
     run by ``distributed_executor_backend``: ``uni`` (the worker in the engine's process), ``mp`` (one process
     per rank on this machine) or ``ray`` (Ray actors, across a Ray cluster's nodes). None picks ``uni`` for
-    one rank, ``mp`` for more. Global rank = stage * tensor_parallel_size + tensor-parallel rank (vLLM's order)."""
+    one rank, ``mp`` for more. Global rank = stage * tensor_parallel_size + tensor-parallel rank (vLLM's order).
+    ``enable_expert_parallel``: a mixture of experts places whole experts on the tensor-parallel ranks (an
+    equal share each) instead of splitting every expert's width over them; the rest stays tensor-parallel."""
 
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     pipeline_parallel_size: int = 1
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
@@ -363,6 +366,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # uni | mp | ray (None: uni for one rank, else mp)
     pipeline_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # MoE: whole experts placed by rank over the tensor-parallel ranks
 
     ALIASES = {"num_gpu_blocks_override": "num_kv_blocks", "memory_utilization": "gpu_memory_utilization"}
     REJECTED = {
@@ -428,5 +432,5 @@ class EngineArgs:
                 encoder_cache_size=self.encoder_cache_size),
             speculative_config=SpeculativeConfig.from_value(self.speculative_config),
             parallel_config=ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend,
-                                           self.pipeline_parallel_size),
+                                           self.pipeline_parallel_size, self.enable_expert_parallel),
         )

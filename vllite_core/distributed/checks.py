@@ -1,9 +1,12 @@
 """The parallel layout checked against the model and the platform before any worker starts."""
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from vllite_core.config import ConfigError, ParallelConfig, VlliteConfig
+
+logger = logging.getLogger("vllite.engine")
 
 
 def check_parallel_config(config: VlliteConfig, platform: Any, architecture: str, model_cls: Any,
@@ -19,6 +22,12 @@ def check_parallel_config(config: VlliteConfig, platform: Any, architecture: str
             raise ConfigError(f"tensor_parallel_size: {architecture} does not support tensor parallelism (its "
                               f"model class does not declare SupportsTensorParallel); use tensor_parallel_size=1")
         model_cls.check_tensor_parallel(hf_config, tp)
+        if pc.enable_expert_parallel:
+            if config.model_config.capabilities.supports_expert_parallel:
+                model_cls.check_expert_parallel(hf_config, tp)
+            else:  # vLLM's behaviour: the option only concerns mixture-of-experts layers
+                logger.warning("enable_expert_parallel: %s declares no expert-parallel layers; every layer stays "
+                               "tensor-parallel", architecture)
     world = pc.world_size
     if world > 1 and backend == "mp":
         devices = platform.device_count()

@@ -25,6 +25,8 @@ class TensorParallelState:
     pp_rank: int = 0  # this rank's pipeline stage
     pp_size: int = 1
     global_rank: int = 0  # pp_rank * world_size + rank
+    # ParallelConfig.enable_expert_parallel: a FusedMoE holds whole experts (this rank's share), not slices.
+    enable_expert_parallel: bool = False
 
     @property
     def is_first_stage(self) -> bool:
@@ -43,8 +45,8 @@ def get_tp() -> TensorParallelState:
 
 
 def init_tensor_parallel(rank: int, world_size: int, local_rank: int, local_world_size: int, init_method: str,
-                         platform: Any, timeout_s: float = 600.0, pipeline_parallel_size: int = 1
-                         ) -> TensorParallelState:
+                         platform: Any, timeout_s: float = 600.0, pipeline_parallel_size: int = 1,
+                         enable_expert_parallel: bool = False) -> TensorParallelState:
     """Join the process group (the platform's ``dist_backend``) and make this rank's communicator: over every
     rank, or with several pipeline stages over its stage's ranks (every rank makes every stage's group, as
     torch.distributed requires)."""
@@ -64,7 +66,7 @@ def init_tensor_parallel(rank: int, world_size: int, local_rank: int, local_worl
     else:
         comm = SingleRankCommunicator()
     _state = TensorParallelState(tp_rank, tp, local_rank, local_world_size, comm, pp_rank, pipeline_parallel_size,
-                                 rank)
+                                 rank, enable_expert_parallel)
     return _state
 
 

@@ -73,3 +73,14 @@ def shard_vocab(vocab_size: int, tp: int, rank: int) -> VocabShard:
     padded = -(-vocab_size // tp)
     start = min(rank * padded, vocab_size)
     return VocabShard(start, min(start + padded, vocab_size), padded, vocab_size)
+
+
+def shard_experts(num_experts: int, tp: int, rank: int) -> tuple[int, int]:
+    """Expert parallelism: the experts ``[start, stop)`` rank ``rank`` of ``tp`` holds whole, an equal share
+    each; ConfigError naming ``enable_expert_parallel`` when the experts do not divide evenly."""
+    if num_experts % tp:
+        raise ConfigError(f"enable_expert_parallel: {num_experts} experts do not split evenly over "
+                          f"tensor_parallel_size={tp} ranks; use a rank count that divides {num_experts}, or "
+                          "leave expert parallelism off (each expert's width is split instead)")
+    per_rank = num_experts // tp
+    return rank * per_rank, (rank + 1) * per_rank

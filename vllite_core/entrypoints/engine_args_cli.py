@@ -49,6 +49,8 @@ _HELP = {
     "distributed_executor_backend": "uni (one worker in the engine process) | mp (one process per rank on this "
                                     "machine) | ray (Ray actors over a Ray cluster); default: uni for one rank, "
                                     "mp for more",
+    "enable_expert_parallel": "mixture-of-experts models: place whole experts on the tensor-parallel ranks (an "
+                              "equal share each; the experts must divide evenly) instead of splitting each one",
 }
 
 
@@ -63,6 +65,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             names.append("--num-gpu-blocks-override")
         if f.name == "quantization":
             names.append("-q")
+        if f.name == "enable_expert_parallel":
+            names.append("-ep")
         if f.name == "gpu_memory_utilization":
             names.append("--memory-utilization")
         if f.name in ("tensor_parallel_size", "pipeline_parallel_size"):  # vLLM's short forms

@@ -50,7 +50,8 @@ class WorkerWrapper:
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(info.rank), str(info.world_size)
         self.rank_info = info
         init_tensor_parallel(info.rank, info.world_size, info.local_rank, info.local_world_size, info.init_method,
-                             platform, pipeline_parallel_size=config.parallel_config.pipeline_parallel_size)
+                             platform, pipeline_parallel_size=config.parallel_config.pipeline_parallel_size,
+                             enable_expert_parallel=config.parallel_config.enable_expert_parallel)
         self.worker = Worker(config, platform, get_plugin_manager())
         return socket.gethostname()
 

@@ -29,7 +29,8 @@ PROJECT = "vllite"
 # model capability (vllite_core/model_interfaces.py)
 # 1.3: the public layers API for model plugins, ``model_registry.layers`` (its own version LAYERS_API = (1, 0);
 # docs/models.md, "The layers package (public API)")
-VLLITE_PLUGIN_API: tuple[int, int] = (1, 3)
+# 1.4: the SupportsExpertParallel model capability (check_expert_parallel; ParallelConfig.enable_expert_parallel)
+VLLITE_PLUGIN_API: tuple[int, int] = (1, 4)
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)

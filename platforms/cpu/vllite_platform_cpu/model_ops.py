@@ -274,6 +274,13 @@ class CpuModelOps(ModelOps):
             return super().fused_moe(x, w13, w2, topk_weights, topk_ids, state)
         state = {} if state is None else state
         t, k = topk_ids.shape
+        if t == 1:  # a decode row: its k experts one after the other, no grouping (fewer ops per layer)
+            out = None
+            for j, e in enumerate(topk_ids[0].tolist()):
+                h = self.silu_and_mul(self.linear(x, w13[e], None, state.setdefault(("w13", e), {})))
+                y = self.linear(h, w2[e], None, state.setdefault(("w2", e), {})) * topk_weights[0, j].to(x.dtype)
+                out = y if out is None else out.add_(y)
+            return out
         order = torch.argsort(topk_ids.reshape(-1), stable=True)
         counts = torch.bincount(topk_ids.reshape(-1), minlength=w13.shape[0]).tolist()
         grouped = x.index_select(0, order // k)  # the rows of each expert's tokens, expert by expert
