@@ -51,6 +51,10 @@ class ServerState:
     templates: TemplateSandbox = field(default_factory=TemplateSandbox)
     trust_request_chat_template: bool = False
 
+    async def read_body(self, request: Request, model: type[M]) -> M:
+        """The request's JSON body as ``model``, under this server's size and time limits (``read_body``)."""
+        return await read_body(request, model, self.max_body_bytes, self.body_read_timeout)
+
     def num_waiting(self) -> int:
         """Requests accepted but without a first token yet (queued in the scheduler or in prefill)."""
         return sum(1 for s in list(self.engine._streams.values()) if s.first_token is None)
@@ -100,6 +104,11 @@ class ServerState:
     def response_model(self, name: str | None) -> str:
         """The ``model`` a response names: the adapter asked for, else the base model."""
         return name if self.lora_request(name) is not None else self.model_name
+
+
+def server_state(request: Request) -> ServerState:
+    """The state every route reads, put on the app by ``build_app``."""
+    return request.app.state.vllite
 
 
 @dataclass
