@@ -156,7 +156,7 @@ router = APIRouter()
 @router.post("/v1/messages")
 async def create_message(request: Request) -> Response:
     state = server_state(request)
-    state.admit()
+    state.admit(request)
     req = await state.read_body(request, MessagesRequest)
     if req.max_tokens is None:
         raise APIError(400, "max_tokens: Field required", "max_tokens")

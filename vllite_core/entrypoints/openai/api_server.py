@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 import threading
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterator
@@ -37,10 +38,12 @@ from vllite_core.entrypoints.openai.metrics import ServerMetrics
 from vllite_core.entrypoints.openai.middleware import (
     APIKeyMiddleware,
     HostCheckMiddleware,
+    LoadTrackingMiddleware,
     NoQueryString,
     OriginCheckMiddleware,
 )
-from vllite_core.entrypoints.openai.routes import admin, generate, models, tokenize
+from vllite_core.entrypoints.openai.request_logger import RequestLogger
+from vllite_core.entrypoints.openai.routes import admin, generate, models, sagemaker, tokenize
 from vllite_core.entrypoints.openai.serving_common import (
     DEFAULT_BODY_READ_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
@@ -48,6 +51,7 @@ from vllite_core.entrypoints.openai.serving_common import (
 )
 from vllite_core.entrypoints.openai.serving_lora import ServedLoRAs
 from vllite_core.entrypoints.openai.template_sandbox import TemplateLimits, TemplateSandbox
+from vllite_core.entrypoints.openai.tracing import RequestTracer
 
 if TYPE_CHECKING:
     from vllite_core.tool_parsers import ToolParser
@@ -76,6 +80,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     yield
     state.templates.close()
     state.engine.close()
+    if state.tracer is not None:
+        state.tracer.close()  # exports the spans still batched
 
 
 def _openapi_schema(app: FastAPI) -> dict[str, Any]:
@@ -112,12 +118,15 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
               chat_template: str | None = None, reasoning_parser: str | None = None,
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
               loras: ServedLoRAs | None = None, trust_request_chat_template: bool = False,
-              template_limits: TemplateLimits | None = None, health_stall_s: float = DEFAULT_STALL_S) -> FastAPI:
+              template_limits: TemplateLimits | None = None, health_stall_s: float = DEFAULT_STALL_S,
+              root_path: str = "", enable_log_requests: bool = False, max_log_len: int | None = None,
+              otlp_traces_endpoint: str | None = None, enable_server_load_tracking: bool = False) -> FastAPI:
     """The app: the shared state on ``app.state``, the routers, one error translation, the middleware.
     ``allowed_origins``: CORS on for these (off when None); ``allowed_hosts``: the Host header must
     name one of these (no check when None; ``serve`` passes LOOPBACK_HOSTS on a loopback bind).
     ``chat_template``: the template text (chat_template.load_chat_template); ``reasoning_parser``: a
-    name from the vllite_register_reasoning_parsers hook."""
+    name from the vllite_register_reasoning_parsers hook. ``root_path``: the prefix a proxy serves the
+    app under (--root-path); ``otlp_traces_endpoint``: an OTLP/HTTP receiver for a span per request."""
     from vllite_core.reasoning import get_reasoning_parser
 
     state = ServerState(engine, model_names, max_body_bytes, api_key, max_waiting_requests=max_waiting_requests,
@@ -127,9 +136,13 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
                         if reasoning_parser else None,
                         trust_request_chat_template=trust_request_chat_template,
                         enable_auto_tool_choice=enable_auto_tool_choice,
-                        tool_parser=_tool_parser(tool_call_parser) if tool_call_parser is not None else None)
+                        tool_parser=_tool_parser(tool_call_parser) if tool_call_parser is not None else None,
+                        request_logger=RequestLogger(max_log_len) if enable_log_requests else None)
     state.metrics = ServerMetrics(engine, state.model_name)
-    app = FastAPI(title="vllite", version=vllite_core.__version__, lifespan=_lifespan,
+    if otlp_traces_endpoint is not None:
+        state.tracer = RequestTracer(otlp_traces_endpoint)
+        engine.observers.append(state.tracer.observe)
+    app = FastAPI(title="vllite", version=vllite_core.__version__, lifespan=_lifespan, root_path=root_path,
                   docs_url="/docs" if enable_docs else None, redoc_url=None,
                   openapi_url="/openapi.json" if enable_docs else None)
     app.state.vllite = state
@@ -137,7 +150,7 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
     app.state.health = HealthMonitor(engine, health_stall_s)
     error_handlers.install(app)
     for router in (admin.router, models.router, generate.router, tokenize.router, anthropic_serving.router,
-                   serving_transcription.router, serving_pooling.router):
+                   serving_transcription.router, serving_pooling.router, sagemaker.router):
         app.include_router(router)
     if loras is not None and loras.runtime_updates:  # only when the operator allowed runtime adapter updates
         loras.served_names |= set(model_names)
@@ -145,6 +158,8 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
     app.openapi = lambda: _openapi_schema(app)  # type: ignore[method-assign]
     # Added innermost first: the host check runs before CORS, CORS (preflights) before the
     # origin check and the key.
+    if enable_server_load_tracking:
+        app.add_middleware(LoadTrackingMiddleware, state=state)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(OriginCheckMiddleware, allowed_origins=allowed_origins)
@@ -177,14 +192,39 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def how_to_query(host: str, port: int, model: str, api_key: str | None) -> str:
+def bind_unix_socket(path: str) -> socket.socket:
+    """--uds: listen on a unix socket at ``path`` (a stale socket file left by a dead server is replaced;
+    one a live server answers on is not)."""
+    if os.path.exists(path):
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            raise SystemExit(f"vllite serve: --uds {path}: the path exists and is not a socket")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            if probe.connect_ex(path) == 0:
+                raise SystemExit(f"vllite serve: --uds {path}: a server is already listening there")
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+    except OSError as e:
+        sock.close()
+        raise SystemExit(f"vllite serve: cannot listen on unix socket {path}: {e.strerror or e}")
+    sock.listen(2048)
+    return sock
+
+
+def how_to_query(host: str, port: int, model: str, api_key: str | None, *, tls: bool = False,
+                 uds: str | None = None, root_path: str = "") -> str:
+    """The start-up line: where the server answers and a curl command that asks it something."""
     shown = f"[{host}]" if ":" in host else host
-    url = f"http://{shown}:{port}"
+    scheme = "https" if tls else "http"
+    url = (f"{scheme}://localhost" if uds else f"{scheme}://{shown}:{port}") + root_path
+    where = f"on unix socket {uds} ({url}/v1)" if uds else f"at {url}/v1"
+    curl = "curl" + (f" --unix-socket {uds}" if uds else "") + (" --cacert CERT" if tls else "")
     auth = " -H 'Authorization: Bearer $VLLITE_API_KEY'" if api_key else ""
     body = ('{"model": "%s", "messages": [{"role": "user", "content": "What is the capital of France?"}], '
             '"max_tokens": 32}' % model)
-    return (f"vllite: serving {model!r} at {url}/v1 (OpenAI API). Try:\n"
-            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'\n"
+    return (f"vllite: serving {model!r} {where} (OpenAI API). Try:\n"
+            f"  {curl} {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'\n"
             f"or: python examples/openai_client.py --base-url {url}/v1   (Ctrl-C stops the server)")
 
 
@@ -254,25 +294,30 @@ def serve(engine: AsyncLLM, model_names: list[str], sock: socket.socket, api_key
           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "info", access_log: bool = True, *,
           shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
           timeout_keep_alive: int = DEFAULT_TIMEOUT_KEEP_ALIVE_S,
-          header_read_timeout: float = DEFAULT_HEADER_READ_TIMEOUT_S, **app_options: Any) -> None:
-    """Serve on an already bound socket until Ctrl-C / SIGTERM, drain, then stop the engine loop.
-    When the engine dies (a fault of no single request), the server stops within seconds and this
-    raises SystemExit naming the cause (exit status 1). ``app_options`` go to ``build_app``; on a
-    loopback bind ``allowed_hosts`` defaults to LOOPBACK_HOSTS."""
+          header_read_timeout: float = DEFAULT_HEADER_READ_TIMEOUT_S, ssl_keyfile: str | None = None,
+          ssl_certfile: str | None = None, **app_options: Any) -> None:
+    """Serve on an already bound socket (TCP, or a unix socket for --uds) until Ctrl-C / SIGTERM, drain,
+    then stop the engine loop. When the engine dies (a fault of no single request), the server stops
+    within seconds and this raises SystemExit naming the cause (exit status 1). ``app_options`` go to
+    ``build_app``; on a loopback bind ``allowed_hosts`` defaults to LOOPBACK_HOSTS. With
+    ``ssl_certfile`` (and ``ssl_keyfile``) it serves HTTPS."""
     import uvicorn
 
-    host, port = sock.getsockname()[:2]
-    if app_options.get("allowed_hosts") is None and is_loopback(host):
+    uds = sock.getsockname() if sock.family == socket.AF_UNIX else None
+    host, port = ("localhost", 0) if uds else sock.getsockname()[:2]
+    if app_options.get("allowed_hosts") is None and is_loopback(host) and not uds:
         app_options["allowed_hosts"] = list(LOOPBACK_HOSTS)
     app = build_app(engine, model_names, api_key, max_body_bytes, **app_options)
     state: ServerState = app.state.vllite
     if not is_loopback(host) and not api_key:
         logger.warning("listening on %s without --api-key: anyone who can reach this address can use it", host)
-    print(how_to_query(host, port, model_names[0], api_key), flush=True)
+    print(how_to_query(host, port, model_names[0], api_key, tls=ssl_certfile is not None, uds=uds,
+                       root_path=app_options.get("root_path", "")), flush=True)
     # After the drain, one engine step's time for the ended requests to send their last event.
     config = uvicorn.Config(app, log_level=log_level, access_log=access_log, lifespan="on",
                             timeout_graceful_shutdown=int(shutdown_timeout) + 10, timeout_keep_alive=timeout_keep_alive,
-                            http=header_timeout_protocol(header_read_timeout))
+                            http=header_timeout_protocol(header_read_timeout), ssl_keyfile=ssl_keyfile,
+                            ssl_certfile=ssl_certfile)
     logging.getLogger("uvicorn.access").addFilter(NoQueryString())
     server = _make_server(config, state, shutdown_timeout)
 
@@ -296,6 +341,9 @@ def serve(engine: AsyncLLM, model_names: list[str], sock: socket.socket, api_key
     finally:
         engine.close()
         sock.close()
+        if uds:
+            with contextlib.suppress(OSError):
+                os.unlink(uds)
         how = "because the engine died" if engine.dead is not None else how
         print(f"vllite: server stopped {how} after {time.monotonic() - t0:.0f} s", flush=True)
     if engine.dead is not None:  # exit status 1, naming the cause

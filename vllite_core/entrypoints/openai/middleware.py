@@ -9,10 +9,16 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vllite_core.entrypoints.openai.error_handlers import error_response_for, route_path
 from vllite_core.entrypoints.openai.errors import APIError
+from vllite_core.entrypoints.openai.serving_common import ServerState
 
+# The routes whose requests /load counts while they are answered (streams until their last event).
+LOAD_AWARE_PATHS = frozenset({
+    "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/embeddings", "/pooling",
+    "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/v1/audio/transcriptions",
+    "/invocations"})
 # Routes that stay open when the server has an API key: they run no model and reveal no input.
-OPEN_PATHS = frozenset({"/health", "/version", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect",
-                        "/redoc"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/load", "/version", "/metrics", "/openapi.json", "/docs",
+                        "/docs/oauth2-redirect", "/redoc"})
 
 
 class APIKeyMiddleware:
@@ -101,3 +107,22 @@ class NoQueryString(logging.Filter):
         if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str) and "?" in args[2]:
             record.args = (*args[:2], args[2].split("?", 1)[0] + "?<query omitted>", *args[3:])
         return True
+
+
+class LoadTrackingMiddleware:
+    """--enable-server-load-tracking: ``state.server_load`` counts the requests on LOAD_AWARE_PATHS from
+    arrival until their response is sent whole (GET /load reports it)."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or route_path(scope) not in LOAD_AWARE_PATHS:
+            await self.app(scope, receive, send)
+            return
+        self.state.server_load += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.server_load -= 1

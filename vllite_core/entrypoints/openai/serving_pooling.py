@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import base64
 import time
-from typing import Any, Literal
+from typing import Any, Awaitable, Callable, Literal
 
 import numpy as np
 from fastapi import APIRouter
@@ -75,6 +75,7 @@ class RerankRequest(_PoolingRequest):
 
 
 router = APIRouter()
+PoolingHandler = Callable[[ServerState, Request, Any], Awaitable[dict]]
 # The request models the routes read (by hand, to answer 400s in the engine's words); named in the OpenAPI
 # schema as request bodies so clients and fuzzers (schemathesis) see them.
 OPENAPI_MODELS = (EmbeddingRequest, PoolingRequest, ClassificationRequest, ScoreRequest, RerankRequest)
@@ -127,10 +128,15 @@ def _envelope(state: ServerState, prefix: str, data: list[dict], outs: list[Any]
             "data": data, "usage": _usage(outs)}
 
 
-async def _pool(request: Request, handler: Any, body_model: type) -> Response:
+async def _pool(request: Request, handler: PoolingHandler, body_model: type[_PoolingRequest]) -> Response:
     state = server_state(request)
-    state.admit()
-    req = await state.read_body(request, body_model)
+    state.admit(request)
+    return await respond(request, handler, await state.read_body(request, body_model))
+
+
+async def respond(request: Request, handler: PoolingHandler, req: _PoolingRequest) -> Response:
+    """One pooling request, read and admitted, answered by ``handler``."""
+    state = server_state(request)
     state.check_model(req.model)
     return JSONResponse(await handler(state, request, req))
 
@@ -237,3 +243,9 @@ async def create_score(request: Request) -> Response:
 @router.post("/v2/rerank", openapi_extra=openapi_body(RerankRequest))
 async def create_rerank(request: Request) -> Response:
     return await _pool(request, _rerank, RerankRequest)
+
+
+# The pooling handlers by request shape, in the order /invocations tries them (vLLM's).
+INVOCATIONS: tuple[tuple[type[_PoolingRequest], PoolingHandler], ...] = (
+    (EmbeddingRequest, _embeddings), (ClassificationRequest, _classify), (ScoreRequest, _score),
+    (RerankRequest, _rerank), (PoolingRequest, _pooling))

@@ -1,4 +1,5 @@
-"""GET /health (503 naming why when the engine is dead or stalled), /version and /metrics (Prometheus)."""
+"""GET /health (503 naming why when the engine is dead or stalled), /version, /metrics (Prometheus) and
+/load (vLLM's server load: HTTP requests in flight, counted with --enable-server-load-tracking)."""
 from __future__ import annotations
 
 from fastapi import APIRouter
@@ -34,3 +35,8 @@ async def version() -> dict[str, str]:
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     return Response(server_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+@router.get("/load")
+async def load(request: Request) -> dict[str, int]:
+    return {"server_load": server_state(request).server_load}

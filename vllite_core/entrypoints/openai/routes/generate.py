@@ -38,7 +38,7 @@ def generation_servers(request: Request) -> GenerationServers:
 @router.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
 async def create_completion(request: Request) -> Response:
     state = server_state(request)
-    state.admit()
+    state.admit(request)
     req = await state.read_body(request, CompletionRequest)
     return await generation_servers(request).completions.create(req, request)
 
@@ -46,7 +46,7 @@ async def create_completion(request: Request) -> Response:
 @router.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
 async def create_chat_completion(request: Request) -> Response:
     state = server_state(request)
-    state.admit()
+    state.admit(request)
     req = await state.read_body(request, ChatCompletionRequest)
     return await generation_servers(request).chat.create(req, request)
 
@@ -54,7 +54,7 @@ async def create_chat_completion(request: Request) -> Response:
 @router.post("/v1/responses", openapi_extra=openapi_body(ResponsesRequest))
 async def create_response(request: Request) -> Response:
     state = server_state(request)
-    state.admit()
+    state.admit(request)
     req = await state.read_body(request, ResponsesRequest)
     return await generation_servers(request).responses.create(req, request)
 
