@@ -232,18 +232,24 @@ def test_otlp_spans_carry_vllm_attributes_and_the_callers_trace(http):
     assert own.trace_id.hex() != TRACE_ID and not own.parent_span_id
 
 
-def _serve_fails(*args: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "vllite_core.entrypoints.cli", "serve", "--port", "0", *args],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0 and "engine ready" not in proc.stderr
-    return proc.stderr
+def _refused(*args: str) -> str:
+    """The start-up check of the deployment options (run before the socket is bound or the model loads)."""
+    from vllite_core.entrypoints.cli import build_parser
+    from vllite_core.entrypoints.cli_serve import _deployment_options
+
+    with pytest.raises(SystemExit) as e:
+        _deployment_options(build_parser().parse_args(["serve", *args]))
+    return str(e.value)
 
 
 def test_bad_deployment_options_fail_before_loading_the_model(tmp_path):
-    assert "--ssl-keyfile and --ssl-certfile together" in _serve_fails("--ssl-certfile", "x.pem")
-    assert "no such file" in _serve_fails("--ssl-keyfile", str(tmp_path / "k"), "--ssl-certfile", str(tmp_path / "c"))
-    assert "--root-path" in _serve_fails("--root-path", "api/")
-    assert "OTLP/HTTP receiver's URL" in _serve_fails("--otlp-traces-endpoint", "localhost:4317")
+    proc = subprocess.run([sys.executable, "-m", "vllite_core.entrypoints.cli", "serve", "--port", "0",
+                           "--ssl-certfile", "x.pem"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "engine ready" not in proc.stderr
+    assert "--ssl-keyfile and --ssl-certfile together" in proc.stderr
+    assert "no such file" in _refused("--ssl-keyfile", str(tmp_path / "k"), "--ssl-certfile", str(tmp_path / "c"))
+    assert "--root-path" in _refused("--root-path", "api/")
+    assert "OTLP/HTTP receiver's URL" in _refused("--otlp-traces-endpoint", "localhost:4317")
 
 
 def test_tracing_without_the_sdk_is_refused_clearly(monkeypatch):
