@@ -21,10 +21,7 @@ from vllite_core.entrypoints.openai.errors import APIError, bad_request
 from vllite_core.entrypoints.openai.request_logger import RequestLogger
 from vllite_core.entrypoints.openai.template_sandbox import TemplateSandbox
 from vllite_core.entrypoints.openai.tracing import RequestTracer
-from vllite_core.inputs import ProcessedPrompt
-from vllite_core.lora.request import LoRARequest
 from vllite_core.outputs import RequestOutput
-from vllite_core.pooling.params import PoolingParams
 from vllite_core.sampling_params import SamplingParams
 
 M = TypeVar("M", bound=BaseModel)
@@ -257,8 +254,10 @@ async def add_streams(engine: AsyncLLM, prompts: list[PromptType], params: Sampl
         prepared = await engine.run_prep(prepare_all)
     for (processed, _) in prepared:  # the request's own max_tokens (a model default is capped instead)
         check_max_tokens(engine.max_model_len, len(processed.prompt_token_ids), requested_max_tokens)
-    if limits is not None:
-        _log_and_trace(limits, rids, [p for p, _ in prepared], params, lora_request)
+    if limits is not None and limits.state.request_logger is not None:
+        for rid, (processed, _) in zip(rids, prepared):
+            limits.state.request_logger.log_inputs(rid, processed.prompt, processed.prompt_token_ids, params,
+                                                   lora_request)
     streams: list[RequestStream] = []
     try:
         for rid, (processed, max_tokens) in zip(rids, prepared):
@@ -267,18 +266,11 @@ async def add_streams(engine: AsyncLLM, prompts: list[PromptType], params: Sampl
         for s in streams:
             engine.abort(s.request_id)
         raise
+    if limits is not None and limits.state.tracer is not None:  # a span when each one finishes
+        model = lora_request.lora_name if lora_request is not None else limits.state.model_name
+        for rid in rids:
+            limits.state.tracer.track(rid, params, model, limits.headers)
     return streams
-
-
-def _log_and_trace(limits: _Limits, rids: list[str], prompts: list[ProcessedPrompt],
-                   params: SamplingParams | PoolingParams, lora_request: LoRARequest | None) -> None:
-    state = limits.state
-    for rid, processed in zip(rids, prompts):
-        if state.request_logger is not None:
-            state.request_logger.log_inputs(rid, processed.prompt, processed.prompt_token_ids, params, lora_request)
-        if state.tracer is not None:
-            model = lora_request.lora_name if lora_request is not None else state.model_name
-            state.tracer.track(rid, params, model, limits.headers)
 
 
 def check_max_tokens(max_model_len: int, num_prompt_tokens: int, max_tokens: int | None) -> None:
