@@ -8,14 +8,16 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import httpx
 
-_URL = re.compile(r"http://127\.0\.0\.1:(\d+)")
+_URL = re.compile(r"(https?)://127\.0\.0\.1:(\d+)")
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, verify: Any = True) -> None:
+        """``verify``: httpx's, for an HTTPS server (an ssl.SSLContext that trusts its certificate)."""
         full_env = dict(os.environ, VLLITE_LOG_LEVEL="WARNING", OMP_WAIT_POLICY="PASSIVE", HF_HUB_OFFLINE="1")
         full_env.update(env or {})
         cmd = [sys.executable, "-m", "vllite_core.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", "0",
@@ -23,6 +25,8 @@ class ServerProcess:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env)
         self.lines: list[str] = []
         self.port: int | None = None
+        self.scheme = "http"
+        self.verify = verify
         self._found = threading.Event()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -33,13 +37,13 @@ class ServerProcess:
             self.lines.append(line)
             m = _URL.search(line)
             if m and self.port is None:
-                self.port = int(m.group(1))
+                self.scheme, self.port = m.group(1), int(m.group(2))
                 self._found.set()
         self._found.set()
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     @property
     def output(self) -> str:
@@ -54,7 +58,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output}")
             try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=5, verify=self.verify).status_code == 200:
                     return self.url
             except httpx.HTTPError:
                 pass

@@ -14,8 +14,9 @@ import pytest
 from vllite_core.config import EngineArgs
 from vllite_core.engine.async_llm import AsyncLLM
 from vllite_core.engine.llm_engine import LLMEngine
-from vllite_core.entrypoints.openai import api_server, serving_chat
+from vllite_core.entrypoints.openai import serving_chat
 from vllite_core.entrypoints.openai.api_server import build_app
+from vllite_core.entrypoints.openai.routes import tokenize as tokenize_routes
 from vllite_core.entrypoints.openai.serving_chat import chat_prompt_ids, render_chat
 
 ENGINE = dict(dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64)
@@ -57,7 +58,7 @@ def test_health_answers_while_a_big_request_is_prepared(allm, monkeypatch, route
                             _held(serving_chat.rendered_chat_ids, started, release, threads))
         path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": BIG}], "max_tokens": 2}
     else:
-        monkeypatch.setattr(api_server, "_tokenize", _held(api_server._tokenize, started, release, threads))
+        monkeypatch.setattr(tokenize_routes, "_tokenize", _held(tokenize_routes._tokenize, started, release, threads))
         path, body = "/tokenize", {"prompt": BIG}
     app = build_app(allm, ["tiny"], chat_template=TEMPLATE)  # rendered in the template sandbox
     order: list[str] = []

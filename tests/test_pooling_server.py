@@ -56,6 +56,18 @@ def test_openai_embeddings_float_and_base64(minilm_server, st_model):
     assert np.abs(np.array(one) - ref[0]).max() <= 1e-5
 
 
+def test_sagemaker_invocations_route_pooling_bodies_by_shape(minilm_server, st_model):
+    """/invocations (SageMaker's one route) answers an ``input`` body as embeddings and a ``query`` /
+    ``documents`` body as a rerank, as vLLM routes them."""
+    ref = st_model.encode(SENTENCES, convert_to_numpy=True)
+    via = httpx.post(minilm_server + "/invocations", json={"input": SENTENCES}, timeout=60).json()
+    assert via["object"] == "list" and [d["object"] for d in via["data"]] == ["embedding"] * len(SENTENCES)
+    assert np.abs(np.array([d["embedding"] for d in via["data"]]) - ref).max() <= 1e-5
+    body = {"query": "A cat on a mat", "documents": SENTENCES}
+    via = httpx.post(minilm_server + "/invocations", json=body, timeout=60).json()
+    assert via["results"] == httpx.post(minilm_server + "/rerank", json=body, timeout=60).json()["results"]
+
+
 def test_embedding_refusals(minilm_server):
     cases = [("/v1/embeddings", {"input": []}, "input"), ("/v1/embeddings", {"input": ""}, "input"),
              ("/v1/embeddings", {"input": "hi", "dimensions": 64}, "dimensions"),

@@ -20,7 +20,8 @@ from tiny_models import TINY, save_tiny
 from vllite_core.config import EngineArgs
 from vllite_core.engine.async_llm import AsyncLLM
 from vllite_core.engine.llm_engine import LLMEngine
-from vllite_core.entrypoints.openai.api_server import LOOPBACK_HOSTS, build_app, host_name
+from vllite_core.entrypoints.openai.api_server import LOOPBACK_HOSTS, build_app
+from vllite_core.entrypoints.openai.middleware import host_name
 
 ENGINE = dict(dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64)
 KEY = "s3cret-key"
@@ -144,7 +145,7 @@ def test_json_bodies_need_a_json_content_type(make_app):
 def test_slow_body_is_408_and_query_strings_stay_out_of_the_access_log(make_app):
     import logging
 
-    from vllite_core.entrypoints.openai.api_server import _NoQueryString
+    from vllite_core.entrypoints.openai.middleware import NoQueryString
 
     app = make_app(body_read_timeout=0.3)
 
@@ -163,7 +164,7 @@ def test_slow_body_is_408_and_query_strings_stay_out_of_the_access_log(make_app)
     assert time.monotonic() - t0 < 4
     rec = logging.LogRecord("uvicorn.access", logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d', (
         "127.0.0.1:5", "GET", f"/v1/models?api_key={KEY}", "1.1", 401), None)
-    assert _NoQueryString().filter(rec) and KEY not in rec.getMessage() and "/v1/models?" in rec.getMessage()
+    assert NoQueryString().filter(rec) and KEY not in rec.getMessage() and "/v1/models?" in rec.getMessage()
 
 
 def test_host_check_on_loopback(make_app):

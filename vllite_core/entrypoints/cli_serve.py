@@ -77,6 +77,22 @@ def add_serve_parser(sub: Any) -> None:
                    "load adapters from (without it runtime loads are refused)")
     g.add_argument("--max-lora-adapter-bytes", type=int, default=1 << 30,
                    help="runtime adapter loads: the most bytes an adapter's files may hold together (default 1 GiB)")
+    g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the private key file (PEM) of --ssl-certfile")
+    g.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate (PEM)")
+    g.add_argument("--root-path", default="",
+                   help="the path prefix a proxy serves this server under (e.g. /llm): routes answer with or "
+                   "without it, and the OpenAPI docs name it")
+    g.add_argument("--uds", default=None, metavar="PATH",
+                   help="listen on this unix domain socket instead of --host/--port")
+    g.add_argument("--enable-log-requests", action="store_true",
+                   help="log each request as it is added (id, sampling params, adapter; its prompt at DEBUG)")
+    g.add_argument("--max-log-len", type=int, default=None,
+                   help="with --enable-log-requests: the most prompt characters / token ids a DEBUG line shows")
+    g.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="export an OpenTelemetry span per request to this OTLP/HTTP receiver "
+                   "(e.g. http://localhost:4318/v1/traces); needs opentelemetry-sdk")
+    g.add_argument("--enable-server-load-tracking", action="store_true",
+                   help="count the requests in flight on the generation and pooling routes; GET /load reports it")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine cores behind this API server, each a full copy of the model in its own process; "
                    "a request goes to the least loaded one (needs VLLITE_ENABLE_V1_MULTIPROCESSING=1, the default)")
@@ -94,7 +110,7 @@ def add_serve_parser(sub: Any) -> None:
 def run_serve(ns: argparse.Namespace) -> int:
     from vllite_core.engine.async_llm import AsyncLLM
     from vllite_core.engine.restart import RestartPolicy
-    from vllite_core.entrypoints.openai.api_server import bind_socket, default_model_name, serve
+    from vllite_core.entrypoints.openai.api_server import bind_socket, bind_unix_socket, default_model_name, serve
     from vllite_core.entrypoints.openai.serving_common import DEFAULT_MAX_BODY_BYTES
     from vllite_core.entrypoints.openai.template_sandbox import TemplateLimits
 
@@ -124,7 +140,9 @@ def run_serve(ns: argparse.Namespace) -> int:
         raise SystemExit(f"vllite serve: {e}") from None
     if ns.data_parallel_size < 1:
         raise SystemExit("vllite serve: --data-parallel-size must be at least 1")
-    sock = bind_socket(ns.host, ns.port)  # a busy port fails now, not after loading the model
+    _deployment_options(ns)
+    # a busy port fails now, not after loading the model
+    sock = bind_unix_socket(ns.uds) if ns.uds else bind_socket(ns.host, ns.port)
     try:
         restart = RestartPolicy(ns.engine_restart_max, ns.engine_restart_window)
         engine = AsyncLLM.from_engine_args(engine_args_from_namespace(ns), ns.data_parallel_size, restart=restart)
@@ -167,8 +185,31 @@ def run_serve(ns: argparse.Namespace) -> int:
           trust_request_chat_template=ns.trust_request_chat_template,
           template_limits=TemplateLimits(ns.chat_template_timeout, ns.chat_template_max_output_chars,
                                          ns.chat_template_memory_mb << 20),
-          health_stall_s=ns.health_stall_timeout)
+          health_stall_s=ns.health_stall_timeout, ssl_keyfile=ns.ssl_keyfile, ssl_certfile=ns.ssl_certfile,
+          root_path=ns.root_path, enable_log_requests=ns.enable_log_requests, max_log_len=ns.max_log_len,
+          otlp_traces_endpoint=ns.otlp_traces_endpoint, enable_server_load_tracking=ns.enable_server_load_tracking)
     return 0
+
+
+def _deployment_options(ns: argparse.Namespace) -> None:
+    """TLS files, the root path and tracing checked before the model loads."""
+    if (ns.ssl_keyfile is None) != (ns.ssl_certfile is None):
+        raise SystemExit("vllite serve: give --ssl-keyfile and --ssl-certfile together")
+    for flag in ("ssl_keyfile", "ssl_certfile"):
+        path = getattr(ns, flag)
+        if path is not None and not os.path.isfile(path):
+            raise SystemExit(f"vllite serve: --{flag.replace('_', '-')} {path}: no such file")
+    if ns.root_path and (not ns.root_path.startswith("/") or ns.root_path.endswith("/")):
+        raise SystemExit(f"vllite serve: --root-path {ns.root_path!r} must start with '/' and not end with one")
+    if ns.max_log_len is not None and ns.max_log_len < 0:
+        raise SystemExit("vllite serve: --max-log-len must be at least 0")
+    if ns.otlp_traces_endpoint is not None:
+        from vllite_core.entrypoints.openai.tracing import TracingUnavailableError, check_available
+
+        try:
+            check_available(ns.otlp_traces_endpoint)
+        except TracingUnavailableError as e:
+            raise SystemExit(f"vllite serve: {e}") from None
 
 
 def describe_layout(layout: dict[str, Any]) -> str:

@@ -5,16 +5,16 @@ ChatServer; its chat.completion (or its chunks, streamed) becomes a Message (or 
 sequence: message_start, ping, content_block_start / _delta / _stop per block, message_delta,
 message_stop). Reasoning (--reasoning-parser) comes out as ``thinking`` blocks, tool calls as
 ``tool_use`` blocks (their arguments streamed as ``input_json_delta``). Every error leaves in
-Anthropic's shape (``{"type": "error", "error": {"type", "message"}}``), streamed ones as an
-``error`` event.
+Anthropic's shape (``{"type": "error", "error": {"type", "message"}}``; openai.error_handlers picks it
+by path), streamed ones as an ``error`` event.
 """
 from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator
 
-from fastapi import FastAPI
+from fastapi import APIRouter
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 from starlette.responses import Response
@@ -22,13 +22,13 @@ from starlette.responses import Response
 from vllite_core.entrypoints.anthropic.protocol import (
     CountTokensRequest,
     MessagesRequest,
-    error_response,
     log_ignored,
     to_chat,
 )
-from vllite_core.entrypoints.openai.errors import APIError, from_exception
-from vllite_core.entrypoints.openai.serving_chat import ChatServer, render_chat_prompt, rendered_chat_ids
-from vllite_core.entrypoints.openai.serving_common import SSE_HEADERS, ServerState
+from vllite_core.entrypoints.openai.errors import APIError
+from vllite_core.entrypoints.openai.routes.generate import generation_servers
+from vllite_core.entrypoints.openai.serving_chat import render_chat_prompt, rendered_chat_ids
+from vllite_core.entrypoints.openai.serving_common import SSE_HEADERS, server_state
 from vllite_core.entrypoints.openai.structured import plan_tools
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
@@ -150,48 +150,38 @@ async def anthropic_events(chunks: AsyncIterator[Any], req: MessagesRequest, mid
     yield event("message_stop", {})
 
 
-BodyReader = Callable[[Request, Any], Awaitable[Any]]
+router = APIRouter()
 
 
-def add_routes(app: FastAPI, state: ServerState, chat: ChatServer, body: BodyReader) -> None:
-    """Register /v1/messages and /v1/messages/count_tokens on ``app``."""
+@router.post("/v1/messages")
+async def create_message(request: Request) -> Response:
+    state = server_state(request)
+    state.admit(request)
+    req = await state.read_body(request, MessagesRequest)
+    if req.max_tokens is None:
+        raise APIError(400, "max_tokens: Field required", "max_tokens")
+    log_ignored(req)
+    mid = f"msg_{uuid.uuid4().hex}"
+    resp = await generation_servers(request).chat.create(to_chat(req, stream=req.stream), request)
+    if isinstance(resp, StreamingResponse):
+        return StreamingResponse(anthropic_events(resp.body_iterator, req, mid),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+    return JSONResponse(message_of(json.loads(resp.body), req, mid))
 
-    async def guarded(work: Awaitable[Response]) -> Response:
-        try:
-            return await work
-        except Exception as e:  # every error in Anthropic's shape
-            return error_response(from_exception(e))
 
-    @app.post("/v1/messages")
-    async def create_message(request: Request) -> Response:
-        async def run() -> Response:
-            state.admit()
-            req = await body(request, MessagesRequest)
-            if req.max_tokens is None:
-                raise APIError(400, "max_tokens: Field required", "max_tokens")
-            log_ignored(req)
-            mid = f"msg_{uuid.uuid4().hex}"
-            resp = await chat.create(to_chat(req, stream=req.stream), request)
-            if isinstance(resp, StreamingResponse):
-                return StreamingResponse(anthropic_events(resp.body_iterator, req, mid),
-                                         media_type="text/event-stream", headers=SSE_HEADERS)
-            return JSONResponse(message_of(json.loads(resp.body), req, mid))
-        return await guarded(run())
-
-    @app.post("/v1/messages/count_tokens")
-    async def count_tokens(request: Request) -> Response:
-        async def run() -> Response:
-            req = await body(request, CountTokensRequest)
-            state.check_model(req.model)
-            creq = to_chat(req)
-            if any(isinstance(m.content, list) for m in creq.messages):
-                raise APIError(400, "count_tokens does not count images here", "messages", "unsupported_content")
-            plan = plan_tools(creq.tools, creq.tool_choice, creq.parallel_tool_calls)
-            # rendered in the template sandbox as chat renders it, then tokenized on the prep thread
-            rendered = await state.within_timeout(render_chat_prompt(
-                state.templates, state.engine.tokenizer, creq, None, state.chat_template, plan.template_tools,
-                state.trust_request_chat_template))
-            ids = await state.within_timeout(state.engine.run_prep(rendered_chat_ids, state.engine.prep_tokenizer,
-                                                                   rendered))
-            return JSONResponse({"input_tokens": len(ids)})
-        return await guarded(run())
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(request: Request) -> Response:
+    state = server_state(request)
+    req = await state.read_body(request, CountTokensRequest)
+    state.check_model(req.model)
+    creq = to_chat(req)
+    if any(isinstance(m.content, list) for m in creq.messages):
+        raise APIError(400, "count_tokens does not count images here", "messages", "unsupported_content")
+    plan = plan_tools(creq.tools, creq.tool_choice, creq.parallel_tool_calls)
+    # rendered in the template sandbox as chat renders it, then tokenized on the prep thread
+    rendered = await state.within_timeout(render_chat_prompt(
+        state.templates, state.engine.tokenizer, creq, None, state.chat_template, plan.template_tools,
+        state.trust_request_chat_template))
+    ids = await state.within_timeout(state.engine.run_prep(rendered_chat_ids, state.engine.prep_tokenizer,
+                                                           rendered))
+    return JSONResponse({"input_tokens": len(ids)})

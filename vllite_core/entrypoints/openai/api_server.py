@@ -1,12 +1,11 @@
-"""The FastAPI app and its routes, the API-key gate, and running it under uvicorn.
+"""The app factory (``build_app``: shared state on ``app.state``, the routers of ``routes/`` and the
+other route modules, one error translation, the middleware) and running it under uvicorn (``serve``).
 
-Routes: GET /health /version /metrics /v1/models /v1/responses/{id}; POST /v1/completions
-/v1/chat/completions /v1/responses /v1/messages /tokenize /detokenize. When the server has a key, every route
-except ``OPEN_PATHS`` (health, version, metrics, the OpenAPI schema and docs) needs
-``Authorization: Bearer KEY`` (or Anthropic's ``x-api-key: KEY``). CORS is off unless origins are given; a server bound
-to loopback refuses other Host headers (DNS rebinding). Every error leaves in
-OpenAI's shape (errors.py) and the server keeps serving. SIGTERM / Ctrl-C drain the
-in-flight requests (``serve``).
+When the server has a key, every route except ``middleware.OPEN_PATHS`` (health, version, metrics, the
+OpenAPI schema and docs) needs ``Authorization: Bearer KEY`` (or Anthropic's ``x-api-key: KEY``). CORS is
+off unless origins are given; a server bound to loopback refuses other Host headers (DNS rebinding).
+Every error leaves in its API's shape (error_handlers.py) and the server keeps serving. SIGTERM /
+Ctrl-C drain the in-flight requests (``serve``).
 """
 from __future__ import annotations
 
@@ -15,149 +14,53 @@ import contextlib
 import ipaddress
 import logging
 import os
-import secrets
 import signal
 import socket
+import stat
 import threading
 import time
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from fastapi import FastAPI
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import Request
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 import vllite_core
 from vllite_core.engine.async_llm import AsyncLLM
-from vllite_core.entrypoints.openai.errors import APIError, bad_request, from_exception
+from vllite_core.entrypoints.anthropic import serving as anthropic_serving
+from vllite_core.entrypoints.openai import (
+    error_handlers,
+    serving_lora,
+    serving_pooling,
+    serving_transcription,
+)
 from vllite_core.entrypoints.openai.health import DEFAULT_STALL_S, HealthMonitor
 from vllite_core.entrypoints.openai.http_protocol import DEFAULT_HEADER_READ_TIMEOUT_S, header_timeout_protocol
-from vllite_core.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
-from vllite_core.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
+from vllite_core.entrypoints.openai.metrics import ServerMetrics
+from vllite_core.entrypoints.openai.middleware import (
+    APIKeyMiddleware,
+    HostCheckMiddleware,
+    LoadTrackingMiddleware,
+    NoQueryString,
+    OriginCheckMiddleware,
 )
-from vllite_core.entrypoints.openai.protocol_responses import ResponsesRequest
-from vllite_core.entrypoints.openai.serving_chat import ChatServer, RenderedChat, render_chat_prompt, rendered_chat_ids
+from vllite_core.entrypoints.openai.request_logger import RequestLogger
+from vllite_core.entrypoints.openai.routes import admin, generate, models, sagemaker, tokenize
 from vllite_core.entrypoints.openai.serving_common import (
     DEFAULT_BODY_READ_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
     ServerState,
-    read_body,
 )
-from vllite_core.entrypoints.openai.serving_completions import CompletionServer
-from vllite_core.entrypoints.openai.serving_responses import ResponsesServer
+from vllite_core.entrypoints.openai.serving_lora import ServedLoRAs
 from vllite_core.entrypoints.openai.template_sandbox import TemplateLimits, TemplateSandbox
+from vllite_core.entrypoints.openai.tracing import RequestTracer
+
+if TYPE_CHECKING:
+    from vllite_core.tool_parsers import ToolParser
 
 logger = logging.getLogger("vllite.server")
 
-# Routes that stay open when the server has an API key: they run no model and reveal no input.
-OPEN_PATHS = frozenset({"/health", "/version", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect",
-                        "/redoc"})
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 DEFAULT_SHUTDOWN_TIMEOUT_S = 20.0
 DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5
-
-
-class APIKeyMiddleware:
-    """Pure ASGI (no response buffering, so streaming and disconnects pass straight through).
-    The key is read from the Authorization header only (never a query parameter, which would
-    land in access logs) and compared in constant time."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and scope.get("method") != "OPTIONS":
-            headers = dict(scope["headers"])
-            got = headers.get(b"authorization", b"")
-            x_key = headers.get(b"x-api-key")  # Anthropic's clients send the key here
-            if not secrets.compare_digest(got, self.expected) and not (
-                    x_key is not None and secrets.compare_digest(b"Bearer " + x_key, self.expected)):
-                msg = "missing API key" if not (got or x_key) else "incorrect API key"
-                err = APIError(401, f"{msg}: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
-                               code="invalid_api_key")
-                await error_response_for(scope["path"], err)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-def error_response_for(path: str, err: APIError) -> Response:
-    """``err`` in the shape of the API ``path`` belongs to: Anthropic's under /v1/messages, else OpenAI's."""
-    if path.startswith("/v1/messages"):
-        from vllite_core.entrypoints.anthropic.protocol import error_response
-
-        return error_response(err)
-    return err.response()
-
-
-def host_name(host_header: str) -> str:
-    """The name in a Host header, without the port: ``[::1]:8000`` -> ``::1``."""
-    h = host_header.strip().lower()
-    if h.startswith("["):
-        return h[1:h.find("]")] if "]" in h else h
-    return h.rsplit(":", 1)[0] if h.count(":") == 1 else h
-
-
-class HostCheckMiddleware:
-    """Refuse requests whose Host is not one of ``hosts`` (any port): a page on a rebound DNS
-    name that resolves to 127.0.0.1 sends its own name, so it cannot reach a loopback server."""
-
-    def __init__(self, app: ASGIApp, hosts: list[str]) -> None:
-        self.app = app
-        self.hosts = {h.lower().strip("[]") for h in hosts}
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] in ("http", "websocket"):
-            got = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
-            if host_name(got) not in self.hosts:
-                if scope["type"] == "websocket":
-                    await send({"type": "websocket.close", "code": 1008})
-                    return
-                err = APIError(400, f"Host header {got!r} is not allowed on this server (it accepts "
-                               f"{', '.join(sorted(self.hosts))})", code="invalid_host")
-                await err.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class OriginCheckMiddleware:
-    """Refuse a browser's cross-origin POST (it carries an ``Origin`` header; API clients send
-    none) unless CORS allows that origin or it is this server's own (its /docs page): a page
-    elsewhere cannot drive the model even through the "simple" requests CORS does not stop
-    (a multipart upload to /v1/audio/transcriptions)."""
-
-    def __init__(self, app: ASGIApp, allowed_origins: list[str] | None) -> None:
-        self.app = app
-        self.allowed = {o.rstrip("/").lower() for o in allowed_origins or []}
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        safe = scope.get("method") in ("GET", "HEAD", "OPTIONS")
-        if scope["type"] == "http" and not safe and "*" not in self.allowed:
-            headers = dict(scope["headers"])
-            origin = headers.get(b"origin", b"").decode("latin-1").rstrip("/").lower()
-            own = headers.get(b"host", b"").decode("latin-1").lower()
-            if origin and origin not in self.allowed and origin.split("://", 1)[-1] != own:
-                err = APIError(403, f"cross-origin request from {origin!r} refused (see --allowed-origins)",
-                               code="origin_not_allowed")
-                await err.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class _NoQueryString(logging.Filter):
-    """uvicorn's access log lines without query strings (where secrets get pasted)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        args = record.args
-        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str) and "?" in args[2]:
-            record.args = (*args[:2], args[2].split("?", 1)[0] + "?<query omitted>", *args[3:])
-        return True
 
 
 def is_loopback(host: str) -> bool:
@@ -169,34 +72,41 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _openapi_body(model: Any) -> dict[str, Any]:
-    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    state: ServerState = app.state.vllite
+    state.metrics.set_api_thread(threading.get_native_id())
+    state.templates.start()
+    yield
+    state.templates.close()
+    state.engine.close()
+    if state.tracer is not None:
+        state.tracer.close()  # exports the spans still batched
 
 
-def _tokenize(tokenizer: Any, req: TokenizeRequest, rendered: RenderedChat | None = None) -> list[int]:
-    """/tokenize's token ids, on the engine's prep thread. ``messages`` (``rendered`` in the template
-    sandbox) are tokenized as chat feeds them to the model (special-token text in content stays
-    text), plus the tokenizer's own special tokens (BOS...) only when ``add_special_tokens`` is true."""
-    if rendered is not None:
-        ids = rendered_chat_ids(tokenizer, rendered)
-        if req.add_special_tokens:
-            ids = list(tokenizer.build_inputs_with_special_tokens(ids))
-        return ids
-    add = True if req.add_special_tokens is None else req.add_special_tokens
-    return list(tokenizer.encode(req.prompt or "", add_special_tokens=add))
+def _openapi_schema(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema plus the request bodies the routes read by hand (``ServerState.read_body``)."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes, servers=app.servers)
+        comps = schema.setdefault("components", {}).setdefault("schemas", {})
+        for m in (*generate.OPENAPI_MODELS, *tokenize.OPENAPI_MODELS, *serving_pooling.OPENAPI_MODELS):
+            js = m.model_json_schema(ref_template="#/components/schemas/{model}")
+            comps.update(js.pop("$defs", {}))
+            comps[m.__name__] = js
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
-def _detokenize(tokenizer: Any, tokens: list[int], vocab: int) -> str:
-    """/detokenize's text, on the engine's prep thread."""
-    bad = next((t for t in tokens if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise bad_request(f"token id {bad} is out of range [0, {vocab})", "tokens")
-    return tokenizer.decode(tokens)
+def _tool_parser(name: str) -> type[ToolParser]:
+    from vllite_core.plugins.manager import get_plugin_manager
+    from vllite_core.tool_parsers import load_tool_parsers
 
-
-async def _async(fn: Any, *args: Any) -> Any:
-    return fn(*args)
+    parsers = load_tool_parsers(get_plugin_manager())
+    if name not in parsers:
+        raise SystemExit(f"vllite serve: --tool-call-parser {name!r} is unknown (known: {', '.join(sorted(parsers))})")
+    return parsers[name]
 
 
 def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = None,
@@ -207,209 +117,53 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
               body_read_timeout: float | None = DEFAULT_BODY_READ_TIMEOUT_S, enable_docs: bool = True,
               chat_template: str | None = None, reasoning_parser: str | None = None,
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-              loras: Any = None, trust_request_chat_template: bool = False,
-              template_limits: TemplateLimits | None = None, health_stall_s: float = DEFAULT_STALL_S) -> FastAPI:
-    """``allowed_origins``: CORS on for these (off when None); ``allowed_hosts``: the Host
-    header must name one of these (no check when None; ``serve`` passes LOOPBACK_HOSTS on a
-    loopback bind). ``chat_template``: the template text (chat_template.load_chat_template);
-    ``reasoning_parser``: a name from the vllite_register_reasoning_parsers hook."""
+              loras: ServedLoRAs | None = None, trust_request_chat_template: bool = False,
+              template_limits: TemplateLimits | None = None, health_stall_s: float = DEFAULT_STALL_S,
+              root_path: str = "", enable_log_requests: bool = False, max_log_len: int | None = None,
+              otlp_traces_endpoint: str | None = None, enable_server_load_tracking: bool = False) -> FastAPI:
+    """The app: the shared state on ``app.state``, the routers, one error translation, the middleware.
+    ``allowed_origins``: CORS on for these (off when None); ``allowed_hosts``: the Host header must
+    name one of these (no check when None; ``serve`` passes LOOPBACK_HOSTS on a loopback bind).
+    ``chat_template``: the template text (chat_template.load_chat_template); ``reasoning_parser``: a
+    name from the vllite_register_reasoning_parsers hook. ``root_path``: the prefix a proxy serves the
+    app under (--root-path); ``otlp_traces_endpoint``: an OTLP/HTTP receiver for a span per request."""
     from vllite_core.reasoning import get_reasoning_parser
 
-    parser = get_reasoning_parser(reasoning_parser, engine.tokenizer) if reasoning_parser else None
     state = ServerState(engine, model_names, max_body_bytes, api_key, max_waiting_requests=max_waiting_requests,
                         request_timeout=request_timeout, body_read_timeout=body_read_timeout,
-                        chat_template=chat_template, reasoning_parser=parser, loras=loras,
-                        templates=TemplateSandbox(template_limits),
-                        trust_request_chat_template=trust_request_chat_template)
-    state.enable_auto_tool_choice = enable_auto_tool_choice
-    if tool_call_parser is not None:
-        from vllite_core.plugins.manager import get_plugin_manager
-        from vllite_core.tool_parsers import load_tool_parsers
-
-        parsers = load_tool_parsers(get_plugin_manager())
-        if tool_call_parser not in parsers:
-            raise SystemExit(f"vllite serve: --tool-call-parser {tool_call_parser!r} is unknown "
-                             f"(known: {', '.join(sorted(parsers))})")
-        state.tool_parser = parsers[tool_call_parser]
-    metrics = state.metrics = ServerMetrics(engine, state.model_name)
-    completions, chat, responses = CompletionServer(state), ChatServer(state), ResponsesServer(state)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        metrics.set_api_thread(threading.get_native_id())
-        state.templates.start()
-        yield
-        state.templates.close()
-        engine.close()
-
-    app = FastAPI(title="vllite", version=vllite_core.__version__, lifespan=lifespan,
+                        chat_template=chat_template, loras=loras, templates=TemplateSandbox(template_limits),
+                        reasoning_parser=get_reasoning_parser(reasoning_parser, engine.tokenizer)
+                        if reasoning_parser else None,
+                        trust_request_chat_template=trust_request_chat_template,
+                        enable_auto_tool_choice=enable_auto_tool_choice,
+                        tool_parser=_tool_parser(tool_call_parser) if tool_call_parser is not None else None,
+                        request_logger=RequestLogger(max_log_len) if enable_log_requests else None)
+    state.metrics = ServerMetrics(engine, state.model_name)
+    if otlp_traces_endpoint is not None:
+        state.tracer = RequestTracer(otlp_traces_endpoint)
+        engine.observers.append(state.tracer.observe)
+    app = FastAPI(title="vllite", version=vllite_core.__version__, lifespan=_lifespan, root_path=root_path,
                   docs_url="/docs" if enable_docs else None, redoc_url=None,
                   openapi_url="/openapi.json" if enable_docs else None)
     app.state.vllite = state
-
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> Response:
-        return exc.response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
-        return APIError(exc.status_code, str(exc.detail)).response()
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> Response:
-        return bad_request(str(exc)).response()
-
-    @app.exception_handler(Exception)
-    async def _other(_: Request, exc: Exception) -> Response:
-        err = from_exception(exc)
-        if err.status >= 500:
-            logger.exception("request failed", exc_info=exc)
-        return err.response()
-
-    async def guarded(coro: Any) -> Response:
-        try:
-            return await coro
-        except APIError as e:
-            return e.response()
-        except Exception as e:  # typed engine errors -> 400; anything else -> 500, logged
-            err = from_exception(e)
-            if err.code == "request_failed":  # the engine logged the cause already; no traceback here
-                logger.error("%s", err.message)
-            elif err.status >= 500:
-                logger.exception("request failed")
-            return err.response()
-
-    monitor = HealthMonitor(engine, health_stall_s)
-
-    @app.get("/health")
-    async def health() -> Response:
-        if engine.dead is not None:
-            return APIError(503, f"engine loop stopped: {engine.dead!r}", code="engine_dead").response()
-        if engine.restarting is not None:
-            return APIError(503, f"the engine core is restarting after it died: {engine.restarting}",
-                            code="engine_restarting").response()
-        problem = monitor.problem()
-        if problem is not None:
-            return APIError(503, problem, code="engine_stalled").response()
-        return Response(status_code=200)
-
-    @app.get("/version")
-    async def version() -> dict[str, str]:
-        return {"version": vllite_core.__version__}
-
-    @app.get("/metrics")
-    async def get_metrics() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        data = [{"id": name, "object": "model", "created": state.created, "owned_by": "vllite",
-                 "root": state.model_name, "parent": None, "max_model_len": engine.max_model_len}
-                for name in model_names]
-        if loras is not None:  # adapters, each with its parent (the base model)
-            data += loras.models(state.created, engine.max_model_len)
-        return {"object": "list", "data": data}
-
-    async def body(request: Request, model: Any) -> Any:
-        return await read_body(request, model, state.max_body_bytes, state.body_read_timeout)
-
-    @app.post("/v1/completions", openapi_extra=_openapi_body(CompletionRequest))
-    async def create_completion(request: Request) -> Response:
-        async def run() -> Response:
-            state.admit()
-            req = await body(request, CompletionRequest)
-            return await completions.create(req, request)
-        return await guarded(run())
-
-    @app.post("/v1/chat/completions", openapi_extra=_openapi_body(ChatCompletionRequest))
-    async def create_chat_completion(request: Request) -> Response:
-        async def run() -> Response:
-            state.admit()
-            req = await body(request, ChatCompletionRequest)
-            return await chat.create(req, request)
-        return await guarded(run())
-
-    @app.post("/v1/responses", openapi_extra=_openapi_body(ResponsesRequest))
-    async def create_response(request: Request) -> Response:
-        async def run() -> Response:
-            state.admit()
-            req = await body(request, ResponsesRequest)
-            return await responses.create(req, request)
-        return await guarded(run())
-
-    @app.get("/v1/responses/{response_id}")
-    async def retrieve_response(response_id: str) -> Response:
-        return await guarded(_async(responses.retrieve, response_id))
-
-    @app.post("/tokenize", openapi_extra=_openapi_body(TokenizeRequest))
-    async def tokenize(request: Request) -> Response:
-        async def run() -> Response:
-            req = await body(request, TokenizeRequest)
-            state.check_model(req.model)
-            if (req.prompt is None) == (req.messages is None):
-                raise bad_request("give exactly one of prompt or messages", "prompt")
-            rendered = None
-            if req.messages is not None:  # the template renders in its sandbox
-                rendered = await state.within_timeout(render_chat_prompt(
-                    state.templates, engine.tokenizer, req, False, state.chat_template,
-                    trust_request_template=state.trust_request_chat_template))
-            # CPU work: off the event loop
-            ids = await state.within_timeout(engine.run_prep(_tokenize, engine.prep_tokenizer, req, rendered))
-            return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids})
-        return await guarded(run())
-
-    @app.post("/detokenize", openapi_extra=_openapi_body(DetokenizeRequest))
-    async def detokenize(request: Request) -> Response:
-        async def run() -> Response:
-            req = await body(request, DetokenizeRequest)
-            state.check_model(req.model)
-            # Decoding holds the GIL (1.3 s for 800k ids here, stalling every thread): at most what one
-            # sequence can hold, decoded on the prep thread.
-            if len(req.tokens) > engine.max_model_len:
-                raise bad_request(f"at most {engine.max_model_len} token ids (the model's context), got "
-                                  f"{len(req.tokens)}", "tokens")
-            text = await engine.run_prep(_detokenize, engine.prep_tokenizer, req.tokens, engine.engine.vocab_size)
-            return JSONResponse({"prompt": text})
-        return await guarded(run())
-
-    if loras is not None and loras.runtime_updates:
-        from vllite_core.entrypoints.openai.serving_lora import add_runtime_routes
-
+    app.state.generation = generate.GenerationServers.over(state)
+    app.state.health = HealthMonitor(engine, health_stall_s)
+    error_handlers.install(app)
+    for router in (admin.router, models.router, generate.router, tokenize.router, anthropic_serving.router,
+                   serving_transcription.router, serving_pooling.router, sagemaker.router):
+        app.include_router(router)
+    if loras is not None and loras.runtime_updates:  # only when the operator allowed runtime adapter updates
         loras.served_names |= set(model_names)
-        add_runtime_routes(app, loras, body)  # only when the operator allowed runtime adapter updates
-
+        app.include_router(serving_lora.runtime_router)
     from vllite_core.entrypoints.openai.serving_dev import add_dev_routes, dev_mode_enabled
 
     if dev_mode_enabled():  # /sleep /wake_up /is_sleeping /reset_prefix_cache /collective_rpc (vLLM's dev routes)
         add_dev_routes(app, engine)
-    from vllite_core.entrypoints.anthropic.serving import add_routes as add_anthropic_routes
-
-    add_anthropic_routes(app, state, chat, body)  # POST /v1/messages, /v1/messages/count_tokens (Anthropic's API)
-    from vllite_core.entrypoints.openai.serving_transcription import router as transcription_router
-
-    app.include_router(transcription_router)  # POST /v1/audio/transcriptions (speech models)
-    from vllite_core.entrypoints.openai.serving_pooling import OPENAPI_MODELS as pooling_models
-    from vllite_core.entrypoints.openai.serving_pooling import router as pooling_router
-
-    app.include_router(pooling_router)  # /v1/embeddings /pooling /classify /score /rerank (pooling models)
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            from fastapi.openapi.utils import get_openapi
-
-            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            comps = schema.setdefault("components", {}).setdefault("schemas", {})
-            for m in (CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest,
-                      *pooling_models):
-                js = m.model_json_schema(ref_template="#/components/schemas/{model}")
-                comps.update(js.pop("$defs", {}))
-                comps[m.__name__] = js
-            app.openapi_schema = schema
-        return app.openapi_schema
-
-    app.openapi = openapi  # type: ignore[method-assign]
+    app.openapi = lambda: _openapi_schema(app)  # type: ignore[method-assign]
     # Added innermost first: the host check runs before CORS, CORS (preflights) before the
     # origin check and the key.
+    if enable_server_load_tracking:
+        app.add_middleware(LoadTrackingMiddleware, state=state)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(OriginCheckMiddleware, allowed_origins=allowed_origins)
@@ -442,14 +196,39 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def how_to_query(host: str, port: int, model: str, api_key: str | None) -> str:
+def bind_unix_socket(path: str) -> socket.socket:
+    """--uds: listen on a unix socket at ``path`` (a stale socket file left by a dead server is replaced;
+    one a live server answers on is not)."""
+    if os.path.exists(path):
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            raise SystemExit(f"vllite serve: --uds {path}: the path exists and is not a socket")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            if probe.connect_ex(path) == 0:
+                raise SystemExit(f"vllite serve: --uds {path}: a server is already listening there")
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+    except OSError as e:
+        sock.close()
+        raise SystemExit(f"vllite serve: cannot listen on unix socket {path}: {e.strerror or e}")
+    sock.listen(2048)
+    return sock
+
+
+def how_to_query(host: str, port: int, model: str, api_key: str | None, *, tls: bool = False,
+                 uds: str | None = None, root_path: str = "") -> str:
+    """The start-up line: where the server answers and a curl command that asks it something."""
     shown = f"[{host}]" if ":" in host else host
-    url = f"http://{shown}:{port}"
+    scheme = "https" if tls else "http"
+    url = (f"{scheme}://localhost" if uds else f"{scheme}://{shown}:{port}") + root_path
+    where = f"on unix socket {uds} ({url}/v1)" if uds else f"at {url}/v1"
+    curl = "curl" + (f" --unix-socket {uds}" if uds else "") + (" --cacert CERT" if tls else "")
     auth = " -H 'Authorization: Bearer $VLLITE_API_KEY'" if api_key else ""
     body = ('{"model": "%s", "messages": [{"role": "user", "content": "What is the capital of France?"}], '
             '"max_tokens": 32}' % model)
-    return (f"vllite: serving {model!r} at {url}/v1 (OpenAI API). Try:\n"
-            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'\n"
+    return (f"vllite: serving {model!r} {where} (OpenAI API). Try:\n"
+            f"  {curl} {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'\n"
             f"or: python examples/openai_client.py --base-url {url}/v1   (Ctrl-C stops the server)")
 
 
@@ -519,26 +298,31 @@ def serve(engine: AsyncLLM, model_names: list[str], sock: socket.socket, api_key
           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "info", access_log: bool = True, *,
           shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
           timeout_keep_alive: int = DEFAULT_TIMEOUT_KEEP_ALIVE_S,
-          header_read_timeout: float = DEFAULT_HEADER_READ_TIMEOUT_S, **app_options: Any) -> None:
-    """Serve on an already bound socket until Ctrl-C / SIGTERM, drain, then stop the engine loop.
-    When the engine dies (a fault of no single request), the server stops within seconds and this
-    raises SystemExit naming the cause (exit status 1). ``app_options`` go to ``build_app``; on a
-    loopback bind ``allowed_hosts`` defaults to LOOPBACK_HOSTS."""
+          header_read_timeout: float = DEFAULT_HEADER_READ_TIMEOUT_S, ssl_keyfile: str | None = None,
+          ssl_certfile: str | None = None, **app_options: Any) -> None:
+    """Serve on an already bound socket (TCP, or a unix socket for --uds) until Ctrl-C / SIGTERM, drain,
+    then stop the engine loop. When the engine dies (a fault of no single request), the server stops
+    within seconds and this raises SystemExit naming the cause (exit status 1). ``app_options`` go to
+    ``build_app``; on a loopback bind ``allowed_hosts`` defaults to LOOPBACK_HOSTS. With
+    ``ssl_certfile`` (and ``ssl_keyfile``) it serves HTTPS."""
     import uvicorn
 
-    host, port = sock.getsockname()[:2]
-    if app_options.get("allowed_hosts") is None and is_loopback(host):
+    uds = sock.getsockname() if sock.family == socket.AF_UNIX else None
+    host, port = ("localhost", 0) if uds else sock.getsockname()[:2]
+    if app_options.get("allowed_hosts") is None and is_loopback(host) and not uds:
         app_options["allowed_hosts"] = list(LOOPBACK_HOSTS)
     app = build_app(engine, model_names, api_key, max_body_bytes, **app_options)
     state: ServerState = app.state.vllite
     if not is_loopback(host) and not api_key:
         logger.warning("listening on %s without --api-key: anyone who can reach this address can use it", host)
-    print(how_to_query(host, port, model_names[0], api_key), flush=True)
+    print(how_to_query(host, port, model_names[0], api_key, tls=ssl_certfile is not None, uds=uds,
+                       root_path=app_options.get("root_path", "")), flush=True)
     # After the drain, one engine step's time for the ended requests to send their last event.
     config = uvicorn.Config(app, log_level=log_level, access_log=access_log, lifespan="on",
                             timeout_graceful_shutdown=int(shutdown_timeout) + 10, timeout_keep_alive=timeout_keep_alive,
-                            http=header_timeout_protocol(header_read_timeout))
-    logging.getLogger("uvicorn.access").addFilter(_NoQueryString())
+                            http=header_timeout_protocol(header_read_timeout), ssl_keyfile=ssl_keyfile,
+                            ssl_certfile=ssl_certfile)
+    logging.getLogger("uvicorn.access").addFilter(NoQueryString())
     server = _make_server(config, state, shutdown_timeout)
 
     def _engine_died(exc: BaseException) -> None:  # every stream has failed already; a supervisor restarts us
@@ -561,6 +345,9 @@ def serve(engine: AsyncLLM, model_names: list[str], sock: socket.socket, api_key
     finally:
         engine.close()
         sock.close()
+        if uds:
+            with contextlib.suppress(OSError):
+                os.unlink(uds)
         how = "because the engine died" if engine.dead is not None else how
         print(f"vllite: server stopped {how} after {time.monotonic() - t0:.0f} s", flush=True)
     if engine.dead is not None:  # exit status 1, naming the cause

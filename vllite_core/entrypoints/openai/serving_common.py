@@ -8,6 +8,7 @@ import contextvars
 import json
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, TypeVar
 
@@ -17,7 +18,9 @@ from starlette.requests import ClientDisconnect, Request
 from vllite_core.engine.async_llm import AsyncLLM, RequestStream
 from vllite_core.engine.llm_engine import PromptType
 from vllite_core.entrypoints.openai.errors import APIError, bad_request
+from vllite_core.entrypoints.openai.request_logger import RequestLogger
 from vllite_core.entrypoints.openai.template_sandbox import TemplateSandbox
+from vllite_core.entrypoints.openai.tracing import RequestTracer
 from vllite_core.outputs import RequestOutput
 from vllite_core.sampling_params import SamplingParams
 
@@ -50,20 +53,32 @@ class ServerState:
     # Every chat template renders in this sandbox; a request's own only with --trust-request-chat-template.
     templates: TemplateSandbox = field(default_factory=TemplateSandbox)
     trust_request_chat_template: bool = False
+    request_logger: RequestLogger | None = None  # --enable-log-requests
+    tracer: RequestTracer | None = None  # --otlp-traces-endpoint
+    server_load: int = 0  # HTTP requests in flight on the load-aware routes (--enable-server-load-tracking: /load)
+
+    async def read_body(self, request: Request, model: type[M]) -> M:
+        """The request's JSON body as ``model``, under this server's size and time limits (``read_body``)."""
+        return await read_body(request, model, self.max_body_bytes, self.body_read_timeout)
+
+    async def read_raw(self, request: Request) -> bytes:
+        """The request's JSON body unparsed, under the same checks and limits."""
+        return await read_bytes(request, self.max_body_bytes, self.body_read_timeout)
 
     def num_waiting(self) -> int:
         """Requests accepted but without a first token yet (queued in the scheduler or in prefill)."""
         return sum(1 for s in list(self.engine._streams.values()) if s.first_token is None)
 
-    def admit(self) -> None:
+    def admit(self, request: Request) -> None:
         """Before a generation request is read: 503 while shutting down or over the waiting limit;
-        then its time limits apply to whatever it streams (see ``merged``)."""
+        then its time limits apply to whatever it streams (see ``merged``), and the engine requests it
+        adds are logged and traced (``add_streams``) with its headers."""
         if self.stopping.is_set():
             raise APIError(503, "the server is shutting down", code="server_shutting_down",
                            headers={"Retry-After": "5", "Connection": "close"})
         self.check_capacity()
         deadline = None if self.request_timeout is None else time.monotonic() + self.request_timeout
-        _LIMITS.set(_Limits(deadline, self.request_timeout, self.stopping, self))
+        _LIMITS.set(_Limits(deadline, self.request_timeout, self.stopping, self, request.headers))
 
     async def within_timeout(self, work: Awaitable[T]) -> T:
         """``work`` (request preparation: a template render, tokenizing, a LoRA load) under the
@@ -102,12 +117,18 @@ class ServerState:
         return name if self.lora_request(name) is not None else self.model_name
 
 
+def server_state(request: Request) -> ServerState:
+    """The state every route reads, put on the app by ``build_app``."""
+    return request.app.state.vllite
+
+
 @dataclass
 class _Limits:
     deadline: float | None  # time.monotonic()
     timeout: float | None
     stop: asyncio.Event
     state: ServerState
+    headers: Mapping[str, str]  # the HTTP request's (trace context)
 
 
 # Set by ServerState.admit in the request's handler; read where its outputs are awaited (merged),
@@ -150,10 +171,31 @@ def is_json_content_type(value: str) -> bool:
 
 
 async def read_body(request: Request, model: type[M], limit: int, timeout: float | None = None) -> M:
-    """The JSON body as ``model``: 413 over ``limit`` bytes (checked before reading when the
-    client says the length), 415 unless the Content-Type is JSON (a web page's cross-origin
-    "simple" request cannot send one), 408 when the body takes over ``timeout`` seconds to
-    arrive, 400 for malformed JSON, wrong types and unknown fields."""
+    """The JSON body as ``model`` (``read_bytes``'s checks, then 400 for malformed JSON, wrong types
+    and unknown fields)."""
+    body = await read_bytes(request, limit, timeout)
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+def validation_error(e: ValidationError) -> APIError:
+    """A body's first validation error as a 400 naming the field."""
+    err = e.errors(include_url=False)[0]
+    if err["type"] == "json_invalid":
+        return bad_request(f"malformed JSON body: {err['msg']}", None, "invalid_json")
+    param = _param(tuple(err["loc"]))
+    if err["type"] == "extra_forbidden":
+        return bad_request(f"unrecognized request argument: {param}", param, "unknown_parameter")
+    where = f"{param}: " if param else ""
+    return bad_request(f"{where}{err['msg']}", param)
+
+
+async def read_bytes(request: Request, limit: int, timeout: float | None = None) -> bytes:
+    """The body: 413 over ``limit`` bytes (checked before reading when the client says the length),
+    415 unless the Content-Type is JSON (a web page's cross-origin "simple" request cannot send one),
+    408 when the body takes over ``timeout`` seconds to arrive."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"request body of {declared} bytes is over the {limit}-byte limit", code="body_too_large")
@@ -171,23 +213,12 @@ async def read_body(request: Request, model: type[M], limit: int, timeout: float
         return b"".join(chunks)
 
     try:
-        body = await asyncio.wait_for(read(), timeout)
+        return await asyncio.wait_for(read(), timeout)
     except ClientDisconnect:
         raise APIError(400, "client disconnected while sending the body") from None
     except asyncio.TimeoutError:
         raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="body_read_timeout",
                        headers={"Connection": "close"}) from None
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as e:
-        err = e.errors(include_url=False)[0]
-        if err["type"] == "json_invalid":
-            raise bad_request(f"malformed JSON body: {err['msg']}", None, "invalid_json") from None
-        param = _param(tuple(err["loc"]))
-        if err["type"] == "extra_forbidden":
-            raise bad_request(f"unrecognized request argument: {param}", param, "unknown_parameter") from None
-        where = f"{param}: " if param else ""
-        raise bad_request(f"{where}{err['msg']}", param) from None
 
 
 def with_cache_salt(prompt: PromptType, salt: str | None) -> PromptType:
@@ -223,6 +254,10 @@ async def add_streams(engine: AsyncLLM, prompts: list[PromptType], params: Sampl
         prepared = await engine.run_prep(prepare_all)
     for (processed, _) in prepared:  # the request's own max_tokens (a model default is capped instead)
         check_max_tokens(engine.max_model_len, len(processed.prompt_token_ids), requested_max_tokens)
+    if limits is not None and limits.state.request_logger is not None:
+        for rid, (processed, _) in zip(rids, prepared):
+            limits.state.request_logger.log_inputs(rid, processed.prompt, processed.prompt_token_ids, params,
+                                                   lora_request)
     streams: list[RequestStream] = []
     try:
         for rid, (processed, max_tokens) in zip(rids, prepared):
@@ -231,6 +266,10 @@ async def add_streams(engine: AsyncLLM, prompts: list[PromptType], params: Sampl
         for s in streams:
             engine.abort(s.request_id)
         raise
+    if limits is not None and limits.state.tracer is not None:  # a span when each one finishes
+        model = lora_request.lora_name if lora_request is not None else limits.state.model_name
+        for rid in rids:
+            limits.state.tracer.track(rid, params, model, limits.headers)
     return streams
 
 

@@ -15,12 +15,13 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 
 from vllite_core.entrypoints.openai.errors import APIError, bad_request
 from vllite_core.entrypoints.openai.lora_checks import DEFAULT_MAX_LORA_BYTES, check_adapter_dir, check_lora_name
+from vllite_core.entrypoints.openai.serving_common import server_state
 from vllite_core.lora.errors import LoRAError
 from vllite_core.lora.request import LoRARequest
 
@@ -124,26 +125,31 @@ class UnloadLoRAAdapterRequest(BaseModel):
     lora_int_id: int | None = None
 
 
-def add_runtime_routes(app: FastAPI, loras: ServedLoRAs, read: Any) -> None:
-    """The two dynamic endpoints (only called when runtime updates are allowed)."""
+runtime_router = APIRouter()  # included only when the operator allowed runtime adapter updates
 
-    @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(request: Request) -> PlainTextResponse:
-        req = await read(request, LoadLoRAAdapterRequest)
-        check_lora_name(req.lora_name, {*loras.requests, loras.base_name, *loras.served_names})
-        path = loras.check_path(req.lora_path)
-        assert loras.allowed_root is not None  # check_path refused otherwise
-        check_adapter_dir(path, loras.allowed_root, loras.max_adapter_bytes)
-        try:
-            await loras.engine.run_prep(loras.add, req.lora_name, path)
-        except LoRAError as e:
-            raise bad_request(str(e), e.param) from None
-        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
-    @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(request: Request) -> PlainTextResponse:
-        req = await read(request, UnloadLoRAAdapterRequest)
-        if req.lora_name not in loras.requests:
-            raise APIError(404, f"no adapter named {req.lora_name!r} is served", "lora_name", "model_not_found")
-        loras.remove(req.lora_name)
-        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+@runtime_router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(request: Request) -> PlainTextResponse:
+    state = server_state(request)
+    loras: ServedLoRAs = state.loras
+    req = await state.read_body(request, LoadLoRAAdapterRequest)
+    check_lora_name(req.lora_name, {*loras.requests, loras.base_name, *loras.served_names})
+    path = loras.check_path(req.lora_path)
+    assert loras.allowed_root is not None  # check_path refused otherwise
+    check_adapter_dir(path, loras.allowed_root, loras.max_adapter_bytes)
+    try:
+        await loras.engine.run_prep(loras.add, req.lora_name, path)
+    except LoRAError as e:
+        raise bad_request(str(e), e.param) from None
+    return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+
+@runtime_router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(request: Request) -> PlainTextResponse:
+    state = server_state(request)
+    loras: ServedLoRAs = state.loras
+    req = await state.read_body(request, UnloadLoRAAdapterRequest)
+    if req.lora_name not in loras.requests:
+        raise APIError(404, f"no adapter named {req.lora_name!r} is served", "lora_name", "model_not_found")
+    loras.remove(req.lora_name)
+    return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import base64
 import time
-from typing import Any, Literal
+from typing import Any, Awaitable, Callable, Literal
 
 import numpy as np
 from fastapi import APIRouter
@@ -14,14 +14,15 @@ from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from vllite_core.entrypoints.openai.errors import bad_request, from_exception
+from vllite_core.entrypoints.openai.errors import bad_request
 from vllite_core.entrypoints.openai.protocol import Int, _Strict
+from vllite_core.entrypoints.openai.routes.openapi import openapi_body
 from vllite_core.entrypoints.openai.serving_common import (
     ServerState,
     add_streams,
     final_outputs,
     new_id,
-    read_body,
+    server_state,
     until_disconnect,
 )
 from vllite_core.pooling import scoring
@@ -74,14 +75,10 @@ class RerankRequest(_PoolingRequest):
 
 
 router = APIRouter()
+PoolingHandler = Callable[[ServerState, Request, Any], Awaitable[dict]]
 # The request models the routes read (by hand, to answer 400s in the engine's words); named in the OpenAPI
 # schema as request bodies so clients and fuzzers (schemathesis) see them.
 OPENAPI_MODELS = (EmbeddingRequest, PoolingRequest, ClassificationRequest, ScoreRequest, RerankRequest)
-
-
-def _body(model: type) -> dict[str, Any]:
-    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
 def _prompts(value: Any, field: str = "input") -> list[Any]:
@@ -131,15 +128,17 @@ def _envelope(state: ServerState, prefix: str, data: list[dict], outs: list[Any]
             "data": data, "usage": _usage(outs)}
 
 
-async def _guard(request: Request, handler: Any, body_model: type) -> Response:
-    state: ServerState = request.app.state.vllite
-    try:
-        state.admit()
-        req = await read_body(request, body_model, state.max_body_bytes, state.body_read_timeout)
-        state.check_model(req.model)
-        return JSONResponse(await handler(state, request, req))
-    except Exception as e:  # typed engine errors -> 400 naming the field; anything else -> 500
-        return from_exception(e).response()
+async def _pool(request: Request, handler: PoolingHandler, body_model: type[_PoolingRequest]) -> Response:
+    state = server_state(request)
+    state.admit(request)
+    return await respond(request, handler, await state.read_body(request, body_model))
+
+
+async def respond(request: Request, handler: PoolingHandler, req: _PoolingRequest) -> Response:
+    """One pooling request, read and admitted, answered by ``handler``."""
+    state = server_state(request)
+    state.check_model(req.model)
+    return JSONResponse(await handler(state, request, req))
 
 
 async def _embeddings(state: ServerState, request: Request, req: EmbeddingRequest) -> dict:
@@ -218,29 +217,35 @@ async def _rerank(state: ServerState, request: Request, req: RerankRequest) -> d
     return {"id": new_id("rerank"), "model": state.model_name, "usage": {"total_tokens": n}, "results": results}
 
 
-@router.post("/v1/embeddings", openapi_extra=_body(EmbeddingRequest))
+@router.post("/v1/embeddings", openapi_extra=openapi_body(EmbeddingRequest))
 async def create_embedding(request: Request) -> Response:
-    return await _guard(request, _embeddings, EmbeddingRequest)
+    return await _pool(request, _embeddings, EmbeddingRequest)
 
 
-@router.post("/pooling", openapi_extra=_body(PoolingRequest))
+@router.post("/pooling", openapi_extra=openapi_body(PoolingRequest))
 async def create_pooling(request: Request) -> Response:
-    return await _guard(request, _pooling, PoolingRequest)
+    return await _pool(request, _pooling, PoolingRequest)
 
 
-@router.post("/classify", openapi_extra=_body(ClassificationRequest))
+@router.post("/classify", openapi_extra=openapi_body(ClassificationRequest))
 async def create_classify(request: Request) -> Response:
-    return await _guard(request, _classify, ClassificationRequest)
+    return await _pool(request, _classify, ClassificationRequest)
 
 
-@router.post("/score", openapi_extra=_body(ScoreRequest))
-@router.post("/v1/score", openapi_extra=_body(ScoreRequest))
+@router.post("/score", openapi_extra=openapi_body(ScoreRequest))
+@router.post("/v1/score", openapi_extra=openapi_body(ScoreRequest))
 async def create_score(request: Request) -> Response:
-    return await _guard(request, _score, ScoreRequest)
+    return await _pool(request, _score, ScoreRequest)
 
 
-@router.post("/rerank", openapi_extra=_body(RerankRequest))
-@router.post("/v1/rerank", openapi_extra=_body(RerankRequest))
-@router.post("/v2/rerank", openapi_extra=_body(RerankRequest))
+@router.post("/rerank", openapi_extra=openapi_body(RerankRequest))
+@router.post("/v1/rerank", openapi_extra=openapi_body(RerankRequest))
+@router.post("/v2/rerank", openapi_extra=openapi_body(RerankRequest))
 async def create_rerank(request: Request) -> Response:
-    return await _guard(request, _rerank, RerankRequest)
+    return await _pool(request, _rerank, RerankRequest)
+
+
+# The pooling handlers by request shape, in the order /invocations tries them (vLLM's).
+INVOCATIONS: tuple[tuple[type[_PoolingRequest], PoolingHandler], ...] = (
+    (EmbeddingRequest, _embeddings), (ClassificationRequest, _classify), (ScoreRequest, _score),
+    (RerankRequest, _rerank), (PoolingRequest, _pooling))

@@ -19,8 +19,14 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from vllite_core.audio import AudioDecodeError
 from vllite_core.entrypoints import transcription as tr
-from vllite_core.entrypoints.openai.errors import APIError, bad_request, from_exception
-from vllite_core.entrypoints.openai.serving_common import ServerState, final_outputs, new_id, until_disconnect
+from vllite_core.entrypoints.openai.errors import APIError, bad_request
+from vllite_core.entrypoints.openai.serving_common import (
+    ServerState,
+    final_outputs,
+    new_id,
+    server_state,
+    until_disconnect,
+)
 from vllite_core.sampling_params import SamplingParams
 
 MAX_UPLOAD_BYTES = 25 << 20  # OpenAI's limit for audio uploads
@@ -42,11 +48,7 @@ def _field(form: Any, name: str) -> str | None:
 
 @router.post("/v1/audio/transcriptions")
 async def create_transcription(request: Request) -> Response:
-    state: ServerState = request.app.state.vllite
-    try:
-        return await _transcribe(state, request)
-    except Exception as e:  # typed engine errors -> 400; anything else -> 500
-        return from_exception(e).response()
+    return await _transcribe(server_state(request), request)
 
 
 async def _transcribe(state: ServerState, request: Request) -> Response:
