@@ -243,7 +243,8 @@ class TransformersForCausalLM(nn.Module, SupportsLoRA, SupportsTensorParallel):
         """SupportsLoRA: each linear layer of the HF base model by its transformers name (what a PEFT adapter
         names) -> that layer, all its rows. Asked only when the engine serves adapters, after loading: then each
         ``nn.Linear`` of the base model becomes an ``_AdaptableLinear`` holding the same parameters (without
-        LoRA the HF modules stay untouched)."""
+        LoRA the HF modules stay untouched); the layers sharded over ranks (``transformers_tp``) have their own
+        slot, this rank's rows of it."""
         if self._lora_targets is None:
             base = self.hf.base_model
             prefix = "" if base is self.hf else f"{self.hf.base_model_prefix}."
