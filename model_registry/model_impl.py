@@ -87,9 +87,6 @@ def apply_fallback_rules(config: Any, choice: ModelImplChoice) -> None:
         return
     arch = choice.architecture
     mc = config.model_config
-    if config.parallel_config.tensor_parallel_size > 1:
-        raise ConfigError(f"tensor_parallel_size: the Transformers fallback runs {arch} on one rank; use "
-                          "tensor_parallel_size=1 (or a native implementation, model_impl='vllite')")
     if mc.quantization is not None:
         raise ConfigError(f"quantization: {mc.quantization!r} is not supported by the Transformers fallback ({arch})")
     if mc.runner == "pooling" or mc.convert not in ("auto", "none"):

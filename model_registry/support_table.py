@@ -1,12 +1,20 @@
 """The supported-architectures table of docs/models.md, generated from the model registry (never written by hand):
-for each built-in architecture, its class, the GGUF architectures that load into it, and what the class declares
-(tensor parallelism, LoRA) or computes from a default config of its family (the CPU platform's fused decoder layer).
-``scripts/models_table.py`` writes it into the doc; tests/test_models_table.py fails when the doc is stale."""
+for each built-in architecture, its class, the GGUF architectures that load into it, what the class declares
+(tensor parallelism, LoRA) or computes from a default config of its family (the CPU platform's fused decoder
+layer), and whether the Transformers fallback (``model_impl="transformers"``) takes it; then rows for the
+architectures only the fallback runs that its tests prove (``FALLBACK_TESTED``), their columns computed the same
+way from the fallback's class. ``scripts/models_table.py`` writes it into the doc; tests/test_models_table.py
+fails when the doc is stale."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 BEGIN, END = "<!-- supported-architectures:begin -->", "<!-- supported-architectures:end -->"
+# Architectures tests/test_transformers_fallback.py runs through the fallback against HF generate (or, Llama, its
+# native run); the first two have no native class and get rows of their own.
+FALLBACK_ONLY_TESTED = ("GPTNeoXForCausalLM", "OPTForCausalLM")
+FALLBACK_TESTED = (*FALLBACK_ONLY_TESTED, "LlamaForCausalLM", "MistralForCausalLM")
+FALLBACK_TARGET = "model_registry.models.transformers_fallback:TransformersForCausalLM"
 
 
 @dataclass(frozen=True)
@@ -17,6 +25,8 @@ class SupportRow:
     tensor_parallel: bool
     lora: bool
     fused_cpu: str  # "yes", "no: <reason>", or "-" (the class offers no fused decoder layer)
+    fallback: str  # "tested", "accepted" (its checks pass, no test runs it), "no: <reason>", or "-" (not a
+    # transformers causal LM: the fallback does not apply)
 
 
 def _default_config(architecture: str) -> object | None:
@@ -43,6 +53,23 @@ def _tensor_parallel(cls: type, arch: str, protocol: type) -> bool:
     return True
 
 
+def _fallback(arch: str) -> tuple[type | None, str]:
+    """The fallback's engine class for ``arch``'s default config and "tested" or "accepted", or None and why not
+    ("-": not a transformers causal LM at all)."""
+    from model_registry.models.transformers_fallback import FallbackUnavailableError, fallback_model_class
+
+    config = _default_config(arch)
+    if config is None:
+        return None, "-"
+    config.architectures = [arch]
+    try:
+        return fallback_model_class(config, trust_remote_code=False), (
+            "tested" if arch in FALLBACK_TESTED else "accepted")
+    except FallbackUnavailableError as e:
+        why = str(e).removeprefix(arch).lstrip(": ").split(" (")[0].split(", ")[0].split("; ")[0]
+        return None, f"no: {why}"
+
+
 def support_rows() -> list[SupportRow]:
     from model_registry.builtin import vllite_register_models
     from model_registry.gguf_config import GGUF_ARCHITECTURES
@@ -64,18 +91,25 @@ def support_rows() -> list[SupportRow]:
         target = registry.entry(arch).target
         rows.append(SupportRow(arch, target if isinstance(target, str) else f"{cls.__module__}:{cls.__name__}", gguf,
                                _tensor_parallel(cls, arch, SupportsTensorParallel), SupportsLoRA in cls.__mro__,
-                               fused))
+                               fused, _fallback(arch)[1]))
+    for arch in FALLBACK_ONLY_TESTED:
+        cls, fallback = _fallback(arch)
+        if cls is None:
+            raise RuntimeError(f"{arch}: the Transformers fallback no longer takes it ({fallback})")
+        rows.append(SupportRow(arch, FALLBACK_TARGET, (), _tensor_parallel(cls, arch, SupportsTensorParallel),
+                               SupportsLoRA in cls.__mro__, "-", fallback))
     return rows
 
 
 def render(rows: list[SupportRow]) -> str:
     """The markdown table between the doc's markers."""
     yes = {True: "yes", False: "-"}
-    lines = [BEGIN, "| architecture | implementation | GGUF | TP | LoRA | CPU fused decoder layer |",
-             "|---|---|---|---|---|---|"]
+    lines = [BEGIN, "| architecture | implementation | GGUF | TP | LoRA | CPU fused decoder layer | "
+             "Transformers fallback |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| `{r.architecture}` | `{r.target.split(':')[0].rsplit('.', 1)[-1]}` | "
-                     f"{', '.join(r.gguf) or '-'} | {yes[r.tensor_parallel]} | {yes[r.lora]} | {r.fused_cpu} |")
+                     f"{', '.join(r.gguf) or '-'} | {yes[r.tensor_parallel]} | {yes[r.lora]} | {r.fused_cpu} | "
+                     f"{r.fallback} |")
     lines.append(END)
     return "\n".join(lines)
 

@@ -7,7 +7,7 @@ them) and HF ``generate``'s greedy tokens and raw logits, computed once per modu
 - stepped over a paged cache (``paged_harness``: whole prefills, chunks, mixed batches, decodes), every
   position's logits match HF's with the CPU platform's fused path on (C++ attention; the C++ decoder layer
   where the family's record allows it) and off (torch attention, plain ops);
-- two ranks (``tensor_parallel_size=2``) for a subset that covers the cross-rank parts (slow).
+Two ranks (``tensor_parallel_size=2``) and LoRA against peft, for every family: test_lora_dense_families.py.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import importlib
 
 import pytest
 import torch
+from dense_family_configs import ARCH, family_config
 from paged_harness import PagedHarness, assert_matches_hf, run_standard_schedule
 from tiny_models import save_tiny
 
@@ -24,51 +25,9 @@ from model_registry.source import load_hf_config, resolve_model_source
 
 torch.set_num_threads(2)
 
-BASE = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
 MAX_TOKENS = 8
 
 
-def _config(name: str):
-    import transformers as t
-
-    if name == "qwen3":  # layer 1 slides (layer_types from max_window_layers)
-        return t.Qwen3Config(**BASE, head_dim=16, use_sliding_window=True, sliding_window=6, max_window_layers=1)
-    if name == "olmo2":  # one KV head: replicated on two ranks, its all-heads k norm counted once
-        return t.Olmo2Config(**{**BASE, "num_key_value_heads": 1}, pad_token_id=0)
-    if name == "granite":
-        return t.GraniteConfig(**BASE, embedding_multiplier=3.0, residual_multiplier=0.6, attention_multiplier=0.2,
-                               logits_scaling=2.5)
-    if name == "glm4":
-        return t.Glm4Config(**BASE, head_dim=16, pad_token_id=0)
-    if name == "phi3":  # LongRoPE within its original length (its short factors; the long ones: test_model_rope)
-        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + i / 8 for i in range(8)],
-                "long_factor": [2.0 + i for i in range(8)], "original_max_position_embeddings": 64}
-        return t.Phi3Config(**{**BASE, "num_key_value_heads": 4}, pad_token_id=0, sliding_window=7,
-                            rope_parameters=rope, original_max_position_embeddings=64)
-    if name == "phi4-partial":  # Phi-4-mini's partial rotary: 3/4 of each head
-        return t.Phi3Config(**BASE, pad_token_id=0, partial_rotary_factor=0.75)
-    if name == "gemma2":
-        return t.Gemma2Config(**BASE, head_dim=16, sliding_window=5, query_pre_attn_scalar=24,
-                              attn_logit_softcapping=4.0, final_logit_softcapping=6.0)
-    if name == "gemma3":  # local, global (linear-scaled rope), local
-        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}
-        return t.Gemma3TextConfig(**{**BASE, "num_hidden_layers": 3}, head_dim=16, sliding_window=5,
-                                  query_pre_attn_scalar=24, rope_parameters=rope,
-                                  layer_types=["sliding_attention", "full_attention", "sliding_attention"])
-    if name == "smollm3":  # layers 1 and 3 without rotary (NoPE)
-        return t.SmolLM3Config(**{**BASE, "num_hidden_layers": 4}, no_rope_layer_interval=2, pad_token_id=0)
-    if name == "exaone4":  # a sliding layer with rotary, a global layer without (global NoPE)
-        return t.Exaone4Config(**BASE, head_dim=16, sliding_window=5, pad_token_id=0,
-                               layer_types=["sliding_attention", "full_attention"])
-    raise KeyError(name)
-
-
-ARCH = {"qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "granite": "GraniteForCausalLM",
-        "glm4": "Glm4ForCausalLM", "phi3": "Phi3ForCausalLM", "phi4-partial": "Phi3ForCausalLM",
-        "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-        "exaone4": "Exaone4ForCausalLM"}
 FUSED = {"phi3": 2, "smollm3": 2}  # families with Llama-shaped layers: how many the C++ decoder layer takes
 
 
@@ -81,7 +40,7 @@ class Family:
 @pytest.fixture(scope="module", params=sorted(ARCH))
 def family(request, tmp_path_factory):
     name = request.param
-    config = _config(name)
+    config = family_config(name)
     config.architectures = [ARCH[name]]
     path = tmp_path_factory.mktemp(name)
     seed = sorted(ARCH).index(name) + 11
@@ -162,23 +121,6 @@ def test_paged_steps_match_hf(family, fused, monkeypatch, caplog):
         assert f"{ARCH[family.name]}: " in told  # the family's reason, logged once
 
 
-@pytest.mark.slow
-def test_two_ranks_match_hf_generate(family):
-    """tensor_parallel_size=2 for the families whose layers split differently over ranks: OLMo 2's all-heads
-    q/k norm (a summed mean square; one replicated KV head), Gemma 2's soft-capping and windows, Phi-3's stacked
-    q/k/v and gate/up checkpoint tensors."""
-    if family.name not in ("olmo2", "gemma2", "phi3"):
-        pytest.skip("two ranks run for a representative subset")
-    from vllite_core import LLM
-
-    llm = LLM(family.path, dtype="float32", tensor_parallel_size=2, max_num_batched_tokens=16, block_size=4,
-              num_kv_blocks=96)
-    try:
-        _assert_engine_matches(family, llm)
-    finally:
-        llm.llm_engine.core.shutdown()
-
-
 def test_a_field_the_family_needs_is_named_at_load():
     """A Gemma 2 config without query_pre_attn_scalar (a config transformers did not validate, as a GGUF's or a
     remote class's): a ConfigError naming it when the model is built, never a guessed scale."""
@@ -187,7 +129,7 @@ def test_a_field_the_family_needs_is_named_at_load():
     from model_registry.models.gemma import Gemma2ForCausalLM
     from vllite_core.errors import ConfigError
 
-    config = _config("gemma2")
+    config = family_config("gemma2")
     config.__dict__["query_pre_attn_scalar"] = None  # past transformers' own validation
     with pytest.raises(ConfigError, match="query_pre_attn_scalar"):
         Gemma2ForCausalLM(config, TorchPagedAttention(), torch.float32)
@@ -205,4 +147,4 @@ def test_a_backend_without_soft_capping_is_refused():
             raise AssertionError("never called")
 
     with pytest.raises(ConfigError, match="logits_soft_cap"):
-        Gemma2ForCausalLM(_config("gemma2"), Plain(), torch.float32)
+        Gemma2ForCausalLM(family_config("gemma2"), Plain(), torch.float32)

@@ -20,3 +20,19 @@ def test_rows_say_what_the_classes_declare():
     assert rows["LlamaForCausalLM"].fused_cpu == "yes" and rows["Phi3ForCausalLM"].fused_cpu == "yes"
     assert rows["Qwen3ForCausalLM"].fused_cpu == "no: it normalises q and k (the fused layer computes Llama's)"
     assert rows["WhisperForConditionalGeneration"].fused_cpu == "-"
+
+
+def test_fallback_column_and_rows():
+    """The fallback column says what the fallback's own checks say (tested / accepted / refused with the reason /
+    not a causal LM), and the architectures only the fallback runs get rows of its class."""
+    rows = {r.architecture: r for r in support_rows()}
+    assert rows["LlamaForCausalLM"].fallback == "tested" and rows["Qwen3ForCausalLM"].fallback == "accepted"
+    assert rows["Gemma2ForCausalLM"].fallback == "no: soft-caps attention logits"
+    assert rows["BertModel"].fallback == "-"
+    neox, opt = rows["GPTNeoXForCausalLM"], rows["OPTForCausalLM"]
+    assert neox.target.endswith("transformers_fallback:TransformersForCausalLM") and neox.fallback == "tested"
+    assert neox.lora and opt.lora
+    assert neox.tensor_parallel and not opt.tensor_parallel  # transformers gives OPT no tensor-parallel plan
+    for family in ("Qwen3", "Gemma2", "Gemma3", "Phi3", "Granite", "Olmo2", "Glm4", "SmolLM3", "Exaone4"):
+        row = rows[f"{family}ForCausalLM"]
+        assert row.lora and row.tensor_parallel, family  # tests/test_lora_dense_families.py proves both

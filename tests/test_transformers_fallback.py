@@ -200,13 +200,49 @@ def neox(tmp_path_factory):
 
 
 def test_options_the_fallback_does_not_support_are_refused(neox):
+    from model_registry.models.transformers_fallback import fallback_model_class
+
     path = neox
-    for kwargs, field in (({"tensor_parallel_size": 2}, "tensor_parallel_size"), ({"quantization": "int8"},
+    for kwargs, field in (({"tensor_parallel_size": 3}, "tensor_parallel_size"), ({"quantization": "int8"},
                                                                                   "quantization")):
         with pytest.raises(ConfigError, match=f"{field}: .*Transformers fallback"):
             LLM(model=str(path), dtype="float32", num_kv_blocks=16, **kwargs)
     with pytest.raises(UnknownArchitectureError, match="not supported"):
         LLM(model=str(path), dtype="float32", num_kv_blocks=16, model_impl="vllite")
+    opt = _configs()["opt"]  # transformers gives OPT no tensor-parallel plan
+    with pytest.raises(ConfigError, match="tensor_parallel_size: transformers' OPTForCausalLM has no tensor-"):
+        fallback_model_class(opt, False).check_tensor_parallel(opt, 2)
+
+
+@pytest.mark.slow
+def test_two_ranks_through_the_fallback_match_hf_and_peft(tmp_path):
+    """GPT-NeoX on two ranks through transformers' own plan (the fused per-head query_key_value and the MLP input
+    split by rows, the dense layers by columns and all-reduced): HF generate's tokens and logprobs for base
+    requests of 3 to 90 tokens (chunked), and peft's for an adapter on query_key_value and dense_4h_to_h (each
+    rank its rows / columns of it) in the same batch."""
+    from lora_fixtures import make_adapter
+
+    from vllite_core import LoRARequest
+
+    hf = save_tiny(tmp_path / "base", _configs()["gpt_neox"], seed=7)
+    peft_model = make_adapter(hf, tmp_path / "adapter", seed=1, scale=4.0, r=4, lora_alpha=8,
+                              target_modules=["query_key_value", "dense_4h_to_h"])
+    prompts = _prompts(11)
+    ref = [_hf_generate(hf, p) for p in prompts] + [_hf_generate(peft_model, prompts[2])]
+    assert ref[-1][0] != ref[2][0]  # the adapter changes the answer
+    llm = LLM(model=str(tmp_path / "base"), dtype="float32", max_num_batched_tokens=CHUNK, num_kv_blocks=64,
+              tensor_parallel_size=2, enable_lora=True, max_lora_rank=8)
+    try:
+        assert llm.llm_engine.core.engine_core.executor.backend == "mp"
+        outs = llm.generate([{"prompt_token_ids": p} for p in [*prompts, prompts[2]]],
+                            SamplingParams(temperature=0.0, max_tokens=N_OUT, ignore_eos=True, logprobs=0),
+                            lora_request=[None] * len(prompts) + [LoRARequest("a", 1, str(tmp_path / "adapter"))])
+    finally:
+        llm.llm_engine.core.shutdown()
+    for out, (toks, lps) in zip(outs, ref):
+        got = out.outputs[0]
+        assert list(got.token_ids) == toks
+        assert [step[t].logprob for step, t in zip(got.logprobs, got.token_ids)] == pytest.approx(lps, abs=1e-4)
 
 
 def test_lora_adapters_through_the_fallback(tmp_path):

@@ -26,11 +26,18 @@ from torch import nn
 
 from model_registry.layers import Attention, ReplicatedLinear
 from model_registry.layers.params import load_by_name
+from model_registry.models.transformers_tp import (
+    FallbackColumnLinear,
+    FallbackRowLinear,
+    check_tp_plan,
+    shard_linears,
+)
 from model_registry.registry import UnknownArchitectureError
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
 from vllite_core.core.kv_cache_spec import KVCacheSpec
+from vllite_core.distributed import get_tp
 from vllite_core.errors import ConfigError
-from vllite_core.model_interfaces import SupportsLoRA
+from vllite_core.model_interfaces import SupportsLoRA, SupportsTensorParallel
 
 logger = logging.getLogger("vllite.model_registry")
 
@@ -166,10 +173,11 @@ class _AdaptableLinear(ReplicatedLinear):
         return super().forward(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
 
 
-class TransformersForCausalLM(nn.Module, SupportsLoRA):
+class TransformersForCausalLM(nn.Module, SupportsLoRA, SupportsTensorParallel):
     """The engine's contract around a transformers causal LM (``hf_class``, set by ``fallback_model_class``):
     one ``Attention`` per decoder layer for the paged cache, the HF base model for hidden states, its output
-    embeddings for logits. One rank only (``model_registry.model_impl.apply_fallback_rules``)."""
+    embeddings for logits. On several ranks its linear layers shard by transformers' own plan
+    (``model_registry.models.transformers_tp``)."""
 
     hf_class: type
 
@@ -183,9 +191,14 @@ class TransformersForCausalLM(nn.Module, SupportsLoRA):
             self.hf = self.hf_class._from_config(config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
         self.hf.tie_weights()  # what init_weights would have done: a tied head shares the embedding's table
         self.hf.eval()
+        tp = get_tp().world_size
+        if tp > 1:
+            logger.info("Transformers fallback: %d linear layers of %s sharded over %d ranks by transformers' "
+                        "tensor-parallel plan", shard_linears(self.hf.base_model, config, dtype),
+                        self.hf_class.__name__, tp)
         text = config.get_text_config()
-        num_heads = text.num_attention_heads
-        num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
+        num_heads = text.num_attention_heads // tp  # this rank's (the plan splits heads evenly)
+        num_kv_heads = (getattr(text, "num_key_value_heads", None) or text.num_attention_heads) // tp
         head_size = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         num_layers = text.num_hidden_layers
         windows = _layer_windows(text, num_layers)
@@ -198,6 +211,11 @@ class TransformersForCausalLM(nn.Module, SupportsLoRA):
         self._logits_scaling = float(getattr(text, "logits_scaling", None) or 1.0)  # Granite: divides
         self._final_softcap = getattr(text, "final_logit_softcapping", None)  # Gemma 2/3: tanh cap
         self._lora_targets: dict[str, tuple[str, int, int]] | None = None
+
+    @classmethod
+    def check_tensor_parallel(cls, hf_config: Any, tensor_parallel_size: int) -> None:
+        """SupportsTensorParallel: ConfigError unless transformers' plan shards this model over the ranks."""
+        check_tp_plan(cls.hf_class.__name__, hf_config, tensor_parallel_size)
 
     def get_kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> list[KVCacheSpec]:
         """One paged cache per decoder layer (sliding-window layers in their own group)."""
@@ -225,12 +243,16 @@ class TransformersForCausalLM(nn.Module, SupportsLoRA):
         """SupportsLoRA: each linear layer of the HF base model by its transformers name (what a PEFT adapter
         names) -> that layer, all its rows. Asked only when the engine serves adapters, after loading: then each
         ``nn.Linear`` of the base model becomes an ``_AdaptableLinear`` holding the same parameters (without
-        LoRA the HF modules stay untouched)."""
+        LoRA the HF modules stay untouched); the layers sharded over ranks (``transformers_tp``) have their own
+        slot, this rank's rows of it."""
         if self._lora_targets is None:
             base = self.hf.base_model
             prefix = "" if base is self.hf else f"{self.hf.base_model_prefix}."
             targets = {}
             for name, module in list(base.named_modules()):
+                if isinstance(module, (FallbackColumnLinear, FallbackRowLinear)):  # sharded: it has a LoRA slot
+                    targets[prefix + name] = (f"hf.{prefix}{name}", 0, module.local_features[0])
+                    continue
                 if type(module) is not nn.Linear:
                     continue
                 with torch.device(module.weight.device):

@@ -86,6 +86,8 @@ def _full_rows(shard: LoRAShard, start: int, end: int) -> tuple[int, int]:
         if rs.dst_start <= start and end <= rs.dst_start + rs.length and rs.length == rs.full:
             off = rs.full_start - rs.dst_start
             return start + off, end + off
+    if start == 0 and end == sum(rs.length for rs in shard.rows):  # the whole layer: its tensors stacked as
+        return 0, sum(rs.full for rs in shard.rows)  # one checkpoint tensor (Phi-3's qkv_proj, a gate_up_proj)
     raise ValueError(f"LoRA target rows [{start}, {end}) match no tensor of the layer ({shard.rows})")
 
 
