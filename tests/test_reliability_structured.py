@@ -107,6 +107,26 @@ def test_compile_timeout_counts_compile_time_only():
         m.shutdown()
 
 
+def test_cache_hit_queued_behind_a_slow_compile_does_not_time_out():
+    """A grammar compiled long ago and asked for again: its matcher waits in the pool's queue behind a
+    slow compile; the timeout belongs to compiles, so the old compile's start time must not fail it."""
+    release = threading.Event()
+    _FakeBackend.hold = {"slow": release}
+    m = _manager(max_compile_threads=1, compile_timeout_s=0.3)
+    try:
+        assert _wait(m.submit(StructuredOutputsParams(regex="cached")).poll)
+        time.sleep(0.5)  # the cached compile started longer ago than the timeout
+        slow = m.submit(StructuredOutputsParams(regex="slow"))
+        hit = m.submit(StructuredOutputsParams(regex="cached"))
+        assert _wait(lambda: slow.compile_started.at is not None)
+        assert not hit.poll() and hit.error is None  # queued behind the slow one, not timed out
+        release.set()
+        assert _wait(hit.poll) and hit.error is None
+    finally:
+        release.set()
+        m.shutdown()
+
+
 def test_cache_is_bounded_by_bytes_lru():
     _FakeBackend.hold = {}
     m = _manager(grammar_cache_bytes=1000)  # 400 bytes a grammar: two fit

@@ -19,10 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_registry.layers import copy_checked, empty_param
+from model_registry.layers import empty_param
 from model_registry.layers.norm import GemmaRMSNorm
 from model_registry.models.gemma import Gemma3ForCausalLM
 from model_registry.models.language_model_shell import LanguageModelShell
+from model_registry.models.llava import load_vlm_weights
 from model_registry.models.mm_prompt import image_processor, placeholder_prompt
 from model_registry.models.siglip import SiglipVisionTower
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
@@ -163,29 +164,4 @@ class Gemma3ForConditionalGeneration(LanguageModelShell, nn.Module, SupportsMult
         return self.language_model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds=inputs_embeds)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """HF names, old (``language_model.model.*``, ``vision_tower.vision_model.*``) or new
-        (``model.language_model.*``) layout."""
-        text: list[tuple[str, torch.Tensor]] = []
-        vision: list[tuple[str, torch.Tensor]] = []
-        loaded: set[str] = set()
-        proj = dict(self.multi_modal_projector.named_parameters())
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if name.startswith("vision_tower."):
-                vision.append((name.removeprefix("vision_tower."), tensor))
-            elif name.startswith("multi_modal_projector."):
-                sub = name.removeprefix("multi_modal_projector.")
-                if sub not in proj:
-                    raise ValueError(f"checkpoint has projector weights this model does not know: {name}")
-                copy_checked(proj[sub].data, tensor, name)
-                loaded.add("multi_modal_projector." + sub)
-            elif name.startswith("language_model."):
-                sub = name.removeprefix("language_model.")
-                text.append((sub if sub.startswith(("model.", "lm_head")) else "model." + sub, tensor))
-            elif name.startswith("lm_head."):
-                text.append((name, tensor))
-            else:
-                raise ValueError(f"checkpoint has weights this model does not know: {name}")
-        loaded |= {"vision_tower." + n for n in self.vision_tower.load(vision, copy_checked)}
-        loaded |= {"language_model." + n for n in self.language_model.load_weights(text)}
-        return loaded
+        return load_vlm_weights(self, weights)

@@ -117,28 +117,33 @@ class LlavaForConditionalGeneration(LanguageModelShell, nn.Module, SupportsMulti
         return list(out.unbind(0))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """HF names, old (``language_model.model.*``) or new (``model.language_model.*``) layout."""
-        text: list[tuple[str, torch.Tensor]] = []
-        vision: list[tuple[str, torch.Tensor]] = []
-        loaded: set[str] = set()
-        proj = dict(self.multi_modal_projector.named_parameters())
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if name.startswith("vision_tower."):
-                vision.append((name.removeprefix("vision_tower."), tensor))
-            elif name.startswith("multi_modal_projector."):
-                sub = name.removeprefix("multi_modal_projector.")
-                if sub not in proj:
-                    raise ValueError(f"checkpoint has projector weights this model does not know: {name}")
-                copy_checked(proj[sub].data, tensor, name)
-                loaded.add("multi_modal_projector." + sub)
-            elif name.startswith("language_model."):
-                sub = name.removeprefix("language_model.")
-                text.append((sub if sub.startswith(("model.", "lm_head")) else "model." + sub, tensor))
-            elif name.startswith("lm_head."):
-                text.append((name, tensor))
-            else:
-                raise ValueError(f"checkpoint has weights this model does not know: {name}")
-        loaded |= {"vision_tower." + n for n in self.vision_tower.load(vision, copy_checked)}
-        loaded |= {"language_model." + n for n in self.language_model.load_weights(text)}
-        return loaded
+        return load_vlm_weights(self, weights)
+
+
+def load_vlm_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """A vision tower + projector + language model checkpoint (LLaVA, Gemma 3, ...) by HF name, old
+    (``language_model.model.*``, ``vision_tower.vision_model.*``) or new (``model.language_model.*``) layout."""
+    text: list[tuple[str, torch.Tensor]] = []
+    vision: list[tuple[str, torch.Tensor]] = []
+    loaded: set[str] = set()
+    proj = dict(model.multi_modal_projector.named_parameters())
+    for name, tensor in weights:
+        name = name.removeprefix("model.")
+        if name.startswith("vision_tower."):
+            vision.append((name.removeprefix("vision_tower."), tensor))
+        elif name.startswith("multi_modal_projector."):
+            sub = name.removeprefix("multi_modal_projector.")
+            if sub not in proj:
+                raise ValueError(f"checkpoint has projector weights this model does not know: {name}")
+            copy_checked(proj[sub].data, tensor, name)
+            loaded.add("multi_modal_projector." + sub)
+        elif name.startswith("language_model."):
+            sub = name.removeprefix("language_model.")
+            text.append((sub if sub.startswith(("model.", "lm_head")) else "model." + sub, tensor))
+        elif name.startswith("lm_head."):
+            text.append((name, tensor))
+        else:
+            raise ValueError(f"checkpoint has weights this model does not know: {name}")
+    loaded |= {"vision_tower." + n for n in model.vision_tower.load(vision, copy_checked)}
+    loaded |= {"language_model." + n for n in model.language_model.load_weights(text)}
+    return loaded

@@ -57,13 +57,14 @@ class RequestGrammar:
     """One request's grammar: the compile it waits for, then its matcher."""
 
     def __init__(self, manager: "StructuredOutputManager", backend_name: str, params: StructuredOutputsParams,
-                 future: Future, timeout_s: float, compile_started: "_Started") -> None:
+                 future: Future, timeout_s: float, compile: "_CacheEntry") -> None:
         self.manager = manager
         self.backend_name = backend_name
         self.params = params
-        self.future = future
+        self.future = future  # the request's own matcher, built in the pool after the compile
         self.timeout_s = timeout_s
-        self.compile_started = compile_started  # when its compile began: the timeout counts from there
+        self._compile = compile.future  # the (maybe shared, maybe long finished) compile it needs
+        self.compile_started = compile.started  # when that compile began: the timeout counts from there
         self.matcher: GrammarMatcher | None = None
         self.error: str | None = None
         self.jump_forward = manager.config.jump_forward
@@ -77,8 +78,10 @@ class RequestGrammar:
         if self.matcher is not None:
             return True
         if not self.future.done():
+            # Only a compile still running can time out: a matcher queued behind other work waits (a
+            # cached grammar's compile may have started long ago).
             start = self.compile_started.at
-            if start is not None and time.monotonic() - start > self.timeout_s:
+            if not self._compile.done() and start is not None and time.monotonic() - start > self.timeout_s:
                 self.error = (f"structured_outputs.{self.params.kind}: the {self.backend_name} grammar did not "
                               f"compile in {self.timeout_s:g} s (compile_timeout_s)")
             return False
@@ -250,7 +253,7 @@ class StructuredOutputManager:
             # The request's own matcher is built in the pool too (llguidance compiles per matcher): tasks
             # run in submission order, so the compile it waits for has started already (no deadlock).
             matcher = self._pool.submit(self._matcher, name, entry.future)
-        return RequestGrammar(self, name, params, matcher, self.config.compile_timeout_s, entry.started)
+        return RequestGrammar(self, name, params, matcher, self.config.compile_timeout_s, entry)
 
     def _compiled(self, _: Future) -> None:
         with self._cache_lock:  # a finished compile has its size now: within the bound again
