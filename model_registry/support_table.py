@@ -3,14 +3,14 @@ for each built-in architecture, its class, the GGUF architectures that load into
 (tensor parallelism, LoRA) or computes from a default config of its family (the CPU platform's fused decoder
 layer), and whether the Transformers fallback (``model_impl="transformers"``) takes it; then rows for the
 architectures only the fallback runs that its tests prove (``FALLBACK_TESTED``), their columns computed the same
-way from the fallback's class. ``scripts/models_table.py`` writes it into the doc; tests/test_models_table.py
+way from the fallback's class. ``scripts/models_table.py`` writes it into the doc; tests/models/test_models_table.py
 fails when the doc is stale."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 BEGIN, END = "<!-- supported-architectures:begin -->", "<!-- supported-architectures:end -->"
-# Architectures tests/test_transformers_fallback.py runs through the fallback against HF generate (or, Llama, its
+# Architectures tests/models/test_transformers_fallback.py runs through the fallback against HF generate (or, Llama, its
 # native run); the first two have no native class and get rows of their own.
 FALLBACK_ONLY_TESTED = ("GPTNeoXForCausalLM", "OPTForCausalLM")
 FALLBACK_TESTED = (*FALLBACK_ONLY_TESTED, "LlamaForCausalLM", "MistralForCausalLM")

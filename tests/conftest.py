@@ -1,7 +1,18 @@
-"""Shared test setup: offline hub, fixed threads, the SmolLM2 reference model."""
+"""Shared test setup: offline hub, fixed threads, the SmolLM2 reference model, the import path.
+
+Tests live by layer (core/, engine/, worker/, models/, server/, platforms/); the helpers they share (tiny
+models, harnesses, fakes) stay here. Every folder goes on ``sys.path`` so a test imports a helper or a
+sibling module of another layer by its bare name, as it did when the folder was flat."""
 from __future__ import annotations
 
 import os
+import sys
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+LAYERS = ("core", "engine", "worker", "models", "server", "platforms")
+for _d in (TESTS_DIR, *(os.path.join(TESTS_DIR, layer) for layer in LAYERS)):
+    if _d not in sys.path:
+        sys.path.append(_d)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -10,7 +21,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # other process and make small ops 5-10x slower. Must be set before torch loads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # No GPU here: the shared Triton kernels run in Triton's interpreter on CPU tensors
-# (tests/test_triton_*.py). Triton decides when it is first imported, so this must be
+# (tests/platforms/test_triton_*.py). Triton decides when it is first imported, so this must be
 # set before anything in the test process imports it.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 

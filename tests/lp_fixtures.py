@@ -15,7 +15,7 @@ class BanToken:
         return logits
 
 
-# Fault injection (tests/test_fault_isolation.py): a prompt starting with one of these token ids
+# Fault injection (tests/engine/test_fault_isolation.py): a prompt starting with one of these token ids
 # triggers the fault in its own row only.
 FAIL_TOKEN, NAN_TOKEN, BREAK_TOKEN = 497, 498, 496
 

@@ -425,7 +425,7 @@ def dequantize_int32(out: torch.Tensor, acc: torch.Tensor, x_scale: torch.Tensor
 
 
 # From this many rows on, the GGUF linear dequantises 16-column panels for the float32 GEMM (AVX2 variants) instead
-# of quantizing the input to int8, so a prompt's rows (prefill) are not rounded: on tests/test_quantization_gguf.py's
+# of quantizing the input to int8, so a prompt's rows (prefill) are not rounded: on tests/models/test_quantization_gguf.py's
 # engine prompts, greedy tokens agree with the float32 engine's for 89 of 96 with 12 here, 61 of 96 with 64. Speed
 # alone would say 64: with 8 rows' blocks interleaved the int8 path is the faster one up to 64 rows on this AVX2
 # host (benchmarks/gguf_linear_bw.py, all linears of a step, one thread, CPU ms, int8 / panels: 24 / 61 at 8 rows,

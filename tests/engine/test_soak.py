@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tiny_models import TINY
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import soak  # noqa: E402
 from server_harness import ServerProcess  # noqa: E402
 

@@ -27,7 +27,7 @@ ENGINE = ["--dtype", "float32", "--max-model-len", "1024", "--num-kv-blocks", "2
 SERVER = ENGINE + ["--scheduling-policy", "priority", "--max-num-seqs", str(MAX_SEQS),
                    "--max-request-body-bytes", str(BODY_LIMIT)]
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -43,7 +43,7 @@ def start(args: list[str], **env: str) -> tuple[ServerProcess, str]:
 
 
 def test_killing_the_engine_fails_every_open_stream_and_health(tiny_path):
-    # restarts off: the engine stays dead (tests/test_core_restart.py has one that comes back)
+    # restarts off: the engine stays dead (tests/engine/test_core_restart.py has one that comes back)
     srv, url = start(["--model", tiny_path, *ENGINE, "--engine-restart-max", "0"],
                      VLLITE_KEEP_ALIVE_ON_ENGINE_DEATH="1")
     try:

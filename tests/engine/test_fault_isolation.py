@@ -2,7 +2,7 @@
 its logits row) fails that request alone, the others' tokens equal a run without it and the engine
 keeps serving; a fault of no request (the model's forward raising) kills the engine loudly: every open
 stream fails naming the cause, /health says 503, and the server process exits non-zero (with engine-core
-restarts off: tests/test_core_restart.py has a core that comes back, and the exit once its budget is spent)."""
+restarts off: tests/engine/test_core_restart.py has a core that comes back, and the exit once its budget is spent)."""
 from __future__ import annotations
 
 import asyncio
@@ -20,7 +20,7 @@ from vllite_core.errors import EngineDeadError, RequestFailedError
 
 ENGINE = dict(dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64,
               logits_processors=["lp_fixtures:FailFor"])
-TESTS_DIR = os.path.dirname(__file__)
+TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: the shared helpers
 
 
 @pytest.fixture(scope="module")

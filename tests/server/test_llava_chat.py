@@ -176,7 +176,7 @@ def test_server_metrics_count_encoder_cache(server):
         time.sleep(0.2)
     assert delta["vllm:mm_cache_queries_total"] == delta["vllite:mm_cache_queries_total"] == 2
     assert delta["vllm:mm_cache_hits_total"] == delta["vllite:mm_cache_hits_total"] == 1
-    assert delta["vllite:mm_cache_evictions_total"] == 0  # room for both (evictions: tests/test_llava.py)
+    assert delta["vllite:mm_cache_evictions_total"] == 0  # room for both (evictions: tests/models/test_llava.py)
 
 
 def test_cli_generate_image(llava, tmp_path):

@@ -5,7 +5,7 @@ import pathlib
 
 from model_registry.support_table import BEGIN, END, render, support_rows, updated_doc
 
-DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "models.md"
+DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "models.md"
 
 
 def test_the_doc_table_is_generated_from_the_registry():
@@ -35,4 +35,4 @@ def test_fallback_column_and_rows():
     assert neox.tensor_parallel and not opt.tensor_parallel  # transformers gives OPT no tensor-parallel plan
     for family in ("Qwen3", "Gemma2", "Gemma3", "Phi3", "Granite", "Olmo2", "Glm4", "SmolLM3", "Exaone4"):
         row = rows[f"{family}ForCausalLM"]
-        assert row.lora and row.tensor_parallel, family  # tests/test_lora_dense_families.py proves both
+        assert row.lora and row.tensor_parallel, family  # tests/models/test_lora_dense_families.py proves both

@@ -19,7 +19,7 @@ from vllite_core.benchmarks.datasets import load_dataset, random_token_ids
 from vllite_core.benchmarks.report import format_table, percentiles
 from vllite_core.entrypoints.cli import main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENGINE = ["--num-kv-blocks", "64", "--max-model-len", "128", "--dtype", "float32"]
 
 

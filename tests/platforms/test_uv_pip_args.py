@@ -7,7 +7,7 @@ import stat
 import subprocess
 import sys
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "uv_pip_args.py")
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "uv_pip_args.py")
 
 CONFIG = """\
 global.cert='/etc/ssl/certs/global.pem'

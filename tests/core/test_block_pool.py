@@ -61,7 +61,7 @@ def test_hash_deterministic_across_processes() -> None:
         text=True,
         check=True,
         env={"PYTHONHASHSEED": "12345", "PATH": ""},
-        cwd=str(__import__("pathlib").Path(__file__).resolve().parents[1]),
+        cwd=str(__import__("pathlib").Path(__file__).resolve().parents[2]),
     ).stdout.strip()
     here = b"".join(hash_request_tokens(4, list(range(12)), ("lora", 7))).hex()
     assert out == here

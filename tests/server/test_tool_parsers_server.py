@@ -1,6 +1,6 @@
 """Family tool parsers through a real server: `vllite serve --tool-call-parser qwen3_coder` and the real
 `openai` client. The small model does not call tools by itself, so the call's text is forced with a regex
-(as tests/test_structured_output_server.py does for hermes): the output then goes through the parser as a
+(as tests/server/test_structured_output_server.py does for hermes): the output then goes through the parser as a
 tool-calling model's would, streamed and not, and its values are typed by the request's tool schema."""
 from __future__ import annotations
 

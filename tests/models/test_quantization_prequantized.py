@@ -16,7 +16,7 @@ import torch
 
 from vllite_core.config import ConfigError
 
-FIXTURES = Path(__file__).parent / "fixtures" / "prequant"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "prequant"
 # fixture -> (max |logprob - reference| over the tokens of the prompts that match, the least number of the 4
 # prompts whose 8 tokens must all match). Every prompt's first token's logprob (the reference's token, from the
 # top 20) is within the same tolerance.

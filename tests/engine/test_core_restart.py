@@ -3,7 +3,7 @@
 kill -9 of the engine-core process: the open streams end with an ``engine_dead`` error event, /health
 answers 503 (``engine_restarting``) while the core starts again, then 200, and a greedy completion
 equals the one from before the kill; a second kill past ``--engine-restart-max 1`` makes the server
-exit non-zero (the budget spent, as with restarts off: tests/test_fault_isolation.py)."""
+exit non-zero (the budget spent, as with restarts off: tests/engine/test_fault_isolation.py)."""
 from __future__ import annotations
 
 import json
