@@ -353,6 +353,26 @@ def test_first_use_build_is_keyed_by_the_environment(monkeypatch, tmp_path):
     assert kernels._build_name(v) != here
 
 
+def test_first_use_build_removes_a_killed_builds_lock(monkeypatch, tmp_path):
+    """torch's build ``lock`` left by a killed build would make this build wait forever: it is removed;
+    a build in progress elsewhere holds the OS lock, so only a dead one's file is ever removed."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("VLLITE_CACHE_ROOT", str(tmp_path))
+    build_dir = tmp_path / "torch_extensions" / kernels._build_name(isa.get("default"))
+    build_dir.mkdir(parents=True)
+    (build_dir / "lock").touch()
+    seen = []
+
+    def fake_load(**kw):
+        seen.append((build_dir / "lock").exists())
+        return type("Mod", (), {"default": "the variant"})
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    assert kernels._jit_build("default") == "the variant"
+    assert seen == [False]
+
+
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump")
 def test_no_variant_instructions_in_shared_code():
     """The linked module keeps one copy of each inline function several variants emit (the standard

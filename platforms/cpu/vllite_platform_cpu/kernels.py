@@ -39,6 +39,7 @@ falls back to torch ops (``available()`` is False and says why in ``error()``).
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib
 import logging
@@ -161,6 +162,29 @@ def _build_name(v: isa.Variant) -> str:
     return f"vllite_cpu_{v.name}_" + hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
 
 
+class _build_owner:
+    """Hold an OS file lock on the build folder while building. torch's own ``lock`` file outlives a killed
+    build and makes every later start wait on it forever, silently; the OS lock dies with its process, so
+    whoever holds it knows a ``lock`` file it finds is stale and removes it. Builds in other processes
+    still go one at a time (the later one waits here, then finds the module built)."""
+
+    def __init__(self, build_dir: str) -> None:
+        self.path = os.path.join(build_dir, "vllite-build.flock")
+        self.fh: Any = None
+
+    def __enter__(self) -> None:
+        self.fh = open(self.path, "w")
+        fcntl.flock(self.fh, fcntl.LOCK_EX)
+        stale = os.path.join(os.path.dirname(self.path), "lock")
+        if os.path.exists(stale):
+            logger.warning("removing %s, left by a cpu kernels build that was killed", stale)
+            os.remove(stale)
+
+    def __exit__(self, *exc: object) -> None:
+        fcntl.flock(self.fh, fcntl.LOCK_UN)
+        self.fh.close()
+
+
 def _jit_build(name: str) -> Any:
     """Compile one variant on first use (the fallback): a module with that variant's submodule."""
     from torch.utils import cpp_extension
@@ -175,11 +199,12 @@ def _jit_build(name: str) -> Any:
     os.makedirs(build_dir, exist_ok=True)
     t0 = time.perf_counter()
     src = csrc_dir()
-    mod = cpp_extension.load(
-        name=build_name, sources=[os.path.join(src, f) for f in (isa.BINDINGS_SOURCE, *isa.KERNEL_SOURCES)],
-        build_directory=build_dir, extra_include_paths=[src],
-        extra_cflags=[*isa.variant_flags(v), f"-DVLLITE_CPU_WITH_{v.namespace}"],
-        extra_ldflags=list(isa.LINK_FLAGS), verbose=False, with_cuda=False)
+    with _build_owner(build_dir):
+        mod = cpp_extension.load(
+            name=build_name, sources=[os.path.join(src, f) for f in (isa.BINDINGS_SOURCE, *isa.KERNEL_SOURCES)],
+            build_directory=build_dir, extra_include_paths=[src],
+            extra_cflags=[*isa.variant_flags(v), f"-DVLLITE_CPU_WITH_{v.namespace}"],
+            extra_ldflags=list(isa.LINK_FLAGS), verbose=False, with_cuda=False)
     logger.info("cpu kernels (%s) built in %.1fs (%s)", name, time.perf_counter() - t0, build_dir)
     return getattr(mod, name)
 
@@ -424,12 +449,12 @@ def dequantize_int32(out: torch.Tensor, acc: torch.Tensor, x_scale: torch.Tensor
     load().dequantize_int32(out, acc, x_scale, w_scale, bias)
 
 
-# From this many rows on, the GGUF linear dequantises 16-column panels for the float32 GEMM (AVX2 variants) instead
-# of quantizing the input to int8, so a prompt's rows (prefill) are not rounded: on tests/models/test_quantization_gguf.py's
-# engine prompts, greedy tokens agree with the float32 engine's for 89 of 96 with 12 here, 61 of 96 with 64. Speed
-# alone would say 64: with 8 rows' blocks interleaved the int8 path is the faster one up to 64 rows on this AVX2
-# host (benchmarks/gguf_linear_bw.py, all linears of a step, one thread, CPU ms, int8 / panels: 24 / 61 at 8 rows,
-# 65 / 91 at 16, 90 / 127 at 32, 179 / 224 at 64).
+# From this many rows on, the GGUF linear dequantises 16-column panels for the float32 GEMM (AVX2 variants) instead of
+# quantizing the input to int8, so a prompt's rows (prefill) are not rounded: on the engine prompts of
+# tests/models/test_quantization_gguf.py, greedy tokens agree with the float32 engine's for 89 of 96 with 12 here, 61
+# of 96 with 64. Speed alone would say 64: with 8 rows' blocks interleaved the int8 path is the faster one up to 64
+# rows on this AVX2 host (benchmarks/gguf_linear_bw.py, all linears of a step, one thread, CPU ms, int8 / panels: 24 /
+# 61 at 8 rows, 65 / 91 at 16, 90 / 127 at 32, 179 / 224 at 64).
 GGUF_GEMM_MIN_ROWS = 12
 # The int8 path splits a call over threads only above this many bytes of blocks (times 4-row tiles): waking a
 # sleeping thread costs about what it saves on a small layer (qkv 0.35 MB, o 0.2, down 0.55 stay on one thread;
