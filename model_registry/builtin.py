@@ -44,6 +44,9 @@ BUILTIN_MODELS: dict[str, str] = {
     "XLMRobertaForSequenceClassification": "model_registry.models.roberta:XLMRobertaForSequenceClassification",
     "ModernBertModel": "model_registry.models.modernbert:ModernBertModel",
     "ModernBertForSequenceClassification": "model_registry.models.modernbert:ModernBertForSequenceClassification",
+    "GteModel": "model_registry.models.rope_bert:GteModel",
+    "GteForSequenceClassification": "model_registry.models.rope_bert:GteForSequenceClassification",
+    "NomicBertModel": "model_registry.models.rope_bert:NomicBertModel",
     # Multimodal decoders: images in the prompt.
     "LlavaForConditionalGeneration": "model_registry.models.llava:LlavaForConditionalGeneration",
     "Qwen2VLForConditionalGeneration": "model_registry.models.qwen2_vl:Qwen2VLForConditionalGeneration",

@@ -112,3 +112,41 @@ def test_qwen3_embedding_and_classifier_match_transformers(tmp_path):
     got = torch.tensor([o.outputs.probs for o in llm.classify([{"prompt_token_ids": p} for p in PROMPTS],
                                                                PoolingParams(activation=False))])
     assert (got - ref).abs().max() <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def gte(tmp_path_factory):
+    from tiny_pooling import save_rope_bert
+
+    enc, ce = tmp_path_factory.mktemp("tiny-gte"), tmp_path_factory.mktemp("tiny-gte-ce")
+    return (str(enc), save_rope_bert(enc, "gte")), (str(ce), save_rope_bert(ce, "gte", head=True, seed=8))
+
+
+def test_gte_embeddings_and_scores_match_transformers(gte):
+    """GteModel (rotary, gated MLP, post-LN) CLS embeddings and GteForSequenceClassification pair scores."""
+    from transformers import AutoTokenizer
+
+    (enc_path, enc), (ce_path, ce) = gte
+    tok = AutoTokenizer.from_pretrained(enc_path)
+    with torch.no_grad():
+        ref = torch.cat([enc(**tok(t, return_tensors="pt")).last_hidden_state[:, 0] for t in TEXTS])
+    got = torch.stack([torch.as_tensor(o.outputs.embedding) for o in LLM(enc_path, dtype="float32").embed(TEXTS)])
+    assert (got - F.normalize(ref, dim=-1)).abs().max() <= 1e-5
+    pairs = [(TEXTS[0], t) for t in TEXTS[1:]]
+    with torch.no_grad():
+        ref = torch.cat([ce(**tok(a, b, return_tensors="pt")).logits for a, b in pairs])[:, 0]
+    scores = torch.tensor([o.outputs.score for o in LLM(ce_path, dtype="float32").score(TEXTS[0], TEXTS[1:])])
+    assert (scores - ref.sigmoid()).abs().max() <= 1e-5
+
+
+def test_nomic_bert_matches_sentence_transformers(tmp_path):
+    """NomicBertModel in a mean-pooled sentence-transformers folder, against sentence-transformers itself."""
+    from sentence_transformers import SentenceTransformer
+    from tiny_pooling import save_rope_bert, write_sentence_transformers_mean
+
+    save_rope_bert(tmp_path, "nomic", seed=9)
+    write_sentence_transformers_mean(tmp_path)
+    ref = torch.as_tensor(SentenceTransformer(str(tmp_path), device="cpu").encode(TEXTS))
+    got = torch.tensor([o.outputs.embedding for o in LLM(str(tmp_path), dtype="float32").embed(TEXTS)])
+    assert F.cosine_similarity(got, ref).min() >= 0.9999
+    assert (got - ref).abs().max() <= 1e-5

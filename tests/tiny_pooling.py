@@ -101,3 +101,38 @@ def save_modernbert(path, head: bool, seed: int = 5) -> torch.nn.Module:
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(minilm_path()).save_pretrained(path)
     return model
+
+
+def save_rope_bert(path, kind: str, head: bool = False, seed: int = 7) -> torch.nn.Module:
+    """A tiny random GTE (``kind`` "gte"; ``head``: a one-label GteForSequenceClassification) or Nomic BERT
+    ("nomic") with all-MiniLM-L6-v2's tokenizer; the saved tensors carry the original remote-code names
+    (transformers converts them back on save)."""
+    from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer, GteConfig, NomicBertConfig
+
+    shape = dict(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+                 max_position_embeddings=128, pad_token_id=0, num_labels=1)
+    if kind == "gte":
+        arch = "GteForSequenceClassification" if head else "GteModel"
+        config = GteConfig(**shape, type_vocab_size=2, architectures=[arch])  # BERT pairs: types 0, 1
+    else:
+        arch = "NomicBertModel"
+        config = NomicBertConfig(**shape, type_vocab_size=2, architectures=[arch])
+    auto = AutoModelForSequenceClassification if head else AutoModel
+    model = randomize(auto.from_config(config, dtype=torch.float32), seed)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(minilm_path()).save_pretrained(path)
+    return model
+
+
+def write_sentence_transformers_mean(path) -> None:
+    """modules.json and 1_Pooling/config.json of a mean-pooled, normalised sentence-transformers folder."""
+    import json
+
+    (path / "1_Pooling").mkdir(exist_ok=True)
+    (path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": 32, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True}))
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 128, "do_lower_case": False}))
