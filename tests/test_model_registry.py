@@ -45,7 +45,7 @@ def test_builtin_plugin_registers_the_llama_family_lazily():
     assert reg.architectures() == sorted(["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                                           "WhisperForConditionalGeneration", "LlavaForConditionalGeneration",
                                           "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
-                                          "Gemma3ForConditionalGeneration",
+                                          "Gemma3ForConditionalGeneration", "Idefics3ForConditionalGeneration",
                                           "BertModel", "BertForSequenceClassification", "RobertaModel",
                                           "XLMRobertaModel", "RobertaForSequenceClassification",
                                           "XLMRobertaForSequenceClassification", "ModernBertModel",
