@@ -46,6 +46,7 @@ def test_builtin_plugin_registers_the_llama_family_lazily():
                                           "WhisperForConditionalGeneration", "LlavaForConditionalGeneration",
                                           "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
                                           "Gemma3ForConditionalGeneration", "Idefics3ForConditionalGeneration",
+                                          "Mistral3ForConditionalGeneration",
                                           "BertModel", "BertForSequenceClassification", "RobertaModel",
                                           "XLMRobertaModel", "RobertaForSequenceClassification",
                                           "XLMRobertaForSequenceClassification", "ModernBertModel",
