@@ -44,10 +44,15 @@ BUILTIN_MODELS: dict[str, str] = {
     "XLMRobertaForSequenceClassification": "model_registry.models.roberta:XLMRobertaForSequenceClassification",
     "ModernBertModel": "model_registry.models.modernbert:ModernBertModel",
     "ModernBertForSequenceClassification": "model_registry.models.modernbert:ModernBertForSequenceClassification",
+    "GteModel": "model_registry.models.rope_bert:GteModel",
+    "GteForSequenceClassification": "model_registry.models.rope_bert:GteForSequenceClassification",
+    "NomicBertModel": "model_registry.models.rope_bert:NomicBertModel",
     # Multimodal decoders: images in the prompt.
     "LlavaForConditionalGeneration": "model_registry.models.llava:LlavaForConditionalGeneration",
     "Qwen2VLForConditionalGeneration": "model_registry.models.qwen2_vl:Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration": "model_registry.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
+    "Idefics3ForConditionalGeneration": "model_registry.models.idefics3:Idefics3ForConditionalGeneration",
+    "Mistral3ForConditionalGeneration": "model_registry.models.mistral3:Mistral3ForConditionalGeneration",
     "Gemma3ForConditionalGeneration": "model_registry.models.gemma3_mm:Gemma3ForConditionalGeneration",
     # State-space models and hybrids: a per-request recurrent state (vllite_core/state_cache.py).
     "MambaForCausalLM": "model_registry.models.mamba:MambaForCausalLM",

@@ -110,15 +110,21 @@ def open_gguf(source: ModelSource) -> GGUFFile:
     return _open_gguf(source.gguf_file, st.st_size, st.st_mtime_ns)
 
 
-def load_hf_config(source: ModelSource, trust_remote_code: bool = False) -> Any:
-    """The transformers config of the model (for GGUF: built from the file's metadata)."""
+def load_hf_config(source: ModelSource, trust_remote_code: bool = False,
+                   overrides: dict[str, Any] | None = None) -> Any:
+    """The transformers config of the model (for GGUF: built from the file's metadata), with ``overrides``
+    (vLLM's ``hf_overrides``) set on it."""
     if source.kind == "gguf":
         from model_registry.gguf_config import config_from_gguf
 
-        return config_from_gguf(open_gguf(source))
-    from transformers import AutoConfig
+        config = config_from_gguf(open_gguf(source))
+    else:
+        from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code)
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
+    return config
 
 
 def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None, trust_remote_code: bool = False) -> Any:

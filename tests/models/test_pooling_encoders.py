@@ -112,3 +112,77 @@ def test_qwen3_embedding_and_classifier_match_transformers(tmp_path):
     got = torch.tensor([o.outputs.probs for o in llm.classify([{"prompt_token_ids": p} for p in PROMPTS],
                                                                PoolingParams(activation=False))])
     assert (got - ref).abs().max() <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def gte(tmp_path_factory):
+    from tiny_pooling import save_rope_bert
+
+    enc, ce = tmp_path_factory.mktemp("tiny-gte"), tmp_path_factory.mktemp("tiny-gte-ce")
+    return (str(enc), save_rope_bert(enc, "gte")), (str(ce), save_rope_bert(ce, "gte", head=True, seed=8))
+
+
+def test_gte_embeddings_and_scores_match_transformers(gte):
+    """GteModel (rotary, gated MLP, post-LN) CLS embeddings and GteForSequenceClassification pair scores."""
+    from transformers import AutoTokenizer
+
+    (enc_path, enc), (ce_path, ce) = gte
+    tok = AutoTokenizer.from_pretrained(enc_path)
+    with torch.no_grad():
+        ref = torch.cat([enc(**tok(t, return_tensors="pt")).last_hidden_state[:, 0] for t in TEXTS])
+    got = torch.stack([torch.as_tensor(o.outputs.embedding) for o in LLM(enc_path, dtype="float32").embed(TEXTS)])
+    assert (got - F.normalize(ref, dim=-1)).abs().max() <= 1e-5
+    pairs = [(TEXTS[0], t) for t in TEXTS[1:]]
+    with torch.no_grad():
+        ref = torch.cat([ce(**tok(a, b, return_tensors="pt")).logits for a, b in pairs])[:, 0]
+    scores = torch.tensor([o.outputs.score for o in LLM(ce_path, dtype="float32").score(TEXTS[0], TEXTS[1:])])
+    assert (scores - ref.sigmoid()).abs().max() <= 1e-5
+
+
+def test_nomic_bert_matches_sentence_transformers(tmp_path):
+    """NomicBertModel in a mean-pooled sentence-transformers folder, against sentence-transformers itself."""
+    from sentence_transformers import SentenceTransformer
+    from tiny_pooling import save_rope_bert, write_sentence_transformers_mean
+
+    save_rope_bert(tmp_path, "nomic", seed=9)
+    write_sentence_transformers_mean(tmp_path)
+    ref = torch.as_tensor(SentenceTransformer(str(tmp_path), device="cpu").encode(TEXTS))
+    got = torch.tensor([o.outputs.embedding for o in LLM(str(tmp_path), dtype="float32").embed(TEXTS)])
+    assert F.cosine_similarity(got, ref).min() >= 0.9999
+    assert (got - ref).abs().max() <= 1e-5
+
+
+def test_qwen3_reranker_scores_are_yes_no_softmax(tmp_path):
+    """An original Qwen3-Reranker (a Qwen3ForCausalLM, tied LM head) through vLLM's hf_overrides: the score is
+    HF's softmax over the "no" / "yes" logits at the last token of each prompt."""
+    from tiny_pooling import QWEN3_RERANKER_OVERRIDES, qwen3_reranker_reference, rerank_texts, save_qwen3_reranker
+
+    model = save_qwen3_reranker(tmp_path, tied=True)
+    query, docs = rerank_texts(TEXTS[0], TEXTS[1:])
+    ref = qwen3_reranker_reference(model, tmp_path, query, docs)
+    assert max(ref) - min(ref) > 1e-3  # the documents' scores differ: the test can tell them apart
+    llm = LLM(str(tmp_path), dtype="float32", runner="pooling", hf_overrides=QWEN3_RERANKER_OVERRIDES,
+              num_kv_blocks=64)
+    scores = [o.outputs.score for o in llm.score(query, docs)]
+    assert scores == pytest.approx(ref, abs=1e-5)
+    # The same prompts a second time hit the prefix cache (a causal model pooling its last token keeps it).
+    assert [o.outputs.score for o in llm.score(query, docs)] == pytest.approx(ref, abs=1e-5)
+
+
+def test_classifier_from_token_refusals(tmp_path):
+    from tiny_pooling import save_bert_cross_encoder, save_qwen3_reranker
+
+    from vllite_core.errors import ConfigError
+
+    save_qwen3_reranker(tmp_path / "q", tied=False)
+    bad = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yess!"],
+           "is_original_qwen3_reranker": True}
+    with pytest.raises(ConfigError, match="classifier_from_token.*'yess!'"):
+        LLM(str(tmp_path / "q"), dtype="float32", hf_overrides=bad)
+    with pytest.raises(ConfigError, match="two tokens"):
+        LLM(str(tmp_path / "q"), dtype="float32", hf_overrides={**bad, "classifier_from_token": ["yes"]})
+    with pytest.raises(ConfigError, match="hf_overrides"):
+        LLM(str(tmp_path / "q"), dtype="float32", hf_overrides=["architectures"])
+    save_bert_cross_encoder(tmp_path / "b")
+    with pytest.raises(ConfigError, match="not a causal LM served as a classifier"):
+        LLM(str(tmp_path / "b"), dtype="float32", hf_overrides={"classifier_from_token": ["yes", "no"]})

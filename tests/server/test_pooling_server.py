@@ -154,3 +154,27 @@ def test_rerank_with_cross_encoder(cross_encoder):
     assert r.status_code == 400 and r.json()["error"]["param"] == "task"
     r = httpx.post(url + "/pooling", json={"input": "hi", "encoding_format": "base64"}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "encoding_format"
+
+
+@pytest.mark.slow  # a server start
+def test_qwen3_reranker_through_hf_overrides_on_the_server(tmp_path):
+    """``--hf-overrides`` as vLLM takes it for an original Qwen3-Reranker (untied LM head here): /score and
+    /rerank give HF's softmax over the "no" / "yes" logits at each prompt's last token."""
+    import json
+
+    from tiny_pooling import QWEN3_RERANKER_OVERRIDES, qwen3_reranker_reference, rerank_texts, save_qwen3_reranker
+
+    model = save_qwen3_reranker(tmp_path, tied=False, seed=12)
+    query, docs = rerank_texts("which animal sits on the mat?", [s.lower() for s in SENTENCES])
+    ref = qwen3_reranker_reference(model, tmp_path, query, docs)
+    srv = ServerProcess(["--model", str(tmp_path), *ENGINE, "--runner", "pooling",
+                         "--hf-overrides", json.dumps(QWEN3_RERANKER_OVERRIDES)])
+    try:
+        url = srv.wait_ready()
+        r = httpx.post(url + "/score", json={"text_1": query, "text_2": docs}, timeout=60).json()
+        assert [d["score"] for d in r["data"]] == pytest.approx(ref, abs=1e-5)
+        r = httpx.post(url + "/rerank", json={"query": query, "documents": docs}, timeout=60).json()
+        assert [x["index"] for x in r["results"]] == sorted(range(len(docs)), key=lambda i: -ref[i])
+        assert [x["relevance_score"] for x in r["results"]] == pytest.approx(sorted(ref, reverse=True), abs=1e-5)
+    finally:
+        srv.stop()

@@ -68,6 +68,10 @@ class ModelConfig:
     max_logprobs: int = 20  # most top-k logprobs a request may ask for
     logits_processors: list[str] = field(default_factory=list)  # "module:attr" global processors
     trust_remote_code: bool = False
+    # vLLM's hf_overrides: attributes set on the transformers config after it is read (e.g. a Qwen3-Reranker's
+    # {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+    # "is_original_qwen3_reranker": true}); top-level keys replace the config's values.
+    hf_overrides: dict[str, Any] | None = None
     # Hub repos (model_registry.hub): which revision, which cache folder, which one GGUF file.
     revision: str | None = None
     download_dir: str | None = None
@@ -105,6 +109,9 @@ class ModelConfig:
                               f"got {self.quantization!r}")
         if self.model_impl not in MODEL_IMPLS:
             raise ConfigError(f"model_impl: must be one of {', '.join(MODEL_IMPLS)}, got {self.model_impl!r}")
+        if self.hf_overrides is not None and not (isinstance(self.hf_overrides, dict)
+                                                  and all(isinstance(k, str) for k in self.hf_overrides)):
+            raise ConfigError("hf_overrides: must be a dict of config attribute names to values")
         gc = self.generation_config
         if gc not in ("auto", "vllite", "vllm") and not os.path.isdir(os.path.expanduser(gc)):
             raise ConfigError(f"generation_config: must be 'auto', 'vllite' (or 'vllm') or a folder holding "
@@ -340,6 +347,7 @@ class EngineArgs:
     device: str | None = None
     num_threads: int | None = None
     trust_remote_code: bool = False
+    hf_overrides: dict | None = None  # attributes set on the transformers config (vLLM's hf_overrides)
     revision: str | None = None
     download_dir: str | None = None
     gguf_file: str | None = None
@@ -404,7 +412,8 @@ class EngineArgs:
                                      logprobs_mode=self.logprobs_mode,  # type: ignore[arg-type]
                                      max_logprobs=self.max_logprobs,
                                      logits_processors=list(self.logits_processors or []),
-                                     trust_remote_code=self.trust_remote_code, revision=self.revision,
+                                     trust_remote_code=self.trust_remote_code, hf_overrides=self.hf_overrides,
+                                     revision=self.revision,
                                      download_dir=self.download_dir, gguf_file=self.gguf_file,
                                      generation_config=self.generation_config, runner=self.runner,
                                      convert=self.convert, model_impl=self.model_impl,

@@ -208,13 +208,22 @@ def _resolve_model(config: VlliteConfig, pm: Any, proposer_factory: Any) -> Reso
 
     mc = config.model_config
     source = resolve_model_source(mc.model, mc.revision, mc.download_dir, mc.gguf_file)
-    hf_config = load_hf_config(source, mc.trust_remote_code)
+    hf_config = load_hf_config(source, mc.trust_remote_code, mc.hf_overrides)
+    if getattr(hf_config, "classifier_from_token", None) is not None:
+        from model_registry.source import load_tokenizer
+        from vllite_core.pooling.from_token import resolve_classifier_tokens
+
+        resolve_classifier_tokens(hf_config, load_tokenizer(source, mc.tokenizer, mc.trust_remote_code))
     if config.speculative_config is not None and hasattr(proposer_factory, "check_config"):
         proposer_factory.check_config(config.speculative_config, hf_config)  # a draft model: path, vocabulary
     impl = resolve_model_impl(build_registry(pm), hf_config, mc.model_impl, mc.trust_remote_code)
     arch = impl.architecture
     model_cls = pooling_setup.resolve_model_class(arch, impl.model_cls, mc.runner, mc.convert)
     caps = model_capabilities(model_cls)
+    if getattr(hf_config, "classifier_from_token", None) is not None and not (
+            getattr(model_cls, "uses_token_classifier", False) and model_cls.pooling_task in ("classify", "reward")):
+        raise ConfigError(f"hf_overrides.classifier_from_token: {arch} is not a causal LM served as a classifier "
+                          "(set architectures to its *ForSequenceClassification, e.g. Qwen3ForSequenceClassification)")
     if config.lora_config is not None and not caps.supports_lora:
         raise ConfigError(f"enable_lora: {arch} does not support LoRA adapters (its model class does not "
                           "declare SupportsLoRA)")

@@ -78,6 +78,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument("--structured-outputs-backend", dest="structured_outputs_backend", default=None,
                                help="structured output backend for the engine: auto | xgrammar | guidance | outlines")
             continue
+        if f.name == "hf_overrides":
+            group.add_argument("--hf-overrides", dest="hf_overrides", type=_json_object, default=None,
+                               help="attributes to set on the model's transformers config, as JSON (vLLM's): "
+                               '\'{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": '
+                               '["no", "yes"], "is_original_qwen3_reranker": true}\'')
+            continue
         if f.name == "speculative_config":
             group.add_argument("--speculative-config", dest="speculative_config", type=_json_object, default=None,
                                help="speculative decoding as JSON (vLLM's): '{\"method\": \"ngram\", "
