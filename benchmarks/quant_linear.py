@@ -2,8 +2,10 @@
 the bf16 weight through the platform's ``ModelOps.linear`` against a pre-quantized ``QuantWeight`` (W4A16
 group 128, W8A16, or FP8 block 128) through ``ModelOps.quant_linear``, and GGUF blocks (Q4_0, Q4_K, Q5_K, Q6_K:
 random blocks, ``--gguf``) through ``ModelOps.gguf_linear``; median milliseconds of ``--iters`` calls.
+``--only w4a16`` keeps the formats whose name holds that text, and adds the float32 dense weight and the W4A16
+weight on float32 activations (the float kernel; bf16 activations take the int4 x int8 one) beside bf16.
 
-    python benchmarks/quant_linear.py --rows 1 --threads 2 [--gguf-only]
+    python benchmarks/quant_linear.py --rows 1 --threads 2 [--gguf-only] [--only w4a16]
 """
 from __future__ import annotations
 
@@ -62,6 +64,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--gguf-only", action="store_true", help="bf16 and the GGUF types only")
+    ap.add_argument("--only", default=None, help="the formats whose name holds this text (and float32 baselines)")
     ap.add_argument("--copies", type=int, default=1,
                     help="GGUF: calls rotate over this many copies of the blocks (8: past a 32 MB L3, as a model's "
                          "layers are; 1: the same blocks every call, cache-resident when they fit)")
@@ -73,11 +76,21 @@ def main() -> None:
     n, k = args.shape
     x = torch.randn(args.rows, k).to(torch.bfloat16)
     w = (torch.randn(n, k) * 0.02).to(torch.bfloat16)
+    x32, w32 = x.float(), w.float()
     state: dict = {}
     with torch.inference_mode():
         base = _time(lambda: ops.linear(x, w, None, state), args.iters)
         print(f"bf16 [{n} x {k}] rows {args.rows}: {base:.3f} ms")
+        if args.only is not None:
+            ms = _time(lambda: ops.linear(x32, w32, None, {}), args.iters)
+            print(f"fp32: {ms:.3f} ms ({base / ms:.2f}x bf16)")
+            for name, qw in _weights(n, k).items():
+                if args.only in name:
+                    ms = _time(lambda: ops.quant_linear(x32, qw, None, {}), args.iters)
+                    print(f"{name} (fp32 activations): {ms:.3f} ms ({base / ms:.2f}x bf16)")
         for name, gw in _gguf_weights(n, k).items():
+            if args.only is not None and args.only not in name:
+                continue
             copies = [gw] + [GGUFWeight(gw.qtype, gw.blocks.clone(), gw.rows) for _ in range(args.copies - 1)]
             turn = iter(range(1 << 30))
             ms = _time(lambda: ops.gguf_linear(x, copies[next(turn) % len(copies)], None, {}), args.iters)
@@ -86,6 +99,8 @@ def main() -> None:
         if args.gguf_only:
             return
         for name, qw in _weights(n, k).items():
+            if args.only is not None and args.only not in name:
+                continue
             ms = _time(lambda: ops.quant_linear(x, qw, None, {}), args.iters)
             print(f"{name}: {ms:.3f} ms ({base / ms:.2f}x bf16), weight {qw.nbytes() / 2**20:.1f} MiB "
                   f"vs {w.numel() * 2 / 2**20:.1f}")
