@@ -296,3 +296,38 @@ def test_cpu_int4_linear_against_float64(m, n, k, group, asym, dtype):
             got = op.quant_linear(x, w, bias, {})
             assert got.dtype == dtype and got.shape == (m, n)
             torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("m, n, k, group, asym", [(1, 5, 64, 32, True), (5, 37, 192, 96, True),
+                                                  (3, 24, 256, 64, False), (8, 2048, 2048, 128, True),
+                                                  (1, 512, 2048, 128, False)])
+def test_cpu_int4_int8_linear_against_float64(m, n, k, group, asym):
+    """csrc/wna16.cpp's int4 x int8 kernel (activations quantized per row, amax / 127), every variant this CPU
+    runs: against the float64 product of its own quantized activations (float32 sums: 1e-5 of the magnitudes),
+    and against x @ W.T in float64 within the int8 rounding's bound (each activation moves by at most half its
+    row's step, so an output by at most step / 2 * sum |W[n, :]|); tile remainders (5 rows: 4 + 1), groups of
+    32 and 96 (a scale per half block of 64 columns), a zero row, the 1B model's shapes."""
+    from vllite_platform_cpu import kernels
+
+    if not kernels.available():
+        pytest.skip(f"no CPU kernels ({kernels.error()})")
+    w, dense = _int4_weight(n, k, group, asym, m * n + k)
+    g = torch.Generator().manual_seed(k + 1)
+    x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4
+    if m > 1:
+        x[1] = 0.0
+    amax = x.abs().amax(dim=1, keepdim=True)
+    step = amax / 127
+    q = torch.round(x * torch.where(amax > 0, 127 / amax, 0.0)).double() * step.double()
+    same = q @ dense.T
+    exact = x.double() @ dense.T
+    bound = 0.5 * step.double() * dense.abs().sum(1)[None, :]
+    mag = q.abs() @ dense.abs().T
+    for v in kernels.host_variants():
+        out = torch.empty(m, n)
+        kernels.load_variant(v).int4_linear_q8(out, x, w.codes, w.scales, w.zeros, w.zero, group)
+        got = out.double()
+        assert ((got - same).abs() <= 1e-5 * mag + 1e-6).all(), (v, float((got - same).abs().max()))
+        assert ((got - exact).abs() <= bound + 1e-5 * mag + 1e-6).all(), v
+        if m > 1:
+            assert (got[1] == 0).all()
