@@ -77,12 +77,13 @@ def main() -> None:
     x = torch.randn(args.rows, k).to(torch.bfloat16)
     w = (torch.randn(n, k) * 0.02).to(torch.bfloat16)
     x32, w32 = x.float(), w.float()
+    state32: dict = {}
     state: dict = {}
     with torch.inference_mode():
         base = _time(lambda: ops.linear(x, w, None, state), args.iters)
         print(f"bf16 [{n} x {k}] rows {args.rows}: {base:.3f} ms")
         if args.only is not None:
-            ms = _time(lambda: ops.linear(x32, w32, None, {}), args.iters)
+            ms = _time(lambda: ops.linear(x32, w32, None, state32), args.iters)
             print(f"fp32: {ms:.3f} ms ({base / ms:.2f}x bf16)")
             for name, qw in _weights(n, k).items():
                 if args.only in name:
