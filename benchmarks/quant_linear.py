@@ -2,8 +2,8 @@
 the bf16 weight through the platform's ``ModelOps.linear`` against a pre-quantized ``QuantWeight`` (W4A16
 group 128, W8A16, or FP8 block 128) through ``ModelOps.quant_linear``, and GGUF blocks (Q4_0, Q4_K, Q5_K, Q6_K:
 random blocks, ``--gguf``) through ``ModelOps.gguf_linear``; median milliseconds of ``--iters`` calls.
-``--only w4a16`` keeps the formats whose name holds that text, and adds the float32 dense weight and the W4A16
-weight on float32 activations (the float kernel; bf16 activations take the int4 x int8 one) beside bf16.
+``--only w4a16`` times only the formats whose name holds that text, beside the bf16 and float32 dense weights and
+with float32 activations too (W4A16: the float kernel; bf16 activations take the int4 x int8 one), all in turns.
 
     python benchmarks/quant_linear.py --rows 1 --threads 2 [--gguf-only] [--only w4a16]
 """
@@ -57,6 +57,20 @@ def _time(fn, iters: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def _interleaved(fns: dict, iters: int) -> dict[str, float]:
+    """Median ms of each function, timed in turns (one call of each per round): on a shared, noisy host the load
+    of the moment weighs on all of them alike, so their ratios hold better than those of one-after-the-other runs."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for name, fn in fns.items():
+        fn()
+    for _ in range(iters):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", type=int, nargs=2, default=(2048, 8192), metavar=("N", "K"))
@@ -83,12 +97,15 @@ def main() -> None:
         base = _time(lambda: ops.linear(x, w, None, state), args.iters)
         print(f"bf16 [{n} x {k}] rows {args.rows}: {base:.3f} ms")
         if args.only is not None:
-            ms = _time(lambda: ops.linear(x32, w32, None, state32), args.iters)
-            print(f"fp32: {ms:.3f} ms ({base / ms:.2f}x bf16)")
+            fns = {"bf16": lambda: ops.linear(x, w, None, state), "fp32": lambda: ops.linear(x32, w32, None, state32)}
             for name, qw in _weights(n, k).items():
                 if args.only in name:
-                    ms = _time(lambda: ops.quant_linear(x32, qw, None, {}), args.iters)
-                    print(f"{name} (fp32 activations): {ms:.3f} ms ({base / ms:.2f}x bf16)")
+                    fns[f"{name} (fp32 activations)"] = lambda qw=qw: ops.quant_linear(x32, qw, None, {})
+                    fns[name] = lambda qw=qw: ops.quant_linear(x, qw, None, {})
+            ms = _interleaved(fns, args.iters)
+            for name, t in ms.items():
+                print(f"  {name}: {t:.3f} ms ({ms['bf16'] / t:.2f}x bf16)")
+            return
         for name, gw in _gguf_weights(n, k).items():
             if args.only is not None and args.only not in name:
                 continue
