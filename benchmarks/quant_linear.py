@@ -2,8 +2,10 @@
 the bf16 weight through the platform's ``ModelOps.linear`` against a pre-quantized ``QuantWeight`` (W4A16
 group 128, W8A16, or FP8 block 128) through ``ModelOps.quant_linear``, and GGUF blocks (Q4_0, Q4_K, Q5_K, Q6_K:
 random blocks, ``--gguf``) through ``ModelOps.gguf_linear``; median milliseconds of ``--iters`` calls.
+``--only w4a16`` times only the formats whose name holds that text, beside the bf16 and float32 dense weights and
+with float32 activations too (W4A16: the float kernel; bf16 activations take the int4 x int8 one), all in turns.
 
-    python benchmarks/quant_linear.py --rows 1 --threads 2 [--gguf-only]
+    python benchmarks/quant_linear.py --rows 1 --threads 2 [--gguf-only] [--only w4a16]
 """
 from __future__ import annotations
 
@@ -55,6 +57,20 @@ def _time(fn, iters: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def _interleaved(fns: dict, iters: int) -> dict[str, float]:
+    """Median ms of each function, timed in turns (one call of each per round): on a shared, noisy host the load
+    of the moment weighs on all of them alike, so their ratios hold better than those of one-after-the-other runs."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for name, fn in fns.items():
+        fn()
+    for _ in range(iters):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", type=int, nargs=2, default=(2048, 8192), metavar=("N", "K"))
@@ -62,6 +78,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--gguf-only", action="store_true", help="bf16 and the GGUF types only")
+    ap.add_argument("--only", default=None, help="the formats whose name holds this text (and float32 baselines)")
     ap.add_argument("--copies", type=int, default=1,
                     help="GGUF: calls rotate over this many copies of the blocks (8: past a 32 MB L3, as a model's "
                          "layers are; 1: the same blocks every call, cache-resident when they fit)")
@@ -73,11 +90,25 @@ def main() -> None:
     n, k = args.shape
     x = torch.randn(args.rows, k).to(torch.bfloat16)
     w = (torch.randn(n, k) * 0.02).to(torch.bfloat16)
+    x32, w32 = x.float(), w.float()
+    state32: dict = {}
     state: dict = {}
     with torch.inference_mode():
         base = _time(lambda: ops.linear(x, w, None, state), args.iters)
         print(f"bf16 [{n} x {k}] rows {args.rows}: {base:.3f} ms")
+        if args.only is not None:
+            fns = {"bf16": lambda: ops.linear(x, w, None, state), "fp32": lambda: ops.linear(x32, w32, None, state32)}
+            for name, qw in _weights(n, k).items():
+                if args.only in name:
+                    fns[f"{name} (fp32 activations)"] = lambda qw=qw: ops.quant_linear(x32, qw, None, {})
+                    fns[name] = lambda qw=qw: ops.quant_linear(x, qw, None, {})
+            ms = _interleaved(fns, args.iters)
+            for name, t in ms.items():
+                print(f"  {name}: {t:.3f} ms ({ms['bf16'] / t:.2f}x bf16)")
+            return
         for name, gw in _gguf_weights(n, k).items():
+            if args.only is not None and args.only not in name:
+                continue
             copies = [gw] + [GGUFWeight(gw.qtype, gw.blocks.clone(), gw.rows) for _ in range(args.copies - 1)]
             turn = iter(range(1 << 30))
             ms = _time(lambda: ops.gguf_linear(x, copies[next(turn) % len(copies)], None, {}), args.iters)
@@ -86,6 +117,8 @@ def main() -> None:
         if args.gguf_only:
             return
         for name, qw in _weights(n, k).items():
+            if args.only is not None and args.only not in name:
+                continue
             ms = _time(lambda: ops.quant_linear(x, qw, None, {}), args.iters)
             print(f"{name}: {ms:.3f} ms ({base / ms:.2f}x bf16), weight {qw.nbytes() / 2**20:.1f} MiB "
                   f"vs {w.numel() * 2 / 2**20:.1f}")

@@ -64,7 +64,8 @@ ENTRY_POINTS = ("paged_attention", "avx2_gemm_available", "avx2_gemm_dtypes", "a
                 "lora_add", "paged_attention_store", "llama_decoder_layer", "llama_decoder_stack",
                 "bf16_gemm_available", "bf16_gemm_pack", "bf16_gemm", "bf16_gemm_silu", "int8_gemm_available",
                 "int8_gemm_pack", "int8_gemm", "int8_gemm_silu", "argmax_rows", "amx_available", "set_amx",
-                "decoder_split_step", "int4_linear")
+                "decoder_split_step", "int4_linear",
+                "int4_linear_q8")
 KERNEL_ENV = "VLLITE_CPU_ATTENTION_KERNEL"  # 0: no C++ kernels (torch ops)
 ISA_ENV = "VLLITE_CPU_ISA"  # the highest variant to use: default, avx2, avx512 or avx512_bf16
 
@@ -469,6 +470,13 @@ def int4_linear(out: torch.Tensor, x: torch.Tensor, codes: torch.Tensor, scales:
     """``out = x @ W.T`` (float32) from a 4-bit ``QuantWeight``'s codes (two a byte), scales and zero points (or one
     symmetric ``zero``), groups of ``group`` columns (csrc/wna16.cpp)."""
     load().int4_linear(out, x, codes, scales, zeros, int(zero), int(group))
+
+
+def int4_linear_q8(out: torch.Tensor, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                   zeros: torch.Tensor | None, zero: int, group: int) -> None:
+    """``int4_linear`` with the activations quantized to int8 per row first (dynamic, amax / 127) and int4 x int8
+    dot products (csrc/wna16.cpp): ``group`` a multiple of 32, K of 64."""
+    load().int4_linear_q8(out, x, codes, scales, zeros, int(zero), int(group))
 
 
 def gguf_linear(out: torch.Tensor, x: torch.Tensor, type_id: int, blocks: torch.Tensor, bias: torch.Tensor | None,

@@ -11,6 +11,8 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
+#include <cmath>
 #include <optional>
 #include <vector>
 
@@ -107,6 +109,182 @@ void int4_linear(at::Tensor out, at::Tensor x, at::Tensor codes, at::Tensor scal
           acc += sp[n * G + g] * (dot(xp + m * K + g * group, w.data() + g * group, group) - z * xsum[m * G + g]);
         }
         op[m * N + n] = acc;
+      }
+    }
+  });
+}
+
+// ---- int8 activations: int4 x int8 dot products ----------------------------------------------------------------
+// int4_linear_q8: the same product with the activations quantized first, per row (dynamic, per token):
+// q[m, k] = round(x[m, k] / xs[m]), xs[m] = amax(|x[m, :]|) / 127, so that
+//   out[m, n] = xs[m] * sum_g scale[n, g] * (sum_{k in g} q[m, k] * code[n, k] - zero[n, g] * sum_{k in g} q[m, k]).
+// Why: the float kernel above widens every nibble to a float and spends one FMA per weight; with int8 activations
+// one _mm256_maddubs_epi16 (unsigned codes x signed activations, pair sums that cannot saturate: 2 * 15 * 127)
+// and one _mm256_madd_epi16 cover 32 weights, straight from the checkpoint's layout (no repacked copy): 32 bytes
+// of codes are 64 columns, their low nibbles the even ones and their high nibbles the odd ones, so each row's
+// int8 activations are stored per 64-column block as [32 even columns | 32 odd columns] once per call. The int32
+// lane i of a block's sums then holds columns 8i .. 8i + 7: lanes 0-3 the block's first 32 columns, lanes 4-7 the
+// next 32, so any group that is a multiple of 32 columns takes its scale per half block (a group of 64 or more:
+// the int32 sums of its blocks first, one float FMA per group). The zero point's term is one short dot per
+// output over the groups. Rows are taken four at a time, each block's nibbles split once for the four.
+namespace {
+
+constexpr int64_t QB = 64;  // columns per block of codes (32 bytes)
+constexpr int64_t MT = 4;   // activation rows per tile
+
+struct QuantRows {
+  std::vector<int8_t> q;       // [M, K], per block [even columns | odd columns]
+  std::vector<float> xs;       // [M] the rows' scales
+  std::vector<float> qsum;     // [M, G] sum of q over each group (float: exact, |sum| < 2^24)
+};
+
+QuantRows quantize_rows(const float* x, int64_t M, int64_t K, int64_t group) {
+  const int64_t G = K / group;
+  QuantRows r{std::vector<int8_t>(M * K), std::vector<float>(M), std::vector<float>(M * G, 0.f)};
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    r.xs[m] = amax / 127.f;
+    int8_t* qr = r.q.data() + m * K;
+    for (int64_t k = 0; k < K; ++k) {
+      const int v = static_cast<int>(std::nearbyint(xr[k] * inv));  // |v| <= 127 (round to nearest even)
+      const int64_t b = k / QB, j = k % QB;
+      qr[b * QB + (j & 1) * (QB / 2) + j / 2] = static_cast<int8_t>(v);
+      r.qsum[m * G + k / group] += static_cast<float>(v);
+    }
+  }
+  return r;
+}
+
+// sum_g scale[g] * zero[g] * qsum[g] (zero: per group, or the one symmetric z0)
+inline float zero_term(const float* s, const float* z, float z0, const float* qs, int64_t G) {
+  float acc = 0.f;
+  for (int64_t g = 0; g < G; ++g) acc += s[g] * (z ? z[g] : z0) * qs[g];
+  return acc;
+}
+
+#ifdef VLLITE_WNA16_AVX2
+inline float hsum(__m256 v) {
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  r = _mm_add_ss(r, _mm_movehdup_ps(r));
+  return _mm_cvtss_f32(r);
+}
+
+// int32 sums (lane i: columns 8i .. 8i + 7) of one 64-column block of codes against R rows' quantized block.
+template <int R>
+inline void block_dots(const uint8_t* codes, const int8_t* const* q, __m256i* dot) {
+  const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
+  const __m256i lo = _mm256_and_si256(b, mask), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
+  for (int r = 0; r < R; ++r) {
+    const __m256i qe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[r]));
+    const __m256i qo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[r] + 32));
+    const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, qe), _mm256_maddubs_epi16(hi, qo));
+    dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(s16, ones));
+  }
+}
+
+// R rows (m0 ..) of output column n: sum_g scale[n, g] * (int dot over g) as floats, before the zero term.
+template <int R>
+inline void row_tile(const uint8_t* codes, const float* s, const int8_t* q, int64_t m0, int64_t K, int64_t group,
+                     float* res) {
+  __m256 acc[R];
+  const int8_t* qr[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  if (group % QB == 0) {
+    const int64_t G = K / group, per = group / QB;
+    for (int64_t g = 0; g < G; ++g) {
+      __m256i dot[R];
+      for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+      for (int64_t b = g * per; b < (g + 1) * per; ++b) {
+        for (int r = 0; r < R; ++r) qr[r] = q + (m0 + r) * K + b * QB;
+        block_dots<R>(codes + b * (QB / 2), qr, dot);
+      }
+      const __m256 sg = _mm256_set1_ps(s[g]);
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), sg, acc[r]);
+    }
+  } else {  // group 32, 96, ...: a scale per half block
+    for (int64_t b = 0; b < K / QB; ++b) {
+      __m256i dot[R];
+      for (int r = 0; r < R; ++r) {
+        dot[r] = _mm256_setzero_si256();
+        qr[r] = q + (m0 + r) * K + b * QB;
+      }
+      block_dots<R>(codes + b * (QB / 2), qr, dot);
+      const __m256 sv = _mm256_set_m128(_mm_set1_ps(s[(b * QB + 32) / group]), _mm_set1_ps(s[(b * QB) / group]));
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), sv, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) res[r] = hsum(acc[r]);
+}
+#endif
+
+// The same sums without SIMD (the default variant), in the same order of groups.
+inline void row_scalar(const uint8_t* codes, const float* s, const int8_t* q, int64_t K, int64_t group, float* res) {
+  float acc = 0.f;
+  for (int64_t g = 0; g < K / group; ++g) {
+    int32_t d = 0;
+    for (int64_t k = g * group; k < (g + 1) * group; ++k) {
+      const uint8_t c = k % 2 ? codes[k / 2] >> 4 : codes[k / 2] & 0x0F;
+      const int64_t b = k / QB, j = k % QB;
+      d += static_cast<int32_t>(c) * q[b * QB + (j & 1) * (QB / 2) + j / 2];
+    }
+    acc += s[g] * static_cast<float>(d);
+  }
+  *res = acc;
+}
+
+}  // namespace
+
+void int4_linear_q8(at::Tensor out, at::Tensor x, at::Tensor codes, at::Tensor scales, std::optional<at::Tensor> zeros,
+                    int64_t zero, int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && codes.dim() == 2 && scales.dim() == 2 && x.is_contiguous()
+                  && out.is_contiguous() && codes.is_contiguous() && scales.is_contiguous()
+                  && x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat
+                  && codes.scalar_type() == at::kByte && scales.scalar_type() == at::kFloat,
+              "int4_linear_q8: contiguous float32 x [M, K], out [M, N], scales [N, K / group]; uint8 codes [N, K / 2]");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(group > 0 && group % 32 == 0 && K % group == 0 && K % QB == 0 && codes.size(1) * 2 == K
+                  && out.size(0) == M && out.size(1) == N && scales.size(0) == N && scales.size(1) == K / group,
+              "int4_linear_q8: shapes (a group of a multiple of 32 columns, K a multiple of the group and of 64)");
+  const float* zp = nullptr;
+  if (zeros.has_value() && zeros->defined()) {
+    TORCH_CHECK(zeros->is_contiguous() && zeros->scalar_type() == at::kFloat && zeros->size(0) == N
+                    && zeros->size(1) == K / group, "int4_linear_q8: zeros [N, K / group] float32");
+    zp = zeros->data_ptr<float>();
+  }
+  if (M == 0 || N == 0) return;
+  const int64_t G = K / group;
+  const QuantRows qx = quantize_rows(x.data_ptr<float>(), M, K, group);
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float z0 = static_cast<float>(zero);
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    float res[MT];
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* cn = cp + n * (K / 2);
+      const float* sn = sp + n * G;
+      const float* zn = zp ? zp + n * G : nullptr;
+      for (int64_t m0 = 0; m0 < M; m0 += MT) {
+        const int64_t R = std::min(MT, M - m0);
+#ifdef VLLITE_WNA16_AVX2
+        switch (R) {
+          case 4: row_tile<4>(cn, sn, qx.q.data(), m0, K, group, res); break;
+          case 3: row_tile<3>(cn, sn, qx.q.data(), m0, K, group, res); break;
+          case 2: row_tile<2>(cn, sn, qx.q.data(), m0, K, group, res); break;
+          default: row_tile<1>(cn, sn, qx.q.data(), m0, K, group, res); break;
+        }
+#else
+        for (int64_t r = 0; r < R; ++r) row_scalar(cn, sn, qx.q.data() + (m0 + r) * K, K, group, res + r);
+#endif
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t m = m0 + r;
+          op[m * N + n] = qx.xs[m] * (res[r] - zero_term(sn, zn, z0, qx.qsum.data() + m * G, G));
+        }
       }
     }
   });
