@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
+from vllite_core.entrypoints.openai import legacy_functions
 from vllite_core.entrypoints.openai.chat_reasoning import DeltaSplitter, message_fields
 from vllite_core.entrypoints.openai.documented_fields import accept_chat
 from vllite_core.entrypoints.openai.errors import bad_request, from_exception
@@ -293,7 +294,7 @@ class ChatServer:
         st = self.state
         st.check_model(req.model)
         self._check_unsupported(req)
-        req = accept_chat(req)
+        req = legacy_functions.translate(accept_chat(req))  # functions / function_call: on the tools path
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
         if plan.mode == "auto" and not (st.enable_auto_tool_choice and st.tool_parser is not None):
             raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
@@ -330,6 +331,7 @@ class _Ctx:
         self.top_k = req.top_logprobs or 0
         self.parser = server.state.reasoning_parser
         self.echo = echo_text(req)
+        self.legacy = req.functions is not None  # answered as function_call (legacy_functions)
 
     def _logprobs(self, token_ids: list[int], entries: Any) -> dict[str, Any] | None:
         if not self.req.logprobs:
@@ -340,6 +342,8 @@ class _Ctx:
         choices = []
         for c in out.outputs:
             message, finish = self._message(c.text, c.finish_reason)
+            if self.legacy:
+                message, finish = legacy_functions.message(message, finish)
             choices.append({"index": c.index, "message": message, "logprobs": self._logprobs(c.token_ids, c.logprobs),
                             "finish_reason": finish, "stop_reason": c.stop_reason})
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
@@ -386,6 +390,8 @@ class _Ctx:
                     delta = splitter.delta(c.index, c.text, c.token_ids, c.finish_reason is not None)
                     tool_delta, finish = self.tools.delta(c.index, delta.pop("content", None) or "", c.finish_reason)
                     delta.update(tool_delta)
+                    if self.legacy:
+                        delta, finish = legacy_functions.delta(delta, finish)
                     choice = {"index": c.index, "delta": delta, "logprobs": self._logprobs(c.token_ids, c.logprobs),
                               "finish_reason": finish, "stop_reason": c.stop_reason}
                     chunk = self._chunk([choice], usage(self.prompt_len, completion_tokens) if continuous else None)
