@@ -159,3 +159,29 @@ def test_legacy_functions_are_tools(client):
     assert fed.choices[0].message.content == ref.choices[0].message.content
     assert fed.choices[0].finish_reason == {"tool_calls": "function_call"}.get(ref.choices[0].finish_reason,
                                                                                 ref.choices[0].finish_reason)
+
+
+def test_langchain_openai_invoke_stream_and_tools(server, client):
+    """langchain-openai's ChatOpenAI against the same server: invoke equals the openai client's chat text
+    (greedy), stream's chunks join to it, and bind_tools with a forced tool gives a tool call whose args
+    validate against the schema and equal chat's forced call."""
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=server + "/v1", api_key="none", model=MODEL, temperature=0.0, max_tokens=12,
+                     max_retries=0, timeout=120)
+    want = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=12,
+                                          temperature=0.0).choices[0].message.content
+    got = llm.invoke("Book me a trip.")
+    assert want and got.content == want
+    assert got.usage_metadata["output_tokens"] > 0
+    assert "".join(chunk.content for chunk in llm.stream("Book me a trip.")) == want
+
+    bound = llm.model_copy(update={"max_tokens": 60}).bind_tools(CHAT_TOOLS, tool_choice="book_trip",
+                                                                 parallel_tool_calls=False)
+    msg = bound.invoke("Book me a trip.")
+    ref = chat(client, USER, tools=CHAT_TOOLS, parallel_tool_calls=False,
+               tool_choice={"type": "function", "function": {"name": "book_trip"}})
+    (call,) = msg.tool_calls
+    assert call["name"] == "book_trip"
+    jsonschema.validate(call["args"], SCHEMA)
+    assert call["args"] == json.loads(ref.message.tool_calls[0].function.arguments)
