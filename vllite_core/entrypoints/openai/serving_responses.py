@@ -134,10 +134,10 @@ class ResponsesServer:
                                allow_special_tokens_in_content=False)
         try:  # images (input_image parts) go through chat's multimodal path
             prompt, ids = await engine_chat_prompt(st, chat, plan.template_tools)
-        except InvalidRequestError as e:  # a media error names chat's field: here the parts are under input
-            raise bad_request(str(e), _input_param(e.param)) from None
-        except APIError as e:
-            raise bad_request(e.message, _input_param(e.param), e.code) from None
+        except (APIError, InvalidRequestError) as e:  # a media error names chat's field: here it is under input
+            err = from_exception(e)  # its status and code kept (a timeout stays a timeout)
+            err.param = _input_param(err.param)
+            raise err from None
         rid = _id("resp")
         streams = await add_streams(st.engine, [prompt], params, rid, 0, requested_max_tokens=req.max_output_tokens)
         build = _Builder(self, req, rid, len(ids), conversation, ToolOutput(plan, st.tool_parser))
