@@ -212,6 +212,19 @@ def test_engine_core_process_sleep_rpc_and_weights(models):
         llm.wake_up()
         assert not llm.is_sleeping()
         assert _tokens(llm) == refs["a"]
+        # vLLM's modes: "keep" and unknown names refused; "wait" with a request in flight refused (offline
+        # nothing steps it meanwhile); "abort" (the default) ends it and sleeps.
+        engine = llm.llm_engine
+        engine.add_request("in-flight", {"prompt_token_ids": PROMPTS[0]}, GREEDY)
+        engine.step()
+        for mode, match in (("keep", "keep"), ("later", "mode"), ("wait", "in flight")):
+            with pytest.raises(ValueError, match=match):
+                llm.sleep(level=1, mode=mode)
+            assert not llm.is_sleeping()
+        llm.sleep(level=1, mode="abort")
+        assert llm.is_sleeping() and engine.get_num_unfinished_requests() == 0
+        llm.wake_up()
+        assert _tokens(llm) == refs["a"]
         llm.collective_rpc("load_weights", args=(_state_dict(root / "b"),))
         assert _tokens(llm) == refs["b"]
     finally:
@@ -257,6 +270,42 @@ def test_server_dev_routes(models):
         assert err.value.status_code == 503 and "sleeping" in str(err.value)
         assert http.post(url + "/sleep", params={"level": 5}).status_code == 400
         assert http.post(url + "/wake_up", params={"tags": ["kv_cache"]}).status_code == 200
+        assert http.get(url + "/is_sleeping").json() == {"is_sleeping": False}
+        assert complete() == before
+
+        # vLLM's sleep modes for the requests in flight: "abort" (the default) ends a stream at once with
+        # finish_reason "abort"; "wait" answers once it is done (all its tokens, the same text as awake).
+        def stream_until_sleep(mode: str) -> tuple[str, str | None]:
+            import threading
+
+            long = dict(model=str(root / "a"), prompt=PROMPTS[0], max_tokens=230, temperature=0, stream=True,
+                        extra_body={"ignore_eos": True})
+            started, done = threading.Event(), {}
+
+            def read() -> None:
+                text, finish = "", None
+                for chunk in client.completions.create(**long):
+                    started.set()
+                    text += chunk.choices[0].text
+                    finish = chunk.choices[0].finish_reason or finish
+                done["out"] = (text, finish)
+
+            t = threading.Thread(target=read)
+            t.start()
+            assert started.wait(60)
+            assert http.post(url + "/sleep", params={"level": 1, "mode": mode}).status_code == 200
+            t.join(60)
+            assert http.post(url + "/wake_up").status_code == 200
+            return done["out"]
+
+        full = client.completions.create(model=str(root / "a"), prompt=PROMPTS[0], max_tokens=230, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+        text, finish = stream_until_sleep("abort")
+        assert finish == "abort" and full.startswith(text) and len(text) < len(full)
+        assert stream_until_sleep("wait") == (full, "length")
+        for mode in ("keep", "later"):
+            r = http.post(url + "/sleep", params={"level": 1, "mode": mode})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "mode", r.text
         assert http.get(url + "/is_sleeping").json() == {"is_sleeping": False}
         assert complete() == before
         rpc = http.post(url + "/collective_rpc", json={"method": "reload_weights", "args": [str(root / "b")]})

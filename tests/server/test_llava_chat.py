@@ -224,3 +224,84 @@ def test_cli_chat_image(llava, tmp_path):
     assert proc.returncode == 0, proc.stderr
     want = proc_.tokenizer.decode(_hf_chat(llava, "What is this?", [img])[1])
     assert proc.stdout.removeprefix("> ").splitlines()[0] == want
+
+
+def _input_image(text: str, urls: list[str], detail: str | None = None) -> list[dict]:
+    parts = [{"type": "input_image", "image_url": u, **({"detail": detail} if detail else {})} for u in urls]
+    return [{"role": "user", "content": parts + [{"type": "input_text", "text": text}]}]
+
+
+def test_responses_input_image(llava, server, media_server):
+    """``input_image`` parts of /v1/responses take chat's multimodal path: through the real openai client,
+    the prompt's token count is HF's (placeholders expanded by LlavaProcessor), the text equals chat's for the
+    same image and prompt (greedy), a different image gives a different text, an allowed http URL equals its
+    bytes as a data URL, streamed equals whole; bad parts are 400s naming input's field."""
+    client = openai.OpenAI(base_url=server + "/v1", api_key="none")
+    model = client.models.list().data[0].id
+    greedy = {"max_output_tokens": N, "temperature": 0.0}
+
+    def respond(text: str, urls: list[str], **kw):
+        return client.responses.create(model=model, input=_input_image(text, urls, **kw), **greedy)
+
+    def chat_text(text: str, urls: list[str]) -> str:
+        return client.chat.completions.create(model=model, messages=image_msg(text, urls), max_tokens=N,
+                                              temperature=0.0).choices[0].message.content
+
+    a, b = make_image(40, 30, 0), make_image(70, 50, 1)
+    seen = set()
+    for text, images in [("What is this?", [a]), ("What is this?", [b]), ("Compare them.", [a, b])]:
+        urls = [data_url(im) for im in images]
+        resp = respond(text, urls, detail="low")
+        assert resp.usage.input_tokens == len(_hf_chat(llava, text, images)[0])
+        assert resp.output_text == chat_text(text, urls)
+        seen.add(resp.output_text)
+    assert len(seen) == 3  # the pictures reach the model: each gives its own greedy text
+    fetched = make_image(45, 35, 7)
+    assert respond("Describe.", [media_server + "/a.png"]).output_text == respond(
+        "Describe.", [data_url(fetched)]).output_text
+    events = client.responses.create(model=model, input=_input_image("What is this?", [data_url(a)]), stream=True,
+                                     **greedy)
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert streamed == chat_text("What is this?", [data_url(a)])
+
+    bad = [
+        ([{"type": "input_image", "file_id": "file-1"}], "input[0].content[0].file_id", "uploaded files"),
+        ([{"type": "input_image"}], "input[0].content[0].image_url", "URL string"),
+        ([{"type": "input_image", "image_url": data_url(a), "detail": "huge"}], "input[0].content[0].detail",
+         "detail"),
+        ([{"type": "input_image", "image_url": "data:image/png;base64,@@@"}], "input.content.image_url", "base64"),
+        ([{"type": "input_image", "image_url": "http://localhost:9/a.png"}], "input.content.image_url",
+         "allowed-media-domains"),
+        ([{"type": "input_file", "file_data": "x"}], "input[0].content[0]", "input_file"),
+    ]
+    for content, param, msg in bad:
+        r = httpx.post(server + "/v1/responses", json={"model": model, "input": [{"role": "user", "content": content}],
+                                                      "max_output_tokens": 2}, timeout=60)
+        assert r.status_code == 400, (param, r.text)
+        err = r.json()["error"]
+        assert err["param"] == param or (err["param"] or "").startswith(param), (param, err)
+        assert msg in err["message"], (msg, err)
+    r = httpx.post(server + "/v1/responses", json={"model": model, "max_output_tokens": 2, "input": [
+        {"role": "assistant", "content": [{"type": "input_image", "image_url": data_url(a)}]}]}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].content[0]", r.text
+
+
+def test_anthropic_count_tokens_counts_images(llava, server):
+    """/v1/messages/count_tokens with image blocks counts the image's expanded placeholder tokens: equal to
+    the Messages endpoint's own usage.input_tokens for the same request, and to HF's processor."""
+    import anthropic
+
+    claude = anthropic.Anthropic(base_url=server, api_key="none", max_retries=0)
+    model = openai.OpenAI(base_url=server + "/v1", api_key="none").models.list().data[0].id
+    a, b = make_image(40, 30, 0), make_image(70, 50, 1)
+
+    def block(img) -> dict:
+        return {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                            "data": base64.b64encode(png(img)).decode()}}
+
+    for text, images in [("What is this?", [a]), ("Compare them.", [a, b])]:
+        messages = [{"role": "user", "content": [block(im) for im in images] + [{"type": "text", "text": text}]}]
+        counted = claude.messages.count_tokens(model=model, messages=messages).input_tokens
+        used = claude.messages.create(model=model, max_tokens=1, messages=messages).usage.input_tokens
+        assert counted == used == len(_hf_chat(llava, text, images)[0])
+    claude.close()

@@ -37,9 +37,10 @@ CHAT = dict(
 REFUSED_CHAT = [
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
-    ({"functions": [TOOLS[0]["function"]]}, "functions"),
-    ({"function_call": "auto"}, "function_call"),
-]
+    ({"function_call": "auto"}, "function_call"),  # without functions
+    ({"functions": [TOOLS[0]["function"]], "tools": TOOLS}, "functions"),
+    ({"functions": [TOOLS[0]["function"]], "function_call": {"nme": "get_colour"}}, "function_call"),
+]  # functions served: test_responses_tools.py::test_legacy_functions_are_tools
 COMPLETION = dict(model=MODEL, prompt="The colour of the sky is", best_of=1, echo=False, frequency_penalty=0.0,
                   logit_bias={"1": 0}, logprobs=1, max_tokens=6, n=1, presence_penalty=0.0, seed=7, stop=["\n\n\n"],
                   temperature=0.0, top_p=1.0, user="u1")
@@ -195,3 +196,4 @@ def test_refused_values_are_400_naming_the_field(server, path, base, extra, para
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
     assert _post(server, path, {**base, **limit}).status_code == 200  # and the server goes on
+

@@ -122,3 +122,66 @@ def test_bad_tools_are_400(client):
         with pytest.raises(openai.BadRequestError) as e:
             respond(client, USER, **kw)
         assert e.value.body["param"] == param
+
+
+def test_legacy_functions_are_tools(client):
+    """Chat's deprecated ``functions`` / ``function_call`` through the openai client: the forced call validates
+    against its schema and equals the tools form's call (greedy); the answer is ``message.function_call`` with
+    finish_reason "function_call", streamed pieces join to it; a legacy history (assistant ``function_call``,
+    ``function`` result) renders and answers as the tools history does; "auto" answers as tools' auto."""
+    fn = CHAT_TOOLS[0]["function"]
+    legacy = chat(client, USER, functions=[fn], function_call={"name": "book_trip"})
+    tools = chat(client, USER, tools=CHAT_TOOLS, parallel_tool_calls=False,
+                 tool_choice={"type": "function", "function": {"name": "book_trip"}})
+    call = legacy.message.function_call
+    assert legacy.message.tool_calls is None and legacy.finish_reason == "function_call"
+    assert call.name == "book_trip"
+    jsonschema.validate(json.loads(call.arguments), SCHEMA)
+    assert call.arguments == tools.message.tool_calls[0].function.arguments
+    stream = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=60, temperature=0.0, stream=True,
+                                            functions=[fn], function_call={"name": "book_trip"})
+    chunks = [c.choices[0] for c in stream if c.choices]
+    pieces = [c.delta.function_call for c in chunks if c.delta.function_call]
+    assert pieces[0].name == "book_trip" and all(c.delta.tool_calls is None for c in chunks)
+    assert "".join(p.arguments or "" for p in pieces) == call.arguments
+    assert chunks[-1].finish_reason == "function_call"
+
+    after_legacy = USER + [{"role": "assistant", "content": None, "function_call": call.model_dump()},
+                           {"role": "function", "name": "book_trip", "content": "booked"}]
+    after_tools = USER + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": call.model_dump()}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "booked"}]
+    fed = client.chat.completions.create(model=MODEL, messages=after_legacy, max_tokens=8, temperature=0.0,
+                                         functions=[fn])
+    ref = client.chat.completions.create(model=MODEL, messages=after_tools, max_tokens=8, temperature=0.0,
+                                         tools=CHAT_TOOLS, parallel_tool_calls=False)
+    assert fed.usage.prompt_tokens == ref.usage.prompt_tokens
+    assert fed.choices[0].message.content == ref.choices[0].message.content
+    assert fed.choices[0].finish_reason == {"tool_calls": "function_call"}.get(ref.choices[0].finish_reason,
+                                                                                ref.choices[0].finish_reason)
+
+
+def test_langchain_openai_invoke_stream_and_tools(server, client):
+    """langchain-openai's ChatOpenAI against the same server: invoke equals the openai client's chat text
+    (greedy), stream's chunks join to it, and bind_tools with a forced tool gives a tool call whose args
+    validate against the schema and equal chat's forced call."""
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=server + "/v1", api_key="none", model=MODEL, temperature=0.0, max_tokens=12,
+                     max_retries=0, timeout=120)
+    want = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=12,
+                                          temperature=0.0).choices[0].message.content
+    got = llm.invoke("Book me a trip.")
+    assert want and got.content == want
+    assert got.usage_metadata["output_tokens"] > 0
+    assert "".join(chunk.content for chunk in llm.stream("Book me a trip.")) == want
+
+    bound = llm.model_copy(update={"max_tokens": 60}).bind_tools(CHAT_TOOLS, tool_choice="book_trip",
+                                                                 parallel_tool_calls=False)
+    msg = bound.invoke("Book me a trip.")
+    ref = chat(client, USER, tools=CHAT_TOOLS, parallel_tool_calls=False,
+               tool_choice={"type": "function", "function": {"name": "book_trip"}})
+    (call,) = msg.tool_calls
+    assert call["name"] == "book_trip"
+    jsonschema.validate(call["args"], SCHEMA)
+    assert call["args"] == json.loads(ref.message.tool_calls[0].function.arguments)

@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import copy
+import dataclasses
 import itertools
 import logging
 import threading
@@ -64,12 +65,14 @@ from vllite_core.errors import (
     RequestFailedError,
 )
 from vllite_core.inputs import InputContext, ProcessedPrompt
-from vllite_core.outputs import RequestOutput
+from vllite_core.outputs import CompletionOutput, RequestOutput
 from vllite_core.sampling_params import RequestOutputKind, SamplingParams
+from vllite_core.worker.sleep import check_level, check_mode
 
 logger = logging.getLogger("vllite.async_llm")
 
 _BACKOFF_S = 0.005  # wait when the scheduler had nothing it could run (avoids a hot spin)
+_DRAIN_POLL_S = 0.02  # sleep(mode="wait"): how often it looks whether the requests in flight are done
 
 
 T = TypeVar("T")
@@ -194,6 +197,18 @@ class RequestStream:
         return rec
 
 
+def _aborted_output(stream: RequestStream) -> RequestOutput:
+    """The last output of a request that sleep(mode="abort") ended: what it made so far, finish_reason
+    "abort" (vLLM's), so its caller's stream ends as an abort does."""
+    last = stream.latest
+    if last is None:
+        n = max(getattr(stream.params, "n", 1) or 1, 1)
+        return RequestOutput(stream.request_id, None, [], None,
+                             [CompletionOutput(i, "", [], None, None, "abort") for i in range(n)], True)
+    outs = [dataclasses.replace(c, finish_reason=c.finish_reason or "abort") for c in last.outputs]
+    return dataclasses.replace(last, outputs=outs, finished=True)
+
+
 @dataclass
 class _Add:
     """A request prepared (processed and validated) off the engine loop."""
@@ -267,6 +282,7 @@ class AsyncLLM:
         # An engine core in its own process (mp_client.py): wake the loop when it dies, so the open
         # requests fail at once even while the loop sleeps; a post wakes its wait for outputs.
         self._wake_pending = False
+        self._draining = False  # sleep() is under way: new requests are refused as while asleep
         self.core.on_failure.append(self._wake_loop)
         self._thread = threading.Thread(target=self._run, name="vllite-engine-loop", daemon=True)
         self._thread.start()
@@ -340,7 +356,7 @@ class AsyncLLM:
             raise EngineDeadError(f"the engine loop stopped: {self.dead!r}")
         if self.restarting is not None:
             raise EngineDeadError(f"the engine core is restarting after it died: {self.restarting}")
-        if self.engine.sleeping:
+        if self.engine.sleeping or self._draining:
             raise EngineSleepingError(f"request {request_id!r}")
         loop = asyncio.get_running_loop()
         if self._aloop is None:
@@ -428,11 +444,23 @@ class AsyncLLM:
         self._post(_Call(fn, future))
         return await asyncio.wrap_future(future)
 
-    async def sleep(self, level: int = 1) -> None:
-        """vLLM's ``AsyncLLM.sleep``: refused while requests are in flight."""
-        if self._streams:
-            raise ValueError(f"sleep: {len(self._streams)} request(s) are in flight; let them finish first")
-        await self._call(lambda: self.engine.sleep(level))
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """vLLM's ``AsyncLLM.sleep``. New requests are refused (EngineSleepingError) from now on. ``mode``:
+        "abort" ends the requests in flight at once (their outputs so far, finish_reason "abort"); "wait" lets
+        them finish first; "keep" is refused (worker/sleep.check_mode)."""
+        check_level(level)
+        check_mode(mode)
+        self._draining = True
+        try:
+            if mode == "wait":
+                while self._streams and self.dead is None:
+                    await asyncio.sleep(_DRAIN_POLL_S)
+            for rid, stream in list(self._streams.items()):
+                self.abort(rid)  # reported to the observers as aborted; the engine frees it before the sleep
+                stream._put(_aborted_output(stream))
+            await self._call(lambda: self.engine.sleep(level, mode))
+        finally:
+            self._draining = False
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         await self._call(lambda: self.engine.wake_up(tags))

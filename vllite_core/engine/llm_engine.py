@@ -20,7 +20,7 @@ from vllite_core.pooling.requests import POOLING_SAMPLING, prepare_pooling_promp
 from vllite_core.request import Request, RequestStatus
 from vllite_core.sampling_params import SamplingParams
 from vllite_core.structured_output.manager import BackendSelector
-from vllite_core.worker.sleep import SleepReport
+from vllite_core.worker.sleep import SleepReport, check_level, check_mode
 
 logger = logging.getLogger("vllite.engine")
 
@@ -251,8 +251,15 @@ class LLMEngine:
         return self.core.get_num_unfinished_requests()
 
     # ---- sleep mode, collective_rpc, weight updates (docs/sleep_mode.md) ---------------------------------
-    def sleep(self, level: int = 1) -> list[SleepReport]:
-        """Release the KV cache (level 1) and the weights (level 2) of every worker; each rank's bytes."""
+    def sleep(self, level: int = 1, mode: str = "abort") -> list[SleepReport]:
+        """Release the KV cache (level 1) and the weights (level 2) of every worker; each rank's bytes.
+        ``mode`` (vLLM's): "abort" aborts the requests added and not finished; "wait" needs none in flight
+        (this engine runs only when stepped: step them to the end first)."""
+        check_level(level)
+        check_mode(mode)
+        unfinished = list(self.output_processor.states)
+        if mode == "abort" and unfinished:
+            self.abort_request(unfinished)
         reports = self.core.sleep(level)
         self.sleeping = True
         return reports

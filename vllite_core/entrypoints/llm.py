@@ -228,12 +228,13 @@ class LLM:
                                                 o.prompt_token_ids, o.error) for o in outs]
 
     # ---- sleep mode, collective_rpc, weight updates (docs/sleep_mode.md) ---------------------------------
-    def sleep(self, level: int = 1) -> None:
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
         """Release the KV cache (level 1) and the weights too (level 2), giving their memory back, until
-        ``wake_up``; requests meanwhile raise EngineSleepingError. Needs ``enable_sleep_mode=True`` and no
-        request in flight. On a CPU, level 1 keeps the weights where they are; on a device they move to host
-        memory. Level 2's wake reloads the weights from the checkpoint."""
-        self.llm_engine.sleep(level)
+        ``wake_up``; requests meanwhile raise EngineSleepingError. Needs ``enable_sleep_mode=True``. On a CPU,
+        level 1 keeps the weights where they are; on a device they move to host memory. Level 2's wake reloads
+        the weights from the checkpoint. ``mode`` as vLLM's: "abort" (default) or "wait" for requests in
+        flight (``generate`` returns with none, so offline both simply sleep); "keep" is refused."""
+        self.llm_engine.sleep(level, mode)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Restore what ``sleep`` released: ``tags`` ["weights"] and/or ["kv_cache"] (None: both), so a

@@ -22,6 +22,10 @@ from vllite_core.engine.heap_trim import trim_heap
 from vllite_core.platforms.interface import Platform
 
 SLEEP_LEVELS = (1, 2)
+# vLLM's sleep(mode=...): what becomes of the requests in flight. "abort" (vLLM's default) ends them with
+# finish_reason "abort"; "wait" refuses new requests and sleeps once those in flight are done; "keep"
+# (freeze them and go on after wake_up) is refused: their KV cache is what level 1 and 2 release.
+SLEEP_MODES = ("abort", "wait", "keep")
 WAKE_TAGS = ("weights", "kv_cache")  # vLLM's wake_up(tags=...): what to restore (None: both)
 
 
@@ -50,6 +54,15 @@ def check_level(level: int) -> int:
     if level not in SLEEP_LEVELS:
         raise ValueError(f"level: must be 1 (release the KV cache) or 2 (and the weights), got {level!r}")
     return level
+
+
+def check_mode(mode: str) -> str:
+    if mode not in SLEEP_MODES:
+        raise ValueError(f"mode: must be one of {', '.join(SLEEP_MODES)}, got {mode!r}")
+    if mode == "keep":
+        raise ValueError("mode: 'keep' (requests frozen across the sleep) is not served here: sleep releases the KV "
+                         "cache they hold; use 'wait' (let them finish) or 'abort'")
+    return mode
 
 
 def check_tags(tags: list[str] | None) -> list[str]:

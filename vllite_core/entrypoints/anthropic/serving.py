@@ -27,7 +27,7 @@ from vllite_core.entrypoints.anthropic.protocol import (
 )
 from vllite_core.entrypoints.openai.errors import APIError
 from vllite_core.entrypoints.openai.routes.generate import generation_servers
-from vllite_core.entrypoints.openai.serving_chat import render_chat_prompt, rendered_chat_ids
+from vllite_core.entrypoints.openai.serving_chat import engine_chat_prompt
 from vllite_core.entrypoints.openai.serving_common import SSE_HEADERS, server_state
 from vllite_core.entrypoints.openai.structured import plan_tools
 
@@ -175,13 +175,7 @@ async def count_tokens(request: Request) -> Response:
     req = await state.read_body(request, CountTokensRequest)
     state.check_model(req.model)
     creq = to_chat(req)
-    if any(isinstance(m.content, list) for m in creq.messages):
-        raise APIError(400, "count_tokens does not count images here", "messages", "unsupported_content")
     plan = plan_tools(creq.tools, creq.tool_choice, creq.parallel_tool_calls)
-    # rendered in the template sandbox as chat renders it, then tokenized on the prep thread
-    rendered = await state.within_timeout(render_chat_prompt(
-        state.templates, state.engine.tokenizer, creq, None, state.chat_template, plan.template_tools,
-        state.trust_request_chat_template))
-    ids = await state.within_timeout(state.engine.run_prep(rendered_chat_ids, state.engine.prep_tokenizer,
-                                                           rendered))
+    # the prompt /v1/messages would send: rendered as chat renders it, images expanded by the model's processor
+    _, ids = await engine_chat_prompt(state, creq, plan.template_tools)
     return JSONResponse({"input_tokens": len(ids)})

@@ -48,7 +48,7 @@ class ChatDocumentedFields(_Fields):
     prompt_cache_retention: str | None = None
     safety_identifier: str | None = None
     moderation: dict[str, Any] | None = None
-    functions: list[dict[str, Any]] | None = None  # deprecated by OpenAI for tools: refused with a pointer
+    functions: list[dict[str, Any]] | None = None  # deprecated by OpenAI for tools: translated (legacy_functions)
     function_call: str | dict[str, Any] | None = None
 
 
@@ -113,17 +113,14 @@ def accept_completion(req: Any) -> None:
 
 def accept_chat(req: Any) -> Any:
     """The request with its documented fields checked: refusals for what is not served, the
-    ignored ones logged, ``reasoning_effort`` moved into the chat template's arguments."""
+    ignored ones logged, ``reasoning_effort`` moved into the chat template's arguments
+    (``functions`` / ``function_call``: legacy_functions.translate)."""
     if req.modalities is not None and "audio" in req.modalities:
         raise bad_request("modalities: audio output is not served by this server (only 'text')", "modalities",
                           "unsupported_value")
     if req.audio is not None:
         raise bad_request("audio output is not served by this server: leave audio unset", "audio",
                           "unsupported_value")
-    if req.functions is not None or req.function_call is not None:
-        field = "functions" if req.functions is not None else "function_call"
-        raise bad_request(f"{field} is deprecated by OpenAI and not served here: send tools and tool_choice", field,
-                          "unsupported_parameter")
     log_ignored("chat", req)
     if req.reasoning_effort is None:
         return req

@@ -101,7 +101,7 @@ class ChatMessage(BaseModel):
     """One message; extra keys (tool_calls, ...) go to the chat template untouched."""
 
     model_config = ConfigDict(extra="allow", strict=True)
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]  # function: legacy_functions
     content: str | list[Annotated[TextPart | ImageURLPart, Field(discriminator="type")]] | None = None
     name: str | None = None
 

@@ -3,18 +3,20 @@ input items turned into chat messages.
 
 Strict like the other bodies: an unknown field is a 400 naming it. ``input`` items are checked
 here, by hand, so the 400 names the exact item and part (``input[2].content[0]``) that this
-server cannot take (images, files...)."""
+server cannot take (files, audio...). ``input_image`` parts become chat's ``image_url`` parts, so
+images take the path chat's take (a multimodal model's processor)."""
 from __future__ import annotations
 
 from typing import Any
 
 from vllite_core.entrypoints.openai.documented_fields import ResponsesDocumentedFields
 from vllite_core.entrypoints.openai.errors import bad_request
-from vllite_core.entrypoints.openai.protocol import ChatMessage, Int, _Strict
+from vllite_core.entrypoints.openai.protocol import ChatMessage, ImageURL, ImageURLPart, Int, TextPart, _Strict
 from vllite_core.entrypoints.openai.responses_tools import call_message, merge_calls, output_message
 
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text")
+IMAGE_DETAILS = ("auto", "low", "high", "original")
 _ITEM_KEYS = {"type", "role", "content", "id", "status"}
 
 
@@ -80,17 +82,39 @@ def check_text_format(text: dict[str, Any] | None) -> None:
     raise bad_request(f"text.format type {kind!r} is not supported (use 'text')", "text.format")
 
 
-def _part_text(part: Any, where: str) -> str:
+def _part(part: Any, where: str, role: str) -> TextPart | ImageURLPart:
+    """One content part as chat's: text, or (in a user's message) an ``input_image`` by URL."""
     if not isinstance(part, dict):
         raise bad_request(f"{where} must be an object with a type", where)
     kind = part.get("type")
+    if kind == "input_image" and role == "user":
+        return _image_part(part, where)
     if kind not in TEXT_PARTS:
-        raise bad_request(f"{where}: content part type {kind!r} is not supported (only text: "
-                          f"{', '.join(TEXT_PARTS)})", where, "unsupported_content")
+        raise bad_request(f"{where}: content part type {kind!r} is not supported (text: {', '.join(TEXT_PARTS)}; "
+                          "input_image in user messages)", where, "unsupported_content")
     text = part.get("text")
     if not isinstance(text, str):
         raise bad_request(f"{where}.text must be a string", f"{where}.text")
-    return text
+    return TextPart(type="text", text=text)
+
+
+def _image_part(part: dict[str, Any], where: str) -> ImageURLPart:
+    """``{"type": "input_image", "image_url": URL, "detail": ...}``; uploaded files (``file_id``) are not
+    stored here. ``detail`` is accepted and, as in chat, left to the model's processor."""
+    extra = sorted(set(part) - {"type", "image_url", "detail", "file_id"})
+    if extra:
+        raise bad_request(f"{where}: unrecognized field {extra[0]!r}", f"{where}.{extra[0]}", "unknown_parameter")
+    if part.get("file_id") is not None:
+        raise bad_request(f"{where}.file_id: uploaded files are not served here (send image_url: a data: URL or "
+                          "an http(s) URL)", f"{where}.file_id", "unsupported_content")
+    url = part.get("image_url")
+    if not isinstance(url, str) or not url:
+        raise bad_request(f"{where}.image_url must be a URL string", f"{where}.image_url")
+    detail = part.get("detail")
+    if detail is not None and detail not in IMAGE_DETAILS:
+        raise bad_request(f"{where}.detail must be one of {', '.join(IMAGE_DETAILS)}, got {detail!r}",
+                          f"{where}.detail")
+    return ImageURLPart(type="image_url", image_url=ImageURL(url=url, detail=detail))
 
 
 def item_message(item: Any, i: int) -> ChatMessage:
@@ -113,12 +137,13 @@ def item_message(item: Any, i: int) -> ChatMessage:
         raise bad_request(f"{where}.role must be one of {', '.join(MESSAGE_ROLES)}, got {role!r}", f"{where}.role")
     content = item.get("content")
     if isinstance(content, str):
-        text = content
-    elif isinstance(content, list):
-        text = "\n".join(_part_text(p, f"{where}.content[{j}]") for j, p in enumerate(content))
-    else:
-        raise bad_request(f"{where}.content must be a string or a list of text parts", f"{where}.content")
-    return ChatMessage(role=role, content=text)
+        return ChatMessage(role=role, content=content)
+    if not isinstance(content, list):
+        raise bad_request(f"{where}.content must be a string or a list of content parts", f"{where}.content")
+    parts = [_part(p, f"{where}.content[{j}]", role) for j, p in enumerate(content)]
+    if all(isinstance(p, TextPart) for p in parts):  # text alone: one string, as before
+        return ChatMessage(role=role, content="\n".join(p.text for p in parts))
+    return ChatMessage(role=role, content=parts)
 
 
 def input_messages(req: ResponsesRequest) -> list[ChatMessage]:

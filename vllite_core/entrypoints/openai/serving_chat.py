@@ -6,12 +6,14 @@ import re
 import secrets
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, AsyncIterator
 
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
+from vllite_core.entrypoints.openai import legacy_functions
 from vllite_core.entrypoints.openai.chat_reasoning import DeltaSplitter, message_fields
 from vllite_core.entrypoints.openai.documented_fields import accept_chat
 from vllite_core.entrypoints.openai.errors import bad_request, from_exception
@@ -227,6 +229,58 @@ def echo_text(req: ChatCompletionRequest) -> str:
     return messages_to_dicts(req.messages[-1:])[0].get("content") or ""
 
 
+async def load_chat_images(state: ServerState, messages: list[ChatMessage]
+                           ) -> tuple[list[ChatMessage], Any, list[Any]]:
+    """Image parts replaced by a marker the tokenization turns into the model's placeholder token, and the
+    images loaded (data URLs decoded, allowed http(s) URLs fetched off the event loop). Shared by every
+    route that takes chat-shaped messages (chat, Responses, Anthropic Messages and count_tokens)."""
+    from vllite_core.multimodal import chat as mm_chat
+
+    parts = [p for m in messages if isinstance(m.content, list) for p in m.content if p.type == "image_url"]
+    if not parts:
+        return messages, None, []
+    engine = state.engine.engine
+    if not engine.config.model_config.capabilities.is_multimodal_decoder:
+        raise bad_request(f"{engine.model_info.architecture} is a text-only model: it does not take "
+                          "images", "messages.content.image_url")
+    marker = mm_chat.ImageMarker.for_engine(engine)
+    images = await asyncio.to_thread(mm_chat.load_images, [p.image_url.url for p in parts],
+                                     engine.config.multimodal_config)
+    out = []
+    for m in messages:
+        if isinstance(m.content, list) and any(p.type == "image_url" for p in m.content):
+            content = [TextPart(type="text", text=marker.text) if p.type == "image_url" else p for p in m.content]
+            m = m.model_copy(update={"content": content})
+        out.append(m)
+    return out, marker, images
+
+
+async def engine_chat_prompt(state: ServerState, req: Any, template_tools: list[dict[str, Any]] | None
+                             ) -> tuple[Any, list[int]]:
+    """(the engine prompt, its token ids) for a chat-shaped request (``messages``, ``add_generation_prompt``,
+    ...): images loaded, the template rendered in the sandbox, tokenized on the engine's prep thread, and
+    with images the model's processor expanding their placeholders, so the ids are what the model reads."""
+    messages, marker, images = await load_chat_images(state, req.messages)
+    if images:
+        req = SimpleNamespace(**{**vars(req), "messages": messages}) if isinstance(req, SimpleNamespace) \
+            else req.model_copy(update={"messages": messages})
+    tokenizer = state.engine.tokenizer
+    rendered = await state.within_timeout(render_chat_prompt(
+        state.templates, tokenizer, req, None, state.chat_template, template_tools,
+        state.trust_request_chat_template))
+    text = rendered.text
+    ids = await state.within_timeout(state.engine.run_prep(rendered_chat_ids, state.engine.prep_tokenizer,
+                                                           rendered, marker))
+    prompt: Any = {"prompt_token_ids": ids, "prompt": text}
+    if images:
+        prompt["multi_modal_data"] = {"image": images}
+        prompt["prompt"] = marker.show(text, tokenizer)
+        # The model's processor expands the placeholders (off the event loop): usage counts the expanded prompt.
+        prompt = await state.engine.run_prep(state.engine.engine.process_prompt, prompt, state.engine._prep_ctx)
+        ids = prompt.prompt_token_ids
+    return prompt, ids
+
+
 class ChatServer:
     def __init__(self, state: ServerState) -> None:
         self.state = state
@@ -236,51 +290,16 @@ class ChatServer:
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
 
-    async def _images(self, req: ChatCompletionRequest) -> tuple[ChatCompletionRequest, Any, list[Any]]:
-        """Image parts replaced by a marker the tokenization turns into the model's placeholder token, and the
-        images loaded (data URLs decoded, allowed http(s) URLs fetched off the event loop)."""
-        from vllite_core.multimodal import chat as mm_chat
-
-        parts = [p for m in req.messages if isinstance(m.content, list) for p in m.content if p.type == "image_url"]
-        if not parts:
-            return req, None, []
-        engine = self.state.engine.engine
-        if not engine.config.model_config.capabilities.is_multimodal_decoder:
-            raise bad_request(f"{engine.model_info.architecture} is a text-only model: it does not take "
-                              "images", "messages.content.image_url")
-        marker = mm_chat.ImageMarker.for_engine(engine)
-        images = await asyncio.to_thread(mm_chat.load_images, [p.image_url.url for p in parts],
-                                         engine.config.multimodal_config)
-        messages = []
-        for m in req.messages:
-            if isinstance(m.content, list) and any(p.type == "image_url" for p in m.content):
-                content = [TextPart(type="text", text=marker.text) if p.type == "image_url" else p for p in m.content]
-                m = m.model_copy(update={"content": content})
-            messages.append(m)
-        return req.model_copy(update={"messages": messages}), marker, images
-
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         st = self.state
         st.check_model(req.model)
         self._check_unsupported(req)
-        req = accept_chat(req)
+        req = legacy_functions.translate(accept_chat(req))  # functions / function_call: on the tools path
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
         if plan.mode == "auto" and not (st.enable_auto_tool_choice and st.tool_parser is not None):
             raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
                               "tool_choice")
-        req, marker, images = await self._images(req)
-        # Template rendering and tokenizing are CPU work: on the engine's prep thread, with its tokenizer.
-        rendered = await st.within_timeout(render_chat_prompt(st.templates, self.tokenizer, req, None, st.chat_template,
-                                                              plan.template_tools, st.trust_request_chat_template))
-        text = rendered.text
-        ids = await st.within_timeout(st.engine.run_prep(rendered_chat_ids, st.engine.prep_tokenizer, rendered, marker))
-        prompt: Any = {"prompt_token_ids": ids, "prompt": text}
-        if images:
-            prompt["multi_modal_data"] = {"image": images}
-            prompt["prompt"] = marker.show(text, self.tokenizer)
-            # The model's processor expands the placeholders (off the event loop): usage counts the expanded prompt.
-            prompt = await st.engine.run_prep(st.engine.engine.process_prompt, prompt, st.engine._prep_ctx)
-            ids = prompt.prompt_token_ids
+        prompt, ids = await engine_chat_prompt(st, req, plan.template_tools)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = to_sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                                     st.engine.engine.default_sampling_params)
@@ -312,6 +331,7 @@ class _Ctx:
         self.top_k = req.top_logprobs or 0
         self.parser = server.state.reasoning_parser
         self.echo = echo_text(req)
+        self.legacy = req.functions is not None  # answered as function_call (legacy_functions)
 
     def _logprobs(self, token_ids: list[int], entries: Any) -> dict[str, Any] | None:
         if not self.req.logprobs:
@@ -322,6 +342,8 @@ class _Ctx:
         choices = []
         for c in out.outputs:
             message, finish = self._message(c.text, c.finish_reason)
+            if self.legacy:
+                message, finish = legacy_functions.message(message, finish)
             choices.append({"index": c.index, "message": message, "logprobs": self._logprobs(c.token_ids, c.logprobs),
                             "finish_reason": finish, "stop_reason": c.stop_reason})
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
@@ -368,6 +390,8 @@ class _Ctx:
                     delta = splitter.delta(c.index, c.text, c.token_ids, c.finish_reason is not None)
                     tool_delta, finish = self.tools.delta(c.index, delta.pop("content", None) or "", c.finish_reason)
                     delta.update(tool_delta)
+                    if self.legacy:
+                        delta, finish = legacy_functions.delta(delta, finish)
                     choice = {"index": c.index, "delta": delta, "logprobs": self._logprobs(c.token_ids, c.logprobs),
                               "finish_reason": finish, "stop_reason": c.stop_reason}
                     chunk = self._chunk([choice], usage(self.prompt_len, completion_tokens) if continuous else None)

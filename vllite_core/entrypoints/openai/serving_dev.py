@@ -1,7 +1,8 @@
 """Development routes (vLLM's, behind ``VLLM_SERVER_DEV_MODE``): sleep mode and the workers' RPCs over HTTP,
 for a trainer driving a served engine between rollouts.
 
-``POST /sleep?level=1|2``, ``POST /wake_up`` (``?tags=weights&tags=kv_cache``; none: both),
+``POST /sleep?level=1|2&mode=abort|wait`` (vLLM's modes: requests in flight aborted, the default, or let
+finish first), ``POST /wake_up`` (``?tags=weights&tags=kv_cache``; none: both),
 ``GET /is_sleeping`` -> ``{"is_sleeping": bool}``, ``POST /reset_prefix_cache``, and ``POST /collective_rpc``
 with ``{"method": name, "args": [...], "kwargs": {...}}`` (a worker method by name, JSON arguments; the
 results as JSON). They exist only with ``VLLITE_SERVER_DEV_MODE=1`` (or ``VLLM_SERVER_DEV_MODE=1``): they
@@ -44,9 +45,15 @@ def _as_error(exc: Exception, field: str) -> APIError:
 
 def add_dev_routes(app: FastAPI, engine: Any) -> None:
     @app.post("/sleep")
-    async def sleep(level: int = Query(1)) -> Response:
+    async def sleep(level: int = Query(1), mode: str = Query("abort")) -> Response:
+        from vllite_core.worker.sleep import check_mode
+
         try:
-            await engine.sleep(level)
+            check_mode(mode)
+        except ValueError as e:
+            return bad_request(str(e), "mode").response()
+        try:
+            await engine.sleep(level, mode)
         except Exception as e:  # noqa: BLE001 - answered, the engine goes on
             return _as_error(e, "level").response()
         return Response(status_code=200)

@@ -30,7 +30,7 @@ from vllite_core.entrypoints.openai.protocol_responses import (
     input_messages,
     response_format_of,
 )
-from vllite_core.entrypoints.openai.serving_chat import render_chat_prompt, rendered_chat_ids
+from vllite_core.entrypoints.openai.serving_chat import engine_chat_prompt
 from vllite_core.entrypoints.openai.serving_common import (
     SSE_HEADERS,
     ServerState,
@@ -41,6 +41,7 @@ from vllite_core.entrypoints.openai.serving_common import (
 )
 from vllite_core.entrypoints.openai.structured import apply_structured_outputs
 from vllite_core.entrypoints.openai.tool_output import ToolOutput
+from vllite_core.errors import InvalidRequestError
 from vllite_core.outputs import RequestOutput
 from vllite_core.sampling_params import SamplingParams
 
@@ -61,7 +62,7 @@ class ResponseStore:
         self.chars = 0
 
     def put(self, response: dict[str, Any], conversation: list[ChatMessage]) -> None:
-        size = len(json.dumps(response)) + sum(len(m.content or "") for m in conversation)
+        size = len(json.dumps(response)) + sum(_chars(m) for m in conversation)
         self.items[response["id"]] = (conversation, response, size)
         self.chars += size
         while self.chars > self.max_chars and self.items:
@@ -71,6 +72,19 @@ class ResponseStore:
     def get(self, rid: str) -> tuple[list[ChatMessage], dict[str, Any]] | None:
         got = self.items.get(rid)
         return None if got is None else (got[0], got[1])
+
+
+def _input_param(param: str | None) -> str | None:
+    """Chat's ``messages.content...`` field name as the Responses request's (``input.content...``)."""
+    return "input" + param.removeprefix("messages") if param and param.startswith("messages") else param
+
+
+def _chars(m: ChatMessage) -> int:
+    """A stored message's size: its text, and its images' URLs (data: URLs hold the whole picture)."""
+    if isinstance(m.content, list):
+        return sum(len(getattr(p, "text", "")) + len(p.image_url.url if hasattr(p, "image_url") else "")
+                   for p in m.content)
+    return len(m.content or "")
 
 
 def _sampling_params(req: ResponsesRequest) -> SamplingParams:
@@ -118,13 +132,14 @@ class ResponsesServer:
         chat = SimpleNamespace(messages=rendered, add_generation_prompt=True, continue_final_message=False,
                                chat_template=None, chat_template_kwargs=template_kwargs,
                                allow_special_tokens_in_content=False)
-        rendered = await st.within_timeout(render_chat_prompt(st.templates, st.engine.tokenizer, chat, None,
-                                                              st.chat_template, plan.template_tools))
-        text = rendered.text
-        ids = await st.within_timeout(st.engine.run_prep(rendered_chat_ids, st.engine.prep_tokenizer, rendered))
+        try:  # images (input_image parts) go through chat's multimodal path
+            prompt, ids = await engine_chat_prompt(st, chat, plan.template_tools)
+        except (APIError, InvalidRequestError) as e:  # a media error names chat's field: here it is under input
+            err = from_exception(e)  # its status and code kept (a timeout stays a timeout)
+            err.param = _input_param(err.param)
+            raise err from None
         rid = _id("resp")
-        streams = await add_streams(st.engine, [{"prompt_token_ids": ids, "prompt": text}], params, rid, 0,
-                                    requested_max_tokens=req.max_output_tokens)
+        streams = await add_streams(st.engine, [prompt], params, rid, 0, requested_max_tokens=req.max_output_tokens)
         build = _Builder(self, req, rid, len(ids), conversation, ToolOutput(plan, st.tool_parser))
         if req.stream:
             return StreamingResponse(build.events(merged(st.engine, streams, delta=True)),
