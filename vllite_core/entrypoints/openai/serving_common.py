@@ -17,6 +17,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from vllite_core.engine.async_llm import AsyncLLM, RequestStream
 from vllite_core.engine.llm_engine import PromptType
+from vllite_core.entrypoints.openai.admission import DEFAULT_MAX_LOGPROB_ENTRIES, LogprobBudget, estimate_cost
 from vllite_core.entrypoints.openai.errors import APIError, bad_request
 from vllite_core.entrypoints.openai.request_logger import RequestLogger
 from vllite_core.entrypoints.openai.template_sandbox import TemplateSandbox
@@ -56,6 +57,8 @@ class ServerState:
     request_logger: RequestLogger | None = None  # --enable-log-requests
     tracer: RequestTracer | None = None  # --otlp-traces-endpoint
     server_load: int = 0  # HTTP requests in flight on the load-aware routes (--enable-server-load-tracking: /load)
+    # Logprob entries the requests in flight may hold (--max-logprob-entries-in-flight; admission.py).
+    logprob_budget: LogprobBudget | None = field(default_factory=lambda: LogprobBudget(DEFAULT_MAX_LOGPROB_ENTRIES))
 
     async def read_body(self, request: Request, model: type[M]) -> M:
         """The request's JSON body as ``model``, under this server's size and time limits (``read_body``)."""
@@ -231,12 +234,15 @@ def with_cache_salt(prompt: PromptType, salt: str | None) -> PromptType:
 
 async def add_streams(engine: AsyncLLM, prompts: list[PromptType], params: SamplingParams, base_id: str,
                       priority: int, cache_salt: str | None = None, lora_request: Any = None,
-                      requested_max_tokens: int | None = None) -> list[RequestStream]:
+                      requested_max_tokens: int | None = None,
+                      prompt_logprobs_field: str = "prompt_logprobs") -> list[RequestStream]:
     """One engine request per prompt (each carrying ``cache_salt``); all or nothing. The prompts are
     tokenized and validated on the engine's prep thread (AsyncLLM.run_prep), not on the event loop.
     Under ServerState.admit the waiting limit is checked again after that, where the requests are
     queued (no await in between, so concurrent requests cannot all slip under it). ``requested_max_tokens``
-    (the request's own) past the context left after a prompt is a 400, as in vLLM."""
+    (the request's own) past the context left after a prompt is a 400, as in vLLM. The logprob entries
+    the requests will produce are charged to the server's budget (admission.py; 400 naming
+    ``prompt_logprobs_field`` or ``logprobs`` when they can never fit, 503 when not now)."""
     limits = _LIMITS.get()
     if limits is not None:
         limits.state.check_capacity()
@@ -258,6 +264,10 @@ async def add_streams(engine: AsyncLLM, prompts: list[PromptType], params: Sampl
         for rid, (processed, _) in zip(rids, prepared):
             limits.state.request_logger.log_inputs(rid, processed.prompt, processed.prompt_token_ids, params,
                                                    lora_request)
+    if limits is not None and limits.state.logprob_budget is not None and isinstance(params, SamplingParams):
+        costs = {rid: estimate_cost(len(processed.prompt_token_ids), params, max_tokens)
+                 for rid, (processed, max_tokens) in zip(rids, prepared)}
+        limits.state.logprob_budget.admit(costs, engine._streams, prompt_logprobs_field)
     streams: list[RequestStream] = []
     try:
         for rid, (processed, max_tokens) in zip(rids, prepared):
