@@ -4,14 +4,20 @@ cores, a tiny model) with the real openai client:
 - admission by estimated cost: logprob entries (prompt_logprobs / echo + logprobs / n x max_tokens x
   logprobs) are charged to --max-logprob-entries-in-flight: a request over it is a 400 naming the field,
   one that does not fit beside the requests in flight a 503 with Retry-After;
+- one data-parallel core killed mid-stream fails only the requests on it: the other core's streams
+  finish with the same greedy text as before the kill, and the dead core comes back;
+- requests that arrive while it restarts wait for it (--engine-restart-queue-size of them), the one
+  over the queue gets 503 with Retry-After.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import threading
 
+import httpx
 import openai
 import pytest
 from server_harness import ServerProcess
@@ -35,7 +41,7 @@ def model_path(tmp_path_factory):
 def server(model_path):
     srv = ServerProcess(["--model", model_path, "--served-model-name", "tiny", "--data-parallel-size", "2",
                          "--max-logprob-entries-in-flight", str(BUDGET), "--engine-restart-max", "3",
-                         "--max-num-seqs", "8"])
+                         "--max-num-seqs", "8", "--engine-restart-queue-size", "2"])
     try:
         srv.wait_ready(600)
         yield srv
@@ -109,3 +115,91 @@ def test_costly_requests_wait_their_turn(server, client):
             assert e.status_code == 503
             threading.Event().wait(0.1)
     assert out.choices[0].finish_reason == "length" and len(out.choices[0].logprobs.tokens) == 10
+
+
+PROMPTS = [[11 + i, 12, 13 + 2 * i] for i in range(6)]
+MAX_TOKENS = 300
+
+
+class Stream(threading.Thread):
+    """A streamed greedy completion: its text, whether a token came, its finish reason or error event."""
+
+    def __init__(self, url: str, prompt: list[int]) -> None:
+        super().__init__(daemon=True)
+        self.url, self.prompt = url, prompt
+        self.text, self.finish, self.error = "", None, None
+        self.got_token = threading.Event()
+
+    def run(self) -> None:
+        body = {"model": "tiny", "prompt": self.prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=300) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    self.error = event["error"]
+                    continue
+                for c in event["choices"]:
+                    self.text += c["text"]
+                    self.finish = c["finish_reason"] or self.finish
+                    self.got_token.set()
+        self.got_token.set()
+
+
+def greedy(client, prompt: list[int], max_tokens: int = MAX_TOKENS) -> str:
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    return out.choices[0].text
+
+
+def test_a_dead_dp_core_fails_only_its_requests_and_newcomers_wait_for_it(server, client):
+    refs = [greedy(client, p) for p in PROMPTS]
+    late_ref = greedy(client, [7, 8, 9], 8)
+    pid0, pid1 = core_pid(server, 0), core_pid(server, 1)
+    streams = [Stream(server.url, p) for p in PROMPTS]
+    for s in streams:  # one at a time: the client sends each to the core with fewer requests
+        s.start()
+        assert s.got_token.wait(120)
+    os.kill(pid1, signal.SIGKILL)
+    codes: list[int] = []
+    deadline = threading.Event()
+    for _ in range(600):  # /health says the core restarts (503 engine_restarting)
+        r = httpx.get(server.url + "/health", timeout=10)
+        codes.append(r.status_code)
+        if r.status_code == 503:
+            break
+        deadline.wait(0.05)
+    assert codes[-1] == 503 and "restarting" in r.text, (codes, r.text)
+    late: list = [None] * 3
+
+    def send(i: int) -> None:
+        try:
+            late[i] = greedy(client, [7, 8, 9], 8)
+        except openai.APIStatusError as e:
+            late[i] = e
+    senders = [threading.Thread(target=send, args=(i,)) for i in range(3)]
+    for t in senders:
+        t.start()
+    for t in senders + streams:
+        t.join(300)
+    failed = [s for s in streams if s.error is not None]
+    finished = [s for s in streams if s.error is None]
+    assert failed and finished, [(s.finish, s.error) for s in streams]
+    for s in failed:
+        assert s.error["code"] == "engine_dead" and "SIGKILL" in s.error["message"], s.error
+    for s in finished:  # the live core's requests: whole and correct
+        assert s.finish == "length" and s.text == refs[streams.index(s)]
+    # newcomers during the restart: two waited and were served, the third was over the queue
+    served = [x for x in late if isinstance(x, str)]
+    refused = [x for x in late if not isinstance(x, str)]
+    assert served == [late_ref] * 2, late
+    assert len(refused) == 1 and refused[0].status_code == 503, late
+    assert refused[0].response.headers["retry-after"] == "5" and refused[0].body["code"] == "engine_restarting"
+    os.kill(pid0, 0)  # the live core was never restarted
+    assert core_pid(server, 0) == pid0
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    assert re.search(r"^vllite:engine_core_restarts_total(\{[^}]*\})? 1(\.0)?$", metrics, re.M), metrics[-2000:]
+    assert [greedy(client, p) for p in PROMPTS[:2]] == refs[:2]  # both cores serve again

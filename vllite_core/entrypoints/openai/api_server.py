@@ -48,6 +48,8 @@ from vllite_core.entrypoints.openai.routes import admin, generate, models, sagem
 from vllite_core.entrypoints.openai.serving_common import (
     DEFAULT_BODY_READ_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_RESTART_QUEUE_SIZE,
+    DEFAULT_RESTART_QUEUE_TIMEOUT_S,
     ServerState,
 )
 from vllite_core.entrypoints.openai.serving_lora import ServedLoRAs
@@ -122,7 +124,9 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
               template_limits: TemplateLimits | None = None, health_stall_s: float = DEFAULT_STALL_S,
               root_path: str = "", enable_log_requests: bool = False, max_log_len: int | None = None,
               otlp_traces_endpoint: str | None = None, enable_server_load_tracking: bool = False,
-              max_logprob_entries_in_flight: int | None = DEFAULT_MAX_LOGPROB_ENTRIES) -> FastAPI:
+              max_logprob_entries_in_flight: int | None = DEFAULT_MAX_LOGPROB_ENTRIES,
+              restart_queue_size: int = DEFAULT_RESTART_QUEUE_SIZE,
+              restart_queue_timeout: float = DEFAULT_RESTART_QUEUE_TIMEOUT_S) -> FastAPI:
     """The app: the shared state on ``app.state``, the routers, one error translation, the middleware.
     ``allowed_origins``: CORS on for these (off when None); ``allowed_hosts``: the Host header must
     name one of these (no check when None; ``serve`` passes LOOPBACK_HOSTS on a loopback bind).
@@ -130,7 +134,8 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
     name from the vllite_register_reasoning_parsers hook. ``root_path``: the prefix a proxy serves the
     app under (--root-path); ``otlp_traces_endpoint``: an OTLP/HTTP receiver for a span per request.
     ``max_logprob_entries_in_flight``: the logprob entries requests in flight may hold (admission.py;
-    None or 0: no limit)."""
+    None or 0: no limit). ``restart_queue_size`` / ``restart_queue_timeout``: requests that wait for a
+    restarting engine core, and how long (ServerState.wait_for_restart)."""
     from vllite_core.reasoning import get_reasoning_parser
 
     state = ServerState(engine, model_names, max_body_bytes, api_key, max_waiting_requests=max_waiting_requests,
@@ -143,7 +148,8 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
                         tool_parser=_tool_parser(tool_call_parser) if tool_call_parser is not None else None,
                         request_logger=RequestLogger(max_log_len) if enable_log_requests else None,
                         logprob_budget=LogprobBudget(max_logprob_entries_in_flight)
-                        if max_logprob_entries_in_flight else None)
+                        if max_logprob_entries_in_flight else None,
+                        restart_queue_size=restart_queue_size, restart_queue_timeout=restart_queue_timeout)
     state.metrics = ServerMetrics(engine, state.model_name)
     if otlp_traces_endpoint is not None:
         state.tracer = RequestTracer(otlp_traces_endpoint)

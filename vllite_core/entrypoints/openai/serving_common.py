@@ -30,6 +30,8 @@ T = TypeVar("T")
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_BODY_READ_TIMEOUT_S = 30.0
+DEFAULT_RESTART_QUEUE_SIZE = 64  # requests that may wait for a restarting engine core
+DEFAULT_RESTART_QUEUE_TIMEOUT_S = 60.0
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
@@ -59,6 +61,11 @@ class ServerState:
     server_load: int = 0  # HTTP requests in flight on the load-aware routes (--enable-server-load-tracking: /load)
     # Logprob entries the requests in flight may hold (--max-logprob-entries-in-flight; admission.py).
     logprob_budget: LogprobBudget | None = field(default_factory=lambda: LogprobBudget(DEFAULT_MAX_LOGPROB_ENTRIES))
+    # While a dead engine core restarts, this many new requests wait for it, each at most this long
+    # (--engine-restart-queue-size / --engine-restart-queue-timeout); then 503 + Retry-After.
+    restart_queue_size: int = DEFAULT_RESTART_QUEUE_SIZE
+    restart_queue_timeout: float = DEFAULT_RESTART_QUEUE_TIMEOUT_S
+    restart_waiters: int = 0
 
     async def read_body(self, request: Request, model: type[M]) -> M:
         """The request's JSON body as ``model``, under this server's size and time limits (``read_body``)."""
@@ -95,6 +102,29 @@ class ServerState:
         except asyncio.TimeoutError:
             raise APIError(504, f"the request ran past the server's {limits.timeout:g} s request timeout while "
                            "being prepared and was aborted", code="request_timeout") from None
+
+    async def wait_for_restart(self) -> None:
+        """While the engine core restarts (within its restart budget, so it is expected back), wait
+        for it instead of failing: at most ``restart_queue_size`` requests wait, each at most
+        ``restart_queue_timeout`` s (and its --request-timeout); otherwise 503 with Retry-After."""
+        engine = self.engine
+        if engine.restarting is None or engine.dead is not None:
+            return
+        if self.restart_waiters >= self.restart_queue_size:
+            raise APIError(503, f"the engine core is restarting after it died and {self.restart_queue_size} requests "
+                           f"already wait for it: retry later ({engine.restarting})", code="engine_restarting",
+                           headers={"Retry-After": "5"})
+        self.restart_waiters += 1
+        try:
+            deadline = time.monotonic() + self.restart_queue_timeout
+            while engine.restarting is not None and engine.dead is None:
+                if time.monotonic() >= deadline:
+                    raise APIError(503, f"the engine core did not finish restarting within "
+                                   f"{self.restart_queue_timeout:g} s: retry later ({engine.restarting})",
+                                   code="engine_restarting", headers={"Retry-After": "5"})
+                await asyncio.sleep(0.05)
+        finally:
+            self.restart_waiters -= 1
 
     def check_capacity(self) -> None:
         if self.max_waiting_requests is not None and self.num_waiting() >= self.max_waiting_requests:
@@ -239,12 +269,14 @@ async def add_streams(engine: AsyncLLM, prompts: list[PromptType], params: Sampl
     """One engine request per prompt (each carrying ``cache_salt``); all or nothing. The prompts are
     tokenized and validated on the engine's prep thread (AsyncLLM.run_prep), not on the event loop.
     Under ServerState.admit the waiting limit is checked again after that, where the requests are
-    queued (no await in between, so concurrent requests cannot all slip under it). ``requested_max_tokens``
+    queued (no await in between, so concurrent requests cannot all slip under it). While a dead engine
+    core restarts, the request first waits for it (ServerState.wait_for_restart). ``requested_max_tokens``
     (the request's own) past the context left after a prompt is a 400, as in vLLM. The logprob entries
     the requests will produce are charged to the server's budget (admission.py; 400 naming
     ``prompt_logprobs_field`` or ``logprobs`` when they can never fit, 503 when not now)."""
     limits = _LIMITS.get()
     if limits is not None:
+        await limits.state.within_timeout(limits.state.wait_for_restart())
         limits.state.check_capacity()
     rids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
     for rid in rids:
