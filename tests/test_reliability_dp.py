@@ -117,6 +117,18 @@ def test_costly_requests_wait_their_turn(server, client):
     assert out.choices[0].finish_reason == "length" and len(out.choices[0].logprobs.tokens) == 10
 
 
+def test_large_bodies_are_validated_off_the_loop_with_the_same_answers(server, client):
+    """A 1.6 MiB body (over body_parser's 1 MiB) goes through the helper process: a bad field is the
+    usual 400 naming it; a valid one reaches the engine (its prompt is over the context: 400 too)."""
+    ids = list(range(100, 100 + 250_000))
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=ids, max_tokens=1, extra_body={"top_k": "many"})
+    assert e.value.body["param"] == "top_k", e.value.body
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=ids, max_tokens=1)
+    assert e.value.body["code"] == "context_length_exceeded" and "250000" in e.value.body["message"]
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
 PROMPTS = [[11 + i, 12, 13 + 2 * i] for i in range(6)]
 MAX_TOKENS = 300
 

@@ -82,6 +82,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     state.templates.start()
     yield
     state.templates.close()
+    state.body_parser.close()
     state.engine.close()
     if state.tracer is not None:
         state.tracer.close()  # exports the spans still batched

@@ -9,6 +9,7 @@ import json
 import time
 import uuid
 from collections.abc import Mapping
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, TypeVar
 
@@ -18,6 +19,7 @@ from starlette.requests import ClientDisconnect, Request
 from vllite_core.engine.async_llm import AsyncLLM, RequestStream
 from vllite_core.engine.llm_engine import PromptType
 from vllite_core.entrypoints.openai.admission import DEFAULT_MAX_LOGPROB_ENTRIES, LogprobBudget, estimate_cost
+from vllite_core.entrypoints.openai.body_parser import BodyParser
 from vllite_core.entrypoints.openai.errors import APIError, bad_request
 from vllite_core.entrypoints.openai.request_logger import RequestLogger
 from vllite_core.entrypoints.openai.template_sandbox import TemplateSandbox
@@ -66,10 +68,21 @@ class ServerState:
     restart_queue_size: int = DEFAULT_RESTART_QUEUE_SIZE
     restart_queue_timeout: float = DEFAULT_RESTART_QUEUE_TIMEOUT_S
     restart_waiters: int = 0
+    body_parser: BodyParser = field(default_factory=BodyParser)  # large bodies validated off the event loop
 
     async def read_body(self, request: Request, model: type[M]) -> M:
-        """The request's JSON body as ``model``, under this server's size and time limits (``read_body``)."""
-        return await read_body(request, model, self.max_body_bytes, self.body_read_timeout)
+        """The request's JSON body as ``model``, under this server's size and time limits (``read_body``'s
+        checks); a large body is validated in a helper process (body_parser.py), not on the event loop."""
+        body = await read_bytes(request, self.max_body_bytes, self.body_read_timeout)
+        try:
+            parsed, err = await self.body_parser.parse(body, model)
+        except BrokenProcessPool:
+            raise APIError(503, "the request body parser stopped: retry", code="body_parser_failed",
+                           headers={"Retry-After": "1"}) from None
+        if err is not None:
+            raise first_error(err)
+        assert parsed is not None
+        return parsed
 
     async def read_raw(self, request: Request) -> bytes:
         """The request's JSON body unparsed, under the same checks and limits."""
@@ -215,7 +228,11 @@ async def read_body(request: Request, model: type[M], limit: int, timeout: float
 
 def validation_error(e: ValidationError) -> APIError:
     """A body's first validation error as a 400 naming the field."""
-    err = e.errors(include_url=False)[0]
+    return first_error(dict(e.errors(include_url=False)[0]))
+
+
+def first_error(err: Mapping[str, Any]) -> APIError:
+    """One pydantic error (type, loc, msg) as a 400 naming the field."""
     if err["type"] == "json_invalid":
         return bad_request(f"malformed JSON body: {err['msg']}", None, "invalid_json")
     param = _param(tuple(err["loc"]))
