@@ -41,7 +41,8 @@ def model_path(tmp_path_factory):
 def server(model_path):
     srv = ServerProcess(["--model", model_path, "--served-model-name", "tiny", "--data-parallel-size", "2",
                          "--max-logprob-entries-in-flight", str(BUDGET), "--engine-restart-max", "3",
-                         "--max-num-seqs", "8", "--engine-restart-queue-size", "2"])
+                         "--max-num-seqs", "8", "--engine-restart-queue-size", "2",
+                         "--engine-restart-queue-timeout", "500"])  # a restart on a loaded host can take minutes
     try:
         srv.wait_ready(600)
         yield srv
@@ -130,7 +131,7 @@ def test_large_bodies_are_validated_off_the_loop_with_the_same_answers(server, c
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
 
 PROMPTS = [[11 + i, 12, 13 + 2 * i] for i in range(6)]
-MAX_TOKENS = 300
+MAX_TOKENS = 1000  # long enough that every stream is still open when the core is killed
 
 
 class Stream(threading.Thread):
@@ -167,14 +168,27 @@ def greedy(client, prompt: list[int], max_tokens: int = MAX_TOKENS) -> str:
 
 
 def test_a_dead_dp_core_fails_only_its_requests_and_newcomers_wait_for_it(server, client):
-    refs = [greedy(client, p) for p in PROMPTS]
+    refs = [None] * len(PROMPTS)
+
+    def ref(i: int) -> None:
+        refs[i] = greedy(client, PROMPTS[i])
+    threads = [threading.Thread(target=ref, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
     late_ref = greedy(client, [7, 8, 9], 8)
     pid0, pid1 = core_pid(server, 0), core_pid(server, 1)
     streams = [Stream(server.url, p) for p in PROMPTS]
-    for s in streams:  # one at a time: the client sends each to the core with fewer requests
+    for s in streams:  # the client sends each to the core with fewer requests: 3 and 3
         s.start()
+    for s in streams:
         assert s.got_token.wait(120)
+    for pid in (pid0, pid1):  # hold every stream where it is, then kill core 1
+        os.kill(pid, signal.SIGSTOP)
+    assert not any(s.finish for s in streams), "a stream finished before the kill"
     os.kill(pid1, signal.SIGKILL)
+    os.kill(pid0, signal.SIGCONT)
     codes: list[int] = []
     deadline = threading.Event()
     for _ in range(600):  # /health says the core restarts (503 engine_restarting)
