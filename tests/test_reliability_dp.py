@@ -200,9 +200,11 @@ def test_a_dead_dp_core_fails_only_its_requests_and_newcomers_wait_for_it(server
     assert codes[-1] == 503 and "restarting" in r.text, (codes, r.text)
     late: list = [None] * 3
 
+    patient = client.with_options(timeout=600)  # they wait for the restart
+
     def send(i: int) -> None:
         try:
-            late[i] = greedy(client, [7, 8, 9], 8)
+            late[i] = greedy(patient, [7, 8, 9], 8)
         except openai.APIStatusError as e:
             late[i] = e
     senders = [threading.Thread(target=send, args=(i,)) for i in range(3)]
