@@ -34,6 +34,15 @@ class EngineDeadError(RuntimeError):
     every open request fails with this, naming the cause, and no request can be served any more."""
 
 
+class EngineCoreDeadError(EngineDeadError):
+    """One data-parallel engine core died while the others still serve: only the requests it held
+    (``request_ids``, engine request ids: parallel-sampling children included) fail with this."""
+
+    def __init__(self, message: str, request_ids: frozenset[str]) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids
+
+
 class EngineSleepingError(RuntimeError):
     """A request reached an engine put to sleep (``LLM.sleep``): its KV cache (and maybe its weights) are
     released until ``wake_up``. The request is refused; the server answers 503."""

@@ -36,6 +36,8 @@ budget (engine/restart.py): its open streams fail with ``EngineDeadError`` as ab
 holds the cause while new requests are refused with it and the loop starts the core again after
 the policy's backoff; then the engine serves as before. Past the budget it is dead as above.
 Requests queued before the death are recognised by ``_epoch`` and never reach the new core.
+With data-parallel cores (``EngineCoreDeadError``) only the dead core's requests fail and only it
+starts again: the other cores' requests go on (held while it loads, then finished as before).
 """
 from __future__ import annotations
 
@@ -59,6 +61,7 @@ from vllite_core.engine.llm_engine import LLMEngine, PromptType
 from vllite_core.engine.restart import RestartPolicy
 from vllite_core.errors import (
     ConfigError,
+    EngineCoreDeadError,
     EngineDeadError,
     EngineSleepingError,
     InvalidRequestError,
@@ -599,6 +602,7 @@ class AsyncLLM:
             step_s = 0.0
             before = self.snapshot.step_times.steps
             restart_in: float | None = None
+            lost: frozenset[str] | None = None
             if engine.has_unfinished_requests():
                 t1 = time.perf_counter()
                 try:
@@ -607,16 +611,24 @@ class AsyncLLM:
                     exc = e if isinstance(e, EngineDeadError) else EngineDeadError(
                         f"the engine died: a step failed with {e!r}")
                     restart_in = self._restart_delay()
+                    lost = e.request_ids if isinstance(e, EngineCoreDeadError) else None
                     if restart_in is None:
                         logger.exception("engine step failed (a fault of no single request); the engine is dead")
                         if self.restart_policy is not None:
                             self._log_budget_spent()
                         self.dead = e
-                    else:
+                    elif lost is None:
                         logger.error("%s; the engine core restarts in %g s", exc, restart_in)
                         self.restarting = exc
                         self._epoch += 1
-                    failed.append(("", exc))
+                    else:  # the other data-parallel cores keep their requests
+                        logger.error("%s; it restarts in %g s (%d requests fail; the other cores' go on)", exc,
+                                     restart_in, len(lost))
+                        self.restarting = exc
+                    if restart_in is None or lost is None:
+                        failed.append(("", exc))
+                    else:
+                        failed.extend((rid, exc) for rid in engine.parents_of(lost))
                 step_s = time.perf_counter() - t1
                 st.step_s += step_s
                 st.steps += 1
@@ -627,7 +639,7 @@ class AsyncLLM:
                 return
             st.other_s += time.perf_counter() - t0 - step_s
             if restart_in is not None:
-                self._restart(restart_in)
+                self._restart(restart_in, lost)
             if self.dead is not None or self._stopping:
                 return
             if not ran and not cmds:
@@ -656,9 +668,10 @@ class AsyncLLM:
         logger.error("the engine core may not restart again (%d restarts in %g s): the engine is dead",
                      self.restart_policy.max_restarts, self.restart_policy.window_s)
 
-    def _restart(self, delay: float | None) -> None:
+    def _restart(self, delay: float | None, lost: frozenset[str] | None = None) -> None:
         """On the loop thread: start the dead core again after ``delay``, retrying with the policy's
-        backoff; past the budget the engine is dead (``on_dead`` runs)."""
+        backoff; past the budget the engine is dead (``on_dead`` runs). ``lost``: a data-parallel core's
+        requests (LLMEngine.restart_core)."""
         assert self.restart_policy is not None
         cause = self.restarting
         while delay is not None:
@@ -669,7 +682,7 @@ class AsyncLLM:
                 return
             made = self.restart_policy.record()
             try:
-                self.engine.restart_core()
+                self.engine.restart_core(lost)
             except BaseException as e:  # noqa: BLE001 - the start-up failed: try again, or give up
                 if self._stopping:
                     return

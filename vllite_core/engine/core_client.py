@@ -84,8 +84,9 @@ class EngineCoreClient(Protocol):
     def wake(self) -> None:
         """Make a ``step`` that waits for outputs return now (new requests or aborts to send)."""
 
-    def restart(self) -> None:
-        """Start the dead core(s) again, forgetting every request sent before; raises what start-up raised."""
+    def restart(self, keep_live: bool = False) -> None:
+        """Start the dead core(s) again, forgetting every request sent before (``keep_live``: only the dead
+        cores' ones; live data-parallel cores keep theirs); raises what start-up raised."""
     # Sleep mode and the user's RPCs (docs/sleep_mode.md): answered calls, from the thread that steps.
     def sleep(self, level: int) -> list[SleepReport]:
         """Every engine core's workers release their KV cache (and weights, level 2); each rank's bytes."""
@@ -153,7 +154,7 @@ class InprocClient:
     def wake(self) -> None:
         """Nothing waits: ``step`` returns when the core's step does."""
 
-    def restart(self) -> None:
+    def restart(self, keep_live: bool = False) -> None:
         raise NotImplementedError("an in-process engine core is not restarted (restartable is False)")
     def sleep(self, level: int) -> list[SleepReport]:
         return self.engine_core.sleep(level)

@@ -235,13 +235,23 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
-    def restart_core(self) -> None:
+    def restart_core(self, lost: frozenset[str] | None = None) -> None:
         """After the core died (``core.restartable``): forget every request (the caller failed them) and
-        start the core again; the engine serves once this returns."""
-        for rid in list(self.output_processor.states):
-            self.output_processor.abort(rid)
-        self.core.restart()
+        start the core again; the engine serves once this returns. ``lost``: only one data-parallel core
+        died, holding these engine request ids: only their requests are forgotten (a parallel-sampling
+        request's children on a live core are aborted there), the others go on."""
+        if lost is None:
+            for rid in list(self.output_processor.states):
+                self.output_processor.abort(rid)
+        self.core.restart(keep_live=lost is not None)
+        if lost is not None:
+            for parent in self.parents_of(lost):
+                self.core.abort_requests(self.output_processor.abort(parent))
         self.dead = None
+
+    def parents_of(self, request_ids: frozenset[str]) -> set[str]:
+        """The requests (as added) the engine request ids belong to (a parallel-sampling child's parent)."""
+        return {self.output_processor.child_to_parent.get(rid, rid) for rid in request_ids}
 
     def get_stats(self) -> SchedulerStats:
         """The core's numbers: running/waiting, KV usage, preemptions, prefix-cache hits, step times."""

@@ -11,7 +11,9 @@ not yet finished or aborted), and /metrics labels each engine's numbers with its
 Death: a monitor thread waits on the processes' sentinels. When one exits (a crash, kill -9,
 the OOM killer), ``step`` raises ``EngineDeadError`` naming the process, its exit code or
 signal and the last error line it sent, so AsyncLLM fails every open request with it; ``restart``
-then starts the dead process(es) again (AsyncLLM decides whether, within its restart budget).
+then starts the dead process(es) again (AsyncLLM decides whether, within its restart budget). With
+data parallelism, while other cores live, it raises ``EngineCoreDeadError`` carrying the dead core's
+request ids: only those fail, the live cores keep theirs, and ``restart`` starts only the dead core.
 """
 from __future__ import annotations
 
@@ -52,7 +54,7 @@ from vllite_core.engine.core_messages import (
     EngineMessage,
 )
 from vllite_core.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
-from vllite_core.errors import ConfigError, EngineDeadError
+from vllite_core.errors import ConfigError, EngineCoreDeadError, EngineDeadError
 from vllite_core.request import Request, RequestStatus
 from vllite_core.worker.sleep import SleepReport
 
@@ -205,7 +207,11 @@ class MPClient:
 
     # ---- what LLMEngine calls ---------------------------------------------------------------
     def _pick(self) -> _Engine:
-        return min(self.engines, key=lambda e: (e.unfinished, e.index))
+        engines = self.engines if self._died is None else [e for e in self.engines if e not in self._dead_engines()]
+        return min(engines, key=lambda e: (e.unfinished, e.index))
+
+    def _dead_engines(self) -> list[_Engine]:
+        return [e for e in self.engines if e is self._died or (e.proc is not None and not e.proc.is_alive())]
 
     def _queue(self, eng: _Engine, msg: Any) -> None:
         """Sent with the others queued before the next ``step`` (or ``flush``), as one message."""
@@ -214,8 +220,11 @@ class MPClient:
     def flush(self) -> None:
         outbox, self._outbox = self._outbox, {}
         for index, msgs in outbox.items():
-            if self._died is None and not self._send(self.engines[index], msgs):
-                self._died = self.engines[index]
+            eng = self.engines[index]
+            if eng is self._died:
+                continue  # its requests fail with it
+            if not self._send(eng, msgs) and self._died is None:
+                self._died = eng
 
     def _send(self, eng: _Engine, msgs: list[Any]) -> bool:
         """Never blocks: False when the engine is not connected (not started yet, or gone)."""
@@ -228,7 +237,8 @@ class MPClient:
                 return False
 
     def add_request(self, request: Request) -> None:
-        self._raise_if_dead()
+        if self._died is not None and len(self._dead_engines()) == len(self.engines):
+            self._raise_if_dead()
         lora = pickle.dumps(request.lora_request) if request.lora_request is not None else None
         pooling = pickle.dumps(request.pooling_params) if request.pooling_params is not None else None
         msg = EngineCoreRequest(request.request_id, list(request.prompt_token_ids),
@@ -396,6 +406,10 @@ class MPClient:
                 self._drain()  # the last words it may have sent before it exited
             except zmq.ZMQError:
                 pass
+        dead = self._dead_engines()
+        if len(dead) < len(self.engines):  # data parallel: the others serve on
+            raise EngineCoreDeadError(self.death_cause(),
+                                      frozenset(rid for rid, owner in self._owner.items() if owner in dead))
         raise EngineDeadError(self.death_cause())
 
     def death_cause(self) -> str:
@@ -408,12 +422,14 @@ class MPClient:
         return text
 
     # ---- restart ---------------------------------------------------------------------------------
-    def restart(self) -> None:
+    def restart(self, keep_live: bool = False) -> None:
         """Bring the dead engine core(s) back: each exited process starts again from the config (the
         model loads again). Every request sent before is forgotten (the caller failed them): engines
         still running (data parallel) abort theirs. Raises what the new process's start-up raised
-        (the engine stays dead; a later ``restart`` tries again)."""
-        dead = [e for e in self.engines if e is self._died or not e.proc.is_alive()]
+        (the engine stays dead; a later ``restart`` tries again). ``keep_live``: only the dead core's
+        requests are forgotten; live data-parallel cores keep theirs and their outputs."""
+        dead = self._dead_engines()
+        partial = keep_live and len(dead) < len(self.engines)
         for eng in dead:
             eng.proc.join(5)
             if eng.proc.is_alive():  # it reported a failed step and hangs on its way out
@@ -424,14 +440,22 @@ class MPClient:
             self._drain()  # the dead process's last messages
         except zmq.ZMQError:
             pass
-        self._pending.clear()
-        self._outbox.clear()
-        for eng in self.engines:
-            ids = [rid for rid, owner in self._owner.items() if owner is eng]
-            if ids and eng not in dead:
-                self._send(eng, [EngineCoreAbort(ids)])
-            eng.unfinished = 0
-        self._owner.clear()
+        if partial:
+            gone = {e.index for e in dead}
+            self._pending = deque(m for m in self._pending if m.engine_index not in gone)
+            for eng in dead:
+                self._outbox.pop(eng.index, None)
+                eng.unfinished = 0
+            self._owner = {rid: owner for rid, owner in self._owner.items() if owner not in dead}
+        else:
+            self._pending.clear()
+            self._outbox.clear()
+            for eng in self.engines:
+                ids = [rid for rid, owner in self._owner.items() if owner is eng]
+                if ids and eng not in dead:
+                    self._send(eng, [EngineCoreAbort(ids)])
+                eng.unfinished = 0
+            self._owner.clear()
         self._restarts += 1
         for eng in dead:
             eng.sent = eng.applied = 0

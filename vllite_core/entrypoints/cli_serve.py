@@ -35,6 +35,15 @@ def add_serve_parser(sub: Any) -> None:
                    "::1 (DNS rebinding), otherwise any")
     g.add_argument("--max-waiting-requests", type=int, default=None,
                    help="with this many requests accepted but not started, new ones get 503 + Retry-After")
+    g.add_argument("--max-logprob-entries-in-flight", type=int, default=4 << 20,
+                   help="logprob entries (prompt_logprobs / echo and logprobs, times n and max_tokens) the requests "
+                   "in flight may hold: a request over it gets 400 naming the field, one that does not fit now "
+                   "503 + Retry-After; 0: no limit")
+    g.add_argument("--engine-restart-queue-size", type=int, default=64,
+                   help="while a dead engine core restarts, this many new requests wait for it (more: 503 + "
+                   "Retry-After); 0: all get 503 at once")
+    g.add_argument("--engine-restart-queue-timeout", type=float, default=60.0,
+                   help="seconds a request waits for a restarting engine core before it gets 503 + Retry-After")
     g.add_argument("--request-timeout", type=float, default=None,
                    help="seconds a generation request may take from arrival; then it is aborted (504, or an "
                    "error event in a stream); default: none")
@@ -124,6 +133,8 @@ def run_serve(ns: argparse.Namespace) -> int:
                         ("header_read_timeout", 1e-3), ("chat_template_timeout", 1e-3),
                         ("chat_template_max_output_chars", 1), ("chat_template_memory_mb", 16),
                         ("health_stall_timeout", 1e-3), ("engine_restart_max", 0), ("engine_restart_window", 1e-3),
+                        ("max_logprob_entries_in_flight", 0), ("engine_restart_queue_size", 0),
+                        ("engine_restart_queue_timeout", 0),
                         ("shutdown_timeout", 0)):
         if getattr(ns, flag) is not None and getattr(ns, flag) < least:
             raise SystemExit(f"vllite serve: --{flag.replace('_', '-')} must be at least {least:g}")
@@ -179,6 +190,8 @@ def run_serve(ns: argparse.Namespace) -> int:
           allowed_methods=ns.allowed_methods, allowed_headers=ns.allowed_headers,
           allow_credentials=ns.allow_credentials, allowed_hosts=ns.allowed_hosts,
           max_waiting_requests=ns.max_waiting_requests, request_timeout=ns.request_timeout,
+          max_logprob_entries_in_flight=ns.max_logprob_entries_in_flight,
+          restart_queue_size=ns.engine_restart_queue_size, restart_queue_timeout=ns.engine_restart_queue_timeout,
           body_read_timeout=ns.body_read_timeout or None, enable_docs=not ns.disable_fastapi_docs,
           chat_template=chat_template, reasoning_parser=reasoning_parser,
           enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser, loras=loras,

@@ -32,6 +32,7 @@ from vllite_core.entrypoints.openai import (
     serving_pooling,
     serving_transcription,
 )
+from vllite_core.entrypoints.openai.admission import DEFAULT_MAX_LOGPROB_ENTRIES, LogprobBudget
 from vllite_core.entrypoints.openai.health import DEFAULT_STALL_S, HealthMonitor
 from vllite_core.entrypoints.openai.http_protocol import DEFAULT_HEADER_READ_TIMEOUT_S, header_timeout_protocol
 from vllite_core.entrypoints.openai.metrics import ServerMetrics
@@ -47,6 +48,8 @@ from vllite_core.entrypoints.openai.routes import admin, generate, models, sagem
 from vllite_core.entrypoints.openai.serving_common import (
     DEFAULT_BODY_READ_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_RESTART_QUEUE_SIZE,
+    DEFAULT_RESTART_QUEUE_TIMEOUT_S,
     ServerState,
 )
 from vllite_core.entrypoints.openai.serving_lora import ServedLoRAs
@@ -79,6 +82,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     state.templates.start()
     yield
     state.templates.close()
+    state.body_parser.close()
     state.engine.close()
     if state.tracer is not None:
         state.tracer.close()  # exports the spans still batched
@@ -120,13 +124,19 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
               loras: ServedLoRAs | None = None, trust_request_chat_template: bool = False,
               template_limits: TemplateLimits | None = None, health_stall_s: float = DEFAULT_STALL_S,
               root_path: str = "", enable_log_requests: bool = False, max_log_len: int | None = None,
-              otlp_traces_endpoint: str | None = None, enable_server_load_tracking: bool = False) -> FastAPI:
+              otlp_traces_endpoint: str | None = None, enable_server_load_tracking: bool = False,
+              max_logprob_entries_in_flight: int | None = DEFAULT_MAX_LOGPROB_ENTRIES,
+              restart_queue_size: int = DEFAULT_RESTART_QUEUE_SIZE,
+              restart_queue_timeout: float = DEFAULT_RESTART_QUEUE_TIMEOUT_S) -> FastAPI:
     """The app: the shared state on ``app.state``, the routers, one error translation, the middleware.
     ``allowed_origins``: CORS on for these (off when None); ``allowed_hosts``: the Host header must
     name one of these (no check when None; ``serve`` passes LOOPBACK_HOSTS on a loopback bind).
     ``chat_template``: the template text (chat_template.load_chat_template); ``reasoning_parser``: a
     name from the vllite_register_reasoning_parsers hook. ``root_path``: the prefix a proxy serves the
-    app under (--root-path); ``otlp_traces_endpoint``: an OTLP/HTTP receiver for a span per request."""
+    app under (--root-path); ``otlp_traces_endpoint``: an OTLP/HTTP receiver for a span per request.
+    ``max_logprob_entries_in_flight``: the logprob entries requests in flight may hold (admission.py;
+    None or 0: no limit). ``restart_queue_size`` / ``restart_queue_timeout``: requests that wait for a
+    restarting engine core, and how long (ServerState.wait_for_restart)."""
     from vllite_core.reasoning import get_reasoning_parser
 
     state = ServerState(engine, model_names, max_body_bytes, api_key, max_waiting_requests=max_waiting_requests,
@@ -137,7 +147,10 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
                         trust_request_chat_template=trust_request_chat_template,
                         enable_auto_tool_choice=enable_auto_tool_choice,
                         tool_parser=_tool_parser(tool_call_parser) if tool_call_parser is not None else None,
-                        request_logger=RequestLogger(max_log_len) if enable_log_requests else None)
+                        request_logger=RequestLogger(max_log_len) if enable_log_requests else None,
+                        logprob_budget=LogprobBudget(max_logprob_entries_in_flight)
+                        if max_logprob_entries_in_flight else None,
+                        restart_queue_size=restart_queue_size, restart_queue_timeout=restart_queue_timeout)
     state.metrics = ServerMetrics(engine, state.model_name)
     if otlp_traces_endpoint is not None:
         state.tracer = RequestTracer(otlp_traces_endpoint)

@@ -9,6 +9,7 @@ import json
 import time
 import uuid
 from collections.abc import Mapping
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, TypeVar
 
@@ -17,6 +18,8 @@ from starlette.requests import ClientDisconnect, Request
 
 from vllite_core.engine.async_llm import AsyncLLM, RequestStream
 from vllite_core.engine.llm_engine import PromptType
+from vllite_core.entrypoints.openai.admission import DEFAULT_MAX_LOGPROB_ENTRIES, LogprobBudget, estimate_cost
+from vllite_core.entrypoints.openai.body_parser import BodyParser
 from vllite_core.entrypoints.openai.errors import APIError, bad_request
 from vllite_core.entrypoints.openai.request_logger import RequestLogger
 from vllite_core.entrypoints.openai.template_sandbox import TemplateSandbox
@@ -29,6 +32,8 @@ T = TypeVar("T")
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_BODY_READ_TIMEOUT_S = 30.0
+DEFAULT_RESTART_QUEUE_SIZE = 64  # requests that may wait for a restarting engine core
+DEFAULT_RESTART_QUEUE_TIMEOUT_S = 60.0
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
@@ -56,10 +61,28 @@ class ServerState:
     request_logger: RequestLogger | None = None  # --enable-log-requests
     tracer: RequestTracer | None = None  # --otlp-traces-endpoint
     server_load: int = 0  # HTTP requests in flight on the load-aware routes (--enable-server-load-tracking: /load)
+    # Logprob entries the requests in flight may hold (--max-logprob-entries-in-flight; admission.py).
+    logprob_budget: LogprobBudget | None = field(default_factory=lambda: LogprobBudget(DEFAULT_MAX_LOGPROB_ENTRIES))
+    # While a dead engine core restarts, this many new requests wait for it, each at most this long
+    # (--engine-restart-queue-size / --engine-restart-queue-timeout); then 503 + Retry-After.
+    restart_queue_size: int = DEFAULT_RESTART_QUEUE_SIZE
+    restart_queue_timeout: float = DEFAULT_RESTART_QUEUE_TIMEOUT_S
+    restart_waiters: int = 0
+    body_parser: BodyParser = field(default_factory=BodyParser)  # large bodies validated off the event loop
 
     async def read_body(self, request: Request, model: type[M]) -> M:
-        """The request's JSON body as ``model``, under this server's size and time limits (``read_body``)."""
-        return await read_body(request, model, self.max_body_bytes, self.body_read_timeout)
+        """The request's JSON body as ``model``, under this server's size and time limits (``read_body``'s
+        checks); a large body is validated in a helper process (body_parser.py), not on the event loop."""
+        body = await read_bytes(request, self.max_body_bytes, self.body_read_timeout)
+        try:
+            parsed, err = await self.body_parser.parse(body, model)
+        except BrokenProcessPool:
+            raise APIError(503, "the request body parser stopped: retry", code="body_parser_failed",
+                           headers={"Retry-After": "1"}) from None
+        if err is not None:
+            raise first_error(err)
+        assert parsed is not None
+        return parsed
 
     async def read_raw(self, request: Request) -> bytes:
         """The request's JSON body unparsed, under the same checks and limits."""
@@ -92,6 +115,29 @@ class ServerState:
         except asyncio.TimeoutError:
             raise APIError(504, f"the request ran past the server's {limits.timeout:g} s request timeout while "
                            "being prepared and was aborted", code="request_timeout") from None
+
+    async def wait_for_restart(self) -> None:
+        """While the engine core restarts (within its restart budget, so it is expected back), wait
+        for it instead of failing: at most ``restart_queue_size`` requests wait, each at most
+        ``restart_queue_timeout`` s (and its --request-timeout); otherwise 503 with Retry-After."""
+        engine = self.engine
+        if engine.restarting is None or engine.dead is not None:
+            return
+        if self.restart_waiters >= self.restart_queue_size:
+            raise APIError(503, f"the engine core is restarting after it died and {self.restart_queue_size} requests "
+                           f"already wait for it: retry later ({engine.restarting})", code="engine_restarting",
+                           headers={"Retry-After": "5"})
+        self.restart_waiters += 1
+        try:
+            deadline = time.monotonic() + self.restart_queue_timeout
+            while engine.restarting is not None and engine.dead is None:
+                if time.monotonic() >= deadline:
+                    raise APIError(503, f"the engine core did not finish restarting within "
+                                   f"{self.restart_queue_timeout:g} s: retry later ({engine.restarting})",
+                                   code="engine_restarting", headers={"Retry-After": "5"})
+                await asyncio.sleep(0.05)
+        finally:
+            self.restart_waiters -= 1
 
     def check_capacity(self) -> None:
         if self.max_waiting_requests is not None and self.num_waiting() >= self.max_waiting_requests:
@@ -182,7 +228,11 @@ async def read_body(request: Request, model: type[M], limit: int, timeout: float
 
 def validation_error(e: ValidationError) -> APIError:
     """A body's first validation error as a 400 naming the field."""
-    err = e.errors(include_url=False)[0]
+    return first_error(dict(e.errors(include_url=False)[0]))
+
+
+def first_error(err: Mapping[str, Any]) -> APIError:
+    """One pydantic error (type, loc, msg) as a 400 naming the field."""
     if err["type"] == "json_invalid":
         return bad_request(f"malformed JSON body: {err['msg']}", None, "invalid_json")
     param = _param(tuple(err["loc"]))
@@ -231,14 +281,19 @@ def with_cache_salt(prompt: PromptType, salt: str | None) -> PromptType:
 
 async def add_streams(engine: AsyncLLM, prompts: list[PromptType], params: SamplingParams, base_id: str,
                       priority: int, cache_salt: str | None = None, lora_request: Any = None,
-                      requested_max_tokens: int | None = None) -> list[RequestStream]:
+                      requested_max_tokens: int | None = None,
+                      prompt_logprobs_field: str = "prompt_logprobs") -> list[RequestStream]:
     """One engine request per prompt (each carrying ``cache_salt``); all or nothing. The prompts are
     tokenized and validated on the engine's prep thread (AsyncLLM.run_prep), not on the event loop.
     Under ServerState.admit the waiting limit is checked again after that, where the requests are
-    queued (no await in between, so concurrent requests cannot all slip under it). ``requested_max_tokens``
-    (the request's own) past the context left after a prompt is a 400, as in vLLM."""
+    queued (no await in between, so concurrent requests cannot all slip under it). While a dead engine
+    core restarts, the request first waits for it (ServerState.wait_for_restart). ``requested_max_tokens``
+    (the request's own) past the context left after a prompt is a 400, as in vLLM. The logprob entries
+    the requests will produce are charged to the server's budget (admission.py; 400 naming
+    ``prompt_logprobs_field`` or ``logprobs`` when they can never fit, 503 when not now)."""
     limits = _LIMITS.get()
     if limits is not None:
+        await limits.state.within_timeout(limits.state.wait_for_restart())
         limits.state.check_capacity()
     rids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
     for rid in rids:
@@ -258,6 +313,10 @@ async def add_streams(engine: AsyncLLM, prompts: list[PromptType], params: Sampl
         for rid, (processed, _) in zip(rids, prepared):
             limits.state.request_logger.log_inputs(rid, processed.prompt, processed.prompt_token_ids, params,
                                                    lora_request)
+    if limits is not None and limits.state.logprob_budget is not None and isinstance(params, SamplingParams):
+        costs = {rid: estimate_cost(len(processed.prompt_token_ids), params, max_tokens)
+                 for rid, (processed, max_tokens) in zip(rids, prepared)}
+        limits.state.logprob_budget.admit(costs, engine._streams, prompt_logprobs_field)
     streams: list[RequestStream] = []
     try:
         for rid, (processed, max_tokens) in zip(rids, prepared):

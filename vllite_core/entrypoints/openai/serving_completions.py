@@ -64,11 +64,13 @@ class CompletionServer:
         prompts = _prompts(req)
         params = to_sampling_params(req, req.max_tokens, req.logprobs, st.engine.engine.default_sampling_params)
         await asyncio.to_thread(apply_structured_outputs, st.engine, req, params)  # backend checks: CPU
+        plp_field = "prompt_logprobs"
         if req.echo and req.logprobs is not None and params.prompt_logprobs is None:
             params.prompt_logprobs = req.logprobs  # echoed prompt tokens get their logprobs too
+            plp_field = "echo"
         rid = new_id("cmpl")
         streams = await add_streams(st.engine, prompts, params, rid, req.priority, req.cache_salt,
-                                    st.lora_request(req.model), req.max_tokens)
+                                    st.lora_request(req.model), req.max_tokens, plp_field)
         ctx = _Ctx(self, req, rid, [s.num_prompt_tokens for s in streams])
         if req.stream:
             return StreamingResponse(ctx.stream(merged(st.engine, streams, delta=True)),

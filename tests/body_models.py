@@ -1,0 +1,14 @@
+"""A request-body model for tests/test_body_parser.py, in a module the parse helper process imports
+quickly (pydantic only): which process validated a body rides along as ``pid``."""
+from __future__ import annotations
+
+import os
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    prompt: list[int]
+    max_tokens: int = 16
+    pid: int = Field(default_factory=os.getpid)
