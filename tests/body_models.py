@@ -1,4 +1,4 @@
-"""A request-body model for tests/test_body_parser.py, in a module the parse helper process imports
+"""A request-body model for tests/server/test_body_parser.py, in a module the parse helper process imports
 quickly (pydantic only): which process validated a body rides along as ``pid``."""
 from __future__ import annotations
 

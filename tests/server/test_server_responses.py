@@ -160,7 +160,7 @@ def test_previous_response_id_and_retrieve(client):
 
 BAD = [
     ({"tools": [{"type": "web_search"}]}, "tools"),
-    # an image on a text-only model (images on a VLM: tests/test_llava_chat.py)
+    # an image on a text-only model (images on a VLM: tests/server/test_llava_chat.py)
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
      "input.content.image_url"),
     ({"input": [{"role": "user", "content": "ok"},
