@@ -14,7 +14,7 @@ native bf16 math ``onednn-bf16`` (oneDNN's packed bf16 kernel); where built (AVX
 GEMM on AMX tiles, csrc/amx.cpp); and W8A8 (``quantization="int8"``, bf16 rows in and out):
 where the CPU has VNNI ``int8-mm`` (quantize, ``torch._int_mm``, dequantize: the path before the int8 GEMM)
 and where built (AVX512-VNNI) ``int8-gemm`` (csrc/quant.cpp, all three in one call; ``int8-amx``: the same on
-AMX tiles).
+AMX tiles); without VNNI ``int8-panels`` (the same W8A8 numbers on the AVX2 GEMM's bfloat16 panels).
 ``--shape llama1b``: the Llama-3.2-1B shape's layers instead (qkv 3072x2048, o 2048x2048, gate_up
 16384x2048, down 2048x8192, LM head 49152x2048); ``--layers`` takes fewer layers than the model has (the
 weights still far exceed the caches, so the bytes per second are the model's), and ``mkl`` is F.linear on
@@ -111,6 +111,18 @@ def main() -> None:
 
         if m > 16:  # _int_mm needs more than 16 rows
             paths["int8-mm"] = int8_mm
+        if avx2_16 is not None and int8_packed is None:  # no VNNI: W8A8 on the AVX2 GEMM's bf16 panels
+            from vllite_platform_cpu.model_ops import CpuModelOps
+
+            panel_ops = CpuModelOps(fused=True, packed_linear=False, avx2_gemm=True, int8_panels=True)
+            panel_states: list[dict] = [{} for _ in int8]
+
+            def int8_panels() -> None:
+                with torch.no_grad():
+                    for (q, scale), st in zip(int8, panel_states):
+                        panel_ops.int8_linear(xs8[q.shape[1]], q, scale, None, st)
+
+            paths["int8-panels"] = int8_panels
         if int8_packed is not None:
 
             def int8_gemm(amx: bool) -> None:
@@ -134,7 +146,8 @@ def main() -> None:
             ts = sorted(ts[1:])
             med = ts[len(ts) // 2]
             gflops = flops_per_row * m / med / 1e9
-            per_weight = 0.5 if "int8" in name else 1 if "bf16" in name else 2  # 1, 2 or 4 bytes per weight
+            # 1, 2 or 4 bytes per weight (int8-panels reads bf16 panels)
+            per_weight = 1 if name == "int8-panels" else 0.5 if "int8" in name else 1 if "bf16" in name else 2
             gbs = flops_per_row * per_weight / med / 1e9
             cells.append(f"{name} {med * 1e3:6.1f} ms (best {ts[0] * 1e3:.1f}, {gflops:.0f} GFLOPS, {gbs:.1f} GB/s)")
         print(f"rows {m:4d}: " + "   ".join(cells), flush=True)
