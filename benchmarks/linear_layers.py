@@ -1,6 +1,7 @@
 """The linear layers of one SmolLM2-135M decode step, timed per CPU GEMM path, weights streamed from memory.
 
     .venv/bin/python benchmarks/linear_layers.py --rows 1 5 64
+    .venv/bin/python benchmarks/linear_layers.py --shape llama1b --layers 4 --rows 1 32 256
 
 30 layers of (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536) plus the 49152x576 LM head,
 float32, each weight its own tensor (540 MB in all, so every step reads them from DRAM as the engine
@@ -13,7 +14,11 @@ native bf16 math ``onednn-bf16`` (oneDNN's packed bf16 kernel); where built (AVX
 GEMM on AMX tiles, csrc/amx.cpp); and W8A8 (``quantization="int8"``, bf16 rows in and out):
 where the CPU has VNNI ``int8-mm`` (quantize, ``torch._int_mm``, dequantize: the path before the int8 GEMM)
 and where built (AVX512-VNNI) ``int8-gemm`` (csrc/quant.cpp, all three in one call; ``int8-amx``: the same on
-AMX tiles).
+AMX tiles); without VNNI ``int8-panels`` (the same W8A8 numbers on the AVX2 GEMM's bfloat16 panels).
+``--shape llama1b``: the Llama-3.2-1B shape's layers instead (qkv 3072x2048, o 2048x2048, gate_up
+16384x2048, down 2048x8192, LM head 49152x2048); ``--layers`` takes fewer layers than the model has (the
+weights still far exceed the caches, so the bytes per second are the model's), and ``mkl`` is F.linear on
+the plain float32 weight (torch's default GEMM).
 ``--paths`` keeps only the named paths; each cell also gives the weights' bytes read per second (GB/s).
 """
 from __future__ import annotations
@@ -23,7 +28,9 @@ import time
 
 import torch
 
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+# Per model shape: one decoder layer's (N, K) linears, its layer count, and the LM head's (N, K).
+SHAPES = {"smollm2": ([(960, 576), (576, 576), (3072, 576), (576, 1536)], 30, (49152, 576)),
+          "llama1b": ([(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)], 16, (49152, 2048))}
 
 
 def main() -> None:
@@ -31,6 +38,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 5, 64])
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--shape", default="smollm2", choices=sorted(SHAPES))
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's)")
     ap.add_argument("--paths", nargs="+", default=None, help="only these paths (e.g. avx2 avx2-bf16)")
     a = ap.parse_args()
     if a.threads:
@@ -38,8 +47,9 @@ def main() -> None:
     from vllite_platform_cpu import kernels
 
     g = torch.Generator().manual_seed(0)
-    weights = [torch.randn(n, k, generator=g) * 0.05 for _ in range(30) for n, k in SHAPES]
-    weights.append(torch.randn(49152, 576, generator=g) * 0.05)
+    layer, n_layers, head = SHAPES[a.shape]
+    weights = [torch.randn(n, k, generator=g) * 0.05 for _ in range(a.layers or n_layers) for n, k in layer]
+    weights.append(torch.randn(*head, generator=g) * 0.05)
     flops_per_row = sum(2 * w.numel() for w in weights)
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
     avx2 = [kernels.avx2_gemm_pack(w) for w in weights] if kernels.avx2_gemm_available() else None
@@ -56,10 +66,11 @@ def main() -> None:
     amx = kernels.amx_available()
     print(f"threads {torch.get_num_threads()}, weights {sum(w.numel() for w in weights) * 4 / 1e6:.0f} MB")
     for m in a.rows:
-        xs = {k: torch.randn(m, k, generator=g) for k in (576, 1536)}
-        outs = {n: torch.empty(m, n) for n in (960, 576, 3072, 49152)}
+        xs = {k: torch.randn(m, k, generator=g) for k in {w.shape[1] for w in weights}}
+        outs = {n: torch.empty(m, n) for n in {w.shape[0] for w in weights}}
         paths = {"onednn": lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
-                                    for w, p in zip(weights, onednn)]}
+                                    for w, p in zip(weights, onednn)],
+                 "mkl": lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights]}
         if avx2 is not None:
             paths["avx2"] = lambda: [kernels.avx2_gemm(outs[w.shape[0]], xs[w.shape[1]], p, None)
                                      for w, p in zip(weights, avx2)]
@@ -100,6 +111,18 @@ def main() -> None:
 
         if m > 16:  # _int_mm needs more than 16 rows
             paths["int8-mm"] = int8_mm
+        if avx2_16 is not None and int8_packed is None:  # no VNNI: W8A8 on the AVX2 GEMM's bf16 panels
+            from vllite_platform_cpu.model_ops import CpuModelOps
+
+            panel_ops = CpuModelOps(fused=True, packed_linear=False, avx2_gemm=True, int8_panels=True)
+            panel_states: list[dict] = [{} for _ in int8]
+
+            def int8_panels() -> None:
+                with torch.no_grad():
+                    for (q, scale), st in zip(int8, panel_states):
+                        panel_ops.int8_linear(xs8[q.shape[1]], q, scale, None, st)
+
+            paths["int8-panels"] = int8_panels
         if int8_packed is not None:
 
             def int8_gemm(amx: bool) -> None:
@@ -123,7 +146,8 @@ def main() -> None:
             ts = sorted(ts[1:])
             med = ts[len(ts) // 2]
             gflops = flops_per_row * m / med / 1e9
-            per_weight = 0.5 if "int8" in name else 1 if "bf16" in name else 2  # 1, 2 or 4 bytes per weight
+            # 1, 2 or 4 bytes per weight (int8-panels reads bf16 panels)
+            per_weight = 1 if name == "int8-panels" else 0.5 if "int8" in name else 1 if "bf16" in name else 2
             gbs = flops_per_row * per_weight / med / 1e9
             cells.append(f"{name} {med * 1e3:6.1f} ms (best {ts[0] * 1e3:.1f}, {gflops:.0f} GFLOPS, {gbs:.1f} GB/s)")
         print(f"rows {m:4d}: " + "   ".join(cells), flush=True)

@@ -660,3 +660,47 @@ def test_argmax_rows_is_torchs_on_every_variant(dtype):
             out = torch.empty(x.shape[0], dtype=torch.int64)
             kernels.load_variant(name).argmax_rows(out, x)
             torch.testing.assert_close(out, want, msg=lambda m, n=name, w=x.shape[1]: f"{n}, {w} columns: {m}")
+
+
+needs_int8_panels = pytest.mark.skipif(
+    not kernels.avx2_gemm_available() or torch.bfloat16 not in kernels.avx2_gemm_dtypes(),
+    reason="the AVX2 GEMM with bfloat16 panels is not built here")
+
+
+@needs_int8_panels
+@torch.no_grad()
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 32])
+@pytest.mark.parametrize("shape", [(37, 64), (2048, 2048)])  # tiny (a partial panel), the Llama-3.2-1B o_proj
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_on_avx2_panels_matches_float64_reference(rows, shape, dtype):
+    """W8A8 on the AVX2 GEMM's bfloat16 panels (hosts without an int8 dot product) gives the float64 reference's
+    numbers (ModelOps.int8_linear: the same per-row quantization, exact integer sums, both scales, the bias) to
+    float32 rounding, and in bfloat16 to the output's own rounding."""
+    from vllite_core.model_ops import quantize_rows_int8
+
+    n, k = shape
+    g = torch.Generator().manual_seed(rows * 7 + n)
+    q, scale = quantize_rows_int8(torch.randn(n, k, generator=g))
+    x = (torch.randn(rows, k, generator=g) * 3).to(dtype)
+    bias = torch.randn(n, generator=g).to(dtype)
+    ops = CpuModelOps(fused=True, packed_linear=False, avx2_gemm=True, int8_panels=True)
+    assert ops.int8_panels and "int8-panels" in ops.name
+    state: dict = {}
+    got = ops.int8_linear(x, q, scale, bias, state)
+    assert "packed" in state and state["packed"].dtype == torch.bfloat16  # the panels path, not _int_mm
+    xq, xs = quantize_rows_int8(x)
+    want = ((xq.double() @ q.double().T) * xs.double()[:, None] * scale.double()[None, :] + bias.double())
+    assert got.dtype == dtype and got.shape == (rows, n)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    else:
+        torch.testing.assert_close(got.double(), want.to(dtype).double(), rtol=2 ** -7, atol=1e-3)
+    # a second call reuses the panels; a changed weight (in place) is repacked
+    packed = state["packed"]
+    ops.int8_linear(x, q, scale, bias, state)
+    assert state["packed"] is packed
+    q[0].neg_()
+    got2 = ops.int8_linear(x, q, scale, bias, state)
+    assert state["packed"] is not packed
+    want2 = ((xq.double() @ q.double().T) * xs.double()[:, None] * scale.double()[None, :] + bias.double())
+    torch.testing.assert_close(got2.double()[:, 0], want2.to(dtype).double()[:, 0], rtol=2 ** -7, atol=1e-3)

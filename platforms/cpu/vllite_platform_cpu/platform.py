@@ -243,7 +243,8 @@ class CpuPlatform(Platform):
         packed = os.environ.get(ONEDNN_ENV, "1") != "0" and onednn_linear_available()
         kernels.set_amx(use_amx())
         return CpuModelOps(fused=fused, packed_linear=packed, widen_16bit=not has_fast_bf16(),
-                           avx2_gemm=use_avx2_gemm(), bf16_gemm=use_bf16_gemm(), int8_gemm=use_int8_gemm())
+                           avx2_gemm=use_avx2_gemm(), bf16_gemm=use_bf16_gemm(), int8_gemm=use_int8_gemm(),
+                           int8_panels=not has_fast_int8())
 
     def determine_available_memory(self, config: "VlliteConfig", profile_run: Callable[[], None]) -> int:
         """Explicit size (``kv_cache_memory``, then VLLITE_CPU_KVCACHE_SPACE) if given; otherwise
