@@ -63,6 +63,7 @@ logger = logging.getLogger("vllite.engine_core_client")
 _POLL_MS = 100  # the longest step() waits before it returns (so AsyncLLM's inbox is never starved)
 _ROUTES_KEPT = 65536  # request -> engine routes remembered for the per-engine request metrics
 _STOP_S = 5.0  # how long close() waits for an engine core to exit before it terminates it
+_JOIN_MS = 30_000  # how long a ready engine core's input socket may take to be joined to ours
 
 
 class EngineStartupError(RuntimeError):
@@ -203,6 +204,12 @@ class MPClient:
                 if eng.index not in infos and eng.proc.exitcode is not None:
                     raise EngineStartupError(f"{eng.describe()} failed to start: it exited "
                                              f"({describe_exit(eng.proc.exitcode)}) before it was ready")
+        for eng in engines:
+            # zmq joins the sockets in the background: "ready" can arrive before the engine's input socket is
+            # joined to ours, and a send in that gap fails as if the engine were gone (seen on a loaded host)
+            if not eng.sock.poll(_JOIN_MS, zmq.POLLOUT):
+                raise EngineStartupError(f"{eng.describe()} failed to start: its input socket was not joined "
+                                         f"in {_JOIN_MS // 1000} s")
         return infos[engines[0].index]
 
     # ---- what LLMEngine calls ---------------------------------------------------------------
@@ -500,13 +507,15 @@ class MPClient:
             pass
 
     def _watch(self) -> None:
-        sentinels = {e.proc.sentinel: e for e in self.engines}
+        sentinels = {e.proc.sentinel: (e, e.proc) for e in self.engines}
         ready = multiprocessing.connection.wait([*sentinels, self._stop_r])
         if self._closed:
             return
         for s in ready:
             if s in sentinels:
-                eng = sentinels[s]
+                eng, proc = sentinels[s]
+                if eng.proc is not proc:  # restart outran this monitor: the engine already runs a new process
+                    return
                 eng.proc.join(5)  # its pipe closes a moment before it can be reaped (the exit code known)
                 logger.error("%s exited (%s)", eng.describe(), describe_exit(eng.proc.exitcode))
                 self._died = self._died or eng
