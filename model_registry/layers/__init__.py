@@ -26,7 +26,8 @@ has a worked example. Every layer's weights are uninitialised parameters filled 
 - ``hybrid``: ``HybridForCausalLM``, the shell the state-space and hybrid models share, ``HybridAttention``;
 - ``fast_path``: the typed record a platform's fused decoder path reads;
 - ``quantization``: the linear layers' methods (``int8``, ``gguf``);
-- ``ops``: ``TORCH_OPS``, plain torch ops a model pins where it keeps torch's numerics.
+- ``ops``: ``TORCH_OPS``, plain torch ops a model pins where it keeps torch's numerics;
+- ``tensor_parallel``: ``ShardsByHeads``, the tensor-parallel declaration of a model that splits by its heads.
 """
 from __future__ import annotations
 
@@ -61,19 +62,20 @@ from model_registry.layers.rotary import (
     rotary_dim_of,
 )
 from model_registry.layers.sink_attention import SinkAttention
+from model_registry.layers.tensor_parallel import ShardsByHeads
 from model_registry.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 
 # (major, minor) of this package's public names; 1.1: MLAAttention, SinkAttention; 1.2: apply_rotary_interleaved,
-# rotary_dim_of; 1.3: ShardedRMSNorm
-LAYERS_API = (1, 3)
+# rotary_dim_of; 1.3: ShardedRMSNorm; 1.4: ShardsByHeads
+LAYERS_API = (1, 4)
 
 __all__ = [
     "LAYERS_API", "TORCH_OPS", "Attention", "ColumnParallelLinear", "Conv1d", "Conv2d", "DecoderLayerRecord",
     "Embedding", "FusedMoE", "GatedMLP", "GemmaRMSNorm", "HybridAttention", "HybridForCausalLM", "HybridStep",
     "LayerNorm", "LinearBase", "MLAAttention", "MRotaryEmbedding", "Mamba2Dims", "Mamba2Mixer", "MambaBase",
     "MambaMixer", "MergedColumnParallelLinear", "NormRecord", "ParallelLMHead", "QKVParallelLinear", "RMSNorm",
-    "ReplicatedLinear", "RotaryEmbedding", "RowParallelLinear", "Segment", "ShardedRMSNorm", "ShortConv",
-    "SinkAttention", "TopKRouter",
+    "ReplicatedLinear", "RotaryEmbedding", "RowParallelLinear", "Segment", "ShardedRMSNorm", "ShardsByHeads",
+    "ShortConv", "SinkAttention", "TopKRouter",
     "VocabParallelEmbedding", "apply_rotary", "apply_rotary_interleaved", "copy_checked", "empty_param", "gated",
     "get_act_fn", "load_parameter", "rms_normalize", "rope_parameters", "rotary_dim_of",
 ]

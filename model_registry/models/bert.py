@@ -17,7 +17,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_registry.layers import Embedding, LayerNorm, ReplicatedLinear, copy_checked
+from model_registry.layers import (
+    ColumnParallelLinear,
+    Embedding,
+    LayerNorm,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    ShardsByHeads,
+    copy_checked,
+    load_parameter,
+)
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
 from vllite_core.attention.encoder import PackedPrompts
 from vllite_core.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec
@@ -45,12 +55,16 @@ class BertLayer(nn.Module):
     def __init__(self, c: Any, dtype: torch.dtype) -> None:
         super().__init__()
         h, eps = c.hidden_size, float(c.layer_norm_eps)
-        self.num_heads, self.head_size = c.num_attention_heads, h // c.num_attention_heads
-        self.qkv = ReplicatedLinear(h, 3 * h, True, dtype)
-        self.attn_out = ReplicatedLinear(h, h, True, dtype)
+        self.head_size = h // c.num_attention_heads
+        # Tensor-parallel: this rank's heads (q, k and v of each), the matching columns of the output
+        # projection, its slice of the intermediate layer; the two row-parallel layers sum over the ranks.
+        self.qkv = QKVParallelLinear(h, self.head_size, c.num_attention_heads, c.num_attention_heads, True, dtype)
+        self.num_heads = self.qkv.heads.num_heads
+        q_cols = (self.qkv.heads.q_start * self.head_size, (self.qkv.heads.q_start + self.num_heads) * self.head_size)
+        self.attn_out = RowParallelLinear(h, h, True, dtype, q_cols)
         self.attn_norm = PostLayerNorm(h, eps, dtype)
-        self.intermediate = ReplicatedLinear(h, c.intermediate_size, True, dtype)
-        self.out = ReplicatedLinear(c.intermediate_size, h, True, dtype)
+        self.intermediate = ColumnParallelLinear(h, c.intermediate_size, True, dtype)
+        self.out = RowParallelLinear(c.intermediate_size, h, True, dtype)
         self.out_norm = PostLayerNorm(h, eps, dtype)
         act = getattr(c, "hidden_act", "gelu")
         if act not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
@@ -59,9 +73,9 @@ class BertLayer(nn.Module):
         self._ops = current_model_ops()
 
     def forward(self, x: torch.Tensor, prompts: PackedPrompts) -> torch.Tensor:
-        t, h = x.shape
+        t = x.shape[0]
         qkv = self.qkv(x).view(t, 3, self.num_heads, self.head_size)
-        ctx = self._ops.encoder_attention(qkv, prompts, self.head_size ** -0.5).reshape(t, h)
+        ctx = self._ops.encoder_attention(qkv, prompts, self.head_size ** -0.5).reshape(t, -1)
         x = self.attn_norm.add_forward(self.attn_out(ctx), x)
         if self.approximate == "none":
             mid = self._ops.linear_gelu(x, self.intermediate.weight, self.intermediate.bias, self.intermediate.state)
@@ -70,9 +84,10 @@ class BertLayer(nn.Module):
         return self.out_norm.add_forward(self.out(mid), x)
 
 
-class BertModel(nn.Module, IsPooling):
+class BertModel(nn.Module, ShardsByHeads, IsPooling):
     """Sentence embeddings: CLS pooling by default; a sentence-transformers folder says mean / last and
-    whether to normalise (``vllite_core.pooling.config``)."""
+    whether to normalise (``vllite_core.pooling.config``). Tensor-parallel over its heads and intermediate
+    width; the embeddings, norms and heads stay whole on every rank."""
 
     pooling_task = "embed"
     default_pooling_type = "CLS"
@@ -120,8 +135,9 @@ class BertModel(nn.Module, IsPooling):
         return [pool_tokens(h, cfg.pooling_type) for h in hidden]
 
     # ---- weights -------------------------------------------------------------------------------
-    def _target(self, name: str) -> tuple[str, slice | None] | None:
-        """The parameter (and rows of a fused one) an HF BERT tensor fills; None: not part of this model."""
+    def _target(self, name: str) -> tuple[str, str | None] | None:
+        """The parameter (and shard of a fused one: q, k, v) an HF BERT tensor fills; None: not part of
+        this model."""
         name = name.removeprefix(self.weight_prefix)
         if name.startswith("embeddings."):
             rest = name.removeprefix("embeddings.")
@@ -133,10 +149,9 @@ class BertModel(nn.Module, IsPooling):
         if not name.startswith("encoder.layer."):
             return None
         idx, rest = name.removeprefix("encoder.layer.").split(".", 1)
-        h = self.hidden_size
-        for i, part in enumerate(("query", "key", "value")):
+        for part in ("query", "key", "value"):
             if rest.startswith(f"attention.self.{part}."):
-                return f"layers.{idx}.qkv.{rest.rsplit('.', 1)[1]}", slice(i * h, (i + 1) * h)
+                return f"layers.{idx}.qkv.{rest.rsplit('.', 1)[1]}", part[0]
         mapped = {"attention.output.dense": "attn_out", "attention.output.LayerNorm": "attn_norm",
                   "intermediate.dense": "intermediate", "output.dense": "out", "output.LayerNorm": "out_norm"}
         module, leaf = rest.rsplit(".", 1)
@@ -155,10 +170,9 @@ class BertModel(nn.Module, IsPooling):
                 if not self._extra_weight(hf_name, tensor, params, loaded):
                     unexpected.append(hf_name)
                 continue
-            name, rows = target
-            dst = params[name].data
-            copy_checked(dst if rows is None else dst[rows], tensor, hf_name)
-            if rows is None:
+            name, shard = target
+            load_parameter(params[name], tensor, shard, hf_name)  # this rank's slice
+            if shard is None:
                 loaded.add(name)
             else:
                 fused_seen[name] = fused_seen.get(name, 0) + 1

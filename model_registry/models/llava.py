@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from model_registry.layers import copy_checked, get_act_fn
+from model_registry.layers import ShardsByHeads, copy_checked, get_act_fn
 from model_registry.models.clip import CLIPVisionTower, linear
 from model_registry.models.language_model_shell import LanguageModelShell
 from model_registry.models.llama import LlamaForCausalLM
@@ -45,8 +45,12 @@ class LlavaProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class LlavaForConditionalGeneration(LanguageModelShell, nn.Module, SupportsMultiModalDecoder):
+class LlavaForConditionalGeneration(LanguageModelShell, nn.Module, ShardsByHeads, SupportsMultiModalDecoder):
+    """Tensor-parallel: the language model is sharded (its heads must split); the vision tower and the
+    projector are small and run whole on every rank, so each rank computes the same image embeddings."""
+
     supported_modalities = ("image",)
+    tp_sub_config = "text_config"
 
     def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()

@@ -186,11 +186,12 @@ def test_more_ranks_than_the_platform_has_devices(tmp_path):
         LLM(str(tmp_path), dtype="float32", tensor_parallel_size=n)
 
 
-def test_a_model_without_tensor_parallel_support_is_refused():
-    from tiny_pooling import minilm_path  # BERT (all-MiniLM-L6-v2): a built-in that does not declare it
+def test_a_model_without_tensor_parallel_support_is_refused(tmp_path):
+    from tiny_pooling import save_modernbert  # ModernBERT: a built-in that does not declare it
 
-    with pytest.raises(ConfigError, match="BertModel does not support tensor parallelism"):
-        LLM(minilm_path(), tensor_parallel_size=2)
+    save_modernbert(tmp_path, head=False)
+    with pytest.raises(ConfigError, match="ModernBertModel does not support tensor parallelism"):
+        LLM(str(tmp_path), tensor_parallel_size=2)
 
 
 

@@ -34,14 +34,16 @@ def serve(conn: Connection) -> None:
         except (EOFError, OSError):
             return  # the engine is gone
         if method == "shutdown":
-            conn.send(("ok", None))
+            conn.send_bytes(pickle.dumps(("ok", None)))
             return
         try:
             reply = ("ok", wrapper.call(method, *args))
         except BaseException as e:  # noqa: BLE001 - every failure goes back to the engine, named
             reply = ("error", (f"{type(e).__name__}: {e}", traceback.format_exc(), _picklable(e)))
         try:
-            conn.send(reply)
+            # Plain pickle: tensors travel by value. Connection.send's pickler would pass a tensor (a pooled
+            # embedding) as a shared-memory handle the engine cannot open (torch's reductions).
+            conn.send_bytes(pickle.dumps(reply))
         except (BrokenPipeError, OSError):
             return
 

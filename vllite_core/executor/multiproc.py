@@ -150,7 +150,7 @@ class MultiprocExecutor(Executor):
             for conn in wait(list(pending)):
                 rank = pending.pop(conn)
                 try:
-                    kind, value = conn.recv()
+                    kind, value = pickle.loads(conn.recv_bytes())
                 except (EOFError, OSError):
                     self._fail(rank, self._exit_cause(rank))
                 if kind == "error":

@@ -1,0 +1,28 @@
+"""Tensor-parallel support declared once for models whose sharding is their attention heads.
+
+A model built from the parallel layers (``QKVParallelLinear``, ``RowParallelLinear``, ...) shards as it is
+built; what it must still tell the engine, before any worker starts, is whether its checkpoint splits over the
+ranks: the heads (``vllite_core.distributed.sharding.check_heads``). ``ShardsByHeads`` says that from the
+config, so a new model (an encoder, a decoder, a vision-language model whose language model alone is sharded)
+gets the declaration by inheriting it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from vllite_core.distributed.sharding import check_heads
+from vllite_core.model_interfaces import SupportsTensorParallel
+
+
+class ShardsByHeads(SupportsTensorParallel):
+    """Declares ``SupportsTensorParallel``: the heads of ``hf_config`` (or of its ``tp_sub_config``, such as a
+    VLM's ``text_config``) must split over the ranks; other sizes split near-evenly."""
+
+    tp_sub_config: str | None = None
+
+    @classmethod
+    def check_tensor_parallel(cls, hf_config: Any, tensor_parallel_size: int) -> None:
+        """SupportsTensorParallel: ConfigError naming ``tensor_parallel_size`` when the heads cannot split."""
+        c = getattr(hf_config, cls.tp_sub_config) if cls.tp_sub_config else hf_config
+        heads = c.num_attention_heads
+        check_heads(heads, getattr(c, "num_key_value_heads", None) or heads, tensor_parallel_size)

@@ -1,0 +1,114 @@
+"""Tensor parallelism beyond the dense decoders, on the ``mp`` executor with two worker processes, against
+references that are not the engine: a BERT encoder (all-MiniLM-L6-v2) against sentence-transformers, a
+causal LM's last-token embeddings against transformers' final hidden states, and Llava (vision tower whole on
+each rank, language model sharded) against transformers' float32 greedy tokens. Each engine starts once
+(module fixtures); ``vllite env`` shows each rank's heads and refuses what does not divide.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_bart import make_image
+from tiny_llava import hf_llava_greedy, llava_processor, save_tiny_llava
+from tiny_models import TINY, save_tiny
+from tiny_pooling import minilm_path
+
+from vllite_core import LLM, PoolingParams, SamplingParams
+
+SENTENCES = ["Hello world.", "The quick brown fox jumps over the lazy dog.", "机器学习是人工智能的一个分支。",
+             "a", "Paris is the capital of France.", "The end." * 30]
+# One KV head (replicated on both ranks), an odd MLP width, a vocabulary that pads: every uneven split.
+QWEN2 = dict(TINY, vocab_size=509, intermediate_size=97, num_attention_heads=4, num_key_value_heads=1)
+PROMPTS = [[(7 * i + 3 * j) % 500 + 5 for j in range(n)] for i, n in enumerate((5, 17, 40))]
+
+
+def _shutdown(llm: LLM) -> None:
+    llm.llm_engine.core.shutdown()
+
+
+def _local_rows(llm: LLM, path: str) -> list[int]:
+    """Each rank's row count of the weight at ``path`` (dotted, from the runner's model)."""
+    def rows(worker):
+        obj = worker.runner.model
+        for part in path.split("."):
+            obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
+        return int(obj.shape[0])
+
+    return llm.collective_rpc(rows)
+
+
+# ---- a BERT encoder ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def minilm_tp2():
+    llm = LLM(minilm_path(), dtype="float32", tensor_parallel_size=2)
+    yield llm
+    _shutdown(llm)
+
+
+def test_bert_embeddings_over_two_ranks_match_sentence_transformers(minilm_tp2):
+    from sentence_transformers import SentenceTransformer
+
+    ref = SentenceTransformer(minilm_path(), device="cpu").encode(SENTENCES, convert_to_tensor=True).float()
+    mine = torch.tensor([o.outputs.embedding for o in minilm_tp2.embed(SENTENCES)])
+    assert F.cosine_similarity(mine, ref).min() >= 0.9999
+    assert (mine - ref).abs().max() <= 1e-5
+    # Each rank holds 6 of the 12 heads (q, k and v of each: 3 x 6 x 32 rows) and half of the 1536-wide MLP.
+    assert _local_rows(minilm_tp2, "layers.0.qkv.weight") == [576, 576]
+    assert _local_rows(minilm_tp2, "layers.0.intermediate.weight") == [768, 768]
+
+
+# ---- last-token pooling (a causal LM as an embedding model) ------------------------------------------
+
+@pytest.fixture(scope="module")
+def qwen2_embed(tmp_path_factory):
+    from transformers import Qwen2Config
+
+    path = tmp_path_factory.mktemp("tiny-qwen2-embed-tp")
+    model = save_tiny(path, Qwen2Config(**QWEN2, architectures=["Qwen2ForCausalLM"]))
+    with torch.no_grad():  # HF's final normed hidden state of each prompt's last token
+        ref = torch.stack([model.model(torch.tensor([p])).last_hidden_state[0, -1] for p in PROMPTS])
+    llm = LLM(str(path), runner="pooling", dtype="float32", tensor_parallel_size=2, num_kv_blocks=64,
+              max_num_batched_tokens=16)  # the 40-token prompt pools after three chunks
+    yield llm, ref
+    _shutdown(llm)
+
+
+def test_last_token_embeddings_over_two_ranks_match_transformers(qwen2_embed):
+    llm, ref = qwen2_embed
+    raw = llm.embed([{"prompt_token_ids": p} for p in PROMPTS], PoolingParams(normalize=False))
+    mine = torch.tensor([o.outputs.embedding for o in raw])
+    assert F.cosine_similarity(mine, ref).min() >= 0.9999
+    assert (mine - ref).abs().max() <= 1e-5
+    assert _local_rows(llm, "model.layers.0.mlp.gate_up_proj.weight") == [2 * 49, 2 * 48]
+
+
+# ---- a vision-language model ------------------------------------------------------------------------
+
+Q = "USER: <image>\nWhat is in the picture? ASSISTANT:"
+MIXED = [(Q, [make_image(40, 30, 0)]), (Q, [make_image(90, 64, 1)]),
+         ("USER: <image> and <image>: which is brighter? ASSISTANT:", [make_image(50, 30, 2), make_image(20, 60, 3)]),
+         ("A prompt without any picture", [])]
+
+
+@pytest.fixture(scope="module")
+def llava_tp2(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llava-tp")
+    hf = save_tiny_llava(path)
+    ref = [hf_llava_greedy(hf, llava_processor(path), text, images, 6) for text, images in MIXED]
+    llm = LLM(model=str(path), dtype="float32", tensor_parallel_size=2, num_kv_blocks=64)
+    yield llm, ref, str(path)
+    _shutdown(llm)
+
+
+def test_llava_over_two_ranks_matches_hf_greedy(llava_tp2):
+    llm, ref, _ = llava_tp2
+    prompts = [{"prompt": t, "multi_modal_data": {"image": im if len(im) > 1 else im[0]}} if im else t
+               for t, im in MIXED]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert ref[0] != ref[1]  # the image matters
+    # The language model is sharded (2 of 4 heads, 1 of 2 KV heads per rank: 4 x 16 rows); the tower is whole.
+    assert _local_rows(llm, "language_model.model.layers.0.self_attn.qkv_proj.weight") == [64, 64]
+    assert _local_rows(llm, "vision_tower.layers.0.fc1.weight") == [48, 48]
