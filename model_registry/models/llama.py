@@ -25,6 +25,7 @@ from model_registry.layers import (
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
+    ShardsByHeads,
     VocabParallelEmbedding,
 )
 from model_registry.layers.params import STACKED_PROJECTIONS, load_by_name
@@ -33,8 +34,7 @@ from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
 from vllite_core.attention.kv_quant import kv_scale_name
 from vllite_core.core.kv_cache_spec import KVCacheSpec
 from vllite_core.distributed.pipeline import IntermediateTensors
-from vllite_core.distributed.sharding import check_heads
-from vllite_core.model_interfaces import SupportsLoRA, SupportsTensorParallel
+from vllite_core.model_interfaces import SupportsLoRA
 from vllite_core.model_ops import current_model_ops
 
 
@@ -191,7 +191,7 @@ class LlamaModel(nn.Module):
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
-class LlamaForCausalLM(nn.Module, SupportsLoRA, SupportsTensorParallel):
+class LlamaForCausalLM(nn.Module, SupportsLoRA, ShardsByHeads):
     """Engine model for LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM checkpoints."""
 
     # model_registry.layers.quantization
@@ -235,12 +235,6 @@ class LlamaForCausalLM(nn.Module, SupportsLoRA, SupportsTensorParallel):
     def _build_model(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> nn.Module:
         """The decoder stack (the dense families build theirs: ``model_registry.models.dense``)."""
         return LlamaModel(hf_config, attn_backend, dtype)
-
-    @classmethod
-    def check_tensor_parallel(cls, hf_config: Any, tensor_parallel_size: int) -> None:
-        """SupportsTensorParallel: ConfigError when the heads cannot be split over the ranks."""
-        heads = hf_config.num_attention_heads
-        check_heads(heads, getattr(hf_config, "num_key_value_heads", None) or heads, tensor_parallel_size)
 
     def get_kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> list[KVCacheSpec]:
         """One self-attention cache per layer: sliding-window layers get their own group, whose blocks

@@ -26,6 +26,7 @@ from model_registry.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     ShardedRMSNorm,
+    ShardsByHeads,
     TopKRouter,
     VocabParallelEmbedding,
 )
@@ -34,9 +35,9 @@ from model_registry.layers.params import STACKED_PROJECTIONS, load_by_name
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
 from vllite_core.core.kv_cache_spec import KVCacheSpec
 from vllite_core.distributed import get_tp
-from vllite_core.distributed.sharding import check_heads, shard_experts
+from vllite_core.distributed.sharding import shard_experts
 from vllite_core.errors import ConfigError
-from vllite_core.model_interfaces import SupportsExpertParallel, SupportsTensorParallel
+from vllite_core.model_interfaces import SupportsExpertParallel
 from vllite_core.model_ops import current_model_ops
 
 QKNorm = Literal["head", "full"] | None  # per head (Qwen3), over the whole projection (OLMoE), none
@@ -183,7 +184,7 @@ def load_with_experts(model: nn.Module, weights: Iterable[tuple[str, torch.Tenso
     return loaded
 
 
-class MoeForCausalLM(nn.Module, SupportsTensorParallel, SupportsExpertParallel):
+class MoeForCausalLM(nn.Module, ShardsByHeads, SupportsExpertParallel):
     """Embedding, ``MoeDecoderLayer``s, final norm and LM head; a family's file supplies ``family(config)``.
     Over tensor-parallel ranks the attention heads split as Llama's do and every expert's intermediate
     dimension splits (``FusedMoE``), or with expert parallelism the experts are placed whole by rank; a family
@@ -193,11 +194,6 @@ class MoeForCausalLM(nn.Module, SupportsTensorParallel, SupportsExpertParallel):
     def check_expert_parallel(cls, hf_config: Any, tensor_parallel_size: int) -> None:
         """SupportsExpertParallel: ConfigError when the routed experts do not divide over the ranks."""
         shard_experts(cls.family(hf_config).num_experts, tensor_parallel_size, 0)
-
-    @classmethod
-    def check_tensor_parallel(cls, hf_config: Any, tensor_parallel_size: int) -> None:
-        """SupportsTensorParallel: ConfigError when the heads cannot be split over the ranks."""
-        check_heads(hf_config.num_attention_heads, hf_config.num_key_value_heads, tensor_parallel_size)
 
     def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
