@@ -4,13 +4,13 @@ A model built from the parallel layers (``QKVParallelLinear``, ``RowParallelLine
 built; what it must still tell the engine, before any worker starts, is whether its checkpoint splits over the
 ranks: the heads (``vllite_core.distributed.sharding.check_heads``). ``ShardsByHeads`` says that from the
 config, so a new model (an encoder, a decoder, a vision-language model whose language model alone is sharded)
-gets the declaration by inheriting it.
+gets the declaration by inheriting it, and ``vllite env --model`` shows each rank's heads.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from vllite_core.distributed.sharding import check_heads
+from vllite_core.distributed.sharding import check_heads, shard_heads
 from vllite_core.model_interfaces import SupportsTensorParallel
 
 
@@ -21,8 +21,32 @@ class ShardsByHeads(SupportsTensorParallel):
     tp_sub_config: str | None = None
 
     @classmethod
+    def sharded_config(cls, hf_config: Any) -> Any:
+        """The config whose heads are split (a VLM's text config; the model's own otherwise)."""
+        return getattr(hf_config, cls.tp_sub_config) if cls.tp_sub_config else hf_config
+
+    @classmethod
     def check_tensor_parallel(cls, hf_config: Any, tensor_parallel_size: int) -> None:
         """SupportsTensorParallel: ConfigError naming ``tensor_parallel_size`` when the heads cannot split."""
-        c = getattr(hf_config, cls.tp_sub_config) if cls.tp_sub_config else hf_config
+        c = cls.sharded_config(hf_config)
         heads = c.num_attention_heads
         check_heads(heads, getattr(c, "num_key_value_heads", None) or heads, tensor_parallel_size)
+
+    @classmethod
+    def tensor_parallel_layout(cls, hf_config: Any, tensor_parallel_size: int) -> list[str]:
+        """Each rank's attention heads, as ``vllite env`` prints them (the split is uneven where the KV-head
+        groups are: ``sharding.shard_heads``)."""
+        c = cls.sharded_config(hf_config)
+        heads = c.num_attention_heads
+        kv = getattr(c, "num_key_value_heads", None) or heads
+        where = f" ({cls.tp_sub_config}; the rest whole on every rank)" if cls.tp_sub_config else ""
+        lines = []
+        for rank in range(tensor_parallel_size):
+            s = shard_heads(heads, kv, tensor_parallel_size, rank)
+            lines.append(f"tensor-parallel rank {rank}: query heads {_span(s.q_start, s.num_heads)} of {heads}, "
+                         f"KV heads {_span(s.kv_start, s.num_kv_heads)} of {kv}{where}")
+        return lines
+
+
+def _span(start: int, count: int) -> str:
+    return f"{start}-{start + count - 1} ({count})"

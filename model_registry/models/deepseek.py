@@ -14,6 +14,7 @@ from torch import nn
 from model_registry.layers.mla import MLAAttention
 from model_registry.models.moe_decoder import MoeFamily, MoeForCausalLM
 from vllite_core.attention.backend import AttentionBackend
+from vllite_core.distributed.sharding import split
 from vllite_core.errors import ConfigError
 
 _RENAMES = ((".mlp.gate.", ".mlp.router."),)
@@ -50,6 +51,14 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
         if tensor_parallel_size > hf_config.num_attention_heads:
             raise ConfigError(f"tensor_parallel_size: {tensor_parallel_size} ranks is more than {cls.__name__}'s "
                               f"{hf_config.num_attention_heads} attention heads")
+
+    @classmethod
+    def tensor_parallel_layout(cls, hf_config: Any, tensor_parallel_size: int) -> list[str]:
+        """Each rank's query heads (``MLAAttention`` splits them near-evenly; the latents are on every rank)."""
+        heads = hf_config.num_attention_heads
+        spans = [split(heads, tensor_parallel_size, r) for r in range(tensor_parallel_size)]
+        return [f"tensor-parallel rank {r}: query heads {a}-{b - 1} ({b - a}) of {heads}, the whole latent KV"
+                for r, (a, b) in enumerate(spans)]
 
     @classmethod
     def family(cls, c: Any) -> MoeFamily:

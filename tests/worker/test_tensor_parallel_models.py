@@ -62,14 +62,24 @@ def test_bert_embeddings_over_two_ranks_match_sentence_transformers(minilm_tp2):
 # ---- last-token pooling (a causal LM as an embedding model) ------------------------------------------
 
 @pytest.fixture(scope="module")
-def qwen2_embed(tmp_path_factory):
+def qwen2_embed_model(tmp_path_factory):
     from transformers import Qwen2Config
 
     path = tmp_path_factory.mktemp("tiny-qwen2-embed-tp")
-    model = save_tiny(path, Qwen2Config(**QWEN2, architectures=["Qwen2ForCausalLM"]))
+    return str(path), save_tiny(path, Qwen2Config(**QWEN2, architectures=["Qwen2ForCausalLM"]))
+
+
+@pytest.fixture(scope="module")
+def qwen2_embed_path(qwen2_embed_model):
+    return qwen2_embed_model[0]
+
+
+@pytest.fixture(scope="module")
+def qwen2_embed(qwen2_embed_model):
+    path, model = qwen2_embed_model
     with torch.no_grad():  # HF's final normed hidden state of each prompt's last token
         ref = torch.stack([model.model(torch.tensor([p])).last_hidden_state[0, -1] for p in PROMPTS])
-    llm = LLM(str(path), runner="pooling", dtype="float32", tensor_parallel_size=2, num_kv_blocks=64,
+    llm = LLM(path, runner="pooling", dtype="float32", tensor_parallel_size=2, num_kv_blocks=64,
               max_num_batched_tokens=16)  # the 40-token prompt pools after three chunks
     yield llm, ref
     _shutdown(llm)
@@ -93,17 +103,22 @@ MIXED = [(Q, [make_image(40, 30, 0)]), (Q, [make_image(90, 64, 1)]),
 
 
 @pytest.fixture(scope="module")
-def llava_tp2(tmp_path_factory):
+def llava(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llava-tp")
-    hf = save_tiny_llava(path)
+    return path, save_tiny_llava(path)
+
+
+@pytest.fixture(scope="module")
+def llava_tp2(llava):
+    path, hf = llava
     ref = [hf_llava_greedy(hf, llava_processor(path), text, images, 6) for text, images in MIXED]
     llm = LLM(model=str(path), dtype="float32", tensor_parallel_size=2, num_kv_blocks=64)
-    yield llm, ref, str(path)
+    yield llm, ref
     _shutdown(llm)
 
 
 def test_llava_over_two_ranks_matches_hf_greedy(llava_tp2):
-    llm, ref, _ = llava_tp2
+    llm, ref = llava_tp2
     prompts = [{"prompt": t, "multi_modal_data": {"image": im if len(im) > 1 else im[0]}} if im else t
                for t, im in MIXED]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
@@ -112,3 +127,43 @@ def test_llava_over_two_ranks_matches_hf_greedy(llava_tp2):
     # The language model is sharded (2 of 4 heads, 1 of 2 KV heads per rank: 4 x 16 rows); the tower is whole.
     assert _local_rows(llm, "language_model.model.layers.0.self_attn.qkv_proj.weight") == [64, 64]
     assert _local_rows(llm, "vision_tower.layers.0.fc1.weight") == [48, 48]
+
+
+# ---- the layout, as `vllite env --model` prints it, and what it refuses -------------------------------
+
+def _env(capsys, *argv: str) -> tuple[int, str, str]:
+    from vllite_core.entrypoints.cli import main
+
+    rc = main(["env", "--device", "cpu", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_env_shows_each_ranks_heads_and_stages(capsys, llava, qwen2_embed_path):
+    rc, out, _ = _env(capsys, "-tp", "2", "-pp", "2", "--model", qwen2_embed_path)
+    assert rc == 0
+    assert "4 rank(s) (tensor_parallel_size 2 x pipeline_parallel_size 2)" in out
+    assert "stage 0: ranks 0-1: layers 0-0 (1), the embedding" in out
+    assert "stage 1: ranks 2-3: layers 1-1 (1), the final norm and the LM head" in out
+    # One KV head over two ranks: each rank holds it (replicated) with its two query heads.
+    assert "tensor-parallel rank 0: query heads 0-1 (2) of 4, KV heads 0-0 (1) of 1" in out
+    assert "tensor-parallel rank 1: query heads 2-3 (2) of 4, KV heads 0-0 (1) of 1" in out
+    rc, out, _ = _env(capsys, "--tensor-parallel-size", "2", "--model", str(llava[0]))
+    assert rc == 0 and "tensor-parallel rank 1: query heads 2-3 (2) of 4, KV heads 1-1 (1) of 2 (text_config" in out
+    rc, out, _ = _env(capsys, "-tp", "2", "--model", minilm_path())
+    assert rc == 0 and "tensor-parallel rank 1: query heads 6-11 (6) of 12, KV heads 6-11 (6) of 12" in out
+
+
+def test_env_refuses_what_does_not_divide(capsys, llava, qwen2_embed_path, tmp_path):
+    from tiny_pooling import save_modernbert
+
+    # Llava's language model: 4 query heads, 2 KV heads; 3 ranks can neither split nor replicate them.
+    rc, _, err = _env(capsys, "-tp", "3", "--model", str(llava[0]))
+    assert rc == 1 and "tensor_parallel_size: 3 ranks is more than the model's 2 KV heads" in err
+    rc, _, err = _env(capsys, "-pp", "3", "--model", qwen2_embed_path)  # 2 layers, 3 stages
+    assert rc == 1 and "pipeline_parallel_size: 3 stages for a model of 2 layer(s)" in err
+    rc, _, err = _env(capsys, "-tp", "2", "-pp", "2", "--model", str(llava[0]))
+    assert rc == 1 and "pipeline_parallel_size: LlavaForConditionalGeneration does not support pipeline" in err
+    save_modernbert(tmp_path, head=False)
+    rc, _, err = _env(capsys, "-tp", "2", "--model", str(tmp_path))
+    assert rc == 1 and "tensor_parallel_size: ModernBertModel does not support tensor parallelism" in err

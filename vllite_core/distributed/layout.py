@@ -11,11 +11,13 @@ def planned_layout(platform: Any, tensor_parallel_size: int, backend: str | None
                    hf_config: Any = None, model_cls: Any = None) -> dict[str, Any]:
     """What an engine with these settings would start here, without starting it. With a model's config (and
     class), what it cannot take is refused (ConfigError naming the field): fewer layers than stages, heads that
-    do not split, a class without pipeline stages."""
+    do not split, a class without tensor parallelism or pipeline stages; and each tensor-parallel rank's share
+    (its heads) as the class describes it (``tensor_parallel_layout``)."""
     from vllite_core.config import ParallelConfig
     from vllite_core.distributed.pipeline import stage_layer_counts
 
     pc = ParallelConfig(tensor_parallel_size, backend, pipeline_parallel_size)
+    shards: list[str] = []
     tp, pp, backend, world = pc.tensor_parallel_size, pc.pipeline_parallel_size, pc.distributed_executor_backend, \
         pc.world_size
     if model_cls is not None:
@@ -25,6 +27,8 @@ def planned_layout(platform: Any, tensor_parallel_size: int, backend: str | None
                               f"pipeline_parallel_size=1")
         if tp > 1 and hasattr(model_cls, "check_tensor_parallel"):
             model_cls.check_tensor_parallel(hf_config, tp)
+            describe = getattr(model_cls, "tensor_parallel_layout", None)  # each rank's heads
+            shards = describe(hf_config, tp) if describe is not None else []
         elif tp > 1:
             raise ConfigError(f"tensor_parallel_size: {model_cls.__name__} does not support tensor parallelism")
     if backend == "uni":
@@ -38,6 +42,8 @@ def planned_layout(platform: Any, tensor_parallel_size: int, backend: str | None
               "processes": processes, "devices": devices,
               "dist_backend": platform.dist_backend if world > 1 else "-", "device_count": platform.device_count(),
               "tensor_parallel_size": tp, "pipeline_parallel_size": pp}
+    if shards:
+        layout["tensor_parallel_shards"] = shards  # the same heads on the same TP rank of every stage
     if pp > 1:
         num_layers = getattr(hf_config, "num_hidden_layers", None) if hf_config is not None else None
         counts = stage_layer_counts(int(num_layers), pp) if num_layers is not None else None
@@ -66,6 +72,7 @@ def format_layout(layout: dict[str, Any]) -> list[str]:
              f"{layout['nodes']} node(s), collectives {layout.get('dist_backend', '-')}"]
     lines += [f"  {p}" for p in layout["processes"]]
     lines += [f"  {s}" for s in layout.get("stages", [])]
+    lines += [f"  {s}" for s in layout.get("tensor_parallel_shards", [])]
     if "kv_blocks_per_stage" in layout:
         lines.append("  KV blocks per stage: " + ", ".join(f"stage {s}: {n}"
                                                           for s, n in enumerate(layout["kv_blocks_per_stage"])))

@@ -38,7 +38,7 @@ def add_env_parser(subparsers: "argparse._SubParsersAction") -> argparse.Argumen
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--device", default=None, metavar="NAME",
                    help="resolve this platform explicitly (as the engine would with --device NAME)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="show the parallel layout an engine with N ranks would use here")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="M",
                    help="with M pipeline stages of N ranks each (with --model: which layers each stage holds; "
