@@ -5,7 +5,7 @@ Each mixer (a ``MambaBase``) declares its state tensors (``state_shapes``: a con
 step's tokens arrive flattened; the causal conv and the scans run through the platform's model ops, which
 carry each request's state across prefill chunks and decode steps.
 
-- ``MambaMixer``: Mamba-1's selective scan (Mamba, FalconMamba, Jamba);
+- ``MambaMixer``: Mamba-1's selective scan (Mamba, FalconMamba, Jamba), tensor-parallel over its channels;
 - ``Mamba2Mixer``: Mamba-2's SSD scan (Mamba2 and the hybrids built on it), geometry in ``Mamba2Dims``;
 - ``ShortConv``: a gated short convolution (LFM2).
 """
@@ -18,22 +18,31 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_registry.layers.linear import ReplicatedLinear
+from model_registry.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from model_registry.layers.norm import RMSNorm, rms_normalize
-from model_registry.layers.params import empty_param
+from model_registry.layers.params import empty_param, rows_param
 from vllite_core.core.kv_cache_spec import StateSpec
+from vllite_core.distributed import get_tp
+from vllite_core.distributed.sharding import split
 from vllite_core.model_ops import ModelOps, current_model_ops
 from vllite_core.state_cache import StateMetadata, gather_states, scatter_states
 
 
 class CausalConv1d(nn.Module):
     """A depthwise causal conv (weights in the checkpoint's layout, [channels, 1, kernel]) that continues each
-    request from its conv state: ``ModelOps.causal_conv1d``."""
+    request from its conv state: ``ModelOps.causal_conv1d``. ``rows``: the channels this rank holds (all)."""
 
-    def __init__(self, channels: int, kernel: int, bias: bool, dtype: torch.dtype) -> None:
+    def __init__(self, channels: int, kernel: int, bias: bool, dtype: torch.dtype,
+                 rows: tuple[int, int] | None = None) -> None:
         super().__init__()
-        self.weight = empty_param(channels, 1, kernel, dtype=dtype)
-        self.bias = empty_param(channels, dtype=dtype) if bias else None
+        rows = rows or (0, channels)
+        self.weight = rows_param(rows, channels, 1, kernel, dtype=dtype)
+        self.bias = rows_param(rows, channels, dtype=dtype) if bias else None
 
     def run(self, ops: ModelOps, x: torch.Tensor, conv_state: torch.Tensor, md: StateMetadata,
             activation: str | None) -> torch.Tensor:
@@ -72,19 +81,24 @@ class MambaMixer(MambaBase):
     def __init__(self, c: Any, dtype: torch.dtype, rms_eps: float | None = None, norm_weights: bool = False
                  ) -> None:
         super().__init__()
-        self.intermediate = c.intermediate_size
+        full = c.intermediate_size
+        # Tensor-parallel: each rank holds its channels of the mixer (in_proj's x and gate rows, the conv, the
+        # scan's A, D and dt rows); x_proj and out_proj read those channels and sum over the ranks.
+        tp = get_tp()
+        rows = split(full, tp.world_size, tp.rank)
+        self.intermediate = rows[1] - rows[0]  # this rank's channels
         self.state_size = c.state_size
         self.kernel = c.conv_kernel
         self.dt_rank = int(c.time_step_rank)
         self.activation = c.hidden_act
         self.rms_eps = rms_eps  # FalconMamba: B, C and dt are RMS-normalised
-        self.in_proj = ReplicatedLinear(c.hidden_size, 2 * self.intermediate, bool(c.use_bias), dtype)
-        self.conv1d = CausalConv1d(self.intermediate, self.kernel, bool(c.use_conv_bias), dtype)
-        self.x_proj = ReplicatedLinear(self.intermediate, self.dt_rank + 2 * self.state_size, False, dtype)
-        self.dt_proj = ReplicatedLinear(self.dt_rank, self.intermediate, True, dtype)
-        self.A_log = empty_param(self.intermediate, self.state_size, dtype=dtype)
-        self.D = empty_param(self.intermediate, dtype=dtype)
-        self.out_proj = ReplicatedLinear(self.intermediate, c.hidden_size, bool(c.use_bias), dtype)
+        self.in_proj = MergedColumnParallelLinear(c.hidden_size, {"x": full, "gate": full}, bool(c.use_bias), dtype)
+        self.conv1d = CausalConv1d(full, self.kernel, bool(c.use_conv_bias), dtype, rows)
+        self.x_proj = RowParallelLinear(full, self.dt_rank + 2 * self.state_size, False, dtype, rows)
+        self.dt_proj = ColumnParallelLinear(self.dt_rank, full, True, dtype, out_range=rows)
+        self.A_log = rows_param(rows, full, self.state_size, dtype=dtype)
+        self.D = rows_param(rows, full, dtype=dtype)
+        self.out_proj = RowParallelLinear(full, c.hidden_size, bool(c.use_bias), dtype, rows)
         self.norm_weights = norm_weights
         if norm_weights:
             assert rms_eps is not None

@@ -35,6 +35,21 @@ def check_full(src: torch.Tensor, dim: int, full: int, name: str) -> None:
                          f"along dimension {dim} as the model expects")
 
 
+def rows_param(rows: tuple[int, int], full: int, *rest: int, dtype: torch.dtype) -> nn.Parameter:
+    """A parameter holding rows ``[start, stop)`` of a checkpoint tensor of ``full`` rows (a tensor-parallel
+    rank's channels of a per-channel weight); its ``weight_loader`` takes those rows."""
+    start, stop = rows
+    param = empty_param(stop - start, *rest, dtype=dtype)
+
+    @torch.no_grad()
+    def load(p: torch.Tensor, src: torch.Tensor, shard: str | None, name: str) -> None:
+        check_full(src, 0, full, name)
+        copy_checked(p.data, src[start:stop], name)
+
+    param.weight_loader = load  # type: ignore[attr-defined]
+    return param
+
+
 def load_parameter(param: torch.Tensor, src: torch.Tensor, shard: str | None, name: str) -> None:
     """Fill ``param`` from a full checkpoint tensor: its ``weight_loader`` slices this rank's part."""
     loader = getattr(param, "weight_loader", None)

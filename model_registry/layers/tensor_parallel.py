@@ -16,7 +16,8 @@ from vllite_core.model_interfaces import SupportsTensorParallel
 
 class ShardsByHeads(SupportsTensorParallel):
     """Declares ``SupportsTensorParallel``: the heads of ``hf_config`` (or of its ``tp_sub_config``, such as a
-    VLM's ``text_config``) must split over the ranks; other sizes split near-evenly."""
+    VLM's ``text_config``) must split over the ranks; other sizes split near-evenly (a model without attention,
+    Mamba, has nothing to check: its mixers split their channels)."""
 
     tp_sub_config: str | None = None
 
@@ -29,7 +30,9 @@ class ShardsByHeads(SupportsTensorParallel):
     def check_tensor_parallel(cls, hf_config: Any, tensor_parallel_size: int) -> None:
         """SupportsTensorParallel: ConfigError naming ``tensor_parallel_size`` when the heads cannot split."""
         c = cls.sharded_config(hf_config)
-        heads = c.num_attention_heads
+        heads = getattr(c, "num_attention_heads", None)
+        if heads is None:
+            return
         check_heads(heads, getattr(c, "num_key_value_heads", None) or heads, tensor_parallel_size)
 
     @classmethod
@@ -37,7 +40,9 @@ class ShardsByHeads(SupportsTensorParallel):
         """Each rank's attention heads, as ``vllite env`` prints them (the split is uneven where the KV-head
         groups are: ``sharding.shard_heads``)."""
         c = cls.sharded_config(hf_config)
-        heads = c.num_attention_heads
+        heads = getattr(c, "num_attention_heads", None)
+        if heads is None:
+            return []
         kv = getattr(c, "num_key_value_heads", None) or heads
         where = f" ({cls.tp_sub_config}; the rest whole on every rank)" if cls.tp_sub_config else ""
         lines = []

@@ -19,6 +19,7 @@ from model_registry.layers import (
     GatedMLP,
     NormRecord,
     RMSNorm,
+    ShardsByHeads,
 )
 from model_registry.layers.hybrid import HybridAttention, HybridForCausalLM, HybridStep
 from model_registry.layers.mamba import MambaMixer
@@ -95,8 +96,9 @@ class JambaLayer(nn.Module):
         return x + self.feed_forward(self.pre_ff_layernorm(x))
 
 
-class JambaForCausalLM(HybridForCausalLM):
-    """Engine model for JambaForCausalLM checkpoints (per-expert or stacked expert weights)."""
+class JambaForCausalLM(HybridForCausalLM, ShardsByHeads):
+    """Engine model for JambaForCausalLM checkpoints (per-expert or stacked expert weights). Tensor-parallel:
+    every part is a parallel layer (attention heads, the Mamba mixers' channels, the MLP and experts' width)."""
 
     renames = (("model.final_layernorm.", "model.norm."),
                (".feed_forward.experts.gate_up_proj", ".feed_forward.w13_weight"),

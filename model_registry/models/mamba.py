@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from model_registry.layers import RMSNorm
+from model_registry.layers import RMSNorm, ShardsByHeads
 from model_registry.layers.hybrid import HybridForCausalLM, HybridStep
 from model_registry.layers.mamba import MambaBase, MambaMixer
 from vllite_core.attention.backend import AttentionBackend
@@ -36,8 +36,8 @@ class MambaBlock(nn.Module):
         return residual + self.mixer(self.norm(x.to(self.norm.weight.dtype)), caches[0], mds[0])
 
 
-class MambaForCausalLM(HybridForCausalLM):
-    """Engine model for MambaForCausalLM checkpoints."""
+class MambaForCausalLM(HybridForCausalLM, ShardsByHeads):
+    """Engine model for MambaForCausalLM checkpoints; tensor-parallel over the mixers' channels."""
 
     tie_default = True
     renames = BACKBONE

@@ -1,8 +1,9 @@
 """Tensor parallelism beyond the dense decoders, on the ``mp`` executor with two worker processes, against
 references that are not the engine: a BERT encoder (all-MiniLM-L6-v2) against sentence-transformers, a
-causal LM's last-token embeddings against transformers' final hidden states, and Llava (vision tower whole on
-each rank, language model sharded) against transformers' float32 greedy tokens. Each engine starts once
-(module fixtures); ``vllite env`` shows each rank's heads and refuses what does not divide.
+causal LM's last-token embeddings against transformers' final hidden states, Llava (vision tower whole on
+each rank, language model sharded) and Jamba (Mamba mixers split by channel, attention, MoE) against
+transformers' float32 greedy tokens. Each engine starts once (module fixtures); ``vllite env`` shows each
+rank's heads and refuses what does not divide.
 """
 from __future__ import annotations
 
@@ -127,6 +128,35 @@ def test_llava_over_two_ranks_matches_hf_greedy(llava_tp2):
     # The language model is sharded (2 of 4 heads, 1 of 2 KV heads per rank: 4 x 16 rows); the tower is whole.
     assert _local_rows(llm, "language_model.model.layers.0.self_attn.qkv_proj.weight") == [64, 64]
     assert _local_rows(llm, "vision_tower.layers.0.fc1.weight") == [48, 48]
+
+
+# ---- a hybrid: Jamba (a Mamba mixer layer with a dense MLP, an attention layer with the MoE) ---------------
+
+@pytest.fixture(scope="module")
+def jamba_tp2(tmp_path_factory):
+    from hf_reference import hf_greedy_with
+    from test_state_space_models import _configs
+
+    path = tmp_path_factory.mktemp("tiny-jamba-tp")
+    hf = save_tiny(path, _configs()["jamba"]())
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (2, 17, 40)]
+    ref = [hf_greedy_with(hf, p, 10, lambda logits, *_: logits) for p in prompts]
+    llm = LLM(model=str(path), dtype="float32", tensor_parallel_size=2, max_model_len=256,
+              max_num_batched_tokens=24, num_kv_blocks=64)  # the longer prompts prefill in chunks
+    yield llm, prompts, ref
+    _shutdown(llm)
+
+
+def test_jamba_over_two_ranks_matches_hf_greedy(jamba_tp2):
+    llm, prompts, ref = jamba_tp2
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    # Each rank holds half of the mixer's 128 channels (and so half of each request's state) and 2 of 4 heads.
+    assert _local_rows(llm, "model.layers.0.mamba.A_log") == [64, 64]
+    assert _local_rows(llm, "model.layers.0.mamba.in_proj.weight") == [128, 128]
+    assert _local_rows(llm, "model.layers.1.self_attn.qkv_proj.weight") == [64, 64]
 
 
 # ---- the layout, as `vllite env --model` prints it, and what it refuses -------------------------------
