@@ -165,6 +165,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         tp = get_tp()
         self.heads = h = shard_heads(num_heads, num_kv_heads, tp.world_size, tp.rank)
         q, kv = h.num_heads * head_size, h.num_kv_heads * head_size
+        # The output projection's input columns this rank's query heads produce (its RowParallelLinear range).
+        self.q_cols = (h.q_start * head_size, h.q_start * head_size + q)
         segments = {"q": Segment(0, h.q_start * head_size, q, num_heads * head_size),
                     "k": Segment(q, h.kv_start * head_size, kv, num_kv_heads * head_size),
                     "v": Segment(q + kv, h.kv_start * head_size, kv, num_kv_heads * head_size)}

@@ -60,8 +60,7 @@ class BertLayer(nn.Module):
         # projection, its slice of the intermediate layer; the two row-parallel layers sum over the ranks.
         self.qkv = QKVParallelLinear(h, self.head_size, c.num_attention_heads, c.num_attention_heads, True, dtype)
         self.num_heads = self.qkv.heads.num_heads
-        q_cols = (self.qkv.heads.q_start * self.head_size, (self.qkv.heads.q_start + self.num_heads) * self.head_size)
-        self.attn_out = RowParallelLinear(h, h, True, dtype, q_cols)
+        self.attn_out = RowParallelLinear(h, h, True, dtype, self.qkv.q_cols)
         self.attn_norm = PostLayerNorm(h, eps, dtype)
         self.intermediate = ColumnParallelLinear(h, c.intermediate_size, True, dtype)
         self.out = RowParallelLinear(c.intermediate_size, h, True, dtype)

@@ -14,7 +14,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from model_registry.layers import Embedding, LayerNorm, ReplicatedLinear, RotaryEmbedding, apply_rotary, copy_checked
+from model_registry.layers import (
+    ColumnParallelLinear,
+    Embedding,
+    LayerNorm,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RotaryEmbedding,
+    RowParallelLinear,
+    ShardsByHeads,
+    apply_rotary,
+    load_parameter,
+)
 from model_registry.layers.activation import get_act_fn
 from model_registry.models.bert import PostLayerNorm
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
@@ -30,14 +41,16 @@ class RopeBertLayer(nn.Module):
     def __init__(self, c: Any, bias: bool, down_bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
         h, eps = c.hidden_size, float(c.layer_norm_eps)
-        self.heads = c.num_attention_heads
-        self.head_size = int(getattr(c, "head_dim", None) or h // self.heads)
-        self.qkv = ReplicatedLinear(h, 3 * self.heads * self.head_size, bias, dtype)
-        self.o = ReplicatedLinear(self.heads * self.head_size, h, bias, dtype)
+        heads = c.num_attention_heads
+        self.head_size = int(getattr(c, "head_dim", None) or h // heads)
+        # Tensor-parallel as BERT's layer: this rank's heads and MLP slice, two row-parallel sums per layer.
+        self.qkv = QKVParallelLinear(h, self.head_size, heads, heads, bias, dtype)
+        self.heads = self.qkv.heads.num_heads
+        self.o = RowParallelLinear(heads * self.head_size, h, bias, dtype, self.qkv.q_cols)
         self.attn_norm = PostLayerNorm(h, eps, dtype)
-        self.gate = ReplicatedLinear(h, c.intermediate_size, False, dtype)
-        self.up = ReplicatedLinear(h, c.intermediate_size, False, dtype)
-        self.down = ReplicatedLinear(c.intermediate_size, h, down_bias, dtype)
+        self.gate = ColumnParallelLinear(h, c.intermediate_size, False, dtype)
+        self.up = ColumnParallelLinear(h, c.intermediate_size, False, dtype)
+        self.down = RowParallelLinear(c.intermediate_size, h, down_bias, dtype)
         self.mlp_norm = PostLayerNorm(h, eps, dtype)
         self.act = get_act_fn(str(c.hidden_act))
         self.ops = current_model_ops()
@@ -51,8 +64,9 @@ class RopeBertLayer(nn.Module):
         return self.mlp_norm.add_forward(self.down(self.act(self.gate(x)) * self.up(x)), x)
 
 
-class GteModel(nn.Module, IsPooling):
-    """gte-multilingual embeddings: CLS pooling unless a sentence-transformers folder says otherwise."""
+class GteModel(nn.Module, ShardsByHeads, IsPooling):
+    """gte-multilingual embeddings: CLS pooling unless a sentence-transformers folder says otherwise.
+    Tensor-parallel over its heads and MLP width; embeddings, norms and heads whole on every rank."""
 
     pooling_task = "embed"
     default_pooling_type = "CLS"
@@ -133,7 +147,7 @@ class GteModel(nn.Module, IsPooling):
                 if target not in params:
                     unexpected.append(hf_name)
                     continue
-                copy_checked(params[target].data, part, hf_name)
+                load_parameter(params[target], part, None, hf_name)  # this rank's slice
                 loaded.add(target)
         if unexpected:
             raise ValueError(f"checkpoint has weights this model does not know: {', '.join(unexpected[:8])}")

@@ -7,6 +7,9 @@ rank's heads and refuses what does not divide.
 """
 from __future__ import annotations
 
+import threading
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -157,6 +160,87 @@ def test_jamba_over_two_ranks_matches_hf_greedy(jamba_tp2):
     assert _local_rows(llm, "model.layers.0.mamba.A_log") == [64, 64]
     assert _local_rows(llm, "model.layers.0.mamba.in_proj.weight") == [128, 128]
     assert _local_rows(llm, "model.layers.1.self_attn.qkv_proj.weight") == [64, 64]
+
+
+# ---- in one process: two ranks as two threads (no worker processes), for encoders ---------------------
+
+class _ThreadComm:
+    """A rank's collectives when the ranks are threads of this process: every rank puts its tensor in a shared
+    slot, and each reads the slots in rank order once all have arrived."""
+
+    def __init__(self, slots: list, barrier: threading.Barrier, rank: int) -> None:
+        self.slots, self.barrier, self.rank, self.world_size, self.group = slots, barrier, rank, len(slots), None
+
+    def _exchange(self, x: torch.Tensor) -> list[torch.Tensor]:
+        self.slots[self.rank] = x.clone()
+        self.barrier.wait()
+        parts = list(self.slots)
+        self.barrier.wait()  # nobody overwrites a slot before every rank has read them all
+        return parts
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x.copy_(sum(self._exchange(x)))
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        return torch.cat(self._exchange(x), dim=dim)
+
+
+def _run_as_ranks(monkeypatch, world: int, build, run) -> list:
+    """``build()`` once per rank (the layers read the rank when they are built), then ``run(model)`` on every rank
+    at once, one thread each; each rank's result."""
+    from vllite_core.distributed import parallel_state
+    from vllite_core.distributed.parallel_state import TensorParallelState
+
+    slots, barrier = [None] * world, threading.Barrier(world, timeout=60)
+    models = []
+    for rank in range(world):
+        comm = _ThreadComm(slots, barrier, rank)
+        monkeypatch.setattr(parallel_state, "_state", TensorParallelState(rank, world, communicator=comm))
+        models.append(build())
+    results: list = [None] * world
+    threads = [threading.Thread(target=lambda r=r: results.__setitem__(r, run(models[r]))) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert all(r is not None for r in results), "a rank did not finish"
+    return results
+
+
+@pytest.mark.parametrize("kind", ["gte", "nomic"])
+def test_rope_bert_encoders_sharded_over_two_ranks_match_transformers(monkeypatch, tmp_path, kind):
+    """GTE / Nomic BERT built as each of two ranks (half the heads and MLP each, loaded from the full
+    checkpoint), run together: every rank's hidden states equal transformers'."""
+    from safetensors.torch import load_file
+    from tiny_pooling import save_rope_bert
+    from transformers import AutoConfig
+
+    from model_registry.models.rope_bert import GteModel, NomicBertModel
+
+    hf = save_rope_bert(tmp_path, kind)
+    config = AutoConfig.from_pretrained(tmp_path)
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    cls = GteModel if kind == "gte" else NomicBertModel
+    prompts = [[101, 7592, 2088, 102], [101] + list(range(2000, 2030)) + [102]]
+
+    def build():
+        model = cls(config, None, torch.float32)
+        model.load_weights(weights.items())
+        return model
+
+    def run(model):
+        ids = torch.tensor([t for p in prompts for t in p])
+        positions = torch.tensor([i for p in prompts for i in range(len(p))])
+        md = SimpleNamespace(query_start_loc_cpu=[0, len(prompts[0]), len(ids)])
+        with torch.inference_mode():
+            return model(ids, positions, [], [md]), model.layers[0].qkv.weight.shape[0]
+
+    ranks = _run_as_ranks(monkeypatch, 2, build, run)
+    with torch.inference_mode():
+        ref = torch.cat([hf(torch.tensor([p])).last_hidden_state[0] for p in prompts])
+    for out, qkv_rows in ranks:
+        assert qkv_rows == 3 * 2 * 8  # 2 of the 4 heads of 8, q, k and v
+        assert (out - ref).abs().max() <= 1e-5
 
 
 # ---- the layout, as `vllite env --model` prints it, and what it refuses -------------------------------
