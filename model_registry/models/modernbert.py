@@ -13,7 +13,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_registry.layers import Embedding, LayerNorm, ReplicatedLinear, RotaryEmbedding, apply_rotary, gated
+from model_registry.layers import (
+    Embedding,
+    LayerNorm,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RotaryEmbedding,
+    RowParallelLinear,
+    ShardsByHeads,
+    apply_rotary,
+    gated,
+)
 from model_registry.layers.activation import get_act_fn
 from model_registry.layers.params import load_by_name
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
@@ -42,15 +53,19 @@ class ModernBertLayer(nn.Module):
     def __init__(self, c: Any, index: int, dtype: torch.dtype) -> None:
         super().__init__()
         h, eps, bias = c.hidden_size, float(c.norm_eps), bool(c.norm_bias)
-        self.heads, self.head_size = c.num_attention_heads, h // c.num_attention_heads
+        self.head_size = h // c.num_attention_heads
         self.kind = c.layer_types[index]
         self.half_window = int(c.local_attention) // 2 if self.kind == "sliding_attention" else None
         self.attn_norm = LayerNorm(h, dtype, eps, bias) if index > 0 else None
-        self.Wqkv = ReplicatedLinear(h, 3 * h, bool(c.attention_bias), dtype)
-        self.Wo = ReplicatedLinear(h, h, bool(c.attention_bias), dtype)
+        # Tensor-parallel as BERT's layer: this rank's heads, its slice of the GeGLU's input and gate rows.
+        self.Wqkv = QKVParallelLinear(h, self.head_size, c.num_attention_heads, c.num_attention_heads,
+                                      bool(c.attention_bias), dtype)
+        self.heads = self.Wqkv.heads.num_heads
+        self.Wo = RowParallelLinear(h, h, bool(c.attention_bias), dtype, self.Wqkv.q_cols)
         self.mlp_norm = LayerNorm(h, dtype, eps, bias)
-        self.Wi = ReplicatedLinear(h, 2 * int(c.intermediate_size), bool(c.mlp_bias), dtype)
-        self.mlp_Wo = ReplicatedLinear(int(c.intermediate_size), h, bool(c.mlp_bias), dtype)
+        inter = int(c.intermediate_size)
+        self.Wi = MergedColumnParallelLinear(h, {"input": inter, "gate": inter}, bool(c.mlp_bias), dtype)
+        self.mlp_Wo = RowParallelLinear(inter, h, bool(c.mlp_bias), dtype)
         self.act = str(c.hidden_activation)
         self.ops = current_model_ops()
 
@@ -68,7 +83,9 @@ class ModernBertLayer(nn.Module):
         return x + self.mlp_Wo(gated(self.act, self.Wi(self.mlp_norm(x))))
 
 
-class ModernBertModel(nn.Module, IsPooling):
+class ModernBertModel(nn.Module, ShardsByHeads, IsPooling):
+    """Tensor-parallel over its heads and MLP width; embeddings, norms and the head whole on every rank."""
+
     pooling_task = "embed"
     default_pooling_type = "CLS"
     is_bidirectional = True

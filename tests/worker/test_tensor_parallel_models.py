@@ -207,20 +207,22 @@ def _run_as_ranks(monkeypatch, world: int, build, run) -> list:
     return results
 
 
-@pytest.mark.parametrize("kind", ["gte", "nomic"])
-def test_rope_bert_encoders_sharded_over_two_ranks_match_transformers(monkeypatch, tmp_path, kind):
-    """GTE / Nomic BERT built as each of two ranks (half the heads and MLP each, loaded from the full
-    checkpoint), run together: every rank's hidden states equal transformers'."""
+@pytest.mark.parametrize("kind", ["gte", "nomic", "modernbert"])
+def test_encoders_sharded_over_two_ranks_match_transformers(monkeypatch, tmp_path, kind):
+    """GTE, Nomic BERT and ModernBERT built as each of two ranks (half the heads and MLP each, loaded from the
+    full checkpoint), run together: every rank's hidden states equal transformers'. ModernBERT's 8-token local
+    window is crossed by the second prompt."""
     from safetensors.torch import load_file
-    from tiny_pooling import save_rope_bert
+    from tiny_pooling import save_modernbert, save_rope_bert
     from transformers import AutoConfig
 
+    from model_registry.models.modernbert import ModernBertModel
     from model_registry.models.rope_bert import GteModel, NomicBertModel
 
-    hf = save_rope_bert(tmp_path, kind)
+    hf = save_modernbert(tmp_path, head=False) if kind == "modernbert" else save_rope_bert(tmp_path, kind)
     config = AutoConfig.from_pretrained(tmp_path)
     weights = load_file(str(tmp_path / "model.safetensors"))
-    cls = GteModel if kind == "gte" else NomicBertModel
+    cls = {"gte": GteModel, "nomic": NomicBertModel, "modernbert": ModernBertModel}[kind]
     prompts = [[101, 7592, 2088, 102], [101] + list(range(2000, 2030)) + [102]]
 
     def build():
@@ -232,8 +234,9 @@ def test_rope_bert_encoders_sharded_over_two_ranks_match_transformers(monkeypatc
         ids = torch.tensor([t for p in prompts for t in p])
         positions = torch.tensor([i for p in prompts for i in range(len(p))])
         md = SimpleNamespace(query_start_loc_cpu=[0, len(prompts[0]), len(ids)])
+        qkv = model.layers[0].Wqkv if kind == "modernbert" else model.layers[0].qkv
         with torch.inference_mode():
-            return model(ids, positions, [], [md]), model.layers[0].qkv.weight.shape[0]
+            return model(ids, positions, [], [md]), qkv.weight.shape[0]
 
     ranks = _run_as_ranks(monkeypatch, 2, build, run)
     with torch.inference_mode():
@@ -268,9 +271,13 @@ def test_env_shows_each_ranks_heads_and_stages(capsys, llava, qwen2_embed_path):
     assert rc == 0 and "tensor-parallel rank 1: query heads 6-11 (6) of 12, KV heads 6-11 (6) of 12" in out
 
 
-def test_env_refuses_what_does_not_divide(capsys, llava, qwen2_embed_path, tmp_path):
-    from tiny_pooling import save_modernbert
+def _mamba2_config():
+    from test_state_space_models import _configs
 
+    return _configs()["mamba2"]()  # Mamba-2's mixer is not sharded yet
+
+
+def test_env_refuses_what_does_not_divide(capsys, llava, qwen2_embed_path, tmp_path):
     # Llava's language model: 4 query heads, 2 KV heads; 3 ranks can neither split nor replicate them.
     rc, _, err = _env(capsys, "-tp", "3", "--model", str(llava[0]))
     assert rc == 1 and "tensor_parallel_size: 3 ranks is more than the model's 2 KV heads" in err
@@ -278,6 +285,6 @@ def test_env_refuses_what_does_not_divide(capsys, llava, qwen2_embed_path, tmp_p
     assert rc == 1 and "pipeline_parallel_size: 3 stages for a model of 2 layer(s)" in err
     rc, _, err = _env(capsys, "-tp", "2", "-pp", "2", "--model", str(llava[0]))
     assert rc == 1 and "pipeline_parallel_size: LlavaForConditionalGeneration does not support pipeline" in err
-    save_modernbert(tmp_path, head=False)
+    save_tiny(tmp_path, _mamba2_config())
     rc, _, err = _env(capsys, "-tp", "2", "--model", str(tmp_path))
-    assert rc == 1 and "tensor_parallel_size: ModernBertModel does not support tensor parallelism" in err
+    assert rc == 1 and "tensor_parallel_size: Mamba2ForCausalLM does not support tensor parallelism" in err
