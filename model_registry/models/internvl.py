@@ -27,7 +27,7 @@ from model_registry.models.llama import LlamaForCausalLM
 from model_registry.models.llava import load_vlm_weights
 from model_registry.models.mm_prompt import image_processor, placeholder_prompt
 from vllite_core.attention.backend import AttentionBackend
-from vllite_core.errors import InvalidRequestError
+from vllite_core.errors import ConfigError, InvalidRequestError
 from vllite_core.inputs import InputContext, ProcessedPrompt
 from vllite_core.model_interfaces import SupportsMultiModalDecoder
 from vllite_core.multimodal.features import MultiModalFeature
@@ -156,8 +156,8 @@ class InternVLForConditionalGeneration(LanguageModelShell, nn.Module, SupportsMu
         if hf_config.vision_feature_select_strategy != "default":
             raise NotImplementedError(f"vision_feature_select_strategy {hf_config.vision_feature_select_strategy!r}")
         layer = hf_config.vision_feature_layer
-        if not isinstance(layer, int):
-            raise NotImplementedError("InternVL with several vision_feature_layer values is not supported")
+        if not isinstance(layer, int):  # transformers' class indexes its hidden states by it
+            raise ConfigError(f"vision_feature_layer {layer!r}: InternVL takes one layer index (an int)")
         # the top-level config says whether the LM head is the embedding (transformers ties by it)
         tc.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", tc.tie_word_embeddings))
         self.shuffle = round(1 / float(hf_config.downsample_ratio))

@@ -3,17 +3,20 @@ transformers' InternVLProcessor (tiles picked by aspect ratio plus a thumbnail, 
 ``</img>``) and greedy tokens identical to ``generate`` in float32, for images cut into 2x2 and 2x1 tiles, one
 left whole, two images in one prompt and a text-only prompt in one batch, also with a step budget shorter than
 the prompts (chunked prefill cutting an image's run); ``LLM.chat`` with ``image_url`` parts; the encoder cache
-reused by a second request sharing an image."""
+reused by a second request sharing an image; a list ``vision_feature_layer`` refused."""
 from __future__ import annotations
 
 import base64
 import io
+import json
+import shutil
 
 import pytest
 from tiny_bart import make_image
 from tiny_internvl import CONTEXT, hf_internvl_greedy, internvl_processor, save_tiny_internvl
 
 from vllite_core import LLM, SamplingParams
+from vllite_core.errors import ConfigError
 
 N = 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True)
@@ -97,3 +100,13 @@ def test_internvl_chunked_prefill_cuts_images_and_matches_hf(internvl):
     outs = llm.generate(_prompts(REQUESTS), GREEDY)
     assert [(o.prompt_token_ids, list(o.outputs[0].token_ids)) for o in outs] == ref[:len(REQUESTS)]
     assert cuts, "no step ended inside an image"
+
+
+def test_internvl_feature_layer_list_is_refused(internvl, tmp_path):
+    path, _ = internvl
+    dst = tmp_path / "layers"
+    shutil.copytree(path, dst)
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, "vision_feature_layer": [-1]}))
+    with pytest.raises(ConfigError, match="vision_feature_layer"):
+        LLM(str(dst), dtype="float32", num_kv_blocks=64)
