@@ -1,6 +1,6 @@
 """A tiny random InternVL checkpoint (transformers' native ``InternVLForConditionalGeneration``): a 28 px / patch 7
 tower (16 patches + CLS, layer scale, q/k norms), pixel-shuffled by 0.5 to 4 image tokens per tile, images cut
-into up to 4 tiles of 28 px plus a thumbnail, a 2-layer Qwen2 decoder, SmolLM2's tokenizer plus ``<img>``,
+into up to 4 tiles of 28 px plus a thumbnail, a 2-layer Qwen2 (or Qwen3) decoder, SmolLM2's tokenizer plus ``<img>``,
 ``</img>``, ``<IMG_CONTEXT>``; transformers' own InternVLProcessor (GotOCR2's PIL image backend) for reference
 inputs."""
 from __future__ import annotations
@@ -20,8 +20,9 @@ def _image_processor():
                                     max_patches=4, image_mean=[0.5] * 3, image_std=[0.5] * 3)
 
 
-def save_tiny_internvl(path, seed: int = 0, **config_overrides):
-    from transformers import InternVLConfig, InternVLForConditionalGeneration, Qwen2Config
+def save_tiny_internvl(path, seed: int = 0, decoder: str = "qwen2"):
+    """``decoder``: the text model, "qwen2" (InternVL3) or "qwen3" (InternVL3.5, with q/k norms per head)."""
+    from transformers import InternVLConfig, InternVLForConditionalGeneration, Qwen2Config, Qwen3Config
     from transformers.models.internvl.configuration_internvl import InternVLVisionConfig
 
     from model_registry.source import load_tokenizer, resolve_model_source
@@ -31,13 +32,13 @@ def save_tiny_internvl(path, seed: int = 0, **config_overrides):
     vision = InternVLVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
                                   image_size=28, patch_size=7, attention_bias=True, use_qk_norm=True,
                                   layer_scale_init_value=1.0)
-    text = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    text_config = {"qwen2": Qwen2Config, "qwen3": Qwen3Config}[decoder]
+    text = text_config(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=False)
     config = InternVLConfig(vision_config=vision, text_config=text, downsample_ratio=0.5,
                             image_token_id=tok.convert_tokens_to_ids(CONTEXT), image_seq_length=TOKENS_PER_TILE,
-                            architectures=["InternVLForConditionalGeneration"],
-                            **config_overrides)
+                            architectures=["InternVLForConditionalGeneration"])
     torch.manual_seed(seed)
     model = InternVLForConditionalGeneration(config).to(torch.float32)
     with torch.no_grad():

@@ -1,7 +1,7 @@
 """InternVL (transformers' native ``InternVLForConditionalGeneration``, the ``-hf`` checkpoints): an InternViT tower
 run per image tile (CLS token and learned positions, pre-norm blocks with layer scale and optional q/k norms), the
 patch grid pixel-shuffled by ``downsample_ratio`` (each block of neighbours into one row, Idefics3's order), a
-projector (LayerNorm, linear, act, linear) and a Qwen2 / Llama decoder.
+projector (LayerNorm, linear, act, linear) and a Qwen2, Qwen3 or Llama decoder.
 
 An image is written ``<IMG_CONTEXT>`` in a prompt. As transformers' InternVLProcessor does (``crop_to_patches``
 on), the image processor cuts it into the tile grid whose aspect ratio is nearest the image's (between the
@@ -26,6 +26,7 @@ from model_registry.models.language_model_shell import LanguageModelShell
 from model_registry.models.llama import LlamaForCausalLM
 from model_registry.models.llava import load_vlm_weights
 from model_registry.models.mm_prompt import image_processor, placeholder_prompt
+from model_registry.models.qwen3 import Qwen3ForCausalLM
 from vllite_core.attention.backend import AttentionBackend
 from vllite_core.errors import ConfigError, InvalidRequestError
 from vllite_core.inputs import InputContext, ProcessedPrompt
@@ -34,7 +35,7 @@ from vllite_core.multimodal.features import MultiModalFeature
 from vllite_core.multimodal.images import hash_image
 
 START, END = "<img>", "</img>"
-TEXT_MODEL_TYPES = ("qwen2", "llama")  # decoders LlamaForCausalLM computes
+DECODERS = {"qwen2": LlamaForCausalLM, "llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM}  # by model_type
 
 
 def _norm(kind: str, d: int, eps: float, dtype: torch.dtype) -> nn.Module:
@@ -150,9 +151,9 @@ class InternVLForConditionalGeneration(LanguageModelShell, nn.Module, SupportsMu
         super().__init__()
         self.config = hf_config
         vc, tc = hf_config.vision_config, copy.copy(hf_config.get_text_config())
-        if tc.model_type not in TEXT_MODEL_TYPES:
+        if tc.model_type not in DECODERS:
             raise NotImplementedError(f"InternVL with a {tc.model_type} decoder is not supported "
-                                      f"({', '.join(TEXT_MODEL_TYPES)})")
+                                      f"({', '.join(DECODERS)})")
         if hf_config.vision_feature_select_strategy != "default":
             raise NotImplementedError(f"vision_feature_select_strategy {hf_config.vision_feature_select_strategy!r}")
         layer = hf_config.vision_feature_layer
@@ -164,7 +165,7 @@ class InternVLForConditionalGeneration(LanguageModelShell, nn.Module, SupportsMu
         self.vision_tower = InternVisionTower(vc, layer, dtype)
         self.multi_modal_projector = InternVLProjector(vc.hidden_size * self.shuffle ** 2, tc.hidden_size,
                                                        str(hf_config.projector_hidden_act), dtype)
-        self.language_model = LlamaForCausalLM(tc, attn_backend, dtype)
+        self.language_model = DECODERS[tc.model_type](tc, attn_backend, dtype)
         self.vocab_size: int = tc.vocab_size
         self.dtype = dtype
 

@@ -3,7 +3,8 @@ transformers' InternVLProcessor (tiles picked by aspect ratio plus a thumbnail, 
 ``</img>``) and greedy tokens identical to ``generate`` in float32, for images cut into 2x2 and 2x1 tiles, one
 left whole, two images in one prompt and a text-only prompt in one batch, also with a step budget shorter than
 the prompts (chunked prefill cutting an image's run); ``LLM.chat`` with ``image_url`` parts; the encoder cache
-reused by a second request sharing an image; a list ``vision_feature_layer`` refused."""
+reused by a second request sharing an image; a Qwen3 decoder (InternVL3.5's); a list ``vision_feature_layer``
+refused."""
 from __future__ import annotations
 
 import base64
@@ -110,3 +111,14 @@ def test_internvl_feature_layer_list_is_refused(internvl, tmp_path):
     (dst / "config.json").write_text(json.dumps({**config, "vision_feature_layer": [-1]}))
     with pytest.raises(ConfigError, match="vision_feature_layer"):
         LLM(str(dst), dtype="float32", num_kv_blocks=64)
+
+
+def test_internvl_with_a_qwen3_decoder_matches_hf(tmp_path):
+    """InternVL3.5's layout: the same tower and projector over a Qwen3 decoder (q/k norms per head)."""
+    hf = save_tiny_internvl(tmp_path, decoder="qwen3")
+    proc = internvl_processor(tmp_path)
+    requests = REQUESTS[:1] + REQUESTS[2:3]
+    ref = [hf_internvl_greedy(hf, proc, t, im, N) for t, im in requests]
+    llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=64)
+    outs = llm.generate(_prompts(requests), GREEDY)
+    assert [(o.prompt_token_ids, list(o.outputs[0].token_ids)) for o in outs] == ref
