@@ -6,8 +6,9 @@ projector (LayerNorm, linear, act, linear) and a Qwen2, Qwen3 or Llama decoder.
 An image is written ``<IMG_CONTEXT>`` in a prompt. As transformers' InternVLProcessor does (``crop_to_patches``
 on), the image processor cuts it into the tile grid whose aspect ratio is nearest the image's (between the
 folder's ``min_patches`` and ``max_patches``) plus a thumbnail when there is more than one tile, and the
-placeholder becomes ``<img>`` + ``image_seq_length`` context tokens per tile + ``</img>``. The tiles' runs are
-contiguous, so the whole image is one multimodal item (one encoder-cache entry).
+placeholder becomes ``<img>`` + ``image_seq_length`` context tokens per tile + ``</img>``. Each tile's run is
+its own multimodal item (``<image hash>:<tile>``, adjacent runs): a large image (13 tiles x 256 rows in
+InternVL3) is encoded a few tiles a step within the step's encoder budget instead of needing it all at once.
 """
 from __future__ import annotations
 
@@ -183,7 +184,8 @@ class InternVLForConditionalGeneration(LanguageModelShell, nn.Module, SupportsMu
     @classmethod
     def process_prompt(cls, prompt: Any, ctx: InputContext) -> ProcessedPrompt:
         """``<IMG_CONTEXT>`` per image in the text (or ``prompt_token_ids``), expanded to ``<img>``, its tiles'
-        context tokens, ``</img>``; the tiles' pixels from the folder's image processor with ``crop_to_patches``."""
+        context tokens, ``</img>``; the tiles' pixels from the folder's image processor with ``crop_to_patches``,
+        each tile's run one item."""
         c, tok = ctx.hf_config, ctx.tokenizer
         image_id = cls.image_token_id(c)
         text, ids, images = placeholder_prompt(prompt, ctx, image_id, cls.supported_modalities)
@@ -203,20 +205,21 @@ class InternVLForConditionalGeneration(LanguageModelShell, nn.Module, SupportsMu
             if tuple(tiles.shape[-2:]) != size:
                 raise InvalidRequestError("multi_modal_data", f"the image processor gives {tuple(tiles.shape)} "
                                           f"pixels; the vision tower takes {size[0]}x{size[1]} tiles")
+            key = hash_image(img)
             out.append(start)
-            features.append(MultiModalFeature("image", hash_image(img), len(out), n * tiles.shape[0], tiles))
-            out.extend([image_id] * (n * tiles.shape[0]))
+            for k, tile in enumerate(tiles):
+                features.append(MultiModalFeature("image", f"{key}:{k}", len(out), n, tile))
+                out.extend([image_id] * n)
             out.append(end)
         return ProcessedPrompt(prompt_token_ids=out, prompt=text, mm_features=features)
 
     # ---- the engine's model contract ---------------------------------------------------------------
     @torch.inference_mode()
     def embed_multimodal(self, tiles: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Per image, its tiles' pixel-shuffled, projected patch embeddings [tiles * tokens_per_tile, hidden]."""
+        """Per tile, its pixel-shuffled, projected patch embeddings [tokens_per_tile, hidden]."""
         dev = self.multi_modal_projector.layer_norm.weight.device
-        states = self.vision_tower(torch.cat(tiles).to(dev, self.dtype))
-        rows = self.multi_modal_projector(pixel_shuffle(states, self.shuffle))
-        return list(rows.flatten(0, 1).split([t.shape[0] * rows.shape[1] for t in tiles]))
+        states = self.vision_tower(torch.stack(tiles).to(dev, self.dtype))
+        return list(self.multi_modal_projector(pixel_shuffle(states, self.shuffle)).unbind(0))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_vlm_weights(self, weights)

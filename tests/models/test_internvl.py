@@ -1,10 +1,10 @@
 """InternVL (transformers' native class) against Hugging Face on a tiny random checkpoint: prompt ids equal to
 transformers' InternVLProcessor (tiles picked by aspect ratio plus a thumbnail, ``<img>`` + context tokens +
 ``</img>``) and greedy tokens identical to ``generate`` in float32, for images cut into 2x2 and 2x1 tiles, one
-left whole, two images in one prompt and a text-only prompt in one batch, also with a step budget shorter than
-the prompts (chunked prefill cutting an image's run); ``LLM.chat`` with ``image_url`` parts; the encoder cache
-reused by a second request sharing an image; a Qwen3 decoder (InternVL3.5's); a list ``vision_feature_layer``
-refused."""
+left whole, two images in one prompt and a text-only prompt in one batch, also with a step budget smaller than
+an image (each tile its own item, encoded as steps reach it); ``LLM.chat`` with ``image_url`` parts; the encoder
+cache reused by a second request sharing an image, the prefix cache by a repeated prompt; a Qwen3 decoder
+(InternVL3.5's); a list ``vision_feature_layer`` refused."""
 from __future__ import annotations
 
 import base64
@@ -29,7 +29,7 @@ REQUESTS = [(f"User: {CONTEXT}\nWhat is in the picture?\nAssistant:", [make_imag
 SECOND = (f"Look at this {CONTEXT} closely.", [make_image(60, 60, 0)])  # the first request's pixels, other text
 CHAT_IMAGES = [make_image(40, 80, 4), make_image(30, 30, 5)]
 CHAT_TEXT = "Compare them."
-BUDGET = 24  # tokens per step: fits the largest image (5 tiles x 4 rows), shorter than the image prompts
+BUDGET = 10  # tokens per step: 2 tiles' rows, half the largest image (5 tiles x 4 rows)
 
 
 def _chat_text(tok) -> str:
@@ -74,15 +74,17 @@ def test_internvl_greedy_chat_and_encoder_cache_match_hf(internvl):
     hits, encoded = stats.hits, runner.num_encoded
     out = llm.generate(_prompts([SECOND]), GREEDY)[0]
     assert (out.prompt_token_ids, list(out.outputs[0].token_ids)) == ref[len(REQUESTS)]
-    assert (stats.hits - hits, runner.num_encoded - encoded) == (1, 0)
+    assert (stats.hits - hits, runner.num_encoded - encoded) == (5, 0)  # its 5 tiles
+    again = llm.generate(_prompts(REQUESTS[:1]), GREEDY)[0]  # a repeated prompt: a prefix hit into the image
+    assert (again.prompt_token_ids, list(again.outputs[0].token_ids)) == ref[0] and again.num_cached_tokens > 0
     parts = [{"type": "image_url", "image_url": {"url": _data_url(im)}} for im in CHAT_IMAGES]
     out = llm.chat([{"role": "user", "content": parts + [{"type": "text", "text": CHAT_TEXT}]}], GREEDY)[0]
     assert (out.prompt_token_ids, list(out.outputs[0].token_ids)) == ref[-1]
 
 
-def test_internvl_chunked_prefill_cuts_images_and_matches_hf(internvl):
-    """A 24-token step budget: every image prompt takes several steps and some step ends inside an image's run
-    (its rows come from the encoder cache for the rest); tokens are still HF's."""
+def test_internvl_images_larger_than_the_step_budget_match_hf(internvl):
+    """A 10-token step budget, smaller than the 5-tile image's 20 rows: its tiles are encoded a step at a time
+    and some step ends inside a tile's run (the rest of its rows from the encoder cache); tokens are still HF's."""
     path, ref = internvl
     llm = LLM(path, dtype="float32", num_kv_blocks=128, max_num_batched_tokens=BUDGET,
               long_prefill_token_threshold=0)
@@ -100,7 +102,7 @@ def test_internvl_chunked_prefill_cuts_images_and_matches_hf(internvl):
     core.worker.execute_model = spy
     outs = llm.generate(_prompts(REQUESTS), GREEDY)
     assert [(o.prompt_token_ids, list(o.outputs[0].token_ids)) for o in outs] == ref[:len(REQUESTS)]
-    assert cuts, "no step ended inside an image"
+    assert cuts, "no step ended inside a tile"
 
 
 def test_internvl_feature_layer_list_is_refused(internvl, tmp_path):
