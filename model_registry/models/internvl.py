@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_registry.layers import TORCH_OPS, LayerNorm, RMSNorm, empty_param, get_act_fn
+from model_registry.layers.params import load_by_name
 from model_registry.models.clip import linear
 from model_registry.models.idefics3 import pixel_shuffle
 from model_registry.models.language_model_shell import LanguageModelShell
@@ -108,29 +109,20 @@ class InternVisionTower(nn.Module):
             x = self.layernorm(x)
         return x[:, 1:]
 
-    @staticmethod
-    def param_name(hf_name: str) -> str:
-        """HF names below ``vision_tower.`` -> this module's."""
+    def param_name(self, hf_name: str) -> str | None:
+        """HF names below ``vision_tower.`` -> this module's; None for blocks past the feature layer and an unused
+        final norm."""
         name = hf_name.replace("embeddings.patch_embeddings.projection.weight", "patch_weight")
         name = name.replace("embeddings.patch_embeddings.projection.bias", "patch_bias")
         name = name.removeprefix("embeddings.").replace("encoder.layer.", "layers.")
-        return name.replace(".attention.", ".").replace(".mlp.", ".")
+        name = name.replace(".attention.", ".").replace(".mlp.", ".")
+        if name.startswith("layers.") and int(name.split(".")[1]) >= len(self.layers):
+            return None
+        return None if name.startswith("layernorm.") and self.layernorm is None else name
 
-    def load(self, weights: Iterable[tuple[str, torch.Tensor]], copy) -> set[str]:
-        """Copy HF-named tensors; blocks past the feature layer and an unused final norm are skipped."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for hf_name, tensor in weights:
-            name = self.param_name(hf_name)
-            if name.startswith("layers.") and int(name.split(".")[1]) >= len(self.layers):
-                continue
-            if name.startswith("layernorm.") and self.layernorm is None:
-                continue
-            if name not in params:
-                raise ValueError(f"checkpoint has vision weights this model does not know: vision_tower.{hf_name}")
-            copy(params[name].data, tensor, hf_name)
-            loaded.add(name)
-        return loaded
+    def load(self, weights: Iterable[tuple[str, torch.Tensor]], copy: object = None) -> set[str]:
+        """``load_vlm_weights``' tower contract (its ``copy`` unused: ``load_by_name`` checks and copies)."""
+        return load_by_name(self, weights, self.param_name)
 
 
 class InternVLProjector(nn.Module):
