@@ -2,7 +2,8 @@
 ``generate`` in float32 and prompt ids equal to PixtralProcessor's rule ([IMG] rows with [IMG_BREAK] / [IMG_END];
 its module needs torchvision, absent here, so the test writes the rule out), for images of different sizes and
 aspect ratios, two images in one prompt and a text-only prompt in one batch; the encoder cache reused by a
-second request sharing an image."""
+second request sharing an image; ``vision_feature_layer`` as a list of one (a middle layer) against HF, several
+refused."""
 from __future__ import annotations
 
 import json
