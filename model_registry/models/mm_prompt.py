@@ -40,8 +40,17 @@ def prompt_text_ids(prompt: Any, ctx: InputContext) -> tuple[str | None, list[in
 
 def image_processor(ctx: InputContext) -> Any:
     """The folder's image processor (transformers picks its PIL backend when torchvision is missing)."""
+    return _folder_processor(ctx, "image_processor")
+
+
+def feature_extractor(ctx: InputContext) -> Any:
+    """The folder's audio feature extractor (WhisperFeatureExtractor for Qwen2-Audio)."""
+    return _folder_processor(ctx, "feature_extractor")
+
+
+def _folder_processor(ctx: InputContext, kind: str) -> Any:
     try:
-        return ctx.processor("image_processor")
+        return ctx.processor(kind)
     except OSError as e:
-        raise InvalidRequestError("multi_modal_data", f"cannot load the model's image processor "
+        raise InvalidRequestError("multi_modal_data", f"cannot load the model's {kind.replace('_', ' ')} "
                                   f"(preprocessor_config.json): {e}") from e

@@ -21,7 +21,7 @@ from model_registry.layers import copy_checked
 from model_registry.models.clip import linear
 from model_registry.models.language_model_shell import LanguageModelShell
 from model_registry.models.llama import LlamaForCausalLM
-from model_registry.models.mm_prompt import prompt_text_ids
+from model_registry.models.mm_prompt import feature_extractor, prompt_text_ids
 from model_registry.models.whisper import WhisperEncoder
 from vllite_core.attention.backend import AttentionBackend
 from vllite_core.audio import resample
@@ -156,11 +156,3 @@ class Qwen2AudioForConditionalGeneration(LanguageModelShell, nn.Module, Supports
                 raise ValueError(f"checkpoint has weights this model does not know: {name}")
         return loaded | {"language_model." + n for n in self.language_model.load_weights(text)}
 
-
-def feature_extractor(ctx: InputContext) -> Any:
-    """The folder's WhisperFeatureExtractor (preprocessor_config.json)."""
-    try:
-        return ctx.processor("feature_extractor")
-    except OSError as e:
-        raise InvalidRequestError("multi_modal_data", f"cannot load the model's feature extractor "
-                                  f"(preprocessor_config.json): {e}") from e

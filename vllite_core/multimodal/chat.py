@@ -70,14 +70,15 @@ def part_image_url(part: dict) -> str:
 
 
 def part_source(part: dict) -> Any:
-    """What a media part's loader takes: a URL, a PIL image, or an ``input_audio`` dict."""
+    """What a media part's loader takes: an image URL or PIL image; for audio (part type, URL or
+    ``input_audio`` dict)."""
     kind = part["type"]
     if kind == "image_url":
         return part_image_url(part)
     if kind == "audio_url":
         ref = part.get("audio_url")
-        return ref.get("url") if isinstance(ref, dict) else ref
-    return part.get(kind)
+        return kind, ref.get("url") if isinstance(ref, dict) else ref
+    return (kind, part.get(kind)) if kind == "input_audio" else part.get(kind)
 
 
 def part_modalities(messages: list[dict]) -> set[str]:
@@ -126,7 +127,7 @@ def flatten_messages(messages: list[dict], marker: MediaMarker | None) -> tuple[
 def _check_limit(modality: str, count: int, config: MultiModalConfig) -> None:
     limit = config.limit(modality)
     if count > limit:
-        raise MediaError(PARAM, f"{count} {NOUNS[modality]} parts in one request, more than limit_mm_per_prompt "
+        raise MediaError(PARAM, f"{count} {modality} parts in one request, more than limit_mm_per_prompt "
                          f"allows ({modality}: {limit})")
 
 
@@ -137,10 +138,9 @@ def load_images(sources: list[Any], config: MultiModalConfig) -> list[Any]:
 
 
 def load_audios(sources: list[Any], config: MultiModalConfig) -> list[AudioClip]:
-    """``input_audio`` dicts decoded, ``audio_url`` URLs decoded or fetched; the count checked first."""
+    """``input_audio`` parts decoded, ``audio_url`` URLs decoded or fetched; the count checked first."""
     _check_limit("audio", len(sources), config)
-    return [load_audio_url(s, config) if isinstance(s, str) or s is None else load_input_audio(s, config)
-            for s in sources]
+    return [load_audio_url(s, config) if kind == "audio_url" else load_input_audio(s, config) for kind, s in sources]
 
 
 def load_media(sources: dict[str, list[Any]], config: MultiModalConfig) -> dict[str, list[Any]]:

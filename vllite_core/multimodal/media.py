@@ -51,7 +51,7 @@ def base64_payload(payload: str, config: MultiModalConfig, param: str, what: str
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:
-        raise MediaError(param, f"the data URL is not valid base64: {e}") from None
+        raise MediaError(param, f"the {what} is not valid base64: {e}") from None
 
 
 def _allowed(host: str, domains: list[str]) -> bool:
