@@ -2,7 +2,8 @@
 tiny random checkpoint: greedy tokens identical to ``generate`` in float32 on transformers' own
 Qwen2AudioProcessor inputs (prompt ids equal to the processor's) for a batch of one-clip, two-clip and text-only
 prompts, a clip given at 8 kHz (resampled), a step budget that cuts a clip's placeholders; the encoder cache
-reused by a second request with the same clip; ``LLM.chat`` with ``input_audio`` and ``audio_url`` parts; bad
+reused by a second request with the same clip; ``LLM.chat`` with ``input_audio`` and ``audio_url`` parts;
+limit_mm_per_prompt counting clips; bad
 audio refused naming the field."""
 from __future__ import annotations
 
@@ -117,3 +118,13 @@ def test_bad_audio_is_a_typed_error(llm, prompt, param, message):
         llm.generate([prompt], GREEDY)
     assert e.value.param == param
     assert llm.generate([_prompt(Q, [A])], GREEDY)[0].outputs[0].token_ids  # the engine still serves
+
+
+def test_limit_mm_per_prompt_counts_clips(qa):
+    llm = LLM(model=qa[0], dtype="float32", num_kv_blocks=16, limit_mm_per_prompt={"audio": 1})
+    with pytest.raises(InvalidRequestError, match="limit_mm_per_prompt") as e:
+        llm.generate([_prompt(MIXED[2][0], [A, B])], GREEDY)
+    assert e.value.param == "multi_modal_data"
+    with pytest.raises(InvalidRequestError, match="limit_mm_per_prompt") as e:
+        llm.chat(audio_msg("Compare.", [input_audio(A), input_audio(B)]), GREEDY)
+    assert e.value.param == "messages.content"
