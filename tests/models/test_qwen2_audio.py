@@ -3,8 +3,7 @@ tiny random checkpoint: greedy tokens identical to ``generate`` in float32 on tr
 Qwen2AudioProcessor inputs (prompt ids equal to the processor's) for a batch of one-clip, two-clip and text-only
 prompts, a clip given at 8 kHz (resampled), a step budget that cuts a clip's placeholders; the encoder cache
 reused by a second request with the same clip; ``LLM.chat`` with ``input_audio`` and ``audio_url`` parts;
-limit_mm_per_prompt counting clips; bad
-audio refused naming the field."""
+limit_mm_per_prompt counting clips; bad audio refused naming the field."""
 from __future__ import annotations
 
 import base64
