@@ -55,6 +55,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "Mistral3ForConditionalGeneration": "model_registry.models.mistral3:Mistral3ForConditionalGeneration",
     "InternVLForConditionalGeneration": "model_registry.models.internvl:InternVLForConditionalGeneration",
     "Gemma3ForConditionalGeneration": "model_registry.models.gemma3_mm:Gemma3ForConditionalGeneration",
+    "Qwen2AudioForConditionalGeneration": "model_registry.models.qwen2_audio:Qwen2AudioForConditionalGeneration",
     # State-space models and hybrids: a per-request recurrent state (vllite_core/state_cache.py).
     "MambaForCausalLM": "model_registry.models.mamba:MambaForCausalLM",
     "FalconMambaForCausalLM": "model_registry.models.mamba:FalconMambaForCausalLM",

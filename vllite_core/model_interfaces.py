@@ -89,6 +89,12 @@ class SupportsMultiModalDecoder(SupportsMultiModal, Protocol):
         (Qwen2-VL: vision start, placeholder, vision end). Inherited by the classes that declare the Protocol."""
         return [cls.image_token_id(hf_config)]
 
+    @classmethod
+    def chat_audio_token_ids(cls, hf_config: Any, tokenizer: Any) -> list[int]:
+        """What a chat prompt holds per audio part (``input_audio``, ``audio_url``); only asked of a model whose
+        ``supported_modalities`` include "audio" (Qwen2-Audio: audio start, placeholder, audio end)."""
+        raise NotImplementedError(f"{cls.__name__} does not take audio")
+
 
 class HasBidirectionalMMItems(Protocol):
     """Each multimodal item's placeholder tokens attend to one another (Gemma 3's images): the scheduler never
@@ -183,7 +189,7 @@ class ModelCapabilities:
 _DECLARATIONS: dict[str, tuple[type, tuple[str, ...]]] = {
     "is_encoder_decoder": (SupportsEncoderDecoder, ("process_prompt", "get_max_model_len", "encode", "cross_kv")),
     "is_multimodal_decoder": (SupportsMultiModalDecoder, ("process_prompt", "supported_modalities",
-                                                          "embed_multimodal", "embed_input_ids", "image_token_id")),
+                                                          "embed_multimodal", "embed_input_ids")),
     "supports_multimodal": (SupportsMultiModal, ("process_prompt",)),
     "uses_mrope": (SupportsMRoPE, ("get_mrope_input_positions",)),
     "mm_items_bidirectional": (HasBidirectionalMMItems, ()),

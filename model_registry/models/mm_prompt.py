@@ -14,6 +14,17 @@ def placeholder_prompt(prompt: Any, ctx: InputContext, image_id: int, modalities
     """(text, token ids with one ``image_id`` per image, images) of a user prompt."""
     tok = ctx.tokenizer
     images = prompt_images(prompt, modalities)
+    text, ids = prompt_text_ids(prompt, ctx)
+    found = ids.count(image_id)
+    if found != len(images):
+        raise InvalidRequestError("multi_modal_data", f"the prompt has {found} image placeholder(s) "
+                                  f"({tok.convert_ids_to_tokens(image_id)!r}) for {len(images)} image(s)")
+    return text, ids, images
+
+
+def prompt_text_ids(prompt: Any, ctx: InputContext) -> tuple[str | None, list[int]]:
+    """(text, token ids) of a user prompt: its ``prompt_token_ids``, else its text tokenized."""
+    tok = ctx.tokenizer
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
         ids = prompt["prompt_token_ids"]
         if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
@@ -24,17 +35,22 @@ def placeholder_prompt(prompt: Any, ctx: InputContext, image_id: int, modalities
         if not isinstance(text, str):
             raise InvalidRequestError("prompt", f"must be a string, got {type(text).__name__}")
         ids = list(tok.encode(text, add_special_tokens=True))
-    found = ids.count(image_id)
-    if found != len(images):
-        raise InvalidRequestError("multi_modal_data", f"the prompt has {found} image placeholder(s) "
-                                  f"({tok.convert_ids_to_tokens(image_id)!r}) for {len(images)} image(s)")
-    return text, ids, images
+    return text, ids
 
 
 def image_processor(ctx: InputContext) -> Any:
     """The folder's image processor (transformers picks its PIL backend when torchvision is missing)."""
+    return _folder_processor(ctx, "image_processor")
+
+
+def feature_extractor(ctx: InputContext) -> Any:
+    """The folder's audio feature extractor (WhisperFeatureExtractor for Qwen2-Audio)."""
+    return _folder_processor(ctx, "feature_extractor")
+
+
+def _folder_processor(ctx: InputContext, kind: str) -> Any:
     try:
-        return ctx.processor("image_processor")
+        return ctx.processor(kind)
     except OSError as e:
-        raise InvalidRequestError("multi_modal_data", f"cannot load the model's image processor "
+        raise InvalidRequestError("multi_modal_data", f"cannot load the model's {kind.replace('_', ' ')} "
                                   f"(preprocessor_config.json): {e}") from e

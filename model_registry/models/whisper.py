@@ -92,11 +92,12 @@ class EncoderLayer(nn.Module):
         self.fc2 = RowParallelLinear(cfg.encoder_ffn_dim, d, True, dtype, ops=TORCH_OPS)
         self.final_layer_norm = LayerNorm(d, dtype)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:  # [B, S, d], full (bidirectional) attention
+    def forward(self, h: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, S, d], full (bidirectional) attention; ``attn_mask`` (bool, [B, 1, 1, S]) hides padding keys."""
         x = self.self_attn_layer_norm(h)
         q = self.self_attn.query(x).transpose(1, 2)
         k, v = (t.transpose(1, 2) for t in self.self_attn.key_value(x))
-        o = F.scaled_dot_product_attention(q, k, v, scale=1.0).transpose(1, 2).flatten(-2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=1.0).transpose(1, 2).flatten(-2)
         h = h + self.self_attn.out_proj(o)
         x = self.final_layer_norm(h)
         h = h + self.fc2(F.gelu(self.fc1(x)))

@@ -296,3 +296,37 @@ def test_without_chunked_prefill_a_prompt_whose_images_do_not_fit_waits():
     s.add_request(mm_req("one", [image("h3", 2)], start=500))
     out = s.schedule()
     assert "two" not in out.num_scheduled_tokens  # eight rows never fit a step of four: all or nothing
+
+
+def test_a_cached_image_the_range_reuses_is_not_counted_as_room_for_a_new_one():
+    """h1 (4 rows) is cached and unreferenced; a prompt reaching h1 then h2 (6 rows, a 6-row cache) cannot evict
+    h1 for h2 (it references h1 itself): the range stops before h2 rather than commit a plan that does not fit,
+    and once past h1 (held only by this request) h1 is room for h2."""
+    s = mm_scheduler(cache_rows=6, step_rows=8)
+    a = req("a", 8, max_tokens=1)
+    a.mm_features = [image("h1", 2)]
+    s.add_request(a)
+    out = s.schedule()
+    s.update_from_output(out, {"a": [7]})  # "a" finishes: h1 stays cached, unreferenced
+    s.add_request(mm_req("b", [image("h1", 2), image("h2", 8, 6)], n_prompt=16, start=100))
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"b": 8} and out.scheduled_encoder_inputs == []
+    s.update_from_output(out, {})
+    out = s.schedule()  # h1 passed: released, evicted for h2
+    assert out.num_scheduled_tokens == {"b": 8} and [f.identifier for f in out.scheduled_encoder_inputs] == ["h2"]
+
+
+def test_an_image_to_encode_never_evicts_a_cached_one_later_in_the_same_range():
+    """h1 (6 rows) cached and unreferenced in a 8-row cache; a prompt showing h2 (4 rows) then h1: encoding h2
+    would evict h1, which the same range needs, so the range stops before h1 and takes it in a later step."""
+    s = mm_scheduler(cache_rows=8, step_rows=8)
+    a = req("a", 10, max_tokens=1)
+    a.mm_features = [image("h1", 2, 6)]
+    s.add_request(a)
+    s.update_from_output(s.schedule(), {"a": [7]})
+    s.add_request(mm_req("b", [image("h2", 2, 4), image("h1", 8, 6)], n_prompt=16, start=100))
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"b": 8} and [f.identifier for f in out.scheduled_encoder_inputs] == ["h2"]
+    s.update_from_output(out, {})
+    out = s.schedule()  # past h2: h1 encoded again (it was evicted for h2)
+    assert out.num_scheduled_tokens == {"b": 8} and [f.identifier for f in out.scheduled_encoder_inputs] == ["h1"]

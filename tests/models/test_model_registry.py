@@ -47,6 +47,7 @@ def test_builtin_plugin_registers_the_llama_family_lazily():
                                           "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
                                           "Gemma3ForConditionalGeneration", "Idefics3ForConditionalGeneration",
                                           "Mistral3ForConditionalGeneration", "InternVLForConditionalGeneration",
+                                          "Qwen2AudioForConditionalGeneration",
                                           "BertModel", "BertForSequenceClassification", "RobertaModel",
                                           "XLMRobertaModel", "RobertaForSequenceClassification",
                                           "XLMRobertaForSequenceClassification", "ModernBertModel",

@@ -130,8 +130,9 @@ class LLMEngine:
         if not self.config.scheduler_config.enable_chunked_prefill:
             rows = [sum(rows)]
         if max(rows) > budget:
-            raise MediaError("multi_modal_data", f"{max(rows)} image embedding rows do not fit the encoder budget "
-                             f"of {budget} rows per step (raise max_num_batched_tokens or encoder_cache_size)")
+            raise MediaError("multi_modal_data", f"{max(rows)} embedding rows of one media item do not fit the "
+                             f"encoder budget of {budget} rows per step (raise max_num_batched_tokens or "
+                             "encoder_cache_size)")
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         return parse_prompt(prompt, self.tokenizer)

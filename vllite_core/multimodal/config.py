@@ -6,7 +6,7 @@ from typing import Any
 
 from vllite_core.errors import ConfigError
 
-MODALITIES = ("image", "video")
+MODALITIES = ("image", "video", "audio")
 
 
 @dataclass

@@ -47,11 +47,17 @@ class EncoderCacheManager:
     def plan(self, req, start: int, num_tokens: int, step_rows: int) -> tuple[int, list[MultiModalFeature], int]:
         """Tokens ``req`` may compute from ``start`` (at most ``num_tokens``): the range stops before the first
         image whose output is not cached (entries made earlier in this step count) and does not fit in the
-        step's encoder budget (``step_rows`` used so far) or in the cache, and, with ``whole_items``, before
-        an image the range would cut. Returns (tokens, images to encode for it, their rows)."""
-        self._release_passed(req, start)  # their rows may make room for the next image (adjacent tiles)
+        step's encoder budget (``step_rows`` used so far) or in the cache (cached images the range reaches are
+        not room; those it has passed and alone holds are), before a cached image that encoding the earlier
+        ones would evict, and, with ``whole_items``, before an image the range would cut. Returns (tokens,
+        images to encode for it, their rows)."""
         end = start + num_tokens
         todo: list[MultiModalFeature] = []
+        reused: set[str] = set()  # cached entries the range reaches: referenced at commit, so not room
+        # Entries only this request holds and its range has passed: released at commit, so room.
+        needed = {f.identifier for f in req.mm_features if f.end > start}
+        passed = {h for h in self.held.get(req.request_id, ()) if h not in needed and self.refs.get(h) == {
+            req.request_id}}
         rows = 0
         for f in req.mm_features:
             if not f.overlaps(start, end):
@@ -59,17 +65,24 @@ class EncoderCacheManager:
             if self.whole_items and end < f.end:
                 end = f.offset
                 break
-            if f.identifier in self.entries or any(t.identifier == f.identifier for t in todo):
+            if f.identifier in self.entries:
+                if f.identifier not in reused and rows and not self._can_fit(rows, reused | {f.identifier}, passed):
+                    end = f.offset  # the images to encode before it would evict it: stop before it
+                    break
+                reused.add(f.identifier)
                 continue
-            if step_rows + rows + f.length > self.budget or not self._can_fit(rows + f.length):
+            if any(t.identifier == f.identifier for t in todo):
+                continue
+            if step_rows + rows + f.length > self.budget or not self._can_fit(rows + f.length, reused, passed):
                 end = f.offset
                 break
             todo.append(f)
             rows += f.length
         return max(0, end - start), todo, rows
 
-    def _can_fit(self, rows: int) -> bool:
-        evictable = sum(n for h, n in self.entries.items() if not self.refs.get(h))
+    def _can_fit(self, rows: int, kept: set[str], released: set[str]) -> bool:
+        evictable = sum(n for h, n in self.entries.items()
+                        if (not self.refs.get(h) or h in released) and h not in kept)
         return self.cache_size - self.used + evictable >= rows
 
     def commit(self, req, start: int, num_tokens: int, todo: list[MultiModalFeature]) -> None:
@@ -77,24 +90,23 @@ class EncoderCacheManager:
         ones are allocated, evicting unreferenced entries), release the images it has passed."""
         end = start + num_tokens
         new = {f.identifier for f in todo}
-        self._release_passed(req, start)
-        for f in req.mm_features:
-            if f.overlaps(start, end):
-                if f.identifier not in self.entries:
-                    self._allocate(f.identifier, f.length)
-                if f.identifier not in self.held.get(req.request_id, ()):
-                    self.stats.queries += 1
-                    self.stats.hits += f.identifier not in new
-                self.refs.setdefault(f.identifier, set()).add(req.request_id)
-                self.held.setdefault(req.request_id, set()).add(f.identifier)
-                self.entries.move_to_end(f.identifier)
-
-    def _release_passed(self, req, start: int) -> None:
-        """Drop ``req``'s references on the images its computed tokens (``start``) have passed."""
         needed = {f.identifier for f in req.mm_features if f.end > start}
         for mm_hash in list(self.held.get(req.request_id, ())):
             if mm_hash not in needed:
                 self._release(req.request_id, mm_hash)
+        reached = [f for f in req.mm_features if f.overlaps(start, end)]
+        for f in reached:  # cached entries the range reaches are pinned before new ones take room
+            if f.identifier in self.entries:
+                self.refs.setdefault(f.identifier, set()).add(req.request_id)
+        for f in reached:
+            if f.identifier not in self.entries:
+                self._allocate(f.identifier, f.length)
+            if f.identifier not in self.held.get(req.request_id, ()):
+                self.stats.queries += 1
+                self.stats.hits += f.identifier not in new
+            self.refs.setdefault(f.identifier, set()).add(req.request_id)
+            self.held.setdefault(req.request_id, set()).add(f.identifier)
+            self.entries.move_to_end(f.identifier)
 
     def _allocate(self, mm_hash: str, rows: int) -> None:
         while self.used + rows > self.cache_size:

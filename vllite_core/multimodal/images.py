@@ -75,10 +75,13 @@ def _frames(video: Any, i: int) -> list:
 
 def check_mm_prompt(prompt: Any, supported: tuple[str, ...], config: MultiModalConfig) -> None:
     """Refuse a prompt's media before the model sees them: unsupported modalities, more items than
-    ``limit_mm_per_prompt``, images (and video frames) over ``max_image_pixels``."""
+    ``limit_mm_per_prompt``, images (and video frames) over ``max_image_pixels``, audio that is not a clip."""
+    from vllite_core.multimodal.audio import prompt_audios
+
     images = prompt_images(prompt, supported)
     videos = prompt_videos(prompt, supported)
-    for modality, items in (("image", images), ("video", videos)):
+    audios = prompt_audios(prompt, 16000)  # the rate of bare arrays matters only to the model
+    for modality, items in (("image", images), ("video", videos), ("audio", audios)):
         limit = config.limit(modality)
         if len(items) > limit:
             raise MediaError("multi_modal_data", f"{len(items)} {modality}s in one prompt, more than "

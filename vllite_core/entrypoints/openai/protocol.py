@@ -97,12 +97,38 @@ class ImageURLPart(_Strict):
     image_url: ImageURL
 
 
+class InputAudio(_Strict):
+    data: str  # base64
+    format: str  # "wav" (other formats are refused naming input_audio.format)
+
+
+class InputAudioPart(_Strict):
+    """An audio clip, as OpenAI sends it: ``{"type": "input_audio", "input_audio": {"data", "format"}}``."""
+
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+class AudioURL(_Strict):
+    url: str
+
+
+class AudioURLPart(_Strict):
+    """An audio clip by URL (vLLM's): a ``data:audio/wav;base64,`` URL, or http(s) from an allowed domain."""
+
+    type: Literal["audio_url"]
+    audio_url: AudioURL
+
+
+ContentPart = Annotated[TextPart | ImageURLPart | InputAudioPart | AudioURLPart, Field(discriminator="type")]
+
+
 class ChatMessage(BaseModel):
     """One message; extra keys (tool_calls, ...) go to the chat template untouched."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]  # function: legacy_functions
-    content: str | list[Annotated[TextPart | ImageURLPart, Field(discriminator="type")]] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
 

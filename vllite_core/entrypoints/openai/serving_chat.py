@@ -149,8 +149,8 @@ def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage], text: str, add_
     ordinary tokenization. Otherwise the messages are rendered again with a random placeholder per
     such content; the template's text around the placeholders has its special tokens parsed, the
     contents do not. A template that changes content (so the placeholders cannot be mapped back onto
-    ``text``) makes such a request a 400 rather than a guess. ``image_marker`` (multimodal.chat.ImageMarker):
-    its text in a content becomes the model's image placeholder token. In-process rendering: the
+    ``text``) makes such a request a 400 rather than a guess. ``image_marker`` (multimodal.chat.MediaMarker):
+    its texts in a content become the model's placeholder tokens. In-process rendering: the
     server renders in its sandbox instead (``render_chat_prompt``)."""
     dicts, holders = _mark_special_contents(tokenizer, messages_to_dicts(messages))
     shaped = None
@@ -229,39 +229,46 @@ def echo_text(req: ChatCompletionRequest) -> str:
     return messages_to_dicts(req.messages[-1:])[0].get("content") or ""
 
 
-async def load_chat_images(state: ServerState, messages: list[ChatMessage]
-                           ) -> tuple[list[ChatMessage], Any, list[Any]]:
-    """Image parts replaced by a marker the tokenization turns into the model's placeholder token, and the
-    images loaded (data URLs decoded, allowed http(s) URLs fetched off the event loop). Shared by every
-    route that takes chat-shaped messages (chat, Responses, Anthropic Messages and count_tokens)."""
+async def load_chat_media(state: ServerState, messages: list[ChatMessage]
+                           ) -> tuple[list[ChatMessage], Any, dict[str, list[Any]]]:
+    """Media parts (``image_url``, ``input_audio``, ``audio_url``) replaced by a marker the tokenization turns
+    into the model's placeholder tokens, and the media loaded per modality (data URLs and base64 decoded,
+    allowed http(s) URLs fetched off the event loop). Shared by every route that takes chat-shaped messages
+    (chat, Responses, Anthropic Messages and count_tokens)."""
     from vllite_core.multimodal import chat as mm_chat
 
-    parts = [p for m in messages if isinstance(m.content, list) for p in m.content if p.type == "image_url"]
+    parts = [p for m in messages if isinstance(m.content, list) for p in m.content if p.type in mm_chat.PART_MODALITY]
     if not parts:
-        return messages, None, []
+        return messages, None, {}
     engine = state.engine.engine
+    modalities = {mm_chat.PART_MODALITY[p.type] for p in parts}
     if not engine.config.model_config.capabilities.is_multimodal_decoder:
+        kind = "audio" if "audio" in modalities else "images"
         raise bad_request(f"{engine.model_info.architecture} is a text-only model: it does not take "
-                          "images", "messages.content.image_url")
-    marker = mm_chat.ImageMarker.for_engine(engine)
-    images = await asyncio.to_thread(mm_chat.load_images, [p.image_url.url for p in parts],
-                                     engine.config.multimodal_config)
+                          f"{kind}", "messages.content." + ("input_audio" if kind == "audio" else "image_url"))
+    mm_chat.check_modalities(modalities, engine.model_cls.supported_modalities, engine.model_info.architecture)
+    marker = mm_chat.MediaMarker.for_engine(engine, modalities)
+    sources: dict[str, list[Any]] = {}
+    for p in parts:
+        sources.setdefault(mm_chat.PART_MODALITY[p.type], []).append(mm_chat.part_source(p.model_dump()))
+    media = await asyncio.to_thread(mm_chat.load_media, sources, engine.config.multimodal_config)
     out = []
     for m in messages:
-        if isinstance(m.content, list) and any(p.type == "image_url" for p in m.content):
-            content = [TextPart(type="text", text=marker.text) if p.type == "image_url" else p for p in m.content]
+        if isinstance(m.content, list) and any(p.type in mm_chat.PART_MODALITY for p in m.content):
+            content = [TextPart(type="text", text=marker.texts[mm_chat.PART_MODALITY[p.type]])
+                       if p.type in mm_chat.PART_MODALITY else p for p in m.content]
             m = m.model_copy(update={"content": content})
         out.append(m)
-    return out, marker, images
+    return out, marker, media
 
 
 async def engine_chat_prompt(state: ServerState, req: Any, template_tools: list[dict[str, Any]] | None
                              ) -> tuple[Any, list[int]]:
     """(the engine prompt, its token ids) for a chat-shaped request (``messages``, ``add_generation_prompt``,
-    ...): images loaded, the template rendered in the sandbox, tokenized on the engine's prep thread, and
-    with images the model's processor expanding their placeholders, so the ids are what the model reads."""
-    messages, marker, images = await load_chat_images(state, req.messages)
-    if images:
+    ...): media loaded, the template rendered in the sandbox, tokenized on the engine's prep thread, and
+    with media the model's processor expanding their placeholders, so the ids are what the model reads."""
+    messages, marker, media = await load_chat_media(state, req.messages)
+    if media:
         req = SimpleNamespace(**{**vars(req), "messages": messages}) if isinstance(req, SimpleNamespace) \
             else req.model_copy(update={"messages": messages})
     tokenizer = state.engine.tokenizer
@@ -272,8 +279,8 @@ async def engine_chat_prompt(state: ServerState, req: Any, template_tools: list[
     ids = await state.within_timeout(state.engine.run_prep(rendered_chat_ids, state.engine.prep_tokenizer,
                                                            rendered, marker))
     prompt: Any = {"prompt_token_ids": ids, "prompt": text}
-    if images:
-        prompt["multi_modal_data"] = {"image": images}
+    if media:
+        prompt["multi_modal_data"] = media
         prompt["prompt"] = marker.show(text, tokenizer)
         # The model's processor expands the placeholders (off the event loop): usage counts the expanded prompt.
         prompt = await state.engine.run_prep(state.engine.engine.process_prompt, prompt, state.engine._prep_ctx)
