@@ -32,12 +32,15 @@ open stream raises ``EngineDeadError`` naming the cause, new requests are refuse
 with it, and the ``on_dead`` callbacks run (the server uses one to exit).
 
 A dead engine-core process (``core.restartable``) is brought back instead, within the restart
-budget (engine/restart.py): its open streams fail with ``EngineDeadError`` as above, ``restarting``
-holds the cause while new requests are refused with it and the loop starts the core again after
-the policy's backoff; then the engine serves as before. Past the budget it is dead as above.
-Requests queued before the death are recognised by ``_epoch`` and never reach the new core.
-With data-parallel cores (``EngineCoreDeadError``) only the dead core's requests fail and only it
-starts again: the other cores' requests go on (held while it loads, then finished as before).
+budget (engine/restart.py, ``CoreRestarter``): its open streams fail with ``EngineDeadError`` as
+above, ``restarting`` holds the cause (/health is 503) and the loop starts the core again after the
+policy's backoff, then looks on each turn whether it serves yet (it never waits for the model load);
+then the engine serves as before. Past the budget it is dead as above. With one core (or all dead)
+``all_cores_restarting`` is set too: new requests are refused with it, and requests queued before the
+death are recognised by ``_epoch`` and never reach the new core. With data-parallel cores
+(``EngineCoreDeadError``) only the dead core's requests fail and only it starts again: the loop keeps
+stepping the other cores, whose requests stream on, and new requests go to them meanwhile. Calls
+(sleep mode, collective_rpc) wait until the restart ends: they need every core.
 """
 from __future__ import annotations
 
@@ -58,7 +61,7 @@ from vllite_core.engine.core_client import EngineCoreClient
 from vllite_core.engine.delta import DeltaCursor
 from vllite_core.engine.heap_trim import HeapTrimmer
 from vllite_core.engine.llm_engine import LLMEngine, PromptType
-from vllite_core.engine.restart import RestartPolicy
+from vllite_core.engine.restart import CoreRestarter, RestartPolicy
 from vllite_core.errors import (
     ConfigError,
     EngineCoreDeadError,
@@ -269,10 +272,9 @@ class AsyncLLM:
         self.snapshot: SchedulerStats = self.core.stats()
         self.observers: list[Callable[[FinishedRequest], None]] = []
         self.dead: BaseException | None = None
-        # While the engine core restarts: why it died (new requests are refused with it, /health is 503).
-        self.restarting: BaseException | None = None
         self.restart_policy = restart if restart is not None and self.core.restartable else None
-        self.num_restarts = 0  # engine-core restarts that brought it back
+        self._restarter = CoreRestarter(engine, self.restart_policy)
+        self._deferred: list[_Call] = []  # calls that came while a core restarts: run once it serves
         self._epoch = 0  # +1 at each core death: what was queued before never reaches the new core
         # Called on the asyncio loop, once, with the cause when the engine loop dies.
         self.on_dead: list[Callable[[BaseException], None]] = []
@@ -328,6 +330,21 @@ class AsyncLLM:
     def num_kv_blocks(self) -> int:
         return self.core.num_kv_blocks()
 
+    @property
+    def restarting(self) -> BaseException | None:
+        """While an engine core restarts: why it died (/health is 503)."""
+        return self._restarter.cause
+
+    @property
+    def all_cores_restarting(self) -> BaseException | None:
+        """While every engine core restarts (none can take a request): why; new requests are refused."""
+        return self._restarter.cause if self._restarter.whole else None
+
+    @property
+    def num_restarts(self) -> int:
+        """Engine-core restarts that brought it back."""
+        return self._restarter.num_restarts
+
     def _wake_loop(self) -> None:
         with self._cond:
             self._cond.notify()
@@ -357,8 +374,8 @@ class AsyncLLM:
         """What ``add_request`` checks before any work: engine alive and awake, id new, priority allowed."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine loop stopped: {self.dead!r}")
-        if self.restarting is not None:
-            raise EngineDeadError(f"the engine core is restarting after it died: {self.restarting}")
+        if self.all_cores_restarting is not None:
+            raise EngineDeadError(f"the engine core is restarting after it died: {self.all_cores_restarting}")
         if self.engine.sleeping or self._draining:
             raise EngineSleepingError(f"request {request_id!r}")
         loop = asyncio.get_running_loop()
@@ -560,6 +577,9 @@ class AsyncLLM:
     def _apply(self, cmds: list[_Add | _Abort | _Call]) -> list[tuple[str, BaseException]]:
         failed = []
         for cmd in cmds:
+            if isinstance(cmd, _Call) and self._restarter.cause is not None:
+                self._deferred.append(cmd)  # it needs every core: run once the restart ends
+                continue
             if isinstance(cmd, _Call):
                 try:
                     cmd.future.set_result(cmd.fn())
@@ -590,6 +610,10 @@ class AsyncLLM:
             t_wait = time.perf_counter()
             with self._cond:
                 while not self._inbox and not self._stopping and not engine.has_unfinished_requests():
+                    wait_s = self._restarter.wait_s()
+                    if wait_s is not None:  # a core restarts: look again soon
+                        self._cond.wait(wait_s)
+                        break
                     self._cond.wait()
                 if self._stopping:
                     return
@@ -601,34 +625,12 @@ class AsyncLLM:
             ran = False
             step_s = 0.0
             before = self.snapshot.step_times.steps
-            restart_in: float | None = None
-            lost: frozenset[str] | None = None
             if engine.has_unfinished_requests():
                 t1 = time.perf_counter()
                 try:
                     outputs = engine.step()
                 except Exception as e:
-                    exc = e if isinstance(e, EngineDeadError) else EngineDeadError(
-                        f"the engine died: a step failed with {e!r}")
-                    restart_in = self._restart_delay()
-                    lost = e.request_ids if isinstance(e, EngineCoreDeadError) else None
-                    if restart_in is None:
-                        logger.exception("engine step failed (a fault of no single request); the engine is dead")
-                        if self.restart_policy is not None:
-                            self._log_budget_spent()
-                        self.dead = e
-                    elif lost is None:
-                        logger.error("%s; the engine core restarts in %g s", exc, restart_in)
-                        self.restarting = exc
-                        self._epoch += 1
-                    else:  # the other data-parallel cores keep their requests
-                        logger.error("%s; it restarts in %g s (%d requests fail; the other cores' go on)", exc,
-                                     restart_in, len(lost))
-                        self.restarting = exc
-                    if restart_in is None or lost is None:
-                        failed.append(("", exc))
-                    else:
-                        failed.extend((rid, exc) for rid in engine.parents_of(lost))
+                    failed.extend(self._core_died(e))
                 step_s = time.perf_counter() - t1
                 st.step_s += step_s
                 st.steps += 1
@@ -638,8 +640,8 @@ class AsyncLLM:
             if (outputs or failed) and not self._hand_over(outputs, failed, self.dead is not None):
                 return
             st.other_s += time.perf_counter() - t0 - step_s
-            if restart_in is not None:
-                self._restart(restart_in, lost)
+            if self._restarter.cause is not None and self.dead is None and self._restarter.advance():
+                self._restart_ended()
             if self.dead is not None or self._stopping:
                 return
             if not ran and not cmds:
@@ -659,47 +661,43 @@ class AsyncLLM:
             return False
         return True
 
-    def _restart_delay(self) -> float | None:
-        """Seconds before the next restart of a dead core, None when it may not come back."""
-        return self.restart_policy.next_delay() if self.restart_policy is not None else None
+    def _core_died(self, e: Exception) -> list[tuple[str, BaseException]]:
+        """A step raised: the streams to fail (an empty id: all). A dead engine-core process within the
+        restart budget starts again (only the dead data-parallel core's requests fail); else it is dead."""
+        exc = e if isinstance(e, EngineDeadError) else EngineDeadError(f"the engine died: a step failed with {e!r}")
+        lost = e.request_ids if isinstance(e, EngineCoreDeadError) else None
+        parents = self.engine.parents_of(lost) if lost is not None else set()
+        restart_in = self._restarter.core_died(exc, lost)
+        if restart_in is None:
+            logger.exception("engine step failed (a fault of no single request); the engine is dead")
+            self.dead = e
+            self._fail_deferred()
+            return [("", exc)]
+        if lost is None:
+            logger.error("%s; the engine core restarts in %g s", exc, restart_in)
+            self._epoch += 1
+            return [("", exc)]
+        logger.error("%s; it restarts in %g s (%d requests fail; the other cores' go on)", exc, restart_in,
+                     len(lost))
+        return [(rid, exc) for rid in parents]
 
-    def _log_budget_spent(self) -> None:
-        assert self.restart_policy is not None
-        logger.error("the engine core may not restart again (%d restarts in %g s): the engine is dead",
-                     self.restart_policy.max_restarts, self.restart_policy.window_s)
-
-    def _restart(self, delay: float | None, lost: frozenset[str] | None = None) -> None:
-        """On the loop thread: start the dead core again after ``delay``, retrying with the policy's
-        backoff; past the budget the engine is dead (``on_dead`` runs). ``lost``: a data-parallel core's
-        requests (LLMEngine.restart_core)."""
-        assert self.restart_policy is not None
-        cause = self.restarting
-        while delay is not None:
-            with self._cond:
-                if not self._stopping:
-                    self._cond.wait_for(lambda: self._stopping, timeout=delay)
-            if self._stopping:
-                return
-            made = self.restart_policy.record()
-            try:
-                self.engine.restart_core(lost)
-            except BaseException as e:  # noqa: BLE001 - the start-up failed: try again, or give up
-                if self._stopping:
-                    return
-                cause = e
-                delay = self._restart_delay()
-                logger.error("engine core restart %d failed (%r)%s", made, e,
-                             "" if delay is None else f"; trying again in {delay:g} s")
-                continue
-            self.num_restarts += 1
+    def _restart_ended(self) -> None:
+        """On the loop thread: the restarted core(s) serve (the calls that waited run now), or the budget is
+        spent (the engine is dead: ``on_dead`` runs)."""
+        cause = self._restarter.gave_up
+        if cause is None:
             self.snapshot = self.core.stats()
-            self.restarting = None
-            logger.warning("the engine core is serving again (restart %d of at most %d in %g s)", made,
-                           self.restart_policy.max_restarts, self.restart_policy.window_s)
+            deferred, self._deferred = self._deferred, []
+            self._apply(deferred)
             return
-        self._log_budget_spent()
         self.dead = cause
+        self._fail_deferred()
         self._hand_over([], [("", EngineDeadError(f"the engine core died and was not restarted: {cause}"))], True)
+
+    def _fail_deferred(self) -> None:
+        deferred, self._deferred = self._deferred, []
+        for cmd in deferred:
+            cmd.future.set_exception(EngineDeadError(f"the engine loop stopped: {self.dead!r}"))
 
     def close(self) -> None:
         with self._cond:

@@ -117,23 +117,24 @@ class ServerState:
                            "being prepared and was aborted", code="request_timeout") from None
 
     async def wait_for_restart(self) -> None:
-        """While the engine core restarts (within its restart budget, so it is expected back), wait
-        for it instead of failing: at most ``restart_queue_size`` requests wait, each at most
+        """While every engine core restarts (within its restart budget, so it is expected back), wait
+        for it instead of failing (while one data-parallel core restarts, the live ones take requests):
+        at most ``restart_queue_size`` requests wait, each at most
         ``restart_queue_timeout`` s (and its --request-timeout); otherwise 503 with Retry-After."""
         engine = self.engine
-        if engine.restarting is None or engine.dead is not None:
+        if engine.all_cores_restarting is None or engine.dead is not None:
             return
         if self.restart_waiters >= self.restart_queue_size:
             raise APIError(503, f"the engine core is restarting after it died and {self.restart_queue_size} requests "
-                           f"already wait for it: retry later ({engine.restarting})", code="engine_restarting",
-                           headers={"Retry-After": "5"})
+                           f"already wait for it: retry later ({engine.all_cores_restarting})",
+                           code="engine_restarting", headers={"Retry-After": "5"})
         self.restart_waiters += 1
         try:
             deadline = time.monotonic() + self.restart_queue_timeout
-            while engine.restarting is not None and engine.dead is None:
+            while engine.all_cores_restarting is not None and engine.dead is None:
                 if time.monotonic() >= deadline:
                     raise APIError(503, f"the engine core did not finish restarting within "
-                                   f"{self.restart_queue_timeout:g} s: retry later ({engine.restarting})",
+                                   f"{self.restart_queue_timeout:g} s: retry later ({engine.all_cores_restarting})",
                                    code="engine_restarting", headers={"Retry-After": "5"})
                 await asyncio.sleep(0.05)
         finally:
