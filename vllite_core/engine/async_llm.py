@@ -40,27 +40,26 @@ then the engine serves as before. Past the budget it is dead as above. With one 
 death are recognised by ``_epoch`` and never reach the new core. With data-parallel cores
 (``EngineCoreDeadError``) only the dead core's requests fail and only it starts again: the loop keeps
 stepping the other cores, whose requests stream on, and new requests go to them meanwhile. Calls
-(sleep mode, collective_rpc) wait until the restart ends: they need every core.
+(sleep mode, collective_rpc: engine/core_calls.py) wait until the restart ends: they need every core.
 """
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import copy
-import dataclasses
 import itertools
 import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, TypeVar
 
 from vllite_core.core.stats import SchedulerStats
+from vllite_core.engine.core_calls import CoreCall, CoreCalls
 from vllite_core.engine.core_client import EngineCoreClient
-from vllite_core.engine.delta import DeltaCursor
 from vllite_core.engine.heap_trim import HeapTrimmer
 from vllite_core.engine.llm_engine import LLMEngine, PromptType
+from vllite_core.engine.request_stream import FinishedRequest, RequestStream
 from vllite_core.engine.restart import CoreRestarter, RestartPolicy
 from vllite_core.errors import (
     ConfigError,
@@ -71,19 +70,17 @@ from vllite_core.errors import (
     RequestFailedError,
 )
 from vllite_core.inputs import InputContext, ProcessedPrompt
-from vllite_core.outputs import CompletionOutput, RequestOutput
+from vllite_core.outputs import RequestOutput
 from vllite_core.sampling_params import RequestOutputKind, SamplingParams
-from vllite_core.worker.sleep import check_level, check_mode
 
 logger = logging.getLogger("vllite.async_llm")
 
 _BACKOFF_S = 0.005  # wait when the scheduler had nothing it could run (avoids a hot spin)
-_DRAIN_POLL_S = 0.02  # sleep(mode="wait"): how often it looks whether the requests in flight are done
 
 
 T = TypeVar("T")
 
-__all__ = ["AsyncLLM", "EngineDeadError", "RequestFailedError", "RequestStream"]
+__all__ = ["AsyncLLM", "EngineDeadError", "FinishedRequest", "RequestFailedError", "RequestStream"]
 
 
 @dataclass
@@ -97,122 +94,6 @@ class LoopStats:
     idle_s: float = 0.0
     trim_s: float = 0.0  # giving freed heap back to the OS (engine/heap_trim.py)
     thread_id: int | None = None  # native id of the engine loop thread
-
-
-@dataclass
-class FinishedRequest:
-    """What a finished (or aborted) request reports to observers such as /metrics."""
-
-    request_id: str
-    finish_reasons: list[str]
-    num_prompt_tokens: int
-    num_generation_tokens: int
-    e2e_s: float
-    ttft_s: float | None
-    tpot_s: float | None  # mean time per output token after the first, per completion
-    queue_s: float | None
-    prefill_s: float | None = None  # first scheduled -> first token
-    decode_s: float | None = None  # first token -> finish
-    inference_s: float | None = None  # first scheduled -> finish
-    inter_token_s: list[float] = field(default_factory=list)  # gaps between steps that brought tokens
-    n: int = 1
-    max_tokens: int | None = None
-    max_generation_tokens: int = 0  # of the longest completion
-    engine_index: int = 0  # the data-parallel engine core that served it (vLLM's ``engine`` label)
-
-
-@dataclass
-class RequestStream:
-    """One request as seen from asyncio: the latest cumulative output, an event, timings."""
-
-    request_id: str
-    params: SamplingParams
-    num_prompt_tokens: int
-    arrival: float = field(default_factory=time.monotonic)
-    first_token: float | None = None
-    last_token: float | None = None
-    num_tokens_seen: int = 0
-    inter_token: list[float] = field(default_factory=list)
-    finished: bool = False
-    latest: RequestOutput | None = None
-    error: BaseException | None = None
-    _event: asyncio.Event = field(default_factory=asyncio.Event)
-    _cursor: DeltaCursor = field(init=False)
-
-    def __post_init__(self) -> None:
-        self._cursor = DeltaCursor(self.params.max_stop_str_len)
-
-    def _put(self, out: RequestOutput) -> None:
-        self.latest = out
-        num_tokens = sum(len(c.token_ids) for c in out.outputs)
-        if num_tokens > self.num_tokens_seen:
-            now = time.monotonic()
-            if self.first_token is None:
-                self.first_token = now
-            else:
-                self.inter_token.append(now - self.last_token)
-            self.last_token = now
-            self.num_tokens_seen = num_tokens
-        if out.finished:
-            self.finished = True
-        self._event.set()
-
-    def _fail(self, exc: BaseException) -> None:
-        self.error = exc
-        self.finished = True
-        self._event.set()
-
-    async def next_output(self) -> RequestOutput:
-        """Wait for news; outputs that arrived meanwhile are coalesced (each one is cumulative)."""
-        await self._event.wait()
-        self._event.clear()
-        if self.error is not None:
-            raise self.error
-        assert self.latest is not None
-        return self.latest
-
-    def view(self, out: RequestOutput, delta: bool) -> RequestOutput | None:
-        """The output to hand the caller (see DeltaCursor): text is held back while it could still be
-        the start of a stop string; in delta mode only what is new (None when nothing is)."""
-        return self._cursor.view(out, delta)
-
-    def report(self, out: RequestOutput | None, aborted: bool) -> FinishedRequest:
-        now = time.monotonic()
-        comps = out.outputs if out is not None else []
-        gen = sum(len(c.token_ids) for c in comps)
-        reasons = ["abort"] * max(self.params.n, 1) if aborted else [c.finish_reason or "abort" for c in comps]
-        tpot = None
-        if self.first_token is not None and comps and not aborted:
-            per_child = gen / len(comps)
-            if per_child > 1:
-                tpot = (now - self.first_token) / (per_child - 1)
-        m = out.metrics if out is not None else None
-        queue = m.queue_time if m is not None else None
-        scheduled = m.first_scheduled_time if m is not None else None
-        ttft = self.first_token - self.arrival if self.first_token is not None else None
-        rec = FinishedRequest(self.request_id, reasons, self.num_prompt_tokens, gen, now - self.arrival, ttft, tpot,
-                              queue, inter_token_s=self.inter_token, n=self.params.n,
-                              max_tokens=getattr(self.params, "max_tokens", None),  # PoolingParams have none
-                              max_generation_tokens=max((len(c.token_ids) for c in comps), default=0))
-        if scheduled is not None:
-            rec.inference_s = now - scheduled
-            if self.first_token is not None:
-                rec.prefill_s = self.first_token - scheduled
-        if self.first_token is not None:
-            rec.decode_s = now - self.first_token
-        return rec
-
-
-def _aborted_output(stream: RequestStream) -> RequestOutput:
-    """The last output of a request that sleep(mode="abort") ended: what it made so far, finish_reason
-    "abort" (vLLM's), so its caller's stream ends as an abort does."""
-    last = stream.latest
-    if last is None:
-        n = max(getattr(stream.params, "n", 1) or 1, 1)
-        return RequestOutput(stream.request_id, None, [], None,
-                             [CompletionOutput(i, "", [], None, None, "abort") for i in range(n)], True)
-    outs = [dataclasses.replace(c, finish_reason=c.finish_reason or "abort") for c in last.outputs]
-    return dataclasses.replace(last, outputs=outs, finished=True)
 
 
 @dataclass
@@ -231,15 +112,6 @@ class _Add:
 class _Abort:
     request_id: str
     epoch: int = 0
-
-
-@dataclass
-class _Call:
-    """A call of the engine core's client run on the loop thread (the one thread that talks to the core):
-    sleep mode, collective_rpc, a prefix cache reset. Its result or error goes to ``future``."""
-
-    fn: Callable[[], Any]
-    future: concurrent.futures.Future
 
 
 class AsyncLLM:
@@ -274,20 +146,19 @@ class AsyncLLM:
         self.dead: BaseException | None = None
         self.restart_policy = restart if restart is not None and self.core.restartable else None
         self._restarter = CoreRestarter(engine, self.restart_policy)
-        self._deferred: list[_Call] = []  # calls that came while a core restarts: run once it serves
+        self.calls = CoreCalls(self, self._post)  # sleep mode, collective_rpc: run on the loop thread
         self._epoch = 0  # +1 at each core death: what was queued before never reaches the new core
         # Called on the asyncio loop, once, with the cause when the engine loop dies.
         self.on_dead: list[Callable[[BaseException], None]] = []
         self._streams: dict[str, RequestStream] = {}
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._cond = threading.Condition()
-        self._inbox: list[_Add | _Abort | _Call] = []
+        self._inbox: list[_Add | _Abort | CoreCall] = []
         self._stopping = False
         self._ids = itertools.count()
         # An engine core in its own process (mp_client.py): wake the loop when it dies, so the open
         # requests fail at once even while the loop sleeps; a post wakes its wait for outputs.
         self._wake_pending = False
-        self._draining = False  # sleep() is under way: new requests are refused as while asleep
         self.core.on_failure.append(self._wake_loop)
         self._thread = threading.Thread(target=self._run, name="vllite-engine-loop", daemon=True)
         self._thread.start()
@@ -376,7 +247,7 @@ class AsyncLLM:
             raise EngineDeadError(f"the engine loop stopped: {self.dead!r}")
         if self.all_cores_restarting is not None:
             raise EngineDeadError(f"the engine core is restarting after it died: {self.all_cores_restarting}")
-        if self.engine.sleeping or self._draining:
+        if self.engine.sleeping or self.calls.draining:
             raise EngineSleepingError(f"request {request_id!r}")
         loop = asyncio.get_running_loop()
         if self._aloop is None:
@@ -456,50 +327,37 @@ class AsyncLLM:
             self._report(stream, stream.latest, aborted=True)
         self._post(_Abort(request_id, self._epoch))
 
-    # ---- sleep mode, collective_rpc (docs/sleep_mode.md): run on the loop thread ------------------------
-    async def _call(self, fn: Callable[[], T]) -> T:
-        if self.dead is not None:
-            raise EngineDeadError(f"the engine loop stopped: {self.dead!r}")
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._post(_Call(fn, future))
-        return await asyncio.wrap_future(future)
+    def abort_all(self) -> list[RequestStream]:
+        """Abort every request in flight (as ``abort``); their streams."""
+        streams = list(self._streams.values())
+        for stream in streams:
+            self.abort(stream.request_id)
+        return streams
 
+    # ---- sleep mode, collective_rpc (docs/sleep_mode.md): run on the loop thread (core_calls.py) ----------
     async def sleep(self, level: int = 1, mode: str = "abort") -> None:
-        """vLLM's ``AsyncLLM.sleep``. New requests are refused (EngineSleepingError) from now on. ``mode``:
-        "abort" ends the requests in flight at once (their outputs so far, finish_reason "abort"); "wait" lets
-        them finish first; "keep" is refused (worker/sleep.check_mode)."""
-        check_level(level)
-        check_mode(mode)
-        self._draining = True
-        try:
-            if mode == "wait":
-                while self._streams and self.dead is None:
-                    await asyncio.sleep(_DRAIN_POLL_S)
-            for rid, stream in list(self._streams.items()):
-                self.abort(rid)  # reported to the observers as aborted; the engine frees it before the sleep
-                stream._put(_aborted_output(stream))
-            await self._call(lambda: self.engine.sleep(level, mode))
-        finally:
-            self._draining = False
+        """vLLM's ``AsyncLLM.sleep``: new requests are refused (EngineSleepingError) from now on; ``mode``
+        "abort" ends the requests in flight, "wait" lets them finish first (CoreCalls.sleep)."""
+        await self.calls.sleep(level, mode)
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
-        await self._call(lambda: self.engine.wake_up(tags))
+        await self.calls.call(lambda: self.engine.wake_up(tags))
 
     async def is_sleeping(self) -> bool:
-        return await self._call(self.engine.is_sleeping)
+        return await self.calls.call(self.engine.is_sleeping)
 
     async def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
                              kwargs: dict[str, Any] | None = None) -> list[Any]:
-        return await self._call(lambda: self.engine.collective_rpc(method, args, kwargs))
+        return await self.calls.call(lambda: self.engine.collective_rpc(method, args, kwargs))
 
     async def reset_prefix_cache(self) -> bool:
-        return await self._call(self.engine.reset_prefix_cache)
+        return await self.calls.call(self.engine.reset_prefix_cache)
 
     @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    def _post(self, cmd: _Add | _Abort | _Call) -> None:
+    def _post(self, cmd: _Add | _Abort | CoreCall) -> None:
         with self._cond:
             self._inbox.append(cmd)
             self._cond.notify()
@@ -574,17 +432,11 @@ class AsyncLLM:
                 logger.exception("request observer failed")
 
     # ---- engine loop thread ----------------------------------------------------------------
-    def _apply(self, cmds: list[_Add | _Abort | _Call]) -> list[tuple[str, BaseException]]:
+    def _apply(self, cmds: list[_Add | _Abort | CoreCall]) -> list[tuple[str, BaseException]]:
         failed = []
         for cmd in cmds:
-            if isinstance(cmd, _Call) and self._restarter.cause is not None:
-                self._deferred.append(cmd)  # it needs every core: run once the restart ends
-                continue
-            if isinstance(cmd, _Call):
-                try:
-                    cmd.future.set_result(cmd.fn())
-                except BaseException as e:  # noqa: BLE001 - the caller's error, raised where it awaits
-                    cmd.future.set_exception(e)
+            if isinstance(cmd, CoreCall):  # it needs every core: while one restarts, it waits for it
+                self.calls.run(cmd, restarting=self._restarter.cause is not None)
                 continue
             if cmd.epoch != self._epoch:  # queued for a core that died: its stream has failed already
                 continue
@@ -667,18 +519,14 @@ class AsyncLLM:
         exc = e if isinstance(e, EngineDeadError) else EngineDeadError(f"the engine died: a step failed with {e!r}")
         lost = e.request_ids if isinstance(e, EngineCoreDeadError) else None
         parents = self.engine.parents_of(lost) if lost is not None else set()
-        restart_in = self._restarter.core_died(exc, lost)
-        if restart_in is None:
+        if not self._restarter.core_died(exc, lost):
             logger.exception("engine step failed (a fault of no single request); the engine is dead")
             self.dead = e
-            self._fail_deferred()
+            self.calls.fail_deferred(EngineDeadError(f"the engine loop stopped: {e!r}"))
             return [("", exc)]
         if lost is None:
-            logger.error("%s; the engine core restarts in %g s", exc, restart_in)
-            self._epoch += 1
+            self._epoch += 1  # what was queued before never reaches the new core
             return [("", exc)]
-        logger.error("%s; it restarts in %g s (%d requests fail; the other cores' go on)", exc, restart_in,
-                     len(lost))
         return [(rid, exc) for rid in parents]
 
     def _restart_ended(self) -> None:
@@ -687,17 +535,11 @@ class AsyncLLM:
         cause = self._restarter.gave_up
         if cause is None:
             self.snapshot = self.core.stats()
-            deferred, self._deferred = self._deferred, []
-            self._apply(deferred)
+            self.calls.run_deferred()
             return
         self.dead = cause
-        self._fail_deferred()
+        self.calls.fail_deferred(EngineDeadError(f"the engine loop stopped: {cause!r}"))
         self._hand_over([], [("", EngineDeadError(f"the engine core died and was not restarted: {cause}"))], True)
-
-    def _fail_deferred(self) -> None:
-        deferred, self._deferred = self._deferred, []
-        for cmd in deferred:
-            cmd.future.set_exception(EngineDeadError(f"the engine loop stopped: {self.dead!r}"))
 
     def close(self) -> None:
         with self._cond:

@@ -69,20 +69,25 @@ class CoreRestarter:
         self._loading = False  # started, not serving yet
         self._made = 0  # restarts tried in the policy's window
 
-    def core_died(self, cause: BaseException, lost: frozenset[str] | None) -> float | None:
+    def core_died(self, cause: BaseException, lost: frozenset[str] | None) -> bool:
         """A core died (``lost``: the data-parallel core's request ids; None: every core's): forget its
-        requests and plan its start. The seconds until it starts, or None when it may not (dead)."""
+        requests and plan its start; False when it may not start again (the engine is dead)."""
         delay = self.policy.next_delay() if self.policy is not None else None
         if delay is None:
             if self.policy is not None:
                 self._log_budget_spent()
-            return None
+            return False
+        if lost is None:
+            logger.error("%s; the engine core restarts in %g s", cause, delay)
+        else:
+            logger.error("%s; it restarts in %g s (%d requests fail; the other cores' go on)", cause, delay,
+                         len(lost))
         self.engine.release_core(lost)
         self.cause = cause
         self.whole = self.whole or lost is None
         if self._start_at is None:
             self._start_at = time.monotonic() + delay
-        return delay
+        return True
 
     def wait_s(self) -> float | None:
         """How long the loop may sleep before ``advance`` has work (None: no restart under way)."""

@@ -16,8 +16,9 @@ from typing import Any, AsyncIterator, Awaitable, TypeVar
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
-from vllite_core.engine.async_llm import AsyncLLM, RequestStream
+from vllite_core.engine.async_llm import AsyncLLM
 from vllite_core.engine.llm_engine import PromptType
+from vllite_core.engine.request_stream import RequestStream
 from vllite_core.entrypoints.openai.admission import DEFAULT_MAX_LOGPROB_ENTRIES, LogprobBudget, estimate_cost
 from vllite_core.entrypoints.openai.body_parser import BodyParser
 from vllite_core.entrypoints.openai.errors import APIError, bad_request
