@@ -21,9 +21,9 @@ import threading
 
 import httpx
 import openai
-import psutil
 import pytest
 from server_harness import ServerProcess
+from test_core_restart import core_pids
 from tiny_models import TINY, save_tiny
 
 pytestmark = pytest.mark.slow
@@ -164,15 +164,8 @@ class Stream(threading.Thread):
 
 
 def spawned_children(server: ServerProcess) -> set[int]:
-    """The server's multiprocessing-spawned children (engine cores, the body-parser helper)."""
-    out = set()
-    for child in psutil.Process(server.proc.pid).children():
-        try:
-            if any("spawn_main" in part for part in child.cmdline()):
-                out.add(child.pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
+    """The server's multiprocessing-spawned children (its engine cores)."""
+    return set(core_pids(server.proc.pid))
 
 
 def greedy(client, prompt: list[int], max_tokens: int = MAX_TOKENS) -> str:

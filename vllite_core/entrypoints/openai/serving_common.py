@@ -9,7 +9,6 @@ import json
 import time
 import uuid
 from collections.abc import Mapping
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, TypeVar
 
@@ -20,7 +19,7 @@ from vllite_core.engine.async_llm import AsyncLLM
 from vllite_core.engine.llm_engine import PromptType
 from vllite_core.engine.request_stream import RequestStream
 from vllite_core.entrypoints.openai.admission import DEFAULT_MAX_LOGPROB_ENTRIES, LogprobBudget, estimate_cost
-from vllite_core.entrypoints.openai.body_parser import BodyParser
+from vllite_core.entrypoints.openai.body_parser import BodyParser, BodyParserDied
 from vllite_core.entrypoints.openai.errors import APIError, bad_request
 from vllite_core.entrypoints.openai.request_logger import RequestLogger
 from vllite_core.entrypoints.openai.template_sandbox import TemplateSandbox
@@ -77,7 +76,7 @@ class ServerState:
         body = await read_bytes(request, self.max_body_bytes, self.body_read_timeout)
         try:
             parsed, err = await self.body_parser.parse(body, model)
-        except BrokenProcessPool:
+        except BodyParserDied:
             raise APIError(503, "the request body parser stopped: retry", code="body_parser_failed",
                            headers={"Retry-After": "1"}) from None
         if err is not None:
