@@ -53,6 +53,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "Qwen2_5_VLForConditionalGeneration": "model_registry.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
     "Idefics3ForConditionalGeneration": "model_registry.models.idefics3:Idefics3ForConditionalGeneration",
     "Mistral3ForConditionalGeneration": "model_registry.models.mistral3:Mistral3ForConditionalGeneration",
+    "InternVLForConditionalGeneration": "model_registry.models.internvl:InternVLForConditionalGeneration",
     "Gemma3ForConditionalGeneration": "model_registry.models.gemma3_mm:Gemma3ForConditionalGeneration",
     # State-space models and hybrids: a per-request recurrent state (vllite_core/state_cache.py).
     "MambaForCausalLM": "model_registry.models.mamba:MambaForCausalLM",

@@ -22,11 +22,23 @@ from model_registry.models.language_model_shell import LanguageModelShell
 from model_registry.models.llama import LlamaForCausalLM
 from model_registry.models.mm_prompt import image_processor, placeholder_prompt
 from vllite_core.attention.backend import AttentionBackend
-from vllite_core.errors import InvalidRequestError
+from vllite_core.errors import ConfigError, InvalidRequestError
 from vllite_core.inputs import InputContext, ProcessedPrompt
 from vllite_core.model_interfaces import SupportsMultiModalDecoder
 from vllite_core.multimodal.features import MultiModalFeature
 from vllite_core.multimodal.images import hash_image
+
+
+def feature_layer(layers: int | list[int]) -> int:
+    """The one hidden-state index the tower's features come from: an int, or a list of one as transformers takes.
+    Several layers are refused: transformers concatenates their features, but the projector's norm and patch
+    merger are sized for one layer's width, so its own class fails on such a config too."""
+    if isinstance(layers, int):
+        return layers
+    if len(layers) != 1:
+        raise ConfigError(f"vision_feature_layer {list(layers)}: Mistral 3's projector (norm and patch merger "
+                          f"sized for one layer's features) takes exactly one layer")
+    return int(layers[0])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -101,9 +113,7 @@ class Mistral3ForConditionalGeneration(LanguageModelShell, nn.Module, SupportsMu
         vc, tc = hf_config.vision_config, copy.copy(hf_config.get_text_config())
         # the top-level config says whether the LM head is the embedding (transformers ties by it)
         tc.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", tc.tie_word_embeddings))
-        layer = hf_config.vision_feature_layer
-        if not isinstance(layer, int):
-            raise NotImplementedError("Mistral 3 with several vision_feature_layer values is not supported")
+        layer = feature_layer(hf_config.vision_feature_layer)
         n = vc.num_hidden_layers
         self.vision_tower = PixtralVisionTower(vc, layer % (n + 1), dtype)  # hidden state i = after i layers
         d, t, self.merge = vc.hidden_size, tc.hidden_size, int(hf_config.spatial_merge_size)

@@ -264,6 +264,20 @@ def test_the_encoder_budget_stops_a_prefill_before_an_image_that_does_not_fit():
     assert (stats.queries, stats.hits) == (2, 0)
 
 
+def test_images_a_prefill_has_passed_make_room_for_the_next_adjacent_one():
+    """InternVL's tiles: adjacent items in a cache of two. The references on the two passed ones are dropped before
+    the next step is planned, so the third is encoded there (holding them would stall the prefill for good)."""
+    s = mm_scheduler(cache_rows=8, step_rows=8)
+    r = mm_req("r", [image("t0", 2), image("t1", 6), image("t2", 10)])
+    s.add_request(r)
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"r": 10}
+    assert [f.identifier for f in out.scheduled_encoder_inputs] == ["t0", "t1"]
+    s.update_from_output(out, {})
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"r": 10} and [f.identifier for f in out.scheduled_encoder_inputs] == ["t2"]
+
+
 def test_an_image_already_encoded_costs_no_budget_and_counts_as_a_hit():
     s = mm_scheduler(cache_rows=16, step_rows=4)
     s.add_request(mm_req("a", [image("h1", 2)]))

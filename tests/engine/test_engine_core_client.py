@@ -10,6 +10,8 @@ multiprocess implementation, the core built from the config alone, one stats rec
 """
 from __future__ import annotations
 
+from collections import deque
+
 import pytest
 
 from vllite_core import LLM, SamplingParams
@@ -116,3 +118,42 @@ def test_combine_sums_engine_records():
     assert both.mm_cache == EncoderCacheStats(4, 1, 0) and both.num_jump_forward_tokens == 3
     assert both.step_times == StepTimes(pytest.approx(0.4), 3.0, pytest.approx(0.3), 15, 400)
     assert combine([a]) is a
+
+
+def test_ready_waits_until_the_engines_input_socket_is_joined(monkeypatch):
+    """zmq joins sockets in the background, so a core's "ready" can arrive before its input socket is joined
+    to the client's; a send in that gap fails as if the core were gone (a restarted data-parallel core was
+    once taken for dead, "died: still running"). The client waits for the join: without a peer it gives up
+    naming the core, with one it returns the core's info."""
+    import multiprocessing
+    import pickle
+
+    import zmq
+
+    from vllite_core.engine import mp_client
+    from vllite_core.engine.core_messages import EngineCoreReady
+    from vllite_core.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    monkeypatch.setattr(mp_client, "_JOIN_MS", 300)
+    client = object.__new__(mp_client.MPClient)
+    ctx = zmq.Context()
+    client._out = ctx.socket(zmq.PULL)
+    out_port = client._out.bind_to_random_port("tcp://127.0.0.1")
+    client._decoder = MsgpackDecoder(mp_client.EngineMessage)
+    client._pending, client._died = deque(), None
+    engine = mp_client._Engine(0, multiprocessing.current_process(), "", sock=ctx.socket(zmq.PUSH))
+    in_port = engine.sock.bind_to_random_port("tcp://127.0.0.1")
+    client.engines = [engine]
+    core_out = ctx.socket(zmq.PUSH)
+    core_out.connect(f"tcp://127.0.0.1:{out_port}")
+    ready = MsgpackEncoder().encode(EngineCoreReady(0, 1234, pickle.dumps("the info"), SchedulerStats()))
+    try:
+        core_out.send_multipart(ready)
+        with pytest.raises(mp_client.EngineStartupError, match="engine core 0 .*input socket was not joined"):
+            client._wait_ready([engine])
+        core_in = ctx.socket(zmq.PULL)
+        core_in.connect(f"tcp://127.0.0.1:{in_port}")
+        core_out.send_multipart(ready)
+        assert client._wait_ready([engine]) == "the info"
+    finally:
+        ctx.destroy(linger=0)

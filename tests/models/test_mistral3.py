@@ -2,14 +2,19 @@
 ``generate`` in float32 and prompt ids equal to PixtralProcessor's rule ([IMG] rows with [IMG_BREAK] / [IMG_END];
 its module needs torchvision, absent here, so the test writes the rule out), for images of different sizes and
 aspect ratios, two images in one prompt and a text-only prompt in one batch; the encoder cache reused by a
-second request sharing an image."""
+second request sharing an image; ``vision_feature_layer`` as a list of one (a middle layer) against HF, several
+refused."""
 from __future__ import annotations
+
+import json
+import shutil
 
 import pytest
 from tiny_bart import make_image
 from tiny_mistral3 import IMG, hf_mistral3_greedy, save_tiny_mistral3
 
 from vllite_core import LLM, SamplingParams
+from vllite_core.errors import ConfigError
 
 N = 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True)
@@ -25,7 +30,17 @@ SECOND = (f"Look at this {IMG} closely.", [make_image(60, 60, 0)])  # the first 
 def mistral3(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-mistral3")
     hf = save_tiny_mistral3(path)
-    return str(path), [hf_mistral3_greedy(hf, path, t, im, N) for t, im in REQUESTS + [SECOND]]
+    ref = [hf_mistral3_greedy(hf, path, t, im, N) for t, im in REQUESTS + [SECOND]]
+    hf.config.vision_feature_layer = [1]  # a list of one, not the last layer: the tower's first block only
+    ref.append(hf_mistral3_greedy(hf, path, *REQUESTS[0], N))
+    return str(path), ref
+
+
+def _with_feature_layer(src: str, dst, layers) -> str:
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, "vision_feature_layer": layers}))
+    return str(dst)
 
 
 def _prompts(requests):
@@ -44,5 +59,17 @@ def test_mistral3_greedy_matches_hf(mistral3):
     stats, runner = core.scheduler.encoder_cache.stats, core.worker.runner.encoder_runner
     hits, encoded = stats.hits, runner.num_encoded
     out = llm.generate(_prompts([SECOND]), GREEDY)[0]
-    assert out.prompt_token_ids == ref[-1][0] and list(out.outputs[0].token_ids) == ref[-1][1]
+    assert out.prompt_token_ids == ref[len(REQUESTS)][0] and list(out.outputs[0].token_ids) == ref[len(REQUESTS)][1]
     assert (stats.hits - hits, runner.num_encoded - encoded) == (1, 0)
+
+
+def test_mistral3_feature_layer_list(mistral3, tmp_path):
+    """``vision_feature_layer: [1]`` (transformers takes a list of one) reads the first block's states, as HF does;
+    several layers are a ConfigError: transformers' own projector is sized for one layer and fails on them."""
+    path, ref = mistral3
+    llm = LLM(_with_feature_layer(path, tmp_path / "one", [1]), dtype="float32", num_kv_blocks=64)
+    out = llm.generate(_prompts([REQUESTS[0]]), GREEDY)[0]
+    assert (out.prompt_token_ids, list(out.outputs[0].token_ids)) == ref[-1]
+    assert ref[-1][1] != ref[0][1]  # the layer matters
+    with pytest.raises(ConfigError, match="vision_feature_layer"):
+        LLM(_with_feature_layer(path, tmp_path / "two", [1, 2]), dtype="float32", num_kv_blocks=64)

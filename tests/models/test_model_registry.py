@@ -46,7 +46,7 @@ def test_builtin_plugin_registers_the_llama_family_lazily():
                                           "WhisperForConditionalGeneration", "LlavaForConditionalGeneration",
                                           "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
                                           "Gemma3ForConditionalGeneration", "Idefics3ForConditionalGeneration",
-                                          "Mistral3ForConditionalGeneration",
+                                          "Mistral3ForConditionalGeneration", "InternVLForConditionalGeneration",
                                           "BertModel", "BertForSequenceClassification", "RobertaModel",
                                           "XLMRobertaModel", "RobertaForSequenceClassification",
                                           "XLMRobertaForSequenceClassification", "ModernBertModel",

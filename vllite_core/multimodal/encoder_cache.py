@@ -49,6 +49,7 @@ class EncoderCacheManager:
         image whose output is not cached (entries made earlier in this step count) and does not fit in the
         step's encoder budget (``step_rows`` used so far) or in the cache, and, with ``whole_items``, before
         an image the range would cut. Returns (tokens, images to encode for it, their rows)."""
+        self._release_passed(req, start)  # their rows may make room for the next image (adjacent tiles)
         end = start + num_tokens
         todo: list[MultiModalFeature] = []
         rows = 0
@@ -76,10 +77,7 @@ class EncoderCacheManager:
         ones are allocated, evicting unreferenced entries), release the images it has passed."""
         end = start + num_tokens
         new = {f.identifier for f in todo}
-        needed = {f.identifier for f in req.mm_features if f.end > start}
-        for mm_hash in list(self.held.get(req.request_id, ())):
-            if mm_hash not in needed:
-                self._release(req.request_id, mm_hash)
+        self._release_passed(req, start)
         for f in req.mm_features:
             if f.overlaps(start, end):
                 if f.identifier not in self.entries:
@@ -90,6 +88,13 @@ class EncoderCacheManager:
                 self.refs.setdefault(f.identifier, set()).add(req.request_id)
                 self.held.setdefault(req.request_id, set()).add(f.identifier)
                 self.entries.move_to_end(f.identifier)
+
+    def _release_passed(self, req, start: int) -> None:
+        """Drop ``req``'s references on the images its computed tokens (``start``) have passed."""
+        needed = {f.identifier for f in req.mm_features if f.end > start}
+        for mm_hash in list(self.held.get(req.request_id, ())):
+            if mm_hash not in needed:
+                self._release(req.request_id, mm_hash)
 
     def _allocate(self, mm_hash: str, rows: int) -> None:
         while self.used + rows > self.cache_size:
