@@ -211,9 +211,11 @@ class MPClient:
     def _wait_ready(self, engines: list[_Engine]) -> None:
         """Until every one of ``engines`` is ready; the first start-up failure is raised as the error the
         process hit. Outputs other (running) engines send meanwhile are kept."""
-        while not self._check_started(engines):
-            if self._out.poll(200):
-                self._drain()
+        while True:
+            self._drain()
+            if self._check_started(engines):
+                return
+            self._out.poll(200)
 
     def _check_started(self, engines: list[_Engine]) -> bool:
         """Whether every one of ``engines`` is ready now (never waits); raises the first start-up failure.
@@ -224,6 +226,10 @@ class MPClient:
             if eng.start_error is not None:
                 raise eng.start_error
             if eng.proc.exitcode is not None:
+                if self._out.poll(200):  # the error it sent before it exited may still be on its way
+                    self._drain()
+                if eng.start_error is not None:
+                    raise eng.start_error
                 raise EngineStartupError(f"{eng.describe()} failed to start: it exited "
                                          f"({describe_exit(eng.proc.exitcode)}) before it was ready")
             if eng.info is None:
@@ -233,6 +239,7 @@ class MPClient:
             if eng.sock.poll(0, zmq.POLLOUT):
                 eng.ready = True
             elif time.monotonic() > eng.joined_by:
+                eng.info = None  # this start is over: a later ready message starts the wait again
                 raise EngineStartupError(f"{eng.describe()} failed to start: its input socket was not joined "
                                          f"in {_JOIN_S:g} s")
         return all(e.ready for e in engines)
