@@ -74,7 +74,8 @@ import asyncio, json, os, sys
 import vllite_core.entrypoints.cli
 from body_models import Body
 from vllite_core.entrypoints.openai.body_parser import BodyParser
-from vllite_core.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from vllite_core.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, LoadLoRAAdapterRequest
+from vllite_core.entrypoints.openai.protocol_pooling import EmbeddingRequest, RerankRequest
 
 
 async def main():
@@ -83,12 +84,15 @@ async def main():
         req, _ = await parser.parse(json.dumps({"model": "m", "prompt": [1, 2, 3]}).encode(), CompletionRequest)
         chat, _ = await parser.parse(json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
                                      .encode(), ChatCompletionRequest)
+        emb, _ = await parser.parse(b'{"input": [[1, 2], [3]]}', EmbeddingRequest)
+        rerank, _ = await parser.parse(b'{"query": "q", "documents": ["a", "b"]}', RerankRequest)
+        lora, _ = await parser.parse(b'{"lora_name": "a", "lora_path": "/p"}', LoadLoRAAdapterRequest)
         body, _ = await parser.parse(b'{"prompt": [1]}', Body)
     finally:
         parser.close()
     print(json.dumps({"main_has_torch": "torch" in sys.modules, "helper_has_torch": body.torch_loaded,
                       "helper_pid": body.pid, "pid": os.getpid(), "prompt": req.prompt,
-                      "messages": len(chat.messages)}))
+                      "messages": len(chat.messages), "others": [emb.input, rerank.documents, lora.lora_name]}))
 
 
 if __name__ == "__main__":
@@ -97,8 +101,8 @@ if __name__ == "__main__":
 
 
 def test_the_helper_imports_no_torch(tmp_path):
-    """The helper validates the real request models (completion, chat) without importing torch, even
-    when the server's main module has."""
+    """The helper validates the real request models (completion, chat, pooling, LoRA) without importing
+    torch, even when the server's main module has."""
     script = tmp_path / "server_like_main.py"
     script.write_text(SERVER_LIKE_MAIN)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
@@ -106,5 +110,5 @@ def test_the_helper_imports_no_torch(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["main_has_torch"] and r["helper_pid"] != r["pid"] and r["prompt"] == [1, 2, 3], r
-    assert r["messages"] == 1, r
+    assert r["messages"] == 1 and r["others"] == [[[1, 2], [3]], ["a", "b"], "a"], r
     assert r["helper_has_torch"] is False, r
