@@ -1,8 +1,10 @@
 """A request-body model for tests/server/test_body_parser.py, in a module the parse helper process imports
-quickly (pydantic only): which process validated a body rides along as ``pid``."""
+quickly (pydantic only): which process validated a body rides along as ``pid``, and whether torch
+was imported there as ``torch_loaded``."""
 from __future__ import annotations
 
 import os
+import sys
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -12,3 +14,4 @@ class Body(BaseModel):
     prompt: list[int]
     max_tokens: int = 16
     pid: int = Field(default_factory=os.getpid)
+    torch_loaded: bool = Field(default_factory=lambda: "torch" in sys.modules)

@@ -2,7 +2,10 @@
 
 kill -9 of the engine-core process: the open streams end with an ``engine_dead`` error event, /health
 answers 503 (``engine_restarting``) while the core starts again, then 200, and a greedy completion
-equals the one from before the kill; a second kill past ``--engine-restart-max 1`` makes the server
+equals the one from before the kill; requests that arrive while it restarts wait for it
+(--engine-restart-queue-size of them: served once it is back), the one over the queue gets 503 with
+Retry-After (the new core process is held stopped until the third is refused: ordering, not timing);
+a second kill past ``--engine-restart-max 1`` makes the server
 exit non-zero (the budget spent, as with restarts off: tests/engine/test_fault_isolation.py)."""
 from __future__ import annotations
 
@@ -45,9 +48,11 @@ def one_core(server_pid: int, old: int | None = None, timeout: float = 120.0) ->
     raise AssertionError(f"no single engine-core process under {server_pid}: {core_pids(server_pid)}")
 
 
+GREEDY = {"prompt": [5, 6, 7, 8], "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+
+
 def greedy(url: str, model: str) -> list[str]:
-    r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": [5, 6, 7, 8], "max_tokens": 12,
-                                                  "temperature": 0, "ignore_eos": True, "logprobs": 0}, timeout=60)
+    r = httpx.post(url + "/v1/completions", json=GREEDY | {"model": model}, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["logprobs"]["tokens"]
 
@@ -106,7 +111,8 @@ def health_codes_until_ok(url: str, timeout: float) -> list[int]:
 
 def test_killed_core_restarts_then_budget_ends_the_server(tiny_path):
     srv = ServerProcess(["--model", tiny_path, "--dtype", "float32", "--num-kv-blocks", "128",
-                         "--engine-restart-max", "1"])
+                         "--engine-restart-max", "1", "--engine-restart-queue-size", "2",
+                         "--engine-restart-queue-timeout", "600"])  # a restart on a loaded host can take minutes
     try:
         url = srv.wait_ready(timeout=900)
         before = greedy(url, tiny_path)
@@ -126,14 +132,38 @@ def test_killed_core_restarts_then_budget_ends_the_server(tiny_path):
             assert s.failure is None and s.done, (s.failure, s.events[-2:])
             assert s.error is not None and s.error["code"] == "engine_dead", s.events[-2:]
             assert "killed by signal SIGKILL" in s.error["message"]
-        codes = health_codes_until_ok(url, timeout=600)
-        assert 503 in codes, codes
+        new_core = one_core(srv.proc.pid, old=core)
+        os.kill(new_core, signal.SIGSTOP)  # it cannot be ready until the newcomers below have queued
+        try:
+            r = httpx.get(url + "/health", timeout=10)
+            assert r.status_code == 503 and "engine_restarting" in r.text, r.text
+            late: list = [None] * 3
+
+            def send(i: int) -> None:
+                r = httpx.post(url + "/v1/completions", json=GREEDY | {"model": tiny_path}, timeout=700)
+                late[i] = r
+            senders = [threading.Thread(target=send, args=(i,), daemon=True) for i in range(3)]
+            for t in senders:
+                t.start()
+            deadline = time.monotonic() + 120
+            while not any(x is not None and x.status_code != 200 for x in late) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            os.kill(new_core, signal.SIGCONT)
+        for t in senders:
+            t.join(700)
+        refused = [r for r in late if r.status_code != 200]
+        assert len(refused) == 1, [(r.status_code, r.text) for r in late]
+        assert refused[0].status_code == 503 and refused[0].headers["retry-after"] == "5", refused[0].text
+        assert refused[0].json()["error"]["code"] == "engine_restarting", refused[0].text
+        served = [r.json()["choices"][0]["logprobs"]["tokens"] for r in late if r.status_code == 200]
+        assert served == [before] * 2  # they waited for the restart, then were served
+        health_codes_until_ok(url, timeout=600)
         r = httpx.get(url + "/metrics", timeout=10)
         assert 'vllite:engine_core_restarts_total{model_name="' in r.text
         assert [ln for ln in r.text.splitlines() if ln.startswith("vllite:engine_core_restarts_total")][0].endswith(
             " 1.0")
-        new_core = one_core(srv.proc.pid, old=core)
-        assert new_core != core
+        assert one_core(srv.proc.pid, old=core) == new_core
         assert greedy(url, tiny_path) == before  # the restarted core serves the same model
         os.kill(new_core, signal.SIGKILL)  # the budget (1) is spent: the server exits non-zero
         rc = srv.proc.wait(timeout=60)

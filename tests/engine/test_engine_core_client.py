@@ -134,13 +134,13 @@ def test_ready_waits_until_the_engines_input_socket_is_joined(monkeypatch):
     from vllite_core.engine.core_messages import EngineCoreReady
     from vllite_core.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-    monkeypatch.setattr(mp_client, "_JOIN_MS", 300)
+    monkeypatch.setattr(mp_client, "_JOIN_S", 0.3)
     client = object.__new__(mp_client.MPClient)
     ctx = zmq.Context()
     client._out = ctx.socket(zmq.PULL)
     out_port = client._out.bind_to_random_port("tcp://127.0.0.1")
     client._decoder = MsgpackDecoder(mp_client.EngineMessage)
-    client._pending, client._died = deque(), None
+    client._pending, client._died, client._results = deque(), None, {}
     engine = mp_client._Engine(0, multiprocessing.current_process(), "", sock=ctx.socket(zmq.PUSH))
     in_port = engine.sock.bind_to_random_port("tcp://127.0.0.1")
     client.engines = [engine]
@@ -154,6 +154,7 @@ def test_ready_waits_until_the_engines_input_socket_is_joined(monkeypatch):
         core_in = ctx.socket(zmq.PULL)
         core_in.connect(f"tcp://127.0.0.1:{in_port}")
         core_out.send_multipart(ready)
-        assert client._wait_ready([engine]) == "the info"
+        client._wait_ready([engine])
+        assert engine.ready and engine.info == "the info"
     finally:
         ctx.destroy(linger=0)

@@ -32,33 +32,35 @@ open stream raises ``EngineDeadError`` naming the cause, new requests are refuse
 with it, and the ``on_dead`` callbacks run (the server uses one to exit).
 
 A dead engine-core process (``core.restartable``) is brought back instead, within the restart
-budget (engine/restart.py): its open streams fail with ``EngineDeadError`` as above, ``restarting``
-holds the cause while new requests are refused with it and the loop starts the core again after
-the policy's backoff; then the engine serves as before. Past the budget it is dead as above.
-Requests queued before the death are recognised by ``_epoch`` and never reach the new core.
-With data-parallel cores (``EngineCoreDeadError``) only the dead core's requests fail and only it
-starts again: the other cores' requests go on (held while it loads, then finished as before).
+budget (engine/restart.py, ``CoreRestarter``): its open streams fail with ``EngineDeadError`` as
+above, ``restarting`` holds the cause (/health is 503) and the loop starts the core again after the
+policy's backoff, then looks on each turn whether it serves yet (it never waits for the model load);
+then the engine serves as before. Past the budget it is dead as above. With one core (or all dead)
+``all_cores_restarting`` is set too: new requests are refused with it, and requests queued before the
+death are recognised by ``_epoch`` and never reach the new core. With data-parallel cores
+(``EngineCoreDeadError``) only the dead core's requests fail and only it starts again: the loop keeps
+stepping the other cores, whose requests stream on, and new requests go to them meanwhile. Calls
+(sleep mode, collective_rpc: engine/core_calls.py) wait until the restart ends: they need every core.
 """
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import copy
-import dataclasses
 import itertools
 import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, TypeVar
 
 from vllite_core.core.stats import SchedulerStats
+from vllite_core.engine.core_calls import CoreCall, CoreCalls
 from vllite_core.engine.core_client import EngineCoreClient
-from vllite_core.engine.delta import DeltaCursor
 from vllite_core.engine.heap_trim import HeapTrimmer
 from vllite_core.engine.llm_engine import LLMEngine, PromptType
-from vllite_core.engine.restart import RestartPolicy
+from vllite_core.engine.request_stream import FinishedRequest, RequestStream
+from vllite_core.engine.restart import CoreRestarter, RestartPolicy
 from vllite_core.errors import (
     ConfigError,
     EngineCoreDeadError,
@@ -68,19 +70,17 @@ from vllite_core.errors import (
     RequestFailedError,
 )
 from vllite_core.inputs import InputContext, ProcessedPrompt
-from vllite_core.outputs import CompletionOutput, RequestOutput
+from vllite_core.outputs import RequestOutput
 from vllite_core.sampling_params import RequestOutputKind, SamplingParams
-from vllite_core.worker.sleep import check_level, check_mode
 
 logger = logging.getLogger("vllite.async_llm")
 
 _BACKOFF_S = 0.005  # wait when the scheduler had nothing it could run (avoids a hot spin)
-_DRAIN_POLL_S = 0.02  # sleep(mode="wait"): how often it looks whether the requests in flight are done
 
 
 T = TypeVar("T")
 
-__all__ = ["AsyncLLM", "EngineDeadError", "RequestFailedError", "RequestStream"]
+__all__ = ["AsyncLLM", "EngineDeadError", "FinishedRequest", "RequestFailedError", "RequestStream"]
 
 
 @dataclass
@@ -94,122 +94,6 @@ class LoopStats:
     idle_s: float = 0.0
     trim_s: float = 0.0  # giving freed heap back to the OS (engine/heap_trim.py)
     thread_id: int | None = None  # native id of the engine loop thread
-
-
-@dataclass
-class FinishedRequest:
-    """What a finished (or aborted) request reports to observers such as /metrics."""
-
-    request_id: str
-    finish_reasons: list[str]
-    num_prompt_tokens: int
-    num_generation_tokens: int
-    e2e_s: float
-    ttft_s: float | None
-    tpot_s: float | None  # mean time per output token after the first, per completion
-    queue_s: float | None
-    prefill_s: float | None = None  # first scheduled -> first token
-    decode_s: float | None = None  # first token -> finish
-    inference_s: float | None = None  # first scheduled -> finish
-    inter_token_s: list[float] = field(default_factory=list)  # gaps between steps that brought tokens
-    n: int = 1
-    max_tokens: int | None = None
-    max_generation_tokens: int = 0  # of the longest completion
-    engine_index: int = 0  # the data-parallel engine core that served it (vLLM's ``engine`` label)
-
-
-@dataclass
-class RequestStream:
-    """One request as seen from asyncio: the latest cumulative output, an event, timings."""
-
-    request_id: str
-    params: SamplingParams
-    num_prompt_tokens: int
-    arrival: float = field(default_factory=time.monotonic)
-    first_token: float | None = None
-    last_token: float | None = None
-    num_tokens_seen: int = 0
-    inter_token: list[float] = field(default_factory=list)
-    finished: bool = False
-    latest: RequestOutput | None = None
-    error: BaseException | None = None
-    _event: asyncio.Event = field(default_factory=asyncio.Event)
-    _cursor: DeltaCursor = field(init=False)
-
-    def __post_init__(self) -> None:
-        self._cursor = DeltaCursor(self.params.max_stop_str_len)
-
-    def _put(self, out: RequestOutput) -> None:
-        self.latest = out
-        num_tokens = sum(len(c.token_ids) for c in out.outputs)
-        if num_tokens > self.num_tokens_seen:
-            now = time.monotonic()
-            if self.first_token is None:
-                self.first_token = now
-            else:
-                self.inter_token.append(now - self.last_token)
-            self.last_token = now
-            self.num_tokens_seen = num_tokens
-        if out.finished:
-            self.finished = True
-        self._event.set()
-
-    def _fail(self, exc: BaseException) -> None:
-        self.error = exc
-        self.finished = True
-        self._event.set()
-
-    async def next_output(self) -> RequestOutput:
-        """Wait for news; outputs that arrived meanwhile are coalesced (each one is cumulative)."""
-        await self._event.wait()
-        self._event.clear()
-        if self.error is not None:
-            raise self.error
-        assert self.latest is not None
-        return self.latest
-
-    def view(self, out: RequestOutput, delta: bool) -> RequestOutput | None:
-        """The output to hand the caller (see DeltaCursor): text is held back while it could still be
-        the start of a stop string; in delta mode only what is new (None when nothing is)."""
-        return self._cursor.view(out, delta)
-
-    def report(self, out: RequestOutput | None, aborted: bool) -> FinishedRequest:
-        now = time.monotonic()
-        comps = out.outputs if out is not None else []
-        gen = sum(len(c.token_ids) for c in comps)
-        reasons = ["abort"] * max(self.params.n, 1) if aborted else [c.finish_reason or "abort" for c in comps]
-        tpot = None
-        if self.first_token is not None and comps and not aborted:
-            per_child = gen / len(comps)
-            if per_child > 1:
-                tpot = (now - self.first_token) / (per_child - 1)
-        m = out.metrics if out is not None else None
-        queue = m.queue_time if m is not None else None
-        scheduled = m.first_scheduled_time if m is not None else None
-        ttft = self.first_token - self.arrival if self.first_token is not None else None
-        rec = FinishedRequest(self.request_id, reasons, self.num_prompt_tokens, gen, now - self.arrival, ttft, tpot,
-                              queue, inter_token_s=self.inter_token, n=self.params.n,
-                              max_tokens=getattr(self.params, "max_tokens", None),  # PoolingParams have none
-                              max_generation_tokens=max((len(c.token_ids) for c in comps), default=0))
-        if scheduled is not None:
-            rec.inference_s = now - scheduled
-            if self.first_token is not None:
-                rec.prefill_s = self.first_token - scheduled
-        if self.first_token is not None:
-            rec.decode_s = now - self.first_token
-        return rec
-
-
-def _aborted_output(stream: RequestStream) -> RequestOutput:
-    """The last output of a request that sleep(mode="abort") ended: what it made so far, finish_reason
-    "abort" (vLLM's), so its caller's stream ends as an abort does."""
-    last = stream.latest
-    if last is None:
-        n = max(getattr(stream.params, "n", 1) or 1, 1)
-        return RequestOutput(stream.request_id, None, [], None,
-                             [CompletionOutput(i, "", [], None, None, "abort") for i in range(n)], True)
-    outs = [dataclasses.replace(c, finish_reason=c.finish_reason or "abort") for c in last.outputs]
-    return dataclasses.replace(last, outputs=outs, finished=True)
 
 
 @dataclass
@@ -228,15 +112,6 @@ class _Add:
 class _Abort:
     request_id: str
     epoch: int = 0
-
-
-@dataclass
-class _Call:
-    """A call of the engine core's client run on the loop thread (the one thread that talks to the core):
-    sleep mode, collective_rpc, a prefix cache reset. Its result or error goes to ``future``."""
-
-    fn: Callable[[], Any]
-    future: concurrent.futures.Future
 
 
 class AsyncLLM:
@@ -269,23 +144,21 @@ class AsyncLLM:
         self.snapshot: SchedulerStats = self.core.stats()
         self.observers: list[Callable[[FinishedRequest], None]] = []
         self.dead: BaseException | None = None
-        # While the engine core restarts: why it died (new requests are refused with it, /health is 503).
-        self.restarting: BaseException | None = None
         self.restart_policy = restart if restart is not None and self.core.restartable else None
-        self.num_restarts = 0  # engine-core restarts that brought it back
+        self._restarter = CoreRestarter(engine, self.restart_policy)
+        self.calls = CoreCalls(self, self._post)  # sleep mode, collective_rpc: run on the loop thread
         self._epoch = 0  # +1 at each core death: what was queued before never reaches the new core
         # Called on the asyncio loop, once, with the cause when the engine loop dies.
         self.on_dead: list[Callable[[BaseException], None]] = []
         self._streams: dict[str, RequestStream] = {}
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._cond = threading.Condition()
-        self._inbox: list[_Add | _Abort | _Call] = []
+        self._inbox: list[_Add | _Abort | CoreCall] = []
         self._stopping = False
         self._ids = itertools.count()
         # An engine core in its own process (mp_client.py): wake the loop when it dies, so the open
         # requests fail at once even while the loop sleeps; a post wakes its wait for outputs.
         self._wake_pending = False
-        self._draining = False  # sleep() is under way: new requests are refused as while asleep
         self.core.on_failure.append(self._wake_loop)
         self._thread = threading.Thread(target=self._run, name="vllite-engine-loop", daemon=True)
         self._thread.start()
@@ -328,6 +201,21 @@ class AsyncLLM:
     def num_kv_blocks(self) -> int:
         return self.core.num_kv_blocks()
 
+    @property
+    def restarting(self) -> BaseException | None:
+        """While an engine core restarts: why it died (/health is 503)."""
+        return self._restarter.cause
+
+    @property
+    def all_cores_restarting(self) -> BaseException | None:
+        """While every engine core restarts (none can take a request): why; new requests are refused."""
+        return self._restarter.cause if self._restarter.whole else None
+
+    @property
+    def num_restarts(self) -> int:
+        """Engine-core restarts that brought it back."""
+        return self._restarter.num_restarts
+
     def _wake_loop(self) -> None:
         with self._cond:
             self._cond.notify()
@@ -357,9 +245,9 @@ class AsyncLLM:
         """What ``add_request`` checks before any work: engine alive and awake, id new, priority allowed."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine loop stopped: {self.dead!r}")
-        if self.restarting is not None:
-            raise EngineDeadError(f"the engine core is restarting after it died: {self.restarting}")
-        if self.engine.sleeping or self._draining:
+        if self.all_cores_restarting is not None:
+            raise EngineDeadError(f"the engine core is restarting after it died: {self.all_cores_restarting}")
+        if self.engine.sleeping or self.calls.draining:
             raise EngineSleepingError(f"request {request_id!r}")
         loop = asyncio.get_running_loop()
         if self._aloop is None:
@@ -439,50 +327,37 @@ class AsyncLLM:
             self._report(stream, stream.latest, aborted=True)
         self._post(_Abort(request_id, self._epoch))
 
-    # ---- sleep mode, collective_rpc (docs/sleep_mode.md): run on the loop thread ------------------------
-    async def _call(self, fn: Callable[[], T]) -> T:
-        if self.dead is not None:
-            raise EngineDeadError(f"the engine loop stopped: {self.dead!r}")
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._post(_Call(fn, future))
-        return await asyncio.wrap_future(future)
+    def abort_all(self) -> list[RequestStream]:
+        """Abort every request in flight (as ``abort``); their streams."""
+        streams = list(self._streams.values())
+        for stream in streams:
+            self.abort(stream.request_id)
+        return streams
 
+    # ---- sleep mode, collective_rpc (docs/sleep_mode.md): run on the loop thread (core_calls.py) ----------
     async def sleep(self, level: int = 1, mode: str = "abort") -> None:
-        """vLLM's ``AsyncLLM.sleep``. New requests are refused (EngineSleepingError) from now on. ``mode``:
-        "abort" ends the requests in flight at once (their outputs so far, finish_reason "abort"); "wait" lets
-        them finish first; "keep" is refused (worker/sleep.check_mode)."""
-        check_level(level)
-        check_mode(mode)
-        self._draining = True
-        try:
-            if mode == "wait":
-                while self._streams and self.dead is None:
-                    await asyncio.sleep(_DRAIN_POLL_S)
-            for rid, stream in list(self._streams.items()):
-                self.abort(rid)  # reported to the observers as aborted; the engine frees it before the sleep
-                stream._put(_aborted_output(stream))
-            await self._call(lambda: self.engine.sleep(level, mode))
-        finally:
-            self._draining = False
+        """vLLM's ``AsyncLLM.sleep``: new requests are refused (EngineSleepingError) from now on; ``mode``
+        "abort" ends the requests in flight, "wait" lets them finish first (CoreCalls.sleep)."""
+        await self.calls.sleep(level, mode)
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
-        await self._call(lambda: self.engine.wake_up(tags))
+        await self.calls.call(lambda: self.engine.wake_up(tags))
 
     async def is_sleeping(self) -> bool:
-        return await self._call(self.engine.is_sleeping)
+        return await self.calls.call(self.engine.is_sleeping)
 
     async def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
                              kwargs: dict[str, Any] | None = None) -> list[Any]:
-        return await self._call(lambda: self.engine.collective_rpc(method, args, kwargs))
+        return await self.calls.call(lambda: self.engine.collective_rpc(method, args, kwargs))
 
     async def reset_prefix_cache(self) -> bool:
-        return await self._call(self.engine.reset_prefix_cache)
+        return await self.calls.call(self.engine.reset_prefix_cache)
 
     @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    def _post(self, cmd: _Add | _Abort | _Call) -> None:
+    def _post(self, cmd: _Add | _Abort | CoreCall) -> None:
         with self._cond:
             self._inbox.append(cmd)
             self._cond.notify()
@@ -557,14 +432,11 @@ class AsyncLLM:
                 logger.exception("request observer failed")
 
     # ---- engine loop thread ----------------------------------------------------------------
-    def _apply(self, cmds: list[_Add | _Abort | _Call]) -> list[tuple[str, BaseException]]:
+    def _apply(self, cmds: list[_Add | _Abort | CoreCall]) -> list[tuple[str, BaseException]]:
         failed = []
         for cmd in cmds:
-            if isinstance(cmd, _Call):
-                try:
-                    cmd.future.set_result(cmd.fn())
-                except BaseException as e:  # noqa: BLE001 - the caller's error, raised where it awaits
-                    cmd.future.set_exception(e)
+            if isinstance(cmd, CoreCall):  # it needs every core: while one restarts, it waits for it
+                self.calls.run(cmd, restarting=self._restarter.cause is not None)
                 continue
             if cmd.epoch != self._epoch:  # queued for a core that died: its stream has failed already
                 continue
@@ -590,6 +462,10 @@ class AsyncLLM:
             t_wait = time.perf_counter()
             with self._cond:
                 while not self._inbox and not self._stopping and not engine.has_unfinished_requests():
+                    wait_s = self._restarter.wait_s()
+                    if wait_s is not None:  # a core restarts: look again soon
+                        self._cond.wait(wait_s)
+                        break
                     self._cond.wait()
                 if self._stopping:
                     return
@@ -601,34 +477,12 @@ class AsyncLLM:
             ran = False
             step_s = 0.0
             before = self.snapshot.step_times.steps
-            restart_in: float | None = None
-            lost: frozenset[str] | None = None
             if engine.has_unfinished_requests():
                 t1 = time.perf_counter()
                 try:
                     outputs = engine.step()
                 except Exception as e:
-                    exc = e if isinstance(e, EngineDeadError) else EngineDeadError(
-                        f"the engine died: a step failed with {e!r}")
-                    restart_in = self._restart_delay()
-                    lost = e.request_ids if isinstance(e, EngineCoreDeadError) else None
-                    if restart_in is None:
-                        logger.exception("engine step failed (a fault of no single request); the engine is dead")
-                        if self.restart_policy is not None:
-                            self._log_budget_spent()
-                        self.dead = e
-                    elif lost is None:
-                        logger.error("%s; the engine core restarts in %g s", exc, restart_in)
-                        self.restarting = exc
-                        self._epoch += 1
-                    else:  # the other data-parallel cores keep their requests
-                        logger.error("%s; it restarts in %g s (%d requests fail; the other cores' go on)", exc,
-                                     restart_in, len(lost))
-                        self.restarting = exc
-                    if restart_in is None or lost is None:
-                        failed.append(("", exc))
-                    else:
-                        failed.extend((rid, exc) for rid in engine.parents_of(lost))
+                    failed.extend(self._core_died(e))
                 step_s = time.perf_counter() - t1
                 st.step_s += step_s
                 st.steps += 1
@@ -638,8 +492,8 @@ class AsyncLLM:
             if (outputs or failed) and not self._hand_over(outputs, failed, self.dead is not None):
                 return
             st.other_s += time.perf_counter() - t0 - step_s
-            if restart_in is not None:
-                self._restart(restart_in, lost)
+            if self._restarter.cause is not None and self.dead is None and self._restarter.advance():
+                self._restart_ended()
             if self.dead is not None or self._stopping:
                 return
             if not ran and not cmds:
@@ -659,46 +513,32 @@ class AsyncLLM:
             return False
         return True
 
-    def _restart_delay(self) -> float | None:
-        """Seconds before the next restart of a dead core, None when it may not come back."""
-        return self.restart_policy.next_delay() if self.restart_policy is not None else None
+    def _core_died(self, e: Exception) -> list[tuple[str, BaseException]]:
+        """A step raised: the streams to fail (an empty id: all). A dead engine-core process within the
+        restart budget starts again (only the dead data-parallel core's requests fail); else it is dead."""
+        exc = e if isinstance(e, EngineDeadError) else EngineDeadError(f"the engine died: a step failed with {e!r}")
+        lost = e.request_ids if isinstance(e, EngineCoreDeadError) else None
+        parents = self.engine.parents_of(lost) if lost is not None else set()
+        if not self._restarter.core_died(exc, lost):
+            logger.exception("engine step failed (a fault of no single request); the engine is dead")
+            self.dead = e
+            self.calls.fail_deferred(EngineDeadError(f"the engine loop stopped: {e!r}"))
+            return [("", exc)]
+        if lost is None:
+            self._epoch += 1  # what was queued before never reaches the new core
+            return [("", exc)]
+        return [(rid, exc) for rid in parents]
 
-    def _log_budget_spent(self) -> None:
-        assert self.restart_policy is not None
-        logger.error("the engine core may not restart again (%d restarts in %g s): the engine is dead",
-                     self.restart_policy.max_restarts, self.restart_policy.window_s)
-
-    def _restart(self, delay: float | None, lost: frozenset[str] | None = None) -> None:
-        """On the loop thread: start the dead core again after ``delay``, retrying with the policy's
-        backoff; past the budget the engine is dead (``on_dead`` runs). ``lost``: a data-parallel core's
-        requests (LLMEngine.restart_core)."""
-        assert self.restart_policy is not None
-        cause = self.restarting
-        while delay is not None:
-            with self._cond:
-                if not self._stopping:
-                    self._cond.wait_for(lambda: self._stopping, timeout=delay)
-            if self._stopping:
-                return
-            made = self.restart_policy.record()
-            try:
-                self.engine.restart_core(lost)
-            except BaseException as e:  # noqa: BLE001 - the start-up failed: try again, or give up
-                if self._stopping:
-                    return
-                cause = e
-                delay = self._restart_delay()
-                logger.error("engine core restart %d failed (%r)%s", made, e,
-                             "" if delay is None else f"; trying again in {delay:g} s")
-                continue
-            self.num_restarts += 1
+    def _restart_ended(self) -> None:
+        """On the loop thread: the restarted core(s) serve (the calls that waited run now), or the budget is
+        spent (the engine is dead: ``on_dead`` runs)."""
+        cause = self._restarter.gave_up
+        if cause is None:
             self.snapshot = self.core.stats()
-            self.restarting = None
-            logger.warning("the engine core is serving again (restart %d of at most %d in %g s)", made,
-                           self.restart_policy.max_restarts, self.restart_policy.window_s)
+            self.calls.run_deferred()
             return
-        self._log_budget_spent()
         self.dead = cause
+        self.calls.fail_deferred(EngineDeadError(f"the engine loop stopped: {cause!r}"))
         self._hand_over([], [("", EngineDeadError(f"the engine core died and was not restarted: {cause}"))], True)
 
     def close(self) -> None:

@@ -84,9 +84,17 @@ class EngineCoreClient(Protocol):
     def wake(self) -> None:
         """Make a ``step`` that waits for outputs return now (new requests or aborts to send)."""
 
-    def restart(self, keep_live: bool = False) -> None:
-        """Start the dead core(s) again, forgetting every request sent before (``keep_live``: only the dead
-        cores' ones; live data-parallel cores keep theirs); raises what start-up raised."""
+    # Restart (restartable cores), in steps that never wait for a model load, so live cores keep serving.
+    def drop_dead(self, keep_live: bool = False) -> None:
+        """After a death: forget every request sent before (``keep_live``: only the dead cores' ones; live
+        data-parallel cores keep theirs and serve on)."""
+
+    def start_dead(self) -> None:
+        """Start the dead core(s) again (their model loads); ``poll_started`` says when they serve."""
+
+    def poll_started(self, wait_s: float = 0.0) -> bool:
+        """Whether the cores ``start_dead`` started serve now; raises what a start-up raised."""
+
     # Sleep mode and the user's RPCs (docs/sleep_mode.md): answered calls, from the thread that steps.
     def sleep(self, level: int) -> list[SleepReport]:
         """Every engine core's workers release their KV cache (and weights, level 2); each rank's bytes."""
@@ -154,8 +162,15 @@ class InprocClient:
     def wake(self) -> None:
         """Nothing waits: ``step`` returns when the core's step does."""
 
-    def restart(self, keep_live: bool = False) -> None:
+    def drop_dead(self, keep_live: bool = False) -> None:
         raise NotImplementedError("an in-process engine core is not restarted (restartable is False)")
+
+    def start_dead(self) -> None:
+        raise NotImplementedError("an in-process engine core is not restarted (restartable is False)")
+
+    def poll_started(self, wait_s: float = 0.0) -> bool:
+        raise NotImplementedError("an in-process engine core is not restarted (restartable is False)")
+
     def sleep(self, level: int) -> list[SleepReport]:
         return self.engine_core.sleep(level)
 

@@ -236,19 +236,27 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
-    def restart_core(self, lost: frozenset[str] | None = None) -> None:
-        """After the core died (``core.restartable``): forget every request (the caller failed them) and
-        start the core again; the engine serves once this returns. ``lost``: only one data-parallel core
-        died, holding these engine request ids: only their requests are forgotten (a parallel-sampling
-        request's children on a live core are aborted there), the others go on."""
+    def release_core(self, lost: frozenset[str] | None = None) -> None:
+        """After the core died (``core.restartable``): forget every request (the caller failed them).
+        ``lost``: only one data-parallel core died, holding these engine request ids: only their requests
+        are forgotten (a parallel-sampling request's children on a live core are aborted there), the
+        others go on. The core client starts the dead core(s) again (``start_dead``, ``poll_started``)."""
         if lost is None:
             for rid in list(self.output_processor.states):
                 self.output_processor.abort(rid)
-        self.core.restart(keep_live=lost is not None)
+        self.core.drop_dead(keep_live=lost is not None)
         if lost is not None:
             for parent in self.parents_of(lost):
                 self.core.abort_requests(self.output_processor.abort(parent))
         self.dead = None
+
+    def restart_core(self, lost: frozenset[str] | None = None) -> None:
+        """``release_core``, then start the dead core(s) and wait until they serve (raises what their
+        start-up raised)."""
+        self.release_core(lost)
+        self.core.start_dead()
+        while not self.core.poll_started(wait_s=0.2):
+            pass
 
     def parents_of(self, request_ids: frozenset[str]) -> set[str]:
         """The requests (as added) the engine request ids belong to (a parallel-sampling child's parent)."""

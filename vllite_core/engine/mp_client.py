@@ -10,10 +10,16 @@ not yet finished or aborted), and /metrics labels each engine's numbers with its
 
 Death: a monitor thread waits on the processes' sentinels. When one exits (a crash, kill -9,
 the OOM killer), ``step`` raises ``EngineDeadError`` naming the process, its exit code or
-signal and the last error line it sent, so AsyncLLM fails every open request with it; ``restart``
-then starts the dead process(es) again (AsyncLLM decides whether, within its restart budget). With
-data parallelism, while other cores live, it raises ``EngineCoreDeadError`` carrying the dead core's
-request ids: only those fail, the live cores keep theirs, and ``restart`` starts only the dead core.
+signal and the last error line it sent, so AsyncLLM fails every open request with it. With data
+parallelism, while other cores live, it raises ``EngineCoreDeadError`` carrying the dead core's request
+ids: only those fail and the live cores keep theirs.
+
+Restart, in three calls that never wait for a model load (so the thread that steps the live cores
+goes on stepping them while a dead one loads): ``drop_dead`` forgets the dead cores' requests (the
+caller failed them), ``start_dead`` starts their processes again, ``poll_started`` says whether they
+are ready (and raises what their start-up raised). A core is *ready* (takes requests) from its
+ready message until it dies; a starting one gets none. AsyncLLM decides whether and when to restart,
+within its restart budget (engine/restart.py).
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ import pickle
 import signal
 import tempfile
 import threading
+import time
 import uuid
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -63,7 +70,7 @@ logger = logging.getLogger("vllite.engine_core_client")
 _POLL_MS = 100  # the longest step() waits before it returns (so AsyncLLM's inbox is never starved)
 _ROUTES_KEPT = 65536  # request -> engine routes remembered for the per-engine request metrics
 _STOP_S = 5.0  # how long close() waits for an engine core to exit before it terminates it
-_JOIN_MS = 30_000  # how long a ready engine core's input socket may take to be joined to ours
+_JOIN_S = 30.0  # how long a ready engine core's input socket may take to be joined to ours
 
 
 class EngineStartupError(RuntimeError):
@@ -94,6 +101,10 @@ class _Engine:
     sent: int = 0  # messages sent to it
     applied: int = 0  # messages it said it applied (its stats are current once this equals sent)
     last_error: str | None = None  # the last error line the process sent (EngineCoreFailed)
+    ready: bool = False  # serving: its ready message came and its input socket is joined; False once dead
+    info: CoreInfo | None = None  # what its ready message said (start-up)
+    joined_by: float = 0.0  # start-up: monotonic deadline for its input socket to be joined after "ready"
+    start_error: BaseException | None = None  # start-up: what its process reported failing with
 
     def describe(self) -> str:
         return f"engine core {self.index} (pid {self.pid or self.proc.pid})"
@@ -127,20 +138,24 @@ class MPClient:
         self.on_failure: list[Callable[[], None]] = []  # called (monitor thread) when an engine process exits
         self.restartable = True
         self._config = config
-        self._restarts = 0  # engine processes started again after a death (their socket names differ)
+        self._restarts = 0  # times dead engine processes were started again (their socket names differ)
+        self._starting: list[_Engine] = []  # started again, not ready yet (poll_started)
+        self._monitor: threading.Thread | None = None
+        self._monitor_stop: tuple[int, int] | None = None  # the running monitor's stop pipe
         self.engines = [_Engine(i, None, "") for i in range(data_parallel_size)]
         atexit.register(self.close)
         for e in self.engines:
             self._spawn(e)
         try:
-            info = self._wait_ready(self.engines)
+            self._wait_ready(self.engines)
         except BaseException:
             self.close()
             raise
+        info = self.engines[0].info
+        assert info is not None
         self.info: CoreInfo = info
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
-        self._stop_r, self._stop_w = os.pipe()
         self._poller = zmq.Poller()
         self._poller.register(self._out, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
@@ -158,14 +173,33 @@ class MPClient:
                               name=f"VlliteEngineCore_{eng.index}", daemon=False)
         eng.proc.start()
         eng.pid = None
+        eng.ready, eng.info, eng.start_error = False, None, None
         eng.sock = self._ctx.socket(zmq.PUSH)
         eng.sock.setsockopt(zmq.LINGER, 0)
         eng.sock.setsockopt(zmq.SNDHWM, 0)  # no limit: a send fails (never blocks) only without a peer
         eng.sock.bind(eng.input_addr)
 
     def _start_monitor(self) -> None:
-        self._monitor = threading.Thread(target=self._watch, name="vllite-engine-monitor", daemon=True)
+        """(Re)start the monitor on the processes of the ready and the starting engines."""
+        self._stop_monitor()
+        watched = {e.proc.sentinel: (e, e.proc) for e in self.engines
+                   if (e.ready or e in self._starting) and e.proc.exitcode is None}
+        self._monitor_stop = os.pipe()
+        self._monitor = threading.Thread(target=self._watch, args=(watched, self._monitor_stop[0]),
+                                         name="vllite-engine-monitor", daemon=True)
         self._monitor.start()
+
+    def _stop_monitor(self) -> None:
+        if self._monitor is None or self._monitor_stop is None:
+            return
+        r, w = self._monitor_stop
+        os.write(w, b"x")
+        if self._monitor is not threading.current_thread():
+            self._monitor.join(10)
+        if not self._monitor.is_alive():
+            os.close(r)
+            os.close(w)
+        self._monitor = self._monitor_stop = None
 
     def _addr(self, name: str) -> str:
         path = os.path.join(tempfile.gettempdir(), f"{self._tag}-{name}")
@@ -174,51 +208,54 @@ class MPClient:
         return f"ipc://{path}"
 
     # ---- start-up -------------------------------------------------------------------------
-    def _wait_ready(self, engines: list[_Engine]) -> CoreInfo:
-        """Each starting engine's CoreInfo (the first one's is returned); the first start-up failure is
-        raised as the error the process hit. Outputs other (running) engines send meanwhile are kept."""
-        infos: dict[int, Any] = {}
-        starting = {e.index for e in engines}
-        while len(infos) < len(engines):
-            if self._out.poll(200):
-                msg = self._decoder.decode([f.buffer for f in self._out.recv_multipart(copy=False)])
-                eng = self.engines[msg.engine_index]
-                if eng.index not in starting:
-                    if isinstance(msg, EngineCoreOutputs):
-                        self._pending.append(msg)
-                    elif isinstance(msg, EngineCoreFailed):
-                        eng.last_error = msg.text
-                        self._died = self._died or eng
-                    continue
-                if isinstance(msg, EngineCoreFailed):
-                    eng.proc.join(10)
-                    if isinstance(msg.error, BaseException):
-                        raise msg.error
-                    raise EngineStartupError(f"{eng.describe()} failed to start: {msg.text}")
-                if isinstance(msg, EngineCoreReady):
-                    eng.pid = msg.pid
-                    eng.stats = msg.stats
-                    infos[msg.engine_index] = pickle.loads(msg.info)
-                continue
-            for eng in engines:
-                if eng.index not in infos and eng.proc.exitcode is not None:
-                    raise EngineStartupError(f"{eng.describe()} failed to start: it exited "
-                                             f"({describe_exit(eng.proc.exitcode)}) before it was ready")
+    def _wait_ready(self, engines: list[_Engine]) -> None:
+        """Until every one of ``engines`` is ready; the first start-up failure is raised as the error the
+        process hit. Outputs other (running) engines send meanwhile are kept."""
+        while True:
+            self._drain()
+            if self._check_started(engines):
+                return
+            self._out.poll(200)
+
+    def _check_started(self, engines: list[_Engine]) -> bool:
+        """Whether every one of ``engines`` is ready now (never waits); raises the first start-up failure.
+        Their ready and failure messages are read by ``_drain``."""
         for eng in engines:
+            if eng.ready:
+                continue
+            if eng.start_error is not None:
+                raise eng.start_error
+            if eng.proc.exitcode is not None:
+                if self._out.poll(200):  # the error it sent before it exited may still be on its way
+                    self._drain()
+                if eng.start_error is not None:
+                    raise eng.start_error
+                raise EngineStartupError(f"{eng.describe()} failed to start: it exited "
+                                         f"({describe_exit(eng.proc.exitcode)}) before it was ready")
+            if eng.info is None:
+                continue
             # zmq joins the sockets in the background: "ready" can arrive before the engine's input socket is
             # joined to ours, and a send in that gap fails as if the engine were gone (seen on a loaded host)
-            if not eng.sock.poll(_JOIN_MS, zmq.POLLOUT):
+            if eng.sock.poll(0, zmq.POLLOUT):
+                eng.ready = True
+            elif time.monotonic() > eng.joined_by:
+                eng.info = None  # this start is over: a later ready message starts the wait again
                 raise EngineStartupError(f"{eng.describe()} failed to start: its input socket was not joined "
-                                         f"in {_JOIN_MS // 1000} s")
-        return infos[engines[0].index]
+                                         f"in {_JOIN_S:g} s")
+        return all(e.ready for e in engines)
 
     # ---- what LLMEngine calls ---------------------------------------------------------------
-    def _pick(self) -> _Engine:
-        engines = self.engines if self._died is None else [e for e in self.engines if e not in self._dead_engines()]
-        return min(engines, key=lambda e: (e.unfinished, e.index))
+    def _live(self) -> list[_Engine]:
+        """The engines that take requests: ready, and not known dead."""
+        ready = [e for e in self.engines if e.ready]
+        if self._died is None:
+            return ready
+        dead = self._dead_engines()
+        return [e for e in ready if e not in dead]
 
     def _dead_engines(self) -> list[_Engine]:
-        return [e for e in self.engines if e is self._died or (e.proc is not None and not e.proc.is_alive())]
+        """Engines that served and died (not the ones starting again, nor those whose start failed)."""
+        return [e for e in self.engines if e is self._died or (e.ready and not e.proc.is_alive())]
 
     def _queue(self, eng: _Engine, msg: Any) -> None:
         """Sent with the others queued before the next ``step`` (or ``flush``), as one message."""
@@ -228,8 +265,8 @@ class MPClient:
         outbox, self._outbox = self._outbox, {}
         for index, msgs in outbox.items():
             eng = self.engines[index]
-            if eng is self._died:
-                continue  # its requests fail with it
+            if eng is self._died or not eng.ready:
+                continue  # its requests fail with it; a starting engine has none (and a fresh cache)
             if not self._send(eng, msgs) and self._died is None:
                 self._died = eng
 
@@ -244,8 +281,10 @@ class MPClient:
                 return False
 
     def add_request(self, request: Request) -> None:
-        if self._died is not None and len(self._dead_engines()) == len(self.engines):
+        live = self._live()
+        if not live:
             self._raise_if_dead()
+            raise EngineDeadError("no engine core is serving: every one is starting again")
         lora = pickle.dumps(request.lora_request) if request.lora_request is not None else None
         pooling = pickle.dumps(request.pooling_params) if request.pooling_params is not None else None
         msg = EngineCoreRequest(request.request_id, list(request.prompt_token_ids),
@@ -253,7 +292,7 @@ class MPClient:
                                 request.arrival_time, request.max_tokens, request.encoder_inputs,
                                 request.num_encoder_tokens, request.cache_salt, tuple(request.block_extra_keys),
                                 pooling, lora, pickle.dumps(request.mm_features) if request.mm_features else None)
-        eng = self._pick()
+        eng = min(live, key=lambda e: (e.unfinished, e.index))
         self._queue(eng, msg)
         self._owner[request.request_id] = eng
         eng.unfinished += 1
@@ -304,7 +343,7 @@ class MPClient:
     def remove_lora(self, lora_int_id: int) -> None:
         """Drop an adapter from every engine's cache (running requests keep the one they hold)."""
         for eng in self.engines:  # from another thread: sent at once, on its own
-            if self._died is None:
+            if self._died is None and eng.ready:
                 self._send(eng, [EngineCoreUtility("remove_lora", [lora_int_id])])
 
     # ---- answered calls: sleep mode, collective_rpc ------------------------------------------------
@@ -395,7 +434,9 @@ class MPClient:
                 return
             msg = self._decoder.decode([f.buffer for f in frames])
             eng = self.engines[msg.engine_index]
-            if isinstance(msg, EngineCoreFailed):
+            if not eng.ready:
+                self._starting_message(eng, msg)
+            elif isinstance(msg, EngineCoreFailed):
                 eng.last_error = msg.text
                 eng.proc.join(5)
                 self._died = self._died or eng
@@ -403,6 +444,18 @@ class MPClient:
                 self._pending.append(msg)
             elif isinstance(msg, EngineCoreCallResult):
                 self._results[msg.call_id] = msg
+
+    def _starting_message(self, eng: _Engine, msg: Any) -> None:
+        """A message from an engine that is not ready: its start-up's outcome (anything else is a late
+        word of the process it replaces, dropped)."""
+        if isinstance(msg, EngineCoreReady):
+            eng.pid = msg.pid
+            eng.stats = msg.stats
+            eng.info = pickle.loads(msg.info)
+            eng.joined_by = time.monotonic() + _JOIN_S
+        elif isinstance(msg, EngineCoreFailed):
+            eng.start_error = (msg.error if isinstance(msg.error, BaseException)
+                               else EngineStartupError(f"{eng.describe()} failed to start: {msg.text}"))
 
     def _raise_if_dead(self) -> None:
         eng = self._died
@@ -414,7 +467,7 @@ class MPClient:
             except zmq.ZMQError:
                 pass
         dead = self._dead_engines()
-        if len(dead) < len(self.engines):  # data parallel: the others serve on
+        if any(e.ready and e not in dead for e in self.engines):  # data parallel: the others serve on
             raise EngineCoreDeadError(self.death_cause(),
                                       frozenset(rid for rid, owner in self._owner.items() if owner in dead))
         raise EngineDeadError(self.death_cause())
@@ -429,24 +482,24 @@ class MPClient:
         return text
 
     # ---- restart ---------------------------------------------------------------------------------
-    def restart(self, keep_live: bool = False) -> None:
-        """Bring the dead engine core(s) back: each exited process starts again from the config (the
-        model loads again). Every request sent before is forgotten (the caller failed them): engines
-        still running (data parallel) abort theirs. Raises what the new process's start-up raised
-        (the engine stays dead; a later ``restart`` tries again). ``keep_live``: only the dead core's
-        requests are forgotten; live data-parallel cores keep theirs and their outputs."""
+    def drop_dead(self, keep_live: bool = False) -> None:
+        """After a death the caller has seen (and failed the requests of): reap the dead process(es) and
+        forget every request sent before, engines still running (data parallel) aborting theirs;
+        ``keep_live``: only the dead cores' requests are forgotten, live cores keep theirs and their
+        outputs and serve on. Nothing starts yet (``start_dead``)."""
         dead = self._dead_engines()
-        partial = keep_live and len(dead) < len(self.engines)
+        partial = keep_live and any(e.ready and e not in dead for e in self.engines)
         for eng in dead:
             eng.proc.join(5)
             if eng.proc.is_alive():  # it reported a failed step and hangs on its way out
                 eng.proc.kill()
                 eng.proc.join(5)
-        self._monitor.join(10)  # it has seen the death (and must not report this one after the restart)
         try:
             self._drain()  # the dead process's last messages
         except zmq.ZMQError:
             pass
+        for eng in dead:
+            eng.ready = False
         if partial:
             gone = {e.index for e in dead}
             self._pending = deque(m for m in self._pending if m.engine_index not in gone)
@@ -459,30 +512,57 @@ class MPClient:
             self._outbox.clear()
             for eng in self.engines:
                 ids = [rid for rid, owner in self._owner.items() if owner is eng]
-                if ids and eng not in dead:
+                if ids and eng.ready:
                     self._send(eng, [EngineCoreAbort(ids)])
                 eng.unfinished = 0
             self._owner.clear()
-        self._restarts += 1
         for eng in dead:
+            eng.sent = eng.applied = 0
+            eng.last_error = None
+            eng.stats = SchedulerStats()
+        self._died = None
+        self._start_monitor()  # on the live engines: the dead one's death is not reported again
+
+    def start_dead(self) -> None:
+        """Start again every engine that is neither ready nor starting (from the config: the model loads
+        again); ``poll_started`` says when they serve."""
+        down = [e for e in self.engines if not e.ready and e not in self._starting]
+        if not down:
+            return
+        self._restarts += 1
+        for eng in down:
             eng.sent = eng.applied = 0
             eng.last_error = None
             eng.stats = SchedulerStats()
             logger.warning("%s: starting again", eng.describe())
             self._spawn(eng)
-        self._died = None
+        self._starting += down
+        self._start_monitor()
+
+    def poll_started(self, wait_s: float = 0.0) -> bool:
+        """Whether the engines ``start_dead`` started are all ready (waiting at most ``wait_s`` for news).
+        A start-up failure is raised as the error the process hit; its engines are stopped and down
+        again (a later ``start_dead`` tries again)."""
+        if not self._starting:
+            return True
+        if wait_s > 0:
+            self._out.poll(int(wait_s * 1000))
         try:
-            self._wait_ready(dead)
+            self._drain()
+            if not self._check_started(self._starting):
+                return False
         except BaseException:
-            for eng in dead:
+            for eng in self._starting:
                 if eng.proc.is_alive():
                     eng.proc.kill()
                 eng.proc.join(5)
-            self._died = dead[0]
+                eng.ready = False
+            self._starting = []
             raise
-        self._start_monitor()
-        logger.warning("engine core(s) %s serving again (pid %s)", ", ".join(str(e.index) for e in dead),
-                       ", ".join(str(e.pid) for e in dead))
+        started, self._starting = self._starting, []
+        logger.warning("engine core(s) %s serving again (pid %s)", ", ".join(str(e.index) for e in started),
+                       ", ".join(str(e.pid) for e in started))
+        return True
 
     # ---- statistics ---------------------------------------------------------------------------
     def stats(self) -> SchedulerStats:
@@ -506,28 +586,30 @@ class MPClient:
         except (BlockingIOError, OSError):
             pass
 
-    def _watch(self) -> None:
-        sentinels = {e.proc.sentinel: (e, e.proc) for e in self.engines}
-        ready = multiprocessing.connection.wait([*sentinels, self._stop_r])
-        if self._closed:
-            return
-        for s in ready:
-            if s in sentinels:
-                eng, proc = sentinels[s]
+    def _watch(self, watched: dict[Any, tuple[_Engine, Any]], stop_r: int) -> None:
+        """The monitor thread: a ready engine's process exiting is a death (``step`` raises it); a
+        starting one's is a failed start-up (``poll_started`` raises it): either wakes the stepping thread."""
+        while watched:
+            ready = multiprocessing.connection.wait([*watched, stop_r])
+            if self._closed or stop_r in ready:
+                return
+            for s in ready:
+                eng, proc = watched.pop(s)
                 if eng.proc is not proc:  # restart outran this monitor: the engine already runs a new process
-                    return
+                    continue
+                if not eng.ready:
+                    self.wake()
+                    continue
                 eng.proc.join(5)  # its pipe closes a moment before it can be reaped (the exit code known)
                 logger.error("%s exited (%s)", eng.describe(), describe_exit(eng.proc.exitcode))
                 self._died = self._died or eng
-                break
-        else:
-            return
-        self.wake()
-        for cb in self.on_failure:
-            try:
-                cb()
-            except Exception:
-                logger.exception("engine failure callback failed")
+                self.wake()
+                for cb in self.on_failure:
+                    try:
+                        cb()
+                    except Exception:
+                        logger.exception("engine failure callback failed")
+                return
 
     def shutdown(self) -> None:
         self.close()
@@ -536,8 +618,7 @@ class MPClient:
         if self._closed:
             return
         self._closed = True
-        if hasattr(self, "_stop_w"):
-            os.write(self._stop_w, b"x")
+        self._stop_monitor()
         for eng in self.engines:
             if eng.proc.is_alive() and eng.sock is not None:
                 try:

@@ -21,7 +21,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from vllite_core.core.stats import SchedulerStats
-from vllite_core.engine.async_llm import AsyncLLM, FinishedRequest
+from vllite_core.engine.async_llm import AsyncLLM
+from vllite_core.engine.request_stream import FinishedRequest
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -9,17 +9,17 @@ import json
 import time
 import uuid
 from collections.abc import Mapping
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
-from vllite_core.engine.async_llm import AsyncLLM, RequestStream
+from vllite_core.engine.async_llm import AsyncLLM
 from vllite_core.engine.llm_engine import PromptType
+from vllite_core.engine.request_stream import RequestStream
 from vllite_core.entrypoints.openai.admission import DEFAULT_MAX_LOGPROB_ENTRIES, LogprobBudget, estimate_cost
-from vllite_core.entrypoints.openai.body_parser import BodyParser
+from vllite_core.entrypoints.openai.body_parser import BodyParser, BodyParserDied
 from vllite_core.entrypoints.openai.errors import APIError, bad_request
 from vllite_core.entrypoints.openai.request_logger import RequestLogger
 from vllite_core.entrypoints.openai.template_sandbox import TemplateSandbox
@@ -76,7 +76,7 @@ class ServerState:
         body = await read_bytes(request, self.max_body_bytes, self.body_read_timeout)
         try:
             parsed, err = await self.body_parser.parse(body, model)
-        except BrokenProcessPool:
+        except BodyParserDied:
             raise APIError(503, "the request body parser stopped: retry", code="body_parser_failed",
                            headers={"Retry-After": "1"}) from None
         if err is not None:
@@ -117,23 +117,24 @@ class ServerState:
                            "being prepared and was aborted", code="request_timeout") from None
 
     async def wait_for_restart(self) -> None:
-        """While the engine core restarts (within its restart budget, so it is expected back), wait
-        for it instead of failing: at most ``restart_queue_size`` requests wait, each at most
+        """While every engine core restarts (within its restart budget, so it is expected back), wait
+        for it instead of failing (while one data-parallel core restarts, the live ones take requests):
+        at most ``restart_queue_size`` requests wait, each at most
         ``restart_queue_timeout`` s (and its --request-timeout); otherwise 503 with Retry-After."""
         engine = self.engine
-        if engine.restarting is None or engine.dead is not None:
+        if engine.all_cores_restarting is None or engine.dead is not None:
             return
         if self.restart_waiters >= self.restart_queue_size:
             raise APIError(503, f"the engine core is restarting after it died and {self.restart_queue_size} requests "
-                           f"already wait for it: retry later ({engine.restarting})", code="engine_restarting",
-                           headers={"Retry-After": "5"})
+                           f"already wait for it: retry later ({engine.all_cores_restarting})",
+                           code="engine_restarting", headers={"Retry-After": "5"})
         self.restart_waiters += 1
         try:
             deadline = time.monotonic() + self.restart_queue_timeout
-            while engine.restarting is not None and engine.dead is None:
+            while engine.all_cores_restarting is not None and engine.dead is None:
                 if time.monotonic() >= deadline:
                     raise APIError(503, f"the engine core did not finish restarting within "
-                                   f"{self.restart_queue_timeout:g} s: retry later ({engine.restarting})",
+                                   f"{self.restart_queue_timeout:g} s: retry later ({engine.all_cores_restarting})",
                                    code="engine_restarting", headers={"Retry-After": "5"})
                 await asyncio.sleep(0.05)
         finally:

@@ -17,10 +17,10 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel
 
 from vllite_core.entrypoints.openai.errors import APIError, bad_request
 from vllite_core.entrypoints.openai.lora_checks import DEFAULT_MAX_LORA_BYTES, check_adapter_dir, check_lora_name
+from vllite_core.entrypoints.openai.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from vllite_core.entrypoints.openai.serving_common import server_state
 from vllite_core.lora.errors import LoRAError
 from vllite_core.lora.request import LoRARequest
@@ -113,16 +113,6 @@ class ServedLoRAs:
         if os.path.commonpath([real, self.allowed_root]) != self.allowed_root:
             raise bad_request(f"{path!r} is not inside the server's --lora-allowed-root", "lora_path")
         return real
-
-
-class LoadLoRAAdapterRequest(BaseModel):
-    lora_name: str
-    lora_path: str
-
-
-class UnloadLoRAAdapterRequest(BaseModel):
-    lora_name: str
-    lora_int_id: int | None = None
 
 
 runtime_router = APIRouter()  # included only when the operator allowed runtime adapter updates

@@ -6,16 +6,22 @@ from __future__ import annotations
 
 import base64
 import time
-from typing import Any, Awaitable, Callable, Literal
+from typing import Any, Awaitable, Callable
 
 import numpy as np
 from fastapi import APIRouter
-from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from vllite_core.entrypoints.openai.errors import bad_request
-from vllite_core.entrypoints.openai.protocol import Int, _Strict
+from vllite_core.entrypoints.openai.protocol_pooling import (
+    ClassificationRequest,
+    EmbeddingRequest,
+    PoolingRequest,
+    PoolingRequestBase,
+    RerankRequest,
+    ScoreRequest,
+)
 from vllite_core.entrypoints.openai.routes.openapi import openapi_body
 from vllite_core.entrypoints.openai.serving_common import (
     ServerState,
@@ -28,51 +34,6 @@ from vllite_core.entrypoints.openai.serving_common import (
 from vllite_core.pooling import scoring
 from vllite_core.pooling.params import PoolingParams
 from vllite_core.pooling.requests import check_task
-
-TokenIds = list[Int]
-Input = str | list[str] | TokenIds | list[TokenIds]
-
-
-class _PoolingRequest(_Strict):
-    model: str | None = None
-    truncate_prompt_tokens: Int | None = None
-    user: str | None = None
-
-
-class EmbeddingRequest(_PoolingRequest):
-    input: Input
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Int | None = None
-    normalize: bool | None = None
-
-
-class PoolingRequest(_PoolingRequest):
-    input: Input
-    task: str | None = None  # vLLM's pooling task; None: "encode" (the model's own pooling)
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Int | None = None
-    normalize: bool | None = None
-    activation: bool | None = None
-
-
-class ClassificationRequest(_PoolingRequest):
-    input: str | list[str] | TokenIds | list[TokenIds]
-    activation: bool | None = None
-
-
-class ScoreRequest(_PoolingRequest):
-    text_1: str | list[str]
-    text_2: str | list[str]
-    activation: bool | None = None
-
-
-class RerankRequest(_PoolingRequest):
-    query: str
-    documents: list[str]
-    top_n: Int | None = Field(default=None)
-    return_documents: bool = True
-    activation: bool | None = None
-
 
 router = APIRouter()
 PoolingHandler = Callable[[ServerState, Request, Any], Awaitable[dict]]
@@ -128,13 +89,13 @@ def _envelope(state: ServerState, prefix: str, data: list[dict], outs: list[Any]
             "data": data, "usage": _usage(outs)}
 
 
-async def _pool(request: Request, handler: PoolingHandler, body_model: type[_PoolingRequest]) -> Response:
+async def _pool(request: Request, handler: PoolingHandler, body_model: type[PoolingRequestBase]) -> Response:
     state = server_state(request)
     state.admit(request)
     return await respond(request, handler, await state.read_body(request, body_model))
 
 
-async def respond(request: Request, handler: PoolingHandler, req: _PoolingRequest) -> Response:
+async def respond(request: Request, handler: PoolingHandler, req: PoolingRequestBase) -> Response:
     """One pooling request, read and admitted, answered by ``handler``."""
     state = server_state(request)
     state.check_model(req.model)
@@ -246,6 +207,6 @@ async def create_rerank(request: Request) -> Response:
 
 
 # The pooling handlers by request shape, in the order /invocations tries them (vLLM's).
-INVOCATIONS: tuple[tuple[type[_PoolingRequest], PoolingHandler], ...] = (
+INVOCATIONS: tuple[tuple[type[PoolingRequestBase], PoolingHandler], ...] = (
     (EmbeddingRequest, _embeddings), (ClassificationRequest, _classify), (ScoreRequest, _score),
     (RerankRequest, _rerank), (PoolingRequest, _pooling))

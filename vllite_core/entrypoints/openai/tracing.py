@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from vllite_core.engine.async_llm import FinishedRequest
+from vllite_core.engine.request_stream import FinishedRequest
 from vllite_core.pooling.params import PoolingParams
 from vllite_core.sampling_params import SamplingParams
 
