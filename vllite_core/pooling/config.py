@@ -47,6 +47,24 @@ def _read_json(path: Path) -> Any:
         return None
 
 
+# sentence-transformers' pooling modes that vllite pools as: its name -> ours.
+_ST_MODES = {"cls": "CLS", "mean": "MEAN", "lasttoken": "LAST"}
+
+
+def _pooling_modes(cfg: dict[str, Any]) -> list[str]:
+    """The pooling modes of a 1_Pooling/config.json: sentence-transformers 6 writes ``"pooling_mode": "mean"``
+    (a list when several are concatenated); earlier versions one boolean per mode (``pooling_mode_mean_tokens``)."""
+    mode = cfg.get("pooling_mode")
+    if isinstance(mode, str):
+        return [mode]
+    if isinstance(mode, list):
+        return [str(m) for m in mode]
+    legacy = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max",
+              "pooling_mode_mean_tokens": "mean", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+              "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken"}
+    return [name for key, name in legacy.items() if cfg.get(key)]
+
+
 def _sentence_transformers(folder: Path) -> tuple[str | None, bool | None, int | None]:
     """(pooling type, normalize, max_seq_length) from a sentence-transformers folder; None where unsaid."""
     modules = _read_json(folder / "modules.json")
@@ -59,16 +77,11 @@ def _sentence_transformers(folder: Path) -> tuple[str | None, bool | None, int |
             normalize = True
         elif kind.endswith(".Pooling"):
             cfg = _read_json(folder / m.get("path", "") / "config.json") or {}
-            if cfg.get("pooling_mode_cls_token"):
-                pooling = "CLS"
-            elif cfg.get("pooling_mode_mean_tokens"):
-                pooling = "MEAN"
-            elif cfg.get("pooling_mode_lasttoken"):
-                pooling = "LAST"
-            else:
-                modes = [k for k, v in cfg.items() if k.startswith("pooling_mode") and v]
+            modes = _pooling_modes(cfg)
+            if len(modes) != 1 or modes[0] not in _ST_MODES:
                 raise ValueError(f"{folder}: sentence-transformers pooling {modes} is not supported "
-                                 "(CLS, mean or last token)")
+                                 "(one of cls, mean or lasttoken)")
+            pooling = _ST_MODES[modes[0]]
     st = _read_json(folder / "sentence_bert_config.json") or {}
     return pooling, normalize, st.get("max_seq_length")
 
