@@ -158,3 +158,24 @@ def test_ready_waits_until_the_engines_input_socket_is_joined(monkeypatch):
         assert engine.ready and engine.info == "the info"
     finally:
         ctx.destroy(linger=0)
+
+
+def test_a_failed_spawn_stops_the_cores_already_started(tiny_path, monkeypatch):
+    """Data parallel: when starting the second core's process fails, the client raises that error and stops the
+    first core (its close() once tripped over the engine that never got a process)."""
+    from vllite_core.engine import mp_client
+
+    started = []
+    spawn = mp_client.MPClient._spawn
+
+    def failing_spawn(self, eng):
+        if eng.index == 1:
+            raise OSError("no process for engine 1")
+        spawn(self, eng)
+        started.append(eng.proc)
+
+    monkeypatch.setattr(mp_client.MPClient, "_spawn", failing_spawn)
+    config = EngineArgs.from_kwargs(model=tiny_path, dtype="float32", num_kv_blocks=16).create_config()
+    with pytest.raises(OSError, match="no process for engine 1"):
+        mp_client.MPClient(config, 2)
+    assert len(started) == 1 and started[0].exitcode is not None

@@ -130,9 +130,11 @@ class LLMEngine:
         if not self.config.scheduler_config.enable_chunked_prefill:
             rows = [sum(rows)]
         if max(rows) > budget:
+            # the budget is the smaller of the two: name the one that limits it
+            limit = ("encoder_cache_size" if budget < self.config.scheduler_config.max_num_batched_tokens
+                     else "max_num_batched_tokens")
             raise MediaError("multi_modal_data", f"{max(rows)} embedding rows of one media item do not fit the "
-                             f"encoder budget of {budget} rows per step (raise max_num_batched_tokens or "
-                             "encoder_cache_size)")
+                             f"encoder budget of {budget} rows per step (raise {limit})")
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         return parse_prompt(prompt, self.tokenizer)

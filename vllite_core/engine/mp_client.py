@@ -144,9 +144,9 @@ class MPClient:
         self._monitor_stop: tuple[int, int] | None = None  # the running monitor's stop pipe
         self.engines = [_Engine(i, None, "") for i in range(data_parallel_size)]
         atexit.register(self.close)
-        for e in self.engines:
-            self._spawn(e)
         try:
+            for e in self.engines:
+                self._spawn(e)
             self._wait_ready(self.engines)
         except BaseException:
             self.close()
@@ -619,13 +619,14 @@ class MPClient:
             return
         self._closed = True
         self._stop_monitor()
-        for eng in self.engines:
+        started = [e for e in self.engines if e.proc is not None]  # a failed spawn leaves the later ones None
+        for eng in started:
             if eng.proc.is_alive() and eng.sock is not None:
                 try:
                     self._send(eng, [EngineCoreUtility("shutdown")])
                 except zmq.ZMQError:
                     pass
-        for eng in self.engines:
+        for eng in started:
             if eng.proc.pid is None:
                 continue
             eng.proc.join(_STOP_S)
