@@ -7,6 +7,7 @@ arithmetic is the same, and within a stated tolerance where it is not (int8 W8A8
 on the int8 kernels, whose activation scale is amax/127 against compressed-tensors' amax/127.5)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -194,14 +195,19 @@ def fp8_checkpoint(tmp_path_factory):
     return str(d), rows, q_proj
 
 
-def test_fp8_block_checkpoint_against_transformers(fp8_checkpoint):
+def test_fp8_block_checkpoint_against_transformers(fp8_checkpoint, monkeypatch):
     """The weights vllite computes from are transformers' dequantisation bit for bit (every layer). transformers
     runs them on float activations, vllite quantizes the activations to fp8 per token and 32-column group (as the
     block-scaled models run, and as the compressed-tensors FP8 block fixture's producer computes them: that test
     holds the arithmetic); on this random model e4m3's 3 mantissa bits move the logits, so only the first token's
     logprob of transformers' choice is held, within 0.25."""
+    from vllite_platform_cpu import kernels
+
     from vllite_core import LLM, SamplingParams
 
+    calls = []
+    fp8 = kernels.fp8_linear
+    monkeypatch.setattr(kernels, "fp8_linear", lambda *a: calls.append(1) or fp8(*a))
     folder, rows, q_proj = fp8_checkpoint
     llm = LLM(model=folder, dtype="float32", num_threads=1)
     layer = llm.llm_engine.core.engine_core.worker.runner.model.model.layers[1].self_attn.qkv_proj
@@ -213,6 +219,7 @@ def test_fp8_block_checkpoint_against_transformers(fp8_checkpoint):
     for (_, tokens, lps), o in zip(rows, outs):
         first = o.outputs[0].logprobs[0]
         assert tokens[0] in first and abs(first[tokens[0]].logprob - lps[0]) < 0.25  # measured up to 0.11
+    assert calls or not kernels.available()  # the CPU platform's fp8 kernel computed them
 
 
 def _pack_gptq_columns(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -331,6 +338,71 @@ def test_cpu_int4_int8_linear_against_float64(m, n, k, group, asym):
         assert ((got - exact).abs() <= bound + 1e-5 * mag + 1e-6).all(), v
         if m > 1:
             assert (got[1] == 0).all()
+
+
+def _fp8_weight(n: int, k: int, group: int, seed: int):
+    """A float8 e4m3 ``QuantWeight`` [n, k] (random codes plus both signs' subnormals, zeros and +-448) with
+    ``ceil(k / group)`` scales per row (a per-tensor scale: every row's the same), and its float64 values."""
+    from model_registry.layers.quantization.quant_weight import QuantWeight
+
+    g = torch.Generator().manual_seed(seed)
+    codes = (torch.randn(n, k, generator=g) * 60).clamp(-448, 448).to(torch.float8_e4m3fn)
+    special = torch.tensor([0x00, 0x01, 0x07, 0x80, 0x81, 0x87, 0x7E, 0xFE], dtype=torch.uint8)
+    codes.view(torch.uint8)[0, : min(k, 8)] = special[: min(k, 8)]
+    scales = torch.rand(n, -(-k // group), generator=g) * 0.01 + 1e-4
+    if group == k and n > 1:
+        scales[:] = scales[0, 0]
+    dense = codes.double() * scales.double()[:, torch.arange(k) // group]
+    return QuantWeight(codes, scales, None, 8, group, n, k), dense
+
+
+@pytest.mark.parametrize("variant", ["default", "avx2", "avx512", "avx512_bf16"])
+def test_cpu_fp8_linear_against_float64(variant):
+    """csrc/fp8_linear.cpp (e4m3 codes widened in registers, scales per group) against x @ W.T in float64 on the
+    weight's exact values, within float32 summation (1e-5 of sum |x| |W|): rows 1, 2, 5, 32 (tiles of 4 and their
+    remainders); 128-column block scales with N and K not multiples of 128 (a partial last group), per channel,
+    per tensor; K not a multiple of 16 (the tail of a group); subnormal and largest codes of both signs."""
+    from vllite_platform_cpu import kernels
+
+    if not kernels.available() or variant not in kernels.host_variants():
+        pytest.skip(f"{variant} does not run here ({kernels.error() or 'CPU features'})")
+    mod = kernels.load_variant(variant)
+    for m, n, k, group in [(1, 200, 300, 128), (2, 37, 257, 128), (5, 130, 2048, 128), (32, 100, 700, 700),
+                           (1, 2048 // 4, 2048, 2048), (3, 9, 17, 17)]:
+        w, dense = _fp8_weight(n, k, group, m * n + k)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
+        out = torch.empty(m, n)
+        mod.fp8_linear(out, x, w.codes, w.scales, group)
+        want = x.double() @ dense.T
+        mag = x.double().abs() @ dense.abs().T
+        assert ((out.double() - want).abs() <= 1e-5 * mag + 1e-12).all(), (m, n, k, group)
+
+
+@pytest.mark.parametrize("act", [None, ("token", None), ("group", 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_fp8_quant_linear_against_reference(act, dtype):
+    """The CPU platform's ``quant_linear`` on float8 weights takes the fp8 kernel and computes the reference's
+    arithmetic (activations fp8-quantized per token or per 128-column group first, as the checkpoint says),
+    against float64 on the same quantized activations, bias and bf16 in / out included."""
+    from vllite_platform_cpu import kernels
+    from vllite_platform_cpu.model_ops import CpuModelOps
+
+    from model_registry.layers.quantization.quant_weight import ActQuant, fake_quant
+
+    if not kernels.available():
+        pytest.skip(f"no CPU kernels ({kernels.error()})")
+    base, dense = _fp8_weight(70, 384, 128, 7)
+    w = base if act is None else dataclasses.replace(base, act=ActQuant("fp8", act[0], None, act[1]))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 384, generator=g).to(dtype)
+    bias = torch.randn(70, generator=g).to(dtype)
+    h = x.float() if act is None else fake_quant(x.float(), w.act)
+    want = h.double() @ dense.T + bias.double()
+    with torch.inference_mode():
+        got = CpuModelOps(fused=True, packed_linear=False).quant_linear(x, w, bias, {})
+    assert got.dtype == dtype and got.shape == (5, 70)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * float(want.abs().max()))
 
 
 def test_w4a16_bf16_model_runs_int8_activations(tmp_path_factory, tokenizer_dir, monkeypatch):

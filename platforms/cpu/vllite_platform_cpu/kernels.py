@@ -65,7 +65,7 @@ ENTRY_POINTS = ("paged_attention", "avx2_gemm_available", "avx2_gemm_dtypes", "a
                 "bf16_gemm_available", "bf16_gemm_pack", "bf16_gemm", "bf16_gemm_silu", "int8_gemm_available",
                 "int8_gemm_pack", "int8_gemm", "int8_gemm_silu", "argmax_rows", "amx_available", "set_amx",
                 "decoder_split_step", "int4_linear",
-                "int4_linear_q8")
+                "int4_linear_q8", "fp8_linear")
 KERNEL_ENV = "VLLITE_CPU_ATTENTION_KERNEL"  # 0: no C++ kernels (torch ops)
 ISA_ENV = "VLLITE_CPU_ISA"  # the highest variant to use: default, avx2, avx512 or avx512_bf16
 
@@ -477,6 +477,12 @@ def int4_linear_q8(out: torch.Tensor, x: torch.Tensor, codes: torch.Tensor, scal
     """``int4_linear`` with the activations quantized to int8 per row first (dynamic, amax / 127) and int4 x int8
     dot products (csrc/wna16.cpp): ``group`` a multiple of 32, K of 64."""
     load().int4_linear_q8(out, x, codes, scales, zeros, int(zero), int(group))
+
+
+def fp8_linear(out: torch.Tensor, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, group: int) -> None:
+    """``out = x @ W.T`` (float32) from float8 e4m3 weight codes [N, K] widened in registers, each ``group`` columns
+    of a row scaled by ``scales`` [N, ceil(K / group)] (csrc/fp8_linear.cpp)."""
+    load().fp8_linear(out, x, codes, scales, int(group))
 
 
 def gguf_linear(out: torch.Tensor, x: torch.Tensor, type_id: int, blocks: torch.Tensor, bias: torch.Tensor | None,

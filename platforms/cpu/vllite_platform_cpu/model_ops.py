@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from model_registry.layers.fast_path import DecoderLayerRecord
+from model_registry.layers.quantization.quant_weight import QuantWeight, fake_quant
 from vllite_core.attention.encoder import PackedPrompts
 from vllite_core.lora.mapping import LoRAMapping
 from vllite_core.model_ops import ModelOps, quantize_rows_int8
@@ -330,16 +331,20 @@ class CpuModelOps(ModelOps):
 
     def quant_linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None, state: dict) -> torch.Tensor:
         """Pre-quantized weights (``model_registry.layers.quantization.quant_weight.QuantWeight``): 4-bit
-        weight-only ones (compressed-tensors W4A16, GPTQ, AWQ) through csrc/wna16.cpp's int4 GEMMs; every other
-        layout dequantised per call (the reference). Half-precision activations (a bf16 / fp16 model) are
+        weight-only ones (compressed-tensors W4A16, GPTQ, AWQ) through csrc/wna16.cpp's int4 GEMMs, float8 ones
+        through ``fp8_linear``; every other layout dequantised per call (the reference). Half-precision activations (a bf16 / fp16 model) are
         quantized to int8 per row for int4 x int8 dot products (``int4_linear_q8``, as llama.cpp's Q4 x Q8:
         2.5-10x the float kernel's speed at batch 1 on an AVX2 host, ``benchmarks/quant_linear.py --only
         w4a16``), an activation rounding of amax / 254 per row, as coarse as bf16's own for the row's largest
         values; a float32 model keeps float activations (the checkpoint producer's arithmetic, to float32
         rounding)."""
-        if not (self.fused and weight.bits == 4 and weight.act is None and not weight.is_float and x.dim() == 2
-                and x.device.type == "cpu" and not torch.is_grad_enabled() and weight.group % 2 == 0
-                and weight.cols % weight.group == 0 and kernels.available()):
+        if not (self.fused and x.dim() == 2 and x.device.type == "cpu" and not torch.is_grad_enabled()
+                and kernels.available()):
+            return super().quant_linear(x, weight, bias, state)
+        if weight.is_float and weight.zeros is None and not weight.zero:
+            return self.fp8_linear(x, weight, bias)
+        if not (weight.bits == 4 and weight.act is None and not weight.is_float and weight.group % 2 == 0
+                and weight.cols % weight.group == 0):
             return super().quant_linear(x, weight, bias, state)
         h = x.float()
         if weight.perm is not None:
@@ -351,6 +356,23 @@ class CpuModelOps(ModelOps):
         else:
             kernels.int4_linear(out, h.contiguous(), weight.codes, weight.scales, weight.zeros, weight.zero,
                                 weight.group)
+        if bias is not None:
+            out += bias.float()
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+    def fp8_linear(self, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        """A float8 e4m3 ``QuantWeight`` through csrc/fp8_linear.cpp: the codes widened to float in registers on
+        their way to the FMAs (half of bf16's bytes streamed per decode step, no dequantised copy), the scales
+        (per tensor, channel or 128-column block) applied per group. Activations are quantized first as the
+        checkpoint says (fp8 per token, per token and group, or static: ``fake_quant``, the reference's own
+        rounding), so the product is the reference's arithmetic up to the order of float32 sums."""
+        h = x.float()
+        if weight.perm is not None:
+            h = h[:, weight.perm]
+        if weight.act is not None:
+            h = fake_quant(h, weight.act)
+        out = torch.empty(x.shape[0], weight.rows, dtype=torch.float32)
+        kernels.fp8_linear(out, h.contiguous(), weight.codes, weight.scales, weight.group)
         if bias is not None:
             out += bias.float()
         return out if x.dtype == torch.float32 else out.to(x.dtype)

@@ -73,6 +73,7 @@
                    std::optional<at::Tensor> zeros, int64_t zero, int64_t group);                                   \
   void int4_linear_q8(at::Tensor out, at::Tensor x, at::Tensor codes, at::Tensor scales,                           \
                       std::optional<at::Tensor> zeros, int64_t zero, int64_t group);                                \
+  void fp8_linear(at::Tensor out, at::Tensor x, at::Tensor codes, at::Tensor scales, int64_t group);              \
   void lora_add(at::Tensor y, at::Tensor x, at::Tensor lora_a, at::Tensor lora_b, at::Tensor order,                 \
                 std::vector<int64_t> seg_slots, std::vector<int64_t> seg_starts, std::vector<int64_t> ranks);       \
   std::tuple<at::Tensor, at::Tensor> llama_decoder_layer(                                                           \
