@@ -11,8 +11,9 @@ in this process. Each round adds one request (``--input-len`` random ids, greedy
 prefills, then their decode steps in turn (engine A's step 1, B's step 1, ..., A's step 2, ...): the shared host's
 load hits every engine alike. Reported: the median decode step per engine over all rounds (one step = one output
 token at batch 1) and its ratio to the first engine's, and per engine the growth of this process's resident
-memory while it started (weights, 64 MiB of KV cache, the runner's buffers) beside the size of its
-``*.safetensors`` files, with the load average before and after.
+memory while it started (weights, 64 MiB of KV cache, the runner's buffers, what the allocator kept of the
+load's transient copies) and during its first step (copies packed on first use), the bytes of the tensors its
+model holds, and the size of its ``*.safetensors`` files, with the load average before and after.
 """
 from __future__ import annotations
 
@@ -40,6 +41,20 @@ def rss_bytes() -> int:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
+def held_bytes(model) -> int:
+    """Bytes of the distinct storages behind the model's parameters, buffers and pre-quantized weights."""
+    storages: dict[int, int] = {}
+    for m in model.modules():
+        tensors = list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))
+        qw = getattr(getattr(m, "quant_method", None), "weight", None)
+        if qw is not None and hasattr(qw, "codes"):
+            tensors += [t for t in (qw.codes, qw.scales, qw.zeros, qw.perm) if t is not None]
+        for t in tensors:
+            st = t.untyped_storage()
+            storages[st.data_ptr()] = st.nbytes()
+    return sum(storages.values())
+
+
 def files_bytes(folder: str) -> int:
     return sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".safetensors"))
 
@@ -65,7 +80,9 @@ def main() -> None:
         llm = LLM(model=folder, dtype="bfloat16", max_model_len=a.input_len + a.steps + 16, max_num_seqs=1,
                   enable_prefix_caching=False, num_threads=a.threads, kv_cache_memory=KV_BYTES)
         gc.collect()
+        model = llm.llm_engine.core.engine_core.worker.runner.model
         memory[name] = {"rss_growth_mib": round((rss_bytes() - before) / 2**20, 1),
+                        "weights_held_mib": round(held_bytes(model) / 2**20, 1),
                         "files_mib": round(files_bytes(folder) / 2**20, 1), "kv_cache_mib": KV_BYTES >> 20,
                         "start_s": round(time.perf_counter() - t, 1)}
         engines[name] = llm.llm_engine
@@ -77,7 +94,10 @@ def main() -> None:
     for rnd in range(a.rounds + 1):  # round 0 warms up (packing, first touches)
         for n, eng in engines.items():
             eng.add_request(f"r{rnd}", {"prompt_token_ids": prompt}, params)
+            before = rss_bytes()
             eng.step()  # prefill and the first token
+            if not rnd:  # what the first step adds (packed copies made on first use)
+                memory[n]["rss_growth_first_step_mib"] = round((rss_bytes() - before) / 2**20, 1)
         for _ in range(a.steps):
             for n, eng in engines.items():
                 t = time.perf_counter()
@@ -96,11 +116,12 @@ def main() -> None:
              **memory[n]} for n in engines]
     print(f"threads {a.threads}, {a.rounds} rounds x {a.steps} steps each, load average "
           f"{load_before[0]:.1f} -> {load_after[0]:.1f}")
-    print(f"| engine | ms/token, batch 1 (median step) | x {base} | RSS growth at start, MiB | files, MiB |")
-    print("|---|---|---|---|---|")
+    print(f"| engine | ms/token, batch 1 (median step) | x {base} | RSS growth at start (+ first step), MiB "
+          "| weights held, MiB | files, MiB |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['engine']} | {r['ms_per_token_batch1']} | {r['speedup_vs_' + base]} | {r['rss_growth_mib']} "
-              f"| {r['files_mib']} |")
+              f"(+{r['rss_growth_first_step_mib']}) | {r['weights_held_mib']} | {r['files_mib']} |")
     if a.output_json:
         with open(a.output_json, "w") as f:
             json.dump({"args": vars(a), "host": os.uname().nodename, "cpu_count": os.cpu_count(),

@@ -332,12 +332,12 @@ class CpuModelOps(ModelOps):
     def quant_linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None, state: dict) -> torch.Tensor:
         """Pre-quantized weights (``model_registry.layers.quantization.quant_weight.QuantWeight``): 4-bit
         weight-only ones (compressed-tensors W4A16, GPTQ, AWQ) through csrc/wna16.cpp's int4 GEMMs, float8 ones
-        through ``fp8_linear``; every other layout dequantised per call (the reference). Half-precision activations (a bf16 / fp16 model) are
-        quantized to int8 per row for int4 x int8 dot products (``int4_linear_q8``, as llama.cpp's Q4 x Q8:
-        2.5-10x the float kernel's speed at batch 1 on an AVX2 host, ``benchmarks/quant_linear.py --only
-        w4a16``), an activation rounding of amax / 254 per row, as coarse as bf16's own for the row's largest
-        values; a float32 model keeps float activations (the checkpoint producer's arithmetic, to float32
-        rounding)."""
+        through ``fp8_linear``; every other layout dequantised per call (the reference). Half-precision
+        activations (a bf16 / fp16 model) are quantized to int8 per row for int4 x int8 dot products
+        (``int4_linear_q8``, as llama.cpp's Q4 x Q8: 2.5-10x the float kernel's speed at batch 1 on an AVX2 host,
+        ``benchmarks/quant_linear.py --only w4a16``), an activation rounding of amax / 254 per row, as coarse as
+        bf16's own for the row's largest values; a float32 model keeps float activations (the checkpoint producer's
+        arithmetic, to float32 rounding)."""
         if not (self.fused and x.dim() == 2 and x.device.type == "cpu" and not torch.is_grad_enabled()
                 and kernels.available()):
             return super().quant_linear(x, weight, bias, state)

@@ -5,23 +5,29 @@
 // per tensor and per channel are one group of K columns, a 128x128 block one scale per row and 128 columns.
 //
 // Why: a decode step streams every weight once, and an fp8 weight is half of bf16's bytes, so the widening must
-// cost less than the bytes saved: no dequantised copy, each code widened in registers on the way to its FMA.
-// AVX2 has no fp8 conversion, but F16C converts float16: an e4m3 byte b (sign, 4 exponent bits biased by 7, 3
-// mantissa bits) sign-extended to 16 bits and shifted left by 7 is, with bit 14 cleared, the float16 (exponent
-// bias 15) whose value is e4m3(b) / 256 exactly, subnormals included (e4m3's smallest, 2^-9, becomes 2^-17, a
-// float16 subnormal). So 16 codes are 1 load, 1 sign extension, 1 shift, 1 AND and 2 vcvtph2ps, and the 256
-// goes into the group's scale. Scales are applied once per group to a float accumulator of that group's
-// products. Activation rows are taken four at a time (each group of codes widened once for the four), output
-// columns in chunks of 16 so a tile's activations stay in cache; N is split over threads (at::parallel_for),
-// each computing whole columns: the same arithmetic whoever computes them.
+// cost little beside the bytes saved: no dequantised copy, each code widened in registers on the way to its FMA.
+// AVX2 has no fp8 conversion. 32 codes are one load; in each int32 lane (codes 4i .. 4i + 3) each code in turn is
+// shifted to the top byte, then an arithmetic shift right by 4 and an AND with 0x87F00000 leave the sign at bit 31
+// and the 4 exponent and 3 mantissa bits at the top of the float's exponent and mantissa: the float whose value is
+// e4m3 * 2^-120 exactly, subnormals included (exponent 0 becomes a float subnormal of the same mantissa). So 8
+// weights cost 3 integer ops (2 for one of the four) and one FMA. To keep those tiny products normal floats, each
+// activation row is copied once per call scaled by a power of two that puts its largest value near 2^60 (and its
+// columns in the order the lanes produce: per 32-column block, column 4i + j at 8j + i); the result is scaled
+// back by 2^(120 - that power) in double: exact power-of-two scalings, the sums are those of the plain values.
+// Scales are applied once per group to a float accumulator of that group's products. Activation rows are taken
+// four at a time (each group of codes widened once for the four; one row: four FMA chains), output columns in
+// chunks of 16 so a tile's activations stay in cache; N is split over threads (at::parallel_for), each computing
+// whole columns: the same arithmetic whoever computes them. Groups that do not start on 32-column blocks (a group
+// size not a multiple of 32) and the default variant take the plain loop over a 256-entry table of the values.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define VLLITE_FP8W_AVX2 1
 #endif
@@ -68,18 +74,17 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(r);
 }
 
-// 16 e4m3 codes -> their values / 256 as two vectors of 8 floats (exact, through float16: see the top).
-inline void widen16(const uint8_t* p, __m256& lo, __m256& hi) {
-  const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(v, 7), _mm256_set1_epi16(static_cast<short>(0xBF80)));
-  lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
-  hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+// 8 int32 lanes, each with an e4m3 code in its top byte -> 8 floats of value e4m3 * 2^-120 (see the top).
+inline __m256 widen_top(__m256i t) {
+  return _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(t, 4), _mm256_set1_epi32(0x87F00000)));
 }
 
-// One output column (weight row w, scales s) for R activation rows x (stride K) -> res[R].
-template <int R>
-inline void column_tile(const uint8_t* w, const float* s, const float* x, int64_t K, int64_t group, const float* tab,
-                        float* res) {
+// One output column (weight row w, scales s) for R activation rows: xq their prepared copies (stride K), x the
+// rows as given (a group's last columns short of 32), back[r] the factor that undoes row r's scaling; A chains of
+// FMAs per row (more independent sums where there are fewer rows).
+template <int R, int A>
+inline void column_tile(const uint8_t* w, const float* s, const float* xq, const float* x, int64_t K, int64_t group,
+                        const float* tab, const double* back, float* res) {
   __m256 tot[R];
   float tail[R];
   for (int r = 0; r < R; ++r) {
@@ -88,30 +93,59 @@ inline void column_tile(const uint8_t* w, const float* s, const float* x, int64_
   }
   for (int64_t k0 = 0, g = 0; k0 < K; k0 += group, ++g) {
     const int64_t k1 = std::min(K, k0 + group);
-    __m256 lo[R], hi[R];  // two chains per row: the FMA latency is not the bound at one row
-    for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+    __m256 acc[R][A];
+    for (int r = 0; r < R; ++r)
+      for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
     int64_t k = k0;
-    for (; k + 16 <= k1; k += 16) {
-      __m256 wl, wh;
-      widen16(w + k, wl, wh);
+    for (; k + 32 <= k1; k += 32) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k));
+      const __m256 f0 = widen_top(_mm256_slli_epi32(v, 24)), f1 = widen_top(_mm256_slli_epi32(v, 16));
+      const __m256 f2 = widen_top(_mm256_slli_epi32(v, 8)), f3 = widen_top(v);
       for (int r = 0; r < R; ++r) {
-        lo[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k), wl, lo[r]);
-        hi[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k + 8), wh, hi[r]);
+        const float* xr = xq + r * K + k;
+        acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), f0, acc[r][0]);
+        acc[r][1 % A] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), f1, acc[r][1 % A]);
+        acc[r][2 % A] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), f2, acc[r][2 % A]);
+        acc[r][3 % A] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), f3, acc[r][3 % A]);
       }
     }
-    const __m256 sg = _mm256_set1_ps(s[g] * 256.f);
-    for (int r = 0; r < R; ++r) tot[r] = _mm256_fmadd_ps(_mm256_add_ps(lo[r], hi[r]), sg, tot[r]);
-    if (k < k1) {  // a group's last columns short of 16
+    const __m256 sg = _mm256_set1_ps(s[g]);
+    for (int r = 0; r < R; ++r) {
+      __m256 a = acc[r][0];
+      for (int i = 1; i < A; ++i) a = _mm256_add_ps(a, acc[r][i]);
+      tot[r] = _mm256_fmadd_ps(a, sg, tot[r]);
+    }
+    if (k < k1) {  // a group's last columns short of 32
       float part[R];
       dot_plain<R>(w, x, K, k, k1, tab, part);
       for (int r = 0; r < R; ++r) tail[r] += part[r] * s[g];
     }
   }
-  for (int r = 0; r < R; ++r) res[r] = hsum8(tot[r]) + tail[r];
+  for (int r = 0; r < R; ++r) res[r] = static_cast<float>(static_cast<double>(hsum8(tot[r])) * back[r]) + tail[r];
 }
-#else
+
+// Each row's copy for the SIMD tiles: per 32-column block, column 4i + j at 8j + i (the order in which a block's
+// 32 codes come out of widen_top: lane i holds codes 4i .. 4i + 3), times 2^p with p chosen so that the row's
+// largest value is near 2^60: the products with weights of value e4m3 * 2^-120 stay normal floats. back[m]
+// = 2^(120 - p) undoes both. An exact power-of-two scaling: the sums are those of the unscaled values.
+void prepare_rows(const float* x, int64_t M, int64_t K, float* xq, double* back) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
+    const int p = amax > 0.f && std::isfinite(amax) ? 60 - std::ilogb(amax) : 0;  // up to 209: a double's
+    const double f = std::ldexp(1.0, p);
+    back[m] = std::ldexp(1.0, 120 - p);
+    for (int64_t b = 0; b + 32 <= K; b += 32)
+      for (int64_t i = 0; i < 8; ++i)
+        for (int64_t j = 0; j < 4; ++j) xq[m * K + b + 8 * j + i] = static_cast<float>(xr[b + 4 * i + j] * f);
+  }
+}
+#endif
+
+// The whole product plainly (the default variant; groups that do not start on 32-column blocks).
 template <int R>
-inline void column_tile(const uint8_t* w, const float* s, const float* x, int64_t K, int64_t group, const float* tab,
+inline void plain_tile(const uint8_t* w, const float* s, const float* x, int64_t K, int64_t group, const float* tab,
                         float* res) {
   for (int r = 0; r < R; ++r) res[r] = 0.f;
   for (int64_t k0 = 0, g = 0; k0 < K; k0 += group, ++g) {
@@ -120,7 +154,6 @@ inline void column_tile(const uint8_t* w, const float* s, const float* x, int64_
     for (int r = 0; r < R; ++r) res[r] += part[r] * s[g];
   }
 }
-#endif
 
 }  // namespace
 
@@ -144,6 +177,13 @@ void fp8_linear(at::Tensor out, at::Tensor x, at::Tensor codes, at::Tensor scale
   float* op = out.data_ptr<float>();
   const float* tab = e4m3_values().data();
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(K, 1));  // >= 64 KiB of codes
+#ifdef VLLITE_FP8W_AVX2
+  // The SIMD tiles need every group to start on a 32-column block: groups of a multiple of 32, or one group.
+  const bool simd = G == 1 || group % 32 == 0;
+  std::vector<float> xq(simd ? M * K : 0);
+  std::vector<double> back(simd ? M : 0);
+  if (simd) prepare_rows(xp, M, K, xq.data(), back.data());
+#endif
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
     float res[FP8_MT];
     for (int64_t n0 = begin; n0 < end; n0 += FP8_NC) {
@@ -154,11 +194,25 @@ void fp8_linear(at::Tensor out, at::Tensor x, at::Tensor codes, at::Tensor scale
         for (int64_t n = n0; n < n1; ++n) {
           const uint8_t* wn = cp + n * K;
           const float* sn = sp + n * G;
+#ifdef VLLITE_FP8W_AVX2
+          if (simd) {
+            const float* qm = xq.data() + m0 * K;
+            const double* bm = back.data() + m0;
+            switch (R) {
+              case 4: column_tile<4, 1>(wn, sn, qm, xm, K, group, tab, bm, res); break;
+              case 3: column_tile<3, 1>(wn, sn, qm, xm, K, group, tab, bm, res); break;
+              case 2: column_tile<2, 2>(wn, sn, qm, xm, K, group, tab, bm, res); break;
+              default: column_tile<1, 4>(wn, sn, qm, xm, K, group, tab, bm, res); break;
+            }
+            for (int64_t r = 0; r < R; ++r) op[(m0 + r) * N + n] = res[r];
+            continue;
+          }
+#endif
           switch (R) {
-            case 4: column_tile<4>(wn, sn, xm, K, group, tab, res); break;
-            case 3: column_tile<3>(wn, sn, xm, K, group, tab, res); break;
-            case 2: column_tile<2>(wn, sn, xm, K, group, tab, res); break;
-            default: column_tile<1>(wn, sn, xm, K, group, tab, res); break;
+            case 4: plain_tile<4>(wn, sn, xm, K, group, tab, res); break;
+            case 3: plain_tile<3>(wn, sn, xm, K, group, tab, res); break;
+            case 2: plain_tile<2>(wn, sn, xm, K, group, tab, res); break;
+            default: plain_tile<1>(wn, sn, xm, K, group, tab, res); break;
           }
           for (int64_t r = 0; r < R; ++r) op[(m0 + r) * N + n] = res[r];
         }
