@@ -114,7 +114,8 @@ def main() -> None:
     med = {n: statistics.median(v) for n, v in steps.items()}
     rows = [{"engine": n, "ms_per_token_batch1": round(med[n], 2), "speedup_vs_" + base: round(med[base] / med[n], 2),
              **memory[n]} for n in engines]
-    print(f"threads {a.threads}, {a.rounds} rounds x {a.steps} steps each, load average "
+    print(f"threads {a.threads}, OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY')}, {a.rounds} rounds x {a.steps} "
+          f"steps each, load average "
           f"{load_before[0]:.1f} -> {load_after[0]:.1f}")
     print(f"| engine | ms/token, batch 1 (median step) | x {base} | RSS growth at start (+ first step), MiB "
           "| weights held, MiB | files, MiB |")
@@ -125,6 +126,7 @@ def main() -> None:
     if a.output_json:
         with open(a.output_json, "w") as f:
             json.dump({"args": vars(a), "host": os.uname().nodename, "cpu_count": os.cpu_count(),
+                       "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
                        "load_average": [load_before, load_after], "rows": rows}, f, indent=1)
 
 
