@@ -141,6 +141,8 @@ def test_ready_waits_until_the_engines_input_socket_is_joined(monkeypatch):
     out_port = client._out.bind_to_random_port("tcp://127.0.0.1")
     client._decoder = MsgpackDecoder(mp_client.EngineMessage)
     client._pending, client._died, client._results = deque(), None, {}
+    client._router, client._inputs, client.dp = None, zmq.Poller(), mp_client.DataParallelLayout()
+    client._inputs.register(client._out, zmq.POLLIN)
     engine = mp_client._Engine(0, multiprocessing.current_process(), "", sock=ctx.socket(zmq.PUSH))
     in_port = engine.sock.bind_to_random_port("tcp://127.0.0.1")
     client.engines = [engine]

@@ -20,6 +20,14 @@ caller failed them), ``start_dead`` starts their processes again, ``poll_started
 are ready (and raises what their start-up raised). A core is *ready* (takes requests) from its
 ready message until it dies; a starting one gets none. AsyncLLM decides whether and when to restart,
 within its restart budget (engine/restart.py).
+
+Across nodes (``DataParallelLayout``, dp_layout.py): ranks past ``size_local`` run on headless nodes,
+whose cores connect to the ROUTER this client binds on ``--data-parallel-address``:
+``--data-parallel-rpc-port``; they are routed like the local ones. A remote core is ready once its ready
+message came; it is dead once its link closes (the process exited, or heartbeats stopped: its node is
+gone), seen by a thread watching the ROUTER's link events, which makes the stepping thread probe the
+remote cores (a send to a closed link fails). Its requests fail as a local core's do; "starting it
+again" is waiting for its node to start a core for that rank, which connects on its own.
 """
 from __future__ import annotations
 
@@ -60,6 +68,7 @@ from vllite_core.engine.core_messages import (
     EngineCoreWakeUp,
     EngineMessage,
 )
+from vllite_core.engine.dp_layout import DataParallelLayout, bind_front_end
 from vllite_core.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 from vllite_core.errors import ConfigError, EngineCoreDeadError, EngineDeadError
 from vllite_core.request import Request, RequestStatus
@@ -71,6 +80,9 @@ _POLL_MS = 100  # the longest step() waits before it returns (so AsyncLLM's inbo
 _ROUTES_KEPT = 65536  # request -> engine routes remembered for the per-engine request metrics
 _STOP_S = 5.0  # how long close() waits for an engine core to exit before it terminates it
 _JOIN_S = 30.0  # how long a ready engine core's input socket may take to be joined to ours
+_PROBE_S = 2.0  # after a remote link closed: how long the stepping thread keeps probing the remote cores
+_WAITING_LOG_S = 30.0  # start-up: how often the ranks not connected yet are named
+_LINK_GONE = "its link to this API server closed (its process exited, or its node stopped answering)"
 
 
 class EngineStartupError(RuntimeError):
@@ -105,9 +117,22 @@ class _Engine:
     info: CoreInfo | None = None  # what its ready message said (start-up)
     joined_by: float = 0.0  # start-up: monotonic deadline for its input socket to be joined after "ready"
     start_error: BaseException | None = None  # start-up: what its process reported failing with
+    remote: bool = False  # on another node: its core connected to our front end (no process of ours)
+    identity: bytes | None = None  # remote: the routing id of its link (a new one for each process)
+    node: str | None = None  # remote: the address its link comes from
+    gone: str | None = None  # remote: why it is dead (its link closed, or it reported a failed step)
 
     def describe(self) -> str:
-        return f"engine core {self.index} (pid {self.pid or self.proc.pid})"
+        pid = self.pid or (self.proc.pid if self.proc is not None else "?")
+        return f"engine core {self.index} (pid {pid}" + (f" on {self.node})" if self.node else ")")
+
+    def alive(self) -> bool:
+        if self.remote:
+            return self.gone is None
+        return self.proc is not None and self.proc.is_alive()
+
+    def exit_text(self) -> str:
+        return (self.gone or "still running") if self.remote else describe_exit(self.proc.exitcode)
 
 
 class MPClient:
@@ -115,15 +140,27 @@ class MPClient:
     waits until each is ready (or raises what failed there). ``step`` and the request methods are called
     from one thread (the engine loop); sends are locked, so ``remove_lora`` may come from another."""
 
-    def __init__(self, config: VlliteConfig, data_parallel_size: int = 1) -> None:
+    def __init__(self, config: VlliteConfig, data_parallel_size: int = 1,
+                 dp: DataParallelLayout | None = None) -> None:
+        """``dp``: ranks on other nodes too (its ``size`` is the data-parallel size, ``size_local`` the
+        processes started here); without it ``data_parallel_size`` processes here."""
         if data_parallel_size < 1:
             raise ConfigError(f"data_parallel_size: must be at least 1, got {data_parallel_size}")
+        dp = dp or DataParallelLayout(data_parallel_size, data_parallel_size)
+        self.dp = dp
         self._ctx = zmq.Context()
         self._tag = f"vllite-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._ipc_files: list[str] = []
         self._out = self._ctx.socket(zmq.PULL)
         self._out.setsockopt(zmq.LINGER, 0)
         self._out.bind(self._addr("out"))
+        self._inputs = zmq.Poller()  # what the engines send arrives here (and on the front end's ROUTER)
+        self._inputs.register(self._out, zmq.POLLIN)
+        self._router: zmq.Socket | None = None  # the front end for remote ranks
+        self._router_events: zmq.Socket | None = None  # its link events (read by the link watcher thread)
+        self._link_watch: threading.Thread | None = None
+        self._link_stop: tuple[int, int] | None = None
+        self._probe_until = 0.0  # monotonic: probe the remote cores' links while before this
         self._encoder = MsgpackEncoder()
         self._decoder = MsgpackDecoder(EngineMessage)
         self._send_lock = threading.Lock()
@@ -142,11 +179,16 @@ class MPClient:
         self._starting: list[_Engine] = []  # started again, not ready yet (poll_started)
         self._monitor: threading.Thread | None = None
         self._monitor_stop: tuple[int, int] | None = None  # the running monitor's stop pipe
-        self.engines = [_Engine(i, None, "") for i in range(data_parallel_size)]
+        self.engines = [_Engine(i, None, "", remote=i >= dp.size_local) for i in range(dp.size)]
         atexit.register(self.close)
         try:
+            if any(e.remote for e in self.engines):
+                self._router, self._router_events = bind_front_end(self._ctx, dp)
+                self._inputs.register(self._router, zmq.POLLIN)
+                self._start_link_watch()
             for e in self.engines:
-                self._spawn(e)
+                if not e.remote:
+                    self._spawn(e)
             self._wait_ready(self.engines)
         except BaseException:
             self.close()
@@ -158,6 +200,8 @@ class MPClient:
         os.set_blocking(self._wake_w, False)
         self._poller = zmq.Poller()
         self._poller.register(self._out, zmq.POLLIN)
+        if self._router is not None:
+            self._poller.register(self._router, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
         self._start_monitor()
 
@@ -183,7 +227,7 @@ class MPClient:
         """(Re)start the monitor on the processes of the ready and the starting engines."""
         self._stop_monitor()
         watched = {e.proc.sentinel: (e, e.proc) for e in self.engines
-                   if (e.ready or e in self._starting) and e.proc.exitcode is None}
+                   if (e.ready or e in self._starting) and not e.remote and e.proc.exitcode is None}
         self._monitor_stop = os.pipe()
         self._monitor = threading.Thread(target=self._watch, args=(watched, self._monitor_stop[0]),
                                          name="vllite-engine-monitor", daemon=True)
@@ -201,6 +245,46 @@ class MPClient:
             os.close(w)
         self._monitor = self._monitor_stop = None
 
+    def _start_link_watch(self) -> None:
+        """A thread that wakes the stepping thread when a link of the front end closes: which core's it
+        was, ``_probe_remote`` finds out there (the ROUTER is that thread's)."""
+        self._link_stop = os.pipe()
+        events, stop_r = self._router_events, self._link_stop[0]
+
+        def watch() -> None:
+            poller = zmq.Poller()
+            poller.register(events, zmq.POLLIN)
+            poller.register(stop_r, zmq.POLLIN)
+            while not self._closed:
+                ready = dict(poller.poll())
+                if stop_r in ready or self._closed:
+                    return
+                events.recv_multipart()
+                self._probe_until = time.monotonic() + _PROBE_S
+                self.wake()
+                for cb in self.on_failure:
+                    try:
+                        cb()
+                    except Exception:
+                        logger.exception("engine failure callback failed")
+
+        self._link_watch = threading.Thread(target=watch, name="vllite-front-end-links", daemon=True)
+        self._link_watch.start()
+
+    def _probe_remote(self) -> None:
+        """While a front-end link closed lately: a serving remote core whose link is gone is dead (an
+        empty batch cannot be routed to it)."""
+        if time.monotonic() >= self._probe_until:
+            return
+        for eng in self.engines:
+            if eng.remote and eng.ready and eng.gone is None and not self._send(eng, []):
+                logger.error("%s: %s", eng.describe(), _LINK_GONE)
+                self._died = self._died or eng
+
+    def _wait_input(self, timeout_ms: int) -> bool:
+        """Whether something arrived from an engine core within ``timeout_ms``."""
+        return bool(self._inputs.poll(timeout_ms))
+
     def _addr(self, name: str) -> str:
         path = os.path.join(tempfile.gettempdir(), f"{self._tag}-{name}")
         if path not in self._ipc_files:
@@ -211,11 +295,17 @@ class MPClient:
     def _wait_ready(self, engines: list[_Engine]) -> None:
         """Until every one of ``engines`` is ready; the first start-up failure is raised as the error the
         process hit. Outputs other (running) engines send meanwhile are kept."""
+        named = time.monotonic()
         while True:
             self._drain()
             if self._check_started(engines):
                 return
-            self._out.poll(200)
+            if time.monotonic() - named > _WAITING_LOG_S:
+                named = time.monotonic()
+                logger.warning("waiting for data-parallel rank(s) %s to connect to %s",
+                               ", ".join(str(e.index) for e in engines if e.remote and not e.ready),
+                               self.dp.front_end)
+            self._wait_input(200)
 
     def _check_started(self, engines: list[_Engine]) -> bool:
         """Whether every one of ``engines`` is ready now (never waits); raises the first start-up failure.
@@ -225,8 +315,12 @@ class MPClient:
                 continue
             if eng.start_error is not None:
                 raise eng.start_error
+            if eng.remote:
+                if eng.info is not None:
+                    self._accept_remote(eng)
+                continue
             if eng.proc.exitcode is not None:
-                if self._out.poll(200):  # the error it sent before it exited may still be on its way
+                if self._wait_input(200):  # the error it sent before it exited may still be on its way
                     self._drain()
                 if eng.start_error is not None:
                     raise eng.start_error
@@ -244,6 +338,21 @@ class MPClient:
                                          f"in {_JOIN_S:g} s")
         return all(e.ready for e in engines)
 
+    def _accept_remote(self, eng: _Engine) -> None:
+        """A remote core's ready message came on its link (so the link is up): it serves, unless it runs
+        another model than the cores already serving."""
+        assert eng.info is not None
+        ref = next((e.info for e in self.engines if e.ready and e.info is not None), None)
+        theirs = (eng.info.model_cls.__name__, eng.info.vocab_size)
+        if ref is not None and (ref.model_cls.__name__, ref.vocab_size) != theirs:
+            eng.info = None
+            raise EngineStartupError(
+                f"{eng.describe()} serves {theirs[0]} (vocabulary {theirs[1]}) where the other cores serve "
+                f"{ref.model_cls.__name__} (vocabulary {ref.vocab_size}): every node must be started with the "
+                "same model and options")
+        eng.ready = True
+        logger.warning("%s connected from %s", eng.describe(), eng.node)
+
     # ---- what LLMEngine calls ---------------------------------------------------------------
     def _live(self) -> list[_Engine]:
         """The engines that take requests: ready, and not known dead."""
@@ -255,7 +364,7 @@ class MPClient:
 
     def _dead_engines(self) -> list[_Engine]:
         """Engines that served and died (not the ones starting again, nor those whose start failed)."""
-        return [e for e in self.engines if e is self._died or (e.ready and not e.proc.is_alive())]
+        return [e for e in self.engines if e is self._died or (e.ready and not e.alive())]
 
     def _queue(self, eng: _Engine, msg: Any) -> None:
         """Sent with the others queued before the next ``step`` (or ``flush``), as one message."""
@@ -274,13 +383,25 @@ class MPClient:
         """Never blocks: False when the engine is not connected (not started yet, or gone)."""
         with self._send_lock:
             try:
-                eng.sock.send_multipart(self._encoder.encode(EngineCoreBatch(msgs)), flags=zmq.NOBLOCK, copy=False)
+                frames = self._encoder.encode(EngineCoreBatch(msgs))
+                if eng.remote:
+                    if eng.identity is None or self._router is None:
+                        return False
+                    self._router.send_multipart([eng.identity, *frames], flags=zmq.NOBLOCK, copy=False)
+                else:
+                    eng.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
                 eng.sent += len(msgs)
                 return True
             except zmq.Again:
                 return False
+            except zmq.ZMQError as e:
+                if not eng.remote or e.errno != zmq.EHOSTUNREACH:
+                    raise
+                eng.gone = eng.gone or _LINK_GONE
+                return False
 
     def add_request(self, request: Request) -> None:
+        self._probe_remote()
         live = self._live()
         if not live:
             self._raise_if_dead()
@@ -328,7 +449,7 @@ class MPClient:
     def has_unfinished_requests(self) -> bool:
         """Requests in flight, or messages (aborts) whose effect on the engine's numbers is not back yet."""
         return (bool(self._owner) or bool(self._pending) or bool(self._outbox) or self._died is not None
-                or any(e.applied < e.sent for e in self.engines))
+                or any(e.applied < e.sent for e in self.engines) or time.monotonic() < self._probe_until)
 
     def get_num_unfinished_requests(self) -> int:
         """Requests sent and not yet finished or aborted, as this client counts them."""
@@ -362,7 +483,7 @@ class MPClient:
             ids.append(call_id)
         while not all(i in self._results for i in ids):
             self._raise_if_dead()
-            if self._out.poll(_POLL_MS):
+            if self._wait_input(_POLL_MS):
                 self._drain()
         answers = [self._results.pop(i) for i in ids]
         for a in answers:
@@ -401,6 +522,7 @@ class MPClient:
         engine is gone. One step per call, as in-process, so each step's tokens reach the streams (and the
         inter-token metrics) as a step of their own even when several arrived together."""
         self.flush()
+        self._probe_remote()
         self._raise_if_dead()
         if not self._pending:
             events = dict(self._poller.poll(_POLL_MS))
@@ -409,7 +531,7 @@ class MPClient:
                     os.read(self._wake_r, 4096)
                 except BlockingIOError:
                     pass
-            if self._out in events:
+            if self._out in events or (self._router is not None and self._router in events):
                 self._drain()
         while self._pending:
             msg = self._pending.popleft()
@@ -431,19 +553,49 @@ class MPClient:
             try:
                 frames = self._out.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return
+                break
             msg = self._decoder.decode([f.buffer for f in frames])
-            eng = self.engines[msg.engine_index]
-            if not eng.ready:
-                self._starting_message(eng, msg)
-            elif isinstance(msg, EngineCoreFailed):
-                eng.last_error = msg.text
+            self._take(self.engines[msg.engine_index], msg)
+        while self._router is not None:
+            try:
+                frames = self._router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            msg = self._decoder.decode([f.buffer for f in frames[1:]])
+            eng = self.engines[msg.engine_index] if 0 <= msg.engine_index < len(self.engines) else None
+            if eng is None or not eng.remote:
+                logger.warning("a core connected to %s as data-parallel rank %d, which is not a remote rank "
+                               "here (ranks %d-%d): ignored", self.dp.front_end, msg.engine_index,
+                               self.dp.size_local, self.dp.size - 1)
+                continue
+            identity = frames[0].bytes
+            if not eng.ready and isinstance(msg, (EngineCoreReady, EngineCoreFailed)):
+                eng.identity, eng.gone = identity, None
+                try:
+                    eng.node = frames[1].get("Peer-Address")
+                except (zmq.ZMQError, AttributeError):
+                    eng.node = "another node"
+            elif identity != eng.identity:  # a late word of a replaced core, or a second core for the rank
+                if isinstance(msg, EngineCoreReady):
+                    logger.warning("a second core connected as data-parallel rank %d (%s serves it): ignored",
+                                   eng.index, eng.describe())
+                continue
+            self._take(eng, msg)
+
+    def _take(self, eng: _Engine, msg: Any) -> None:
+        if not eng.ready:
+            self._starting_message(eng, msg)
+        elif isinstance(msg, EngineCoreFailed):
+            eng.last_error = msg.text
+            if eng.remote:
+                eng.gone = "it reported a failed step"
+            else:
                 eng.proc.join(5)
-                self._died = self._died or eng
-            elif isinstance(msg, EngineCoreOutputs):
-                self._pending.append(msg)
-            elif isinstance(msg, EngineCoreCallResult):
-                self._results[msg.call_id] = msg
+            self._died = self._died or eng
+        elif isinstance(msg, EngineCoreOutputs):
+            self._pending.append(msg)
+        elif isinstance(msg, EngineCoreCallResult):
+            self._results[msg.call_id] = msg
 
     def _starting_message(self, eng: _Engine, msg: Any) -> None:
         """A message from an engine that is not ready: its start-up's outcome (anything else is a late
@@ -476,7 +628,7 @@ class MPClient:
         eng = self._died
         if eng is None:
             return ""
-        text = f"{eng.describe()} died: {describe_exit(eng.proc.exitcode)}"
+        text = f"{eng.describe()} died: {eng.exit_text()}"
         if eng.last_error:
             text += f"; its last error: {eng.last_error}"
         return text
@@ -490,6 +642,9 @@ class MPClient:
         dead = self._dead_engines()
         partial = keep_live and any(e.ready and e not in dead for e in self.engines)
         for eng in dead:
+            if eng.remote:  # forgotten before the drain: a ready message of its successor may be in it
+                eng.ready, eng.identity, eng.info, eng.pid, eng.node, eng.gone = False, None, None, None, None, None
+                continue
             eng.proc.join(5)
             if eng.proc.is_alive():  # it reported a failed step and hangs on its way out
                 eng.proc.kill()
@@ -534,6 +689,10 @@ class MPClient:
             eng.sent = eng.applied = 0
             eng.last_error = None
             eng.stats = SchedulerStats()
+            if eng.remote:  # its node starts it: its ready message may even be here already
+                logger.warning("engine core %d: waiting for its node to start it again (it connects to %s)",
+                               eng.index, self.dp.front_end)
+                continue
             logger.warning("%s: starting again", eng.describe())
             self._spawn(eng)
         self._starting += down
@@ -546,17 +705,19 @@ class MPClient:
         if not self._starting:
             return True
         if wait_s > 0:
-            self._out.poll(int(wait_s * 1000))
+            self._wait_input(int(wait_s * 1000))
         try:
             self._drain()
             if not self._check_started(self._starting):
                 return False
         except BaseException:
             for eng in self._starting:
+                eng.ready = False
+                if eng.remote:
+                    continue
                 if eng.proc.is_alive():
                     eng.proc.kill()
                 eng.proc.join(5)
-                eng.ready = False
             self._starting = []
             raise
         started, self._starting = self._starting, []
@@ -576,7 +737,8 @@ class MPClient:
 
     def layout(self) -> dict[str, Any]:
         return {"api_pid": os.getpid(), "data_parallel_size": len(self.engines),
-                "engine_cores": [{"dp_rank": e.index, "pid": e.pid or e.proc.pid} for e in self.engines]}
+                "engine_cores": [{"dp_rank": e.index, "pid": e.pid, "node": e.node, "remote": True} if e.remote
+                                 else {"dp_rank": e.index, "pid": e.pid or e.proc.pid} for e in self.engines]}
 
     # ---- death and shutdown -------------------------------------------------------------------
     def wake(self) -> None:
@@ -619,6 +781,9 @@ class MPClient:
             return
         self._closed = True
         self._stop_monitor()
+        if self._link_stop is not None and self._link_watch is not None:
+            os.write(self._link_stop[1], b"x")
+            self._link_watch.join(10)
         started = [e for e in self.engines if e.proc is not None]  # a failed spawn leaves the later ones None
         for eng in started:
             if eng.proc.is_alive() and eng.sock is not None:
@@ -640,6 +805,10 @@ class MPClient:
             if eng.sock is not None:
                 eng.sock.close(0)
         self._out.close(0)
+        if self._router is not None and self._router_events is not None:
+            self._router.disable_monitor()
+            self._router_events.close(0)
+            self._router.close(0)
         self._ctx.term()
         for path in self._ipc_files:
             try:
