@@ -8,7 +8,8 @@ engine core connects to the head's front end), a tiny Llama, the real openai cli
 - the remote rank's engine core killed mid-stream: its streams end with an error naming it, the local
   rank's streams finish with the tokens it serves afterwards, /health says the core restarts while new
   requests are served by rank 0; the headless node starts its core again and the head takes it back;
-- the whole headless node killed: the same, and a new headless node started later is taken back.
+- the whole headless node killed mid-stream: the same (nothing restarts rank 1 until a new headless node is
+  started, which the head takes back).
 """
 from __future__ import annotations
 
@@ -212,13 +213,29 @@ def test_a_killed_remote_core_fails_only_its_requests_and_comes_back(cluster, cl
     assert after.get("1", 0) > before.get("1", 0)
 
 
-def test_a_dead_node_leaves_rank_0_serving_and_a_new_node_is_taken_back(cluster, client):
+def test_a_node_killed_mid_stream_leaves_rank_0_serving_and_a_new_node_is_taken_back(cluster, client):
     head, node, common = cluster
-    ref = greedy(client, PROMPTS[0], 32)
+    local = int(re.findall(r"DP rank 0 pid (\d+)", head.output)[-1])
+    streams = [Stream(head.url, p) for p in PROMPTS[:2]]  # one on each rank
+    for s in streams:
+        s.start()
+    for s in streams:
+        assert s.got_token.wait(120)
+    os.kill(local, signal.SIGSTOP)  # rank 0's stream stays open while the node dies
     node.kill()
+    os.kill(local, signal.SIGCONT)
     r = wait_health(head.url, 503, 30)
     assert r.status_code == 503 and "engine core 1" in r.json()["error"]["message"], r.text
-    assert concurrently(lambda p: greedy(client, p, 32), [PROMPTS[0]] * 2) == [ref, ref]
+    for s in streams:
+        s.join(300)
+        assert not s.is_alive()
+    dead = [s for s in streams if s.error is not None]
+    live = [s for s in streams if s.error is None]
+    assert len(dead) == 1 and "engine core 1" in dead[0].error["message"], [(s.finish, s.error) for s in streams]
+    assert live[0].finish == "length" and greedy(client, live[0].prompt, MAX_TOKENS) == live[0].text
+    ref = greedy(client, PROMPTS[0], 32)
+    assert concurrently(lambda p: greedy(client, p, 32), [PROMPTS[0]] * 2) == [ref, ref]  # both on rank 0
+    assert httpx.get(head.url + "/health", timeout=10).status_code == 503  # no node runs rank 1
     new = HeadlessNode([*common, "--data-parallel-start-rank", "1"])
     try:
         assert wait_health(head.url, 200, 300).status_code == 200, head.output + new.output
