@@ -8,6 +8,7 @@ engine core connects to the head's front end), a tiny Llama, the real openai cli
 - the remote rank's engine core killed mid-stream: its streams end with an error naming it, the local
   rank's streams finish with the tokens it serves afterwards, /health says the core restarts while new
   requests are served by rank 0; the headless node starts its core again and the head takes it back;
+- rank 1's core stopped (SIGSTOP: a node that stops answering): the heartbeats drop its link, the same;
 - the whole headless node killed mid-stream: the same (nothing restarts rank 1 until a new headless node is
   started, which the head takes back).
 """
@@ -96,7 +97,7 @@ def cluster(tiny):
     """(head server, headless node, the options both were started with)."""
     common = ["--model", tiny[0], "--dtype", "float32", "--max-num-seqs", "8", "--data-parallel-size", "2",
               "--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",
-              "--data-parallel-rpc-port", str(free_port()), "--engine-restart-max", "3"]
+              "--data-parallel-rpc-port", str(free_port()), "--engine-restart-max", "5"]
     head = ServerProcess([*common, "--served-model-name", "tiny"])
     node = HeadlessNode([*common, "--data-parallel-start-rank", "1"])
     try:
@@ -211,6 +212,33 @@ def test_a_killed_remote_core_fails_only_its_requests_and_comes_back(cluster, cl
     concurrently(lambda p: greedy(client, p, 200), PROMPTS)
     after = served_per_engine(head.url)
     assert after.get("1", 0) > before.get("1", 0)
+
+
+def test_a_remote_core_that_stops_answering_is_dropped_by_the_heartbeats(cluster, client):
+    """SIGSTOP: its link stays open (no FIN, as with a node cut off or frozen); only the missing heartbeat
+    answers (10 s) close it. Once resumed, the core finds its link closed and stops; its node starts it again."""
+    head, node, _ = cluster
+    remote = node.core_pid(1)
+    streams = [Stream(head.url, p) for p in PROMPTS[:2]]  # one on each rank
+    for s in streams:
+        s.start()
+    for s in streams:
+        assert s.got_token.wait(120)
+    os.kill(remote, signal.SIGSTOP)
+    try:
+        r = wait_health(head.url, 503, 120)
+        assert r.status_code == 503 and "engine core 1" in r.json()["error"]["message"], r.text
+        for s in streams:
+            s.join(300)
+            assert not s.is_alive()
+    finally:
+        os.kill(remote, signal.SIGCONT)
+    dead = [s for s in streams if s.error is not None]
+    live = [s for s in streams if s.error is None]
+    assert len(dead) == 1 and "engine core 1" in dead[0].error["message"], [(s.finish, s.error) for s in streams]
+    assert live[0].finish == "length"
+    assert wait_health(head.url, 200, 300).status_code == 200, head.output + node.output
+    assert node.core_pid(1) != remote
 
 
 def test_a_node_killed_mid_stream_leaves_rank_0_serving_and_a_new_node_is_taken_back(cluster, client):
