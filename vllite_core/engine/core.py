@@ -411,7 +411,7 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         """One step: schedule, run, update. With pipeline stages, ``_step_with_batch_queue``."""
-        if self.batch_queue_size > 1:
+        if self.batch_queue_size > 1 or self.batch_queue:
             return self._step_with_batch_queue()
         t0 = time.perf_counter()
         so = self._schedule()
