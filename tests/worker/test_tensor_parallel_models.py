@@ -1,9 +1,10 @@
 """Tensor parallelism beyond the dense decoders, on the ``mp`` executor with two worker processes, against
 references that are not the engine: a BERT encoder (all-MiniLM-L6-v2) against sentence-transformers, a
 causal LM's last-token embeddings against transformers' final hidden states, Llava (vision tower whole on
-each rank, language model sharded) and Jamba (Mamba mixers split by channel, attention, MoE) against
-transformers' float32 greedy tokens. Each engine starts once (module fixtures); ``vllite env`` shows each
-rank's heads and refuses what does not divide.
+each rank, language model sharded), Jamba (Mamba mixers split by channel, attention, MoE) and Mamba-2
+(mixers split by heads, one B/C group shared by both ranks) against transformers' float32 greedy tokens.
+Each engine starts once (module fixtures); ``vllite env`` shows each rank's heads and refuses what does not
+divide.
 """
 from __future__ import annotations
 
@@ -162,6 +163,36 @@ def test_jamba_over_two_ranks_matches_hf_greedy(jamba_tp2):
     assert _local_rows(llm, "model.layers.1.self_attn.qkv_proj.weight") == [64, 64]
 
 
+# ---- Mamba-2: mixers split by whole heads --------------------------------------------------------------
+
+def test_mamba2_over_two_ranks_matches_hf_greedy(tmp_path, capsys):
+    """8 heads in 1 group: each rank 4 heads and the whole group's B and C; the gated norm spans both ranks (its
+    squares summed over them); 24-token chunks of the longer prompts. ``vllite env`` shows the split."""
+    from hf_reference import hf_greedy_with
+    from test_state_space_models import _configs
+
+    hf = save_tiny(tmp_path, _configs()["mamba2"]())
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (2, 17, 40)]
+    ref = [hf_greedy_with(hf, p, 10, lambda logits, *_: logits) for p in prompts]
+    llm = LLM(model=str(tmp_path), dtype="float32", tensor_parallel_size=2, max_model_len=256,
+              max_num_batched_tokens=24, num_kv_blocks=64)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+        assert [o.outputs[0].token_ids for o in outs] == ref
+        # in_proj: gate 64 + x 64 + B 16 + C 16 + dt 4 rows of 128 + 128 + 16 + 16 + 8; conv: x 64 + B + C
+        assert _local_rows(llm, "model.layers.0.mixer.in_proj.weight") == [164, 164]
+        assert _local_rows(llm, "model.layers.0.mixer.conv1d.weight") == [96, 96]
+        assert _local_rows(llm, "model.layers.0.mixer.A_log") == [4, 4]
+    finally:
+        _shutdown(llm)
+    rc, out, _ = _env(capsys, "-tp", "2", "--model", str(tmp_path))
+    assert rc == 0 and "tensor-parallel rank 1: SSM heads 4-7 (4) of 8, groups 0-0 of 1" in out
+    rc, _, err = _env(capsys, "-tp", "3", "--model", str(tmp_path))
+    assert rc == 1 and "tensor_parallel_size: 3 ranks cannot split a Mamba-2 mixer of 8 heads in 1 group(s)" in err
+
+
 # ---- in one process: two ranks as two threads (no worker processes), for encoders ---------------------
 
 class _ThreadComm:
@@ -271,10 +302,10 @@ def test_env_shows_each_ranks_heads_and_stages(capsys, llava, qwen2_embed_path):
     assert rc == 0 and "tensor-parallel rank 1: query heads 6-11 (6) of 12, KV heads 6-11 (6) of 12" in out
 
 
-def _mamba2_config():
+def _lfm2_config():
     from test_state_space_models import _configs
 
-    return _configs()["mamba2"]()  # Mamba-2's mixer is not sharded yet
+    return _configs()["lfm2"]()  # LFM2's short conv is not sharded yet
 
 
 def test_env_refuses_what_does_not_divide(capsys, llava, qwen2_embed_path, tmp_path):
@@ -285,6 +316,6 @@ def test_env_refuses_what_does_not_divide(capsys, llava, qwen2_embed_path, tmp_p
     assert rc == 1 and "pipeline_parallel_size: 3 stages for a model of 2 layer(s)" in err
     rc, _, err = _env(capsys, "-tp", "2", "-pp", "2", "--model", str(llava[0]))
     assert rc == 1 and "pipeline_parallel_size: LlavaForConditionalGeneration does not support pipeline" in err
-    save_tiny(tmp_path, _mamba2_config())
+    save_tiny(tmp_path, _lfm2_config())
     rc, _, err = _env(capsys, "-tp", "2", "--model", str(tmp_path))
-    assert rc == 1 and "tensor_parallel_size: Mamba2ForCausalLM does not support tensor parallelism" in err
+    assert rc == 1 and "tensor_parallel_size: Lfm2ForCausalLM does not support tensor parallelism" in err
