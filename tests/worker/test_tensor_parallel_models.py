@@ -319,3 +319,41 @@ def test_env_refuses_what_does_not_divide(capsys, llava, qwen2_embed_path, tmp_p
     save_tiny(tmp_path, _lfm2_config())
     rc, _, err = _env(capsys, "-tp", "2", "--model", str(tmp_path))
     assert rc == 1 and "tensor_parallel_size: Lfm2ForCausalLM does not support tensor parallelism" in err
+
+
+def test_mamba2_mixer_with_a_group_per_rank_matches_transformers(monkeypatch):
+    """Mamba-2's other split: 2 groups over 2 ranks, each rank 4 heads and its own group's B and C (the gated norm
+    stays within a rank). Both ranks' mixer outputs equal transformers' Mamba2Mixer on a 20-token prompt."""
+    from transformers import Mamba2Config
+    from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer as HFMamba2Mixer
+
+    from model_registry.layers.mamba import Mamba2Mixer
+    from model_registry.layers.params import load_parameter
+    from model_registry.models.mamba2 import mamba2_dims
+
+    config = Mamba2Config(vocab_size=512, hidden_size=64, num_hidden_layers=1, state_size=16, conv_kernel=4, expand=2,
+                          num_heads=8, head_dim=16, n_groups=2, chunk_size=8)
+    torch.manual_seed(0)
+    hf = HFMamba2Mixer(config, layer_idx=0).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.2)
+    x = torch.randn(20, 64)
+    with torch.no_grad():
+        ref = hf(x[None])[0]
+    weights = hf.state_dict()
+
+    def build():
+        mixer = Mamba2Mixer(mamba2_dims(config), torch.float32)
+        for name, p in mixer.named_parameters():
+            load_parameter(p, weights[name], None, name)
+        return mixer
+
+    def run(mixer):
+        states = [torch.zeros(1, *shape) for shape in mixer.state_shapes]
+        with torch.no_grad():
+            return mixer.mix(x, states, SimpleNamespace(query_start_loc_cpu=[0, 20]))
+
+    outs = _run_as_ranks(monkeypatch, 2, build, run)
+    for out in outs:
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
