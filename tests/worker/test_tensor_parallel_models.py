@@ -136,27 +136,37 @@ def test_llava_over_two_ranks_matches_hf_greedy(llava_tp2):
 
 # ---- a hybrid: Jamba (a Mamba mixer layer with a dense MLP, an attention layer with the MoE) ---------------
 
-@pytest.fixture(scope="module")
-def jamba_tp2(tmp_path_factory):
+def _state_space_tp2(path, arch: str):
+    """A tiny state-space model of test_state_space_models (``arch``) at ``path`` on two ranks, its prompts (the
+    longer ones prefill in 24-token chunks) and transformers' float32 greedy tokens for them."""
     from hf_reference import hf_greedy_with
     from test_state_space_models import _configs
 
-    path = tmp_path_factory.mktemp("tiny-jamba-tp")
-    hf = save_tiny(path, _configs()["jamba"]())
+    hf = save_tiny(path, _configs()[arch]())
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (2, 17, 40)]
     ref = [hf_greedy_with(hf, p, 10, lambda logits, *_: logits) for p in prompts]
     llm = LLM(model=str(path), dtype="float32", tensor_parallel_size=2, max_model_len=256,
-              max_num_batched_tokens=24, num_kv_blocks=64)  # the longer prompts prefill in chunks
+              max_num_batched_tokens=24, num_kv_blocks=64)
+    return llm, prompts, ref
+
+
+def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def jamba_tp2(tmp_path_factory):
+    llm, prompts, ref = _state_space_tp2(tmp_path_factory.mktemp("tiny-jamba-tp"), "jamba")
     yield llm, prompts, ref
     _shutdown(llm)
 
 
 def test_jamba_over_two_ranks_matches_hf_greedy(jamba_tp2):
     llm, prompts, ref = jamba_tp2
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
-    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert _greedy(llm, prompts) == ref
     # Each rank holds half of the mixer's 128 channels (and so half of each request's state) and 2 of 4 heads.
     assert _local_rows(llm, "model.layers.0.mamba.A_log") == [64, 64]
     assert _local_rows(llm, "model.layers.0.mamba.in_proj.weight") == [128, 128]
@@ -168,19 +178,9 @@ def test_jamba_over_two_ranks_matches_hf_greedy(jamba_tp2):
 def test_mamba2_over_two_ranks_matches_hf_greedy(tmp_path, capsys):
     """8 heads in 1 group: each rank 4 heads and the whole group's B and C; the gated norm spans both ranks (its
     squares summed over them); 24-token chunks of the longer prompts. ``vllite env`` shows the split."""
-    from hf_reference import hf_greedy_with
-    from test_state_space_models import _configs
-
-    hf = save_tiny(tmp_path, _configs()["mamba2"]())
-    gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (2, 17, 40)]
-    ref = [hf_greedy_with(hf, p, 10, lambda logits, *_: logits) for p in prompts]
-    llm = LLM(model=str(tmp_path), dtype="float32", tensor_parallel_size=2, max_model_len=256,
-              max_num_batched_tokens=24, num_kv_blocks=64)
+    llm, prompts, ref = _state_space_tp2(tmp_path, "mamba2")
     try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
-        assert [o.outputs[0].token_ids for o in outs] == ref
+        assert _greedy(llm, prompts) == ref
         # in_proj: gate 64 + x 64 + B 16 + C 16 + dt 4 rows of 128 + 128 + 16 + 16 + 8; conv: x 64 + B + C
         assert _local_rows(llm, "model.layers.0.mixer.in_proj.weight") == [164, 164]
         assert _local_rows(llm, "model.layers.0.mixer.conv1d.weight") == [96, 96]
