@@ -25,9 +25,11 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from vllite_core.config import ConfigError, VlliteConfig
+from vllite_core.core.sched_output import SchedulerOutput
 from vllite_core.executor.base import Executor, StepHandle
 from vllite_core.executor.errors import WorkerDiedError
 from vllite_core.executor.wrapper import RankInfo
+from vllite_core.worker.model_runner import ModelRunnerOutput
 
 logger = logging.getLogger("vllite.executor")
 
@@ -149,10 +151,10 @@ class MultiprocExecutor(Executor):
         self._send_all(method, args)
         return self._collect()
 
-    def execute_model(self, so: Any) -> Any:
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.execute_model_async(so).result()
 
-    def execute_model_async(self, so: Any) -> StepHandle:
+    def execute_model_async(self, so: SchedulerOutput) -> StepHandle:
         self._send_all("execute_model", (so,))
         step = _PendingStep(self)
         self.pending.append(step)
@@ -221,10 +223,11 @@ class _PendingStep:
 
     def __init__(self, executor: MultiprocExecutor) -> None:
         self.executor = executor
-        self.output: Any = None
+        self.output: ModelRunnerOutput | None = None
         self.done = False
 
-    def result(self) -> Any:
+    def result(self) -> ModelRunnerOutput:
         while not self.done:
             self.executor._collect_step()
+        assert self.output is not None
         return self.output

@@ -16,9 +16,11 @@ import sys
 from typing import Any
 
 from vllite_core.config import ConfigError, VlliteConfig
+from vllite_core.core.sched_output import SchedulerOutput
 from vllite_core.executor.base import Executor, StepHandle
 from vllite_core.executor.errors import WorkerDiedError
 from vllite_core.executor.wrapper import RankInfo, WorkerWrapper
+from vllite_core.worker.model_runner import ModelRunnerOutput
 
 logger = logging.getLogger("vllite.executor")
 
@@ -196,10 +198,10 @@ class RayExecutor(Executor):
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         return self._gather(self._submit(method, args))
 
-    def execute_model(self, so: Any) -> Any:
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.execute_model_async(so).result()
 
-    def execute_model_async(self, so: Any) -> StepHandle:
+    def execute_model_async(self, so: SchedulerOutput) -> StepHandle:
         """Each actor runs its calls in order, so steps sent one after another overlap across the stages."""
         return _RayStep(self, self._submit("execute_model", (so,)))
 
@@ -228,5 +230,5 @@ class _RayStep:
     def __init__(self, executor: RayExecutor, refs: list[Any]) -> None:
         self.executor, self.refs = executor, refs
 
-    def result(self) -> Any:
+    def result(self) -> ModelRunnerOutput:
         return self.executor._gather(self.refs)[self.executor.output_rank]
