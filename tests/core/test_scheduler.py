@@ -152,3 +152,18 @@ def test_pipeline_stages_never_preempt_a_request_in_flight():
     assert third.preempted_req_ids == {"a"} and third.is_empty
     assert s.requests["b"].status == RequestStatus.RUNNING
     s.update_from_output(second, {"b": [7]})
+
+
+def test_pipeline_stages_abort_a_request_in_flight():
+    """Aborted while its step runs: its blocks are freed at once, its step's token is dropped when it comes back,
+    and the next step tells the runner it finished."""
+    s = make_pp_scheduler()
+    s.add_request(req("a", 20))
+    s.add_request(req("b", 10, start=500))
+    first = s.schedule()
+    s.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+    assert s.kv.get_num_free_blocks() == 999 - 2  # a's two blocks left
+    updated = s.update_from_output(first, {"a": [7], "b": [7]})
+    assert [r.request_id for r in updated] == ["a"] and not s.in_flight
+    nxt = s.schedule()
+    assert nxt.num_scheduled_tokens == {"a": 1} and nxt.finished_req_ids == {"b"}
