@@ -161,6 +161,7 @@ class MPClient:
         self._link_watch: threading.Thread | None = None
         self._link_stop: tuple[int, int] | None = None
         self._probe_until = 0.0  # monotonic: probe the remote cores' links while before this
+        self._remote_notes: deque[tuple[int, Any]] = deque()  # from other threads, for remote cores (flush sends)
         self._encoder = MsgpackEncoder()
         self._decoder = MsgpackDecoder(EngineMessage)
         self._send_lock = threading.Lock()
@@ -261,12 +262,7 @@ class MPClient:
                     return
                 events.recv_multipart()
                 self._probe_until = time.monotonic() + _PROBE_S
-                self.wake()
-                for cb in self.on_failure:
-                    try:
-                        cb()
-                    except Exception:
-                        logger.exception("engine failure callback failed")
+                self._report_failure()
 
         self._link_watch = threading.Thread(target=watch, name="vllite-front-end-links", daemon=True)
         self._link_watch.start()
@@ -371,6 +367,9 @@ class MPClient:
         self._outbox.setdefault(eng.index, []).append(msg)
 
     def flush(self) -> None:
+        while self._remote_notes:
+            index, note = self._remote_notes.popleft()
+            self._queue(self.engines[index], note)
         outbox, self._outbox = self._outbox, {}
         for index, msgs in outbox.items():
             eng = self.engines[index]
@@ -464,7 +463,10 @@ class MPClient:
     def remove_lora(self, lora_int_id: int) -> None:
         """Drop an adapter from every engine's cache (running requests keep the one they hold)."""
         for eng in self.engines:  # from another thread: sent at once, on its own
-            if self._died is None and eng.ready:
+            if eng.remote:  # the ROUTER is the stepping thread's: it sends this with the next step
+                self._remote_notes.append((eng.index, EngineCoreUtility("remove_lora", [lora_int_id])))
+                self.wake()
+            elif self._died is None and eng.ready:
                 self._send(eng, [EngineCoreUtility("remove_lora", [lora_int_id])])
 
     # ---- answered calls: sleep mode, collective_rpc ------------------------------------------------
@@ -561,7 +563,11 @@ class MPClient:
                 frames = self._router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            msg = self._decoder.decode([f.buffer for f in frames[1:]])
+            try:
+                msg = self._decoder.decode([f.buffer for f in frames[1:]])
+            except Exception as e:  # noqa: BLE001 - a peer on the network that is no engine core of ours
+                logger.warning("a message on %s that is no engine core's was dropped: %r", self.dp.front_end, e)
+                continue
             eng = self.engines[msg.engine_index] if 0 <= msg.engine_index < len(self.engines) else None
             if eng is None or not eng.remote:
                 logger.warning("a core connected to %s as data-parallel rank %d, which is not a remote rank "
@@ -765,13 +771,17 @@ class MPClient:
                 eng.proc.join(5)  # its pipe closes a moment before it can be reaped (the exit code known)
                 logger.error("%s exited (%s)", eng.describe(), describe_exit(eng.proc.exitcode))
                 self._died = self._died or eng
-                self.wake()
-                for cb in self.on_failure:
-                    try:
-                        cb()
-                    except Exception:
-                        logger.exception("engine failure callback failed")
+                self._report_failure()
                 return
+
+    def _report_failure(self) -> None:
+        """From a watcher thread: wake the stepping thread and whoever waits on it (``on_failure``)."""
+        self.wake()
+        for cb in self.on_failure:
+            try:
+                cb()
+            except Exception:
+                logger.exception("engine failure callback failed")
 
     def shutdown(self) -> None:
         self.close()
