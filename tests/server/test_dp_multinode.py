@@ -10,7 +10,9 @@ engine core connects to the head's front end), a tiny Llama, the real openai cli
   requests are served by rank 0; the headless node starts its core again and the head takes it back;
 - rank 1's core stopped (SIGSTOP: a node that stops answering): the heartbeats drop its link, the same;
 - the whole headless node killed mid-stream: the same (nothing restarts rank 1 until a new headless node is
-  started, which the head takes back).
+  started, which the head takes back);
+- the API server stopped and started again: the headless node's core stops with its link, starts again and
+  connects to the new API server.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
 import httpx
 import openai
@@ -92,25 +95,40 @@ def tiny(tmp_path_factory):
     return str(path), model
 
 
+@dataclass
+class Cluster:
+    head: ServerProcess
+    node: HeadlessNode
+    common: list[str]  # the options both were started with
+
+    def start_head(self) -> ServerProcess:
+        self.head = ServerProcess([*self.common, "--served-model-name", "tiny"])
+        return self.head
+
+    def start_node(self) -> HeadlessNode:
+        self.node = HeadlessNode([*self.common, "--data-parallel-start-rank", "1"])
+        return self.node
+
+
 @pytest.fixture(scope="module")
 def cluster(tiny):
-    """(head server, headless node, the options both were started with)."""
     common = ["--model", tiny[0], "--dtype", "float32", "--max-num-seqs", "8", "--data-parallel-size", "2",
               "--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",
               "--data-parallel-rpc-port", str(free_port()), "--engine-restart-max", "5"]
-    head = ServerProcess([*common, "--served-model-name", "tiny"])
-    node = HeadlessNode([*common, "--data-parallel-start-rank", "1"])
+    c = Cluster(None, None, common)  # type: ignore[arg-type]
+    c.start_head()
+    c.start_node()
     try:
-        head.wait_ready(600)
-        yield head, node, common
+        c.head.wait_ready(600)
+        yield c
     finally:
-        head.stop()
-        node.kill()
+        c.head.stop()
+        c.node.kill()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def client(cluster):
-    return openai.OpenAI(base_url=cluster[0].url + "/v1", api_key="none", max_retries=0, timeout=300)
+    return openai.OpenAI(base_url=cluster.head.url + "/v1", api_key="none", max_retries=0, timeout=300)
 
 
 def served_per_engine(url: str) -> dict[str, float]:
@@ -156,7 +174,7 @@ def test_two_nodes_serve_transformers_tokens_on_both_ranks(tiny, cluster, client
     from vllite_core import LLM, SamplingParams
 
     path, model = tiny
-    head, node, _ = cluster
+    head, node = cluster.head, cluster.node
     assert re.search(r"DP rank 1 pid \d+ on 127\.0\.0\.1", head.output), head.output
     assert "headless node: DP rank 1 pid" in node.output and "no API server" in node.output
     hf = [hf_greedy(model, p, SHORT) for p in PROMPTS]
@@ -176,7 +194,7 @@ def test_two_nodes_serve_transformers_tokens_on_both_ranks(tiny, cluster, client
 
 
 def test_a_killed_remote_core_fails_only_its_requests_and_comes_back(cluster, client):
-    head, node, _ = cluster
+    head, node = cluster.head, cluster.node
     local = int(re.findall(r"DP rank 0 pid (\d+)", head.output)[-1])
     remote = node.core_pid(1)
     streams = [Stream(head.url, p) for p in PROMPTS]
@@ -217,7 +235,7 @@ def test_a_killed_remote_core_fails_only_its_requests_and_comes_back(cluster, cl
 def test_a_remote_core_that_stops_answering_is_dropped_by_the_heartbeats(cluster, client):
     """SIGSTOP: its link stays open (no FIN, as with a node cut off or frozen); only the missing heartbeat
     answers (10 s) close it. Once resumed, the core finds its link closed and stops; its node starts it again."""
-    head, node, _ = cluster
+    head, node = cluster.head, cluster.node
     remote = node.core_pid(1)
     streams = [Stream(head.url, p) for p in PROMPTS[:2]]  # one on each rank
     for s in streams:
@@ -242,7 +260,7 @@ def test_a_remote_core_that_stops_answering_is_dropped_by_the_heartbeats(cluster
 
 
 def test_a_node_killed_mid_stream_leaves_rank_0_serving_and_a_new_node_is_taken_back(cluster, client):
-    head, node, common = cluster
+    head, node = cluster.head, cluster.node
     local = int(re.findall(r"DP rank 0 pid (\d+)", head.output)[-1])
     streams = [Stream(head.url, p) for p in PROMPTS[:2]]  # one on each rank
     for s in streams:
@@ -264,11 +282,25 @@ def test_a_node_killed_mid_stream_leaves_rank_0_serving_and_a_new_node_is_taken_
     ref = greedy(client, PROMPTS[0], 32)
     assert concurrently(lambda p: greedy(client, p, 32), [PROMPTS[0]] * 2) == [ref, ref]  # both on rank 0
     assert httpx.get(head.url + "/health", timeout=10).status_code == 503  # no node runs rank 1
-    new = HeadlessNode([*common, "--data-parallel-start-rank", "1"])
-    try:
-        assert wait_health(head.url, 200, 300).status_code == 200, head.output + new.output
-        before = served_per_engine(head.url)
-        assert concurrently(lambda p: greedy(client, p, 32), [PROMPTS[0]] * 4) == [ref] * 4
-        assert served_per_engine(head.url).get("1", 0) > before.get("1", 0)
-    finally:
-        new.kill()
+    new = cluster.start_node()
+    assert wait_health(head.url, 200, 300).status_code == 200, head.output + new.output
+    before = served_per_engine(head.url)
+    assert concurrently(lambda p: greedy(client, p, 32), [PROMPTS[0]] * 4) == [ref] * 4
+    assert served_per_engine(head.url).get("1", 0) > before.get("1", 0)
+
+
+def test_a_restarted_api_server_gets_the_headless_ranks_back(cluster):
+    """The node outlives its API server: its core stops with the link and starts again, and connects to the
+    new API server on the same address and port."""
+    old_core = cluster.node.core_pid(1)
+    cluster.head.stop()
+    head = cluster.start_head()
+    head.wait_ready(600)
+    assert cluster.node.core_pid(1) != old_core, cluster.node.output
+    assert f"DP rank 1 pid {old_core} exited (exit code 0)" in cluster.node.output  # it stopped, no crash
+    client = openai.OpenAI(base_url=head.url + "/v1", api_key="none", max_retries=0, timeout=300)
+    ref = greedy(client, PROMPTS[1], 32)
+    before = served_per_engine(head.url)
+    assert concurrently(lambda p: greedy(client, p, 32), [PROMPTS[1]] * 4) == [ref] * 4
+    after = served_per_engine(head.url)
+    assert after.get("0", 0) > before.get("0", 0) and after.get("1", 0) > before.get("1", 0)
