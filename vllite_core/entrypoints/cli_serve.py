@@ -117,8 +117,9 @@ def add_serve_parser(sub: Any) -> None:
     g.add_argument("--engine-restart-window", type=float, default=DEFAULT_WINDOW_S,
                    help="seconds over which --engine-restart-max counts restarts (each waits 1 s, doubling with "
                    "the restarts already made in the window, up to 30 s)")
+    # what a --headless node may not be given (it restarts its own cores within the restart budget)
     api_server_options = [(a.dest, a.default, a.option_strings[0]) for a in g._group_actions
-                          if not a.dest.startswith("engine_restart_m") and a.dest != "engine_restart_window"]
+                          if a.dest not in ("engine_restart_max", "engine_restart_window")]
     _add_data_parallel_args(p)
     add_engine_args(p)
     p.set_defaults(func=run_serve, api_server_options=api_server_options)
