@@ -18,8 +18,8 @@ import signal
 import threading
 from typing import Any
 
+from vllite_core.engine.core_processes import describe_exit
 from vllite_core.engine.dp_layout import DataParallelLayout
-from vllite_core.engine.mp_client import describe_exit
 from vllite_core.engine.restart import RestartPolicy
 
 logger = logging.getLogger("vllite.headless")
