@@ -295,15 +295,18 @@ class CpuModelOps(ModelOps):
 
     def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, state: dict | None = None) -> torch.Tensor:
-        """Tokens grouped by expert (one stable sort of the T x k choices), then for each expert that received
-        tokens, and only for those, its two GEMMs over its own rows on ``linear``'s kernels (the AVX2 or bf16
+        """Where ``linear`` runs on the AVX2 GEMM's panels, the whole layer in one C++ call (``_moe_experts``).
+        Elsewhere tokens grouped by expert (one stable sort of the T x k choices), then for each expert that
+        received tokens, and only for those, its two GEMMs over its own rows on ``linear``'s kernels (the bf16
         GEMM's panels, small_linear at a few rows; each expert's packing cached in ``state``), SiLU-and-mul
         between. The rows go back to their (token, slot) places and the routing weights scale and sum them in
-        one product: an expert no token chose is never read."""
+        one product. Either way an expert no token chose is never read."""
         if not (self._rows_ok(x) and x.dtype == w13.dtype == w2.dtype and x.dtype in _KERNEL_DTYPES
                 and topk_ids.dim() == 2 and w13.is_contiguous() and w2.is_contiguous()):
             return super().fused_moe(x, w13, w2, topk_weights, topk_ids, state)
         state = {} if state is None else state
+        if self.avx2_gemm and (x.dtype == torch.float32 or self.widen_16bit) and x.dtype in self._panel_dtypes:
+            return self._moe_experts(x, w13, w2, topk_weights, topk_ids, state)
         t, k = topk_ids.shape
         if t == 1:  # a decode row: its k experts one after the other, no grouping (fewer ops per layer)
             out = None
@@ -327,6 +330,25 @@ class CpuModelOps(ModelOps):
         back = torch.empty_like(ys)
         back[order] = ys  # row t * k + j: token t's j-th expert
         return torch.bmm(topk_weights.to(x.dtype).unsqueeze(1), back.view(t, k, -1)).squeeze(1)
+
+    def _moe_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor, state: dict) -> torch.Tensor:
+        """The whole routed layer in one C++ call (``csrc/moe.cpp``) where ``linear`` would take the AVX2 GEMM's
+        panels: the Python grouping cost ~15 torch calls per layer at a decode row, more than the two experts'
+        GEMMs on a small model. The experts' panels live in two stacked buffers made here (``torch.empty``: an
+        expert's pages are written only when the kernel packs it, the first time a token chooses it), remade
+        with ``ready`` cleared when a weight changes (an in-place load bumps its version)."""
+        key = (_identity(w13), _identity(w2))
+        if state.get("moe_key") != key:
+            e, i2, h = w13.shape
+            state["moe_p13"] = torch.empty(e, -(-i2 // 16), h, 16, dtype=w13.dtype)
+            state["moe_p2"] = torch.empty(e, -(-h // 16), w2.shape[2], 16, dtype=w2.dtype)
+            state["moe_ready"] = torch.zeros(e, dtype=torch.uint8)
+            state["moe_key"] = key
+        out = torch.empty(x.shape, dtype=x.dtype)
+        kernels.moe_experts(out, x.contiguous(), topk_ids, topk_weights, w13, w2, state["moe_p13"], state["moe_p2"],
+                            state["moe_ready"])
+        return out
 
     def quant_linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None, state: dict) -> torch.Tensor:
         """Pre-quantized weights (``model_registry.layers.quantization.quant_weight.QuantWeight``): 4-bit
