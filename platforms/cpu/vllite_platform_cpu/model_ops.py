@@ -295,18 +295,24 @@ class CpuModelOps(ModelOps):
 
     def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, state: dict | None = None) -> torch.Tensor:
-        """Where ``linear`` runs on the AVX2 GEMM's panels, the whole layer in one C++ call (``_moe_experts``).
-        Elsewhere tokens grouped by expert (one stable sort of the T x k choices), then for each expert that
-        received tokens, and only for those, its two GEMMs over its own rows on ``linear``'s kernels (the bf16
-        GEMM's panels, small_linear at a few rows; each expert's packing cached in ``state``), SiLU-and-mul
-        between. The rows go back to their (token, slot) places and the routing weights scale and sum them in
-        one product. Either way an expert no token chose is never read."""
+        """Where ``linear`` runs on the AVX2 GEMM's panels, the whole layer in one C++ call (``moe_one_call``),
+        elsewhere expert by expert in Python (``moe_grouped``). Either way an expert no token chose is never
+        read."""
         if not (self._rows_ok(x) and x.dtype == w13.dtype == w2.dtype and x.dtype in _KERNEL_DTYPES
                 and topk_ids.dim() == 2 and w13.is_contiguous() and w2.is_contiguous()):
             return super().fused_moe(x, w13, w2, topk_weights, topk_ids, state)
         state = {} if state is None else state
         if self.avx2_gemm and (x.dtype == torch.float32 or self.widen_16bit) and x.dtype in self._panel_dtypes:
-            return self._moe_experts(x, w13, w2, topk_weights, topk_ids, state)
+            return self.moe_one_call(x, w13, w2, topk_weights, topk_ids, state)
+        return self.moe_grouped(x, w13, w2, topk_weights, topk_ids, state)
+
+    def moe_grouped(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor, state: dict) -> torch.Tensor:
+        """``fused_moe`` in Python on ``linear``'s kernels (inputs checked by it): tokens grouped by expert (one
+        stable sort of the T x k choices), then for each expert that received tokens, and only for those, its
+        two GEMMs over its own rows (the bf16 GEMM's panels, small_linear at a few rows; each expert's packing
+        cached in ``state``), SiLU-and-mul between. The rows go back to their (token, slot) places and the
+        routing weights scale and sum them in one product."""
         t, k = topk_ids.shape
         if t == 1:  # a decode row: its k experts one after the other, no grouping (fewer ops per layer)
             out = None
@@ -331,13 +337,14 @@ class CpuModelOps(ModelOps):
         back[order] = ys  # row t * k + j: token t's j-th expert
         return torch.bmm(topk_weights.to(x.dtype).unsqueeze(1), back.view(t, k, -1)).squeeze(1)
 
-    def _moe_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+    def moe_one_call(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, state: dict) -> torch.Tensor:
-        """The whole routed layer in one C++ call (``csrc/moe.cpp``) where ``linear`` would take the AVX2 GEMM's
-        panels: the Python grouping cost ~15 torch calls per layer at a decode row, more than the two experts'
-        GEMMs on a small model. The experts' panels live in two stacked buffers made here (``torch.empty``: an
-        expert's pages are written only when the kernel packs it, the first time a token chooses it), remade
-        with ``ready`` cleared when a weight changes (an in-place load bumps its version)."""
+        """``fused_moe`` in one C++ call (``csrc/moe.cpp``; inputs checked by it, AVX2 GEMM built, x float32 or
+        16-bit panels). Why: ``moe_grouped`` is ~15 torch calls per layer at a decode row, whose dispatch cost
+        about as much as the two experts' GEMMs at hidden 512 (benchmarks/moe_op.py). The experts' panels live
+        in two stacked buffers made here (``torch.empty``: an expert's pages are written only when the kernel
+        packs it, the first time a token chooses it), remade with ``ready`` cleared when a weight changes (an
+        in-place load bumps its version)."""
         key = (_identity(w13), _identity(w2))
         if state.get("moe_key") != key:
             e, i2, h = w13.shape
