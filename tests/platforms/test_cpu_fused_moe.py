@@ -23,6 +23,8 @@ def _paths() -> dict[str, tuple[CpuModelOps, torch.dtype]]:
                                 bf16_gemm=use_bf16_gemm()), torch.bfloat16)}
     if use_avx2_gemm():
         out["avx2-f32"] = (CpuModelOps(fused=True, packed_linear=True, avx2_gemm=True), torch.float32)
+        out["avx2-f32-grouped"] = (CpuModelOps(fused=True, packed_linear=True, avx2_gemm=True, moe_one_call=False),
+                                   torch.float32)
         out["avx2-f16"] = (CpuModelOps(fused=True, packed_linear=True, widen_16bit=True, avx2_gemm=True),
                            torch.float16)
     return out
@@ -30,7 +32,7 @@ def _paths() -> dict[str, tuple[CpuModelOps, torch.dtype]]:
 
 def _one_call(ops: CpuModelOps, dtype: torch.dtype) -> bool:
     """Whether ``ops.fused_moe`` takes the one-call C++ path (csrc/moe.cpp) for ``dtype``."""
-    return ops.avx2_gemm and (dtype == torch.float32 or ops.widen_16bit)
+    return ops.moe_one_call_on and (dtype == torch.float32 or ops.widen_16bit)
 
 
 PATHS = _paths()
@@ -116,3 +118,15 @@ def test_one_call_op_on_ragged_shapes_and_batches(path):
     torch.testing.assert_close(out.double(), _reference(x, w13, w2, weights, ids), **tol)
     with torch.inference_mode(), pytest.raises(RuntimeError, match="expert id 5 outside"):
         ops.fused_moe(x, w13, w2, weights, torch.full_like(ids, 5), state)
+
+
+def test_moe_one_call_switch(monkeypatch):
+    """``VLLITE_CPU_MOE_ONE_CALL=0`` gives the platform's ops the Python path (``moe_grouped``) back."""
+    from vllite_platform_cpu import platform as cpu_platform
+
+    from vllite_core.config import VlliteConfig
+
+    monkeypatch.setenv(cpu_platform.MOE_ONE_CALL_ENV, "0")
+    assert not cpu_platform.CpuPlatform().model_ops(VlliteConfig()).moe_one_call_on
+    monkeypatch.setenv(cpu_platform.MOE_ONE_CALL_ENV, "1")
+    assert cpu_platform.CpuPlatform().model_ops(VlliteConfig()).moe_one_call_on == use_avx2_gemm()

@@ -38,10 +38,11 @@ class CpuModelOps(ModelOps):
     (oneDNN's layout, or the AVX2 GEMM's panels when ``avx2_gemm``), 16-bit layers computed through
     float32 when ``widen_16bit`` (no native bf16/fp16 math), bfloat16 layers on the AVX512-BF16 GEMM
     when ``bf16_gemm`` (native bf16 math; at every row count), and int8 (W8A8) layers on the AVX512-VNNI GEMM
-    when ``int8_gemm``."""
+    when ``int8_gemm``; the fused MoE op in one C++ call per layer where the AVX2 GEMM runs (``moe_one_call``)."""
 
     def __init__(self, fused: bool, packed_linear: bool, widen_16bit: bool = False, avx2_gemm: bool = False,
-                 bf16_gemm: bool = False, int8_gemm: bool = False, int8_panels: bool = False) -> None:
+                 bf16_gemm: bool = False, int8_gemm: bool = False, int8_panels: bool = False,
+                 moe_one_call: bool = True) -> None:
         self.fused = fused
         self.packed_linear = packed_linear
         self.widen_16bit = widen_16bit
@@ -52,6 +53,7 @@ class CpuModelOps(ModelOps):
         # W8A8 on the AVX2 GEMM's bfloat16 panels where the CPU has no int8 dot product (int8_linear_panels)
         self.int8_panels = (int8_panels and self.avx2_gemm and not self.int8_gemm
                             and torch.bfloat16 in self._panel_dtypes)
+        self.moe_one_call_on = moe_one_call and self.avx2_gemm  # fused_moe in one C++ call (csrc/moe.cpp)
         parts = (("cpu-fused", fused), ("avx2-gemm", self.avx2_gemm), ("bf16-gemm", self.bf16_gemm),
                  ("int8-gemm", self.int8_gemm), ("int8-panels", self.int8_panels),
                  ("onednn-linear", packed_linear and not self.avx2_gemm))
@@ -302,7 +304,7 @@ class CpuModelOps(ModelOps):
                 and topk_ids.dim() == 2 and w13.is_contiguous() and w2.is_contiguous()):
             return super().fused_moe(x, w13, w2, topk_weights, topk_ids, state)
         state = {} if state is None else state
-        if self.avx2_gemm and (x.dtype == torch.float32 or self.widen_16bit) and x.dtype in self._panel_dtypes:
+        if self.moe_one_call_on and (x.dtype == torch.float32 or self.widen_16bit) and x.dtype in self._panel_dtypes:
             return self.moe_one_call(x, w13, w2, topk_weights, topk_ids, state)
         return self.moe_grouped(x, w13, w2, topk_weights, topk_ids, state)
 
