@@ -1,8 +1,8 @@
 """Small C++ kernels for the CPU (paged attention of ``csrc/attention.cpp``, the AVX2 float32 GEMM of
 ``csrc/gemm.cpp``, the fused pointwise ops of ``csrc/pointwise.cpp``, the int8 passes of ``csrc/quant.cpp``
-the GGUF block linear of ``csrc/gguf.cpp`` and the encoder (BERT) attention and add + LayerNorm of
-``csrc/encoder.cpp``), compiled when the package is installed, for several instruction sets, and picked at
-run time for this CPU.
+the GGUF block linear of ``csrc/gguf.cpp``, the encoder (BERT) attention and add + LayerNorm of
+``csrc/encoder.cpp`` and a mixture of experts' routed experts in one call, ``csrc/moe.cpp``), compiled when the
+package is installed, for several instruction sets, and picked at run time for this CPU.
 
 ``paged_attention`` computes attention for the query rows of selected requests
 straight from the paged KV cache: no gathered copy of the context (the torch-ops
