@@ -37,8 +37,10 @@ from vllite_core.benchmarks.datasets import digest, random_token_ids  # noqa: E4
 from vllite_core.benchmarks.report import format_table, machine_facts, plot_xy, save_json  # noqa: E402
 
 DEFAULT_MODELS = {"float32": "/tmp/peers/models/smollm2-135m-f32", "bfloat16": "/tmp/peers/models/smollm2-135m"}
-# The benchmark's standard models by name (--model NAME): folder, and the script that makes it when absent.
-STANDARD_MODELS = {"llama1b": ("/tmp/peers/models/llama1b", os.path.join(HERE, "make_llama1b.py"))}
+# The benchmark's standard models by name (--model NAME): folder, and the command that makes it when absent.
+STANDARD_MODELS = {f"llama{s}": (f"/tmp/peers/models/llama{s}", [os.path.join(HERE, "make_llama1b.py"), "--shape", s])
+                   for s in ("1b", "3b", "8b")}
+STANDARD_MODELS["mixtral-small"] = ("/tmp/peers/models/mixtral-small", [os.path.join(HERE, "make_mixtral.py")])
 # Standard workloads (--workload NAME): prompts, prompt tokens, output tokens. "long" is where attention dominates.
 WORKLOADS = {"default": (64, 128, 128), "batch32": (32, 128, 128), "long": (8, 4096, 128)}
 
@@ -93,8 +95,8 @@ def resolve_model(name: str | None) -> str | None:
         return name
     folder, maker = STANDARD_MODELS[name]
     if not os.path.exists(os.path.join(folder, "config.json")):
-        print(f"making {name} at {folder} ({os.path.basename(maker)})", flush=True)
-        subprocess.check_call([sys.executable, maker, "--out", folder])
+        print(f"making {name} at {folder} ({os.path.basename(maker[0])})", flush=True)
+        subprocess.check_call([sys.executable, *maker, "--out", folder])
     return folder
 
 

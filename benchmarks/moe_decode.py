@@ -8,7 +8,9 @@
    untimed (the CPU op packs an expert's weights into its kernel's panels the first time a decode row picks it,
    once per expert: without the warm-up the timed steps pay for it), then each prefills one request and their
    decode steps take turns (MoE, dense active, dense total, MoE, ...), each step timed alone, so the host's
-   drifting load hits all three alike. Fastest and median step reported, and their ratios.
+   drifting load hits all three alike. Fastest and median step reported, and their ratios. ``--with-grouped``
+   adds a fourth engine, the same MoE with ``VLLITE_CPU_MOE_ONE_CALL=0`` (the CPU op expert by expert in Python
+   instead of one C++ call per layer), so the op's two paths are compared side by side too.
 2. batched throughput: the same MoE through vllite (``LLM.generate``) and through Hugging Face transformers
    (``generate`` on the whole batch; equal-length prompts, so no padding; greedy, EOS ignored), rounds
    alternating, best round of each; output tokens per second and vllite's ratio. The first greedy tokens of
@@ -19,7 +21,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -50,6 +54,25 @@ def build_models(root: Path, hidden: int, layers: int, experts: int, top_k: int,
     return paths
 
 
+# Engines built with an environment of their own (the CPU platform reads it when the worker makes its model ops;
+# the engine core runs in this process): the same MoE with the fused-MoE op expert by expert in Python.
+ENGINE_ENV = {"moe_grouped": {"VLLITE_CPU_MOE_ONE_CALL": "0"}}
+
+
+@contextlib.contextmanager
+def _env(values: dict[str, str]):
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def decode_side_by_side(paths: dict[str, Path], context: int, decode_tokens: int, max_len: int,
                         warmup_tokens: int) -> dict:
     """Each engine's decode steps of one request, the engines taking turns step by step; ms (fastest, median)."""
@@ -58,8 +81,9 @@ def decode_side_by_side(paths: dict[str, Path], context: int, decode_tokens: int
     engines, requests = {}, {}
     prompt = torch.randint(0, 1024, (context,), generator=torch.Generator().manual_seed(context)).tolist()
     for name, path in paths.items():
-        llm = LLM(model=str(path), dtype="float32", max_model_len=max_len, max_num_seqs=1,
-                  num_kv_blocks=max_len // 16 + 8, enable_prefix_caching=False)
+        with _env(ENGINE_ENV.get(name, {})):
+            llm = LLM(model=str(path), dtype="float32", max_model_len=max_len, max_num_seqs=1,
+                      num_kv_blocks=max_len // 16 + 8, enable_prefix_caching=False)
         if warmup_tokens:
             llm.generate([{"prompt_token_ids": prompt[:8]}],
                          SamplingParams(temperature=0.0, max_tokens=warmup_tokens, ignore_eos=True))
@@ -128,6 +152,8 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=48)
     ap.add_argument("--warmup-tokens", type=int, default=64, help="untimed decode steps per engine first")
     ap.add_argument("--no-dense-total", action="store_true", help="leave out the dense model of the total size")
+    ap.add_argument("--with-grouped", action="store_true",
+                    help="also the MoE with VLLITE_CPU_MOE_ONE_CALL=0 (CPU: its op expert by expert in Python)")
     ap.add_argument("--num-prompts", type=int, default=16, help="batched throughput: prompts in the batch")
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=32)
@@ -142,18 +168,25 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         paths = build_models(Path(tmp), args.hidden, args.layers, args.experts, args.top_k, args.expert_inter,
                              max_len, not args.no_dense_total)
-        row = decode_side_by_side(paths, args.context, args.decode_tokens, max_len, args.warmup_tokens)
-        for name in paths:
+        engines = {**paths, "moe_grouped": paths["moe"]} if args.with_grouped else paths
+        row = decode_side_by_side(engines, args.context, args.decode_tokens, max_len, args.warmup_tokens)
+        for name in engines:
             print(f"{name:>13}: {row[f'{name}_ms_per_token_min']:.2f} / {row[f'{name}_ms_per_token_median']:.2f} "
                   "ms per token (min / median)", flush=True)
         for stat in ("min", "median"):
             row[f"moe_over_dense_active_{stat}"] = round(
                 row[f"moe_ms_per_token_{stat}"] / row[f"dense_active_ms_per_token_{stat}"], 2)
+            if args.with_grouped:
+                row[f"moe_grouped_over_dense_active_{stat}"] = round(
+                    row[f"moe_grouped_ms_per_token_{stat}"] / row[f"dense_active_ms_per_token_{stat}"], 2)
             if "dense_total" in paths:
                 row[f"moe_over_dense_total_{stat}"] = round(
                     row[f"moe_ms_per_token_{stat}"] / row[f"dense_total_ms_per_token_{stat}"], 2)
         print(f"MoE / dense of the active size: {row['moe_over_dense_active_min']}x fastest, "
               f"{row['moe_over_dense_active_median']}x median", flush=True)
+        if args.with_grouped:
+            print(f"MoE with the Python op / dense of the active size: {row['moe_grouped_over_dense_active_min']}x "
+                  f"fastest, {row['moe_grouped_over_dense_active_median']}x median", flush=True)
         gen = torch.Generator().manual_seed(0)
         prompts = [torch.randint(17, 1024, (args.input_len,), generator=gen).tolist() for _ in range(args.num_prompts)]
         tp = throughput_against_hf(paths["moe"], prompts, args.output_len, args.rounds)

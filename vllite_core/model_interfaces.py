@@ -81,7 +81,9 @@ class SupportsMultiModalDecoder(SupportsMultiModal, Protocol):
 
     @classmethod
     def image_token_id(cls, hf_config: Any) -> int:
-        """The placeholder token that stands for an image in a prompt (one per image; the model expands it)."""
+        """The placeholder token that stands for an image in a prompt (one per image; the model expands it):
+        the config's ``image_token_id`` unless the model reads another field (Llava: ``image_token_index``)."""
+        return int(hf_config.image_token_id)
 
     @classmethod
     def chat_image_token_ids(cls, hf_config: Any) -> list[int]:

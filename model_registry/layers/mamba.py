@@ -6,11 +6,13 @@ step's tokens arrive flattened; the causal conv and the scans run through the pl
 carry each request's state across prefill chunks and decode steps.
 
 - ``MambaMixer``: Mamba-1's selective scan (Mamba, FalconMamba, Jamba), tensor-parallel over its channels;
-- ``Mamba2Mixer``: Mamba-2's SSD scan (Mamba2 and the hybrids built on it), geometry in ``Mamba2Dims``;
+- ``Mamba2Mixer``: Mamba-2's SSD scan (Mamba2 and the hybrids built on it), geometry in ``Mamba2Dims``,
+  tensor-parallel over whole heads (``mamba2_shard``);
 - ``ShortConv``: a gated short convolution (LFM2).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,9 +25,11 @@ from model_registry.layers.linear import (
     MergedColumnParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
+    Segment,
 )
 from model_registry.layers.norm import RMSNorm, rms_normalize
-from model_registry.layers.params import empty_param, rows_param
+from model_registry.layers.params import row_ranges_param, rows_param
+from vllite_core.config import ConfigError
 from vllite_core.core.kv_cache_spec import StateSpec
 from vllite_core.distributed import get_tp
 from vllite_core.distributed.sharding import split
@@ -35,14 +39,15 @@ from vllite_core.state_cache import StateMetadata, gather_states, scatter_states
 
 class CausalConv1d(nn.Module):
     """A depthwise causal conv (weights in the checkpoint's layout, [channels, 1, kernel]) that continues each
-    request from its conv state: ``ModelOps.causal_conv1d``. ``rows``: the channels this rank holds (all)."""
+    request from its conv state: ``ModelOps.causal_conv1d``. ``rows``: the channel ranges this rank holds, in
+    order (all of them by default)."""
 
     def __init__(self, channels: int, kernel: int, bias: bool, dtype: torch.dtype,
-                 rows: tuple[int, int] | None = None) -> None:
+                 rows: Sequence[tuple[int, int]] | None = None) -> None:
         super().__init__()
-        rows = rows or (0, channels)
-        self.weight = rows_param(rows, channels, 1, kernel, dtype=dtype)
-        self.bias = rows_param(rows, channels, dtype=dtype) if bias else None
+        rows = rows or [(0, channels)]
+        self.weight = row_ranges_param(rows, channels, 1, kernel, dtype=dtype)
+        self.bias = row_ranges_param(rows, channels, dtype=dtype) if bias else None
 
     def run(self, ops: ModelOps, x: torch.Tensor, conv_state: torch.Tensor, md: StateMetadata,
             activation: str | None) -> torch.Tensor:
@@ -93,7 +98,7 @@ class MambaMixer(MambaBase):
         self.activation = c.hidden_act
         self.rms_eps = rms_eps  # FalconMamba: B, C and dt are RMS-normalised
         self.in_proj = MergedColumnParallelLinear(c.hidden_size, {"x": full, "gate": full}, bool(c.use_bias), dtype)
-        self.conv1d = CausalConv1d(full, self.kernel, bool(c.use_conv_bias), dtype, rows)
+        self.conv1d = CausalConv1d(full, self.kernel, bool(c.use_conv_bias), dtype, [rows])
         self.x_proj = RowParallelLinear(full, self.dt_rank + 2 * self.state_size, False, dtype, rows)
         self.dt_proj = ColumnParallelLinear(self.dt_rank, full, True, dtype, out_range=rows)
         self.A_log = rows_param(rows, full, self.state_size, dtype=dtype)
@@ -155,18 +160,61 @@ class Mamba2Dims:
         return self.intermediate + 2 * self.n_groups * self.state_size
 
 
-class GatedRMSNorm(nn.Module):
-    """RMS norm of ``x * silu(gate)`` over groups of channels, in float32, then scaled."""
+def check_mamba2_split(num_heads: int, n_groups: int, tensor_parallel_size: int) -> None:
+    """ConfigError naming ``tensor_parallel_size`` unless a Mamba-2 mixer splits: whole heads per rank, and
+    whole groups per rank or whole ranks per group (vLLM's rule)."""
+    tp = tensor_parallel_size
+    if num_heads % tp or (n_groups % tp and tp % n_groups):
+        raise ConfigError(f"tensor_parallel_size: {tp} ranks cannot split a Mamba-2 mixer of {num_heads} heads in "
+                          f"{n_groups} group(s): the ranks must divide the heads, and divide or be a multiple of "
+                          "the groups")
 
-    def __init__(self, size: int, group_size: int, eps: float, dtype: torch.dtype) -> None:
+
+@dataclass(frozen=True)
+class Mamba2Shard:
+    """A tensor-parallel rank's part of a Mamba-2 mixer: whole heads (their x, gate, dt, A, D, norm and
+    out_proj channels) and the B/C groups those heads read (a group shared by several ranks is whole on each)."""
+
+    heads: tuple[int, int]
+    groups: tuple[int, int]
+
+
+def mamba2_shard(num_heads: int, n_groups: int, tensor_parallel_size: int, rank: int) -> Mamba2Shard:
+    check_mamba2_split(num_heads, n_groups, tensor_parallel_size)
+    per_rank = num_heads // tensor_parallel_size
+    if n_groups % tensor_parallel_size == 0:
+        g = n_groups // tensor_parallel_size
+        groups = (rank * g, (rank + 1) * g)
+    else:  # tensor_parallel_size // n_groups ranks share each group
+        g0 = rank // (tensor_parallel_size // n_groups)
+        groups = (g0, g0 + 1)
+    return Mamba2Shard((rank * per_rank, (rank + 1) * per_rank), groups)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMS norm of ``x * silu(gate)`` over groups of ``group_size`` channels, in float32, then scaled. ``rows``:
+    this rank's channels of the ``size``; a rank holding part of one group sums its squares with the others'."""
+
+    def __init__(self, size: int, group_size: int, eps: float, dtype: torch.dtype,
+                 rows: tuple[int, int] | None = None) -> None:
         super().__init__()
-        self.weight = empty_param(size, dtype=dtype)
+        rows = rows or (0, size)
+        self.weight = rows_param(rows, size, dtype=dtype)
         self.group_size = group_size
         self.eps = eps
+        # (this rank's group, groups in all) when the rank holds only part of its group
+        self.split_group = None if (rows[1] - rows[0]) % group_size == 0 else (rows[0] // group_size,
+                                                                               size // group_size)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = self.weight.dtype
         h = x.float() * F.silu(gate.float())
+        if self.split_group is not None:
+            g, n = self.split_group
+            sums = h.new_zeros(h.shape[0], n)  # one column per group: ranks of other groups add zeros to it
+            sums[:, g] = h.pow(2).sum(-1)
+            get_tp().communicator.all_reduce(sums)
+            return self.weight * (h * torch.rsqrt(sums[:, g:g + 1] / self.group_size + self.eps)).to(dtype)
         g = h.view(*h.shape[:-1], -1, self.group_size)
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * g.view(h.shape).to(dtype)
@@ -174,25 +222,44 @@ class GatedRMSNorm(nn.Module):
 
 class Mamba2Mixer(MambaBase):
     """Mamba-2: in_proj to (gate, x|B|C, dt), the causal conv over x|B|C, the SSD scan, a gated norm, out_proj.
-    ``norm`` is the gated norm (a variant may replace it, or set it to None for ``y * silu(gate)``)."""
+    ``norm`` is the gated norm (a variant may replace it, or set it to None for ``y * silu(gate)``).
+    Tensor-parallel over whole heads (``mamba2_shard``): each rank's in_proj rows, conv channels, A, D, dt
+    bias and norm weights are its heads' and groups'; out_proj sums over the ranks (one all-reduce per mixer,
+    plus one of the norm's squares when a group spans ranks). Each rank's state holds its heads."""
 
     def __init__(self, d: Mamba2Dims, dtype: torch.dtype) -> None:
         super().__init__()
         self.d = d
-        self.in_proj = ReplicatedLinear(d.hidden_size, d.intermediate + d.conv_dim + d.num_heads, d.use_bias, dtype)
-        self.conv1d = CausalConv1d(d.conv_dim, d.conv_kernel, d.use_conv_bias, dtype)
-        self.dt_bias = empty_param(d.num_heads, dtype=dtype)
-        self.A_log = empty_param(d.num_heads, dtype=dtype)
-        self.D = empty_param(d.num_heads, dtype=dtype)
-        self.norm: nn.Module | None = GatedRMSNorm(d.intermediate, d.intermediate // d.n_groups, d.norm_eps, dtype)
+        tp = get_tp()
+        sh = mamba2_shard(d.num_heads, d.n_groups, tp.world_size, tp.rank)
+        (h0, h1), (g0, g1) = sh.heads, sh.groups
+        hd, n, full, gn = d.head_dim, d.state_size, d.intermediate, d.n_groups * d.state_size
+        self.heads, self.groups = h1 - h0, g1 - g0
+        self.inner = self.heads * hd  # this rank's channels of x, the gate and the norm
+        self.bc = self.groups * n  # this rank's columns of B (and of C)
+        self.conv_channels = self.inner + 2 * self.bc
+        chans = (h0 * hd, h1 * hd)
+        segments, dst = {}, 0
+        for name, src, length, whole in (("gate", chans[0], self.inner, full), ("x", chans[0], self.inner, full),
+                                         ("B", g0 * n, self.bc, gn), ("C", g0 * n, self.bc, gn),
+                                         ("dt", h0, self.heads, d.num_heads)):
+            segments[name] = Segment(dst, src, length, whole)
+            dst += length
+        self.in_proj = ColumnParallelLinear(d.hidden_size, dst, d.use_bias, dtype, segments)
+        self.conv1d = CausalConv1d(d.conv_dim, d.conv_kernel, d.use_conv_bias, dtype,
+                                   [chans, (full + g0 * n, full + g1 * n), (full + gn + g0 * n, full + gn + g1 * n)])
+        self.dt_bias = rows_param(sh.heads, d.num_heads, dtype=dtype)
+        self.A_log = rows_param(sh.heads, d.num_heads, dtype=dtype)
+        self.D = rows_param(sh.heads, d.num_heads, dtype=dtype)
+        self.norm: nn.Module | None = GatedRMSNorm(full, full // d.n_groups, d.norm_eps, dtype, chans)
         out_bias = d.use_bias if d.out_bias is None else d.out_bias
-        self.out_proj = ReplicatedLinear(d.intermediate, d.hidden_size, out_bias, dtype)
+        self.out_proj = RowParallelLinear(full, d.hidden_size, out_bias, dtype, chans)
         self.ops = current_model_ops()
 
     @property
     def state_shapes(self) -> list[tuple[int, ...]]:
         d = self.d
-        return [(d.conv_dim, d.conv_kernel - 1), (d.num_heads, d.head_dim, d.state_size)]
+        return [(self.conv_channels, d.conv_kernel - 1), (self.heads, d.head_dim, d.state_size)]
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """``in_proj(x)``: gate, x|B|C and dt side by side (Falcon-H1 scales them)."""
@@ -201,15 +268,14 @@ class Mamba2Mixer(MambaBase):
     def mix(self, x: torch.Tensor, states: list[torch.Tensor], md: StateMetadata) -> torch.Tensor:
         d = self.d
         conv_state, ssm_state = states
-        gate, xbc, dt = self.project(x).split([d.intermediate, d.conv_dim, d.num_heads], dim=-1)
+        gate, xbc, dt = self.project(x).split([self.inner, self.conv_channels, self.heads], dim=-1)
         xbc = self.conv1d.run(self.ops, xbc, conv_state, md, d.activation)
-        gn = d.n_groups * d.state_size
-        xs, B, C = xbc.split([d.intermediate, gn, gn], dim=-1)
+        xs, B, C = xbc.split([self.inner, self.bc, self.bc], dim=-1)
         t = x.shape[0]
-        y = self.ops.ssd_scan(xs.reshape(t, d.num_heads, d.head_dim), dt, -torch.exp(self.A_log.float()),
-                              B.reshape(t, d.n_groups, d.state_size), C.reshape(t, d.n_groups, d.state_size), self.D,
-                              self.dt_bias, d.dt_limit, d.chunk_size, ssm_state, md.query_start_loc_cpu)
-        y = y.reshape(t, d.intermediate).to(x.dtype)
+        y = self.ops.ssd_scan(xs.reshape(t, self.heads, d.head_dim), dt, -torch.exp(self.A_log.float()),
+                              B.reshape(t, self.groups, d.state_size), C.reshape(t, self.groups, d.state_size),
+                              self.D, self.dt_bias, d.dt_limit, d.chunk_size, ssm_state, md.query_start_loc_cpu)
+        y = y.reshape(t, self.inner).to(x.dtype)
         return self.out_proj(self.norm(y, gate) if self.norm is not None else y * F.silu(gate))
 
 

@@ -38,13 +38,18 @@ def check_full(src: torch.Tensor, dim: int, full: int, name: str) -> None:
 def rows_param(rows: tuple[int, int], full: int, *rest: int, dtype: torch.dtype) -> nn.Parameter:
     """A parameter holding rows ``[start, stop)`` of a checkpoint tensor of ``full`` rows (a tensor-parallel
     rank's channels of a per-channel weight); its ``weight_loader`` takes those rows."""
-    start, stop = rows
-    param = empty_param(stop - start, *rest, dtype=dtype)
+    return row_ranges_param([rows], full, *rest, dtype=dtype)
+
+
+def row_ranges_param(ranges: Sequence[tuple[int, int]], full: int, *rest: int, dtype: torch.dtype) -> nn.Parameter:
+    """A parameter holding several row ranges of a checkpoint tensor of ``full`` rows, one after the other (a
+    rank's channels of each part of a fused per-channel weight: Mamba-2's conv over x, B and C)."""
+    param = empty_param(sum(stop - start for start, stop in ranges), *rest, dtype=dtype)
 
     @torch.no_grad()
     def load(p: torch.Tensor, src: torch.Tensor, shard: str | None, name: str) -> None:
         check_full(src, 0, full, name)
-        copy_checked(p.data, src[start:stop], name)
+        copy_checked(p.data, torch.cat([src[start:stop] for start, stop in ranges]), name)
 
     param.weight_loader = load  # type: ignore[attr-defined]
     return param

@@ -79,10 +79,6 @@ class Idefics3ForConditionalGeneration(LanguageModelShell, nn.Module, SupportsMu
         self.dtype = dtype
 
     # ---- prompts -----------------------------------------------------------------------------------
-    @classmethod
-    def image_token_id(cls, hf_config: Any) -> int:
-        return int(hf_config.image_token_id)
-
     @staticmethod
     def image_seq_len(hf_config: Any) -> int:
         vc = hf_config.vision_config

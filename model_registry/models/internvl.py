@@ -163,10 +163,6 @@ class InternVLForConditionalGeneration(LanguageModelShell, nn.Module, SupportsMu
         self.dtype = dtype
 
     # ---- prompts -----------------------------------------------------------------------------------
-    @classmethod
-    def image_token_id(cls, hf_config: Any) -> int:
-        return int(hf_config.image_token_id)
-
     @staticmethod
     def tokens_per_tile(hf_config: Any) -> int:
         vc = hf_config.vision_config

@@ -131,10 +131,6 @@ class Mistral3ForConditionalGeneration(LanguageModelShell, nn.Module, SupportsMu
 
     # ---- prompts -----------------------------------------------------------------------------------
     @classmethod
-    def image_token_id(cls, hf_config: Any) -> int:
-        return int(hf_config.image_token_id)
-
-    @classmethod
     def process_prompt(cls, prompt: Any, ctx: InputContext) -> ProcessedPrompt:
         """``[IMG]`` per image in the text (or ``prompt_token_ids``), expanded to the image's grid of merged
         patches with row breaks, as the processor does; pixels at the size the folder's image processor picks."""

@@ -51,10 +51,6 @@ class Qwen2VLForConditionalGeneration(LanguageModelShell, nn.Module, SupportsMul
 
     # ---- prompts -----------------------------------------------------------------------------------
     @classmethod
-    def image_token_id(cls, hf_config: Any) -> int:
-        return int(hf_config.image_token_id)
-
-    @classmethod
     def chat_image_token_ids(cls, hf_config: Any) -> list[int]:
         """``<|vision_start|><|image_pad|><|vision_end|>``, as Qwen's chat template writes an image."""
         return [int(hf_config.vision_start_token_id), cls.image_token_id(hf_config),

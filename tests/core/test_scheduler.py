@@ -115,3 +115,55 @@ def test_abort_frees_blocks():
     s.finish_requests("b", RequestStatus.FINISHED_ABORTED)
     assert s.kv.get_num_free_blocks() == free0
     assert not s.has_unfinished_requests()
+
+
+def make_pp_scheduler(num_blocks=1000, budget=2048):
+    kv = KVCacheManager(num_blocks, 16, enable_caching=False, max_model_len=4096)
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=256), CacheConfig(), kv, 4096,
+                     pipeline_parallel=True)
+
+
+def test_pipeline_stages_never_reschedule_a_request_in_flight():
+    """Two batches in flight (pipeline stages): the second leaves out the requests of the first until its
+    output came back, and each step names the tokens it computes (the sampled one included)."""
+    s = make_pp_scheduler()
+    s.add_request(req("a", 20))
+    first = s.schedule()
+    s.add_request(req("b", 10, start=500))
+    second = s.schedule()
+    assert set(first.num_scheduled_tokens) == {"a"} and set(second.num_scheduled_tokens) == {"b"}
+    assert s.schedule().is_empty  # both in flight
+    s.update_from_output(first, {"a": [7]})
+    third = s.schedule()
+    assert third.num_scheduled_tokens == {"a": 1}
+    (cached,) = third.scheduled_cached_reqs
+    assert (cached.num_computed_tokens, cached.token_ids) == (20, [7])
+
+
+def test_pipeline_stages_never_preempt_a_request_in_flight():
+    """Out of blocks, a request preempts itself rather than one whose step is still running."""
+    s = make_pp_scheduler(num_blocks=4)  # 3 usable blocks of 16 tokens
+    s.add_request(req("a", 32))
+    first = s.schedule()  # a: 2 blocks
+    s.add_request(req("b", 16, start=500))
+    second = s.schedule()  # b: the last block, in flight
+    s.update_from_output(first, {"a": [7]})
+    third = s.schedule()  # a's 33rd token needs a block: only b holds one, and b is in flight
+    assert third.preempted_req_ids == {"a"} and third.is_empty
+    assert s.requests["b"].status == RequestStatus.RUNNING
+    s.update_from_output(second, {"b": [7]})
+
+
+def test_pipeline_stages_abort_a_request_in_flight():
+    """Aborted while its step runs: its blocks are freed at once, its step's token is dropped when it comes back,
+    and the next step tells the runner it finished."""
+    s = make_pp_scheduler()
+    s.add_request(req("a", 20))
+    s.add_request(req("b", 10, start=500))
+    first = s.schedule()
+    s.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+    assert s.kv.get_num_free_blocks() == 999 - 2  # a's two blocks left
+    updated = s.update_from_output(first, {"a": [7], "b": [7]})
+    assert [r.request_id for r in updated] == ["a"] and not s.in_flight
+    nxt = s.schedule()
+    assert nxt.num_scheduled_tokens == {"a": 1} and nxt.finished_req_ids == {"b"}

@@ -130,18 +130,20 @@ def test_ready_waits_until_the_engines_input_socket_is_joined(monkeypatch):
 
     import zmq
 
-    from vllite_core.engine import mp_client
+    from vllite_core.engine import core_processes, mp_client
     from vllite_core.engine.core_messages import EngineCoreReady
     from vllite_core.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-    monkeypatch.setattr(mp_client, "_JOIN_S", 0.3)
+    monkeypatch.setattr(core_processes, "_JOIN_S", 0.3)
     client = object.__new__(mp_client.MPClient)
     ctx = zmq.Context()
     client._out = ctx.socket(zmq.PULL)
     out_port = client._out.bind_to_random_port("tcp://127.0.0.1")
     client._decoder = MsgpackDecoder(mp_client.EngineMessage)
     client._pending, client._died, client._results = deque(), None, {}
-    engine = mp_client._Engine(0, multiprocessing.current_process(), "", sock=ctx.socket(zmq.PUSH))
+    client._router, client._inputs, client.dp = None, zmq.Poller(), mp_client.DataParallelLayout()
+    client._inputs.register(client._out, zmq.POLLIN)
+    engine = core_processes.CoreSlot(0, multiprocessing.current_process(), "", sock=ctx.socket(zmq.PUSH))
     in_port = engine.sock.bind_to_random_port("tcp://127.0.0.1")
     client.engines = [engine]
     core_out = ctx.socket(zmq.PUSH)
@@ -149,7 +151,7 @@ def test_ready_waits_until_the_engines_input_socket_is_joined(monkeypatch):
     ready = MsgpackEncoder().encode(EngineCoreReady(0, 1234, pickle.dumps("the info"), SchedulerStats()))
     try:
         core_out.send_multipart(ready)
-        with pytest.raises(mp_client.EngineStartupError, match="engine core 0 .*input socket was not joined"):
+        with pytest.raises(core_processes.EngineStartupError, match="engine core 0 .*input socket was not joined"):
             client._wait_ready([engine])
         core_in = ctx.socket(zmq.PULL)
         core_in.connect(f"tcp://127.0.0.1:{in_port}")

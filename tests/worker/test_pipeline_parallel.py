@@ -4,6 +4,8 @@ The tiny Llama has 3 layers over 2 stages (vLLM's uneven split: 2 + 1) and a tie
 holds its own copy of the embedding table as its head; the tiny Qwen3 (a dense family: q/k norms) has an
 untied head. Chunked prefill (a 16-token budget under 40-token prompts) and prefix caching (the same
 prompts again, served from cached blocks) are on. TP=2 x PP=2 runs 4 worker processes (marked slow).
+With 2 stages the engine keeps 2 batches in flight (the batch queue): the 16-token budget splits the
+prompts over batches, and the shortest request stops after 3 tokens while the others' batch is in flight.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from vllite_core.config import ConfigError, EngineArgs
 from vllite_core.distributed.pipeline import stage_layer_counts, stage_layers
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+SHORT = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)  # the 3-token prompt finishes early
+PARAMS = [SHORT, GREEDY, GREEDY, GREEDY]
 LLAMA = dict(TINY, num_hidden_layers=3, tie_word_embeddings=True)
 QWEN3 = dict(TINY, num_hidden_layers=2, head_dim=16)
 BLOCK_BYTES_PER_LAYER = 2 * 16 * 2 * 16 * 4  # K and V, 16 tokens, 2 KV heads of 16, float32
@@ -52,27 +56,30 @@ def qwen3(tmp_path_factory):
 
 
 def _run(model, **kwargs):
-    """Greedy tokens of the prompts twice (the second time from the prefix cache), and the engine's executor."""
+    """Greedy tokens of the prompts twice (the second time from the prefix cache), the engine's executor, and
+    the most batches it had in flight at once."""
     path, prompts, _ = model
     llm = LLM(path, dtype="float32", max_num_batched_tokens=16, enable_prefix_caching=True, **kwargs)
     try:
-        runs = [llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY) for _ in range(2)]
-        executor = llm.llm_engine.core.engine_core.executor
-        return runs, executor.layout, executor.procs
+        runs = [llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS) for _ in range(2)]
+        core = llm.llm_engine.core.engine_core
+        assert core.batch_queue_size == kwargs.get("pipeline_parallel_size", 1)
+        return runs, core.executor.layout, core.executor.procs, core.max_batches_in_flight
     finally:
         llm.llm_engine.core.shutdown()
 
 
 def _check(model, runs):
-    expected = model[2]
+    expected = [tokens[:p.max_tokens] for tokens, p in zip(model[2], PARAMS)]
     for outs in runs:
         assert [o.outputs[0].token_ids for o in outs] == expected
     assert all(o.num_cached_tokens >= 16 for o in runs[1][1:])  # the second run's long prompts hit the cache
 
 
 def test_llama_two_stages_match_hf(llama):
-    runs, layout, procs = _run(llama, pipeline_parallel_size=2, kv_cache_memory=KV_MEMORY)
+    runs, layout, procs, in_flight = _run(llama, pipeline_parallel_size=2, kv_cache_memory=KV_MEMORY)
     _check(llama, runs)
+    assert in_flight == 2  # the second stage ran one batch while the first ran the next
     assert layout["ranks"] == 2 and layout["pipeline_parallel_size"] == 2 and len({p.pid for p in procs}) == 2
     # Each stage sizes the cache of its own layers: stage 0 holds 2 layers, stage 1 one, in the same memory.
     one_rank = KV_MEMORY // (3 * BLOCK_BYTES_PER_LAYER)
@@ -82,7 +89,7 @@ def test_llama_two_stages_match_hf(llama):
 
 
 def test_qwen3_two_stages_match_hf(qwen3):
-    runs, _, _ = _run(qwen3, pipeline_parallel_size=2, num_kv_blocks=64)
+    runs, _, _, _ = _run(qwen3, pipeline_parallel_size=2, num_kv_blocks=64)
     _check(qwen3, runs)
 
 
@@ -98,7 +105,7 @@ def four_devices(monkeypatch):
 @pytest.mark.parametrize("which", ["llama", "qwen3"])
 def test_two_by_two_ranks_match_hf(which, request, four_devices):
     model = request.getfixturevalue(which)
-    runs, layout, procs = _run(model, tensor_parallel_size=2, pipeline_parallel_size=2, num_kv_blocks=64)
+    runs, layout, procs, _ = _run(model, tensor_parallel_size=2, pipeline_parallel_size=2, num_kv_blocks=64)
     _check(model, runs)
     assert layout["ranks"] == 4 and len({p.pid for p in procs}) == 4
 

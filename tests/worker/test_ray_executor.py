@@ -1,7 +1,7 @@
 """The ray executor on a local Ray cluster of two nodes (``ray start --head`` plus ``ray start --address``,
-one CPU each, both on 127.0.0.1, started here and stopped afterwards): tensor parallelism over two
-actors on two nodes gives Hugging Face's greedy tokens; a lost actor fails the step naming its rank
-and node; no ray package / no cluster is a clear ConfigError."""
+one CPU each, both on 127.0.0.1, started here and stopped afterwards): tensor parallelism and pipeline
+parallelism over two actors on two nodes give Hugging Face's greedy tokens; a lost actor fails the step
+naming its rank and node; no ray package / no cluster is a clear ConfigError."""
 from __future__ import annotations
 
 import os
@@ -101,6 +101,26 @@ def test_two_nodes_match_hf_and_a_lost_actor_names_its_rank(cluster, qwen2, monk
         with pytest.raises(WorkerDiedError, match=r"worker rank 1 on node \w+") as info:
             llm.generate([{"prompt_token_ids": prompts[0]}], params)
         assert info.value.rank == 1
+    finally:
+        llm.llm_engine.core.shutdown()
+
+
+def test_two_pipeline_stages_on_two_nodes_match_hf(cluster, qwen2, monkeypatch):
+    """PP=2: stage 0 (the embedding, layer 0) on one node's actor, stage 1 (layer 1, norm, head) on the other's;
+    activations cross by torch.distributed send/recv, two batches in flight (the 16-token budget splits them)."""
+    monkeypatch.setenv("RAY_ADDRESS", cluster)
+    path, hf, prompts = qwen2
+    llm = LLM(path, dtype="float32", pipeline_parallel_size=2, distributed_executor_backend="ray", num_kv_blocks=64,
+              max_num_batched_tokens=16)
+    try:
+        core = llm.llm_engine.core.engine_core
+        layout = core.executor.layout
+        assert layout["nodes"] == 2 and layout["ranks"] == 2 and layout["pipeline_parallel_size"] == 2
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        batch = [*prompts, prompts[1][::-1]]  # three requests: more than one batch's budget
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params)
+        assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 8) for p in batch]
+        assert core.max_batches_in_flight == 2
     finally:
         llm.llm_engine.core.shutdown()
 

@@ -187,12 +187,12 @@ def test_more_ranks_than_the_platform_has_devices(tmp_path):
 
 
 def test_a_model_without_tensor_parallel_support_is_refused(tmp_path):
-    from transformers import Mamba2Config  # Mamba-2: a built-in that does not declare it (its mixer is whole)
+    from transformers import Lfm2Config  # LFM2: a built-in that does not declare it (its short conv is whole)
 
-    save_tiny(tmp_path, Mamba2Config(vocab_size=512, hidden_size=64, num_hidden_layers=2, state_size=16,
-                                     expand=2, num_heads=8, head_dim=16, n_groups=1, chunk_size=16,
-                                     architectures=["Mamba2ForCausalLM"]))
-    with pytest.raises(ConfigError, match="Mamba2ForCausalLM does not support tensor parallelism"):
+    save_tiny(tmp_path, Lfm2Config(vocab_size=512, hidden_size=64, num_hidden_layers=2, intermediate_size=96,
+                                   num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention"],
+                                   conv_L_cache=3, max_position_embeddings=256, architectures=["Lfm2ForCausalLM"]))
+    with pytest.raises(ConfigError, match="Lfm2ForCausalLM does not support tensor parallelism"):
         LLM(str(tmp_path), tensor_parallel_size=2)
 
 

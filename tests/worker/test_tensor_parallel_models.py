@@ -1,9 +1,10 @@
 """Tensor parallelism beyond the dense decoders, on the ``mp`` executor with two worker processes, against
 references that are not the engine: a BERT encoder (all-MiniLM-L6-v2) against sentence-transformers, a
 causal LM's last-token embeddings against transformers' final hidden states, Llava (vision tower whole on
-each rank, language model sharded) and Jamba (Mamba mixers split by channel, attention, MoE) against
-transformers' float32 greedy tokens. Each engine starts once (module fixtures); ``vllite env`` shows each
-rank's heads and refuses what does not divide.
+each rank, language model sharded), Jamba (Mamba mixers split by channel, attention, MoE) and Mamba-2
+(mixers split by heads, one B/C group shared by both ranks) against transformers' float32 greedy tokens.
+Each engine starts once (module fixtures); ``vllite env`` shows each rank's heads and refuses what does not
+divide.
 """
 from __future__ import annotations
 
@@ -135,31 +136,61 @@ def test_llava_over_two_ranks_matches_hf_greedy(llava_tp2):
 
 # ---- a hybrid: Jamba (a Mamba mixer layer with a dense MLP, an attention layer with the MoE) ---------------
 
-@pytest.fixture(scope="module")
-def jamba_tp2(tmp_path_factory):
+def _state_space_tp2(path, arch: str):
+    """A tiny state-space model of test_state_space_models (``arch``) at ``path`` on two ranks, its prompts (the
+    longer ones prefill in 24-token chunks) and transformers' float32 greedy tokens for them."""
     from hf_reference import hf_greedy_with
     from test_state_space_models import _configs
 
-    path = tmp_path_factory.mktemp("tiny-jamba-tp")
-    hf = save_tiny(path, _configs()["jamba"]())
+    hf = save_tiny(path, _configs()[arch]())
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (2, 17, 40)]
     ref = [hf_greedy_with(hf, p, 10, lambda logits, *_: logits) for p in prompts]
     llm = LLM(model=str(path), dtype="float32", tensor_parallel_size=2, max_model_len=256,
-              max_num_batched_tokens=24, num_kv_blocks=64)  # the longer prompts prefill in chunks
+              max_num_batched_tokens=24, num_kv_blocks=64)
+    return llm, prompts, ref
+
+
+def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def jamba_tp2(tmp_path_factory):
+    llm, prompts, ref = _state_space_tp2(tmp_path_factory.mktemp("tiny-jamba-tp"), "jamba")
     yield llm, prompts, ref
     _shutdown(llm)
 
 
 def test_jamba_over_two_ranks_matches_hf_greedy(jamba_tp2):
     llm, prompts, ref = jamba_tp2
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
-    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert _greedy(llm, prompts) == ref
     # Each rank holds half of the mixer's 128 channels (and so half of each request's state) and 2 of 4 heads.
     assert _local_rows(llm, "model.layers.0.mamba.A_log") == [64, 64]
     assert _local_rows(llm, "model.layers.0.mamba.in_proj.weight") == [128, 128]
     assert _local_rows(llm, "model.layers.1.self_attn.qkv_proj.weight") == [64, 64]
+
+
+# ---- Mamba-2: mixers split by whole heads --------------------------------------------------------------
+
+def test_mamba2_over_two_ranks_matches_hf_greedy(tmp_path, capsys):
+    """8 heads in 1 group: each rank 4 heads and the whole group's B and C; the gated norm spans both ranks (its
+    squares summed over them); 24-token chunks of the longer prompts. ``vllite env`` shows the split."""
+    llm, prompts, ref = _state_space_tp2(tmp_path, "mamba2")
+    try:
+        assert _greedy(llm, prompts) == ref
+        # in_proj: gate 64 + x 64 + B 16 + C 16 + dt 4 rows of 128 + 128 + 16 + 16 + 8; conv: x 64 + B + C
+        assert _local_rows(llm, "model.layers.0.mixer.in_proj.weight") == [164, 164]
+        assert _local_rows(llm, "model.layers.0.mixer.conv1d.weight") == [96, 96]
+        assert _local_rows(llm, "model.layers.0.mixer.A_log") == [4, 4]
+    finally:
+        _shutdown(llm)
+    rc, out, _ = _env(capsys, "-tp", "2", "--model", str(tmp_path))
+    assert rc == 0 and "tensor-parallel rank 1: SSM heads 4-7 (4) of 8, groups 0-0 of 1" in out
+    rc, _, err = _env(capsys, "-tp", "3", "--model", str(tmp_path))
+    assert rc == 1 and "tensor_parallel_size: 3 ranks cannot split a Mamba-2 mixer of 8 heads in 1 group(s)" in err
 
 
 # ---- in one process: two ranks as two threads (no worker processes), for encoders ---------------------
@@ -271,10 +302,10 @@ def test_env_shows_each_ranks_heads_and_stages(capsys, llava, qwen2_embed_path):
     assert rc == 0 and "tensor-parallel rank 1: query heads 6-11 (6) of 12, KV heads 6-11 (6) of 12" in out
 
 
-def _mamba2_config():
+def _lfm2_config():
     from test_state_space_models import _configs
 
-    return _configs()["mamba2"]()  # Mamba-2's mixer is not sharded yet
+    return _configs()["lfm2"]()  # LFM2's short conv is not sharded yet
 
 
 def test_env_refuses_what_does_not_divide(capsys, llava, qwen2_embed_path, tmp_path):
@@ -285,6 +316,44 @@ def test_env_refuses_what_does_not_divide(capsys, llava, qwen2_embed_path, tmp_p
     assert rc == 1 and "pipeline_parallel_size: 3 stages for a model of 2 layer(s)" in err
     rc, _, err = _env(capsys, "-tp", "2", "-pp", "2", "--model", str(llava[0]))
     assert rc == 1 and "pipeline_parallel_size: LlavaForConditionalGeneration does not support pipeline" in err
-    save_tiny(tmp_path, _mamba2_config())
+    save_tiny(tmp_path, _lfm2_config())
     rc, _, err = _env(capsys, "-tp", "2", "--model", str(tmp_path))
-    assert rc == 1 and "tensor_parallel_size: Mamba2ForCausalLM does not support tensor parallelism" in err
+    assert rc == 1 and "tensor_parallel_size: Lfm2ForCausalLM does not support tensor parallelism" in err
+
+
+def test_mamba2_mixer_with_a_group_per_rank_matches_transformers(monkeypatch):
+    """Mamba-2's other split: 2 groups over 2 ranks, each rank 4 heads and its own group's B and C (the gated norm
+    stays within a rank). Both ranks' mixer outputs equal transformers' Mamba2Mixer on a 20-token prompt."""
+    from transformers import Mamba2Config
+    from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer as HFMamba2Mixer
+
+    from model_registry.layers.mamba import Mamba2Mixer
+    from model_registry.layers.params import load_parameter
+    from model_registry.models.mamba2 import mamba2_dims
+
+    config = Mamba2Config(vocab_size=512, hidden_size=64, num_hidden_layers=1, state_size=16, conv_kernel=4, expand=2,
+                          num_heads=8, head_dim=16, n_groups=2, chunk_size=8)
+    torch.manual_seed(0)
+    hf = HFMamba2Mixer(config, layer_idx=0).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.2)
+    x = torch.randn(20, 64)
+    with torch.no_grad():
+        ref = hf(x[None])[0]
+    weights = hf.state_dict()
+
+    def build():
+        mixer = Mamba2Mixer(mamba2_dims(config), torch.float32)
+        for name, p in mixer.named_parameters():
+            load_parameter(p, weights[name], None, name)
+        return mixer
+
+    def run(mixer):
+        states = [torch.zeros(1, *shape) for shape in mixer.state_shapes]
+        with torch.no_grad():
+            return mixer.mix(x, states, SimpleNamespace(query_start_loc_cpu=[0, 20]))
+
+    outs = _run_as_ranks(monkeypatch, 2, build, run)
+    for out in outs:
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)

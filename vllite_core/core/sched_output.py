@@ -36,6 +36,9 @@ class CachedRequestData:
     num_computed_tokens: int
     # Tokens the scheduler appended without the runner sampling them (jump-forward), to append to its copy.
     new_token_ids: list[int] = field(default_factory=list)
+    # Pipeline stages: the tokens this step computes (positions num_computed_tokens on); the stages that do
+    # not sample learn the sampled ones here (None with one stage).
+    token_ids: list[int] | None = None
 
 
 @dataclass

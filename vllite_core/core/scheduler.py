@@ -28,7 +28,7 @@ logger = logging.getLogger("vllite.scheduler")
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  kv_cache_manager: KVCacheManager, max_model_len: int, max_loras: int = 0,
-                 encoder_cache: Any = None, num_spec_tokens: int = 0) -> None:
+                 encoder_cache: Any = None, num_spec_tokens: int = 0, pipeline_parallel: bool = False) -> None:
         self.config = scheduler_config
         self.max_loras = max_loras  # distinct LoRA adapters among running requests (0: LoRA off)
         self.cache_config = cache_config
@@ -48,6 +48,11 @@ class Scheduler:
         # Speculative decoding (num_spec_tokens > 0): drafts are scheduled tokens, counted here once verified.
         self.spec_stats = SpecDecodingStats(num_spec_tokens) if num_spec_tokens else None
         self.num_jump_forward_tokens = 0
+        # Pipeline stages (several batches in flight): the requests whose step has not come back yet are not
+        # scheduled again (or preempted) until it has; each step names the tokens it computes, as the stages
+        # that do not sample do not know the last sampled ones.
+        self.pipeline_parallel = pipeline_parallel
+        self.in_flight: set[str] = set()
 
     # ---- intake -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -97,10 +102,14 @@ class Scheduler:
             return 0
         return max(self.cache_config.block_size, int(self.max_model_len * 0.04))
 
-    def _pick_victim(self) -> Request:
+    def _pick_victim(self) -> Request | None:
+        """The running request to preempt (None: every one has a step in flight)."""
+        candidates = [r for r in self.running if r.request_id not in self.in_flight]
+        if not candidates:
+            return None
         if self.policy == "priority":
-            return max(self.running, key=Request.sort_key)
-        return self.running[-1]
+            return max(candidates, key=Request.sort_key)
+        return candidates[-1]
 
     def _preempt(self, victim: Request) -> None:
         """Recompute later: free the blocks, keep the tokens, back to the waiting queue."""
@@ -122,6 +131,9 @@ class Scheduler:
         idx = 0
         while idx < len(self.running) and step.budget > 0:
             req = self.running[idx]
+            if req.request_id in self.in_flight:  # its previous step is still in the pipeline
+                idx += 1
+                continue
             num_new = step.chunk(req, req.num_tokens - req.num_computed_tokens, len(req.spec_token_ids))
             if num_new <= 0:
                 idx += 1
@@ -129,6 +141,7 @@ class Scheduler:
             blocks = self.kv.allocate_slots(req, num_new)
             while blocks is None:
                 victim = self._pick_victim()
+                assert victim is not None  # req itself is not in flight
                 if self.running.index(victim) < idx:
                     idx -= 1
                 step.preempt(victim)
@@ -176,9 +189,9 @@ class Scheduler:
                 continue
             blocks = self.kv.allocate_slots(req, num_new, computed_blocks, num_computed)
             # Priority: a more urgent arrival may push out less urgent running requests.
-            while blocks is None and self.policy == "priority" and self.running \
-                    and self._pick_victim().sort_key() > req.sort_key():
-                step.preempt(self._pick_victim(), admitting=True)
+            while blocks is None and self.policy == "priority" and (victim := self._pick_victim()) is not None \
+                    and victim.sort_key() > req.sort_key():
+                step.preempt(victim, admitting=True)
                 computed_blocks, num_computed = self.kv.get_computed_blocks(req)
                 num_new = step.chunk(req, req.num_tokens - num_computed, recount=False)
                 blocks = self.kv.allocate_slots(req, num_new, computed_blocks, num_computed)
@@ -217,7 +230,7 @@ class Scheduler:
         for req in self.running:
             if step.budget <= 0:
                 break
-            if req.request_id in step.out.num_scheduled_tokens:
+            if req.request_id in step.out.num_scheduled_tokens or req.request_id in self.in_flight:
                 continue
             num_new = step.chunk(req, req.num_tokens - req.num_computed_tokens)
             if num_new <= 0:
@@ -237,6 +250,7 @@ class Scheduler:
         proposed for each request's next step; a request's list of sampled tokens is cut at its stop."""
         updated: list[Request] = []
         stopped: list[Request] = []
+        self.in_flight.difference_update(out.num_scheduled_tokens)
         for rid in [*(failed or ()), *self.grammar_errors]:
             req = self.requests.get(rid)
             if req is None or req.status.finished:
@@ -458,9 +472,12 @@ class _Step:
                 encoder_inputs=req.encoder_inputs, num_encoder_tokens=req.num_encoder_tokens,
                 pooling_params=req.pooling_params, lora_request=req.lora_request, mm_features=req.mm_features))
         for req in self.running:
+            nc = req.num_computed_tokens
             out.scheduled_cached_reqs.append(CachedRequestData(
                 req_id=req.request_id, new_block_ids=self.new_block_ids[req.request_id],
-                num_computed_tokens=req.num_computed_tokens, new_token_ids=req.jumped_token_ids))
+                num_computed_tokens=nc, new_token_ids=req.jumped_token_ids,
+                token_ids=(list(req.all_token_ids[nc:nc + out.num_scheduled_tokens[req.request_id]])
+                           if sched.pipeline_parallel else None)))
             req.jumped_token_ids = []
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         if self.encoder is not None:
@@ -473,5 +490,7 @@ class _Step:
         # The tokens are as good as computed once scheduled (the runner computes them in order).
         for rid, n in out.num_scheduled_tokens.items():
             sched.requests[rid].num_computed_tokens += n
+        if sched.pipeline_parallel:
+            sched.in_flight.update(out.num_scheduled_tokens)
         return out
 

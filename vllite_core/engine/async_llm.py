@@ -52,7 +52,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, TypeVar
 
 from vllite_core.core.stats import SchedulerStats
 from vllite_core.engine.core_calls import CoreCall, CoreCalls
@@ -72,6 +72,9 @@ from vllite_core.errors import (
 from vllite_core.inputs import InputContext, ProcessedPrompt
 from vllite_core.outputs import RequestOutput
 from vllite_core.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from vllite_core.engine.dp_layout import DataParallelLayout
 
 logger = logging.getLogger("vllite.async_llm")
 
@@ -165,10 +168,11 @@ class AsyncLLM:
 
     @classmethod
     def from_engine_args(cls, args: Any, data_parallel_size: int = 1, multiprocess: bool | None = None,
-                         restart: RestartPolicy | None = None) -> "AsyncLLM":
+                         restart: RestartPolicy | None = None, dp: DataParallelLayout | None = None) -> "AsyncLLM":
         """The server's engine: its core(s) in their own processes unless ``multiprocess`` is False or
         VLLITE_ENABLE_V1_MULTIPROCESSING=0 (then in this process, on the engine-loop thread).
-        ``data_parallel_size`` > 1 needs the engine-core processes; ``restart`` applies to them."""
+        ``data_parallel_size`` > 1 needs the engine-core processes; ``restart`` applies to them. ``dp``: data
+        parallelism across nodes (its size is the data-parallel size)."""
         from vllite_core.engine.core_client import multiprocessing_enabled
         from vllite_core.engine.mp_client import MPClient
 
@@ -179,7 +183,7 @@ class AsyncLLM:
                 raise ConfigError(f"data_parallel_size: {data_parallel_size} needs the engine cores in their own "
                                   "processes (VLLITE_ENABLE_V1_MULTIPROCESSING=1)")
             return cls(LLMEngine.from_engine_args(args))
-        client = MPClient(args.create_config(), data_parallel_size)
+        client = MPClient(args.create_config(), dp.size if dp is not None else data_parallel_size, dp)
         try:
             return cls(LLMEngine(client.info.config, core=client), restart)
         except BaseException:

@@ -6,6 +6,7 @@ LLMEngine, the async server engine) detokenize and shape outputs.
 """
 from __future__ import annotations
 
+import collections
 import copy
 import logging
 import time
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from vllite_core.config import AUTO_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN, ConfigError, VlliteConfig
 from vllite_core.core.kv_cache_manager import KVCacheManager
+from vllite_core.core.sched_output import SchedulerOutput
 from vllite_core.core.scheduler import Scheduler
 from vllite_core.core.stats import SchedulerStats, StepTimes
 from vllite_core.errors import EngineSleepingError
@@ -22,11 +24,12 @@ from vllite_core.pooling import setup as pooling_setup
 from vllite_core.request import Request, RequestStatus
 from vllite_core.state_cache import check_state_options, limit_max_num_seqs
 from vllite_core.structured_output.manager import StructuredOutputManager
-from vllite_core.worker.model_runner import SampleLogprobs
+from vllite_core.worker.model_runner import ModelRunnerOutput, SampleLogprobs
 from vllite_core.worker.sleep import SleepReport, check_level, check_tags
 
 if TYPE_CHECKING:
     from model_registry.model_impl import ModelImplChoice
+    from vllite_core.executor.base import StepHandle
 
 logger = logging.getLogger("vllite.engine")
 
@@ -287,7 +290,8 @@ def _scheduler(config: VlliteConfig, kv: KVCacheManager) -> Scheduler:
     sc = config.speculative_config
     return Scheduler(config.scheduler_config, config.cache_config, kv, config.model_config.max_model_len,
                      max_loras=config.lora_config.max_loras if config.lora_config else 0,
-                     encoder_cache=_encoder_cache(config), num_spec_tokens=sc.num_speculative_tokens if sc else 0)
+                     encoder_cache=_encoder_cache(config), num_spec_tokens=sc.num_speculative_tokens if sc else 0,
+                     pipeline_parallel=config.parallel_config.pipeline_parallel_size > 1)
 
 
 def _structured_output_manager(config: VlliteConfig, model: ResolvedModel, vocab_size: int,
@@ -342,6 +346,11 @@ class EngineCore:
         self.kv_cache_manager = _kv_cache_manager(config, groups, num_blocks, proposer_factory)
         self.config = config = _cache_config(config, self.kv_cache_manager, groups, num_blocks)
         self.scheduler = _scheduler(config, self.kv_cache_manager)
+        # Steps in flight at once (vLLM's batch queue): one per pipeline stage; each entry is (the executor's
+        # handle, the step, its scheduling time).
+        self.batch_queue_size = self.executor.max_concurrent_batches
+        self.batch_queue: collections.deque[tuple[StepHandle, SchedulerOutput, float]] = collections.deque()
+        self.max_batches_in_flight = 0  # the most steps ever in flight together (what overlapped)
         self.structured_output = _structured_output_manager(config, model, self.vocab_size, pm)
         max_model_len = config.model_config.max_model_len
         self.model_info = ModelInfo(model.source, model.hf_config, model.architecture, max_model_len, num_blocks)
@@ -401,18 +410,57 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
+        """One step: schedule, run, update. With pipeline stages, ``_step_with_batch_queue``."""
+        if self.batch_queue_size > 1 or self.batch_queue:
+            return self._step_with_batch_queue()
         t0 = time.perf_counter()
-        so = self.scheduler.schedule()
-        sched = self.scheduler
-        so.grammar_bitmask = self.structured_output.grammar_bitmask(sched.requests, so)
+        so = self._schedule()
         t1 = time.perf_counter()
-        if so.is_empty and not so.finished_req_ids and not so.preempted_req_ids and not sched.grammar_errors:
+        if so is None:
             self._wait_for_grammars()
             return []
         result = self.executor.execute_model(so)
         t2 = time.perf_counter()
-        updated = self.scheduler.update_from_output(so, result.sampled_token_ids, result.failed,
-                                                    result.pooler_output, result.spec_token_ids)
+        return self._finish_step(so, result, t1 - t0, t2 - t1)
+
+    def _step_with_batch_queue(self) -> list[EngineCoreOutput]:
+        """vLLM V1's batch queue: while fewer than ``batch_queue_size`` steps are in flight, schedule another
+        (the scheduler leaves out the requests already in flight) and return at once; otherwise, or when
+        nothing more can be scheduled, wait for the oldest step and update from it. With M stages, stage 0
+        runs the newest batch while the later stages run the older ones."""
+        q = self.batch_queue
+        t0 = time.perf_counter()
+        if len(q) < self.batch_queue_size:
+            so = self._schedule()
+            if so is not None:
+                q.append((self.executor.execute_model_async(so), so, time.perf_counter() - t0))
+                self.max_batches_in_flight = max(self.max_batches_in_flight, len(q))
+                if len(q) < self.batch_queue_size and not so.is_empty:
+                    return []
+        if not q:
+            self._wait_for_grammars()
+            return []
+        handle, so, schedule_s = q.popleft()
+        t1 = time.perf_counter()
+        result = handle.result()
+        return self._finish_step(so, result, schedule_s, time.perf_counter() - t1)
+
+    def _schedule(self) -> SchedulerOutput | None:
+        """The next step, or None when there is nothing to send the workers."""
+        sched = self.scheduler
+        so = sched.schedule()
+        so.grammar_bitmask = self.structured_output.grammar_bitmask(sched.requests, so)
+        if so.is_empty and not so.finished_req_ids and not so.preempted_req_ids and not sched.grammar_errors:
+            return None
+        return so
+
+    def _finish_step(self, so: SchedulerOutput, result: ModelRunnerOutput, schedule_s: float,
+                     execute_s: float) -> list[EngineCoreOutput]:
+        """Update the requests from a step's output; their outputs."""
+        t2 = time.perf_counter()
+        sched = self.scheduler
+        updated = sched.update_from_output(so, result.sampled_token_ids, result.failed,
+                                           result.pooler_output, result.spec_token_ids)
         errors = {**sched.grammar_errors, **result.failed}
         sched.grammar_errors = {}
         outputs = []
@@ -427,11 +475,10 @@ class EngineCore:
                 num_cached_tokens=max(req.num_cached_tokens, 0), first_scheduled_time=req.first_scheduled_time,
                 num_preemptions=req.num_preemptions, error=errors.get(req.request_id),
                 pooling_output=result.pooler_output.get(req.request_id)))
-        t3 = time.perf_counter()
         st = self.step_times
-        st.schedule += t1 - t0
-        st.execute += t2 - t1
-        st.update += t3 - t2
+        st.schedule += schedule_s
+        st.execute += execute_s
+        st.update += time.perf_counter() - t2
         st.steps += 1
         st.tokens += so.total_num_scheduled_tokens
         return outputs

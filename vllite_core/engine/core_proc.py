@@ -10,7 +10,8 @@ process's job, as in vLLM).
 Start-up failure is sent back as the exception itself (the API re-raises it with its original
 text) and the process exits 1. A step that fails with a fault of no single request is sent the
 same way (``EngineCoreFailed``) before the process exits 1; the client names it to every open
-request. The process also exits when the API process that started it is gone.
+request. The process also exits when the API process that started it is gone, and an engine core of
+a headless node (dp_layout.py) when the link to its API server closes.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import logging
 import os
 import pickle
 import sys
+import threading
 import traceback
 from typing import Any
 
@@ -67,6 +69,7 @@ class EngineCoreProc:
         self.encoder = MsgpackEncoder()
         self.decoder = MsgpackDecoder(EngineCoreBatch)
         self.num_applied = 0
+        self.stop = threading.Event()  # set from another thread: stop between steps once idle
 
     def _apply(self, msg: Any) -> bool:
         """Apply one client message; False when it asks the process to stop."""
@@ -128,6 +131,8 @@ class EngineCoreProc:
                 if not busy and os.getppid() != parent:
                     logger.warning("the API process is gone: the engine core stops")
                     return
+                if not busy and self.stop.is_set():
+                    return
             refused: list[EngineCoreOutput] = []
             while inp.poll(0):
                 frames = [f.buffer for f in inp.recv_multipart(copy=False)]
@@ -163,13 +168,20 @@ def _configure_logging() -> None:
                             format=f"%(levelname)s %(name)s[engine {os.getpid()}]: %(message)s")
 
 
-def run_engine_core(config: VlliteConfig, engine_index: int, input_addr: str, output_addr: str) -> None:
-    """The process's entry point (multiprocessing, spawn)."""
+def run_engine_core(config: VlliteConfig, engine_index: int, input_addr: str | None, output_addr: str) -> None:
+    """The process's entry point (multiprocessing, spawn). ``input_addr`` None: a headless node's core,
+    whose one socket to the API server's front end at ``output_addr`` carries both ways (dp_layout.py)."""
     _configure_logging()
     ctx = zmq.Context()
-    out = ctx.socket(zmq.PUSH)
-    out.setsockopt(zmq.LINGER, 5000)
-    out.connect(output_addr)
+    stop = threading.Event()
+    if input_addr is None:
+        from vllite_core.engine.dp_layout import connect_to_front_end, stop_when_front_end_gone
+
+        out = connect_to_front_end(ctx, output_addr, engine_index, stop_when_front_end_gone(stop))
+    else:
+        out = ctx.socket(zmq.PUSH)
+        out.setsockopt(zmq.LINGER, 5000)
+        out.connect(output_addr)
     encoder = MsgpackEncoder()
     try:
         proc = EngineCoreProc(config, engine_index)
@@ -179,9 +191,13 @@ def run_engine_core(config: VlliteConfig, engine_index: int, input_addr: str, ou
         out.close()
         ctx.term()
         sys.exit(1)
-    inp = ctx.socket(zmq.PULL)
-    inp.setsockopt(zmq.LINGER, 0)
-    inp.connect(input_addr)
+    proc.stop = stop
+    if input_addr is None:
+        inp = out
+    else:
+        inp = ctx.socket(zmq.PULL)
+        inp.setsockopt(zmq.LINGER, 0)
+        inp.connect(input_addr)
     out.send_multipart(encoder.encode(EngineCoreReady(engine_index, os.getpid(), pickle.dumps(proc.core.info()),
                                                       proc.core.stats())))
     code = 0

@@ -8,35 +8,26 @@ outputs that arrived, ``stats`` the latest ``SchedulerStats`` records the cores 
 the one with the fewest unfinished requests (running + waiting, as this client counts them: sent and
 not yet finished or aborted), and /metrics labels each engine's numbers with its index.
 
-Death: a monitor thread waits on the processes' sentinels. When one exits (a crash, kill -9,
-the OOM killer), ``step`` raises ``EngineDeadError`` naming the process, its exit code or
-signal and the last error line it sent, so AsyncLLM fails every open request with it. With data
-parallelism, while other cores live, it raises ``EngineCoreDeadError`` carrying the dead core's request
-ids: only those fail and the live cores keep theirs.
+The processes' lifecycle (start-up, death, restart) is ``CoreProcesses`` (core_processes.py), which
+MPClient inherits.
 
-Restart, in three calls that never wait for a model load (so the thread that steps the live cores
-goes on stepping them while a dead one loads): ``drop_dead`` forgets the dead cores' requests (the
-caller failed them), ``start_dead`` starts their processes again, ``poll_started`` says whether they
-are ready (and raises what their start-up raised). A core is *ready* (takes requests) from its
-ready message until it dies; a starting one gets none. AsyncLLM decides whether and when to restart,
-within its restart budget (engine/restart.py).
+Across nodes (``DataParallelLayout``, dp_layout.py): ranks past ``size_local`` run on headless nodes,
+whose cores connect to the ROUTER this client binds on ``--data-parallel-address``:
+``--data-parallel-rpc-port``; they are routed like the local ones, and their requests fail as a local
+core's do when their link closes.
 """
 from __future__ import annotations
 
 import atexit
 import itertools
 import logging
-import multiprocessing
-import multiprocessing.connection
 import os
 import pickle
-import signal
 import tempfile
 import threading
 import time
 import uuid
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import zmq
@@ -60,8 +51,10 @@ from vllite_core.engine.core_messages import (
     EngineCoreWakeUp,
     EngineMessage,
 )
+from vllite_core.engine.core_processes import LINK_GONE, CoreProcesses, CoreSlot
+from vllite_core.engine.dp_layout import DataParallelLayout, bind_front_end
 from vllite_core.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
-from vllite_core.errors import ConfigError, EngineCoreDeadError, EngineDeadError
+from vllite_core.errors import ConfigError, EngineDeadError
 from vllite_core.request import Request, RequestStatus
 from vllite_core.worker.sleep import SleepReport
 
@@ -70,66 +63,41 @@ logger = logging.getLogger("vllite.engine_core_client")
 _POLL_MS = 100  # the longest step() waits before it returns (so AsyncLLM's inbox is never starved)
 _ROUTES_KEPT = 65536  # request -> engine routes remembered for the per-engine request metrics
 _STOP_S = 5.0  # how long close() waits for an engine core to exit before it terminates it
-_JOIN_S = 30.0  # how long a ready engine core's input socket may take to be joined to ours
 
 
-class EngineStartupError(RuntimeError):
-    """An engine-core process failed before it was ready, with an error that could not be re-raised
-    as itself (or it died without saying why)."""
-
-
-def describe_exit(exitcode: int | None) -> str:
-    if exitcode is None:
-        return "still running"
-    if exitcode < 0:
-        try:
-            return f"killed by signal {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"killed by signal {-exitcode}"
-    return f"exit code {exitcode}"
-
-
-@dataclass
-class _Engine:
-    index: int
-    proc: Any  # multiprocessing.Process
-    input_addr: str
-    sock: Any = None  # zmq PUSH to this engine
-    pid: int | None = None
-    stats: SchedulerStats = field(default_factory=SchedulerStats)
-    unfinished: int = 0  # requests sent, not yet finished or aborted
-    sent: int = 0  # messages sent to it
-    applied: int = 0  # messages it said it applied (its stats are current once this equals sent)
-    last_error: str | None = None  # the last error line the process sent (EngineCoreFailed)
-    ready: bool = False  # serving: its ready message came and its input socket is joined; False once dead
-    info: CoreInfo | None = None  # what its ready message said (start-up)
-    joined_by: float = 0.0  # start-up: monotonic deadline for its input socket to be joined after "ready"
-    start_error: BaseException | None = None  # start-up: what its process reported failing with
-
-    def describe(self) -> str:
-        return f"engine core {self.index} (pid {self.pid or self.proc.pid})"
-
-
-class MPClient:
+class MPClient(CoreProcesses):
     """An EngineCoreClient (core_client.py) that starts ``data_parallel_size`` engine-core processes and
     waits until each is ready (or raises what failed there). ``step`` and the request methods are called
     from one thread (the engine loop); sends are locked, so ``remove_lora`` may come from another."""
 
-    def __init__(self, config: VlliteConfig, data_parallel_size: int = 1) -> None:
+    def __init__(self, config: VlliteConfig, data_parallel_size: int = 1,
+                 dp: DataParallelLayout | None = None) -> None:
+        """``dp``: ranks on other nodes too (its ``size`` is the data-parallel size, ``size_local`` the
+        processes started here); without it ``data_parallel_size`` processes here."""
         if data_parallel_size < 1:
             raise ConfigError(f"data_parallel_size: must be at least 1, got {data_parallel_size}")
+        dp = dp or DataParallelLayout(data_parallel_size, data_parallel_size)
+        self.dp = dp
         self._ctx = zmq.Context()
         self._tag = f"vllite-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._ipc_files: list[str] = []
         self._out = self._ctx.socket(zmq.PULL)
         self._out.setsockopt(zmq.LINGER, 0)
         self._out.bind(self._addr("out"))
+        self._inputs = zmq.Poller()  # what the engines send arrives here (and on the front end's ROUTER)
+        self._inputs.register(self._out, zmq.POLLIN)
+        self._router: zmq.Socket | None = None  # the front end for remote ranks
+        self._router_events: zmq.Socket | None = None  # its link events (read by the link watcher thread)
+        self._link_watch: threading.Thread | None = None
+        self._link_stop: tuple[int, int] | None = None
+        self._probe_until = 0.0  # monotonic: probe the remote cores' links while before this
+        self._remote_notes: deque[tuple[int, Any]] = deque()  # from other threads, for remote cores (flush sends)
         self._encoder = MsgpackEncoder()
         self._decoder = MsgpackDecoder(EngineMessage)
         self._send_lock = threading.Lock()
         self._closed = False
-        self._died: _Engine | None = None
-        self._owner: dict[str, _Engine] = {}  # engine request id -> the engine that has it
+        self._died: CoreSlot | None = None
+        self._owner: dict[str, CoreSlot] = {}  # engine request id -> the engine that has it
         self._outbox: dict[int, list[Any]] = {}  # engine index -> messages queued for it (sent by flush)
         self._pending: deque[EngineCoreOutputs] = deque()  # arrived, not yet handed out by step()
         self._routes: OrderedDict[str, int] = OrderedDict()  # recent request ids -> engine index (for metrics)
@@ -139,14 +107,19 @@ class MPClient:
         self.restartable = True
         self._config = config
         self._restarts = 0  # times dead engine processes were started again (their socket names differ)
-        self._starting: list[_Engine] = []  # started again, not ready yet (poll_started)
+        self._starting: list[CoreSlot] = []  # started again, not ready yet (poll_started)
         self._monitor: threading.Thread | None = None
         self._monitor_stop: tuple[int, int] | None = None  # the running monitor's stop pipe
-        self.engines = [_Engine(i, None, "") for i in range(data_parallel_size)]
+        self.engines = [CoreSlot(i, None, "", remote=i >= dp.size_local) for i in range(dp.size)]
         atexit.register(self.close)
         try:
+            if any(e.remote for e in self.engines):
+                self._router, self._router_events = bind_front_end(self._ctx, dp)
+                self._inputs.register(self._router, zmq.POLLIN)
+                self._start_link_watch()
             for e in self.engines:
-                self._spawn(e)
+                if not e.remote:
+                    self._spawn(e)
             self._wait_ready(self.engines)
         except BaseException:
             self.close()
@@ -158,48 +131,14 @@ class MPClient:
         os.set_blocking(self._wake_w, False)
         self._poller = zmq.Poller()
         self._poller.register(self._out, zmq.POLLIN)
+        if self._router is not None:
+            self._poller.register(self._router, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
         self._start_monitor()
 
-    def _spawn(self, eng: _Engine) -> None:
-        """Start engine ``eng.index``'s process, with a fresh input socket (nothing queued for a dead one)."""
-        from vllite_core.engine.core_proc import run_engine_core
-
-        if eng.sock is not None:
-            eng.sock.close(0)
-        eng.input_addr = self._addr(f"in{eng.index}" + (f"-r{self._restarts}" if self._restarts else ""))
-        mp = multiprocessing.get_context("spawn")
-        eng.proc = mp.Process(target=run_engine_core, args=(self._config, eng.index, eng.input_addr, self._addr("out")),
-                              name=f"VlliteEngineCore_{eng.index}", daemon=False)
-        eng.proc.start()
-        eng.pid = None
-        eng.ready, eng.info, eng.start_error = False, None, None
-        eng.sock = self._ctx.socket(zmq.PUSH)
-        eng.sock.setsockopt(zmq.LINGER, 0)
-        eng.sock.setsockopt(zmq.SNDHWM, 0)  # no limit: a send fails (never blocks) only without a peer
-        eng.sock.bind(eng.input_addr)
-
-    def _start_monitor(self) -> None:
-        """(Re)start the monitor on the processes of the ready and the starting engines."""
-        self._stop_monitor()
-        watched = {e.proc.sentinel: (e, e.proc) for e in self.engines
-                   if (e.ready or e in self._starting) and e.proc.exitcode is None}
-        self._monitor_stop = os.pipe()
-        self._monitor = threading.Thread(target=self._watch, args=(watched, self._monitor_stop[0]),
-                                         name="vllite-engine-monitor", daemon=True)
-        self._monitor.start()
-
-    def _stop_monitor(self) -> None:
-        if self._monitor is None or self._monitor_stop is None:
-            return
-        r, w = self._monitor_stop
-        os.write(w, b"x")
-        if self._monitor is not threading.current_thread():
-            self._monitor.join(10)
-        if not self._monitor.is_alive():
-            os.close(r)
-            os.close(w)
-        self._monitor = self._monitor_stop = None
+    def _wait_input(self, timeout_ms: int) -> bool:
+        """Whether something arrived from an engine core within ``timeout_ms``."""
+        return bool(self._inputs.poll(timeout_ms))
 
     def _addr(self, name: str) -> str:
         path = os.path.join(tempfile.gettempdir(), f"{self._tag}-{name}")
@@ -207,45 +146,8 @@ class MPClient:
             self._ipc_files.append(path)
         return f"ipc://{path}"
 
-    # ---- start-up -------------------------------------------------------------------------
-    def _wait_ready(self, engines: list[_Engine]) -> None:
-        """Until every one of ``engines`` is ready; the first start-up failure is raised as the error the
-        process hit. Outputs other (running) engines send meanwhile are kept."""
-        while True:
-            self._drain()
-            if self._check_started(engines):
-                return
-            self._out.poll(200)
-
-    def _check_started(self, engines: list[_Engine]) -> bool:
-        """Whether every one of ``engines`` is ready now (never waits); raises the first start-up failure.
-        Their ready and failure messages are read by ``_drain``."""
-        for eng in engines:
-            if eng.ready:
-                continue
-            if eng.start_error is not None:
-                raise eng.start_error
-            if eng.proc.exitcode is not None:
-                if self._out.poll(200):  # the error it sent before it exited may still be on its way
-                    self._drain()
-                if eng.start_error is not None:
-                    raise eng.start_error
-                raise EngineStartupError(f"{eng.describe()} failed to start: it exited "
-                                         f"({describe_exit(eng.proc.exitcode)}) before it was ready")
-            if eng.info is None:
-                continue
-            # zmq joins the sockets in the background: "ready" can arrive before the engine's input socket is
-            # joined to ours, and a send in that gap fails as if the engine were gone (seen on a loaded host)
-            if eng.sock.poll(0, zmq.POLLOUT):
-                eng.ready = True
-            elif time.monotonic() > eng.joined_by:
-                eng.info = None  # this start is over: a later ready message starts the wait again
-                raise EngineStartupError(f"{eng.describe()} failed to start: its input socket was not joined "
-                                         f"in {_JOIN_S:g} s")
-        return all(e.ready for e in engines)
-
     # ---- what LLMEngine calls ---------------------------------------------------------------
-    def _live(self) -> list[_Engine]:
+    def _live(self) -> list[CoreSlot]:
         """The engines that take requests: ready, and not known dead."""
         ready = [e for e in self.engines if e.ready]
         if self._died is None:
@@ -253,15 +155,14 @@ class MPClient:
         dead = self._dead_engines()
         return [e for e in ready if e not in dead]
 
-    def _dead_engines(self) -> list[_Engine]:
-        """Engines that served and died (not the ones starting again, nor those whose start failed)."""
-        return [e for e in self.engines if e is self._died or (e.ready and not e.proc.is_alive())]
-
-    def _queue(self, eng: _Engine, msg: Any) -> None:
+    def _queue(self, eng: CoreSlot, msg: Any) -> None:
         """Sent with the others queued before the next ``step`` (or ``flush``), as one message."""
         self._outbox.setdefault(eng.index, []).append(msg)
 
     def flush(self) -> None:
+        while self._remote_notes:
+            index, note = self._remote_notes.popleft()
+            self._queue(self.engines[index], note)
         outbox, self._outbox = self._outbox, {}
         for index, msgs in outbox.items():
             eng = self.engines[index]
@@ -270,17 +171,29 @@ class MPClient:
             if not self._send(eng, msgs) and self._died is None:
                 self._died = eng
 
-    def _send(self, eng: _Engine, msgs: list[Any]) -> bool:
+    def _send(self, eng: CoreSlot, msgs: list[Any]) -> bool:
         """Never blocks: False when the engine is not connected (not started yet, or gone)."""
         with self._send_lock:
             try:
-                eng.sock.send_multipart(self._encoder.encode(EngineCoreBatch(msgs)), flags=zmq.NOBLOCK, copy=False)
+                frames = self._encoder.encode(EngineCoreBatch(msgs))
+                if eng.remote:
+                    if eng.identity is None or self._router is None:
+                        return False
+                    self._router.send_multipart([eng.identity, *frames], flags=zmq.NOBLOCK, copy=False)
+                else:
+                    eng.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
                 eng.sent += len(msgs)
                 return True
             except zmq.Again:
                 return False
+            except zmq.ZMQError as e:
+                if not eng.remote or e.errno != zmq.EHOSTUNREACH:
+                    raise
+                eng.gone = eng.gone or LINK_GONE
+                return False
 
     def add_request(self, request: Request) -> None:
+        self._probe_remote()
         live = self._live()
         if not live:
             self._raise_if_dead()
@@ -328,7 +241,7 @@ class MPClient:
     def has_unfinished_requests(self) -> bool:
         """Requests in flight, or messages (aborts) whose effect on the engine's numbers is not back yet."""
         return (bool(self._owner) or bool(self._pending) or bool(self._outbox) or self._died is not None
-                or any(e.applied < e.sent for e in self.engines))
+                or any(e.applied < e.sent for e in self.engines) or time.monotonic() < self._probe_until)
 
     def get_num_unfinished_requests(self) -> int:
         """Requests sent and not yet finished or aborted, as this client counts them."""
@@ -343,7 +256,10 @@ class MPClient:
     def remove_lora(self, lora_int_id: int) -> None:
         """Drop an adapter from every engine's cache (running requests keep the one they hold)."""
         for eng in self.engines:  # from another thread: sent at once, on its own
-            if self._died is None and eng.ready:
+            if eng.remote:  # the ROUTER is the stepping thread's: it sends this with the next step
+                self._remote_notes.append((eng.index, EngineCoreUtility("remove_lora", [lora_int_id])))
+                self.wake()
+            elif self._died is None and eng.ready:
                 self._send(eng, [EngineCoreUtility("remove_lora", [lora_int_id])])
 
     # ---- answered calls: sleep mode, collective_rpc ------------------------------------------------
@@ -362,7 +278,7 @@ class MPClient:
             ids.append(call_id)
         while not all(i in self._results for i in ids):
             self._raise_if_dead()
-            if self._out.poll(_POLL_MS):
+            if self._wait_input(_POLL_MS):
                 self._drain()
         answers = [self._results.pop(i) for i in ids]
         for a in answers:
@@ -401,6 +317,7 @@ class MPClient:
         engine is gone. One step per call, as in-process, so each step's tokens reach the streams (and the
         inter-token metrics) as a step of their own even when several arrived together."""
         self.flush()
+        self._probe_remote()
         self._raise_if_dead()
         if not self._pending:
             events = dict(self._poller.poll(_POLL_MS))
@@ -409,7 +326,7 @@ class MPClient:
                     os.read(self._wake_r, 4096)
                 except BlockingIOError:
                     pass
-            if self._out in events:
+            if self._out in events or (self._router is not None and self._router in events):
                 self._drain()
         while self._pending:
             msg = self._pending.popleft()
@@ -431,138 +348,53 @@ class MPClient:
             try:
                 frames = self._out.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return
+                break
             msg = self._decoder.decode([f.buffer for f in frames])
-            eng = self.engines[msg.engine_index]
-            if not eng.ready:
-                self._starting_message(eng, msg)
-            elif isinstance(msg, EngineCoreFailed):
-                eng.last_error = msg.text
-                eng.proc.join(5)
-                self._died = self._died or eng
-            elif isinstance(msg, EngineCoreOutputs):
-                self._pending.append(msg)
-            elif isinstance(msg, EngineCoreCallResult):
-                self._results[msg.call_id] = msg
-
-    def _starting_message(self, eng: _Engine, msg: Any) -> None:
-        """A message from an engine that is not ready: its start-up's outcome (anything else is a late
-        word of the process it replaces, dropped)."""
-        if isinstance(msg, EngineCoreReady):
-            eng.pid = msg.pid
-            eng.stats = msg.stats
-            eng.info = pickle.loads(msg.info)
-            eng.joined_by = time.monotonic() + _JOIN_S
-        elif isinstance(msg, EngineCoreFailed):
-            eng.start_error = (msg.error if isinstance(msg.error, BaseException)
-                               else EngineStartupError(f"{eng.describe()} failed to start: {msg.text}"))
-
-    def _raise_if_dead(self) -> None:
-        eng = self._died
-        if eng is None:
-            return
-        if eng.last_error is None:
+            self._take(self.engines[msg.engine_index], msg)
+        while self._router is not None:
             try:
-                self._drain()  # the last words it may have sent before it exited
-            except zmq.ZMQError:
-                pass
-        dead = self._dead_engines()
-        if any(e.ready and e not in dead for e in self.engines):  # data parallel: the others serve on
-            raise EngineCoreDeadError(self.death_cause(),
-                                      frozenset(rid for rid, owner in self._owner.items() if owner in dead))
-        raise EngineDeadError(self.death_cause())
+                frames = self._router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                msg = self._decoder.decode([f.buffer for f in frames[1:]])
+            except Exception as e:  # noqa: BLE001 - a peer on the network that is no engine core of ours
+                logger.warning("a message on %s that is no engine core's was dropped: %r", self.dp.front_end, e)
+                continue
+            eng = self.engines[msg.engine_index] if 0 <= msg.engine_index < len(self.engines) else None
+            if eng is None or not eng.remote:
+                logger.warning("a core connected to %s as data-parallel rank %d, which is not a remote rank "
+                               "here (ranks %d-%d): ignored", self.dp.front_end, msg.engine_index,
+                               self.dp.size_local, self.dp.size - 1)
+                continue
+            identity = frames[0].bytes
+            if not eng.ready and isinstance(msg, (EngineCoreReady, EngineCoreFailed)):
+                eng.identity, eng.gone = identity, None
+                try:
+                    eng.node = frames[1].get("Peer-Address")
+                except (zmq.ZMQError, AttributeError):
+                    eng.node = "another node"
+            elif identity != eng.identity:  # a late word of a replaced core, or a second core for the rank
+                if isinstance(msg, EngineCoreReady):
+                    logger.warning("a second core connected as data-parallel rank %d (%s serves it): ignored",
+                                   eng.index, eng.describe())
+                continue
+            self._take(eng, msg)
 
-    def death_cause(self) -> str:
-        eng = self._died
-        if eng is None:
-            return ""
-        text = f"{eng.describe()} died: {describe_exit(eng.proc.exitcode)}"
-        if eng.last_error:
-            text += f"; its last error: {eng.last_error}"
-        return text
-
-    # ---- restart ---------------------------------------------------------------------------------
-    def drop_dead(self, keep_live: bool = False) -> None:
-        """After a death the caller has seen (and failed the requests of): reap the dead process(es) and
-        forget every request sent before, engines still running (data parallel) aborting theirs;
-        ``keep_live``: only the dead cores' requests are forgotten, live cores keep theirs and their
-        outputs and serve on. Nothing starts yet (``start_dead``)."""
-        dead = self._dead_engines()
-        partial = keep_live and any(e.ready and e not in dead for e in self.engines)
-        for eng in dead:
-            eng.proc.join(5)
-            if eng.proc.is_alive():  # it reported a failed step and hangs on its way out
-                eng.proc.kill()
+    def _take(self, eng: CoreSlot, msg: Any) -> None:
+        if not eng.ready:
+            self._starting_message(eng, msg)
+        elif isinstance(msg, EngineCoreFailed):
+            eng.last_error = msg.text
+            if eng.remote:
+                eng.gone = "it reported a failed step"
+            else:
                 eng.proc.join(5)
-        try:
-            self._drain()  # the dead process's last messages
-        except zmq.ZMQError:
-            pass
-        for eng in dead:
-            eng.ready = False
-        if partial:
-            gone = {e.index for e in dead}
-            self._pending = deque(m for m in self._pending if m.engine_index not in gone)
-            for eng in dead:
-                self._outbox.pop(eng.index, None)
-                eng.unfinished = 0
-            self._owner = {rid: owner for rid, owner in self._owner.items() if owner not in dead}
-        else:
-            self._pending.clear()
-            self._outbox.clear()
-            for eng in self.engines:
-                ids = [rid for rid, owner in self._owner.items() if owner is eng]
-                if ids and eng.ready:
-                    self._send(eng, [EngineCoreAbort(ids)])
-                eng.unfinished = 0
-            self._owner.clear()
-        for eng in dead:
-            eng.sent = eng.applied = 0
-            eng.last_error = None
-            eng.stats = SchedulerStats()
-        self._died = None
-        self._start_monitor()  # on the live engines: the dead one's death is not reported again
-
-    def start_dead(self) -> None:
-        """Start again every engine that is neither ready nor starting (from the config: the model loads
-        again); ``poll_started`` says when they serve."""
-        down = [e for e in self.engines if not e.ready and e not in self._starting]
-        if not down:
-            return
-        self._restarts += 1
-        for eng in down:
-            eng.sent = eng.applied = 0
-            eng.last_error = None
-            eng.stats = SchedulerStats()
-            logger.warning("%s: starting again", eng.describe())
-            self._spawn(eng)
-        self._starting += down
-        self._start_monitor()
-
-    def poll_started(self, wait_s: float = 0.0) -> bool:
-        """Whether the engines ``start_dead`` started are all ready (waiting at most ``wait_s`` for news).
-        A start-up failure is raised as the error the process hit; its engines are stopped and down
-        again (a later ``start_dead`` tries again)."""
-        if not self._starting:
-            return True
-        if wait_s > 0:
-            self._out.poll(int(wait_s * 1000))
-        try:
-            self._drain()
-            if not self._check_started(self._starting):
-                return False
-        except BaseException:
-            for eng in self._starting:
-                if eng.proc.is_alive():
-                    eng.proc.kill()
-                eng.proc.join(5)
-                eng.ready = False
-            self._starting = []
-            raise
-        started, self._starting = self._starting, []
-        logger.warning("engine core(s) %s serving again (pid %s)", ", ".join(str(e.index) for e in started),
-                       ", ".join(str(e.pid) for e in started))
-        return True
+            self._died = self._died or eng
+        elif isinstance(msg, EngineCoreOutputs):
+            self._pending.append(msg)
+        elif isinstance(msg, EngineCoreCallResult):
+            self._results[msg.call_id] = msg
 
     # ---- statistics ---------------------------------------------------------------------------
     def stats(self) -> SchedulerStats:
@@ -576,40 +408,16 @@ class MPClient:
 
     def layout(self) -> dict[str, Any]:
         return {"api_pid": os.getpid(), "data_parallel_size": len(self.engines),
-                "engine_cores": [{"dp_rank": e.index, "pid": e.pid or e.proc.pid} for e in self.engines]}
+                "engine_cores": [{"dp_rank": e.index, "pid": e.pid, "node": e.node, "remote": True} if e.remote
+                                 else {"dp_rank": e.index, "pid": e.pid or e.proc.pid} for e in self.engines]}
 
-    # ---- death and shutdown -------------------------------------------------------------------
+    # ---- wake and shutdown -------------------------------------------------------------------
     def wake(self) -> None:
         """Make a waiting ``step`` return now (AsyncLLM has new requests or aborts to send)."""
         try:
             os.write(self._wake_w, b"x")
         except (BlockingIOError, OSError):
             pass
-
-    def _watch(self, watched: dict[Any, tuple[_Engine, Any]], stop_r: int) -> None:
-        """The monitor thread: a ready engine's process exiting is a death (``step`` raises it); a
-        starting one's is a failed start-up (``poll_started`` raises it): either wakes the stepping thread."""
-        while watched:
-            ready = multiprocessing.connection.wait([*watched, stop_r])
-            if self._closed or stop_r in ready:
-                return
-            for s in ready:
-                eng, proc = watched.pop(s)
-                if eng.proc is not proc:  # restart outran this monitor: the engine already runs a new process
-                    continue
-                if not eng.ready:
-                    self.wake()
-                    continue
-                eng.proc.join(5)  # its pipe closes a moment before it can be reaped (the exit code known)
-                logger.error("%s exited (%s)", eng.describe(), describe_exit(eng.proc.exitcode))
-                self._died = self._died or eng
-                self.wake()
-                for cb in self.on_failure:
-                    try:
-                        cb()
-                    except Exception:
-                        logger.exception("engine failure callback failed")
-                return
 
     def shutdown(self) -> None:
         self.close()
@@ -619,6 +427,9 @@ class MPClient:
             return
         self._closed = True
         self._stop_monitor()
+        if self._link_stop is not None and self._link_watch is not None:
+            os.write(self._link_stop[1], b"x")
+            self._link_watch.join(10)
         started = [e for e in self.engines if e.proc is not None]  # a failed spawn leaves the later ones None
         for eng in started:
             if eng.proc.is_alive() and eng.sock is not None:
@@ -640,6 +451,10 @@ class MPClient:
             if eng.sock is not None:
                 eng.sock.close(0)
         self._out.close(0)
+        if self._router is not None and self._router_events is not None:
+            self._router.disable_monitor()
+            self._router_events.close(0)
+            self._router.close(0)
         self._ctx.term()
         for path in self._ipc_files:
             try:

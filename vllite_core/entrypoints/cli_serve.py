@@ -8,6 +8,7 @@ import socket
 import sys
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from vllite_core.engine.dp_layout import DEFAULT_RPC_PORT, DataParallelLayout, data_parallel_layout
 from vllite_core.engine.restart import DEFAULT_MAX_RESTARTS, DEFAULT_WINDOW_S
 from vllite_core.entrypoints.engine_args_cli import add_engine_args, engine_args_from_namespace
 
@@ -109,9 +110,6 @@ def add_serve_parser(sub: Any) -> None:
                    "(e.g. http://localhost:4318/v1/traces); needs opentelemetry-sdk")
     g.add_argument("--enable-server-load-tracking", action="store_true",
                    help="count the requests in flight on the generation and pooling routes; GET /load reports it")
-    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                   help="engine cores behind this API server, each a full copy of the model in its own process; "
-                   "a request goes to the least loaded one (needs VLLITE_ENABLE_V1_MULTIPROCESSING=1, the default)")
     g.add_argument("--engine-restart-max", type=int, default=DEFAULT_MAX_RESTARTS,
                    help="a dead engine-core process is started again (its open requests fail with engine_dead, "
                    "/health answers 503 meanwhile) at most this many times within --engine-restart-window; "
@@ -119,8 +117,34 @@ def add_serve_parser(sub: Any) -> None:
     g.add_argument("--engine-restart-window", type=float, default=DEFAULT_WINDOW_S,
                    help="seconds over which --engine-restart-max counts restarts (each waits 1 s, doubling with "
                    "the restarts already made in the window, up to 30 s)")
+    # what a --headless node may not be given (it restarts its own cores within the restart budget)
+    api_server_options = [(a.dest, a.default, a.option_strings[0]) for a in g._group_actions
+                          if a.dest not in ("engine_restart_max", "engine_restart_window")]
+    _add_data_parallel_args(p)
     add_engine_args(p)
-    p.set_defaults(func=run_serve)
+    p.set_defaults(func=run_serve, api_server_options=api_server_options)
+
+
+def _add_data_parallel_args(p: argparse.ArgumentParser) -> None:
+    d = p.add_argument_group("data parallel (docs/parallel.md)")
+    d.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine cores in all (over every node), each a full copy of the model in its own process; "
+                   "a request goes to the one with the fewest unfinished requests (needs "
+                   "VLLITE_ENABLE_V1_MULTIPROCESSING=1, the default)")
+    d.add_argument("--data-parallel-size-local", "-dpl", type=int, default=None,
+                   help="engine cores on this node (default: the ranks from --data-parallel-start-rank on); fewer "
+                   "than --data-parallel-size: the others run on --headless nodes")
+    d.add_argument("--data-parallel-start-rank", "-dpr", type=int, default=0,
+                   help="a --headless node's first data-parallel rank")
+    d.add_argument("--data-parallel-address", "-dpa", default=None,
+                   help="the head node's address: its API server listens there for the other nodes' engine cores, "
+                   "which connect to it")
+    d.add_argument("--data-parallel-rpc-port", "-dpp", type=int, default=DEFAULT_RPC_PORT,
+                   help=f"the TCP port of --data-parallel-address (default {DEFAULT_RPC_PORT})")
+    d.add_argument("--headless", action="store_true",
+                   help="run this node's engine cores only, no API server: they connect to the head node's at "
+                   "--data-parallel-address:--data-parallel-rpc-port (and start again when they exit, within "
+                   "--engine-restart-max)")
 
 
 def run_serve(ns: argparse.Namespace) -> int:
@@ -132,8 +156,7 @@ def run_serve(ns: argparse.Namespace) -> int:
         if ns.model is not None and ns.model != ns.model_tag:
             raise SystemExit("vllite serve: the model is given twice, differently")
         ns.model = ns.model_tag
-    api_key = ns.api_key or os.environ.get(API_KEY_ENV) or None
-    names = ns.served_model_name or [default_model_name(ns.model)]
+    dp = _data_parallel(ns)
     for flag, least in (("max_waiting_requests", 1), ("request_timeout", 1e-3), ("body_read_timeout", 0),
                         ("header_read_timeout", 1e-3), ("chat_template_timeout", 1e-3),
                         ("chat_template_max_output_chars", 1), ("chat_template_memory_mb", 16),
@@ -143,6 +166,12 @@ def run_serve(ns: argparse.Namespace) -> int:
                         ("shutdown_timeout", 0)):
         if getattr(ns, flag) is not None and getattr(ns, flag) < least:
             raise SystemExit(f"vllite serve: --{flag.replace('_', '-')} must be at least {least:g}")
+    if dp.headless:
+        from vllite_core.entrypoints.cli_headless import run_headless
+
+        return run_headless(ns, dp, RestartPolicy(ns.engine_restart_max, ns.engine_restart_window))
+    api_key = ns.api_key or os.environ.get(API_KEY_ENV) or None
+    names = ns.served_model_name or [default_model_name(ns.model)]
     chat_template, reasoning_parser = _frontend_options(ns)
     if ns.enable_auto_tool_choice and not ns.tool_call_parser:
         raise SystemExit("vllite serve: --enable-auto-tool-choice needs --tool-call-parser")
@@ -154,14 +183,13 @@ def run_serve(ns: argparse.Namespace) -> int:
         lora_modules = [parse_lora_module(m) for m in ns.lora_modules or []]
     except ValueError as e:
         raise SystemExit(f"vllite serve: {e}") from None
-    if ns.data_parallel_size < 1:
-        raise SystemExit("vllite serve: --data-parallel-size must be at least 1")
     _deployment_options(ns)
     # a busy port fails now, not after loading the model
     sock = bind_unix_socket(ns.uds) if ns.uds else bind_socket(ns.host, ns.port)
     try:
         restart = RestartPolicy(ns.engine_restart_max, ns.engine_restart_window)
-        engine = AsyncLLM.from_engine_args(engine_args_from_namespace(ns), ns.data_parallel_size, restart=restart)
+        engine = AsyncLLM.from_engine_args(engine_args_from_namespace(ns), dp.size, restart=restart,
+                                           dp=dp if dp.spans_nodes else None)
     except KeyboardInterrupt:
         sock.close()
         print("vllite: stopped while loading the model", flush=True)
@@ -234,6 +262,23 @@ def _serve_until_stopped(engine: AsyncLLM, names: list[str], sock: socket.socket
           otlp_traces_endpoint=ns.otlp_traces_endpoint, enable_server_load_tracking=ns.enable_server_load_tracking)
 
 
+def _data_parallel(ns: argparse.Namespace) -> DataParallelLayout:
+    """The data-parallel flags, checked (a combination that cannot work exits naming the flag); a
+    --headless node given an API server's option exits naming that option."""
+    from vllite_core.errors import ConfigError
+
+    try:
+        dp = data_parallel_layout(ns.data_parallel_size, ns.data_parallel_size_local, ns.data_parallel_start_rank,
+                                  ns.data_parallel_address, ns.data_parallel_rpc_port, ns.headless)
+    except ConfigError as e:
+        raise SystemExit(f"vllite serve: {e}") from None
+    if dp.headless:
+        given = [flag for dest, default, flag in ns.api_server_options if getattr(ns, dest) != default]
+        if given:
+            raise SystemExit(f"vllite serve: --headless runs no API server: {', '.join(given)} cannot be given")
+    return dp
+
+
 def _deployment_options(ns: argparse.Namespace) -> None:
     """TLS files, the root path and tracing checked before the model loads."""
     if (ns.ssl_keyfile is None) != (ns.ssl_certfile is None):
@@ -260,7 +305,8 @@ def describe_layout(layout: dict[str, Any]) -> str:
     cores = layout["engine_cores"]
     if cores and cores[0].get("in_process"):
         return f"vllite: process layout: API server and engine core in pid {layout['api_pid']} (in-process engine)"
-    ranks = ", ".join(f"DP rank {c['dp_rank']} pid {c['pid']}" for c in cores)
+    ranks = ", ".join(f"DP rank {c['dp_rank']} pid {c['pid']}" + (f" on {c['node']}" if c.get("remote") else "")
+                      for c in cores)
     return (f"vllite: process layout: API server pid {layout['api_pid']}; {len(cores)} engine core "
             f"process{'es' if len(cores) != 1 else ''} ({ranks})")
 

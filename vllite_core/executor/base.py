@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from vllite_core.config import VlliteConfig
 from vllite_core.core.sched_output import SchedulerOutput
@@ -15,6 +16,23 @@ from vllite_core.worker.model_runner import ModelRunnerOutput
 from vllite_core.worker.sleep import SleepReport
 
 logger = logging.getLogger("vllite.executor")
+
+
+class StepHandle(Protocol):
+    """A step sent to the workers: ``result()`` waits for the output rank's output (steps come back in the
+    order they were sent)."""
+
+    def result(self) -> ModelRunnerOutput: ...
+
+
+@dataclass
+class DoneStep:
+    """A step that ran before its handle was returned (an executor that runs one step at a time)."""
+
+    output: ModelRunnerOutput
+
+    def result(self) -> ModelRunnerOutput:
+        return self.output
 
 
 class Executor(ABC):
@@ -61,6 +79,16 @@ class Executor(ABC):
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.collective_rpc("execute_model", so)[self.output_rank]
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Steps the engine core may keep in flight: one per pipeline stage (the first stage runs the next
+        batch while the last samples this one)."""
+        return self.config.parallel_config.pipeline_parallel_size
+
+    def execute_model_async(self, so: SchedulerOutput) -> StepHandle:
+        """Send a step without waiting for it (executors whose workers run apart override this)."""
+        return DoneStep(self.execute_model(so))
 
     def remove_lora(self, lora_int_id: int) -> None:
         self.collective_rpc("remove_lora", lora_int_id)

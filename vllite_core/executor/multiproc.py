@@ -25,9 +25,11 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from vllite_core.config import ConfigError, VlliteConfig
-from vllite_core.executor.base import Executor
+from vllite_core.core.sched_output import SchedulerOutput
+from vllite_core.executor.base import Executor, StepHandle
 from vllite_core.executor.errors import WorkerDiedError
 from vllite_core.executor.wrapper import RankInfo
+from vllite_core.worker.model_runner import ModelRunnerOutput
 
 logger = logging.getLogger("vllite.executor")
 
@@ -97,6 +99,7 @@ class MultiprocExecutor(Executor):
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
         self.dead: WorkerDiedError | None = None
+        self.pending: collections.deque[_PendingStep] = collections.deque()  # steps sent, replies not read
         self.stderr_tails: list[collections.deque[str]] = []  # each worker's last stderr lines
         env = dict(os.environ)
         # The parent's sys.path, so the workers import the same vllite (a checkout, a test's tmp plugin).
@@ -135,13 +138,34 @@ class MultiprocExecutor(Executor):
         except (BrokenPipeError, ConnectionResetError, OSError):
             self._fail(rank, self._exit_cause(rank))
 
-    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+    def _send_all(self, method: str, args: tuple) -> None:
         if self.dead is not None:
             raise self.dead
         payload = pickle.dumps((method, args))
         for rank, conn in enumerate(self.conns):
             self._send(rank, conn, payload)
+
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        while self.pending:  # each worker answers in order: the steps in flight come first
+            self._collect_step()
+        self._send_all(method, args)
         return self._collect()
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_model_async(so).result()
+
+    def execute_model_async(self, so: SchedulerOutput) -> StepHandle:
+        self._send_all("execute_model", (so,))
+        step = _PendingStep(self)
+        self.pending.append(step)
+        return step
+
+    def _collect_step(self) -> None:
+        """Read every rank's reply to the oldest step in flight."""
+        step = self.pending[0]
+        step.output = self._collect()[self.output_rank]
+        step.done = True
+        self.pending.popleft()
 
     def _collect(self) -> list[Any]:
         results: dict[int, Any] = {}
@@ -192,3 +216,18 @@ class MultiprocExecutor(Executor):
                 except OSError:
                     pass
             self._finalizer()
+
+
+class _PendingStep:
+    """A step the workers were sent; its replies are read in the order the steps went out."""
+
+    def __init__(self, executor: MultiprocExecutor) -> None:
+        self.executor = executor
+        self.output: ModelRunnerOutput | None = None
+        self.done = False
+
+    def result(self) -> ModelRunnerOutput:
+        while not self.done:
+            self.executor._collect_step()
+        assert self.output is not None
+        return self.output

@@ -16,9 +16,11 @@ import sys
 from typing import Any
 
 from vllite_core.config import ConfigError, VlliteConfig
-from vllite_core.executor.base import Executor
+from vllite_core.core.sched_output import SchedulerOutput
+from vllite_core.executor.base import Executor, StepHandle
 from vllite_core.executor.errors import WorkerDiedError
 from vllite_core.executor.wrapper import RankInfo, WorkerWrapper
+from vllite_core.worker.model_runner import ModelRunnerOutput
 
 logger = logging.getLogger("vllite.executor")
 
@@ -187,14 +189,21 @@ class RayExecutor(Executor):
         self.shutdown()
         raise self.dead
 
-    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+    def _submit(self, method: str, args: tuple) -> list[Any]:
         if self.dead is not None:
             raise self.dead
         refs = [self.ray.put(a) for a in args]  # serialised once, read by every actor
-        return self._gather([actor.call.remote(method, *refs) for actor in self.actors])
+        return [actor.call.remote(method, *refs) for actor in self.actors]
 
-    def execute_model(self, so: Any) -> Any:
-        return self.collective_rpc("execute_model", so)[self.output_rank]
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        return self._gather(self._submit(method, args))
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_model_async(so).result()
+
+    def execute_model_async(self, so: SchedulerOutput) -> StepHandle:
+        """Each actor runs its calls in order, so steps sent one after another overlap across the stages."""
+        return _RayStep(self, self._submit("execute_model", (so,)))
 
     def shutdown(self) -> None:
         ray = self.ray
@@ -213,3 +222,13 @@ class RayExecutor(Executor):
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
             self._owns_ray = False
+
+
+class _RayStep:
+    """A step sent to every actor: ``result()`` gathers the replies (naming a rank that failed)."""
+
+    def __init__(self, executor: RayExecutor, refs: list[Any]) -> None:
+        self.executor, self.refs = executor, refs
+
+    def result(self) -> ModelRunnerOutput:
+        return self.executor._gather(self.refs)[self.executor.output_rank]

@@ -425,8 +425,8 @@ class ModelRunner:
         return self.model_forward(inp.input_ids, inp.positions, self.kv_caches, inp.layer_metadata)
 
     def exchange_results(self, results: list[StepResult] | None) -> list[StepResult]:
-        """The step's per-row results on every rank: one rank has them already (pp_runner.py sends the last
-        pipeline stage's to the others)."""
+        """The step's per-row results this rank appends: its own (a pipeline stage before the last has none:
+        pp_runner.py)."""
         assert results is not None
         return results
 

@@ -4,15 +4,17 @@ Every rank of every stage gets the same scheduler output and keeps the same batc
 only its stage's layers over its own KV cache (its layers' only). The first stage embeds the step's
 tokens, each stage before the last sends (hidden states, residual) to the same tensor-parallel rank
 of the next stage and the next receives them (``vllite_core.distributed.pipeline``); the last stage
-normalises, computes logits and samples, and its first rank broadcasts each row's new tokens to every
-rank, which appends them to its batch as the last stage did. One batch is in flight at a time: the
-stages run one after the other within a step.
+normalises, computes logits and samples and appends the sampled tokens to its batch. The other stages
+never wait for the last: the scheduler names the tokens each step computes (``CachedRequestData.token_ids``),
+which is how they learn the sampled ones, so several batches can be in flight at once (the engine core's
+batch queue): stage 0 runs batch B while stage 1 runs batch A.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from vllite_core.core.sched_output import SchedulerOutput
 from vllite_core.distributed import get_tp
 from vllite_core.distributed.pipeline import IntermediateTensors, PipelineChannel
 from vllite_core.utils import cdiv
@@ -25,7 +27,6 @@ class PipelineParallelModelRunner(TensorParallelModelRunner):
         super().__init__(*args, **kwargs)
         st = get_tp()
         self.channel = PipelineChannel(st.global_rank, st.world_size, st.pp_rank, st.pp_size)
-        self.output_rank = (st.pp_size - 1) * st.world_size  # the last stage's first rank
         self.hidden_size = int(self.model.hidden_size)
 
     def _run_stage(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[torch.Tensor],
@@ -45,17 +46,24 @@ class PipelineParallelModelRunner(TensorParallelModelRunner):
         received = self._receive(int(inp.input_ids.shape[0]))
         return self._run_stage(inp.input_ids, inp.positions, self.kv_caches, inp.layer_metadata, received)
 
-    def exchange_results(self, results: list[StepResult] | None) -> list[StepResult]:
-        """The last stage's rows and tokens on every rank (logprobs stay on the last stage: only its output
-        leaves)."""
-        import torch.distributed as dist
+    def _update_states(self, so: SchedulerOutput) -> None:
+        """A stage that does not sample takes the step's tokens from the scheduler (the last stage sampled
+        them and appended them itself)."""
+        super()._update_states(so)
+        if self.channel.is_last:
+            return
+        b = self.batch
+        for cached in so.scheduled_cached_reqs:
+            assert cached.token_ids is not None
+            row, start = b.index[cached.req_id], cached.num_computed_tokens
+            end = start + len(cached.token_ids)
+            b.token_ids[row, start:end] = cached.token_ids
+            b.num_tokens[row] = max(int(b.num_tokens[row]), end)
 
-        box = [None if results is None else [(row, toks, None, drafts) for row, toks, _, drafts in results]]
-        dist.broadcast_object_list(box, src=self.output_rank)
-        if results is not None:  # the last stage keeps its own, logprobs included
-            return results
-        assert box[0] is not None
-        return box[0]
+    def exchange_results(self, results: list[StepResult] | None) -> list[StepResult]:
+        """Nothing crosses the stages after a step: a stage before the last has no tokens to append (they come
+        with the request's next step), the last keeps its own."""
+        return [] if results is None else results
 
     @torch.inference_mode()
     def profile_run(self) -> None:

@@ -50,7 +50,7 @@ NAMES = tuple(v.name for v in X86_VARIANTS)
 # at::parallel_for is OpenMP inline code (without it every kernel ran on one thread); libgomp resolves to
 # the copy torch already loaded (same soname).
 KERNEL_SOURCES = ("attention.cpp", "gemm.cpp", "amx.cpp", "pointwise.cpp", "quant.cpp", "gguf.cpp", "wna16.cpp",
-                  "fp8_linear.cpp", "encoder.cpp", "lora.cpp", "decoder.cpp")
+                  "fp8_linear.cpp", "encoder.cpp", "lora.cpp", "moe.cpp", "decoder.cpp")
 BINDINGS_SOURCE = "bindings.cpp"
 COMMON_FLAGS = ("-O3", "-fopenmp", "-DNDEBUG")
 LINK_FLAGS = ("-fopenmp",)

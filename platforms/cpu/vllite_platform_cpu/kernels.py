@@ -1,8 +1,8 @@
 """Small C++ kernels for the CPU (paged attention of ``csrc/attention.cpp``, the AVX2 float32 GEMM of
 ``csrc/gemm.cpp``, the fused pointwise ops of ``csrc/pointwise.cpp``, the int8 passes of ``csrc/quant.cpp``
-the GGUF block linear of ``csrc/gguf.cpp`` and the encoder (BERT) attention and add + LayerNorm of
-``csrc/encoder.cpp``), compiled when the package is installed, for several instruction sets, and picked at
-run time for this CPU.
+the GGUF block linear of ``csrc/gguf.cpp``, the encoder (BERT) attention and add + LayerNorm of
+``csrc/encoder.cpp`` and a mixture of experts' routed experts in one call, ``csrc/moe.cpp``), compiled when the
+package is installed, for several instruction sets, and picked at run time for this CPU.
 
 ``paged_attention`` computes attention for the query rows of selected requests
 straight from the paged KV cache: no gathered copy of the context (the torch-ops
@@ -64,8 +64,7 @@ ENTRY_POINTS = ("paged_attention", "avx2_gemm_available", "avx2_gemm_dtypes", "a
                 "lora_add", "paged_attention_store", "llama_decoder_layer", "llama_decoder_stack",
                 "bf16_gemm_available", "bf16_gemm_pack", "bf16_gemm", "bf16_gemm_silu", "int8_gemm_available",
                 "int8_gemm_pack", "int8_gemm", "int8_gemm_silu", "argmax_rows", "amx_available", "set_amx",
-                "decoder_split_step", "int4_linear",
-                "int4_linear_q8", "fp8_linear")
+                "decoder_split_step", "int4_linear", "int4_linear_q8", "moe_experts", "fp8_linear")
 KERNEL_ENV = "VLLITE_CPU_ATTENTION_KERNEL"  # 0: no C++ kernels (torch ops)
 ISA_ENV = "VLLITE_CPU_ISA"  # the highest variant to use: default, avx2, avx512 or avx512_bf16
 
@@ -417,6 +416,15 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
     """Multi-LoRA in place (``csrc/lora.cpp``): ``y[t] += x[t] @ lora_a[s, :r].T @ lora_b[s, :r]`` for the rows
     ``t`` in ``order[seg_starts[i]:seg_starts[i + 1]]`` of slot ``s = seg_slots[i]``, ``r = ranks[s]``."""
     load().lora_add(y, x, lora_a, lora_b, order, seg_slots, seg_starts, ranks)
+
+
+def moe_experts(out: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                w13: torch.Tensor, w2: torch.Tensor, p13: torch.Tensor, p2: torch.Tensor, ready: torch.Tensor) -> None:
+    """A whole MoE layer's routed experts in one call (``csrc/moe.cpp``): ``out[t] = sum_j topk_weights[t, j] *
+    w2[e] @ (silu(gate) * up)`` with ``e = topk_ids[t, j]``, on the AVX2 GEMM's panels. ``p13`` / ``p2`` are the
+    experts' stacked panel buffers ([E, ceil(2I / 16), H, 16] and [E, ceil(H / 16), I, 16], x's dtype), packed from
+    ``w13`` / ``w2`` the first time an expert is chosen (``ready`` uint8 [E] marks them)."""
+    load().moe_experts(out, x, topk_ids, topk_weights, w13, w2, p13, p2, ready)
 
 
 def quantize_rows_int8(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> None:

@@ -39,10 +39,11 @@ class CpuModelOps(ModelOps):
     (oneDNN's layout, or the AVX2 GEMM's panels when ``avx2_gemm``), 16-bit layers computed through
     float32 when ``widen_16bit`` (no native bf16/fp16 math), bfloat16 layers on the AVX512-BF16 GEMM
     when ``bf16_gemm`` (native bf16 math; at every row count), and int8 (W8A8) layers on the AVX512-VNNI GEMM
-    when ``int8_gemm``."""
+    when ``int8_gemm``; the fused MoE op in one C++ call per layer where the AVX2 GEMM runs (``moe_one_call``)."""
 
     def __init__(self, fused: bool, packed_linear: bool, widen_16bit: bool = False, avx2_gemm: bool = False,
-                 bf16_gemm: bool = False, int8_gemm: bool = False, int8_panels: bool = False) -> None:
+                 bf16_gemm: bool = False, int8_gemm: bool = False, int8_panels: bool = False,
+                 moe_one_call: bool = True) -> None:
         self.fused = fused
         self.packed_linear = packed_linear
         self.widen_16bit = widen_16bit
@@ -53,6 +54,7 @@ class CpuModelOps(ModelOps):
         # W8A8 on the AVX2 GEMM's bfloat16 panels where the CPU has no int8 dot product (int8_linear_panels)
         self.int8_panels = (int8_panels and self.avx2_gemm and not self.int8_gemm
                             and torch.bfloat16 in self._panel_dtypes)
+        self.moe_one_call_on = moe_one_call and self.avx2_gemm  # fused_moe in one C++ call (csrc/moe.cpp)
         parts = (("cpu-fused", fused), ("avx2-gemm", self.avx2_gemm), ("bf16-gemm", self.bf16_gemm),
                  ("int8-gemm", self.int8_gemm), ("int8-panels", self.int8_panels),
                  ("onednn-linear", packed_linear and not self.avx2_gemm))
@@ -296,15 +298,24 @@ class CpuModelOps(ModelOps):
 
     def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, state: dict | None = None) -> torch.Tensor:
-        """Tokens grouped by expert (one stable sort of the T x k choices), then for each expert that received
-        tokens, and only for those, its two GEMMs over its own rows on ``linear``'s kernels (the AVX2 or bf16
-        GEMM's panels, small_linear at a few rows; each expert's packing cached in ``state``), SiLU-and-mul
-        between. The rows go back to their (token, slot) places and the routing weights scale and sum them in
-        one product: an expert no token chose is never read."""
+        """Where ``linear`` runs on the AVX2 GEMM's panels, the whole layer in one C++ call (``moe_one_call``),
+        elsewhere expert by expert in Python (``moe_grouped``). Either way an expert no token chose is never
+        read."""
         if not (self._rows_ok(x) and x.dtype == w13.dtype == w2.dtype and x.dtype in _KERNEL_DTYPES
                 and topk_ids.dim() == 2 and w13.is_contiguous() and w2.is_contiguous()):
             return super().fused_moe(x, w13, w2, topk_weights, topk_ids, state)
         state = {} if state is None else state
+        if self.moe_one_call_on and (x.dtype == torch.float32 or self.widen_16bit) and x.dtype in self._panel_dtypes:
+            return self.moe_one_call(x, w13, w2, topk_weights, topk_ids, state)
+        return self.moe_grouped(x, w13, w2, topk_weights, topk_ids, state)
+
+    def moe_grouped(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor, state: dict) -> torch.Tensor:
+        """``fused_moe`` in Python on ``linear``'s kernels (inputs checked by it): tokens grouped by expert (one
+        stable sort of the T x k choices), then for each expert that received tokens, and only for those, its
+        two GEMMs over its own rows (the bf16 GEMM's panels, small_linear at a few rows; each expert's packing
+        cached in ``state``), SiLU-and-mul between. The rows go back to their (token, slot) places and the
+        routing weights scale and sum them in one product."""
         t, k = topk_ids.shape
         if t == 1:  # a decode row: its k experts one after the other, no grouping (fewer ops per layer)
             out = None
@@ -328,6 +339,26 @@ class CpuModelOps(ModelOps):
         back = torch.empty_like(ys)
         back[order] = ys  # row t * k + j: token t's j-th expert
         return torch.bmm(topk_weights.to(x.dtype).unsqueeze(1), back.view(t, k, -1)).squeeze(1)
+
+    def moe_one_call(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor, state: dict) -> torch.Tensor:
+        """``fused_moe`` in one C++ call (``csrc/moe.cpp``; inputs checked by it, AVX2 GEMM built, x float32 or
+        16-bit panels). Why: ``moe_grouped`` is ~15 torch calls per layer at a decode row, whose dispatch cost
+        about as much as the two experts' GEMMs at hidden 512 (benchmarks/moe_op.py). The experts' panels live
+        in two stacked buffers made here (``torch.empty``: an expert's pages are written only when the kernel
+        packs it, the first time a token chooses it), remade with ``ready`` cleared when a weight changes (an
+        in-place load bumps its version)."""
+        key = (_identity(w13), _identity(w2))
+        if state.get("moe_key") != key:
+            e, i2, h = w13.shape
+            state["moe_p13"] = torch.empty(e, -(-i2 // 16), h, 16, dtype=w13.dtype)
+            state["moe_p2"] = torch.empty(e, -(-h // 16), w2.shape[2], 16, dtype=w2.dtype)
+            state["moe_ready"] = torch.zeros(e, dtype=torch.uint8)
+            state["moe_key"] = key
+        out = torch.empty(x.shape, dtype=x.dtype)
+        kernels.moe_experts(out, x.contiguous(), topk_ids, topk_weights, w13, w2, state["moe_p13"], state["moe_p2"],
+                            state["moe_ready"])
+        return out
 
     def quant_linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None, state: dict) -> torch.Tensor:
         """Pre-quantized weights (``model_registry.layers.quantization.quant_weight.QuantWeight``): 4-bit

@@ -34,6 +34,7 @@ AVX2_GEMM_ENV = "VLLITE_CPU_AVX2_GEMM"  # 0: oneDNN instead of the AVX2 GEMM on 
 BF16_GEMM_ENV = "VLLITE_CPU_BF16_GEMM"  # 0: oneDNN instead of the bf16 GEMM on AVX512-BF16 hosts
 AMX_ENV = "VLLITE_CPU_AMX"  # 0: the bf16 / int8 GEMMs on vdpbf16ps / vpdpbusd instead of AMX tiles on AMX hosts
 INT8_GEMM_ENV = "VLLITE_CPU_INT8_GEMM"  # 0: torch._int_mm (oneDNN) instead of the int8 GEMM on VNNI hosts
+MOE_ONE_CALL_ENV = "VLLITE_CPU_MOE_ONE_CALL"  # 0: the fused MoE op expert by expert in Python (moe_grouped)
 COMPILE_ENV = "VLLITE_CPU_COMPILE"  # 1: torch.compile the decode step (off by default: not faster here)
 
 
@@ -231,8 +232,8 @@ class CpuPlatform(Platform):
     def model_ops(self, config: "VlliteConfig") -> "ModelOps":
         """Fused C++ pointwise kernels and packed float32 linears: the AVX2 GEMM on AVX2 hosts, oneDNN's
         elsewhere (``VLLITE_CPU_FUSED_OPS=0``, ``VLLITE_CPU_AVX2_GEMM=0`` and ``VLLITE_CPU_ONEDNN=0``
-        turn them off). Under ``VLLITE_CPU_COMPILE=1`` the torch ops stay, for
-        inductor to fuse."""
+        turn them off; ``VLLITE_CPU_MOE_ONE_CALL=0`` runs the fused MoE op expert by expert in Python). Under
+        ``VLLITE_CPU_COMPILE=1`` the torch ops stay, for inductor to fuse."""
         from vllite_core.model_ops import ModelOps
         from vllite_platform_cpu import kernels
         from vllite_platform_cpu.model_ops import CpuModelOps, onednn_linear_available
@@ -244,7 +245,8 @@ class CpuPlatform(Platform):
         kernels.set_amx(use_amx())
         return CpuModelOps(fused=fused, packed_linear=packed, widen_16bit=not has_fast_bf16(),
                            avx2_gemm=use_avx2_gemm(), bf16_gemm=use_bf16_gemm(), int8_gemm=use_int8_gemm(),
-                           int8_panels=not has_fast_int8())
+                           int8_panels=not has_fast_int8(),
+                           moe_one_call=os.environ.get(MOE_ONE_CALL_ENV, "1") != "0")
 
     def determine_available_memory(self, config: "VlliteConfig", profile_run: Callable[[], None]) -> int:
         """Explicit size (``kv_cache_memory``, then VLLITE_CPU_KVCACHE_SPACE) if given; otherwise

@@ -16,18 +16,16 @@ import os
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
+from vllite_triton_kernels.platform_choice import BACKEND_ENV, TritonChoiceMixin, choose_backend
 
 from vllite_core.platforms.interface import Detection, Platform
 
 if TYPE_CHECKING:
-    from vllite_core.attention import AttentionBackend
     from vllite_core.config import VlliteConfig
-    from vllite_core.model_ops import ModelOps
 
 logger = logging.getLogger("vllite.platforms.cuda")
 
 PRIORITY = 100
-BACKEND_ENV = "VLLITE_ATTENTION_BACKEND"  # triton | sdpa (default: triton when usable)
 MIN_TRITON_CAPABILITY = (7, 5)  # Triton's NVIDIA backend: Turing and newer
 
 
@@ -112,24 +110,12 @@ def dtypes_for_capability(capability: tuple[int, int]) -> list[torch.dtype]:
 
 def choose_attention(capability: tuple[int, int], requested: str | None = None) -> tuple[str, str]:
     """("triton" | "sdpa", why) for a GPU of ``capability``; ``requested`` is VLLITE_ATTENTION_BACKEND."""
-    from vllite_triton_kernels import triton_status
-
-    requested = (requested or "").strip().lower() or None
-    if requested not in (None, "triton", "sdpa"):
-        raise ValueError(f"{BACKEND_ENV}: expected 'triton' or 'sdpa', got {requested!r}")
-    if requested == "sdpa":
-        return "sdpa", f"{BACKEND_ENV}=sdpa"
-    ok, why = triton_status("nvidia")
-    if ok and capability < MIN_TRITON_CAPABILITY:
-        ok, why = False, f"compute capability {capability[0]}.{capability[1]} is below Triton's 7.5"
-    if ok:
-        return "triton", why
-    if requested == "triton":
-        raise RuntimeError(f"{BACKEND_ENV}=triton but Triton cannot be used: {why}")
-    return "sdpa", f"Triton unusable ({why}): torch SDPA fallback"
+    unfit = (None if capability >= MIN_TRITON_CAPABILITY
+             else f"compute capability {capability[0]}.{capability[1]} is below Triton's 7.5")
+    return choose_backend("nvidia", requested, unfit)
 
 
-class CudaPlatform(Platform):
+class CudaPlatform(TritonChoiceMixin, Platform):
     name: ClassVar[str] = "cuda"
     device_type: ClassVar[str] = "cuda"
     dist_backend: ClassVar[str] = "nccl"
@@ -177,25 +163,6 @@ class CudaPlatform(Platform):
     # ---- attention -----------------------------------------------------------------------
     def attention_choice(self) -> tuple[str, str]:
         return choose_attention(self.capability(), os.environ.get(BACKEND_ENV))
-
-    def get_attention_backend(self, config: "VlliteConfig") -> "AttentionBackend":
-        kind, why = self.attention_choice()
-        logger.info("cuda attention: %s (%s)", kind, why)
-        if kind == "triton":
-            from vllite_triton_kernels import TritonPagedAttention
-
-            return TritonPagedAttention()
-        from vllite_core.attention.sdpa import SdpaPagedAttention
-
-        return SdpaPagedAttention()
-
-    def model_ops(self, config: "VlliteConfig") -> "ModelOps":
-        """Triton's multi-LoRA shrink/expand kernels where attention runs in Triton; torch otherwise."""
-        if self.attention_choice()[0] == "triton":
-            from vllite_triton_kernels import TritonModelOps
-
-            return TritonModelOps()
-        return super().model_ops(config)
 
     # ---- memory and graphs ---------------------------------------------------------------
     def determine_available_memory(self, config: "VlliteConfig", profile_run: Callable[[], None]) -> int:

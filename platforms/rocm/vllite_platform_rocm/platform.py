@@ -11,23 +11,19 @@ MI350 (gfx950) and RDNA4 (gfx12) in the OCP ones, older GPUs not at all.
 """
 from __future__ import annotations
 
-import logging
 import os
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
+from vllite_triton_kernels.platform_choice import BACKEND_ENV, TritonChoiceMixin, choose_backend
 
 from vllite_core.platforms.interface import Detection, Platform
 
 if TYPE_CHECKING:
-    from vllite_core.attention import AttentionBackend
     from vllite_core.config import VlliteConfig
-    from vllite_core.model_ops import ModelOps
 
-logger = logging.getLogger("vllite.platforms.rocm")
 
 PRIORITY = 100
-BACKEND_ENV = "VLLITE_ATTENTION_BACKEND"  # triton | sdpa
 FP8_FNUZ_ARCHS = ("gfx940", "gfx941", "gfx942")  # MI300 series: fp8 with the "fnuz" encoding
 FP8_OCP_PREFIXES = ("gfx950", "gfx12")  # MI350 series, RDNA4: OCP fp8 (e4m3fn / e5m2)
 
@@ -99,7 +95,7 @@ def fp8_dtypes_for_arch(arch: str) -> dict[str, torch.dtype]:
     return {"fp8": e4m3, "fp8_e4m3": e4m3, "fp8_e5m2": e5m2}
 
 
-class RocmPlatform(Platform):
+class RocmPlatform(TritonChoiceMixin, Platform):
     name: ClassVar[str] = "rocm"
     device_type: ClassVar[str] = "cuda"  # torch's HIP build keeps the "cuda" device type
     dist_backend: ClassVar[str] = "nccl"  # served by RCCL on ROCm
@@ -152,38 +148,7 @@ class RocmPlatform(Platform):
 
     # ---- attention -----------------------------------------------------------------------
     def attention_choice(self) -> tuple[str, str]:
-        from vllite_triton_kernels import triton_status
-
-        requested = (os.environ.get(BACKEND_ENV) or "").strip().lower() or None
-        if requested not in (None, "triton", "sdpa"):
-            raise ValueError(f"{BACKEND_ENV}: expected 'triton' or 'sdpa', got {requested!r}")
-        if requested == "sdpa":
-            return "sdpa", f"{BACKEND_ENV}=sdpa"
-        ok, why = triton_status("amd")
-        if ok:
-            return "triton", why
-        if requested == "triton":
-            raise RuntimeError(f"{BACKEND_ENV}=triton but Triton cannot be used: {why}")
-        return "sdpa", f"Triton unusable ({why}): torch SDPA fallback"
-
-    def get_attention_backend(self, config: "VlliteConfig") -> "AttentionBackend":
-        kind, why = self.attention_choice()
-        logger.info("rocm attention: %s (%s)", kind, why)
-        if kind == "triton":
-            from vllite_triton_kernels import TritonPagedAttention
-
-            return TritonPagedAttention()
-        from vllite_core.attention.sdpa import SdpaPagedAttention
-
-        return SdpaPagedAttention()
-
-    def model_ops(self, config: "VlliteConfig") -> "ModelOps":
-        """Triton's multi-LoRA shrink/expand kernels where attention runs in Triton; torch otherwise."""
-        if self.attention_choice()[0] == "triton":
-            from vllite_triton_kernels import TritonModelOps
-
-            return TritonModelOps()
-        return super().model_ops(config)
+        return choose_backend("amd", os.environ.get(BACKEND_ENV))
 
     # ---- memory and graphs (HIP serves torch.cuda's allocator and graph APIs) -------------
     def determine_available_memory(self, config: "VlliteConfig", profile_run: Callable[[], None]) -> int:

@@ -16,18 +16,16 @@ import os
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
+from vllite_triton_kernels.platform_choice import BACKEND_ENV, TritonChoiceMixin, choose_backend
 
 from vllite_core.platforms.interface import Detection, Platform
 
 if TYPE_CHECKING:
-    from vllite_core.attention import AttentionBackend
     from vllite_core.config import VlliteConfig
-    from vllite_core.model_ops import ModelOps
 
 logger = logging.getLogger("vllite.platforms.xpu")
 
 PRIORITY = 90
-BACKEND_ENV = "VLLITE_ATTENTION_BACKEND"  # triton | sdpa
 
 
 def _major_minor(version: str) -> tuple[int, ...]:
@@ -49,7 +47,7 @@ def ipex_status(torch_version: str | None = None) -> tuple[bool, str]:
     return True, f"intel-extension-for-pytorch {ipex_version}"
 
 
-class XpuPlatform(Platform):
+class XpuPlatform(TritonChoiceMixin, Platform):
     name: ClassVar[str] = "xpu"
     device_type: ClassVar[str] = "xpu"
     dist_backend: ClassVar[str] = "xccl"  # torch.distributed's Intel GPU backend (oneCCL)
@@ -79,38 +77,7 @@ class XpuPlatform(Platform):
 
     # ---- attention -----------------------------------------------------------------------
     def attention_choice(self) -> tuple[str, str]:
-        from vllite_triton_kernels import triton_status
-
-        requested = (os.environ.get(BACKEND_ENV) or "").strip().lower() or None
-        if requested not in (None, "triton", "sdpa"):
-            raise ValueError(f"{BACKEND_ENV}: expected 'triton' or 'sdpa', got {requested!r}")
-        if requested == "sdpa":
-            return "sdpa", f"{BACKEND_ENV}=sdpa"
-        ok, why = triton_status("intel")
-        if ok:
-            return "triton", why
-        if requested == "triton":
-            raise RuntimeError(f"{BACKEND_ENV}=triton but Triton cannot be used: {why}")
-        return "sdpa", f"Triton unusable ({why}): torch SDPA fallback"
-
-    def get_attention_backend(self, config: "VlliteConfig") -> "AttentionBackend":
-        kind, why = self.attention_choice()
-        logger.info("xpu attention: %s (%s)", kind, why)
-        if kind == "triton":
-            from vllite_triton_kernels import TritonPagedAttention
-
-            return TritonPagedAttention()
-        from vllite_core.attention.sdpa import SdpaPagedAttention
-
-        return SdpaPagedAttention()
-
-    def model_ops(self, config: "VlliteConfig") -> "ModelOps":
-        """Triton's multi-LoRA shrink/expand kernels where attention runs in Triton; torch otherwise."""
-        if self.attention_choice()[0] == "triton":
-            from vllite_triton_kernels import TritonModelOps
-
-            return TritonModelOps()
-        return super().model_ops(config)
+        return choose_backend("intel", os.environ.get(BACKEND_ENV))
 
     # ---- memory and graphs ---------------------------------------------------------------
     def determine_available_memory(self, config: "VlliteConfig", profile_run: Callable[[], None]) -> int:

@@ -130,6 +130,7 @@ void bind_layer_spec(pybind11::module_& s) {
     s.def("int4_linear_q8", &vllite_cpu::ns::int4_linear_q8);                            \
     s.def("fp8_linear", &vllite_cpu::ns::fp8_linear);                                    \
     s.def("lora_add", &vllite_cpu::ns::lora_add);                                        \
+    s.def("moe_experts", &vllite_cpu::ns::moe_experts);                                  \
     s.def("llama_decoder_layer", &vllite_cpu::ns::llama_decoder_layer);                  \
     s.def("llama_decoder_stack", &vllite_cpu::ns::llama_decoder_stack);                  \
     s.def("decoder_split_step", &vllite_cpu::ns::decoder_split_step);                    \

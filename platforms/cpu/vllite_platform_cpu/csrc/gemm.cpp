@@ -439,6 +439,44 @@ static void gemm(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<
 #endif
 }
 
+#ifdef VLLITE_AVX2_GEMM
+// C[M, N] = A[M, K] @ W^T from raw panels (avx2_gemm_pack's layout, of type wt), no bias, all contiguous: for a
+// caller holding many weights' panels in one buffer (moe.cpp: an expert's slice of the stacked panels).
+void avx2_gemm_rows(const float* A, const void* panels, at::ScalarType wt, float* C, int64_t M, int64_t K,
+                    int64_t N) {
+  using namespace avx2_gemm_impl;
+  const int64_t P = (N + NR - 1) / NR;
+  if (M == 0 || N == 0) return;
+  switch (wt) {
+    case at::kFloat: gemm_panels(A, static_cast<const float*>(panels), C, nullptr, M, K, N, P, false); break;
+    case at::kBFloat16:
+      gemm_panels(A, static_cast<const c10::BFloat16*>(panels), C, nullptr, M, K, N, P, false);
+      break;
+    case at::kHalf: gemm_panels(A, static_cast<const c10::Half*>(panels), C, nullptr, M, K, N, P, false); break;
+    default: TORCH_CHECK(false, "avx2_gemm_rows: panels must be float32, bfloat16 or float16");
+  }
+}
+
+// avx2_gemm_pack into a caller's buffer of ceil(N / 16) * K * 16 values of type wt (not zeroed: the columns past N
+// are zeroed here), from a contiguous [N, K] weight of the same type.
+void avx2_gemm_pack_into(const void* w, void* panels, at::ScalarType wt, int64_t N, int64_t K) {
+  constexpr int64_t NR = 16;
+  const int64_t tail = N % NR, last = N / NR;  // the last panel's live columns, and that panel
+  switch (wt) {
+    case at::kFloat: pack_panels(static_cast<const float*>(w), static_cast<float*>(panels), N, K); break;
+    case at::kBFloat16:
+      pack_panels(static_cast<const c10::BFloat16*>(w), static_cast<c10::BFloat16*>(panels), N, K);
+      break;
+    case at::kHalf: pack_panels(static_cast<const c10::Half*>(w), static_cast<c10::Half*>(panels), N, K); break;
+    default: TORCH_CHECK(false, "avx2_gemm_pack_into: weight must be float32, bfloat16 or float16");
+  }
+  if (tail == 0) return;
+  const int64_t size = c10::elementSize(wt);
+  char* p = static_cast<char*>(panels) + last * K * NR * size;
+  for (int64_t k = 0; k < K; ++k) std::memset(p + (k * NR + tail) * size, 0, (NR - tail) * size);
+}
+#endif
+
 void avx2_gemm(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias) {
   gemm(out, x, packed, bias, false);
 }

@@ -1,6 +1,7 @@
 // The entry points of every ISA variant of the kernels, as bindings.cpp registers them.
 //
-// attention.cpp, gemm.cpp, pointwise.cpp, quant.cpp, gguf.cpp, wna16.cpp, encoder.cpp, lora.cpp and decoder.cpp define them
+// attention.cpp, gemm.cpp, pointwise.cpp, quant.cpp, gguf.cpp, wna16.cpp, encoder.cpp, lora.cpp, moe.cpp and decoder.cpp
+// define them
 // inside vllite_cpu::VLLITE_CPU_ISA; the build compiles those files once per variant (vllite_platform_cpu/isa.py),
 // each into its own namespace.
 #pragma once
@@ -74,6 +75,8 @@
   void int4_linear_q8(at::Tensor out, at::Tensor x, at::Tensor codes, at::Tensor scales,                           \
                       std::optional<at::Tensor> zeros, int64_t zero, int64_t group);                                \
   void fp8_linear(at::Tensor out, at::Tensor x, at::Tensor codes, at::Tensor scales, int64_t group);              \
+  void moe_experts(at::Tensor out, at::Tensor x, at::Tensor topk_ids, at::Tensor topk_weights, at::Tensor w13,        \
+                   at::Tensor w2, at::Tensor p13, at::Tensor p2, at::Tensor ready);                                \
   void lora_add(at::Tensor y, at::Tensor x, at::Tensor lora_a, at::Tensor lora_b, at::Tensor order,                 \
                 std::vector<int64_t> seg_slots, std::vector<int64_t> seg_starts, std::vector<int64_t> ranks);       \
   std::tuple<at::Tensor, at::Tensor> llama_decoder_layer(                                                           \
