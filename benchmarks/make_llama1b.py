@@ -74,9 +74,14 @@ def main() -> None:
         return
     from transformers import LlamaForCausalLM
 
+    save_random(LlamaForCausalLM, llama_config(args.shape), args.out)
+
+
+def save_random(model_cls, config, out: str) -> None:
+    """``model_cls(config)`` with random bf16 weights (N(0, 0.02); norms 1) and SmolLM2's tokenizer, into ``out``."""
     torch.manual_seed(0)
     with torch.device("meta"):
-        m = LlamaForCausalLM(llama_config(args.shape))
+        m = model_cls(config)
     m = m.to_empty(device="cpu").to(torch.bfloat16)
     with torch.no_grad():
         for _, p in m.named_parameters():
@@ -85,9 +90,9 @@ def main() -> None:
             else:
                 p.fill_(1.0)  # RMSNorm weights
     m.tie_weights()
-    m.save_pretrained(args.out, safe_serialization=True)
-    save_tokenizer(args.out)
-    print(f"{sum(p.numel() for p in m.parameters()) / 1e9:.3f} B params -> {args.out}")
+    m.save_pretrained(out, safe_serialization=True)
+    save_tokenizer(out)
+    print(f"{sum(p.numel() for p in m.parameters()) / 1e9:.3f} B params -> {out}")
 
 
 if __name__ == "__main__":

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-from make_llama1b import save_tokenizer
+from make_llama1b import save_random
 
 OUT = "/tmp/peers/models/mixtral-small"
 
@@ -32,19 +31,7 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import MixtralForCausalLM
 
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        m = MixtralForCausalLM(mixtral_config())
-    m = m.to_empty(device="cpu").to(torch.bfloat16)
-    with torch.no_grad():
-        for _, p in m.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.02)
-            else:
-                p.fill_(1.0)  # RMSNorm weights
-    m.save_pretrained(args.out, safe_serialization=True)
-    save_tokenizer(args.out)
-    print(f"{sum(p.numel() for p in m.parameters()) / 1e9:.3f} B params -> {args.out}")
+    save_random(MixtralForCausalLM, mixtral_config(), args.out)
 
 
 if __name__ == "__main__":
