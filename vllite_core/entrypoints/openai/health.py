@@ -32,7 +32,7 @@ class HealthMonitor:
         import psutil
 
         # read each time: a restarted engine core has a new pid
-        # a core on another node (data parallel, headless) is watched through its link (mp_client.py)
+        # a core on another node (data parallel, headless) is watched through its link (core_processes.py)
         for pid in [c["pid"] for c in self.engine.layout()["engine_cores"]
                     if not c.get("in_process") and not c.get("remote")]:
             try:
