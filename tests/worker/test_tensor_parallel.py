@@ -204,7 +204,7 @@ def test_a_worker_that_exits_names_its_exit_code_and_last_error_line(tmp_path, m
                                                  "sys.exit(3)\n")
     monkeypatch.syspath_prepend(str(tmp_path))  # the workers get the engine's sys.path
     monkeypatch.setattr(multiproc, "WORKER_MODULE", "exiting_worker")
-    with pytest.raises(WorkerDiedError, match=r"worker rank \d .*exited with code 3; its last error line: "
+    with pytest.raises(WorkerDiedError, match=r"worker rank \d .*ended \(exit code 3\); its last error line: "
                                               r"CUDA error: out of memory"):
         LLM(tiny_path, dtype="float32", tensor_parallel_size=2, num_kv_blocks=16)
 

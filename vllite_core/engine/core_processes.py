@@ -26,7 +26,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
-import signal
 import threading
 import time
 from collections import deque
@@ -41,6 +40,7 @@ from vllite_core.engine.core import CoreInfo
 from vllite_core.engine.core_messages import EngineCoreAbort, EngineCoreFailed, EngineCoreOutputs, EngineCoreReady
 from vllite_core.engine.dp_layout import DataParallelLayout
 from vllite_core.errors import EngineCoreDeadError, EngineDeadError
+from vllite_core.utils import describe_exit
 
 logger = logging.getLogger("vllite.engine_core_client")
 
@@ -53,17 +53,6 @@ LINK_GONE = "its link to this API server closed (its process exited, or its node
 class EngineStartupError(RuntimeError):
     """An engine-core process failed before it was ready, with an error that could not be re-raised
     as itself (or it died without saying why)."""
-
-
-def describe_exit(exitcode: int | None) -> str:
-    if exitcode is None:
-        return "still running"
-    if exitcode < 0:
-        try:
-            return f"killed by signal {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"killed by signal {-exitcode}"
-    return f"exit code {exitcode}"
 
 
 @dataclass

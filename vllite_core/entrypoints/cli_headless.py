@@ -18,9 +18,9 @@ import signal
 import threading
 from typing import Any
 
-from vllite_core.engine.core_processes import describe_exit
 from vllite_core.engine.dp_layout import DataParallelLayout
 from vllite_core.engine.restart import RestartPolicy
+from vllite_core.utils import describe_exit
 
 logger = logging.getLogger("vllite.headless")
 

@@ -14,7 +14,6 @@ import collections
 import logging
 import os
 import pickle
-import signal
 import socket
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from vllite_core.core.sched_output import SchedulerOutput
 from vllite_core.executor.base import Executor, StepHandle
 from vllite_core.executor.errors import WorkerDiedError
 from vllite_core.executor.wrapper import RankInfo
+from vllite_core.utils import describe_exit
 from vllite_core.worker.model_runner import ModelRunnerOutput
 
 logger = logging.getLogger("vllite.executor")
@@ -43,14 +43,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def exit_description(code: int | None) -> str:
-    if code is None:
-        return "it closed its connection"
-    if code < 0:
-        try:
-            return f"it was killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"it was killed by signal {-code}"
-    return f"it exited with code {code}"
+    return "it closed its connection" if code is None else f"it ended ({describe_exit(code)})"
 
 
 def _tee_stderr(proc: subprocess.Popen, rank: int) -> collections.deque[str]:
