@@ -137,5 +137,33 @@ def test_data_parallel_two_engines_match_one_and_share_the_work(tiny_path):
         assert texts == [r.outputs[0].text for r in ref]
         queries = _samples(url, "vllm:prefix_cache_queries_total")
         assert set(queries) == {"0", "1"} and all(v > 0 for v in queries.values()), queries
+        _prefix_affinity_beats_the_idle_engine(url, tiny_path)
     finally:
         srv.stop()
+
+
+def _prefix_affinity_beats_the_idle_engine(url: str, model: str) -> None:
+    """With both cores idle the least loaded is engine 0: it serves a prompt with a 3-block prefix, then a
+    long request. While that one runs, a prompt sharing the prefix still goes to engine 0 (its blocks are
+    cached there: hits), and the same prompt under another cache_salt to the idle engine 1 (no hits)."""
+    prefix = [(11 * j) % 300 + 5 for j in range(48)]
+    body = {"max_tokens": 2, "temperature": 0.0}
+    httpx.post(url + "/v1/completions", json={"model": model, "prompt": prefix + [9, 8], **body},
+               timeout=60).raise_for_status()
+    hits = _samples(url, "vllm:prefix_cache_hits_total")
+
+    async def main() -> None:
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+        long = await client.completions.create(model=model, prompt=[3, 4, 5], max_tokens=230, temperature=0.0,
+                                               stream=True, extra_body={"ignore_eos": True})
+        async for _ in long:  # its first token: it runs on engine 0 now
+            break
+        await asyncio.gather(*[client.completions.create(model=model, prompt=prefix + [7, 6], extra_body=extra,
+                                                         **body) for extra in ({}, {"cache_salt": "tenant-b"})])
+        async for _ in long:
+            pass
+        await client.close()
+
+    asyncio.run(main())
+    after = _samples(url, "vllm:prefix_cache_hits_total")
+    assert after["0"] - hits["0"] == 48 and after["1"] == hits["1"], (hits, after)

@@ -39,6 +39,7 @@ from vllite_core.core.stats import SchedulerStats
 from vllite_core.engine.core import CoreInfo
 from vllite_core.engine.core_messages import EngineCoreAbort, EngineCoreFailed, EngineCoreOutputs, EngineCoreReady
 from vllite_core.engine.dp_layout import DataParallelLayout
+from vllite_core.engine.dp_routing import PrefixRouter
 from vllite_core.errors import EngineCoreDeadError, EngineDeadError
 from vllite_core.utils import describe_exit
 
@@ -114,6 +115,7 @@ class CoreProcesses:
     _link_watch: threading.Thread | None
     _link_stop: tuple[int, int] | None
     _probe_until: float
+    _prefix_router: PrefixRouter | None
 
     # ---- processes and watchers ---------------------------------------------------------------------
     def _spawn(self, eng: CoreSlot) -> None:
@@ -361,6 +363,8 @@ class CoreProcesses:
             eng.sent = eng.applied = 0
             eng.last_error = None
             eng.stats = SchedulerStats()
+            if self._prefix_router is not None:  # its prefix cache died with it
+                self._prefix_router.forget_engine(eng.index)
         self._died = None
         self._start_monitor()  # on the live engines: the dead one's death is not reported again
 

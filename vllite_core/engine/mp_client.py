@@ -6,7 +6,8 @@ prepared and detokenized here (the OutputProcessor stays in the API process, as 
 outputs that arrived, ``stats`` the latest ``SchedulerStats`` records the cores sent with them. With
 ``data_parallel_size`` N there are N engine cores, each a full copy of the model; a request goes to
 the one with the fewest unfinished requests (running + waiting, as this client counts them: sent and
-not yet finished or aborted), and /metrics labels each engine's numbers with its index.
+not yet finished or aborted), or, with prefix caching on, to the one that holds its prompt's prefix while
+that one's load stays close (dp_routing.py); /metrics labels each engine's numbers with its index.
 
 The processes' lifecycle (start-up, death, restart) is ``CoreProcesses`` (core_processes.py), which
 MPClient inherits.
@@ -53,6 +54,7 @@ from vllite_core.engine.core_messages import (
 )
 from vllite_core.engine.core_processes import LINK_GONE, CoreProcesses, CoreSlot
 from vllite_core.engine.dp_layout import DataParallelLayout, bind_front_end
+from vllite_core.engine.dp_routing import PrefixRouter
 from vllite_core.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 from vllite_core.errors import ConfigError, EngineDeadError
 from vllite_core.request import Request, RequestStatus
@@ -127,6 +129,9 @@ class MPClient(CoreProcesses):
         info = self.engines[0].info
         assert info is not None
         self.info: CoreInfo = info
+        cache = info.config.cache_config
+        self._prefix_router = PrefixRouter(cache.block_size) if dp.size > 1 and cache.enable_prefix_caching \
+            else None
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._poller = zmq.Poller()
@@ -205,7 +210,7 @@ class MPClient(CoreProcesses):
                                 request.arrival_time, request.max_tokens, request.encoder_inputs,
                                 request.num_encoder_tokens, request.cache_salt, tuple(request.block_extra_keys),
                                 pooling, lora, pickle.dumps(request.mm_features) if request.mm_features else None)
-        eng = min(live, key=lambda e: (e.unfinished, e.index))
+        eng = self._choose_engine(live, request)
         self._queue(eng, msg)
         self._owner[request.request_id] = eng
         eng.unfinished += 1
@@ -215,6 +220,17 @@ class MPClient(CoreProcesses):
             self._routes[rid.rpartition("#")[0]] = eng.index
         while len(self._routes) > _ROUTES_KEPT:
             self._routes.popitem(last=False)
+
+    def _choose_engine(self, live: list[CoreSlot], request: Request) -> CoreSlot:
+        """The least loaded engine core, or (prefix caching on, several cores) the one that holds the
+        prompt's prefix while its load stays close (dp_routing.py)."""
+        if self._prefix_router is None or len(live) == 1:
+            return min(live, key=lambda e: (e.unfinished, e.index))
+        lora = request.lora_request.lora_name if request.lora_request is not None else None
+        keys = self._prefix_router.prefix_keys(request.prompt_token_ids,
+                                               (request.cache_salt, lora, tuple(request.block_extra_keys)))
+        by_index = {e.index: e for e in live}
+        return by_index[self._prefix_router.choose(keys, {i: e.unfinished for i, e in by_index.items()})]
 
     def engine_of(self, request_id: str) -> int:
         """The engine index a (recent) request was sent to; 0 when unknown."""
