@@ -16,6 +16,8 @@ def test_the_head_and_a_headless_node():
     node = data_parallel_layout(4, 2, start_rank=2, address="10.0.0.1", headless=True)
     assert list(node.local_ranks) == [2, 3] and node.rpc_port == DEFAULT_RPC_PORT == 29550
     assert list(data_parallel_layout(4, start_rank=1, address="h", headless=True).local_ranks) == [1, 2, 3]
+    ray_head = data_parallel_layout(2, 1, backend="ray")  # the address: this node's, from the Ray cluster
+    assert ray_head.spans_nodes and ray_head.address is None and ray_head.backend == "ray"
     one_node = data_parallel_layout(2)
     assert list(one_node.local_ranks) == [0, 1] and not one_node.spans_nodes
     assert data_parallel_layout(2, 1, address="::1").front_end == f"tcp://[::1]:{DEFAULT_RPC_PORT}"
@@ -33,6 +35,9 @@ def test_the_head_and_a_headless_node():
     (dict(size=2, headless=True), "--headless needs --data-parallel-address"),
     (dict(size=2, size_local=0, address="h", headless=True), "--headless: --data-parallel-size-local"),
     (dict(size=2, size_local=1, address="h", rpc_port=70000), "--data-parallel-rpc-port"),
+    (dict(size=2, size_local=1, backend="ray", address="h", start_rank=1, headless=True),
+     "--data-parallel-backend ray: the API server's node places"),
+    (dict(size=2, size_local=1, backend="grpc"), "--data-parallel-backend: 'mp' or 'ray'"),
 ])
 def test_combinations_that_cannot_work_name_the_flag(kwargs, flag):
     with pytest.raises(ConfigError) as e:

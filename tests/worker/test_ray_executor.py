@@ -4,7 +4,9 @@ parallelism over two actors on two nodes give Hugging Face's greedy tokens; a lo
 naming its rank and node; no ray package / no cluster is a clear ConfigError."""
 from __future__ import annotations
 
+import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -137,3 +139,45 @@ def test_lora_over_two_nodes_matches_peft(cluster, tmp_path, monkeypatch):
         check_matches_peft(llm, case)
     finally:
         llm.llm_engine.core.shutdown()
+
+
+def test_data_parallel_ranks_placed_on_the_ray_cluster_serve_hf_tokens(cluster, qwen2):
+    """`--data-parallel-backend ray`: the API server starts rank 1 itself, as a Ray actor on the other node
+    (no --headless node): greedy completions from both ranks are HF's; stopping the server ends that rank."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+    from server_harness import ServerProcess
+
+    path, hf, prompts = qwen2
+    srv = ServerProcess(["--model", path, "--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "128",
+                         "--num-threads", "1", "--data-parallel-size", "2", "--data-parallel-size-local", "1",
+                         "--data-parallel-backend", "ray", "--data-parallel-rpc-port", str(free_port())],
+                        env={"RAY_ADDRESS": cluster})
+    try:
+        url = srv.wait_ready(timeout=240)
+        layout = next(ln for ln in srv.lines if "process layout" in ln)
+        remote_pid = int(re.search(r"DP rank 1 pid (\d+) on ", layout).group(1))
+        batch = [*prompts, prompts[1][::-1], prompts[0] * 3]
+
+        async def complete_all() -> list[str]:  # at once: the least loaded rank takes each in turn
+            async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+                outs = await asyncio.gather(*[client.post("/v1/completions", json={
+                    "model": path, "prompt": p, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True})
+                    for p in batch])
+            return [o.json()["choices"][0]["text"] for o in outs]
+
+        # the served text is the in-process engine's, whose tokens are HF's
+        ref = LLM(path, dtype="float32", num_kv_blocks=64, max_model_len=128).generate(
+            [{"prompt_token_ids": p} for p in batch], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        assert [r.outputs[0].token_ids for r in ref] == [hf_greedy(hf, p, 8) for p in batch]
+        assert asyncio.run(complete_all()) == [r.outputs[0].text for r in ref]
+        metrics = text_string_to_metric_families(httpx.get(url + "/metrics").text)
+        queries = {s.labels["engine"]: s.value for fam in metrics for s in fam.samples
+                   if s.name == "vllm:prefix_cache_queries_total"}
+        assert set(queries) == {"0", "1"} and all(v > 0 for v in queries.values()), queries
+    finally:
+        srv.stop()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{remote_pid}"):
+        time.sleep(0.5)
+    assert not os.path.exists(f"/proc/{remote_pid}"), "the Ray-placed rank's engine core outlived its server"

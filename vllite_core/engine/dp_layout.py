@@ -41,6 +41,7 @@ class DataParallelLayout:
     address: str | None = None  # --data-parallel-address: where the head node's front end listens
     rpc_port: int = DEFAULT_RPC_PORT  # --data-parallel-rpc-port
     headless: bool = False  # --headless: this node runs engine cores only
+    backend: str = "mp"  # --data-parallel-backend: who starts the other nodes' ranks (headless nodes, or Ray)
 
     @property
     def local_ranks(self) -> range:
@@ -59,7 +60,7 @@ class DataParallelLayout:
 
 def data_parallel_layout(size: int, size_local: int | None = None, start_rank: int = 0,
                          address: str | None = None, rpc_port: int = DEFAULT_RPC_PORT,
-                         headless: bool = False) -> DataParallelLayout:
+                         headless: bool = False, backend: str = "mp") -> DataParallelLayout:
     """The layout the options describe; a combination that cannot work is a ConfigError naming the flag.
     ``size_local`` defaults to the ranks from ``start_rank`` to the last."""
     if size < 1:
@@ -82,14 +83,19 @@ def data_parallel_layout(size: int, size_local: int | None = None, start_rank: i
     if start_rank and address is None:
         raise ConfigError("--data-parallel-start-rank needs --data-parallel-address (the head node's address, where "
                           "this node's engine cores connect)")
+    if backend not in ("mp", "ray"):
+        raise ConfigError(f"--data-parallel-backend: 'mp' or 'ray', got {backend!r}")
+    if backend == "ray" and headless:
+        raise ConfigError("--data-parallel-backend ray: the API server's node places every other rank on the Ray "
+                          "cluster itself; no --headless node is started")
     if headless and address is None:
         raise ConfigError("--headless needs --data-parallel-address (the head node's address)")
     if headless and local < 1:
         raise ConfigError("--headless: --data-parallel-size-local must be at least 1 (the engine cores this node runs)")
-    if local < size and address is None:
+    if local < size and address is None and backend != "ray":
         raise ConfigError(f"--data-parallel-size-local {local} < --data-parallel-size {size} needs "
                           "--data-parallel-address (where the other nodes' engine cores connect)")
-    return DataParallelLayout(size, local, start_rank, address, rpc_port, headless)
+    return DataParallelLayout(size, local, start_rank, address, rpc_port, headless, backend)
 
 
 def _heartbeats(sock: zmq.Socket) -> None:

@@ -29,7 +29,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict, deque
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import zmq
 
@@ -55,10 +55,14 @@ from vllite_core.engine.core_messages import (
 from vllite_core.engine.core_processes import LINK_GONE, CoreProcesses, CoreSlot
 from vllite_core.engine.dp_layout import DataParallelLayout, bind_front_end
 from vllite_core.engine.dp_routing import PrefixRouter
+from vllite_core.engine.restart import RestartPolicy
 from vllite_core.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 from vllite_core.errors import ConfigError, EngineDeadError
 from vllite_core.request import Request, RequestStatus
 from vllite_core.worker.sleep import SleepReport
+
+if TYPE_CHECKING:
+    from vllite_core.engine.dp_ray import RayDataParallelRanks
 
 logger = logging.getLogger("vllite.engine_core_client")
 
@@ -89,6 +93,7 @@ class MPClient(CoreProcesses):
         self._inputs = zmq.Poller()  # what the engines send arrives here (and on the front end's ROUTER)
         self._inputs.register(self._out, zmq.POLLIN)
         self._router: zmq.Socket | None = None  # the front end for remote ranks
+        self._ray_ranks: RayDataParallelRanks | None = None  # remote ranks this client placed on Ray
         self._router_events: zmq.Socket | None = None  # its link events (read by the link watcher thread)
         self._link_watch: threading.Thread | None = None
         self._link_stop: tuple[int, int] | None = None
@@ -119,6 +124,10 @@ class MPClient(CoreProcesses):
                 self._router, self._router_events = bind_front_end(self._ctx, dp)
                 self._inputs.register(self._router, zmq.POLLIN)
                 self._start_link_watch()
+                if dp.backend == "ray":
+                    from vllite_core.engine.dp_ray import RayDataParallelRanks
+
+                    self._ray_ranks = RayDataParallelRanks(config, dp, RestartPolicy())
             for e in self.engines:
                 if not e.remote:
                     self._spawn(e)
@@ -466,6 +475,8 @@ class MPClient(CoreProcesses):
         for eng in self.engines:
             if eng.sock is not None:
                 eng.sock.close(0)
+        if self._ray_ranks is not None:  # after the local cores' shutdown: the remote ones stop with their actors
+            self._ray_ranks.stop()
         self._out.close(0)
         if self._router is not None and self._router_events is not None:
             self._router.disable_monitor()

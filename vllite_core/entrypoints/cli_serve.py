@@ -141,6 +141,10 @@ def _add_data_parallel_args(p: argparse.ArgumentParser) -> None:
                    "which connect to it")
     d.add_argument("--data-parallel-rpc-port", "-dpp", type=int, default=DEFAULT_RPC_PORT,
                    help=f"the TCP port of --data-parallel-address (default {DEFAULT_RPC_PORT})")
+    d.add_argument("--data-parallel-backend", "-dpb", choices=("mp", "ray"), default="mp",
+                   help="who starts the ranks past --data-parallel-size-local: mp, a --headless node started on each "
+                   "other node; ray, this API server, as Ray actors on the other nodes of a running Ray cluster "
+                   "(RAY_ADDRESS, else auto; --data-parallel-address defaults to this node's IP there)")
     d.add_argument("--headless", action="store_true",
                    help="run this node's engine cores only, no API server: they connect to the head node's at "
                    "--data-parallel-address:--data-parallel-rpc-port (and start again when they exit, within "
@@ -188,6 +192,10 @@ def run_serve(ns: argparse.Namespace) -> int:
     sock = bind_unix_socket(ns.uds) if ns.uds else bind_socket(ns.host, ns.port)
     try:
         restart = RestartPolicy(ns.engine_restart_max, ns.engine_restart_window)
+        if dp.backend == "ray" and dp.spans_nodes:
+            from vllite_core.engine.dp_ray import front_end_address
+
+            dp = front_end_address(dp)
         engine = AsyncLLM.from_engine_args(engine_args_from_namespace(ns), dp.size, restart=restart,
                                            dp=dp if dp.spans_nodes else None)
     except KeyboardInterrupt:
@@ -269,7 +277,8 @@ def _data_parallel(ns: argparse.Namespace) -> DataParallelLayout:
 
     try:
         dp = data_parallel_layout(ns.data_parallel_size, ns.data_parallel_size_local, ns.data_parallel_start_rank,
-                                  ns.data_parallel_address, ns.data_parallel_rpc_port, ns.headless)
+                                  ns.data_parallel_address, ns.data_parallel_rpc_port, ns.headless,
+                                  ns.data_parallel_backend)
     except ConfigError as e:
         raise SystemExit(f"vllite serve: {e}") from None
     if dp.headless:
