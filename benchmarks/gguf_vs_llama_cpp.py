@@ -96,7 +96,8 @@ def main() -> None:
     rows.insert(0, run_vllite(a, prompts))
     ours, theirs = rows[0]["tokens"], rows[1]["tokens"]
     result = {"greedy_tokens_agreeing": next((i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y),
-                                             min(len(ours), len(theirs))), "gguf": a.gguf, "file_gib": round(os.path.getsize(a.gguf) / 2**30, 2), "threads": a.threads,
+                                             min(len(ours), len(theirs))),
+              "gguf": a.gguf, "file_gib": round(os.path.getsize(a.gguf) / 2**30, 2), "threads": a.threads,
               "load_before": round(load, 2), "load_after": round(os.getloadavg()[0], 2), "rows": rows}
     print(json.dumps(result, indent=1))
     if a.output_json:
