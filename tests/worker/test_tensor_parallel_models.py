@@ -193,6 +193,36 @@ def test_mamba2_over_two_ranks_matches_hf_greedy(tmp_path, capsys):
     assert rc == 1 and "tensor_parallel_size: 3 ranks cannot split a Mamba-2 mixer of 8 heads in 1 group(s)" in err
 
 
+# ---- the Mamba-2 hybrids: attention by heads, mixers by whole heads, MLPs/experts by channels -------------
+
+# Per hybrid: weight path -> each rank's rows. Every mixer has 8 heads of 16 in 1 group (so the gated norm spans
+# both ranks; in_proj: gate 64 + x 64 + B 16 + C 16 + dt 4 rows), attention 4 heads over 2 KV heads (16 wide),
+# MLPs 96 wide; `vllite env -tp 2` prints HYBRID_RANK_1 for rank 1.
+HYBRID_SHARDS = {
+    "nemotron_h": {"model.layers.0.mixer.A_log": [4, 4], "model.layers.0.mixer.in_proj.weight": [164, 164],
+                   "model.layers.1.mixer.qkv_proj.weight": [64, 64]},
+    "granite_moe_hybrid": {"model.layers.0.mamba.A_log": [4, 4], "model.layers.1.self_attn.qkv_proj.weight": [64, 64],
+                           "model.layers.1.feed_forward.w13_weight.0": [96, 96],  # expert 0: gate + up, 48 each
+                           "model.layers.1.feed_forward.shared_experts.gate_up_proj.weight": [96, 96]},
+}
+HYBRID_RANK_1 = ("tensor-parallel rank 1: query heads 2-3 (2) of 4, KV heads 1-1 (1) of 2; SSM heads 4-7 (4) of 8, "
+                 "groups 0-0 of 1")
+
+
+@pytest.mark.parametrize("arch", list(HYBRID_SHARDS))
+def test_hybrid_over_two_ranks_matches_hf_greedy(tmp_path, capsys, arch):
+    """One engine start per hybrid: TP=2 greedy tokens equal transformers' float32 ones (24-token prefill chunks),
+    each rank holds its share, and ``vllite env`` prints it."""
+    llm, prompts, ref = _state_space_tp2(tmp_path, arch)
+    try:
+        assert _greedy(llm, prompts) == ref
+        assert {path: _local_rows(llm, path) for path in HYBRID_SHARDS[arch]} == HYBRID_SHARDS[arch]
+    finally:
+        _shutdown(llm)
+    rc, out, _ = _env(capsys, "-tp", "2", "--model", str(tmp_path))
+    assert rc == 0 and HYBRID_RANK_1 in out
+
+
 # ---- in one process: two ranks as two threads (no worker processes), for encoders ---------------------
 
 class _ThreadComm:
