@@ -193,31 +193,43 @@ def mamba2_shard(num_heads: int, n_groups: int, tensor_parallel_size: int, rank:
 
 class GatedRMSNorm(nn.Module):
     """RMS norm of ``x * silu(gate)`` over groups of ``group_size`` channels, in float32, then scaled. ``rows``:
-    this rank's channels of the ``size``; a rank holding part of one group sums its squares with the others'."""
+    this rank's channels of the ``size``; a rank holding part of one group sums its squares with the others'.
+    Falcon-H1's form (``float32_weight``): the weight applied before the cast, and the gate after the norm
+    instead of before it when ``norm_before_gate``."""
 
     def __init__(self, size: int, group_size: int, eps: float, dtype: torch.dtype,
-                 rows: tuple[int, int] | None = None) -> None:
+                 rows: tuple[int, int] | None = None, float32_weight: bool = False,
+                 norm_before_gate: bool = False) -> None:
         super().__init__()
         rows = rows or (0, size)
         self.weight = rows_param(rows, size, dtype=dtype)
         self.group_size = group_size
         self.eps = eps
+        self.float32_weight, self.norm_before_gate = float32_weight, norm_before_gate
         # (this rank's group, groups in all) when the rank holds only part of its group
         self.split_group = None if (rows[1] - rows[0]) % group_size == 0 else (rows[0] // group_size,
                                                                                size // group_size)
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = self.weight.dtype
-        h = x.float() * F.silu(gate.float())
+    def normalize(self, h: torch.Tensor) -> torch.Tensor:
+        """``h`` (float32) divided by the RMS of each group."""
         if self.split_group is not None:
             g, n = self.split_group
             sums = h.new_zeros(h.shape[0], n)  # one column per group: ranks of other groups add zeros to it
             sums[:, g] = h.pow(2).sum(-1)
             get_tp().communicator.all_reduce(sums)
-            return self.weight * (h * torch.rsqrt(sums[:, g:g + 1] / self.group_size + self.eps)).to(dtype)
+            return h * torch.rsqrt(sums[:, g:g + 1] / self.group_size + self.eps)
         g = h.view(*h.shape[:-1], -1, self.group_size)
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * g.view(h.shape).to(dtype)
+        return (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)).view(h.shape)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        if not self.norm_before_gate:
+            h = h * F.silu(gate.float())
+        h = self.normalize(h)
+        if not self.float32_weight:
+            return self.weight * h.to(self.weight.dtype)
+        h = self.weight * h
+        return (h * F.silu(gate.float()) if self.norm_before_gate else h).to(x.dtype)
 
 
 class Mamba2Mixer(MambaBase):
@@ -238,7 +250,7 @@ class Mamba2Mixer(MambaBase):
         self.inner = self.heads * hd  # this rank's channels of x, the gate and the norm
         self.bc = self.groups * n  # this rank's columns of B (and of C)
         self.conv_channels = self.inner + 2 * self.bc
-        chans = (h0 * hd, h1 * hd)
+        self.channels = chans = (h0 * hd, h1 * hd)  # this rank's of x, the gate, the norm and out_proj's input
         segments, dst = {}, 0
         for name, src, length, whole in (("gate", chans[0], self.inner, full), ("x", chans[0], self.inner, full),
                                          ("B", g0 * n, self.bc, gn), ("C", g0 * n, self.bc, gn),

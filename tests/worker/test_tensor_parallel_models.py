@@ -204,8 +204,18 @@ HYBRID_SHARDS = {
     "granite_moe_hybrid": {"model.layers.0.mamba.A_log": [4, 4], "model.layers.1.self_attn.qkv_proj.weight": [64, 64],
                            "model.layers.1.feed_forward.w13_weight.0": [96, 96],  # expert 0: gate + up, 48 each
                            "model.layers.1.feed_forward.shared_experts.gate_up_proj.weight": [96, 96]},
+    # muP multipliers and the float32-weight gated norm follow the rank's rows
+    "falcon_h1": {"model.layers.0.mamba.mup_vector": [164, 164], "model.layers.0.mamba.norm.weight": [64, 64],
+                  "model.layers.1.self_attn.qkv_proj.weight": [64, 64],
+                  "model.layers.1.feed_forward.gate_proj.weight": [48, 48]},
+    # the shared block (4 heads of 32 over 4 KV heads) and its adapters' up projections (rank 8 -> this rank's rows)
+    "zamba2": {"model.layers.0.mamba.A_log": [4, 4],
+               "model.layers.1.shared_transformer.self_attn.qkv_proj.weight": [192, 192],
+               "model.layers.1.shared_transformer.self_attn.linear_k_adapter_list.0.1.weight": [64, 64],
+               "model.layers.1.shared_transformer.feed_forward.gate_up_proj.weight": [96, 96],
+               "model.layers.1.shared_transformer.feed_forward.gate_up_proj_adapter_list.1.1.weight": [96, 96]},
 }
-HYBRID_RANK_1 = ("tensor-parallel rank 1: query heads 2-3 (2) of 4, KV heads 1-1 (1) of 2; SSM heads 4-7 (4) of 8, "
+HYBRID_RANK_1 = ("tensor-parallel rank 1: query heads 2-3 (2) of 4, KV heads {} of {}; SSM heads 4-7 (4) of 8, "
                  "groups 0-0 of 1")
 
 
@@ -220,7 +230,7 @@ def test_hybrid_over_two_ranks_matches_hf_greedy(tmp_path, capsys, arch):
     finally:
         _shutdown(llm)
     rc, out, _ = _env(capsys, "-tp", "2", "--model", str(tmp_path))
-    assert rc == 0 and HYBRID_RANK_1 in out
+    assert rc == 0 and HYBRID_RANK_1.format(*(("2-3 (2)", 4) if arch == "zamba2" else ("1-1 (1)", 2))) in out
 
 
 # ---- in one process: two ranks as two threads (no worker processes), for encoders ---------------------
