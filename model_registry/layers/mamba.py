@@ -8,7 +8,7 @@ carry each request's state across prefill chunks and decode steps.
 - ``MambaMixer``: Mamba-1's selective scan (Mamba, FalconMamba, Jamba), tensor-parallel over its channels;
 - ``Mamba2Mixer``: Mamba-2's SSD scan (Mamba2 and the hybrids built on it), geometry in ``Mamba2Dims``,
   tensor-parallel over whole heads (``mamba2_shard``);
-- ``ShortConv``: a gated short convolution (LFM2).
+- ``ShortConv``: a gated short convolution (LFM2), tensor-parallel over its channels.
 """
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ from torch import nn
 from model_registry.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
-    ReplicatedLinear,
     RowParallelLinear,
     Segment,
 )
@@ -293,14 +292,19 @@ class Mamba2Mixer(MambaBase):
 
 class ShortConv(MambaBase):
     """LFM2's gated short convolution: ``out_proj(C * conv(B * x))``, a causal depthwise conv of ``kernel``
-    taps and no activation; its state is the last ``kernel - 1`` inputs."""
+    taps and no activation; its state is the last ``kernel - 1`` inputs. Tensor-parallel over its channels:
+    each rank holds its rows of B, C and x (``in_proj`` stacks the three), of the conv and of its state, and
+    ``out_proj`` sums over the ranks."""
 
     def __init__(self, hidden_size: int, kernel: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
-        self.hidden, self.kernel = hidden_size, kernel
-        self.conv = CausalConv1d(hidden_size, kernel, bias, dtype)
-        self.in_proj = ReplicatedLinear(hidden_size, 3 * hidden_size, bias, dtype)
-        self.out_proj = ReplicatedLinear(hidden_size, hidden_size, bias, dtype)
+        tp = get_tp()
+        rows = split(hidden_size, tp.world_size, tp.rank)
+        self.hidden, self.kernel = rows[1] - rows[0], kernel  # this rank's channels
+        self.conv = CausalConv1d(hidden_size, kernel, bias, dtype, [rows])
+        self.in_proj = ColumnParallelLinear(hidden_size, 3 * self.hidden, bias, dtype, {
+            name: Segment(i * self.hidden, rows[0], self.hidden, hidden_size) for i, name in enumerate("BCx")})
+        self.out_proj = RowParallelLinear(hidden_size, hidden_size, bias, dtype, rows)
         self.ops = current_model_ops()
 
     @property

@@ -214,9 +214,14 @@ HYBRID_SHARDS = {
                "model.layers.1.shared_transformer.self_attn.linear_k_adapter_list.0.1.weight": [64, 64],
                "model.layers.1.shared_transformer.feed_forward.gate_up_proj.weight": [96, 96],
                "model.layers.1.shared_transformer.feed_forward.gate_up_proj_adapter_list.1.1.weight": [96, 96]},
+    # the short conv by channels (B, C and x rows of in_proj, 32 each); the MLP is 256 wide
+    "lfm2": {"model.layers.0.conv.in_proj.weight": [96, 96], "model.layers.0.conv.conv.weight": [32, 32],
+             "model.layers.1.self_attn.qkv_proj.weight": [64, 64], "model.layers.1.feed_forward.w1.weight": [128, 128]},
 }
-HYBRID_RANK_1 = ("tensor-parallel rank 1: query heads 2-3 (2) of 4, KV heads {} of {}; SSM heads 4-7 (4) of 8, "
-                 "groups 0-0 of 1")
+SSM_RANK_1 = "SSM heads 4-7 (4) of 8, groups 0-0 of 1"
+HYBRID_RANK_1 = {arch: f"query heads 2-3 (2) of 4, KV heads 1-1 (1) of 2; {SSM_RANK_1}" for arch in HYBRID_SHARDS}
+HYBRID_RANK_1["zamba2"] = f"query heads 2-3 (2) of 4, KV heads 2-3 (2) of 4; {SSM_RANK_1}"
+HYBRID_RANK_1["lfm2"] = "query heads 2-3 (2) of 4, KV heads 1-1 (1) of 2; conv channels 32-63 (32) of 64"
 
 
 @pytest.mark.parametrize("arch", list(HYBRID_SHARDS))
@@ -230,7 +235,7 @@ def test_hybrid_over_two_ranks_matches_hf_greedy(tmp_path, capsys, arch):
     finally:
         _shutdown(llm)
     rc, out, _ = _env(capsys, "-tp", "2", "--model", str(tmp_path))
-    assert rc == 0 and HYBRID_RANK_1.format(*(("2-3 (2)", 4) if arch == "zamba2" else ("1-1 (1)", 2))) in out
+    assert rc == 0 and f"tensor-parallel rank 1: {HYBRID_RANK_1[arch]}" in out
 
 
 # ---- in one process: two ranks as two threads (no worker processes), for encoders ---------------------
@@ -342,10 +347,14 @@ def test_env_shows_each_ranks_heads_and_stages(capsys, llava, qwen2_embed_path):
     assert rc == 0 and "tensor-parallel rank 1: query heads 6-11 (6) of 12, KV heads 6-11 (6) of 12" in out
 
 
-def _lfm2_config():
-    from test_state_space_models import _configs
+def save_untensored_config(path) -> None:
+    """The config of a built-in class that does not declare tensor parallelism (Qwen2-Audio), no weights: the
+    refusal comes before any load."""
+    from transformers import Qwen2AudioConfig
 
-    return _configs()["lfm2"]()  # LFM2's short conv is not sharded yet
+    Qwen2AudioConfig(audio_config=dict(d_model=32, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64),
+                     text_config={**TINY, "model_type": "qwen2"},
+                     architectures=["Qwen2AudioForConditionalGeneration"]).save_pretrained(path)
 
 
 def test_env_refuses_what_does_not_divide(capsys, llava, qwen2_embed_path, tmp_path):
@@ -356,9 +365,10 @@ def test_env_refuses_what_does_not_divide(capsys, llava, qwen2_embed_path, tmp_p
     assert rc == 1 and "pipeline_parallel_size: 3 stages for a model of 2 layer(s)" in err
     rc, _, err = _env(capsys, "-tp", "2", "-pp", "2", "--model", str(llava[0]))
     assert rc == 1 and "pipeline_parallel_size: LlavaForConditionalGeneration does not support pipeline" in err
-    save_tiny(tmp_path, _lfm2_config())
+    save_untensored_config(tmp_path)
     rc, _, err = _env(capsys, "-tp", "2", "--model", str(tmp_path))
-    assert rc == 1 and "tensor_parallel_size: Lfm2ForCausalLM does not support tensor parallelism" in err
+    assert rc == 1 and ("tensor_parallel_size: Qwen2AudioForConditionalGeneration does not support tensor "
+                        "parallelism") in err
 
 
 def test_mamba2_mixer_with_a_group_per_rank_matches_transformers(monkeypatch):
