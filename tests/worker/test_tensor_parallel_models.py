@@ -134,6 +134,59 @@ def test_llava_over_two_ranks_matches_hf_greedy(llava_tp2):
     assert _local_rows(llm, "vision_tower.layers.0.fc1.weight") == [48, 48]
 
 
+# ---- the other VLMs: language model sharded like Llava's, encoder whole on every rank --------------------------
+
+def _vlm(kind: str, path) -> tuple[list[tuple[str, list]], list[list[int]]]:
+    """A tiny ``kind`` VLM saved at ``path`` (4 query heads over 2 KV heads in its language model): one-image and
+    two-image requests in its own placeholder spelling, and transformers' float32 greedy tokens for them."""
+    if kind == "gemma3":
+        from tiny_gemma3 import BOI, gemma3_processor, hf_gemma3_greedy, save_tiny_gemma3
+        hf, tag = save_tiny_gemma3(path), BOI
+        proc = gemma3_processor(path)
+        ref = lambda t, im: hf_gemma3_greedy(hf, proc, t, im, 6)  # noqa: E731
+    elif kind == "idefics3":
+        from tiny_idefics3 import IMAGE, hf_idefics3_greedy, idefics3_processor, save_tiny_idefics3
+        hf, tag = save_tiny_idefics3(path), IMAGE
+        proc = idefics3_processor(path)
+        ref = lambda t, im: hf_idefics3_greedy(hf, proc, t, im, 6)[1]  # noqa: E731
+    elif kind == "internvl":
+        from tiny_internvl import CONTEXT, hf_internvl_greedy, internvl_processor, save_tiny_internvl
+        hf, tag = save_tiny_internvl(path), CONTEXT
+        proc = internvl_processor(path)
+        ref = lambda t, im: hf_internvl_greedy(hf, proc, t, im, 6)[1]  # noqa: E731
+    elif kind == "mistral3":
+        from tiny_mistral3 import IMG, hf_mistral3_greedy, save_tiny_mistral3
+        hf, tag = save_tiny_mistral3(path), IMG
+        ref = lambda t, im: hf_mistral3_greedy(hf, path, t, im, 6)[1]  # noqa: E731
+    else:  # qwen2_vl, qwen2_5_vl
+        from tiny_qwen2_vl import IMAGE, hf_qwen_vl_greedy, image_processor, save_tiny_qwen_vl
+        from transformers import AutoTokenizer
+        hf, tag = save_tiny_qwen_vl(path, kind), IMAGE
+        tok, proc = AutoTokenizer.from_pretrained(path), image_processor(path)
+        ref = lambda t, im: hf_qwen_vl_greedy(hf, tok, proc, t, im, 6)  # noqa: E731
+    requests = [(f"User: {tag}What is in the picture? Assistant:", [make_image(60, 60, 0)]),
+                (f"User: {tag} and {tag}: which is brighter? Assistant:",
+                 [make_image(50, 40, 2), make_image(30, 30, 3)])]
+    return requests, [ref(t, im) for t, im in requests]
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "idefics3", "internvl", "mistral3", "qwen2_vl", "qwen2_5_vl"])
+def test_vlm_over_two_ranks_matches_hf_greedy(tmp_path, capsys, kind):
+    """One engine start per VLM: TP=2 greedy tokens equal transformers' float32 ones; each rank holds half of the
+    language model's query heads (2 of 4, 1 of 2 KV heads: 4 x 16 rows) and the whole encoder."""
+    requests, ref = _vlm(kind, tmp_path)
+    llm = LLM(model=str(tmp_path), dtype="float32", tensor_parallel_size=2, num_kv_blocks=64)
+    try:
+        outs = llm.generate([{"prompt": t, "multi_modal_data": {"image": im if len(im) > 1 else im[0]}}
+                             for t, im in requests], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+        assert [o.outputs[0].token_ids for o in outs] == ref
+        assert _local_rows(llm, "language_model.model.layers.0.self_attn.qkv_proj.weight") == [64, 64]
+    finally:
+        _shutdown(llm)
+    rc, out, _ = _env(capsys, "-tp", "2", "--model", str(tmp_path))
+    assert rc == 0 and "tensor-parallel rank 1: query heads 2-3 (2) of 4, KV heads 1-1 (1) of 2 (text_config" in out
+
+
 # ---- a hybrid: Jamba (a Mamba mixer layer with a dense MLP, an attention layer with the MoE) ---------------
 
 def _state_space_tp2(path, arch: str):
