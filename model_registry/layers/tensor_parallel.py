@@ -22,6 +22,7 @@ class ShardsByHeads(SupportsTensorParallel):
     Mamba, has nothing to check: its mixers split their channels)."""
 
     tp_sub_config: str | None = None
+    whole_elsewhere = "the rest whole on every rank"  # what the layout says of the parts beside tp_sub_config
 
     @classmethod
     def sharded_config(cls, hf_config: Any) -> Any:
@@ -46,7 +47,7 @@ class ShardsByHeads(SupportsTensorParallel):
         if heads is None:
             return []
         kv = getattr(c, "num_key_value_heads", None) or heads
-        where = f" ({cls.tp_sub_config}; the rest whole on every rank)" if cls.tp_sub_config else ""
+        where = f" ({cls.tp_sub_config}; {cls.whole_elsewhere})" if cls.tp_sub_config else ""
         lines = []
         for rank in range(tensor_parallel_size):
             s = shard_heads(heads, kv, tensor_parallel_size, rank)
@@ -61,8 +62,8 @@ def _span(start: int, count: int) -> str:
 
 class ShardsHybrid(ShardsByHeads):
     """Declares ``SupportsTensorParallel`` for a model whose attention splits by heads (``ShardsByHeads``) and whose
-    other mixers split their own way: a subclass says how (``check_mixers``) and what each rank holds
-    (``mixer_layout``), and ``vllite env`` prints both on each rank's line."""
+    other mixers (or encoder) split their own way: a subclass says how (``check_mixers``) and what each rank holds
+    (``mixer_layout``), both from the whole ``hf_config``, and ``vllite env`` prints both on each rank's line."""
 
     @classmethod
     def check_mixers(cls, hf_config: Any, tensor_parallel_size: int) -> None:
@@ -75,12 +76,11 @@ class ShardsHybrid(ShardsByHeads):
     @classmethod
     def check_tensor_parallel(cls, hf_config: Any, tensor_parallel_size: int) -> None:
         super().check_tensor_parallel(hf_config, tensor_parallel_size)
-        cls.check_mixers(cls.sharded_config(hf_config), tensor_parallel_size)
+        cls.check_mixers(hf_config, tensor_parallel_size)
 
     @classmethod
     def tensor_parallel_layout(cls, hf_config: Any, tensor_parallel_size: int) -> list[str]:
-        attention = super().tensor_parallel_layout(hf_config, tensor_parallel_size)
-        c = cls.sharded_config(hf_config)
+        attention, c = super().tensor_parallel_layout(hf_config, tensor_parallel_size), hf_config
         return [f"{attention[r]}; {cls.mixer_layout(c, tensor_parallel_size, r)}" if attention
                 else f"tensor-parallel rank {r}: {cls.mixer_layout(c, tensor_parallel_size, r)}"
                 for r in range(tensor_parallel_size)]

@@ -187,10 +187,10 @@ def test_more_ranks_than_the_platform_has_devices(tmp_path):
 
 
 def test_a_model_without_tensor_parallel_support_is_refused(tmp_path):
-    from test_tensor_parallel_models import save_untensored_config  # a built-in that does not declare it
+    from test_tensor_parallel_models import save_untensored_config  # a plugin's class that does not declare it
 
     save_untensored_config(tmp_path)
-    with pytest.raises(ConfigError, match="Qwen2AudioForConditionalGeneration does not support tensor parallelism"):
+    with pytest.raises(ConfigError, match="MyLlamaForCausalLM does not support tensor parallelism"):
         LLM(str(tmp_path), tensor_parallel_size=2)
 
 

@@ -187,6 +187,31 @@ def test_vlm_over_two_ranks_matches_hf_greedy(tmp_path, capsys, kind):
     assert rc == 0 and "tensor-parallel rank 1: query heads 2-3 (2) of 4, KV heads 1-1 (1) of 2 (text_config" in out
 
 
+def test_qwen2_audio_over_two_ranks_matches_hf_greedy(tmp_path, capsys):
+    """Qwen2-Audio: the language model and the Whisper-shaped audio encoder both sharded by heads (2 of 4 each)."""
+    from tiny_qwen2_audio import CLIP, hf_qwen2_audio_greedy, qwen2_audio_processor, save_tiny_qwen2_audio
+    from tiny_whisper import tone
+
+    hf = save_tiny_qwen2_audio(tmp_path)
+    proc = qwen2_audio_processor(tmp_path)
+    requests = [(f"User: {CLIP} What is this sound? Assistant:", [tone(0.6, 440.0)]),
+                (f"Two: {CLIP} and {CLIP} Same? Assistant:", [tone(0.35, 900.0, chirp_to=300.0), tone(0.6, 440.0)])]
+    ref = [hf_qwen2_audio_greedy(hf, proc, t, clips, 6)[1] for t, clips in requests]
+    llm = LLM(model=str(tmp_path), dtype="float32", tensor_parallel_size=2, num_kv_blocks=64)
+    try:
+        prompts = [{"prompt": t, "multi_modal_data": {"audio": [(c, 16000) for c in clips] if len(clips) > 1
+                                                      else (clips[0], 16000)}} for t, clips in requests]
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+        assert [o.outputs[0].token_ids for o in outs] == ref
+        assert _local_rows(llm, "audio_tower.layers.0.fc1.weight") == [32, 32]  # 64 wide
+        assert _local_rows(llm, "language_model.model.layers.0.self_attn.qkv_proj.weight") == [64, 64]
+    finally:
+        _shutdown(llm)
+    rc, out, _ = _env(capsys, "-tp", "2", "--model", str(tmp_path))
+    assert rc == 0 and ("tensor-parallel rank 1: query heads 2-3 (2) of 4, KV heads 1-1 (1) of 2 (text_config; the "
+                        "projector whole on every rank); audio encoder heads 2-3 (2) of 4") in out
+
+
 # ---- a hybrid: Jamba (a Mamba mixer layer with a dense MLP, an attention layer with the MoE) ---------------
 
 def _state_space_tp2(path, arch: str):
@@ -401,13 +426,11 @@ def test_env_shows_each_ranks_heads_and_stages(capsys, llava, qwen2_embed_path):
 
 
 def save_untensored_config(path) -> None:
-    """The config of a built-in class that does not declare tensor parallelism (Qwen2-Audio), no weights: the
-    refusal comes before any load."""
-    from transformers import Qwen2AudioConfig
+    """The config of a class that does not declare tensor parallelism, no weights (the refusal comes before any
+    load): every built-in class declares it, so a plugin's, examples/custom_model's MyLlamaForCausalLM."""
+    from transformers import LlamaConfig
 
-    Qwen2AudioConfig(audio_config=dict(d_model=32, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64),
-                     text_config={**TINY, "model_type": "qwen2"},
-                     architectures=["Qwen2AudioForConditionalGeneration"]).save_pretrained(path)
+    LlamaConfig(**TINY, architectures=["MyLlamaForCausalLM"]).save_pretrained(path)
 
 
 def test_env_refuses_what_does_not_divide(capsys, llava, qwen2_embed_path, tmp_path):
@@ -420,8 +443,7 @@ def test_env_refuses_what_does_not_divide(capsys, llava, qwen2_embed_path, tmp_p
     assert rc == 1 and "pipeline_parallel_size: LlavaForConditionalGeneration does not support pipeline" in err
     save_untensored_config(tmp_path)
     rc, _, err = _env(capsys, "-tp", "2", "--model", str(tmp_path))
-    assert rc == 1 and ("tensor_parallel_size: Qwen2AudioForConditionalGeneration does not support tensor "
-                        "parallelism") in err
+    assert rc == 1 and "tensor_parallel_size: MyLlamaForCausalLM does not support tensor parallelism" in err
 
 
 def test_mamba2_mixer_with_a_group_per_rank_matches_transformers(monkeypatch):
