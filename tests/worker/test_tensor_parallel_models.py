@@ -134,6 +134,31 @@ def test_llava_over_two_ranks_matches_hf_greedy(llava_tp2):
     assert _local_rows(llm, "vision_tower.layers.0.fc1.weight") == [48, 48]
 
 
+@pytest.mark.parametrize("arch", ["nemotron_h", "granite_moe_hybrid", "falcon_h1", "zamba2", "lfm2"])
+def test_hybrid_mixers_that_do_not_split_are_refused(arch):
+    """A Mamba-2 mixer of 8 heads in 3 groups splits over neither 2 ranks (3 groups) nor does LFM2's attention over
+    3 (2 KV heads): a ConfigError naming tensor_parallel_size, from the class's own check (what `vllite env` and the
+    engine call before any worker starts)."""
+    from test_state_space_models import _configs
+
+    from model_registry.models import falcon_h1, granite_moe_hybrid, lfm2, nemotron_h, zamba2
+    from vllite_core.errors import ConfigError
+
+    cls = {"nemotron_h": nemotron_h.NemotronHForCausalLM, "falcon_h1": falcon_h1.FalconH1ForCausalLM,
+           "granite_moe_hybrid": granite_moe_hybrid.GraniteMoeHybridForCausalLM, "zamba2": zamba2.Zamba2ForCausalLM,
+           "lfm2": lfm2.Lfm2ForCausalLM}[arch]
+    config = _configs()[arch]()
+    cls.check_tensor_parallel(config, 2)  # the test configs split over two ranks
+    if arch == "lfm2":
+        with pytest.raises(ConfigError, match="tensor_parallel_size: 3 ranks is more than the model's 2 KV heads"):
+            cls.check_tensor_parallel(config, 3)
+        return
+    setattr(config, cls.mamba2_fields[1], 3)
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size: 2 ranks cannot split a Mamba-2 mixer of 8 heads "
+                                          r"in 3 group\(s\)"):
+        cls.check_tensor_parallel(config, 2)
+
+
 # ---- the other VLMs: language model sharded like Llava's, encoder whole on every rank --------------------------
 
 def _vlm(kind: str, path) -> tuple[list[tuple[str, list]], list[list[int]]]:
@@ -170,6 +195,9 @@ def _vlm(kind: str, path) -> tuple[list[tuple[str, list]], list[list[int]]]:
     return requests, [ref(t, im) for t, im in requests]
 
 
+# Slow-marked (each engine start with its HF reference is 40-70 s on this host); Qwen2-Audio, whose encoder is
+# sharded too, runs every time.
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gemma3", "idefics3", "internvl", "mistral3", "qwen2_vl", "qwen2_5_vl"])
 def test_vlm_over_two_ranks_matches_hf_greedy(tmp_path, capsys, kind):
     """One engine start per VLM: TP=2 greedy tokens equal transformers' float32 ones; each rank holds half of the
@@ -302,7 +330,10 @@ HYBRID_RANK_1["zamba2"] = f"query heads 2-3 (2) of 4, KV heads 2-3 (2) of 4; {SS
 HYBRID_RANK_1["lfm2"] = "query heads 2-3 (2) of 4, KV heads 1-1 (1) of 2; conv channels 32-63 (32) of 64"
 
 
-@pytest.mark.parametrize("arch", list(HYBRID_SHARDS))
+# NemotronH (Mamba-2 beside attention and an MLP) and LFM2 (the short conv) in every run; the others' engines are
+# slow-marked (each start is 20-50 s on this host).
+@pytest.mark.parametrize("arch", [a if a in ("nemotron_h", "lfm2") else pytest.param(a, marks=pytest.mark.slow)
+                                  for a in HYBRID_SHARDS])
 def test_hybrid_over_two_ranks_matches_hf_greedy(tmp_path, capsys, arch):
     """One engine start per hybrid: TP=2 greedy tokens equal transformers' float32 ones (24-token prefill chunks),
     each rank holds its share, and ``vllite env`` prints it."""
