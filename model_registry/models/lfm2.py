@@ -80,13 +80,13 @@ class Lfm2ForCausalLM(HybridForCausalLM, ShardsHybrid):
     """Engine model for Lfm2ForCausalLM checkpoints. Tensor-parallel: attention by heads, the short convs by
     channels (any rank count splits them), the MLPs by their intermediate channels."""
 
+    tie_default = True
+    renames = (("model.embedding_norm.", "model.norm."), (".self_attn.out_proj.", ".self_attn.o_proj."))
+
     @classmethod
     def mixer_layout(cls, hf_config: Any, tensor_parallel_size: int, rank: int) -> str:
         c0, c1 = split(hf_config.hidden_size, tensor_parallel_size, rank)
         return f"conv channels {c0}-{c1 - 1} ({c1 - c0}) of {hf_config.hidden_size}"
-
-    tie_default = True
-    renames = (("model.embedding_norm.", "model.norm."), (".self_attn.out_proj.", ".self_attn.o_proj."))
 
     def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:
         c = hf_config
