@@ -27,7 +27,8 @@ has a worked example. Every layer's weights are uninitialised parameters filled 
 - ``fast_path``: the typed record a platform's fused decoder path reads;
 - ``quantization``: the linear layers' methods (``int8``, ``gguf``);
 - ``ops``: ``TORCH_OPS``, plain torch ops a model pins where it keeps torch's numerics;
-- ``tensor_parallel``: ``ShardsByHeads``, the tensor-parallel declaration of a model that splits by its heads.
+- ``tensor_parallel``: ``ShardsByHeads``, the tensor-parallel declaration of a model that splits by its heads;
+  ``ShardsHybrid`` / ``ShardsMamba2Hybrid``, the same for a hybrid whose other mixers split their own way.
 """
 from __future__ import annotations
 
@@ -62,12 +63,12 @@ from model_registry.layers.rotary import (
     rotary_dim_of,
 )
 from model_registry.layers.sink_attention import SinkAttention
-from model_registry.layers.tensor_parallel import ShardsByHeads
+from model_registry.layers.tensor_parallel import ShardsByHeads, ShardsHybrid, ShardsMamba2Hybrid
 from model_registry.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 
 # (major, minor) of this package's public names; 1.1: MLAAttention, SinkAttention; 1.2: apply_rotary_interleaved,
-# rotary_dim_of; 1.3: ShardedRMSNorm; 1.4: ShardsByHeads
-LAYERS_API = (1, 4)
+# rotary_dim_of; 1.3: ShardedRMSNorm; 1.4: ShardsByHeads; 1.5: ShardsHybrid, ShardsMamba2Hybrid
+LAYERS_API = (1, 5)
 
 __all__ = [
     "LAYERS_API", "TORCH_OPS", "Attention", "ColumnParallelLinear", "Conv1d", "Conv2d", "DecoderLayerRecord",
@@ -75,6 +76,7 @@ __all__ = [
     "LayerNorm", "LinearBase", "MLAAttention", "MRotaryEmbedding", "Mamba2Dims", "Mamba2Mixer", "MambaBase",
     "MambaMixer", "MergedColumnParallelLinear", "NormRecord", "ParallelLMHead", "QKVParallelLinear", "RMSNorm",
     "ReplicatedLinear", "RotaryEmbedding", "RowParallelLinear", "Segment", "ShardedRMSNorm", "ShardsByHeads",
+    "ShardsHybrid", "ShardsMamba2Hybrid",
     "ShortConv", "SinkAttention", "TopKRouter",
     "VocabParallelEmbedding", "apply_rotary", "apply_rotary_interleaved", "copy_checked", "empty_param", "gated",
     "get_act_fn", "load_parameter", "rms_normalize", "rope_parameters", "rotary_dim_of",

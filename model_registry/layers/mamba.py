@@ -8,7 +8,7 @@ carry each request's state across prefill chunks and decode steps.
 - ``MambaMixer``: Mamba-1's selective scan (Mamba, FalconMamba, Jamba), tensor-parallel over its channels;
 - ``Mamba2Mixer``: Mamba-2's SSD scan (Mamba2 and the hybrids built on it), geometry in ``Mamba2Dims``,
   tensor-parallel over whole heads (``mamba2_shard``);
-- ``ShortConv``: a gated short convolution (LFM2).
+- ``ShortConv``: a gated short convolution (LFM2), tensor-parallel over its channels.
 """
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ from torch import nn
 from model_registry.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
-    ReplicatedLinear,
     RowParallelLinear,
     Segment,
 )
@@ -193,31 +192,43 @@ def mamba2_shard(num_heads: int, n_groups: int, tensor_parallel_size: int, rank:
 
 class GatedRMSNorm(nn.Module):
     """RMS norm of ``x * silu(gate)`` over groups of ``group_size`` channels, in float32, then scaled. ``rows``:
-    this rank's channels of the ``size``; a rank holding part of one group sums its squares with the others'."""
+    this rank's channels of the ``size``; a rank holding part of one group sums its squares with the others'.
+    Falcon-H1's form (``float32_weight``): the weight applied before the cast, and the gate after the norm
+    instead of before it when ``norm_before_gate``."""
 
     def __init__(self, size: int, group_size: int, eps: float, dtype: torch.dtype,
-                 rows: tuple[int, int] | None = None) -> None:
+                 rows: tuple[int, int] | None = None, float32_weight: bool = False,
+                 norm_before_gate: bool = False) -> None:
         super().__init__()
         rows = rows or (0, size)
         self.weight = rows_param(rows, size, dtype=dtype)
         self.group_size = group_size
         self.eps = eps
+        self.float32_weight, self.norm_before_gate = float32_weight, norm_before_gate
         # (this rank's group, groups in all) when the rank holds only part of its group
         self.split_group = None if (rows[1] - rows[0]) % group_size == 0 else (rows[0] // group_size,
                                                                                size // group_size)
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = self.weight.dtype
-        h = x.float() * F.silu(gate.float())
+    def normalize(self, h: torch.Tensor) -> torch.Tensor:
+        """``h`` (float32) divided by the RMS of each group."""
         if self.split_group is not None:
             g, n = self.split_group
             sums = h.new_zeros(h.shape[0], n)  # one column per group: ranks of other groups add zeros to it
             sums[:, g] = h.pow(2).sum(-1)
             get_tp().communicator.all_reduce(sums)
-            return self.weight * (h * torch.rsqrt(sums[:, g:g + 1] / self.group_size + self.eps)).to(dtype)
+            return h * torch.rsqrt(sums[:, g:g + 1] / self.group_size + self.eps)
         g = h.view(*h.shape[:-1], -1, self.group_size)
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * g.view(h.shape).to(dtype)
+        return (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)).view(h.shape)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        if not self.norm_before_gate:
+            h = h * F.silu(gate.float())
+        h = self.normalize(h)
+        if not self.float32_weight:
+            return self.weight * h.to(self.weight.dtype)
+        h = self.weight * h
+        return (h * F.silu(gate.float()) if self.norm_before_gate else h).to(x.dtype)
 
 
 class Mamba2Mixer(MambaBase):
@@ -238,7 +249,7 @@ class Mamba2Mixer(MambaBase):
         self.inner = self.heads * hd  # this rank's channels of x, the gate and the norm
         self.bc = self.groups * n  # this rank's columns of B (and of C)
         self.conv_channels = self.inner + 2 * self.bc
-        chans = (h0 * hd, h1 * hd)
+        self.channels = chans = (h0 * hd, h1 * hd)  # this rank's of x, the gate, the norm and out_proj's input
         segments, dst = {}, 0
         for name, src, length, whole in (("gate", chans[0], self.inner, full), ("x", chans[0], self.inner, full),
                                          ("B", g0 * n, self.bc, gn), ("C", g0 * n, self.bc, gn),
@@ -281,14 +292,19 @@ class Mamba2Mixer(MambaBase):
 
 class ShortConv(MambaBase):
     """LFM2's gated short convolution: ``out_proj(C * conv(B * x))``, a causal depthwise conv of ``kernel``
-    taps and no activation; its state is the last ``kernel - 1`` inputs."""
+    taps and no activation; its state is the last ``kernel - 1`` inputs. Tensor-parallel over its channels:
+    each rank holds its rows of B, C and x (``in_proj`` stacks the three), of the conv and of its state, and
+    ``out_proj`` sums over the ranks."""
 
     def __init__(self, hidden_size: int, kernel: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
-        self.hidden, self.kernel = hidden_size, kernel
-        self.conv = CausalConv1d(hidden_size, kernel, bias, dtype)
-        self.in_proj = ReplicatedLinear(hidden_size, 3 * hidden_size, bias, dtype)
-        self.out_proj = ReplicatedLinear(hidden_size, hidden_size, bias, dtype)
+        tp = get_tp()
+        rows = split(hidden_size, tp.world_size, tp.rank)
+        self.hidden, self.kernel = rows[1] - rows[0], kernel  # this rank's channels
+        self.conv = CausalConv1d(hidden_size, kernel, bias, dtype, [rows])
+        self.in_proj = ColumnParallelLinear(hidden_size, 3 * self.hidden, bias, dtype, {
+            name: Segment(i * self.hidden, rows[0], self.hidden, hidden_size) for i, name in enumerate("BCx")})
+        self.out_proj = RowParallelLinear(hidden_size, hidden_size, bias, dtype, rows)
         self.ops = current_model_ops()
 
     @property

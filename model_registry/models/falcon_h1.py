@@ -12,43 +12,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_registry.layers import ReplicatedLinear, RMSNorm, empty_param
+from model_registry.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear
 from model_registry.layers.hybrid import HybridAttention, HybridForCausalLM, HybridStep, head_size
-from model_registry.layers.mamba import Mamba2Dims, Mamba2Mixer
+from model_registry.layers.mamba import GatedRMSNorm, Mamba2Dims, Mamba2Mixer
 from model_registry.layers.rotary import RotaryEmbedding
+from model_registry.layers.tensor_parallel import ShardsMamba2Hybrid
 from vllite_core.attention.backend import AttentionBackend
 
 
-class GroupedGatedNorm(nn.Module):
-    """Falcon-H1's gated RMS norm: per group of channels, in float32, the weight applied before the cast;
-    the silu(gate) factor before the norm or after it (``norm_before_gate``)."""
-
-    def __init__(self, size: int, n_groups: int, eps: float, norm_before_gate: bool, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = empty_param(size, dtype=dtype)
-        self.n_groups, self.eps, self.norm_before_gate = n_groups, eps, norm_before_gate
-
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        if not self.norm_before_gate:
-            h = h * F.silu(gate.float())
-        g = h.view(*h.shape[:-1], self.n_groups, -1)
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = (self.weight.view(self.n_groups, -1) * g).view(h.shape)
-        if self.norm_before_gate:
-            h = h * F.silu(gate.float())
-        return h.to(x.dtype)
-
-
-def _mup_vector(c: Any, d: Mamba2Dims) -> torch.Tensor:
-    """One multiplier per ``in_proj`` output: the gate, x, B, C and dt sections each get theirs."""
-    gn = d.n_groups * d.state_size
-    sizes = [d.intermediate, d.intermediate, gn, gn, d.num_heads]
-    return torch.cat([torch.full((n,), float(m)) for n, m in zip(sizes, c.ssm_multipliers, strict=True)])
+def _mup_vector(c: Any, in_proj: ColumnParallelLinear) -> torch.Tensor:
+    """One multiplier per output of this rank's ``in_proj``: its gate, x, B, C and dt rows each get their
+    section's."""
+    return torch.cat([torch.full((seg.length,), float(m))
+                      for seg, m in zip(in_proj.segments.values(), c.ssm_multipliers, strict=True)])
 
 
 class FalconH1Mixer(Mamba2Mixer):
-    """Mamba-2 with muP-scaled projections and Falcon-H1's own gated norm (or none: ``y * silu(gate)``)."""
+    """Mamba-2 with muP-scaled projections and Falcon-H1's form of the gated norm (or none: ``y * silu(gate)``)."""
 
     def __init__(self, c: Any, dtype: torch.dtype) -> None:
         d = Mamba2Dims(hidden_size=c.hidden_size, num_heads=c.mamba_n_heads, head_dim=c.mamba_d_head,
@@ -59,9 +39,10 @@ class FalconH1Mixer(Mamba2Mixer):
                        out_bias=bool(c.projectors_bias))
         super().__init__(d, dtype)
         # In place of Mamba-2's gated norm.
-        self.norm = (GroupedGatedNorm(d.intermediate, d.n_groups, d.norm_eps, bool(c.mamba_norm_before_gate), dtype)
+        self.norm = (GatedRMSNorm(d.intermediate, d.intermediate // d.n_groups, d.norm_eps, dtype, self.channels,
+                                  float32_weight=True, norm_before_gate=bool(c.mamba_norm_before_gate))
                      if c.mamba_rms_norm else None)
-        self.register_buffer("mup_vector", _mup_vector(c, d).to(dtype), persistent=False)
+        self.register_buffer("mup_vector", _mup_vector(c, self.in_proj).to(dtype), persistent=False)
         self.in_multiplier = float(c.ssm_in_multiplier)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
@@ -85,9 +66,9 @@ class MLP(nn.Module):
     def __init__(self, c: Any, dtype: torch.dtype) -> None:
         super().__init__()
         bias = bool(c.mlp_bias)
-        self.gate_proj = ReplicatedLinear(c.hidden_size, c.intermediate_size, bias, dtype)
-        self.up_proj = ReplicatedLinear(c.hidden_size, c.intermediate_size, bias, dtype)
-        self.down_proj = ReplicatedLinear(c.intermediate_size, c.hidden_size, bias, dtype)
+        self.gate_proj = ColumnParallelLinear(c.hidden_size, c.intermediate_size, bias, dtype)
+        self.up_proj = ColumnParallelLinear(c.hidden_size, c.intermediate_size, bias, dtype)
+        self.down_proj = RowParallelLinear(c.intermediate_size, c.hidden_size, bias, dtype)
         self.gate_multiplier, self.down_multiplier = (float(m) for m in c.mlp_multipliers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -117,8 +98,11 @@ class FalconH1Layer(nn.Module):
         return x + self.feed_forward(self.pre_ff_layernorm(x))
 
 
-class FalconH1ForCausalLM(HybridForCausalLM):
-    """Engine model for FalconH1ForCausalLM checkpoints."""
+class FalconH1ForCausalLM(HybridForCausalLM, ShardsMamba2Hybrid):
+    """Engine model for FalconH1ForCausalLM checkpoints. Tensor-parallel: attention by heads, the mixer by whole
+    heads (its muP multipliers and gated norm follow the rank's rows), the MLP by its intermediate channels."""
+
+    mamba2_fields = ("mamba_n_heads", "mamba_n_groups")
 
     renames = (("model.final_layernorm.", "model.norm."),)
 

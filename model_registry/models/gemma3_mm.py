@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_registry.layers import empty_param
+from model_registry.layers import ShardsByHeads, empty_param
 from model_registry.layers.norm import GemmaRMSNorm
 from model_registry.models.gemma import Gemma3ForCausalLM
 from model_registry.models.language_model_shell import LanguageModelShell
@@ -87,8 +87,12 @@ def expand_images(ids: list[int], tok: Any, boi: int, image: int, eoi: int, n: i
     return out, offsets
 
 
-class Gemma3ForConditionalGeneration(LanguageModelShell, nn.Module, SupportsMultiModalDecoder,
+class Gemma3ForConditionalGeneration(LanguageModelShell, nn.Module, ShardsByHeads, SupportsMultiModalDecoder,
                                      HasBidirectionalMMItems):
+    """Tensor-parallel: the language model is sharded (its heads must split); the SigLIP tower and the projector
+    (replicated layers) run whole on every rank, so each rank computes the same image embeddings."""
+
+    tp_sub_config = "text_config"
     supported_modalities = ("image",)
 
     def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:

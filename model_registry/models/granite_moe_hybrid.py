@@ -19,6 +19,7 @@ from model_registry.layers.mamba import Mamba2Dims, Mamba2Mixer
 from model_registry.layers.mlp import GatedMLP
 from model_registry.layers.moe import FusedMoE, TopKRouter
 from model_registry.layers.rotary import RotaryEmbedding
+from model_registry.layers.tensor_parallel import ShardsMamba2Hybrid
 from vllite_core.attention.backend import AttentionBackend
 
 _RENAMES = ((".block_sparse_moe.router.layer.", ".feed_forward.router."),
@@ -67,8 +68,11 @@ class GraniteLayer(nn.Module):
         return x + self.feed_forward(self.post_attention_layernorm(x)) * self.residual_multiplier
 
 
-class GraniteMoeHybridForCausalLM(HybridForCausalLM):
-    """Engine model for GraniteMoeHybridForCausalLM checkpoints."""
+class GraniteMoeHybridForCausalLM(HybridForCausalLM, ShardsMamba2Hybrid):
+    """Engine model for GraniteMoeHybridForCausalLM checkpoints. Tensor-parallel: attention by heads, the Mamba-2
+    mixers by whole heads, the experts and the shared MLP by their intermediate channels (the router whole)."""
+
+    mamba2_fields = ("mamba_n_heads", "mamba_n_groups")
 
     def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:
         c = hf_config

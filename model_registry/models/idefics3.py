@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_registry.layers import copy_checked, empty_param
+from model_registry.layers import ShardsByHeads, copy_checked, empty_param
 from model_registry.models.language_model_shell import LanguageModelShell
 from model_registry.models.llama import LlamaForCausalLM
 from model_registry.models.mm_prompt import image_processor, placeholder_prompt
@@ -64,7 +64,11 @@ def pixel_shuffle(x: torch.Tensor, s: int) -> torch.Tensor:
     return x.permute(0, 2, 1, 3).reshape(b, seq // (s * s), d * s * s)
 
 
-class Idefics3ForConditionalGeneration(LanguageModelShell, nn.Module, SupportsMultiModalDecoder):
+class Idefics3ForConditionalGeneration(LanguageModelShell, nn.Module, ShardsByHeads, SupportsMultiModalDecoder):
+    """Tensor-parallel: the language model is sharded (its heads must split); the SigLIP tower and the connector
+    (replicated layers) run whole on every rank, so each rank computes the same image embeddings."""
+
+    tp_sub_config = "text_config"
     supported_modalities = ("image",)
 
     def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_registry.layers import TORCH_OPS, LayerNorm, RMSNorm, empty_param, get_act_fn
+from model_registry.layers import TORCH_OPS, LayerNorm, RMSNorm, ShardsByHeads, empty_param, get_act_fn
 from model_registry.layers.params import load_by_name
 from model_registry.models.clip import linear
 from model_registry.models.idefics3 import pixel_shuffle
@@ -137,7 +137,11 @@ class InternVLProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(self.layer_norm(x))))
 
 
-class InternVLForConditionalGeneration(LanguageModelShell, nn.Module, SupportsMultiModalDecoder):
+class InternVLForConditionalGeneration(LanguageModelShell, nn.Module, ShardsByHeads, SupportsMultiModalDecoder):
+    """Tensor-parallel: the language model is sharded (its heads must split); the InternViT tower and the projector
+    (replicated layers) run whole on every rank, so each rank computes the same image embeddings."""
+
+    tp_sub_config = "text_config"
     supported_modalities = ("image",)
 
     def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:

@@ -9,11 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_registry.layers import ReplicatedLinear, RMSNorm
+from model_registry.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear
 from model_registry.layers.hybrid import HybridAttention, HybridForCausalLM, HybridStep, head_size
 from model_registry.layers.mamba import ShortConv
 from model_registry.layers.rotary import RotaryEmbedding
+from model_registry.layers.tensor_parallel import ShardsHybrid
 from vllite_core.attention.backend import AttentionBackend
+from vllite_core.distributed.sharding import split
 
 
 class Lfm2Attention(HybridAttention):
@@ -46,9 +48,9 @@ class MLP(nn.Module):
     def __init__(self, c: Any, dtype: torch.dtype) -> None:
         super().__init__()
         size = _ffn_size(c)
-        self.w1 = ReplicatedLinear(c.hidden_size, size, False, dtype)
-        self.w3 = ReplicatedLinear(c.hidden_size, size, False, dtype)
-        self.w2 = ReplicatedLinear(size, c.hidden_size, False, dtype)
+        self.w1 = ColumnParallelLinear(c.hidden_size, size, False, dtype)
+        self.w3 = ColumnParallelLinear(c.hidden_size, size, False, dtype)
+        self.w2 = RowParallelLinear(size, c.hidden_size, False, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -74,11 +76,17 @@ class Lfm2Layer(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
-class Lfm2ForCausalLM(HybridForCausalLM):
-    """Engine model for Lfm2ForCausalLM checkpoints."""
+class Lfm2ForCausalLM(HybridForCausalLM, ShardsHybrid):
+    """Engine model for Lfm2ForCausalLM checkpoints. Tensor-parallel: attention by heads, the short convs by
+    channels (any rank count splits them), the MLPs by their intermediate channels."""
 
     tie_default = True
     renames = (("model.embedding_norm.", "model.norm."), (".self_attn.out_proj.", ".self_attn.o_proj."))
+
+    @classmethod
+    def mixer_layout(cls, hf_config: Any, tensor_parallel_size: int, rank: int) -> str:
+        c0, c1 = split(hf_config.hidden_size, tensor_parallel_size, rank)
+        return f"conv channels {c0}-{c1 - 1} ({c1 - c0}) of {hf_config.hidden_size}"
 
     def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:
         c = hf_config

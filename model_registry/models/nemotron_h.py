@@ -12,9 +12,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from model_registry.layers import ReplicatedLinear, RMSNorm
+from model_registry.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear
 from model_registry.layers.hybrid import HybridAttention, HybridForCausalLM, HybridStep
 from model_registry.layers.mamba import Mamba2Dims, Mamba2Mixer
+from model_registry.layers.tensor_parallel import ShardsMamba2Hybrid
 from model_registry.models.mamba import BACKBONE
 from vllite_core.attention.backend import AttentionBackend
 
@@ -24,8 +25,8 @@ class ReluSquaredMLP(nn.Module):
         super().__init__()
         if c.mlp_hidden_act != "relu2":
             raise NotImplementedError(f"NemotronH mlp_hidden_act {c.mlp_hidden_act!r} (relu2 only)")
-        self.up_proj = ReplicatedLinear(c.hidden_size, c.intermediate_size, bool(c.mlp_bias), dtype)
-        self.down_proj = ReplicatedLinear(c.intermediate_size, c.hidden_size, bool(c.mlp_bias), dtype)
+        self.up_proj = ColumnParallelLinear(c.hidden_size, c.intermediate_size, bool(c.mlp_bias), dtype)
+        self.down_proj = RowParallelLinear(c.intermediate_size, c.hidden_size, bool(c.mlp_bias), dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(torch.relu(self.up_proj(x)).square())
@@ -63,8 +64,11 @@ class NemotronHBlock(nn.Module):
         return x + self.mixer(h, caches[0], mds[0])
 
 
-class NemotronHForCausalLM(HybridForCausalLM):
-    """Engine model for NemotronHForCausalLM checkpoints."""
+class NemotronHForCausalLM(HybridForCausalLM, ShardsMamba2Hybrid):
+    """Engine model for NemotronHForCausalLM checkpoints. Tensor-parallel: attention by heads, the Mamba-2 mixers
+    by whole heads, the MLPs by their intermediate channels."""
+
+    mamba2_fields = ("mamba_num_heads", "n_groups")
 
     renames = BACKBONE
 

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_registry.layers import copy_checked
+from model_registry.layers import load_parameter
+from model_registry.layers.tensor_parallel import ShardsHybrid
 from model_registry.models.clip import linear
 from model_registry.models.language_model_shell import LanguageModelShell
 from model_registry.models.llama import LlamaForCausalLM
@@ -25,6 +26,7 @@ from model_registry.models.mm_prompt import feature_extractor, prompt_text_ids
 from model_registry.models.whisper import WhisperEncoder
 from vllite_core.attention.backend import AttentionBackend
 from vllite_core.audio import resample
+from vllite_core.distributed.sharding import check_heads, shard_heads
 from vllite_core.errors import InvalidRequestError
 from vllite_core.inputs import InputContext, ProcessedPrompt
 from vllite_core.model_interfaces import SupportsMultiModalDecoder
@@ -64,8 +66,24 @@ class Qwen2AudioEncoder(WhisperEncoder):
         return self.layer_norm(h)
 
 
-class Qwen2AudioForConditionalGeneration(LanguageModelShell, nn.Module, SupportsMultiModalDecoder):
+class Qwen2AudioForConditionalGeneration(LanguageModelShell, nn.Module, ShardsHybrid, SupportsMultiModalDecoder):
+    """Tensor-parallel: the language model is sharded by its heads, and so is the audio encoder (Whisper's layers:
+    its heads must split too); the projector is whole on every rank."""
+
     supported_modalities = ("audio",)
+    tp_sub_config = "text_config"
+    whole_elsewhere = "the projector whole on every rank"
+
+    @classmethod
+    def check_mixers(cls, hf_config: Any, tensor_parallel_size: int) -> None:
+        heads = hf_config.audio_config.encoder_attention_heads
+        check_heads(heads, heads, tensor_parallel_size)
+
+    @classmethod
+    def mixer_layout(cls, hf_config: Any, tensor_parallel_size: int, rank: int) -> str:
+        heads = hf_config.audio_config.encoder_attention_heads
+        s = shard_heads(heads, heads, tensor_parallel_size, rank)
+        return f"audio encoder heads {s.q_start}-{s.q_start + s.num_heads - 1} ({s.num_heads}) of {heads}"
 
     def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
@@ -145,7 +163,7 @@ class Qwen2AudioForConditionalGeneration(LanguageModelShell, nn.Module, Supports
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if name in own:
-                copy_checked(own[name].data, tensor.to(own[name].dtype), name)
+                load_parameter(own[name], tensor.to(own[name].dtype), None, name)  # this rank's slice when sharded
                 loaded.add(name)
             elif name.startswith("language_model."):
                 sub = name.removeprefix("language_model.")

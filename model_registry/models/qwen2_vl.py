@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from model_registry.layers import copy_checked
+from model_registry.layers import ShardsByHeads, copy_checked
 from model_registry.layers.rotary import MRotaryEmbedding, rope_parameters
 from model_registry.models.language_model_shell import LanguageModelShell
 from model_registry.models.llama import LlamaForCausalLM
@@ -31,7 +31,12 @@ from vllite_core.multimodal.features import MultiModalFeature, expand_each
 from vllite_core.multimodal.images import hash_image, hash_video, prompt_videos
 
 
-class Qwen2VLForConditionalGeneration(LanguageModelShell, nn.Module, SupportsMultiModalDecoder, SupportsMRoPE):
+class Qwen2VLForConditionalGeneration(LanguageModelShell, nn.Module, ShardsByHeads, SupportsMultiModalDecoder,
+                                      SupportsMRoPE):
+    """Tensor-parallel: the language model is sharded (its heads must split); the vision transformer and its merger
+    (replicated layers) run whole on every rank, so each rank computes the same image and video embeddings."""
+
+    tp_sub_config = "text_config"
     supported_modalities = ("image", "video")
     v25 = False  # Qwen2.5-VL's vision blocks (RMSNorm, gated MLP, window attention)
 

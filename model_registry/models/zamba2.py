@@ -14,22 +14,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_registry.layers import ReplicatedLinear, RMSNorm
+from model_registry.layers import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ReplicatedLinear,
+    RMSNorm,
+    RowParallelLinear,
+    Segment,
+)
 from model_registry.layers.hybrid import HybridAttention, HybridForCausalLM, HybridStep
 from model_registry.layers.mamba import Mamba2Dims, Mamba2Mixer
 from model_registry.layers.rotary import RotaryEmbedding
+from model_registry.layers.tensor_parallel import ShardsMamba2Hybrid
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
 from vllite_core.state_cache import StateMetadata
 
 _ACTS = {"gelu": lambda x: F.gelu(x), "silu": F.silu, "swish": F.silu}
 
 
-def _adapters(c: Any, block_id: int, size_in: int, size_out: int, dtype: torch.dtype) -> nn.ModuleList:
-    """One entry per hybrid layer: a low-rank adapter where that layer uses this block, else nothing."""
+def _adapters(c: Any, block_id: int, size_in: int, out: dict[str | None, Segment], dtype: torch.dtype
+              ) -> nn.ModuleList:
+    """One entry per hybrid layer: a low-rank adapter where that layer uses this block, else nothing. The down
+    projection is whole on every rank; the up projection yields the rows of the projection it adds to that this
+    rank holds (``out``: that projection's segments)."""
     n = len(c.hybrid_layer_ids)
     return nn.ModuleList(
         nn.Sequential(ReplicatedLinear(size_in, c.adapter_rank, False, dtype),
-                      ReplicatedLinear(c.adapter_rank, size_out, False, dtype))
+                      ColumnParallelLinear(c.adapter_rank, sum(seg.length for seg in out.values()), False, dtype,
+                                           out))
         if i % c.num_mem_blocks == block_id else nn.Identity() for i in range(n))
 
 
@@ -41,10 +53,11 @@ class SharedAttention(HybridAttention):
         super().__init__(width, c.num_attention_heads, c.num_key_value_heads, c.attention_head_dim, attn_backend,
                          dtype, scale=(c.attention_head_dim / 2) ** -0.5, out_size=c.hidden_size)
         self.use_adapters = bool(c.use_shared_attention_adapter)
-        if self.use_adapters:
-            self.linear_q_adapter_list = _adapters(c, block_id, width, width, dtype)
-            self.linear_k_adapter_list = _adapters(c, block_id, width, width, dtype)
-            self.linear_v_adapter_list = _adapters(c, block_id, width, width, dtype)
+        if self.use_adapters:  # each adds to its projection's rows on this rank (checkpoint segment q, k or v)
+            for name in ("q", "k", "v"):
+                seg = self.qkv_proj.segments[name]
+                setattr(self, f"linear_{name}_adapter_list",
+                        _adapters(c, block_id, width, {None: Segment(0, seg.src_start, seg.length, seg.full)}, dtype))
 
     def adapted(self, x: torch.Tensor, hybrid_index: int, kv_cache: torch.Tensor, md: AttentionMetadata,
                 rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -65,9 +78,11 @@ class SharedMLP(nn.Module):
             raise NotImplementedError(f"Zamba2 hidden_act {c.hidden_act!r} (gelu or silu)")
         self.act = _ACTS[c.hidden_act]
         bias = bool(c.add_bias_linear)
-        self.gate_up_proj = ReplicatedLinear(c.hidden_size, 2 * c.intermediate_size, bias, dtype)
-        self.down_proj = ReplicatedLinear(c.intermediate_size, c.hidden_size, bias, dtype)
-        self.gate_up_proj_adapter_list = _adapters(c, block_id, c.hidden_size, 2 * c.intermediate_size, dtype)
+        self.gate_up_proj = MergedColumnParallelLinear(c.hidden_size, {"gate": c.intermediate_size,
+                                                                       "up": c.intermediate_size}, bias, dtype)
+        self.down_proj = RowParallelLinear(c.intermediate_size, c.hidden_size, bias, dtype)
+        # the checkpoint stacks gate and up in one tensor (gate_up_proj and its adapters alike): this rank's rows
+        self.gate_up_proj_adapter_list = _adapters(c, block_id, c.hidden_size, self.gate_up_proj.segments, dtype)
 
     def forward(self, x: torch.Tensor, hybrid_index: int) -> torch.Tensor:
         gate, up = (self.gate_up_proj(x) + self.gate_up_proj_adapter_list[hybrid_index](x)).chunk(2, dim=-1)
@@ -125,8 +140,12 @@ class HybridLayer(nn.Module):
         return self.mamba_decoder.mix(x, caches[1], mds[1], added=self.linear(t))
 
 
-class Zamba2ForCausalLM(HybridForCausalLM):
-    """Engine model for Zamba2ForCausalLM checkpoints (shared blocks stored once, under their first layer)."""
+class Zamba2ForCausalLM(HybridForCausalLM, ShardsMamba2Hybrid):
+    """Engine model for Zamba2ForCausalLM checkpoints (shared blocks stored once, under their first layer).
+    Tensor-parallel: the shared attention by heads (its adapters' up projections by the same rows), the shared
+    MLP by its intermediate channels, the mixers by whole heads; each hybrid layer's ``linear`` is whole."""
+
+    mamba2_fields = ("n_mamba_heads", "mamba_ngroups")
 
     tie_default = True
     renames = (("model.final_layernorm.", "model.norm."),)

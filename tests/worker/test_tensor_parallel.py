@@ -187,12 +187,10 @@ def test_more_ranks_than_the_platform_has_devices(tmp_path):
 
 
 def test_a_model_without_tensor_parallel_support_is_refused(tmp_path):
-    from transformers import Lfm2Config  # LFM2: a built-in that does not declare it (its short conv is whole)
+    from test_tensor_parallel_models import save_untensored_config  # a plugin's class that does not declare it
 
-    save_tiny(tmp_path, Lfm2Config(vocab_size=512, hidden_size=64, num_hidden_layers=2, intermediate_size=96,
-                                   num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention"],
-                                   conv_L_cache=3, max_position_embeddings=256, architectures=["Lfm2ForCausalLM"]))
-    with pytest.raises(ConfigError, match="Lfm2ForCausalLM does not support tensor parallelism"):
+    save_untensored_config(tmp_path)
+    with pytest.raises(ConfigError, match="MyLlamaForCausalLM does not support tensor parallelism"):
         LLM(str(tmp_path), tensor_parallel_size=2)
 
 

@@ -134,6 +134,112 @@ def test_llava_over_two_ranks_matches_hf_greedy(llava_tp2):
     assert _local_rows(llm, "vision_tower.layers.0.fc1.weight") == [48, 48]
 
 
+@pytest.mark.parametrize("arch", ["nemotron_h", "granite_moe_hybrid", "falcon_h1", "zamba2", "lfm2"])
+def test_hybrid_mixers_that_do_not_split_are_refused(arch):
+    """A Mamba-2 mixer of 8 heads in 3 groups splits over neither 2 ranks (3 groups) nor does LFM2's attention over
+    3 (2 KV heads): a ConfigError naming tensor_parallel_size, from the class's own check (what `vllite env` and the
+    engine call before any worker starts)."""
+    from test_state_space_models import _configs
+
+    from model_registry.models import falcon_h1, granite_moe_hybrid, lfm2, nemotron_h, zamba2
+    from vllite_core.errors import ConfigError
+
+    cls = {"nemotron_h": nemotron_h.NemotronHForCausalLM, "falcon_h1": falcon_h1.FalconH1ForCausalLM,
+           "granite_moe_hybrid": granite_moe_hybrid.GraniteMoeHybridForCausalLM, "zamba2": zamba2.Zamba2ForCausalLM,
+           "lfm2": lfm2.Lfm2ForCausalLM}[arch]
+    config = _configs()[arch]()
+    cls.check_tensor_parallel(config, 2)  # the test configs split over two ranks
+    if arch == "lfm2":
+        with pytest.raises(ConfigError, match="tensor_parallel_size: 3 ranks is more than the model's 2 KV heads"):
+            cls.check_tensor_parallel(config, 3)
+        return
+    setattr(config, cls.mamba2_fields[1], 3)
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size: 2 ranks cannot split a Mamba-2 mixer of 8 heads "
+                                          r"in 3 group\(s\)"):
+        cls.check_tensor_parallel(config, 2)
+
+
+# ---- the other VLMs: language model sharded like Llava's, encoder whole on every rank --------------------------
+
+def _vlm(kind: str, path) -> tuple[list[tuple[str, list]], list[list[int]]]:
+    """A tiny ``kind`` VLM saved at ``path`` (4 query heads over 2 KV heads in its language model): one-image and
+    two-image requests in its own placeholder spelling, and transformers' float32 greedy tokens for them."""
+    if kind == "gemma3":
+        from tiny_gemma3 import BOI, gemma3_processor, hf_gemma3_greedy, save_tiny_gemma3
+        hf, tag = save_tiny_gemma3(path), BOI
+        proc = gemma3_processor(path)
+        ref = lambda t, im: hf_gemma3_greedy(hf, proc, t, im, 6)  # noqa: E731
+    elif kind == "idefics3":
+        from tiny_idefics3 import IMAGE, hf_idefics3_greedy, idefics3_processor, save_tiny_idefics3
+        hf, tag = save_tiny_idefics3(path), IMAGE
+        proc = idefics3_processor(path)
+        ref = lambda t, im: hf_idefics3_greedy(hf, proc, t, im, 6)[1]  # noqa: E731
+    elif kind == "internvl":
+        from tiny_internvl import CONTEXT, hf_internvl_greedy, internvl_processor, save_tiny_internvl
+        hf, tag = save_tiny_internvl(path), CONTEXT
+        proc = internvl_processor(path)
+        ref = lambda t, im: hf_internvl_greedy(hf, proc, t, im, 6)[1]  # noqa: E731
+    elif kind == "mistral3":
+        from tiny_mistral3 import IMG, hf_mistral3_greedy, save_tiny_mistral3
+        hf, tag = save_tiny_mistral3(path), IMG
+        ref = lambda t, im: hf_mistral3_greedy(hf, path, t, im, 6)[1]  # noqa: E731
+    else:  # qwen2_vl, qwen2_5_vl
+        from tiny_qwen2_vl import IMAGE, hf_qwen_vl_greedy, image_processor, save_tiny_qwen_vl
+        from transformers import AutoTokenizer
+        hf, tag = save_tiny_qwen_vl(path, kind), IMAGE
+        tok, proc = AutoTokenizer.from_pretrained(path), image_processor(path)
+        ref = lambda t, im: hf_qwen_vl_greedy(hf, tok, proc, t, im, 6)  # noqa: E731
+    requests = [(f"User: {tag}What is in the picture? Assistant:", [make_image(60, 60, 0)]),
+                (f"User: {tag} and {tag}: which is brighter? Assistant:",
+                 [make_image(50, 40, 2), make_image(30, 30, 3)])]
+    return requests, [ref(t, im) for t, im in requests]
+
+
+# Slow-marked (each engine start with its HF reference is 40-70 s on this host); Qwen2-Audio, whose encoder is
+# sharded too, runs every time.
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gemma3", "idefics3", "internvl", "mistral3", "qwen2_vl", "qwen2_5_vl"])
+def test_vlm_over_two_ranks_matches_hf_greedy(tmp_path, capsys, kind):
+    """One engine start per VLM: TP=2 greedy tokens equal transformers' float32 ones; each rank holds half of the
+    language model's query heads (2 of 4, 1 of 2 KV heads: 4 x 16 rows) and the whole encoder."""
+    requests, ref = _vlm(kind, tmp_path)
+    llm = LLM(model=str(tmp_path), dtype="float32", tensor_parallel_size=2, num_kv_blocks=64)
+    try:
+        outs = llm.generate([{"prompt": t, "multi_modal_data": {"image": im if len(im) > 1 else im[0]}}
+                             for t, im in requests], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+        assert [o.outputs[0].token_ids for o in outs] == ref
+        assert _local_rows(llm, "language_model.model.layers.0.self_attn.qkv_proj.weight") == [64, 64]
+    finally:
+        _shutdown(llm)
+    rc, out, _ = _env(capsys, "-tp", "2", "--model", str(tmp_path))
+    assert rc == 0 and "tensor-parallel rank 1: query heads 2-3 (2) of 4, KV heads 1-1 (1) of 2 (text_config" in out
+
+
+def test_qwen2_audio_over_two_ranks_matches_hf_greedy(tmp_path, capsys):
+    """Qwen2-Audio: the language model and the Whisper-shaped audio encoder both sharded by heads (2 of 4 each)."""
+    from tiny_qwen2_audio import CLIP, hf_qwen2_audio_greedy, qwen2_audio_processor, save_tiny_qwen2_audio
+    from tiny_whisper import tone
+
+    hf = save_tiny_qwen2_audio(tmp_path)
+    proc = qwen2_audio_processor(tmp_path)
+    requests = [(f"User: {CLIP} What is this sound? Assistant:", [tone(0.6, 440.0)]),
+                (f"Two: {CLIP} and {CLIP} Same? Assistant:", [tone(0.35, 900.0, chirp_to=300.0), tone(0.6, 440.0)])]
+    ref = [hf_qwen2_audio_greedy(hf, proc, t, clips, 6)[1] for t, clips in requests]
+    llm = LLM(model=str(tmp_path), dtype="float32", tensor_parallel_size=2, num_kv_blocks=64)
+    try:
+        prompts = [{"prompt": t, "multi_modal_data": {"audio": [(c, 16000) for c in clips] if len(clips) > 1
+                                                      else (clips[0], 16000)}} for t, clips in requests]
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+        assert [o.outputs[0].token_ids for o in outs] == ref
+        assert _local_rows(llm, "audio_tower.layers.0.fc1.weight") == [32, 32]  # 64 wide
+        assert _local_rows(llm, "language_model.model.layers.0.self_attn.qkv_proj.weight") == [64, 64]
+    finally:
+        _shutdown(llm)
+    rc, out, _ = _env(capsys, "-tp", "2", "--model", str(tmp_path))
+    assert rc == 0 and ("tensor-parallel rank 1: query heads 2-3 (2) of 4, KV heads 1-1 (1) of 2 (text_config; the "
+                        "projector whole on every rank); audio encoder heads 2-3 (2) of 4") in out
+
+
 # ---- a hybrid: Jamba (a Mamba mixer layer with a dense MLP, an attention layer with the MoE) ---------------
 
 def _state_space_tp2(path, arch: str):
@@ -191,6 +297,54 @@ def test_mamba2_over_two_ranks_matches_hf_greedy(tmp_path, capsys):
     assert rc == 0 and "tensor-parallel rank 1: SSM heads 4-7 (4) of 8, groups 0-0 of 1" in out
     rc, _, err = _env(capsys, "-tp", "3", "--model", str(tmp_path))
     assert rc == 1 and "tensor_parallel_size: 3 ranks cannot split a Mamba-2 mixer of 8 heads in 1 group(s)" in err
+
+
+# ---- the Mamba-2 hybrids: attention by heads, mixers by whole heads, MLPs/experts by channels -------------
+
+# Per hybrid: weight path -> each rank's rows. Every mixer has 8 heads of 16 in 1 group (so the gated norm spans
+# both ranks; in_proj: gate 64 + x 64 + B 16 + C 16 + dt 4 rows), attention 4 heads over 2 KV heads (16 wide),
+# MLPs 96 wide; `vllite env -tp 2` prints HYBRID_RANK_1 for rank 1.
+HYBRID_SHARDS = {
+    "nemotron_h": {"model.layers.0.mixer.A_log": [4, 4], "model.layers.0.mixer.in_proj.weight": [164, 164],
+                   "model.layers.1.mixer.qkv_proj.weight": [64, 64]},
+    "granite_moe_hybrid": {"model.layers.0.mamba.A_log": [4, 4], "model.layers.1.self_attn.qkv_proj.weight": [64, 64],
+                           "model.layers.1.feed_forward.w13_weight.0": [96, 96],  # expert 0: gate + up, 48 each
+                           "model.layers.1.feed_forward.shared_experts.gate_up_proj.weight": [96, 96]},
+    # muP multipliers and the float32-weight gated norm follow the rank's rows
+    "falcon_h1": {"model.layers.0.mamba.mup_vector": [164, 164], "model.layers.0.mamba.norm.weight": [64, 64],
+                  "model.layers.1.self_attn.qkv_proj.weight": [64, 64],
+                  "model.layers.1.feed_forward.gate_proj.weight": [48, 48]},
+    # the shared block (4 heads of 32 over 4 KV heads) and its adapters' up projections (rank 8 -> this rank's rows)
+    "zamba2": {"model.layers.0.mamba.A_log": [4, 4],
+               "model.layers.1.shared_transformer.self_attn.qkv_proj.weight": [192, 192],
+               "model.layers.1.shared_transformer.self_attn.linear_k_adapter_list.0.1.weight": [64, 64],
+               "model.layers.1.shared_transformer.feed_forward.gate_up_proj.weight": [96, 96],
+               "model.layers.1.shared_transformer.feed_forward.gate_up_proj_adapter_list.1.1.weight": [96, 96]},
+    # the short conv by channels (B, C and x rows of in_proj, 32 each); the MLP is 256 wide
+    "lfm2": {"model.layers.0.conv.in_proj.weight": [96, 96], "model.layers.0.conv.conv.weight": [32, 32],
+             "model.layers.1.self_attn.qkv_proj.weight": [64, 64], "model.layers.1.feed_forward.w1.weight": [128, 128]},
+}
+SSM_RANK_1 = "SSM heads 4-7 (4) of 8, groups 0-0 of 1"
+HYBRID_RANK_1 = {arch: f"query heads 2-3 (2) of 4, KV heads 1-1 (1) of 2; {SSM_RANK_1}" for arch in HYBRID_SHARDS}
+HYBRID_RANK_1["zamba2"] = f"query heads 2-3 (2) of 4, KV heads 2-3 (2) of 4; {SSM_RANK_1}"
+HYBRID_RANK_1["lfm2"] = "query heads 2-3 (2) of 4, KV heads 1-1 (1) of 2; conv channels 32-63 (32) of 64"
+
+
+# NemotronH (Mamba-2 beside attention and an MLP) and LFM2 (the short conv) in every run; the others' engines are
+# slow-marked (each start is 20-50 s on this host).
+@pytest.mark.parametrize("arch", [a if a in ("nemotron_h", "lfm2") else pytest.param(a, marks=pytest.mark.slow)
+                                  for a in HYBRID_SHARDS])
+def test_hybrid_over_two_ranks_matches_hf_greedy(tmp_path, capsys, arch):
+    """One engine start per hybrid: TP=2 greedy tokens equal transformers' float32 ones (24-token prefill chunks),
+    each rank holds its share, and ``vllite env`` prints it."""
+    llm, prompts, ref = _state_space_tp2(tmp_path, arch)
+    try:
+        assert _greedy(llm, prompts) == ref
+        assert {path: _local_rows(llm, path) for path in HYBRID_SHARDS[arch]} == HYBRID_SHARDS[arch]
+    finally:
+        _shutdown(llm)
+    rc, out, _ = _env(capsys, "-tp", "2", "--model", str(tmp_path))
+    assert rc == 0 and f"tensor-parallel rank 1: {HYBRID_RANK_1[arch]}" in out
 
 
 # ---- in one process: two ranks as two threads (no worker processes), for encoders ---------------------
@@ -302,10 +456,12 @@ def test_env_shows_each_ranks_heads_and_stages(capsys, llava, qwen2_embed_path):
     assert rc == 0 and "tensor-parallel rank 1: query heads 6-11 (6) of 12, KV heads 6-11 (6) of 12" in out
 
 
-def _lfm2_config():
-    from test_state_space_models import _configs
+def save_untensored_config(path) -> None:
+    """The config of a class that does not declare tensor parallelism, no weights (the refusal comes before any
+    load): every built-in class declares it, so a plugin's, examples/custom_model's MyLlamaForCausalLM."""
+    from transformers import LlamaConfig
 
-    return _configs()["lfm2"]()  # LFM2's short conv is not sharded yet
+    LlamaConfig(**TINY, architectures=["MyLlamaForCausalLM"]).save_pretrained(path)
 
 
 def test_env_refuses_what_does_not_divide(capsys, llava, qwen2_embed_path, tmp_path):
@@ -316,9 +472,9 @@ def test_env_refuses_what_does_not_divide(capsys, llava, qwen2_embed_path, tmp_p
     assert rc == 1 and "pipeline_parallel_size: 3 stages for a model of 2 layer(s)" in err
     rc, _, err = _env(capsys, "-tp", "2", "-pp", "2", "--model", str(llava[0]))
     assert rc == 1 and "pipeline_parallel_size: LlavaForConditionalGeneration does not support pipeline" in err
-    save_tiny(tmp_path, _lfm2_config())
+    save_untensored_config(tmp_path)
     rc, _, err = _env(capsys, "-tp", "2", "--model", str(tmp_path))
-    assert rc == 1 and "tensor_parallel_size: Lfm2ForCausalLM does not support tensor parallelism" in err
+    assert rc == 1 and "tensor_parallel_size: MyLlamaForCausalLM does not support tensor parallelism" in err
 
 
 def test_mamba2_mixer_with_a_group_per_rank_matches_transformers(monkeypatch):
