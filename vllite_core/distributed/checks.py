@@ -61,12 +61,24 @@ def check_pipeline_parallel(config: VlliteConfig, architecture: str, model_cls: 
     stage_layer_counts(int(hf_config.num_hidden_layers), pp)
 
 
-def check_stage_cache_groups(facts: list[Any], pc: ParallelConfig) -> None:
-    """Every stage must have the same cache groups (the scheduler keeps one block table per group for all of
-    them): a model whose stages differ (sliding-window layers only in one stage) is refused."""
+def stage_cache_groups(facts: list[Any], pc: ParallelConfig) -> list[list[Any]]:
+    """The engine's cache groups over every stage (vLLM's way): each kind of cache any stage holds, in the order
+    the stages first hold it, for each tensor-parallel rank (whose KV heads may differ from the others'). The
+    scheduler keeps one block table per group; a stage without a group's layers holds none of its memory.
+    Refused (ConfigError) only where one block pool cannot serve the stages: groups of different block sizes."""
+    from vllite_core.core.kv_cache_spec import KVCacheSpec
+
     tp = pc.tensor_parallel_size
-    stages = [[g.spec for g in facts[s * tp].kv_cache_groups] for s in range(pc.pipeline_parallel_size)]
-    if any(s != stages[0] for s in stages[1:]):
-        raise ConfigError(f"pipeline_parallel_size: the stages' layers have different KV cache kinds "
-                          f"({'; '.join(str([type(x).__name__ for x in s]) for s in stages)}), which one block "
-                          f"table per kind cannot serve; use another pipeline_parallel_size")
+    per_tp: list[list[KVCacheSpec]] = []
+    for t in range(tp):
+        specs: list[KVCacheSpec] = []
+        for stage in range(pc.pipeline_parallel_size):
+            specs += [g.spec for g in facts[stage * tp + t].kv_cache_groups if g.spec not in specs]
+        per_tp.append(specs)
+    sizes = sorted({s.block_size for s in per_tp[0]})
+    if len(sizes) > 1:
+        raise ConfigError(f"pipeline_parallel_size: the stages' caches use different block sizes ({sizes}), which "
+                          f"one block pool cannot serve; use another pipeline_parallel_size")
+    kinds = {tuple(s.kind for s in specs) for specs in per_tp}
+    assert len(kinds) == 1, f"the tensor-parallel ranks' cache groups differ in kind: {kinds}"
+    return per_tp

@@ -140,6 +140,12 @@ class Worker:
         assert self.runner is not None
         return self.runner.execute_model(so)
 
+    def align_kv_cache_groups(self, per_tp_rank: list[list[Any]]) -> None:
+        """Pipeline stages: the engine's cache groups (every stage's, for each tensor-parallel rank) replace this
+        stage's own (pp_runner.py)."""
+        assert self.runner is not None
+        self.runner.align_kv_cache_groups(per_tp_rank[self.tp.rank])
+
     def model_facts(self) -> ModelFacts:
         """What the engine process needs of the model (only ids and sizes cross the executor)."""
         assert self.runner is not None
