@@ -40,25 +40,33 @@ def check_parallel_config(config: VlliteConfig, platform: Any, architecture: str
 
 
 def check_pipeline_parallel(config: VlliteConfig, architecture: str, model_cls: Any, hf_config: Any) -> None:
-    """Pipeline stages need a model class that builds only its stage's layers (the dense decoders of the
-    layers package), plain generation, and at least one layer per stage."""
+    """Pipeline stages need a model class that builds only its stage's layers (``supports_pipeline_parallel``:
+    the decoders of the layers package, the MoE decoders, Jamba, Llava, and their pooling forms), no
+    speculative decoding or LoRA, and at least one layer per stage."""
     from vllite_core.distributed.pipeline import stage_layer_counts
 
     pp = config.parallel_config.pipeline_parallel_size
     if not getattr(model_cls, "supports_pipeline_parallel", False):
         raise ConfigError(f"pipeline_parallel_size: {architecture} ({model_cls.__name__}) does not support "
-                          f"pipeline parallelism (only the dense decoders built from the layers package: the "
-                          f"Llama family and the dense families); use pipeline_parallel_size=1")
-    caps = config.model_config.capabilities
+                          f"pipeline parallelism (only {PIPELINE_CLASSES}); use pipeline_parallel_size=1")
     unsupported = [(config.speculative_config is not None, "speculative decoding"),
-                   (config.lora_config is not None, "LoRA"),
-                   (caps.is_pooling or config.model_config.pooler_config is not None, "pooling models"),
-                   (caps.supports_multimodal or caps.is_encoder_decoder, "multimodal or encoder-decoder models")]
+                   (config.lora_config is not None, "LoRA")]
     for on, what in unsupported:
         if on:
             raise ConfigError(f"pipeline_parallel_size: {pp} stages do not run with {what} yet; use "
                               f"pipeline_parallel_size=1")
-    stage_layer_counts(int(hf_config.num_hidden_layers), pp)
+    stage_layer_counts(num_decoder_layers(hf_config), pp)
+
+
+# The classes that build their stage's layers (what a refusal names).
+PIPELINE_CLASSES = ("the decoders built from the layers package: the Llama and dense families, the MoE "
+                    "decoders, Jamba, Llava, and their pooling forms")
+
+
+def num_decoder_layers(hf_config: Any) -> int:
+    """The decoder's layer count (a VLM's: its text config's)."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    return int(text.num_hidden_layers)
 
 
 def stage_cache_groups(facts: list[Any], pc: ParallelConfig) -> list[list[Any]]:

@@ -14,6 +14,7 @@ def planned_layout(platform: Any, tensor_parallel_size: int, backend: str | None
     do not split, a class without tensor parallelism or pipeline stages; and each tensor-parallel rank's share
     (its heads) as the class describes it (``tensor_parallel_layout``)."""
     from vllite_core.config import ParallelConfig
+    from vllite_core.distributed.checks import PIPELINE_CLASSES, num_decoder_layers
     from vllite_core.distributed.pipeline import stage_layer_counts
 
     pc = ParallelConfig(tensor_parallel_size, backend, pipeline_parallel_size)
@@ -23,8 +24,7 @@ def planned_layout(platform: Any, tensor_parallel_size: int, backend: str | None
     if model_cls is not None:
         if pp > 1 and not getattr(model_cls, "supports_pipeline_parallel", False):
             raise ConfigError(f"pipeline_parallel_size: {model_cls.__name__} does not support pipeline parallelism "
-                              f"(only the dense decoders built from the layers package); use "
-                              f"pipeline_parallel_size=1")
+                              f"(only {PIPELINE_CLASSES}); use pipeline_parallel_size=1")
         if tp > 1 and hasattr(model_cls, "check_tensor_parallel"):
             model_cls.check_tensor_parallel(hf_config, tp)
             describe = getattr(model_cls, "tensor_parallel_layout", None)  # each rank's heads
@@ -45,8 +45,7 @@ def planned_layout(platform: Any, tensor_parallel_size: int, backend: str | None
     if shards:
         layout["tensor_parallel_shards"] = shards  # the same heads on the same TP rank of every stage
     if pp > 1:
-        num_layers = getattr(hf_config, "num_hidden_layers", None) if hf_config is not None else None
-        counts = stage_layer_counts(int(num_layers), pp) if num_layers is not None else None
+        counts = stage_layer_counts(num_decoder_layers(hf_config), pp) if hf_config is not None else None
         stages = []
         for s in range(pp):
             ranks = f"ranks {s * tp}-{(s + 1) * tp - 1}" if tp > 1 else f"rank {s}"
