@@ -112,3 +112,8 @@ class JambaForCausalLM(HybridForCausalLM, ShardsByHeads):
     # Pipeline stages: each rank builds its stage's layers; a stage may hold only Mamba layers (a state per
     # request) or only attention layers (paged KV), and allocates only those (vllite_core.worker.pp_runner).
     supports_pipeline_parallel = True
+
+    @classmethod
+    def layer_kinds(cls, hf_config: Any) -> list[str]:
+        """Each layer's mixer (``vllite env`` shows what caches each pipeline stage holds)."""
+        return [f"{k} layer(s)" for k in hf_config.layers_block_type]

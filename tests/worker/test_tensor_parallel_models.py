@@ -314,9 +314,9 @@ def test_env_refuses_what_does_not_divide(capsys, llava, qwen2_embed_path, tmp_p
     assert rc == 1 and "tensor_parallel_size: 3 ranks is more than the model's 2 KV heads" in err
     rc, _, err = _env(capsys, "-pp", "3", "--model", qwen2_embed_path)  # 2 layers, 3 stages
     assert rc == 1 and "pipeline_parallel_size: 3 stages for a model of 2 layer(s)" in err
-    rc, _, err = _env(capsys, "-tp", "2", "-pp", "2", "--model", str(llava[0]))
-    assert rc == 1 and "pipeline_parallel_size: LlavaForConditionalGeneration does not support pipeline" in err
     save_tiny(tmp_path, _lfm2_config())
+    rc, _, err = _env(capsys, "-pp", "2", "--model", str(tmp_path))  # LFM2 builds every layer on every rank
+    assert rc == 1 and "pipeline_parallel_size: Lfm2ForCausalLM does not support pipeline" in err
     rc, _, err = _env(capsys, "-tp", "2", "--model", str(tmp_path))
     assert rc == 1 and "tensor_parallel_size: Lfm2ForCausalLM does not support tensor parallelism" in err
 

@@ -47,18 +47,26 @@ def planned_layout(platform: Any, tensor_parallel_size: int, backend: str | None
     if pp > 1:
         counts = stage_layer_counts(num_decoder_layers(hf_config), pp) if hf_config is not None else None
         stages = []
+        describe_kinds = getattr(model_cls, "layer_kinds", None)  # a hybrid's layer kinds (Jamba)
+        kinds = describe_kinds(hf_config) if describe_kinds is not None and hf_config is not None else None
+        multimodal = model_cls is not None and hasattr(model_cls, "embed_multimodal")
+        pooling = model_cls is not None and hasattr(model_cls, "pool")
         for s in range(pp):
             ranks = f"ranks {s * tp}-{(s + 1) * tp - 1}" if tp > 1 else f"rank {s}"
             parts = []
             if counts is not None:
                 start = sum(counts[:s])
                 parts.append(f"layers {start}-{start + counts[s] - 1} ({counts[s]})")
+                if kinds:  # a hybrid: which caches this stage holds
+                    here = kinds[start:start + counts[s]]
+                    parts.append(" + ".join(f"{here.count(k)} {k}" for k in dict.fromkeys(here)))
             else:
                 parts.append("an even share of the layers (vLLM's split; pass --model to see it)")
             if s == 0:
-                parts.append("the embedding")
+                parts.append("the embedding" + (" and the vision encoder" if multimodal else ""))
             if s == pp - 1:
-                parts.append("the final norm and the LM head (samples)")
+                parts.append("the final norm and the pooler (pools)" if pooling
+                             else "the final norm and the LM head (samples)")
             stages.append(f"stage {s}: {ranks}: " + ", ".join(parts))
         layout["stages"] = stages
     return layout
