@@ -295,6 +295,38 @@ def test_qwen3_moe_two_by_two_ranks_match_hf(moe_models, four_devices):
         llm.llm_engine.core.shutdown()
 
 
+@pytest.mark.slow
+def test_jamba_two_by_two_ranks_match_hf(jamba, four_devices):
+    """TP=2 x PP=2 for the hybrid: stage 0's two ranks each hold half of the Mamba mixer's channels (half of each
+    request's state), stage 1's two ranks half of the attention heads."""
+    path, prompts, ref = jamba
+    llm = LLM(path, dtype="float32", tensor_parallel_size=2, pipeline_parallel_size=2, max_model_len=256,
+              max_num_batched_tokens=16, num_kv_blocks=64)
+    try:
+        assert _greedy(llm, prompts) == ref
+        held = llm.collective_rpc(lambda w: [tuple(t.shape) for t in w.runner.kv_caches])
+        assert held[0] == held[1] == [(64, 64 * 11)]  # 64 of the 128 channels' states
+    finally:
+        llm.llm_engine.core.shutdown()
+
+
+@pytest.mark.slow
+def test_qwen3_embedding_two_by_two_ranks_match_hf(qwen3_embedding, four_devices):
+    import torch.nn.functional as F
+
+    from vllite_core import PoolingParams
+
+    path, prompts, ref = qwen3_embedding
+    llm = LLM(path, runner="pooling", dtype="float32", tensor_parallel_size=2, pipeline_parallel_size=2,
+              num_kv_blocks=64, max_num_batched_tokens=16)
+    try:
+        raw = llm.embed([{"prompt_token_ids": p} for p in prompts], PoolingParams(normalize=False))
+        mine = torch.tensor([o.outputs.embedding for o in raw])
+        assert F.cosine_similarity(mine, ref).min() >= 0.9999 and (mine - ref).abs().max() <= 1e-5
+    finally:
+        llm.llm_engine.core.shutdown()
+
+
 # ---- the split and bad input --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("layers,pp,counts", [(32, 4, [8, 8, 8, 8]), (22, 4, [5, 6, 6, 5]), (61, 2, [31, 30]),

@@ -152,8 +152,9 @@ class Multimodal(RunnerComponent):
             self.mrope.add_request(req.req_id, new.token_ids, new.num_prompt_tokens, new.mm_features)
 
     def remove_request(self, req: RunnerRequest, finished: bool) -> None:
-        if finished and self.encodes:
-            self.encoder_runner.remove_request(req.req_id)
+        if finished:
+            if self.encodes:
+                self.encoder_runner.remove_request(req.req_id)
             if self.mrope is not None:
                 self.mrope.remove_request(req.req_id)
 

@@ -422,12 +422,18 @@ class ModelRunner:
     def _forward(self, inp: StepInputs) -> torch.Tensor | None:
         """The model's hidden states for the step's tokens (None on a pipeline stage before the last)."""
         if inp.mm_embeds is not None:  # image rows replace their placeholders' embeddings (eager: not a decode)
-            embeds = self.model.embed_input_ids(inp.input_ids)
-            embeds[inp.mm_embeds[0]] = inp.mm_embeds[1].to(embeds.dtype)
-            return self.model(inp.input_ids, inp.positions, self.kv_caches, inp.layer_metadata, inputs_embeds=embeds)
+            return self.model(inp.input_ids, inp.positions, self.kv_caches, inp.layer_metadata,
+                              inputs_embeds=self._merged_embeds(inp))
         if inp.positions.dim() > 1:  # M-RoPE prompt positions (a prompt's last tokens may look like a decode)
             return self.model(inp.input_ids, inp.positions, self.kv_caches, inp.layer_metadata)
         return self.model_forward(inp.input_ids, inp.positions, self.kv_caches, inp.layer_metadata)
+
+    def _merged_embeds(self, inp: StepInputs) -> torch.Tensor:
+        """The step's token embeddings with the encoder's rows in place of their placeholders."""
+        assert inp.mm_embeds is not None
+        embeds = self.model.embed_input_ids(inp.input_ids)
+        embeds[inp.mm_embeds[0]] = inp.mm_embeds[1].to(embeds.dtype)
+        return embeds
 
     def exchange_results(self, results: list[StepResult] | None) -> list[StepResult]:
         """The step's per-row results this rank appends: its own (a pipeline stage before the last has none:

@@ -60,11 +60,8 @@ class PipelineParallelModelRunner(TensorParallelModelRunner):
         assert inp.input_ids is not None and inp.positions is not None
         received = self._receive(int(inp.input_ids.shape[0]))
         if inp.mm_embeds is not None and received is None:  # the first stage puts the image rows in place
-            embeds = self.model.embed_input_ids(inp.input_ids)
-            embeds[inp.mm_embeds[0]] = inp.mm_embeds[1].to(embeds.dtype)
-            out = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.layer_metadata, inputs_embeds=embeds,
-                             intermediate=None)
-            return self._handed_on(out)
+            return self._handed_on(self.model(inp.input_ids, inp.positions, self.kv_caches, inp.layer_metadata,
+                                              inputs_embeds=self._merged_embeds(inp), intermediate=None))
         return self._run_stage(inp.input_ids, inp.positions, self.kv_caches, inp.layer_metadata, received)
 
     def _update_states(self, so: SchedulerOutput) -> None:
