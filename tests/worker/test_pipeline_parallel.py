@@ -156,6 +156,26 @@ def test_mixtral_two_stages_match_hf(moe_models):
         llm.llm_engine.core.shutdown()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["deepseek_v2", "gpt_oss"])
+def test_more_moe_families_two_stages_match_hf(arch, tmp_path):
+    """DeepSeek-V2 (MLA; layer 0 dense, layer 1 routed) and gpt-oss, whose layer 0 is sliding-window attention
+    with sinks and layer 1 full: its stages hold different cache groups, both follow the engine's two."""
+    from test_models_moe import _configs
+
+    hf = save_tiny(tmp_path, _configs()[arch]())
+    prompts = _random_prompts(7)
+    llm = LLM(str(tmp_path), dtype="float32", pipeline_parallel_size=2, max_num_batched_tokens=16, num_kv_blocks=64)
+    try:
+        assert _greedy(llm, prompts) == [hf_greedy(hf, p, 8) for p in prompts]
+        groups = llm.collective_rpc(lambda w: [(g.spec.kind, g.layers) for g in w.runner.kv_cache_groups])
+        if arch == "gpt_oss":
+            assert groups == [[("sliding_window_sinks", (0,)), ("attention_sinks", ())],
+                              [("sliding_window_sinks", ()), ("attention_sinks", (0,))]]
+    finally:
+        llm.llm_engine.core.shutdown()
+
+
 JAMBA_STATE_BYTES = 128 * (3 + 8) * 4  # a Mamba layer's state: 128 channels x (conv kernel - 1 + d_state), fp32
 JAMBA_KV_BYTES = 2 * 16 * 2 * 16 * 4  # an attention layer's block: K and V, 16 tokens, 2 KV heads of 16, fp32
 
