@@ -7,8 +7,9 @@ prompts again, served from cached blocks) are on. TP=2 x PP=2 runs 4 worker proc
 With 2 stages the engine keeps 2 batches in flight (the batch queue): the 16-token budget splits the
 prompts over batches, and the shortest request stops after 3 tokens while the others' batch is in flight.
 Beyond the dense decoders, each on two stages against transformers: Mixtral (MoE), Jamba (a Mamba stage and
-an attention stage: different caches per stage), Llava (the vision tower on the first stage) and a Qwen3Model
-embedding model (the pooler on the last stage); Qwen3-MoE on TP=2 x PP=2 (slow).
+an attention stage: different caches per stage), and (slow) Llava (the vision tower on the first stage), a
+Qwen3Model embedding model (the pooler on the last stage), DeepSeek-V2 and gpt-oss; TP=2 x PP=2 (slow) for
+Qwen3-MoE, Jamba and the embedding model.
 """
 from __future__ import annotations
 
@@ -217,12 +218,19 @@ def test_jamba_stages_hold_different_caches_and_match_hf(jamba):
 
 
 @pytest.fixture(scope="module")
-def llava_pp(tmp_path_factory):
-    from tiny_bart import make_image
-    from tiny_llava import hf_llava_greedy, llava_processor, save_tiny_llava
+def llava_model(tmp_path_factory):
+    from tiny_llava import save_tiny_llava
 
     path = tmp_path_factory.mktemp("tiny-llava-pp")
-    hf = save_tiny_llava(path)
+    return path, save_tiny_llava(path)
+
+
+@pytest.fixture(scope="module")
+def llava_pp(llava_model):
+    from tiny_bart import make_image
+    from tiny_llava import hf_llava_greedy, llava_processor
+
+    path, hf = llava_model
     q = "USER: <image>\nWhat is in the picture? ASSISTANT:"
     mixed = [(q, [make_image(40, 30, 0)]), (q, [make_image(90, 64, 1)]),
              ("USER: <image> and <image>: which is brighter? ASSISTANT:",
@@ -231,6 +239,7 @@ def llava_pp(tmp_path_factory):
     return str(path), mixed, [hf_llava_greedy(hf, llava_processor(path), t, im, 6) for t, im in mixed]
 
 
+@pytest.mark.slow
 def test_llava_two_stages_match_hf(llava_pp):
     """The vision tower and the projector are built, loaded and run on the first stage only; the last computes
     the logits."""
@@ -267,6 +276,7 @@ def qwen3_embedding(tmp_path_factory):
 QWEN3_EMBED = dict(TINY, num_hidden_layers=3, head_dim=16, tie_word_embeddings=True)
 
 
+@pytest.mark.slow
 def test_qwen3_embedding_two_stages_match_hf(qwen3_embedding):
     """The pooler runs on the last stage and its output is what returns (the 40-token prompt pools after three
     16-token chunks)."""
@@ -286,7 +296,7 @@ def test_qwen3_embedding_two_stages_match_hf(qwen3_embedding):
         llm.llm_engine.core.shutdown()
 
 
-def test_env_shows_the_stages_of_each_class(moe_models, jamba, llava_pp, qwen3_embedding, capsys):
+def test_env_shows_the_stages_of_each_class(moe_models, jamba, llava_model, qwen3_embedding, capsys):
     from vllite_core.entrypoints.cli import main
 
     def env(path):
@@ -298,7 +308,7 @@ def test_env_shows_the_stages_of_each_class(moe_models, jamba, llava_pp, qwen3_e
     out = env(jamba[0])
     assert "stage 0: rank 0: layers 0-0 (1), 1 mamba layer(s), the embedding" in out
     assert "stage 1: rank 1: layers 1-1 (1), 1 attention layer(s), the final norm and the LM head (samples)" in out
-    assert "stage 0: rank 0: layers 0-0 (1), the embedding and the vision encoder" in env(llava_pp[0])
+    assert "stage 0: rank 0: layers 0-0 (1), the embedding and the vision encoder" in env(str(llava_model[0]))
     assert "stage 1: rank 1: layers 2-2 (1), the final norm and the pooler (pools)" in env(qwen3_embedding[0])
 
 
