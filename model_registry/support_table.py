@@ -1,7 +1,7 @@
 """The supported-architectures table of docs/models.md, generated from the model registry (never written by hand):
 for each built-in architecture, its class, the GGUF architectures that load into it, what the class declares
-(tensor parallelism, LoRA) or computes from a default config of its family (the CPU platform's fused decoder
-layer), and whether the Transformers fallback (``model_impl="transformers"``) takes it; then rows for the
+(tensor parallelism, pipeline stages, LoRA) or computes from a default config of its family (the CPU platform's
+fused decoder layer), and whether the Transformers fallback (``model_impl="transformers"``) takes it; then rows for the
 architectures only the fallback runs that its tests prove (``FALLBACK_TESTED``), their columns computed the same
 way from the fallback's class. ``scripts/models_table.py`` writes it into the doc; tests/models/test_models_table.py
 fails when the doc is stale."""
@@ -23,6 +23,7 @@ class SupportRow:
     target: str
     gguf: tuple[str, ...]
     tensor_parallel: bool
+    pipeline_parallel: bool  # the class builds only its stage's layers (``supports_pipeline_parallel``)
     lora: bool
     fused_cpu: str  # "yes", "no: <reason>", or "-" (the class offers no fused decoder layer)
     fallback: str  # "tested", "accepted" (its checks pass, no test runs it), "no: <reason>", or "-" (not a
@@ -51,6 +52,10 @@ def _tensor_parallel(cls: type, arch: str, protocol: type) -> bool:
     except Exception:  # noqa: BLE001 - any refusal means "not on two ranks"
         return False
     return True
+
+
+def _stages(cls: type) -> bool:
+    return bool(getattr(cls, "supports_pipeline_parallel", False))
 
 
 def _fallback(arch: str) -> tuple[type | None, str]:
@@ -90,26 +95,26 @@ def support_rows() -> list[SupportRow]:
             fused = "yes" if why is None else "no: " + why.split(": ", 1)[-1]
         target = registry.entry(arch).target
         rows.append(SupportRow(arch, target if isinstance(target, str) else f"{cls.__module__}:{cls.__name__}", gguf,
-                               _tensor_parallel(cls, arch, SupportsTensorParallel), SupportsLoRA in cls.__mro__,
-                               fused, _fallback(arch)[1]))
+                               _tensor_parallel(cls, arch, SupportsTensorParallel), _stages(cls),
+                               SupportsLoRA in cls.__mro__, fused, _fallback(arch)[1]))
     for arch in FALLBACK_ONLY_TESTED:
         cls, fallback = _fallback(arch)
         if cls is None:
             raise RuntimeError(f"{arch}: the Transformers fallback no longer takes it ({fallback})")
         rows.append(SupportRow(arch, FALLBACK_TARGET, (), _tensor_parallel(cls, arch, SupportsTensorParallel),
-                               SupportsLoRA in cls.__mro__, "-", fallback))
+                               _stages(cls), SupportsLoRA in cls.__mro__, "-", fallback))
     return rows
 
 
 def render(rows: list[SupportRow]) -> str:
     """The markdown table between the doc's markers."""
     yes = {True: "yes", False: "-"}
-    lines = [BEGIN, "| architecture | implementation | GGUF | TP | LoRA | CPU fused decoder layer | "
-             "Transformers fallback |", "|---|---|---|---|---|---|---|"]
+    lines = [BEGIN, "| architecture | implementation | GGUF | TP | PP | LoRA | CPU fused decoder layer | "
+             "Transformers fallback |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| `{r.architecture}` | `{r.target.split(':')[0].rsplit('.', 1)[-1]}` | "
-                     f"{', '.join(r.gguf) or '-'} | {yes[r.tensor_parallel]} | {yes[r.lora]} | {r.fused_cpu} | "
-                     f"{r.fallback} |")
+                     f"{', '.join(r.gguf) or '-'} | {yes[r.tensor_parallel]} | {yes[r.pipeline_parallel]} | "
+                     f"{yes[r.lora]} | {r.fused_cpu} | {r.fallback} |")
     lines.append(END)
     return "\n".join(lines)
 

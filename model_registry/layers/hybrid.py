@@ -8,7 +8,7 @@ model's ``kv_caches`` and ``attn_metadata`` follow that order, and each layer ge
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -21,10 +21,12 @@ from model_registry.layers.mamba import MambaBase
 from model_registry.layers.moe import FusedMoE, expert_weight
 from model_registry.layers.norm import RMSNorm
 from model_registry.layers.params import STACKED_PROJECTIONS, load_by_name
+from model_registry.layers.pipeline import StageLayers
 from model_registry.layers.rotary import RotaryEmbedding
 from model_registry.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
 from vllite_core.core.kv_cache_spec import KVCacheSpec
+from vllite_core.distributed.pipeline import IntermediateTensors
 from vllite_core.model_interfaces import IsStateful
 from vllite_core.model_ops import current_model_ops
 
@@ -101,22 +103,33 @@ class HybridForCausalLM(nn.Module, IsStateful):
     tie_default: ClassVar[bool] = False
     renames: tuple[tuple[str, str], ...] = ()  # (old, new) substrings, replaced in order
 
-    def __init__(self, hf_config: Any, dtype: torch.dtype, layers: Iterable[nn.Module], norm_eps: float) -> None:
+    def __init__(self, hf_config: Any, dtype: torch.dtype, layers: Iterable[nn.Module] | Callable[[int], nn.Module],
+                 norm_eps: float) -> None:
+        """``layers``: every layer, or ``make(i)`` building layer ``i`` (a class with pipeline stages: only this
+        rank's stage's layers are built, model_registry.layers.pipeline)."""
         super().__init__()
         c = hf_config
         self.config = c
         self.dtype = dtype
         self.vocab_size: int = c.vocab_size
+        self.hidden_size: int = c.hidden_size
+        self.stage = stage = StageLayers(int(c.num_hidden_layers))
         self.model = nn.Module()
-        self.model.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, dtype)
-        self.model.layers = nn.ModuleList(layers)
-        self.model.norm = RMSNorm(c.hidden_size, norm_eps, dtype)
+        self.model.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, dtype) if stage.is_first \
+            else None
+        self.model.layers = stage.build(int(c.num_hidden_layers), layers) if callable(layers) \
+            else nn.ModuleList(layers)
+        self.model.norm = RMSNorm(c.hidden_size, norm_eps, dtype) if stage.is_last else None
         self.tie_word_embeddings = bool(getattr(c, "tie_word_embeddings", self.tie_default))
-        self.lm_head = ParallelLMHead(c.vocab_size, c.hidden_size, dtype,
-                                      tied=self.model.embed_tokens if self.tie_word_embeddings else None)
+        tied = self.model.embed_tokens if self.tie_word_embeddings and stage.is_first else None
+        self.lm_head = ParallelLMHead(c.vocab_size, c.hidden_size, dtype, tied=tied) if stage.is_last else None
         self.rotary_emb: RotaryEmbedding | None = None
         self.embedding_multiplier: float | None = None
         self._caches = [len(cache_layers(layer)) for layer in self.model.layers]
+
+    # A layer adds its own residual: a pipeline stage hands the next only the stream (pp_runner.py). Subclasses
+    # whose layers are built per stage (``make(i)``) declare ``supports_pipeline_parallel``.
+    pipeline_residual = False
 
     def get_kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> list[KVCacheSpec]:
         """Attention: paged KV in the cache dtype; mixers: one state row in the model dtype."""
@@ -128,14 +141,21 @@ class HybridForCausalLM(nn.Module, IsStateful):
         return x if self.embedding_multiplier is None else x * self.embedding_multiplier
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: list[Any]) -> torch.Tensor:
-        x = self.embed_input_ids(input_ids)
+                attn_metadata: list[Any], intermediate: IntermediateTensors | None = None
+                ) -> torch.Tensor | IntermediateTensors:
+        """Final hidden states, or on a pipeline stage before the last the stream the next stage continues from
+        (in the model dtype); ``kv_caches`` are this stage's layers'."""
+        x = self.embed_input_ids(input_ids) if intermediate is None else intermediate.hidden_states
         rope = self.rotary_emb.lookup(positions, x.dtype) if self.rotary_emb is not None else None
         step = HybridStep(rope, x)
         i = 0
-        for layer, n in zip(self.model.layers, self._caches, strict=True):
+        # This stage's layers (every layer of a whole model, whatever its config counts).
+        start, end = (0, len(self._caches)) if self.stage.is_whole else (self.stage.start, self.stage.end)
+        for layer, n in zip(self.model.layers[start:end], self._caches[start:end], strict=True):
             x = layer(x, kv_caches[i:i + n], attn_metadata[i:i + n], step)
             i += n
+        if not self.stage.is_last:
+            return IntermediateTensors(x.to(self.dtype), None)
         return self.model.norm(x.to(self.dtype))  # Mamba's residual stream may be float32
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -151,7 +171,11 @@ class HybridForCausalLM(nn.Module, IsStateful):
             return None
         for old, new in self.renames:
             name = name.replace(old, new)
-        return name
+        return self.stage.weight_name(name, self.tie_word_embeddings)
+
+    def skips_weight(self, hf_name: str) -> bool:
+        """Another pipeline stage's tensor: the loader does not read it."""
+        return not self.stage.is_whole and self.rename(hf_name) is None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load by (renamed) name, separate projections into their fused one's shards (``STACKED_PROJECTIONS``),

@@ -55,5 +55,14 @@ class StageLayers:
             return self.is_last
         return True
 
+    def weight_name(self, name: str, tied: bool) -> str | None:
+        """A checkpoint tensor's engine name on this stage, or None where another stage holds it; with a tied
+        head, the last stage (when it is not also the first) loads the embedding's table as its head."""
+        if self.is_whole:
+            return name
+        if tied and name == "model.embed_tokens.weight" and self.is_last:
+            return name if self.is_first else "lm_head.weight"
+        return name if self.owns_weight(name) else None
+
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")

@@ -106,6 +106,14 @@ class JambaForCausalLM(HybridForCausalLM, ShardsByHeads):
 
     def __init__(self, hf_config: Any, attn_backend: AttentionBackend, dtype: torch.dtype) -> None:
         c = hf_config
-        super().__init__(c, dtype, (JambaLayer(c, kind, n, attn_backend, dtype)
-                                    for kind, n in zip(c.layers_block_type, c.layers_num_experts)),
-                         float(c.rms_norm_eps))
+        kinds = list(zip(c.layers_block_type, c.layers_num_experts))
+        super().__init__(c, dtype, lambda i: JambaLayer(c, *kinds[i], attn_backend, dtype), float(c.rms_norm_eps))
+
+    # Pipeline stages: each rank builds its stage's layers; a stage may hold only Mamba layers (a state per
+    # request) or only attention layers (paged KV), and allocates only those (vllite_core.worker.pp_runner).
+    supports_pipeline_parallel = True
+
+    @classmethod
+    def layer_kinds(cls, hf_config: Any) -> list[str]:
+        """Each layer's mixer (``vllite env`` shows what caches each pipeline stage holds)."""
+        return [f"{k} layer(s)" for k in hf_config.layers_block_type]

@@ -5,6 +5,7 @@ import torch
 
 from vllite_core.attention.backend import AttentionMetadata
 from vllite_core.core.kv_cache_spec import KVCacheSpec
+from vllite_core.distributed.pipeline import IntermediateTensors
 
 
 class LanguageModelShell:
@@ -20,10 +21,14 @@ class LanguageModelShell:
         return self.language_model.get_kv_cache_specs(block_size, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: list[AttentionMetadata], inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                attn_metadata: list[AttentionMetadata], inputs_embeds: torch.Tensor | None = None,
+                intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
         """``positions`` is [T], or [3, T] for an M-RoPE decoder on a step holding prompt tokens of a request
-        with images."""
-        return self.language_model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds=inputs_embeds)
+        with images. With pipeline stages (a decoder that has them) ``intermediate`` is what the previous stage
+        handed this one, and a stage before the last returns what the next continues from."""
+        if intermediate is None:
+            return self.language_model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds=inputs_embeds)
+        return self.language_model(input_ids, positions, kv_caches, attn_metadata, intermediate=intermediate)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden_states)

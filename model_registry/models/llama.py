@@ -298,11 +298,8 @@ class LlamaForCausalLM(nn.Module, SupportsLoRA, ShardsByHeads):
         name = "model." + hf_name if hf_name.startswith(("layers.", "embed_tokens.", "norm.")) else hf_name
         if name == "lm_head.weight" and self.tie_word_embeddings:
             return None
-        if self.stage.is_whole:
-            return name
-        if name == "model.embed_tokens.weight" and self.tie_word_embeddings and self.stage.is_last:
-            return name if self.stage.is_first else "lm_head.weight"  # the last stage's head is the table
-        return name if self.stage.owns_weight(name) else None
+        # A pooling form has no head: the embedding's table is then the first stage's alone.
+        return self.stage.weight_name(name, self.tie_word_embeddings and getattr(self, "lm_head", None) is not None)
 
     def skips_weight(self, hf_name: str) -> bool:
         """A checkpoint tensor this rank does not keep (another stage's, a rotary table): the loader does not

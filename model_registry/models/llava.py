@@ -62,13 +62,21 @@ class LlavaForConditionalGeneration(LanguageModelShell, nn.Module, ShardsByHeads
             raise NotImplementedError(f"vision_feature_select_strategy {hf_config.vision_feature_select_strategy!r}")
         self.feature_layers = _feature_layers(hf_config)
         self.drop_cls = hf_config.vision_feature_select_strategy == "default"
-        self.vision_tower = CLIPVisionTower(vc, dtype, num_layers=max(self.feature_layers))
+        self.language_model = LlamaForCausalLM(tc, attn_backend, dtype)
+        # With pipeline stages the tower and the projector live on the first stage (which embeds the tokens).
+        self.stage = self.language_model.stage
+        self.vision_tower = CLIPVisionTower(vc, dtype, num_layers=max(self.feature_layers)) \
+            if self.stage.is_first else None
         self.multi_modal_projector = LlavaProjector(
             vc.hidden_size * len(self.feature_layers), tc.hidden_size, hf_config.projector_hidden_act,
-            bool(getattr(hf_config, "multimodal_projector_bias", True)), dtype)
-        self.language_model = LlamaForCausalLM(tc, attn_backend, dtype)
+            bool(getattr(hf_config, "multimodal_projector_bias", True)), dtype) if self.stage.is_first else None
         self.vocab_size: int = tc.vocab_size
+        self.hidden_size: int = tc.hidden_size
         self.dtype = dtype
+
+    # Pipeline stages: the language model's split (model_registry.models.llama); the image embeddings are made
+    # and put in place on the first stage only (vllite_core.worker.pp_runner), the last computes the logits.
+    supports_pipeline_parallel = True
 
     # ---- prompts -----------------------------------------------------------------------------------
     @classmethod
@@ -120,8 +128,27 @@ class LlavaForConditionalGeneration(LanguageModelShell, nn.Module, ShardsByHeads
         out = self.multi_modal_projector(torch.cat(states, dim=-1))
         return list(out.unbind(0))
 
+    def skips_weight(self, hf_name: str) -> bool:
+        """Another pipeline stage's tensor (the tower and the projector off the first stage, the language
+        model's other layers): the loader does not read it."""
+        if self.stage.is_whole:
+            return False
+        name = hf_name.removeprefix("model.")
+        if name.startswith(("vision_tower.", "multi_modal_projector.")):
+            return not self.stage.is_first
+        text = _text_name(name)
+        return text is not None and self.language_model.skips_weight(text)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_vlm_weights(self, weights)
+        return load_vlm_weights(self, ((n, t) for n, t in weights if not self.skips_weight(n)))
+
+
+def _text_name(name: str) -> str | None:
+    """The language model's name of a checkpoint tensor (``model.`` already removed), or None for another part."""
+    if name.startswith("language_model."):
+        sub = name.removeprefix("language_model.")
+        return sub if sub.startswith(("model.", "lm_head")) else "model." + sub
+    return name if name.startswith("lm_head.") else None
 
 
 def load_vlm_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -130,7 +157,7 @@ def load_vlm_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor
     text: list[tuple[str, torch.Tensor]] = []
     vision: list[tuple[str, torch.Tensor]] = []
     loaded: set[str] = set()
-    proj = dict(model.multi_modal_projector.named_parameters())
+    proj = dict(model.multi_modal_projector.named_parameters()) if model.multi_modal_projector is not None else {}
     for name, tensor in weights:
         name = name.removeprefix("model.")
         if name.startswith("vision_tower."):
@@ -141,13 +168,11 @@ def load_vlm_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor
                 raise ValueError(f"checkpoint has projector weights this model does not know: {name}")
             copy_checked(proj[sub].data, tensor, name)
             loaded.add("multi_modal_projector." + sub)
-        elif name.startswith("language_model."):
-            sub = name.removeprefix("language_model.")
-            text.append((sub if sub.startswith(("model.", "lm_head")) else "model." + sub, tensor))
-        elif name.startswith("lm_head."):
-            text.append((name, tensor))
+        elif (sub := _text_name(name)) is not None:
+            text.append((sub, tensor))
         else:
             raise ValueError(f"checkpoint has weights this model does not know: {name}")
-    loaded |= {"vision_tower." + n for n in model.vision_tower.load(vision, copy_checked)}
+    if model.vision_tower is not None:  # None: a pipeline stage after the first
+        loaded |= {"vision_tower." + n for n in model.vision_tower.load(vision, copy_checked)}
     loaded |= {"language_model." + n for n in model.language_model.load_weights(text)}
     return loaded

@@ -32,9 +32,11 @@ from model_registry.layers import (
 )
 from model_registry.layers.moe import expert_weight
 from model_registry.layers.params import STACKED_PROJECTIONS, load_by_name
+from model_registry.layers.pipeline import StageLayers
 from vllite_core.attention.backend import AttentionBackend, AttentionMetadata
 from vllite_core.core.kv_cache_spec import KVCacheSpec
 from vllite_core.distributed import get_tp
+from vllite_core.distributed.pipeline import IntermediateTensors
 from vllite_core.distributed.sharding import shard_experts
 from vllite_core.errors import ConfigError
 from vllite_core.model_interfaces import SupportsExpertParallel
@@ -202,17 +204,33 @@ class MoeForCausalLM(nn.Module, ShardsByHeads, SupportsExpertParallel):
         check_experts(fam.num_experts, fam.top_k)
         self.dtype = dtype
         self.vocab_size: int = c.vocab_size
+        self.hidden_size: int = c.hidden_size
+        # With pipeline stages only this rank's layers are built (model_registry.layers.pipeline): the embedding
+        # on the first stage, the final norm and the head on the last.
+        num_layers = len(fam.moe_layers)
+        self.stage = stage = StageLayers(num_layers)
         self.model = nn.Module()
-        self.model.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, dtype)
-        self.model.layers = nn.ModuleList(
-            MoeDecoderLayer(c, fam, self.make_attention(c, fam, i, attn_backend, dtype),
-                            self.make_mlp(c, fam, sparse, dtype), dtype)
-            for i, sparse in enumerate(fam.moe_layers))
-        self.model.norm = RMSNorm(c.hidden_size, float(c.rms_norm_eps), dtype)
+        self.model.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, dtype) if stage.is_first \
+            else None
+        self.model.layers = stage.build(num_layers, lambda i: MoeDecoderLayer(
+            c, fam, self.make_attention(c, fam, i, attn_backend, dtype),
+            self.make_mlp(c, fam, fam.moe_layers[i], dtype), dtype))
+        self.model.norm = RMSNorm(c.hidden_size, float(c.rms_norm_eps), dtype) if stage.is_last else None
         self.model.rotary_emb = RotaryEmbedding(c, self.rotary_dim(c))
         self.tie_word_embeddings = bool(getattr(c, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(c.vocab_size, c.hidden_size, dtype,
-                                      tied=self.model.embed_tokens if self.tie_word_embeddings else None)
+        # Tied to the embedding when this stage holds it, else (a last stage after the first) its own copy.
+        tied = self.model.embed_tokens if self.tie_word_embeddings and stage.is_first else None
+        self.lm_head = ParallelLMHead(c.vocab_size, c.hidden_size, dtype, tied=tied) if stage.is_last else None
+
+    # Pipeline stages (``pipeline_parallel_size``): each rank builds its stage's layers; a layer adds its own
+    # residual, so a stage hands the next only the hidden states (vllite_core.worker.pp_runner).
+    supports_pipeline_parallel = True
+    pipeline_residual = False
+
+    @property
+    def stage_layers(self) -> list[nn.Module]:
+        """This rank's layers, in order (all of them without pipeline stages)."""
+        return list(self.model.layers)[self.stage.start:self.stage.end]
 
     @classmethod
     def family(cls, c: Any) -> MoeFamily:
@@ -238,16 +256,24 @@ class MoeForCausalLM(nn.Module, ShardsByHeads, SupportsExpertParallel):
         return head_size_of(c)
 
     def get_kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> list[KVCacheSpec]:
-        return [layer.self_attn.kv_cache_spec(block_size, dtype) for layer in self.model.layers]
+        return [layer.self_attn.kv_cache_spec(block_size, dtype) for layer in self.stage_layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: list[AttentionMetadata]) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        if self.fam.embedding_multiplier != 1.0:
-            x = x * self.fam.embedding_multiplier
+                attn_metadata: list[AttentionMetadata], intermediate: IntermediateTensors | None = None
+                ) -> torch.Tensor | IntermediateTensors:
+        """Final hidden states, or on a stage before the last the stream the next stage continues from;
+        ``intermediate``: what the previous stage handed this one."""
+        if intermediate is None:
+            x = self.model.embed_tokens(input_ids)
+            if self.fam.embedding_multiplier != 1.0:
+                x = x * self.fam.embedding_multiplier
+        else:
+            x = intermediate.hidden_states
         rope = self.model.rotary_emb.lookup(positions, x.dtype)
-        for layer, cache, md in zip(self.model.layers, kv_caches, attn_metadata, strict=True):
+        for layer, cache, md in zip(self.stage_layers, kv_caches, attn_metadata, strict=True):
             x = layer(x, rope, cache, md)
+        if not self.stage.is_last:
+            return IntermediateTensors(x, None)
         return self.model.norm(x)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -262,10 +288,14 @@ class MoeForCausalLM(nn.Module, ShardsByHeads, SupportsExpertParallel):
             return None
         for old, new in self.fam.renames:
             name = name.replace(old, new)
-        return name
+        return self.stage.weight_name(name, self.tie_word_embeddings)
+
+    def skips_weight(self, hf_name: str) -> bool:
+        """Another stage's tensor (and a tied head's copy): the loader does not read it."""
+        return self.rename(hf_name) is None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded = load_with_experts(self, weights, self.rename)
-        if self.tie_word_embeddings and "model.embed_tokens.weight" in loaded:
+        if self.tie_word_embeddings and self.stage.is_first and "model.embed_tokens.weight" in loaded:
             loaded.add("lm_head.weight")
         return loaded

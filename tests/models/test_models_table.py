@@ -20,6 +20,13 @@ def test_rows_say_what_the_classes_declare():
     assert rows["LlamaForCausalLM"].fused_cpu == "yes" and rows["Phi3ForCausalLM"].fused_cpu == "yes"
     assert rows["Qwen3ForCausalLM"].fused_cpu == "no: it normalises q and k (the fused layer computes Llama's)"
     assert rows["WhisperForConditionalGeneration"].fused_cpu == "-"
+    # Pipeline stages: what tests/worker/test_pipeline_parallel.py runs on two stages, and classes that build every
+    # layer on every rank.
+    for arch in ("LlamaForCausalLM", "MixtralForCausalLM", "JambaForCausalLM", "LlavaForConditionalGeneration",
+                 "Qwen3Model"):
+        assert rows[arch].pipeline_parallel, arch
+    for arch in ("BertModel", "Qwen2VLForConditionalGeneration", "MambaForCausalLM", "WhisperForConditionalGeneration"):
+        assert not rows[arch].pipeline_parallel, arch
 
 
 def test_fallback_column_and_rows():

@@ -1,6 +1,7 @@
 """The ray executor on a local Ray cluster of two nodes (``ray start --head`` plus ``ray start --address``,
 one CPU each, both on 127.0.0.1, started here and stopped afterwards): tensor parallelism and pipeline
-parallelism over two actors on two nodes give Hugging Face's greedy tokens; a lost actor fails the step
+parallelism over two actors on two nodes give Hugging Face's greedy tokens (pipeline stages of a dense model
+and of a hybrid whose stages hold different caches); a lost actor fails the step
 naming its rank and node; no ray package / no cluster is a clear ConfigError."""
 from __future__ import annotations
 
@@ -123,6 +124,29 @@ def test_two_pipeline_stages_on_two_nodes_match_hf(cluster, qwen2, monkeypatch):
         outs = llm.generate([{"prompt_token_ids": p} for p in batch], params)
         assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 8) for p in batch]
         assert core.max_batches_in_flight == 2
+    finally:
+        llm.llm_engine.core.shutdown()
+
+
+def test_hybrid_pipeline_stages_on_two_nodes_match_hf(cluster, tmp_path, monkeypatch):
+    """Jamba over two nodes: stage 0 holds the Mamba layer (a recurrent state per request, no KV), stage 1 the
+    attention layer (paged KV, no state); both follow the engine's two cache groups."""
+    from hf_reference import hf_greedy_with
+    from test_state_space_models import _configs
+
+    monkeypatch.setenv("RAY_ADDRESS", cluster)
+    hf = save_tiny(tmp_path, _configs()["jamba"]())
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (2, 17, 40)]
+    llm = LLM(str(tmp_path), dtype="float32", pipeline_parallel_size=2, distributed_executor_backend="ray",
+              max_model_len=256, num_kv_blocks=64, max_num_batched_tokens=16)
+    try:
+        assert llm.llm_engine.core.engine_core.executor.layout["nodes"] == 2
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        assert [o.outputs[0].token_ids for o in outs] == [hf_greedy_with(hf, p, 8, lambda x, *_: x) for p in prompts]
+        held = llm.collective_rpc(lambda w: [type(s).__name__ for s in w.runner.tensor_plan.tensor_specs])
+        assert held == [["StateSpec"], ["FullAttentionSpec"]]
     finally:
         llm.llm_engine.core.shutdown()
 

@@ -470,8 +470,11 @@ def test_env_refuses_what_does_not_divide(capsys, llava, qwen2_embed_path, tmp_p
     assert rc == 1 and "tensor_parallel_size: 3 ranks is more than the model's 2 KV heads" in err
     rc, _, err = _env(capsys, "-pp", "3", "--model", qwen2_embed_path)  # 2 layers, 3 stages
     assert rc == 1 and "pipeline_parallel_size: 3 stages for a model of 2 layer(s)" in err
-    rc, _, err = _env(capsys, "-tp", "2", "-pp", "2", "--model", str(llava[0]))
-    assert rc == 1 and "pipeline_parallel_size: LlavaForConditionalGeneration does not support pipeline" in err
+    from test_state_space_models import _configs
+
+    save_tiny(tmp_path / "lfm2", _configs()["lfm2"]())  # LFM2 builds every layer on every rank
+    rc, _, err = _env(capsys, "-pp", "2", "--model", str(tmp_path / "lfm2"))
+    assert rc == 1 and "pipeline_parallel_size: Lfm2ForCausalLM does not support pipeline" in err
     save_untensored_config(tmp_path)
     rc, _, err = _env(capsys, "-tp", "2", "--model", str(tmp_path))
     assert rc == 1 and "tensor_parallel_size: MyLlamaForCausalLM does not support tensor parallelism" in err

@@ -40,33 +40,53 @@ def check_parallel_config(config: VlliteConfig, platform: Any, architecture: str
 
 
 def check_pipeline_parallel(config: VlliteConfig, architecture: str, model_cls: Any, hf_config: Any) -> None:
-    """Pipeline stages need a model class that builds only its stage's layers (the dense decoders of the
-    layers package), plain generation, and at least one layer per stage."""
+    """Pipeline stages need a model class that builds only its stage's layers (``supports_pipeline_parallel``:
+    the decoders of the layers package, the MoE decoders, Jamba, Llava, and their pooling forms), no
+    speculative decoding or LoRA, and at least one layer per stage."""
     from vllite_core.distributed.pipeline import stage_layer_counts
 
     pp = config.parallel_config.pipeline_parallel_size
     if not getattr(model_cls, "supports_pipeline_parallel", False):
         raise ConfigError(f"pipeline_parallel_size: {architecture} ({model_cls.__name__}) does not support "
-                          f"pipeline parallelism (only the dense decoders built from the layers package: the "
-                          f"Llama family and the dense families); use pipeline_parallel_size=1")
-    caps = config.model_config.capabilities
+                          f"pipeline parallelism (only {PIPELINE_CLASSES}); use pipeline_parallel_size=1")
     unsupported = [(config.speculative_config is not None, "speculative decoding"),
-                   (config.lora_config is not None, "LoRA"),
-                   (caps.is_pooling or config.model_config.pooler_config is not None, "pooling models"),
-                   (caps.supports_multimodal or caps.is_encoder_decoder, "multimodal or encoder-decoder models")]
+                   (config.lora_config is not None, "LoRA")]
     for on, what in unsupported:
         if on:
             raise ConfigError(f"pipeline_parallel_size: {pp} stages do not run with {what} yet; use "
                               f"pipeline_parallel_size=1")
-    stage_layer_counts(int(hf_config.num_hidden_layers), pp)
+    stage_layer_counts(num_decoder_layers(hf_config), pp)
 
 
-def check_stage_cache_groups(facts: list[Any], pc: ParallelConfig) -> None:
-    """Every stage must have the same cache groups (the scheduler keeps one block table per group for all of
-    them): a model whose stages differ (sliding-window layers only in one stage) is refused."""
+# The classes that build their stage's layers (what a refusal names).
+PIPELINE_CLASSES = ("the decoders built from the layers package: the Llama and dense families, the MoE "
+                    "decoders, Jamba, Llava, and their pooling forms")
+
+
+def num_decoder_layers(hf_config: Any) -> int:
+    """The decoder's layer count (a VLM's: its text config's)."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    return int(text.num_hidden_layers)
+
+
+def stage_cache_groups(facts: list[Any], pc: ParallelConfig) -> list[list[Any]]:
+    """The engine's cache groups over every stage (vLLM's way): each kind of cache any stage holds, in the order
+    the stages first hold it, for each tensor-parallel rank (whose KV heads may differ from the others'). The
+    scheduler keeps one block table per group; a stage without a group's layers holds none of its memory.
+    Refused (ConfigError) only where one block pool cannot serve the stages: groups of different block sizes."""
+    from vllite_core.core.kv_cache_spec import KVCacheSpec
+
     tp = pc.tensor_parallel_size
-    stages = [[g.spec for g in facts[s * tp].kv_cache_groups] for s in range(pc.pipeline_parallel_size)]
-    if any(s != stages[0] for s in stages[1:]):
-        raise ConfigError(f"pipeline_parallel_size: the stages' layers have different KV cache kinds "
-                          f"({'; '.join(str([type(x).__name__ for x in s]) for s in stages)}), which one block "
-                          f"table per kind cannot serve; use another pipeline_parallel_size")
+    per_tp: list[list[KVCacheSpec]] = []
+    for t in range(tp):
+        specs: list[KVCacheSpec] = []
+        for stage in range(pc.pipeline_parallel_size):
+            specs += [g.spec for g in facts[stage * tp + t].kv_cache_groups if g.spec not in specs]
+        per_tp.append(specs)
+    sizes = sorted({s.block_size for s in per_tp[0]})
+    if len(sizes) > 1:
+        raise ConfigError(f"pipeline_parallel_size: the stages' caches use different block sizes ({sizes}), which "
+                          f"one block pool cannot serve; use another pipeline_parallel_size")
+    kinds = {tuple(s.kind for s in specs) for specs in per_tp}
+    assert len(kinds) == 1, f"the tensor-parallel ranks' cache groups differ in kind: {kinds}"
+    return per_tp

@@ -14,6 +14,7 @@ def planned_layout(platform: Any, tensor_parallel_size: int, backend: str | None
     do not split, a class without tensor parallelism or pipeline stages; and each tensor-parallel rank's share
     (its heads) as the class describes it (``tensor_parallel_layout``)."""
     from vllite_core.config import ParallelConfig
+    from vllite_core.distributed.checks import PIPELINE_CLASSES, num_decoder_layers
     from vllite_core.distributed.pipeline import stage_layer_counts
 
     pc = ParallelConfig(tensor_parallel_size, backend, pipeline_parallel_size)
@@ -23,8 +24,7 @@ def planned_layout(platform: Any, tensor_parallel_size: int, backend: str | None
     if model_cls is not None:
         if pp > 1 and not getattr(model_cls, "supports_pipeline_parallel", False):
             raise ConfigError(f"pipeline_parallel_size: {model_cls.__name__} does not support pipeline parallelism "
-                              f"(only the dense decoders built from the layers package); use "
-                              f"pipeline_parallel_size=1")
+                              f"(only {PIPELINE_CLASSES}); use pipeline_parallel_size=1")
         if tp > 1 and hasattr(model_cls, "check_tensor_parallel"):
             model_cls.check_tensor_parallel(hf_config, tp)
             describe = getattr(model_cls, "tensor_parallel_layout", None)  # each rank's heads
@@ -45,21 +45,28 @@ def planned_layout(platform: Any, tensor_parallel_size: int, backend: str | None
     if shards:
         layout["tensor_parallel_shards"] = shards  # the same heads on the same TP rank of every stage
     if pp > 1:
-        num_layers = getattr(hf_config, "num_hidden_layers", None) if hf_config is not None else None
-        counts = stage_layer_counts(int(num_layers), pp) if num_layers is not None else None
+        counts = stage_layer_counts(num_decoder_layers(hf_config), pp) if hf_config is not None else None
         stages = []
+        describe_kinds = getattr(model_cls, "layer_kinds", None)  # a hybrid's layer kinds (Jamba)
+        kinds = describe_kinds(hf_config) if describe_kinds is not None and hf_config is not None else None
+        multimodal = model_cls is not None and hasattr(model_cls, "embed_multimodal")
+        pooling = model_cls is not None and hasattr(model_cls, "pool")
         for s in range(pp):
             ranks = f"ranks {s * tp}-{(s + 1) * tp - 1}" if tp > 1 else f"rank {s}"
             parts = []
             if counts is not None:
                 start = sum(counts[:s])
                 parts.append(f"layers {start}-{start + counts[s] - 1} ({counts[s]})")
+                if kinds:  # a hybrid: which caches this stage holds
+                    here = kinds[start:start + counts[s]]
+                    parts.append(" + ".join(f"{here.count(k)} {k}" for k in dict.fromkeys(here)))
             else:
                 parts.append("an even share of the layers (vLLM's split; pass --model to see it)")
             if s == 0:
-                parts.append("the embedding")
+                parts.append("the embedding" + (" and the vision encoder" if multimodal else ""))
             if s == pp - 1:
-                parts.append("the final norm and the LM head (samples)")
+                parts.append("the final norm and the pooler (pools)" if pooling
+                             else "the final norm and the LM head (samples)")
             stages.append(f"stage {s}: {ranks}: " + ", ".join(parts))
         layout["stages"] = stages
     return layout

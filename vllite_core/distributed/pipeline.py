@@ -37,10 +37,11 @@ def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]
 
 @dataclass(frozen=True)
 class IntermediateTensors:
-    """What one stage hands the next: the layer output and the residual stream (their sum is the stream)."""
+    """What one stage hands the next: the layer output and the residual stream (their sum is the stream), or
+    for a model whose layers add their own residual (``residual`` None) the stream alone."""
 
     hidden_states: torch.Tensor
-    residual: torch.Tensor
+    residual: torch.Tensor | None
 
 
 class PipelineChannel:
@@ -64,15 +65,19 @@ class PipelineChannel:
 
         assert self.next_rank is not None
         dist.send(t.hidden_states.contiguous(), self.next_rank)
-        dist.send(t.residual.contiguous(), self.next_rank)
+        if t.residual is not None:
+            dist.send(t.residual.contiguous(), self.next_rank)
 
-    def recv(self, num_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.device
-             ) -> IntermediateTensors:
+    def recv(self, num_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
+             residual: bool = True) -> IntermediateTensors:
+        """The previous stage's tensors; ``residual``: whether the model sends a residual stream."""
         import torch.distributed as dist
 
         assert self.prev_rank is not None
         h = torch.empty(num_tokens, hidden_size, dtype=dtype, device=device)
-        r = torch.empty_like(h)
         dist.recv(h, self.prev_rank)
+        if not residual:
+            return IntermediateTensors(h, None)
+        r = torch.empty_like(h)
         dist.recv(r, self.prev_rank)
         return IntermediateTensors(h, r)

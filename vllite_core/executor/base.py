@@ -57,9 +57,14 @@ class Executor(ABC):
         facts = self.collective_rpc("model_facts")
         self.facts = facts[self.output_rank]
         if self.config.parallel_config.pipeline_parallel_size > 1:
-            from vllite_core.distributed.checks import check_stage_cache_groups
+            from vllite_core.distributed.checks import stage_cache_groups
 
-            check_stage_cache_groups(facts, self.config.parallel_config)
+            pc = self.config.parallel_config
+            per_tp = stage_cache_groups(facts, pc)
+            if any([g.spec for g in f.kv_cache_groups] != per_tp[r % pc.tensor_parallel_size]
+                   for r, f in enumerate(facts)):  # a stage lacks some group: every rank takes the union
+                self.collective_rpc("align_kv_cache_groups", per_tp)
+                self.facts = self.collective_rpc("model_facts")[self.output_rank]
 
     def determine_num_kv_blocks(self) -> int:
         """Each rank sizes its own cache (its KV heads, its layers, its memory); every rank must hold them all.

@@ -132,10 +132,13 @@ class Multimodal(RunnerComponent):
     placeholders' embeddings, and M-RoPE's three-dimensional positions (``multimodal/mrope.py``)."""
 
     def __init__(self, runner: ModelRunner) -> None:
+        from vllite_core.distributed import get_tp
         from vllite_core.multimodal.runner import EncoderRunner
 
         self.runner = runner
         self.encoder_runner = EncoderRunner(runner.model)
+        # With pipeline stages only the first embeds tokens: the encoder runs there alone (vLLM's way).
+        self.encodes = get_tp().is_first_stage
         self.mrope = None
         if runner.capabilities.uses_mrope:
             from vllite_core.multimodal.mrope import MRopePositions
@@ -143,24 +146,28 @@ class Multimodal(RunnerComponent):
             self.mrope = MRopePositions(runner.model)
 
     def add_request(self, req: RunnerRequest, new: NewRequestData) -> None:
-        self.encoder_runner.add_request(req.req_id, new.mm_features)
+        if self.encodes:
+            self.encoder_runner.add_request(req.req_id, new.mm_features)
         if self.mrope is not None:
             self.mrope.add_request(req.req_id, new.token_ids, new.num_prompt_tokens, new.mm_features)
 
     def remove_request(self, req: RunnerRequest, finished: bool) -> None:
         if finished:
-            self.encoder_runner.remove_request(req.req_id)
+            if self.encodes:
+                self.encoder_runner.remove_request(req.req_id)
             if self.mrope is not None:
                 self.mrope.remove_request(req.req_id)
 
     def begin_step(self, so: SchedulerOutput) -> None:
-        self.encoder_runner.update(so.free_encoder_mm_hashes, so.scheduled_encoder_inputs)
+        if self.encodes:
+            self.encoder_runner.update(so.free_encoder_mm_hashes, so.scheduled_encoder_inputs)
 
     def prepare(self, step: StepInputs, so: SchedulerOutput) -> None:
         b, lay = self.runner.batch, step.layout
         req_ids = [b.states[r].req_id for r in lay.rows.tolist()]  # type: ignore[union-attr]
         starts = lay.query_start_loc[:-1]
-        step.mm_embeds = self.encoder_runner.gather(req_ids, lay.computed, lay.num_sched, starts)
+        if self.encodes:
+            step.mm_embeds = self.encoder_runner.gather(req_ids, lay.computed, lay.num_sched, starts)
         if self.mrope is not None:
             step.host_positions = self.mrope.step_positions(req_ids, step.host_positions, starts, lay.num_sched)
 

@@ -28,7 +28,7 @@ import torch
 
 from vllite_core.attention import AttentionBackend
 from vllite_core.config import VlliteConfig
-from vllite_core.core.kv_cache_spec import group_layers, plan_kv_tensors
+from vllite_core.core.kv_cache_spec import KVCacheGroup, group_layers, plan_kv_tensors
 from vllite_core.core.sched_output import NewRequestData, SchedulerOutput
 from vllite_core.errors import InvalidRequestError
 from vllite_core.sample.sampler import RowFaults, Sampler, SamplerOutput, gather_logprobs
@@ -128,17 +128,8 @@ class ModelRunner:
         self.capabilities = config.model_config.capabilities
         # The cache layout: one spec per cache layer, grouped; layers of different groups share tensors.
         self.kv_cache_specs = model.get_kv_cache_specs(self.block_size, self.kv_cache_dtype)
-        self.kv_cache_groups = group_layers(self.kv_cache_specs)
-        self.group_of_layer = [0] * len(self.kv_cache_specs)
-        for g, group in enumerate(self.kv_cache_groups):
-            for layer in group.layers:
-                self.group_of_layer[layer] = g
-        self.tensor_plan = plan_kv_tensors(self.kv_cache_groups, len(self.kv_cache_specs))
         self.build_ctx = BuildContext(attn_backend, device, self.block_size, self.max_model_len)
-        self.builders = [builder_for(g.spec) for g in self.kv_cache_groups]
-        self.batch = InputBatch(config.scheduler_config.max_num_seqs, self.max_model_len, self.block_size,
-                                [b.table_width(g.spec, self.build_ctx)
-                                 for b, g in zip(self.builders, self.kv_cache_groups)])
+        self._use_groups(group_layers(self.kv_cache_specs))
         self.sampler = Sampler(config.model_config.logprobs_mode)
         self.logits_processors = list(logits_processors or [])
         self.kv_caches: list[torch.Tensor] = []
@@ -156,6 +147,19 @@ class ModelRunner:
         self.mrope = mm.mrope if mm is not None else None
         spec: SpecDecode | None = first_of(self.components, SpecDecode)
         self.proposer = spec.proposer if spec is not None else None
+
+    def _use_groups(self, groups: list[KVCacheGroup]) -> None:
+        """The cache groups the scheduler's block tables follow, and what derives from them: which group each
+        layer is in, the cache tensors, the metadata builders and the (empty) batch's block tables."""
+        self.kv_cache_groups = groups
+        self.group_of_layer = [0] * len(self.kv_cache_specs)
+        for g, group in enumerate(groups):
+            for layer in group.layers:
+                self.group_of_layer[layer] = g
+        self.tensor_plan = plan_kv_tensors(groups, len(self.kv_cache_specs))
+        self.builders = [builder_for(g.spec) for g in groups]
+        self.batch = InputBatch(self.config.scheduler_config.max_num_seqs, self.max_model_len, self.block_size,
+                                [b.table_width(g.spec, self.build_ctx) for b, g in zip(self.builders, groups)])
 
     # ---- set-up -----------------------------------------------------------------------
     def load_models(self) -> None:
@@ -296,7 +300,8 @@ class ModelRunner:
         b = self.batch
         lay = self._layout(so)
         rows, computed = lay.rows, lay.computed
-        group_metadata = [builder.build(g.spec, b.block_tables[i], lay, b, self.build_ctx)
+        # A group without layers here (another pipeline stage's) needs no metadata.
+        group_metadata = [builder.build(g.spec, b.block_tables[i], lay, b, self.build_ctx) if g.layers else None
                           for i, (builder, g) in enumerate(zip(self.builders, self.kv_cache_groups))]
         sampling = lay.seq_lens >= b.num_tokens[rows]
         prompt_lp = []
@@ -417,12 +422,18 @@ class ModelRunner:
     def _forward(self, inp: StepInputs) -> torch.Tensor | None:
         """The model's hidden states for the step's tokens (None on a pipeline stage before the last)."""
         if inp.mm_embeds is not None:  # image rows replace their placeholders' embeddings (eager: not a decode)
-            embeds = self.model.embed_input_ids(inp.input_ids)
-            embeds[inp.mm_embeds[0]] = inp.mm_embeds[1].to(embeds.dtype)
-            return self.model(inp.input_ids, inp.positions, self.kv_caches, inp.layer_metadata, inputs_embeds=embeds)
+            return self.model(inp.input_ids, inp.positions, self.kv_caches, inp.layer_metadata,
+                              inputs_embeds=self._merged_embeds(inp))
         if inp.positions.dim() > 1:  # M-RoPE prompt positions (a prompt's last tokens may look like a decode)
             return self.model(inp.input_ids, inp.positions, self.kv_caches, inp.layer_metadata)
         return self.model_forward(inp.input_ids, inp.positions, self.kv_caches, inp.layer_metadata)
+
+    def _merged_embeds(self, inp: StepInputs) -> torch.Tensor:
+        """The step's token embeddings with the encoder's rows in place of their placeholders."""
+        assert inp.mm_embeds is not None
+        embeds = self.model.embed_input_ids(inp.input_ids)
+        embeds[inp.mm_embeds[0]] = inp.mm_embeds[1].to(embeds.dtype)
+        return embeds
 
     def exchange_results(self, results: list[StepResult] | None) -> list[StepResult]:
         """The step's per-row results this rank appends: its own (a pipeline stage before the last has none:

@@ -52,6 +52,8 @@ class Worker:
         from vllite_core.distributed import get_tp
 
         self.tp = get_tp()  # this process's rank (0 of 1 unless an executor made it one of several)
+        # Pipeline stages whose caches differ: the engine's cache groups (align_kv_cache_groups), else None.
+        self.stage_groups: list[Any] | None = None
         self.device = platform.device(self.tp.local_rank)
         self.runner: ModelRunner | None = None
         self.loaded: tuple[Any, Any, str, type] | None = None  # load_model's arguments: a level-2 wake reloads
@@ -97,6 +99,8 @@ class Worker:
             runner_cls = TensorParallelModelRunner
         with use_model_ops(ops):  # the sampler keeps the platform's ops
             self.runner = runner_cls(self.config, model, backend, self.device, dtype, kv_dtype, processors)
+        if self.stage_groups is not None:  # woken after sleep(level=2): the engine's groups, as before
+            self.runner.align_kv_cache_groups(self.stage_groups)
         with use_model_ops(ops):  # the components' own models (a draft model, an EAGLE head)
             self.runner.load_models()
 
@@ -139,6 +143,13 @@ class Worker:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None
         return self.runner.execute_model(so)
+
+    def align_kv_cache_groups(self, per_tp_rank: list[list[Any]]) -> None:
+        """Pipeline stages: the engine's cache groups (every stage's, for each tensor-parallel rank) replace this
+        stage's own (pp_runner.py)."""
+        assert self.runner is not None
+        self.stage_groups = per_tp_rank[self.tp.rank]  # kept: a runner rebuilt after sleep(level=2) takes them too
+        self.runner.align_kv_cache_groups(self.stage_groups)
 
     def model_facts(self) -> ModelFacts:
         """What the engine process needs of the model (only ids and sizes cross the executor)."""
