@@ -19,8 +19,6 @@
 // chunks of 16 so a tile's activations stay in cache; N is split over threads (split_for), each computing
 // whole columns: the same arithmetic whoever computes them. Groups that do not start on 32-column blocks (a group
 // size not a multiple of 32) and the default variant take the plain loop over a 256-entry table of the values.
-// With one activation row (a decode step) the tile is 4 output columns, 2 FMA chains each: 4 streams of codes,
-// each prefetched ahead, where one column's 4 chains ran at ~8 GB/s of codes on a Zen 3 core.
 //
 // fp8_linear_act also quantizes the activations first as the checkpoint's producer does (``quant_weight.fake_quant``:
 // fp8 per token, per token and group of columns, or one static scale): scale = max(amax / 448, FLT_MIN), x / scale
@@ -84,64 +82,50 @@ inline __m256 widen_top(__m256i t) {
   return _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(t, 4), _mm256_set1_epi32(0x87F00000)));
 }
 
-// NC output columns (weight rows w + c K, scales s + c G) for R activation rows: xq their prepared copies (stride K),
-// x the rows as given (a group's last columns short of 32), back[r] the factor that undoes row r's scaling; A chains
-// of FMAs per row and column (more independent sums where there are fewer rows); res[r * NC + c]. With NC > 1 each
-// column's codes are prefetched kAhead bytes ahead (NC streams; one stream is left to the hardware prefetcher).
-constexpr int64_t kAhead = 512;
-
-template <int R, int NC, int A>
-inline void column_tile(const uint8_t* w, const float* s, int64_t G, const float* xq, const float* x, int64_t K,
-                        int64_t group, const float* tab, const double* back, float* res) {
-  __m256 tot[R][NC];
-  float tail[R][NC];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < NC; ++c) {
-      tot[r][c] = _mm256_setzero_ps();
-      tail[r][c] = 0.f;
-    }
+// One output column (weight row w, scales s) for R activation rows: xq their prepared copies (stride K), x the
+// rows as given (a group's last columns short of 32), back[r] the factor that undoes row r's scaling; A chains of
+// FMAs per row (more independent sums where there are fewer rows). (Tiles of 4 columns at one row, 2 chains each,
+// each column's codes prefetched, measured 7-20% slower on the Zen 3 host than this one column at a time.)
+template <int R, int A>
+inline void column_tile(const uint8_t* w, const float* s, const float* xq, const float* x, int64_t K, int64_t group,
+                        const float* tab, const double* back, float* res) {
+  __m256 tot[R];
+  float tail[R];
+  for (int r = 0; r < R; ++r) {
+    tot[r] = _mm256_setzero_ps();
+    tail[r] = 0.f;
+  }
   for (int64_t k0 = 0, g = 0; k0 < K; k0 += group, ++g) {
     const int64_t k1 = std::min(K, k0 + group);
-    __m256 acc[R][NC][A];
+    __m256 acc[R][A];
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < NC; ++c)
-        for (int a = 0; a < A; ++a) acc[r][c][a] = _mm256_setzero_ps();
+      for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
     int64_t k = k0;
     for (; k + 32 <= k1; k += 32) {
-      for (int c = 0; c < NC; ++c) {
-        const uint8_t* wc = w + c * K + k;
-        if constexpr (NC > 1) {
-          if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(wc + kAhead), _MM_HINT_T0);
-        }
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc));
-        const __m256 f0 = widen_top(_mm256_slli_epi32(v, 24)), f1 = widen_top(_mm256_slli_epi32(v, 16));
-        const __m256 f2 = widen_top(_mm256_slli_epi32(v, 8)), f3 = widen_top(v);
-        for (int r = 0; r < R; ++r) {
-          const float* xr = xq + r * K + k;
-          acc[r][c][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), f0, acc[r][c][0]);
-          acc[r][c][1 % A] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), f1, acc[r][c][1 % A]);
-          acc[r][c][2 % A] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), f2, acc[r][c][2 % A]);
-          acc[r][c][3 % A] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), f3, acc[r][c][3 % A]);
-        }
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k));
+      const __m256 f0 = widen_top(_mm256_slli_epi32(v, 24)), f1 = widen_top(_mm256_slli_epi32(v, 16));
+      const __m256 f2 = widen_top(_mm256_slli_epi32(v, 8)), f3 = widen_top(v);
+      for (int r = 0; r < R; ++r) {
+        const float* xr = xq + r * K + k;
+        acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), f0, acc[r][0]);
+        acc[r][1 % A] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), f1, acc[r][1 % A]);
+        acc[r][2 % A] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), f2, acc[r][2 % A]);
+        acc[r][3 % A] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), f3, acc[r][3 % A]);
       }
     }
-    for (int c = 0; c < NC; ++c) {
-      const __m256 sg = _mm256_set1_ps(s[c * G + g]);
-      for (int r = 0; r < R; ++r) {
-        __m256 a = acc[r][c][0];
-        for (int i = 1; i < A; ++i) a = _mm256_add_ps(a, acc[r][c][i]);
-        tot[r][c] = _mm256_fmadd_ps(a, sg, tot[r][c]);
-      }
-      if (k < k1) {  // a group's last columns short of 32
-        float part[R];
-        dot_plain<R>(w + c * K, x, K, k, k1, tab, part);
-        for (int r = 0; r < R; ++r) tail[r][c] += part[r] * s[c * G + g];
-      }
+    const __m256 sg = _mm256_set1_ps(s[g]);
+    for (int r = 0; r < R; ++r) {
+      __m256 a = acc[r][0];
+      for (int i = 1; i < A; ++i) a = _mm256_add_ps(a, acc[r][i]);
+      tot[r] = _mm256_fmadd_ps(a, sg, tot[r]);
+    }
+    if (k < k1) {  // a group's last columns short of 32
+      float part[R];
+      dot_plain<R>(w, x, K, k, k1, tab, part);
+      for (int r = 0; r < R; ++r) tail[r] += part[r] * s[g];
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < NC; ++c)
-      res[r * NC + c] = static_cast<float>(static_cast<double>(hsum8(tot[r][c])) * back[r]) + tail[r][c];
+  for (int r = 0; r < R; ++r) res[r] = static_cast<float>(static_cast<double>(hsum8(tot[r])) * back[r]) + tail[r];
 }
 
 // Each row's copy for the SIMD tiles: per 32-column block, column 4i + j at 8j + i (the order in which a block's
@@ -196,8 +180,6 @@ void fake_quant_fp8(float* x, int64_t M, int64_t K, int64_t mode, int64_t agroup
     }
 }
 
-constexpr int64_t FP8_NW = 4;  // output columns per tile at one activation row
-
 }  // namespace
 
 void fp8_linear_act(at::Tensor out, at::Tensor x, at::Tensor codes, at::Tensor scales, int64_t group,
@@ -230,9 +212,7 @@ void fp8_linear_act(at::Tensor out, at::Tensor x, at::Tensor codes, at::Tensor s
   }
   float* op = out.data_ptr<float>();
   const float* tab = e4m3_values().data();
-  // Units of FP8_NW output columns; >= 64 KiB of codes per unit of work outside a team.
-  const int64_t units = (N + FP8_NW - 1) / FP8_NW;
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(K * FP8_NW, 1));
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(K, 1));  // >= 64 KiB of codes
 #ifdef VLLITE_FP8W_AVX2
   // The SIMD tiles need every group to start on a 32-column block: groups of a multiple of 32, or one group.
   const bool simd = G == 1 || group % 32 == 0;
@@ -240,23 +220,8 @@ void fp8_linear_act(at::Tensor out, at::Tensor x, at::Tensor codes, at::Tensor s
   std::vector<double> back(simd ? M : 0);
   if (simd) prepare_rows(xp, M, K, xq.data(), back.data());
 #endif
-  split_for(units, grain, [&](int64_t ub, int64_t ue) {
-    const int64_t begin = ub * FP8_NW, end = std::min(N, ue * FP8_NW);
-    float res[FP8_MT * FP8_NW];
-#ifdef VLLITE_FP8W_AVX2
-    if (simd && M == 1) {  // a decode step: FP8_NW columns at a time
-      int64_t n = begin;
-      for (; n + FP8_NW <= end; n += FP8_NW) {
-        column_tile<1, FP8_NW, 2>(cp + n * K, sp + n * G, G, xq.data(), xp, K, group, tab, back.data(), res);
-        for (int64_t c = 0; c < FP8_NW; ++c) op[n + c] = res[c];
-      }
-      for (; n < end; ++n) {
-        column_tile<1, 1, 4>(cp + n * K, sp + n * G, G, xq.data(), xp, K, group, tab, back.data(), res);
-        op[n] = res[0];
-      }
-      return;
-    }
-#endif
+  split_for(N, grain, [&](int64_t begin, int64_t end) {
+    float res[FP8_MT];
     for (int64_t n0 = begin; n0 < end; n0 += FP8_NC) {
       const int64_t n1 = std::min(end, n0 + FP8_NC);
       for (int64_t m0 = 0; m0 < M; m0 += FP8_MT) {
@@ -270,10 +235,10 @@ void fp8_linear_act(at::Tensor out, at::Tensor x, at::Tensor codes, at::Tensor s
             const float* qm = xq.data() + m0 * K;
             const double* bm = back.data() + m0;
             switch (R) {
-              case 4: column_tile<4, 1, 1>(wn, sn, G, qm, xm, K, group, tab, bm, res); break;
-              case 3: column_tile<3, 1, 1>(wn, sn, G, qm, xm, K, group, tab, bm, res); break;
-              case 2: column_tile<2, 1, 2>(wn, sn, G, qm, xm, K, group, tab, bm, res); break;
-              default: column_tile<1, 1, 4>(wn, sn, G, qm, xm, K, group, tab, bm, res); break;
+              case 4: column_tile<4, 1>(wn, sn, qm, xm, K, group, tab, bm, res); break;
+              case 3: column_tile<3, 1>(wn, sn, qm, xm, K, group, tab, bm, res); break;
+              case 2: column_tile<2, 2>(wn, sn, qm, xm, K, group, tab, bm, res); break;
+              default: column_tile<1, 4>(wn, sn, qm, xm, K, group, tab, bm, res); break;
             }
             for (int64_t r = 0; r < R; ++r) op[(m0 + r) * N + n] = res[r];
             continue;
