@@ -206,11 +206,12 @@ def test_fp8_block_checkpoint_against_transformers(fp8_checkpoint, monkeypatch):
     from vllite_core import LLM, SamplingParams
 
     calls = []
-    fp8 = kernels.fp8_linear
-    monkeypatch.setattr(kernels, "fp8_linear", lambda *a: calls.append(1) or fp8(*a))
+    fp8 = kernels.fp8_linear_act
+    monkeypatch.setattr(kernels, "fp8_linear_act", lambda *a: calls.append(1) or fp8(*a))
     folder, rows, q_proj = fp8_checkpoint
     llm = LLM(model=folder, dtype="float32", num_threads=1)
-    layer = llm.llm_engine.core.engine_core.worker.runner.model.model.layers[1].self_attn.qkv_proj
+    model = llm.llm_engine.core.engine_core.worker.runner.model
+    layer = model.model.layers[1].self_attn.qkv_proj
     w = layer.quant_method.weight
     assert w.codes.dtype == torch.float8_e4m3fn and w.act.strategy == "group" and w.act.group == FP8_BLOCK
     assert torch.equal(w.dequantize()[:q_proj.shape[0]], q_proj)
@@ -219,7 +220,21 @@ def test_fp8_block_checkpoint_against_transformers(fp8_checkpoint, monkeypatch):
     for (_, tokens, lps), o in zip(rows, outs):
         first = o.outputs[0].logprobs[0]
         assert tokens[0] in first and abs(first[tokens[0]].logprob - lps[0]) < 0.25  # measured up to 0.11
-    assert calls or not kernels.available()  # the CPU platform's fp8 kernel computed them
+    # the CPU platform's fp8 kernel computed them (through the Python layers, or in the one-call C++ layers)
+    assert calls or native_kinds(model) == {6} or not kernels.available()
+
+
+def native_kinds(model) -> set[int] | None:
+    """The linear kinds (csrc/decoder.cpp) of the model's one-call C++ decoder layers at one row, None where a layer
+    runs its Python code: the pre-quantized kernels then run inside that call, not through ``kernels``' wrappers."""
+    kinds = set()
+    for layer in model.model.layers:
+        native = layer.native_layer()
+        route = native.routes[True] if native is not None else None
+        if route is None:
+            return None
+        kinds.update(route[0])
+    return kinds
 
 
 def _pack_gptq_columns(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -369,8 +384,9 @@ def test_cpu_fp8_linear_against_float64(variant):
     if not kernels.available() or variant not in kernels.host_variants():
         pytest.skip(f"{variant} does not run here ({kernels.error() or 'CPU features'})")
     mod = kernels.load_variant(variant)
-    for m, n, k, group in [(1, 200, 300, 128), (2, 37, 257, 128), (5, 130, 2048, 128), (32, 100, 700, 700),
-                           (1, 2048 // 4, 2048, 2048), (3, 9, 17, 17), (2, 40, 200, 48), (6, 20, 256, 128)]:
+    for m, n, k, group in [(1, 200, 300, 128), (1, 38, 257, 128), (2, 37, 257, 128), (5, 130, 2048, 128),
+                           (32, 100, 700, 700), (1, 2048 // 4, 2048, 2048), (3, 9, 17, 17), (2, 40, 200, 48),
+                           (6, 20, 256, 128)]:
         w, dense = _fp8_weight(n, k, group, m * n + k)
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
         if m == 6:
@@ -381,6 +397,32 @@ def test_cpu_fp8_linear_against_float64(variant):
         want = x.double() @ dense.T
         mag = x.double().abs() @ dense.abs().T
         assert ((out.double() - want).abs() <= 1e-5 * mag).all(), (m, n, k, group)
+
+
+@pytest.mark.parametrize("variant", ["default", "avx2", "avx512", "avx512_bf16"])
+def test_cpu_fp8_linear_act_rounds_as_fake_quant(variant):
+    """fp8_linear_act's activation rounding (fp8 per token, per token and group, static) is ``fake_quant``'s bit for
+    bit: its product equals fp8_linear's on fake_quant's activations exactly; rows 1 (4-column tiles and a remainder)
+    and 5, a zero row, values past the static scale's range (clamped to +-448), tiny values (e4m3 subnormals)."""
+    from vllite_platform_cpu import kernels
+
+    from model_registry.layers.quantization.quant_weight import ActQuant, fake_quant
+
+    if not kernels.available() or variant not in kernels.host_variants():
+        pytest.skip(f"{variant} does not run here ({kernels.error() or 'CPU features'})")
+    mod = kernels.load_variant(variant)
+    w, _ = _fp8_weight(38, 256, 128, 11)
+    for m in (1, 5):
+        x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)) * 3
+        x[0, :7] = torch.tensor([1e-6, -3e-5, 1e-3, 500.0, -2000.0, 0.0, 4e-3])
+        if m > 1:
+            x[1] = 0
+        for mode, act in ((1, ActQuant("fp8", "token")), (2, ActQuant("fp8", "group", None, 64)),
+                          (3, ActQuant("fp8", "tensor", torch.tensor(0.5)))):
+            want, got = torch.empty(m, 38), torch.empty(m, 38)
+            mod.fp8_linear(want, fake_quant(x, act).contiguous(), w.codes, w.scales, 128)
+            mod.fp8_linear_act(got, x, w.codes, w.scales, 128, mode, act.group or 0, 0.5 if mode == 3 else 0.0)
+            assert torch.equal(got, want), (m, mode)
 
 
 @pytest.mark.parametrize("act", [None, ("token", None), ("group", 128)])
@@ -397,8 +439,8 @@ def test_cpu_fp8_quant_linear_against_reference(act, dtype, monkeypatch):
     if not kernels.available():
         pytest.skip(f"no CPU kernels ({kernels.error()})")
     calls = []
-    fp8 = kernels.fp8_linear
-    monkeypatch.setattr(kernels, "fp8_linear", lambda *a: calls.append(1) or fp8(*a))
+    fp8 = kernels.fp8_linear_act
+    monkeypatch.setattr(kernels, "fp8_linear_act", lambda *a: calls.append(1) or fp8(*a))
     base, dense = _fp8_weight(70, 384, 128, 7)
     w = base if act is None else dataclasses.replace(base, act=ActQuant("fp8", act[0], None, act[1]))
     g = torch.Generator().manual_seed(3)
@@ -432,7 +474,7 @@ def test_w4a16_bf16_model_runs_int8_activations(tmp_path_factory, tokenizer_dir,
     llm = LLM(model=_folder(tmp_path_factory, tokenizer_dir, name), dtype="bfloat16", num_threads=1)
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=20)
     outs = llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in ref], sp)
-    assert calls
+    assert calls or 5 in (native_kinds(llm.llm_engine.core.engine_core.worker.runner.model) or ())
     same = 0
     for r, o in zip(ref, outs):
         first = o.outputs[0].logprobs[0]

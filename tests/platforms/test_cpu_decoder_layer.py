@@ -3,9 +3,10 @@
 The reference is the Python path of the same layer (``LlamaDecoderLayer.forward`` through ``CpuModelOps``), whose
 numerics the HF-reference tests check: the C++ call composes the same kernels, so hidden states, residual and
 the paged cache it writes must be equal bit for bit, for float32, bfloat16 and GGUF layers, Llama (GQA) and
-Qwen2 (qkv bias), decode and prefill rows mixed, and int8 (W8A8) layers where the int8 GEMM is built. Where its
-conditions do not hold (LoRA, float8 cache, int8 without the int8 GEMM, grad, another ModelOps) the call declines
-and the layer runs its Python code.
+Qwen2 (qkv bias), decode and prefill rows mixed, int8 (W8A8) layers where the int8 GEMM is built, and
+pre-quantized int4 (W4A16: int8 activations in bf16, float ones in float32) and fp8 (fp8 activations per token and
+group) layers. Where its conditions do not hold (LoRA, float8 cache, int8 without the int8 GEMM, grad, another
+ModelOps) the call declines and the layer runs its Python code.
 """
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ from model_registry.layers import HybridStep, RMSNorm, RotaryEmbedding  # noqa: 
 from model_registry.layers.fast_path import report_fast_paths  # noqa: E402
 from model_registry.layers.quantization.gguf import GGUFLinearMethod  # noqa: E402
 from model_registry.layers.quantization.int8 import Int8LinearMethod  # noqa: E402
+from model_registry.layers.quantization.prequant import PrequantLinearMethod  # noqa: E402
+from model_registry.layers.quantization.quant_weight import ActQuant, QuantWeight, pack_int4  # noqa: E402
 from model_registry.models.llama import LlamaDecoderLayer, LlamaModel  # noqa: E402
 from vllite_core.attention.reference import build_metadata  # noqa: E402
 from vllite_core.model_ops import ModelOps, use_model_ops  # noqa: E402
@@ -78,12 +81,37 @@ def make_layer(name: str, dtype: torch.dtype, quant: str, ops: ModelOps, seed: i
 
 
 def quantize(layer: LlamaDecoderLayer, quant: str) -> None:
-    """The layer's linears as GGUF blocks ("gguf"), int8 with a scale per row ("int8"), or as they are ("plain")."""
+    """The layer's linears as GGUF blocks ("gguf"), int8 with a scale per row ("int8"), pre-quantized int4 or fp8
+    weights ("w4a16", "fp8"), or as they are ("plain")."""
+    linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
     if quant == "gguf":
         to_gguf(layer)
     elif quant == "int8":
-        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        for lin in linears:
             Int8LinearMethod.quantize(lin)
+    elif quant in ("w4a16", "fp8"):
+        for lin in linears:
+            to_prequant(lin, quant)
+
+
+def to_prequant(lin, quant: str, group: int = 32) -> None:
+    """The linear's weight as a pre-quantized ``QuantWeight`` (symmetric int4 codes, zero 8, or e4m3 codes with fp8
+    activations per token and group), scales per row and ``group`` columns, as a checkpoint's loader leaves it."""
+    w = lin.weight.detach().float()
+    n, k = w.shape
+    g = w.view(n, k // group, group)
+    if quant == "w4a16":
+        scales = (g.abs().amax(-1) / 7).clamp_min(1e-8)
+        codes = (torch.round(g / scales[..., None]).clamp(-8, 7) + 8).to(torch.uint8).view(n, k)
+        qw = QuantWeight(pack_int4(codes), scales.contiguous(), None, 4, group, n, k, zero=8)
+    else:
+        scales = (g.abs().amax(-1) / 448).clamp_min(1e-8)
+        codes = (g / scales[..., None]).to(torch.float8_e4m3fn).view(n, k).contiguous()
+        qw = QuantWeight(codes, scales.contiguous(), None, 8, group, n, k, act=ActQuant("fp8", "group", None, group))
+    method = PrequantLinearMethod(None, {})  # type: ignore[arg-type]  # the checkpoint's format: only for loading
+    method.weight = qw
+    lin.weight = torch.nn.Parameter(qw.codes, requires_grad=False)
+    lin.set_quant_method(method)
 
 
 def takes_native(ops: CpuModelOps, layer: LlamaDecoderLayer, quant: str, dtype: torch.dtype, rows: int) -> bool:
@@ -91,7 +119,7 @@ def takes_native(ops: CpuModelOps, layer: LlamaDecoderLayer, quant: str, dtype: 
     qkv = layer.self_attn.qkv_proj.weight
     if quant == "int8":
         return ops.int8_route(dtype, qkv)
-    return quant == "gguf" or ops.linear_route(dtype, rows, qkv) in ("small", "avx2", "bf16")
+    return quant in ("gguf", "w4a16", "fp8") or ops.linear_route(dtype, rows, qkv) in ("small", "avx2", "bf16")
 
 
 def randomize(module: torch.nn.Module, dtype: torch.dtype, g: torch.Generator) -> None:
@@ -150,7 +178,10 @@ def run(layer, step, native: bool, first: bool = False):
 
 CASES = [("llama", torch.float32, "plain"), ("llama", torch.bfloat16, "plain"), ("llama", torch.float32, "gguf"),
          ("qwen2", torch.float32, "plain"), ("qwen2", torch.bfloat16, "gguf"), ("llama", torch.bfloat16, "int8"),
-         ("qwen2", torch.float32, "int8")]
+         ("qwen2", torch.float32, "int8"),
+         # int4 x int8 (qwen2's down_proj, 96 inputs: the float int4 kernel), int4 float32, fp8 with fp8 activations
+         ("llama", torch.bfloat16, "w4a16"), ("qwen2", torch.bfloat16, "w4a16"), ("qwen2", torch.float32, "w4a16"),
+         ("llama", torch.bfloat16, "fp8"), ("qwen2", torch.float32, "fp8")]
 
 
 @pytest.mark.parametrize("rows", sorted(STEPS))

@@ -10,7 +10,8 @@ runs the same kernels in the same order, so its results are the Python path's bi
 decides, per call and cheaply, whether it applies, and otherwise returns None (the layer then runs its
 Python code): no LoRA on any of the layer's linears, no grad, the activations' dtype, the C++ paged
 attention's plan, a cache in the activations' dtype (no float8 scales), and every linear on a kernel the
-C++ side calls for this many rows (what ``CpuModelOps.linear`` and ``gguf_linear`` would choose). The AVX2
+C++ side calls for this many rows (what ``CpuModelOps.linear``, ``gguf_linear`` and ``quant_linear`` would choose:
+pre-quantized W4A16 / GPTQ / AWQ / FP8 weights on csrc/wna16.cpp's and csrc/fp8_linear.cpp's kernels). The AVX2
 GEMM's panels are the ones ``CpuModelOps.linear`` keeps in the layer's ``state``, repacked by the same
 code when the weight changes.
 
@@ -29,11 +30,14 @@ import torch
 from model_registry.layers.fast_path import DecoderLayerRecord
 from model_registry.layers.quantization.gguf import GGUFLinearMethod
 from model_registry.layers.quantization.int8 import Int8LinearMethod
+from model_registry.layers.quantization.prequant import PrequantLinearMethod
 from vllite_platform_cpu import kernels
 from vllite_platform_cpu.attention import TorchPagedAttention, _Plan
-from vllite_platform_cpu.model_ops import _KERNEL_DTYPES, SMALL_LINEAR_MAX_ROWS
+from vllite_platform_cpu.model_ops import _KERNEL_DTYPES, SMALL_LINEAR_MAX_ROWS, fp8_act_args, quant_route
 
 _PANELS, _PLAIN, _BF16, _INT8, _GGUF = 0, 1, 2, 3, 16  # csrc/decoder.cpp's linear kinds (_GGUF + ggml type id)
+# Pre-quantized weights' kinds, by CpuModelOps.quant_linear's route (model_ops.quant_route).
+_QUANT = {"int4": 4, "int4_q8": 5, "fp8": 6}
 # Kinds whose packed weight CpuModelOps keeps in the layer's state: their route ("int8": CpuModelOps.pack_int8).
 _PACKED = {_PANELS: "avx2", _BF16: "bf16", _INT8: "int8"}
 
@@ -137,19 +141,26 @@ class NativeDecoderLayer:
             if any(s is None for s in specs):
                 self.routes[small] = None
                 continue
-            kinds, weights, biases, widths = (list(col) for col in zip(*specs))
+            kinds, weights, biases, widths, quant, quant_args = (list(col) for col in zip(*specs))
             panels = tuple(i for i, k in enumerate(kinds) if k in _PACKED)
-            self.routes[small] = (kinds, weights, biases, widths, panels)
+            self.routes[small] = (kinds, weights, biases, widths, panels, quant, quant_args)
 
     def _spec(self, lin: Any, rows: int) -> tuple | None:
-        """(kind, weight or None (the panels, fetched per call), bias, output features) of one linear."""
+        """(kind, weight or None (the panels, fetched per call), bias, output features, a pre-quantized weight's
+        tensors and arguments) of one linear."""
+        spec = self._spec_of(lin, rows)
+        return None if spec is None else (*spec, [], []) if len(spec) == 4 else spec
+
+    def _spec_of(self, lin: Any, rows: int) -> tuple | None:
         bias, method = lin.bias, lin.quant_method
         if isinstance(method, GGUFLinearMethod):
             w = method.gguf_weight
             return (_GGUF + w.type_id, w.blocks, bias, w.shape[0]) if w.shape[1] % 32 == 0 else None
-        weight = lin.weight
         if bias is not None and bias.dtype != self.dt:
             return None
+        if isinstance(method, PrequantLinearMethod):
+            return self._quant_spec(method, bias)
+        weight = lin.weight
         if isinstance(method, Int8LinearMethod):  # W8A8: the int8 GEMM at every row count, as CpuModelOps.int8_linear
             ok = weight.dtype == torch.int8 and self.ops.int8_route(self.dt, weight)
             return (_INT8, None, None, weight.shape[0]) if ok else None
@@ -163,6 +174,19 @@ class NativeDecoderLayer:
         if route == "bf16":
             return (_BF16, None, None, weight.shape[0])
         return None
+
+    def _quant_spec(self, method: PrequantLinearMethod, bias: torch.Tensor | None) -> tuple | None:
+        """A pre-quantized weight on the kernel ``CpuModelOps.quant_linear`` takes (no column permutation: act-order
+        weights stay on the Python path), its scales, zero points (an empty tensor: one symmetric zero) and (group,
+        zero, fp8 activation mode, group, static scale)."""
+        w = method.weight
+        route = None if w is None or w.perm is not None else quant_route(self.dt, w)
+        act = fp8_act_args(w) if route == "fp8" else (0, 0, 0.0)
+        if route is None or act is None:
+            return None
+        zeros = w.zeros if w.zeros is not None else torch.empty(0)
+        args = [float(w.group), float(w.zero), *map(float, act)]
+        return (_QUANT[route], w.codes, bias, w.rows, [w.scales, zeros], args)
 
     @staticmethod
     def _scale(lin: Any) -> torch.Tensor | None:
@@ -187,7 +211,7 @@ class NativeDecoderLayer:
     def _linear_args(self, route: tuple) -> tuple[list, list, list]:
         """(kinds, weights, biases) of a route for this call: the AVX2 GEMM's panels are the ones
         CpuModelOps.linear keeps in the layer's ``state`` (repacked there when the weight changes)."""
-        kinds, weights, biases, _, panels = route
+        kinds, weights, biases, _, panels = route[:5]
         if panels:
             weights, biases = weights.copy(), biases.copy()
             for i in panels:
@@ -216,7 +240,8 @@ class NativeDecoderLayer:
             return made[1]
         h, hkv, d = self.heads
         spec = kernels.load().DecoderLayerSpec(self.norms[0], self.norms[1], self.eps, kinds, weights, biases,
-                                               route[3], h, hkv, d, self.scale, self.window, self._sources(route))
+                                               route[3], route[5], route[6], h, hkv, d, self.scale, self.window,
+                                               self._sources(route))
         self.specs[small] = (key, spec)
         return spec
 
@@ -254,9 +279,9 @@ class NativeDecoderLayer:
             return None
         kinds, weights, biases = self._linear_args(route)
         h, hkv, d = self.heads
-        return self.fn(x, residual, self.norms[0], self.norms[1], self.eps, kinds, weights, biases, route[3], cos, sin,
-                       h, hkv, d, kv_cache, plan.kernel_slots, *plan.kernel_args, plan.num_tokens, self.scale,
-                       self.window, kernels.GGUF_GEMM_MIN_ROWS, kernels.GGUF_GRAIN_BYTES)
+        return self.fn(x, residual, self.norms[0], self.norms[1], self.eps, kinds, weights, biases, route[3], route[5],
+                       route[6], cos, sin, h, hkv, d, kv_cache, plan.kernel_slots, *plan.kernel_args, plan.num_tokens,
+                       self.scale, self.window, kernels.GGUF_GEMM_MIN_ROWS, kernels.GGUF_GRAIN_BYTES)
 
 
 def attention_plan(backend: TorchPagedAttention, md: Any) -> _Plan | None:

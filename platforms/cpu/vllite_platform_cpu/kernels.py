@@ -64,7 +64,8 @@ ENTRY_POINTS = ("paged_attention", "avx2_gemm_available", "avx2_gemm_dtypes", "a
                 "lora_add", "paged_attention_store", "llama_decoder_layer", "llama_decoder_stack",
                 "bf16_gemm_available", "bf16_gemm_pack", "bf16_gemm", "bf16_gemm_silu", "int8_gemm_available",
                 "int8_gemm_pack", "int8_gemm", "int8_gemm_silu", "argmax_rows", "amx_available", "set_amx",
-                "decoder_split_step", "int4_linear", "int4_linear_q8", "moe_experts", "fp8_linear")
+                "decoder_split_step", "int4_linear", "int4_linear_q8", "moe_experts", "fp8_linear",
+                "fp8_linear_act")
 KERNEL_ENV = "VLLITE_CPU_ATTENTION_KERNEL"  # 0: no C++ kernels (torch ops)
 ISA_ENV = "VLLITE_CPU_ISA"  # the highest variant to use: default, avx2, avx512 or avx512_bf16
 
@@ -491,6 +492,13 @@ def fp8_linear(out: torch.Tensor, x: torch.Tensor, codes: torch.Tensor, scales: 
     """``out = x @ W.T`` (float32) from float8 e4m3 weight codes [N, K] widened in registers, each ``group`` columns
     of a row scaled by ``scales`` [N, ceil(K / group)] (csrc/fp8_linear.cpp)."""
     load().fp8_linear(out, x, codes, scales, int(group))
+
+
+def fp8_linear_act(out: torch.Tensor, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, group: int,
+                   act_mode: int, act_group: int, act_scale: float) -> None:
+    """``fp8_linear`` with the activations quantized to fp8 first as ``quant_weight.fake_quant`` does: ``act_mode``
+    0 none, 1 per token, 2 per token and ``act_group`` columns, 3 one static ``act_scale``."""
+    load().fp8_linear_act(out, x, codes, scales, int(group), int(act_mode), int(act_group), float(act_scale))
 
 
 def gguf_linear(out: torch.Tensor, x: torch.Tensor, type_id: int, blocks: torch.Tensor, bias: torch.Tensor | None,

@@ -372,16 +372,16 @@ class CpuModelOps(ModelOps):
         if not (self.fused and x.dim() == 2 and x.device.type == "cpu" and not torch.is_grad_enabled()
                 and kernels.available()):
             return super().quant_linear(x, weight, bias, state)
-        if weight.is_float and weight.zeros is None and not weight.zero:
+        route = quant_route(x.dtype, weight)
+        if route == "fp8":
             return self.fp8_linear(x, weight, bias)
-        if not (weight.bits == 4 and weight.act is None and not weight.is_float and weight.group % 2 == 0
-                and weight.cols % weight.group == 0):
+        if route is None:
             return super().quant_linear(x, weight, bias, state)
         h = x.float()
         if weight.perm is not None:
             h = h[:, weight.perm]
         out = torch.empty(x.shape[0], weight.rows, dtype=torch.float32)
-        if x.dtype != torch.float32 and weight.group % 32 == 0 and weight.cols % 64 == 0:
+        if route == "int4_q8":
             kernels.int4_linear_q8(out, h.contiguous(), weight.codes, weight.scales, weight.zeros, weight.zero,
                                    weight.group)
         else:
@@ -395,15 +395,18 @@ class CpuModelOps(ModelOps):
         """A float8 e4m3 ``QuantWeight`` through csrc/fp8_linear.cpp: the codes widened to float in registers on
         their way to the FMAs (half of bf16's bytes streamed per decode step, no dequantised copy), the scales
         (per tensor, channel or 128-column block) applied per group. Activations are quantized first as the
-        checkpoint says (fp8 per token, per token and group, or static: ``fake_quant``, the reference's own
-        rounding), so the product is the reference's arithmetic up to the order of float32 sums."""
+        checkpoint says (fp8 per token, per token and group, or static: in the kernel, rounded as ``fake_quant``
+        rounds; int8 ones by ``fake_quant`` itself), so the product is the reference's arithmetic up to the order of
+        float32 sums."""
         h = x.float()
         if weight.perm is not None:
             h = h[:, weight.perm]
-        if weight.act is not None:
-            h = fake_quant(h, weight.act)
+        act = fp8_act_args(weight)
+        if act is None:  # int8 activations on fp8 weights: quantized in torch
+            assert weight.act is not None
+            h, act = fake_quant(h, weight.act), (0, 0, 0.0)
         out = torch.empty(x.shape[0], weight.rows, dtype=torch.float32)
-        kernels.fp8_linear(out, h.contiguous(), weight.codes, weight.scales, weight.group)
+        kernels.fp8_linear_act(out, h.contiguous(), weight.codes, weight.scales, weight.group, *act)
         if bias is not None:
             out += bias.float()
         return out if x.dtype == torch.float32 else out.to(x.dtype)
@@ -463,3 +466,31 @@ class CpuModelOps(ModelOps):
         # Cheapest checks first (``is_cpu`` is a flag, ``device.type`` builds a device object): they run
         # several times per layer of every step.
         return self.fused and x.is_cpu and x.dim() == 2 and x.stride(1) == 1 and not torch.is_grad_enabled()
+
+
+def quant_route(dt: torch.dtype, weight: QuantWeight) -> str | None:
+    """The C++ kernel ``CpuModelOps.quant_linear`` computes a pre-quantized weight with for activations of dtype ``dt``
+    ("fp8": fp8_linear_act, "int4_q8": int4_linear_q8, "int4": int4_linear), or None (dequantised per call):
+    shared with the one-call decoder layer (decoder_layer.py), which takes the same kernels."""
+    if weight.is_float and weight.zeros is None and not weight.zero:
+        return "fp8"
+    if not (weight.bits == 4 and weight.act is None and not weight.is_float and weight.group % 2 == 0
+            and weight.cols % weight.group == 0):
+        return None
+    return "int4_q8" if dt != torch.float32 and weight.group % 32 == 0 and weight.cols % 64 == 0 else "int4"
+
+
+def fp8_act_args(weight: QuantWeight) -> tuple[int, int, float] | None:
+    """``fp8_linear_act``'s (mode, group, static scale) for a float8 weight's activation quantization, or None where
+    the kernel does not round them (int8 activations; a group not dividing the input features)."""
+    act = weight.act
+    if act is None:
+        return 0, 0, 0.0
+    if act.kind != "fp8":
+        return None
+    if act.strategy == "token":
+        return 1, 0, 0.0
+    if act.strategy == "group":
+        return (2, int(act.group), 0.0) if act.group and weight.cols % act.group == 0 else None
+    assert act.scale is not None
+    return 3, 0, float(act.scale.float())

@@ -72,14 +72,15 @@ void bind_layer_spec(pybind11::module_& s) {
                                                 "One decoder layer's fixed arguments, for llama_decoder_stack")
       .def(pybind11::init([](at::Tensor input_norm, at::Tensor post_norm, double eps, std::vector<int64_t> kinds,
                              std::vector<at::Tensor> weights, std::vector<std::optional<at::Tensor>> biases,
-                             std::vector<int64_t> out_features, int64_t num_heads, int64_t num_kv_heads,
+                             std::vector<int64_t> out_features, std::vector<std::vector<at::Tensor>> quant,
+                             std::vector<std::vector<double>> quant_args, int64_t num_heads, int64_t num_kv_heads,
                              int64_t head_size, double scale, int64_t window, std::vector<at::Tensor> sources) {
         std::vector<int64_t> keys;
         for (const at::Tensor& t : sources) append_identity(keys, t);
         return std::make_shared<Spec>(Spec{std::move(input_norm), std::move(post_norm), eps, std::move(kinds),
                                            std::move(weights), std::move(biases), std::move(out_features),
-                                           num_heads, num_kv_heads, head_size, scale, window, std::move(sources),
-                                           std::move(keys)});
+                                           std::move(quant), std::move(quant_args), num_heads, num_kv_heads,
+                                           head_size, scale, window, std::move(sources), std::move(keys)});
       }));
   s.def("layer_specs_current", [](const std::vector<std::shared_ptr<Spec>>& specs) {
     std::vector<int64_t> now;
@@ -129,6 +130,7 @@ void bind_layer_spec(pybind11::module_& s) {
     s.def("int4_linear", &vllite_cpu::ns::int4_linear);                                  \
     s.def("int4_linear_q8", &vllite_cpu::ns::int4_linear_q8);                            \
     s.def("fp8_linear", &vllite_cpu::ns::fp8_linear);                                    \
+    s.def("fp8_linear_act", &vllite_cpu::ns::fp8_linear_act);                            \
     s.def("lora_add", &vllite_cpu::ns::lora_add);                                        \
     s.def("moe_experts", &vllite_cpu::ns::moe_experts);                                  \
     s.def("llama_decoder_layer", &vllite_cpu::ns::llama_decoder_layer);                  \

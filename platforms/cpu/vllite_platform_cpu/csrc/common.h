@@ -24,7 +24,7 @@
 #include <ATen/ops/zeros.h>
 
 #include <optional>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <type_traits>
@@ -94,6 +94,17 @@ static inline bool next_panel_tiles(int64_t M, int64_t MR, int64_t MC) { return 
 
 // The same rounding, packed: the 16 bfloat16 bit patterns, for a store.
 static inline __m256i bf16_pack16(__m512 v) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round_high(v), 16)); }
+#endif
+
+#if defined(__AVX2__)
+// The sum of a vector's 8 float32 lanes ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7)): the int4 and fp8 weight kernels'
+// reduction of a row's float accumulator (wna16.cpp, fp8_linear.cpp).
+static inline float hsum8(__m256 v) {
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  r = _mm_add_ss(r, _mm_movehdup_ps(r));
+  return _mm_cvtss_f32(r);
+}
 #endif
 
 // silu_and_mul's bfloat16 arithmetic on a tile's rounded gate and up rows (pointwise.cpp), for the gate_up GEMMs'

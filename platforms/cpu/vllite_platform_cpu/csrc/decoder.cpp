@@ -10,8 +10,14 @@
 // Each linear is (kind, weight, bias): KIND_PANELS the AVX2 GEMM's packed panels (float32, bfloat16 or
 // float16) with a float32 bias; KIND_PLAIN a plain [N, K] weight for small_linear, bias in the model dtype;
 // KIND_BF16 the bf16 GEMM's panels, KIND_INT8 the int8 GEMM's (W8A8), each with a float32 bias; KIND_GGUF + ggml
-// type the GGUF blocks for gguf_linear_x8, bias in the model dtype. The caller
-// (decoder_layer.py) chose each kind as CpuModelOps.linear / gguf_linear would for this many rows.
+// type the GGUF blocks for gguf_linear_x8, bias in the model dtype; KIND_INT4 / KIND_INT4_Q8 / KIND_FP8 a
+// pre-quantized weight's codes for int4_linear / int4_linear_q8 / fp8_linear_act (wna16.cpp, fp8_linear.cpp), its
+// scales and zero points in the spec's `quant`, its group, zero, activation quantization in `quant_args`, bias in
+// the model dtype (as CpuModelOps.quant_linear). The caller (decoder_layer.py) chose each kind as
+// CpuModelOps.linear / gguf_linear / quant_linear would for this many rows.
+//
+// Why the pre-quantized kinds: a W4A16 or FP8 decode step of a 1B Llama ran its 64 linears through Python, each
+// with ~4 torch ops around the kernel, and each kernel's own fork/join; in the stack's call they split over its team.
 //
 // llama_decoder_stack runs all of a model's layers in one call (their fixed arguments made once as
 // DecoderLayerSpec): at batch 1 the per-layer Python and argument conversion around 30 layer calls was ~5% of
@@ -39,6 +45,32 @@ namespace VLLITE_CPU_ISA {
 namespace {
 
 constexpr int64_t KIND_PANELS = 0, KIND_PLAIN = 1, KIND_BF16 = 2, KIND_INT8 = 3, KIND_GGUF = 16;  // + ggml type id
+constexpr int64_t KIND_INT4 = 4, KIND_INT4_Q8 = 5, KIND_FP8 = 6;  // pre-quantized weights (CpuModelOps.quant_linear)
+
+// x @ W^T + bias for a pre-quantized weight, as CpuModelOps.quant_linear: x widened to float32 (contiguous), the
+// kernel's float32 output, bias added in float32, then `.to(dt)`. q: scales and zero points (an empty tensor for
+// none); a: group, zero, activation mode (fp8: 0 none, 1 per token, 2 per token and group, 3 static), its group,
+// its static scale.
+at::Tensor quant_linear(const at::Tensor& x, int64_t kind, const at::Tensor& codes,
+                        const std::optional<at::Tensor>& bias, int64_t n, const std::vector<at::Tensor>& q,
+                        const std::vector<double>& a) {
+  TORCH_CHECK(q.size() == 2 && a.size() == 5, "llama_decoder_layer: a pre-quantized linear takes (scales, zeros) and "
+              "(group, zero, act mode, act group, act scale)");
+  const auto dt = x.scalar_type();
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
+  const auto group = static_cast<int64_t>(a[0]), zero = static_cast<int64_t>(a[1]);
+  std::optional<at::Tensor> zeros;
+  if (q[1].numel()) zeros = q[1];
+  if (kind == KIND_FP8)
+    fp8_linear_act(out, xf, codes, q[0], group, static_cast<int64_t>(a[2]), static_cast<int64_t>(a[3]), a[4]);
+  else if (kind == KIND_INT4_Q8)
+    int4_linear_q8(out, xf, codes, q[0], zeros, zero, group);
+  else
+    int4_linear(out, xf, codes, q[0], zeros, zero, group);
+  if (bias.has_value() && bias->defined()) out.add_(bias->to(at::kFloat));
+  return dt == at::kFloat ? out : out.to(dt);
+}
 
 // x [M, K] (model dtype) @ W^T + b -> [M, N] float32 rounded to the model dtype, as CpuModelOps does:
 // the input widened to float32 (contiguous), the kernel's float32 output, then `.to(dt)` (the bf16 and int8
@@ -88,10 +120,13 @@ std::tuple<at::Tensor, at::Tensor> layer_forward(at::Tensor x, const std::option
                                                  const at::Tensor& sin, const at::Tensor& kv_cache,
                                                  const StepAttention& step, int64_t gguf_min_rows,
                                                  int64_t gguf_grain) {
-  TORCH_CHECK(s.kinds.size() == 4 && s.weights.size() == 4 && s.biases.size() == 4 && s.out_features.size() == 4,
+  TORCH_CHECK(s.kinds.size() == 4 && s.weights.size() == 4 && s.biases.size() == 4 && s.out_features.size() == 4
+                  && s.quant.size() == 4 && s.quant_args.size() == 4,
               "llama_decoder_layer: four linears (qkv, o, gate_up, down)");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "llama_decoder_layer: x [T, hidden] with contiguous rows");
   auto lin = [&](const at::Tensor& in, int i) {
+    if (s.kinds[i] >= KIND_INT4 && s.kinds[i] <= KIND_FP8)
+      return quant_linear(in, s.kinds[i], s.weights[i], s.biases[i], s.out_features[i], s.quant[i], s.quant_args[i]);
     return linear(in, s.kinds[i], s.weights[i], s.biases[i], s.out_features[i], gguf_min_rows, gguf_grain);
   };
   const int64_t t = x.size(0), head_size = s.head_size;
@@ -147,13 +182,17 @@ std::tuple<at::Tensor, at::Tensor> layer_forward(at::Tensor x, const std::option
 std::tuple<at::Tensor, at::Tensor> llama_decoder_layer(
     at::Tensor x, std::optional<at::Tensor> residual, at::Tensor input_norm, at::Tensor post_norm, double eps,
     std::vector<int64_t> kinds, std::vector<at::Tensor> weights, std::vector<std::optional<at::Tensor>> biases,
-    std::vector<int64_t> out_features, at::Tensor cos, at::Tensor sin, int64_t num_heads, int64_t num_kv_heads,
+    std::vector<int64_t> out_features, std::vector<std::vector<at::Tensor>> quant,
+    std::vector<std::vector<double>> quant_args, at::Tensor cos, at::Tensor sin, int64_t num_heads,
+    int64_t num_kv_heads,
     int64_t head_size, at::Tensor kv_cache, at::Tensor slots, at::Tensor block_table, at::Tensor seq_lens,
     at::Tensor query_start_loc, at::Tensor req_ids, int64_t num_tokens, double scale, int64_t window,
     int64_t gguf_min_rows, int64_t gguf_grain) {
-  const DecoderLayerSpec spec{input_norm,   post_norm, eps,       std::move(kinds), std::move(weights),
-                              std::move(biases), std::move(out_features), num_heads, num_kv_heads, head_size,
-                              scale,        window};
+  const DecoderLayerSpec spec{input_norm,         post_norm,          eps,
+                              std::move(kinds),   std::move(weights), std::move(biases),
+                              std::move(out_features), std::move(quant), std::move(quant_args),
+                              num_heads,          num_kv_heads,       head_size,
+                              scale,              window};
   return layer_forward(x, residual, spec, cos, sin, kv_cache,
                        {slots, block_table, seq_lens, query_start_loc, req_ids, num_tokens}, gguf_min_rows,
                        gguf_grain);

@@ -16,10 +16,11 @@
 
 // One variant's functions, declared in the enclosing namespace; and DecoderLayerSpec, one Llama-style decoder
 // layer's fixed arguments to llama_decoder_layer (norms, the four linears as (kind, weight, bias, output
-// features), heads, scale, window), made once per layer in Python (decoder_layer.py) so that llama_decoder_stack
-// takes a step's layers as one list instead of converting ~20 arguments per layer; `sources` are the tensors its
-// packed weights were made from, with their data pointers and versions then (layer_specs_current). Each variant
-// has its own (its inline members compiled with that variant's flags, like everything else of it).
+// features, a pre-quantized weight's scales, zero points and arguments), heads, scale, window), made once per
+// layer in Python (decoder_layer.py) so that llama_decoder_stack takes a step's layers as one list instead of
+// converting ~20 arguments per layer; `sources` are the tensors its packed weights were made from, with their
+// data pointers and versions then (layer_specs_current). Each variant has its own (its inline members compiled
+// with that variant's flags, like everything else of it).
 #define VLLITE_CPU_DECLARE_KERNELS                                                                                  \
   struct DecoderLayerSpec {                                                                                         \
     at::Tensor input_norm, post_norm;                                                                               \
@@ -28,6 +29,8 @@
     std::vector<at::Tensor> weights;                                                                                \
     std::vector<std::optional<at::Tensor>> biases;                                                                  \
     std::vector<int64_t> out_features;                                                                              \
+    std::vector<std::vector<at::Tensor>> quant;   /* per linear: a pre-quantized weight's scales, zero points */   \
+    std::vector<std::vector<double>> quant_args;  /* per linear: group, zero, act mode, act group, act scale */    \
     int64_t num_heads, num_kv_heads, head_size;                                                                     \
     double scale;                                                                                                   \
     int64_t window;                                                                                                 \
@@ -75,6 +78,8 @@
   void int4_linear_q8(at::Tensor out, at::Tensor x, at::Tensor codes, at::Tensor scales,                           \
                       std::optional<at::Tensor> zeros, int64_t zero, int64_t group);                                \
   void fp8_linear(at::Tensor out, at::Tensor x, at::Tensor codes, at::Tensor scales, int64_t group);              \
+  void fp8_linear_act(at::Tensor out, at::Tensor x, at::Tensor codes, at::Tensor scales, int64_t group,           \
+                      int64_t act_mode, int64_t act_group, double act_scale);                                       \
   void moe_experts(at::Tensor out, at::Tensor x, at::Tensor topk_ids, at::Tensor topk_weights, at::Tensor w13,        \
                    at::Tensor w2, at::Tensor p13, at::Tensor p2, at::Tensor ready);                                \
   void lora_add(at::Tensor y, at::Tensor x, at::Tensor lora_a, at::Tensor lora_b, at::Tensor order,                 \
@@ -82,10 +87,11 @@
   std::tuple<at::Tensor, at::Tensor> llama_decoder_layer(                                                           \
       at::Tensor x, std::optional<at::Tensor> residual, at::Tensor input_norm, at::Tensor post_norm, double eps,    \
       std::vector<int64_t> kinds, std::vector<at::Tensor> weights, std::vector<std::optional<at::Tensor>> biases,   \
-      std::vector<int64_t> out_features, at::Tensor cos, at::Tensor sin, int64_t num_heads, int64_t num_kv_heads,   \
-      int64_t head_size, at::Tensor kv_cache, at::Tensor slots, at::Tensor block_table, at::Tensor seq_lens,       \
-      at::Tensor query_start_loc, at::Tensor req_ids, int64_t num_tokens, double scale, int64_t window,            \
-      int64_t gguf_min_rows, int64_t gguf_grain);                                                               \
+      std::vector<int64_t> out_features, std::vector<std::vector<at::Tensor>> quant,                                \
+      std::vector<std::vector<double>> quant_args, at::Tensor cos, at::Tensor sin, int64_t num_heads,               \
+      int64_t num_kv_heads, int64_t head_size, at::Tensor kv_cache, at::Tensor slots, at::Tensor block_table,        \
+      at::Tensor seq_lens, at::Tensor query_start_loc, at::Tensor req_ids, int64_t num_tokens, double scale,        \
+      int64_t window, int64_t gguf_min_rows, int64_t gguf_grain);                                                   \
   std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> decoder_split_step(                                   \
       at::Tensor query_start_loc, at::Tensor seq_lens, int64_t rows, int64_t num_tokens, int64_t parts);             \
   std::tuple<at::Tensor, at::Tensor> llama_decoder_stack(                                                           \

@@ -7,7 +7,8 @@
 // Why: a decode step streams the weights once; int4 codes are a quarter of bf16's bytes. The zero point leaves the
 // inner loop: per group, sum(x * (c - z)) = sum(x * c) - z * sum(x), with sum(x) per row and group made once per
 // call. Each output row's codes are widened to float once per call and serve every input row. Output rows are
-// split over threads (at::parallel_for), each computing whole rows: the same arithmetic whoever computes them.
+// split over threads (split_for: at::parallel_for, or the team of llama_decoder_stack's call), each computing whole
+// rows: the same arithmetic whoever computes them.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
@@ -20,6 +21,9 @@
 #include <immintrin.h>
 #define VLLITE_WNA16_AVX2 1
 #endif
+
+#include "common.h"
+#include "team.h"
 
 namespace vllite_cpu {
 namespace VLLITE_CPU_ISA {
@@ -55,11 +59,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
     acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
     acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
   }
-  const __m256 acc = _mm256_add_ps(acc0, acc1);
-  __m128 r = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-  r = _mm_add_ss(r, _mm_movehdup_ps(r));
-  s = _mm_cvtss_f32(r);
+  s = hsum8(_mm256_add_ps(acc0, acc1));
 #endif
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
@@ -98,7 +98,7 @@ void int4_linear(at::Tensor out, at::Tensor x, at::Tensor codes, at::Tensor scal
   const float* sp = scales.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float z0 = static_cast<float>(zero);
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+  split_for(N, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> w(K);
     for (int64_t n = begin; n < end; ++n) {
       widen_row(cp + n * (K / 2), K, w.data());
@@ -166,13 +166,6 @@ inline float zero_term(const float* s, const float* z, float z0, const float* qs
 }
 
 #ifdef VLLITE_WNA16_AVX2
-inline float hsum(__m256 v) {
-  __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-  r = _mm_add_ss(r, _mm_movehdup_ps(r));
-  return _mm_cvtss_f32(r);
-}
-
 // int32 sums (lane i: columns 8i .. 8i + 7) of one 64-column block of codes against R rows' quantized block.
 template <int R>
 inline void block_dots(const uint8_t* codes, const int8_t* const* q, __m256i* dot) {
@@ -218,7 +211,7 @@ inline void row_tile(const uint8_t* codes, const float* s, const int8_t* q, int6
       for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), sv, acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) res[r] = hsum(acc[r]);
+  for (int r = 0; r < R; ++r) res[r] = hsum8(acc[r]);
 }
 #endif
 
@@ -263,7 +256,7 @@ void int4_linear_q8(at::Tensor out, at::Tensor x, at::Tensor codes, at::Tensor s
   const float* sp = scales.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float z0 = static_cast<float>(zero);
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+  split_for(N, 16, [&](int64_t begin, int64_t end) {
     float res[MT];
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* cn = cp + n * (K / 2);
