@@ -39,6 +39,15 @@ def quantize_rows_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+OWN_WEIGHT = "own_weight"  # state key: the layer's weight is read by that layer's linear alone (not tied)
+
+
+def own_weight_state() -> dict:
+    """A linear layer's ``state`` for ``ModelOps.linear`` when the layer owns its weight (no embedding or other
+    layer reads it): a platform that keeps a packed copy may then free the plain one (``restore_weight``)."""
+    return {OWN_WEIGHT: True}
+
+
 class ModelOps:
     """Torch reference implementations; every method returns new tensors or documents what it mutates."""
 
@@ -50,6 +59,11 @@ class ModelOps:
                state: dict) -> torch.Tensor:
         """``x @ weight.T + bias``. ``state`` is a per-layer dict a platform may cache a repacked weight in."""
         return F.linear(x, weight, bias)
+
+    def restore_weight(self, weight: torch.Tensor, state: dict) -> None:
+        """Give ``weight`` its values back where ``linear`` freed them once it had a packed copy (only where
+        ``state`` is ``own_weight_state()``'s: no other layer reads that weight); called before new values
+        are written into it. Nothing is freed here."""
 
     def decoder_layer(self, record: DecoderLayerRecord | str
                       ) -> Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None:

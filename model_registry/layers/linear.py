@@ -27,7 +27,7 @@ from model_registry.layers.quantization.base import UNQUANTIZED, LinearMethod
 from vllite_core.distributed import get_tp
 from vllite_core.distributed.sharding import shard_heads, split
 from vllite_core.lora.sharding import LoRAShard, RowSlice
-from vllite_core.model_ops import ModelOps, current_model_ops
+from vllite_core.model_ops import ModelOps, current_model_ops, own_weight_state
 
 if TYPE_CHECKING:
     from vllite_core.lora.slots import LoRALayer
@@ -57,19 +57,19 @@ class LinearBase(nn.Module):
         self.weight = empty_param(out_features, in_features, dtype=dtype)
         self.bias = empty_param(out_features, dtype=dtype) if bias else None
         self.ops = ops or current_model_ops()
-        self.state: dict = {}  # what the platform's op caches for this weight (packed panels), remade on change
+        self.state: dict = own_weight_state()  # what the platform's op caches for this weight (packed panels)
         self.quant_method: LinearMethod = UNQUANTIZED
         self.lora: LoRALayer | None = None  # set when the engine serves adapters (each rank its slice)
         # The checkpoint tensor that filled each shard of the weight (quantization="gguf" reads it again).
         self.checkpoint_names: dict[str | None, str] = {}
-        self.weight.weight_loader = self.load  # type: ignore[attr-defined]
+        self.weight.weight_loader = self._load_weight  # type: ignore[attr-defined]
         if self.bias is not None:
             self.bias.weight_loader = self.load  # type: ignore[attr-defined]
 
     def set_quant_method(self, method: LinearMethod) -> None:
         """Switch to ``method`` (its weight layout already in place); the platform's cached packing is dropped."""
         self.quant_method = method
-        self.state = {}
+        self.state = own_weight_state()
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.quant_method.apply(self, x, bias)
@@ -81,6 +81,12 @@ class LinearBase(nn.Module):
     def lora_shard(self) -> LoRAShard:
         """The part of the full layer this rank holds (an adapter's update is cut to it): all of it."""
         return LoRAShard.whole(*self.local_features)
+
+    def _load_weight(self, param: torch.Tensor, src: torch.Tensor, shard: str | None, name: str) -> None:
+        """The weight's loader: its values back first where the platform freed them once packed (a new
+        weight loaded in part keeps the rest), then ``load``."""
+        self.ops.restore_weight(param, self.state)
+        self.load(param, src, shard, name)
 
     @torch.no_grad()
     def load(self, param: torch.Tensor, src: torch.Tensor, shard: str | None, name: str) -> None:
