@@ -39,13 +39,10 @@ def quantize_rows_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-OWN_WEIGHT = "own_weight"  # state key: the layer's weight is read by that layer's linear alone (not tied)
-
-
-def own_weight_state() -> dict:
-    """A linear layer's ``state`` for ``ModelOps.linear`` when the layer owns its weight (no embedding or other
-    layer reads it): a platform that keeps a packed copy may then free the plain one (``restore_weight``)."""
-    return {OWN_WEIGHT: True}
+# A linear layer's ``state`` key for ``ModelOps.linear``: the layer owns its weight (no embedding or other layer
+# reads it) and new values come only through its loader (``mark_own_weights``, at load); a platform that keeps a
+# packed copy may then free the plain one (``restore_weight`` gives it back).
+OWN_WEIGHT = "own_weight"
 
 
 class ModelOps:
@@ -62,7 +59,7 @@ class ModelOps:
 
     def restore_weight(self, weight: torch.Tensor, state: dict) -> None:
         """Give ``weight`` its values back where ``linear`` freed them once it had a packed copy (only where
-        ``state`` is ``own_weight_state()``'s: no other layer reads that weight); called before new values
+        ``state`` holds ``OWN_WEIGHT``: no other layer reads that weight); called before new values
         are written into it. Nothing is freed here."""
 
     def decoder_layer(self, record: DecoderLayerRecord | str

@@ -27,7 +27,7 @@ from model_registry.layers.quantization.base import UNQUANTIZED, LinearMethod
 from vllite_core.distributed import get_tp
 from vllite_core.distributed.sharding import shard_heads, split
 from vllite_core.lora.sharding import LoRAShard, RowSlice
-from vllite_core.model_ops import ModelOps, current_model_ops, own_weight_state
+from vllite_core.model_ops import OWN_WEIGHT, ModelOps, current_model_ops
 
 if TYPE_CHECKING:
     from vllite_core.lora.slots import LoRALayer
@@ -57,7 +57,7 @@ class LinearBase(nn.Module):
         self.weight = empty_param(out_features, in_features, dtype=dtype)
         self.bias = empty_param(out_features, dtype=dtype) if bias else None
         self.ops = ops or current_model_ops()
-        self.state: dict = own_weight_state()  # what the platform's op caches for this weight (packed panels)
+        self.state: dict = {}  # what the platform's op caches for this weight (packed panels), remade on change
         self.quant_method: LinearMethod = UNQUANTIZED
         self.lora: LoRALayer | None = None  # set when the engine serves adapters (each rank its slice)
         # The checkpoint tensor that filled each shard of the weight (quantization="gguf" reads it again).
@@ -69,7 +69,7 @@ class LinearBase(nn.Module):
     def set_quant_method(self, method: LinearMethod) -> None:
         """Switch to ``method`` (its weight layout already in place); the platform's cached packing is dropped."""
         self.quant_method = method
-        self.state = own_weight_state()
+        self.state = {}
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.quant_method.apply(self, x, bias)
@@ -94,6 +94,22 @@ class LinearBase(nn.Module):
         if param is self.weight:
             self.checkpoint_names[shard] = name
         copy_checked(param.data, src, name)
+
+
+def mark_own_weights(model: nn.Module) -> int:
+    """Once a model is loaded (and quantized): mark every linear layer whose weight no other module holds (not
+    tied) as its weight's only reader (``OWN_WEIGHT`` in its ``state``), so the platform may free the plain
+    copy once packed. Its new values then come through the layer's loader (``load_weights``, which gives the
+    values back first); layers built outside the loader stay unmarked. Returns how many were marked."""
+    holders: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        holders[id(p)] = holders.get(id(p), 0) + 1
+    marked = 0
+    for m in model.modules():
+        if isinstance(m, LinearBase) and holders.get(id(m._parameters["weight"]), 0) == 1:
+            m.state[OWN_WEIGHT] = True
+            marked += 1
+    return marked
 
 
 class ReplicatedLinear(LinearBase):

@@ -263,11 +263,11 @@ def test_avx2_gemm_16bit_panels_widened_once_per_block(dtype, rows, shape, threa
 @needs_avx2_gemm
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_avx2_panels_free_the_plain_weight_and_give_it_back(dtype):
-    # A layer that owns its weight (own_weight_state) keeps only the GEMM's panels once packed: the plain
-    # tensor's storage is freed (shape kept); restore_weight gives its values back bit for bit before new
-    # values are written, and the next call packs (and frees) again. A state without the mark, and a weight
-    # that is a view of a larger storage, keep theirs.
-    from vllite_core.model_ops import own_weight_state
+    # A layer that owns its weight (OWN_WEIGHT in its state, set at load by mark_own_weights) keeps only the
+    # GEMM's panels once packed: the plain tensor's storage is freed (shape kept); restore_weight gives its
+    # values back bit for bit before new values are written, and the next call packs (and frees) again. A
+    # state without the mark, and a weight that is a view of a larger storage, keep theirs.
+    from vllite_core.model_ops import OWN_WEIGHT
 
     ops = CpuModelOps(fused=True, packed_linear=True, widen_16bit=True, avx2_gemm=True)
     n, k = 37, 64
@@ -278,7 +278,7 @@ def test_avx2_panels_free_the_plain_weight_and_give_it_back(dtype):
         return (x.double() @ w.double().T).to(dtype)
 
     w = w0.clone()
-    state = own_weight_state()
+    state = {OWN_WEIGHT: True}
     with torch.inference_mode():
         for rows in (5, 1):  # the 6-row tiles and the few-rows path, both on the panels alone
             torch.testing.assert_close(ops.linear(x[:rows], w, None, state), exact(w0)[:rows], rtol=1e-5, atol=1e-4)
@@ -296,7 +296,7 @@ def test_avx2_panels_free_the_plain_weight_and_give_it_back(dtype):
     kept, view = w0.clone(), torch.cat([w0, w0]).view(2, n, k)[1]
     with torch.inference_mode():
         ops.linear(x, kept, None, {})
-        ops.linear(x, view, None, own_weight_state())
+        ops.linear(x, view, None, {OWN_WEIGHT: True})
     assert torch.equal(kept, w0) and torch.equal(view, w0)
 
 
