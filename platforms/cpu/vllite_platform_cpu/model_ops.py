@@ -162,7 +162,8 @@ class CpuModelOps(ModelOps):
         """``state["packed"]`` and ``state["bias"]`` for ``route``: the AVX2 GEMM's panels ("avx2"), the bf16
         GEMM's ("bf16", float32 bias) or oneDNN's packed weight (or the widened copy F.linear takes) and the
         bias in the GEMM's dtype, remade when the weight or the bias changes (an in-place load bumps its
-        version). Returns ``state``."""
+        version). AVX2 panels of the weight's own dtype free the plain weight where ``state`` holds
+        ``OWN_WEIGHT`` (``free_plain``). Returns ``state``."""
         key = (weight.data_ptr(), weight._version, None if bias is None else (bias.data_ptr(), bias._version))
         if state.get("key") == key:
             return state
