@@ -96,20 +96,17 @@ class LinearBase(nn.Module):
         copy_checked(param.data, src, name)
 
 
-def mark_own_weights(model: nn.Module) -> int:
+def mark_own_weights(model: nn.Module) -> None:
     """Once a model is loaded (and quantized): mark every linear layer whose weight no other module holds (not
     tied) as its weight's only reader (``OWN_WEIGHT`` in its ``state``), so the platform may free the plain
     copy once packed. Its new values then come through the layer's loader (``load_weights``, which gives the
-    values back first); layers built outside the loader stay unmarked. Returns how many were marked."""
+    values back first); layers built outside the loader stay unmarked."""
     holders: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         holders[id(p)] = holders.get(id(p), 0) + 1
-    marked = 0
     for m in model.modules():
         if isinstance(m, LinearBase) and holders.get(id(m._parameters["weight"]), 0) == 1:
             m.state[OWN_WEIGHT] = True
-            marked += 1
-    return marked
 
 
 class ReplicatedLinear(LinearBase):
