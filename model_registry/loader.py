@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from model_registry.layers.fast_path import report_fast_paths
-from model_registry.layers.linear import mark_own_weights
 from model_registry.source import ModelSource, open_gguf
 from vllite_core.attention.backend import AttentionBackend
 from vllite_core.model_ops import current_model_ops
@@ -57,7 +56,6 @@ def load_model(source: ModelSource, hf_config: Any, model_cls: type, attn_backen
 
         quantize_model(model, quantization, source)
     model.eval()
-    mark_own_weights(model)
     report = report_fast_paths(model)
     if report.paths:
         logger.info("%s", report.describe(current_model_ops().name))

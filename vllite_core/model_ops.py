@@ -39,12 +39,6 @@ def quantize_rows_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-# A linear layer's ``state`` key for ``ModelOps.linear``: the layer owns its weight (no embedding or other layer
-# reads it) and new values come only through its loader (``mark_own_weights``, at load); a platform that keeps a
-# packed copy may then free the plain one (``restore_weight`` gives it back).
-OWN_WEIGHT = "own_weight"
-
-
 class ModelOps:
     """Torch reference implementations; every method returns new tensors or documents what it mutates."""
 
@@ -56,11 +50,6 @@ class ModelOps:
                state: dict) -> torch.Tensor:
         """``x @ weight.T + bias``. ``state`` is a per-layer dict a platform may cache a repacked weight in."""
         return F.linear(x, weight, bias)
-
-    def restore_weight(self, weight: torch.Tensor, state: dict) -> None:
-        """Give ``weight`` its values back where ``linear`` freed them once it had a packed copy (only where
-        ``state`` holds ``OWN_WEIGHT``: no other layer reads that weight); called before new values
-        are written into it. Nothing is freed here."""
 
     def decoder_layer(self, record: DecoderLayerRecord | str
                       ) -> Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None:

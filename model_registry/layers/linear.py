@@ -27,7 +27,7 @@ from model_registry.layers.quantization.base import UNQUANTIZED, LinearMethod
 from vllite_core.distributed import get_tp
 from vllite_core.distributed.sharding import shard_heads, split
 from vllite_core.lora.sharding import LoRAShard, RowSlice
-from vllite_core.model_ops import OWN_WEIGHT, ModelOps, current_model_ops
+from vllite_core.model_ops import ModelOps, current_model_ops
 
 if TYPE_CHECKING:
     from vllite_core.lora.slots import LoRALayer
@@ -62,7 +62,7 @@ class LinearBase(nn.Module):
         self.lora: LoRALayer | None = None  # set when the engine serves adapters (each rank its slice)
         # The checkpoint tensor that filled each shard of the weight (quantization="gguf" reads it again).
         self.checkpoint_names: dict[str | None, str] = {}
-        self.weight.weight_loader = self._load_weight  # type: ignore[attr-defined]
+        self.weight.weight_loader = self.load  # type: ignore[attr-defined]
         if self.bias is not None:
             self.bias.weight_loader = self.load  # type: ignore[attr-defined]
 
@@ -82,31 +82,12 @@ class LinearBase(nn.Module):
         """The part of the full layer this rank holds (an adapter's update is cut to it): all of it."""
         return LoRAShard.whole(*self.local_features)
 
-    def _load_weight(self, param: torch.Tensor, src: torch.Tensor, shard: str | None, name: str) -> None:
-        """The weight's loader: its values back first where the platform freed them once packed (a new
-        weight loaded in part keeps the rest), then ``load``."""
-        self.ops.restore_weight(param, self.state)
-        self.load(param, src, shard, name)
-
     @torch.no_grad()
     def load(self, param: torch.Tensor, src: torch.Tensor, shard: str | None, name: str) -> None:
         """Copy this rank's part of the full checkpoint tensor ``src`` into ``param`` (whole, when replicated)."""
         if param is self.weight:
             self.checkpoint_names[shard] = name
         copy_checked(param.data, src, name)
-
-
-def mark_own_weights(model: nn.Module) -> None:
-    """Once a model is loaded (and quantized): mark every linear layer whose weight no other module holds (not
-    tied) as its weight's only reader (``OWN_WEIGHT`` in its ``state``), so the platform may free the plain
-    copy once packed. Its new values then come through the layer's loader (``load_weights``, which gives the
-    values back first); layers built outside the loader stay unmarked."""
-    holders: dict[int, int] = {}
-    for _, p in model.named_parameters(remove_duplicate=False):
-        holders[id(p)] = holders.get(id(p), 0) + 1
-    for m in model.modules():
-        if isinstance(m, LinearBase) and holders.get(id(m._parameters["weight"]), 0) == 1:
-            m.state[OWN_WEIGHT] = True
 
 
 class ReplicatedLinear(LinearBase):

@@ -261,45 +261,6 @@ def test_avx2_gemm_16bit_panels_widened_once_per_block(dtype, rows, shape, threa
 
 
 @needs_avx2_gemm
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_avx2_panels_free_the_plain_weight_and_give_it_back(dtype):
-    # A layer that owns its weight (OWN_WEIGHT in its state, set at load by mark_own_weights) keeps only the
-    # GEMM's panels once packed: the plain tensor's storage is freed (shape kept); restore_weight gives its
-    # values back bit for bit before new values are written, and the next call packs (and frees) again. A
-    # state without the mark, and a weight that is a view of a larger storage, keep theirs.
-    from vllite_core.model_ops import OWN_WEIGHT
-
-    ops = CpuModelOps(fused=True, packed_linear=True, widen_16bit=True, avx2_gemm=True)
-    n, k = 37, 64
-    g = torch.Generator().manual_seed(5)
-    x, w0 = torch.randn(5, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype)
-
-    def exact(w):
-        return (x.double() @ w.double().T).to(dtype)
-
-    w = w0.clone()
-    state = {OWN_WEIGHT: True}
-    with torch.inference_mode():
-        for rows in (5, 1):  # the 6-row tiles and the few-rows path, both on the panels alone
-            torch.testing.assert_close(ops.linear(x[:rows], w, None, state), exact(w0)[:rows], rtol=1e-5, atol=1e-4)
-            assert w.untyped_storage().nbytes() == 0 and w.shape == (n, k)
-    ops.restore_weight(w, state)
-    assert torch.equal(w, w0)
-    w[:3].mul_(-2.0)  # a new weight loaded in part: the rest stays as it was
-    with torch.inference_mode():
-        torch.testing.assert_close(ops.linear(x, w, None, state), exact(torch.cat([w0[:3] * -2, w0[3:]])),
-                                   rtol=1e-5, atol=1e-4)
-    assert w.untyped_storage().nbytes() == 0
-    ops.restore_weight(w, state)
-    ops.restore_weight(w, state)  # nothing freed since: no-op
-    assert torch.equal(w[3:], w0[3:]) and torch.equal(w[:3], w0[:3] * -2)
-    kept, view = w0.clone(), torch.cat([w0, w0]).view(2, n, k)[1]
-    with torch.inference_mode():
-        ops.linear(x, kept, None, {})
-        ops.linear(x, view, None, {OWN_WEIGHT: True})
-    assert torch.equal(kept, w0) and torch.equal(view, w0)
-
-
 def test_avx2_gemm_chosen_only_on_avx2_hosts_without_avx512(monkeypatch):
     from vllite_platform_cpu import platform as cpu_platform
 

@@ -241,11 +241,12 @@ def llava_pp(llava_model):
 
 
 @pytest.mark.slow
-def test_llava_two_stages_match_hf(llava_pp):
-    """The vision tower and the projector are built, loaded and run on the first stage only; the last computes
-    the logits."""
+def test_llava_two_stages_of_two_ranks_match_hf(llava_pp, four_devices):
+    """TP=2 x PP=2 for the VLM: the vision tower and the projector are built, loaded and run on the first stage's
+    two ranks only (whole on each); the language model's heads split over each stage's two ranks; the last stage
+    computes the logits."""
     path, mixed, ref = llava_pp
-    llm = LLM(model=path, dtype="float32", pipeline_parallel_size=2, num_kv_blocks=64)
+    llm = LLM(model=path, dtype="float32", tensor_parallel_size=2, pipeline_parallel_size=2, num_kv_blocks=64)
     try:
         prompts = [{"prompt": t, "multi_modal_data": {"image": im if len(im) > 1 else im[0]}} if im else t
                    for t, im in mixed]
@@ -254,7 +255,7 @@ def test_llava_two_stages_match_hf(llava_pp):
         assert ref[0] != ref[1]  # the image matters
         towers = llm.collective_rpc(lambda w: (w.runner.model.vision_tower is not None,
                                                w.runner.model.multi_modal_projector is not None))
-        assert towers == [(True, True), (False, False)]
+        assert towers == [(True, True)] * 2 + [(False, False)] * 2
     finally:
         llm.llm_engine.core.shutdown()
 

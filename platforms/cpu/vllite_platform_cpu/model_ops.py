@@ -12,7 +12,7 @@ from model_registry.layers.fast_path import DecoderLayerRecord
 from model_registry.layers.quantization.quant_weight import QuantWeight, fake_quant
 from vllite_core.attention.encoder import PackedPrompts
 from vllite_core.lora.mapping import LoRAMapping
-from vllite_core.model_ops import OWN_WEIGHT, ModelOps, quantize_rows_int8
+from vllite_core.model_ops import ModelOps, quantize_rows_int8
 from vllite_platform_cpu import kernels
 
 # Up to this many rows the weight-streaming C++ kernel beats a GEMM (memory-bound, few FLOPs per byte).
@@ -32,31 +32,6 @@ def _identity(t: torch.Tensor) -> tuple[int, int]:
 
 
 _ARGMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def free_plain(weight: torch.Tensor, state: dict) -> None:
-    """Free the storage of a weight that only its own linear reads, once the AVX2 GEMM's panels of its own
-    dtype hold it: every row count then runs on the panels (``linear_route``), and the plain copy doubled the
-    model's memory (+2.1 GB for a 1B model in bfloat16). The tensor keeps its shape and dtype; ``restore_plain``
-    gives its values back before anything is written into it (``CpuModelOps.restore_weight``). A storage that
-    cannot shrink (a memory-mapped file's) stays, and so does one shared with other tensors."""
-    storage = weight.untyped_storage()
-    if not (weight.is_contiguous() and weight.storage_offset() == 0
-            and storage.nbytes() == weight.numel() * weight.element_size()):
-        return
-    try:
-        storage.resize_(0)
-    except RuntimeError:
-        return
-    state["freed"] = True
-
-
-def restore_plain(weight: torch.Tensor, panels: torch.Tensor) -> None:
-    """``weight`` [N, K] reallocated and filled bit for bit from its panels [ceil(N / 16), K, 16]."""
-    n, k = weight.shape
-    weight.untyped_storage().resize_(n * k * weight.element_size())
-    with torch.no_grad():
-        weight.copy_(panels.transpose(1, 2).reshape(-1, k)[:n])
 
 
 class CpuModelOps(ModelOps):
@@ -104,7 +79,6 @@ class CpuModelOps(ModelOps):
         dt = x.dtype
         if (x.dim() != 2 or dt != weight.dtype or dt not in _KERNEL_DTYPES or x.device.type != "cpu"
                 or torch.is_grad_enabled() or (bias is not None and bias.dtype != dt)):
-            self.restore_weight(weight, state)  # torch's op reads the plain weight
             return super().linear(x, weight, bias, state)
         route = self.linear_route(dt, x.shape[0], weight)
         if route == "bf16":
@@ -162,8 +136,7 @@ class CpuModelOps(ModelOps):
         """``state["packed"]`` and ``state["bias"]`` for ``route``: the AVX2 GEMM's panels ("avx2"), the bf16
         GEMM's ("bf16", float32 bias) or oneDNN's packed weight (or the widened copy F.linear takes) and the
         bias in the GEMM's dtype, remade when the weight or the bias changes (an in-place load bumps its
-        version). AVX2 panels of the weight's own dtype free the plain weight where ``state`` holds
-        ``OWN_WEIGHT`` (``free_plain``). Returns ``state``."""
+        version). Returns ``state``."""
         key = (weight.data_ptr(), weight._version, None if bias is None else (bias.data_ptr(), bias._version))
         if state.get("key") == key:
             return state
@@ -175,20 +148,12 @@ class CpuModelOps(ModelOps):
         elif avx2:
             panel_dt = dt if dt in self._panel_dtypes else torch.float32
             state["packed"] = kernels.avx2_gemm_pack(weight.detach().to(panel_dt))
-            if panel_dt == dt and state.get(OWN_WEIGHT):
-                free_plain(weight, state)
-                key = (weight.data_ptr(), weight._version, key[2])
         else:
             w = weight.detach().to(gemm_dt)
             state["packed"] = torch.ops.mkldnn._reorder_linear_weight(w, None) if self.packed_linear else w
         state["bias"] = None if bias is None else bias.to(gemm_dt).contiguous()
         state["key"] = key
         return state
-
-    def restore_weight(self, weight: torch.Tensor, state: dict) -> None:
-        """The plain weight's values back from the panels where ``free_plain`` freed them."""
-        if state.pop("freed", False) and not weight.untyped_storage().nbytes():
-            restore_plain(weight, state["packed"])
 
     def decoder_layer(self, record: DecoderLayerRecord | str):
         """The whole layer in one C++ call where every part of it runs on this class's kernels
