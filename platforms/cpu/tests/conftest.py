@@ -1,9 +1,10 @@
 """The CPU platform's own tests (``pytest platforms/cpu/tests``).
 
 The first-use build test compiles the kernels' default variant (minutes of compiling on two cores). The build
-starts once the test is known to be collected, in a background process at the lowest CPU priority, so it takes
-the cores only while the other tests leave one idle (a worker waiting on a server's start or a timeout); the
-test, collected last (pyproject's testpaths), then loads what it built. The controlling pytest process owns
+starts once the test is known to be collected, in a background process at a lower CPU priority (nice 5: about a
+quarter of a core beside two busy workers, all of an idle one; at nice 19 it got so little that the suite's last
+four minutes waited for it), so it compiles beside the other tests; the test, collected last (pyproject's
+testpaths), then loads what it built. The controlling pytest process owns
 the build (under pytest-xdist the controller, which outlives the workers) and removes it at the end."""
 from __future__ import annotations
 
@@ -33,12 +34,12 @@ def _start_build(node_ids: list[str]) -> None:
     folder = os.environ.get(BUILD_DIR_ENV)
     if _build or not folder or not any(i.endswith(BUILD_TEST) for i in node_ids):
         return
-    env = {**os.environ, "VLLITE_CACHE_ROOT": folder, "VLLITE_CPU_ISA": "default", "MAX_JOBS": "2",
+    env = {**os.environ, "VLLITE_CACHE_ROOT": folder, "VLLITE_CPU_ISA": "default", "MAX_JOBS": "1",
            "OMP_NUM_THREADS": "1"}
     with open(os.path.join(folder, "build.log"), "w") as log:
         _build["proc"] = subprocess.Popen([sys.executable, BUILD_SCRIPT], env=env, stdout=log,
                                           stderr=subprocess.STDOUT, start_new_session=True,
-                                          preexec_fn=lambda: os.nice(19))
+                                          preexec_fn=lambda: os.nice(5))
     with open(os.path.join(folder, "pid"), "w") as f:
         f.write(str(_build["proc"].pid))
 
