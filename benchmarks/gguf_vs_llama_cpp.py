@@ -36,7 +36,7 @@ def run_vllite(a: argparse.Namespace, prompts: list[list[int]]) -> dict:
     from vllite_core import LLM, SamplingParams
 
     t = time.perf_counter()
-    llm = LLM(model=a.gguf, dtype=a.dtype, max_model_len=a.in_len + a.out_len + 16, max_num_seqs=a.batch,
+    llm = LLM(model=a.gguf, quantization="gguf", dtype=a.dtype, max_model_len=a.in_len + a.out_len + 16, max_num_seqs=a.batch,
               enable_prefix_caching=False, num_threads=a.threads)
     load_s = time.perf_counter() - t
 
@@ -54,7 +54,7 @@ def run_vllite(a: argparse.Namespace, prompts: list[list[int]]) -> dict:
     whole = min(timed(prompts[:1], a.out_len) for _ in range(a.rounds))
     first_tokens = tokens[:32]
     many = min(timed(prompts[:a.batch], a.out_len) for _ in range(a.rounds))
-    return {"engine": f"vllite ({a.dtype} activations)", "load_s": round(load_s, 1),
+    return {"engine": f"vllite (quantization=gguf, {a.dtype} activations)", "load_s": round(load_s, 1),
             "ttft_ms": round(first * 1e3, 1), "ms_per_token": round((whole - first) / (a.out_len - 1) * 1e3, 2),
             f"batch{a.batch}_out_tok_s": round(a.batch * a.out_len / many, 1), "rss_gib": round(_rss_gib(), 2),
             "tokens": first_tokens}
