@@ -36,8 +36,8 @@ def run_vllite(a: argparse.Namespace, prompts: list[list[int]]) -> dict:
     from vllite_core import LLM, SamplingParams
 
     t = time.perf_counter()
-    llm = LLM(model=a.gguf, quantization="gguf", dtype=a.dtype, max_model_len=a.in_len + a.out_len + 16, max_num_seqs=a.batch,
-              enable_prefix_caching=False, num_threads=a.threads)
+    llm = LLM(model=a.gguf, quantization="gguf", dtype=a.dtype, max_model_len=a.in_len + a.out_len + 16,
+              max_num_seqs=a.batch, enable_prefix_caching=False, num_threads=a.threads)
     load_s = time.perf_counter() - t
 
     tokens: list[int] = []
