@@ -21,6 +21,7 @@ if not kernels.available():
     pytest.skip(f"CPU kernels not built here: {kernels.error()}", allow_module_level=True)
 
 from transformers import JambaConfig, LlamaConfig, MistralConfig, Qwen2Config  # noqa: E402
+from vllite_platform_cpu import decoder_layer  # noqa: E402
 from vllite_platform_cpu.attention import TorchPagedAttention  # noqa: E402
 from vllite_platform_cpu.decoder_layer import NativeDecoderStack  # noqa: E402
 from vllite_platform_cpu.isa import NAMES  # noqa: E402
@@ -399,22 +400,38 @@ def test_native_stack_split_by_requests_is_the_layers_one_by_one_bit_for_bit(var
         monkeypatch.setattr(NativeDecoderStack, "SPLIT_MIN_ROWS_PER_THREAD", rows // 2)
         got, got_caches, calls = run_model(model, step, stack=True, native=native)
         want, want_caches, _ = run_model(model, step, stack=False)
+        ids, positions, caches, mds = step
+
+        def splits(stack: NativeDecoderStack) -> bool:
+            fresh = {id(md): dataclasses.replace(md, extra=None) for md in mds}
+            with torch.inference_mode():
+                x = model.embed_tokens.weight[ids]
+                _, residual = stack(model.rotary_emb.lookup(positions, x.dtype), x, [c.clone() for c in caches],
+                                    [fresh[id(md)] for md in mds])
+            return residual.data_ptr() != x.data_ptr()
+
         split = {}
         for min_rows in (rows // 2, rows // 2 + 1):  # the split, then the whole step
             monkeypatch.setattr(NativeDecoderStack, "SPLIT_MIN_ROWS_PER_THREAD", min_rows)
-            ids, positions, caches, mds = step
-            fresh = {id(md): dataclasses.replace(md, extra=None) for md in mds}
-            mds = [fresh[id(md)] for md in mds]
-            with torch.inference_mode():
-                x = model.embed_tokens.weight[ids]
-                _, residual = native(model.rotary_emb.lookup(positions, x.dtype), x, [c.clone() for c in caches], mds)
-            split[min_rows] = residual.data_ptr() != x.data_ptr()
+            split[min_rows] = splits(native)
+        # GEMMs on AMX tiles and weights beyond the last-level cache: from SPLIT_MIN_ROWS_FROM_MEMORY_AMX rows only
+        monkeypatch.setattr(NativeDecoderStack, "SPLIT_MIN_ROWS_PER_THREAD", rows // 2)
+        monkeypatch.setattr(decoder_layer, "amx_gemms", lambda: True)
+        monkeypatch.setattr(decoder_layer, "last_level_cache_bytes", lambda: 1 << 10)
+        from_memory = {}
+        for min_rows in (rows // 2 + 1, rows // 2):
+            monkeypatch.setattr(NativeDecoderStack, "SPLIT_MIN_ROWS_FROM_MEMORY_AMX", min_rows)
+            from_memory[min_rows] = splits(model._ops.decoder_stack(list(model.layers)))
+        monkeypatch.setattr(decoder_layer, "last_level_cache_bytes", lambda: 1 << 40)  # the weights fit: rows // 2
+        from_memory["cached"] = splits(model._ops.decoder_stack(list(model.layers)))
         # an error inside a share's thread is a RuntimeError here, and the next call works
         monkeypatch.setattr(NativeDecoderStack, "SPLIT_MIN_ROWS_PER_THREAD", rows // 2)
         bad = [c.clone() for c in caches]
         bad[2] = bad[2][:, :, :, :1]  # one KV head too few for layer 2's attention
+        fresh = {id(md): dataclasses.replace(md, extra=None) for md in mds}
+        mds = [fresh[id(md)] for md in mds]
         with torch.inference_mode():
-            rope = model.rotary_emb.lookup(positions, x.dtype)
+            rope = model.rotary_emb.lookup(positions, dtype)
             with pytest.raises(RuntimeError):
                 native(rope, model.embed_tokens.weight[ids], bad, mds)
             assert native(rope, model.embed_tokens.weight[ids], [c.clone() for c in caches], mds) is not None
@@ -424,6 +441,7 @@ def test_native_stack_split_by_requests_is_the_layers_one_by_one_bit_for_bit(var
     qkv = model.layers[0].self_attn.qkv_proj.weight
     gemms = quant == "int8" or (quant == "plain" and ops.linear_route(dtype, rows, qkv) == "bf16")
     assert split == {rows // 2: gemms, rows // 2 + 1: False}
+    assert from_memory == {rows // 2 + 1: False, rows // 2: gemms, "cached": gemms}
     assert torch.equal(got, want), "hidden states differ"
     for i, (a, b) in enumerate(zip(got_caches, want_caches)):
         assert torch.equal(a, b), f"layer {i}'s cache differs"

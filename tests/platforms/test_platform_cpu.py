@@ -190,3 +190,35 @@ def test_kv_cache_is_zeroed_writable_and_backed_by_huge_pages_where_the_os_has_t
     assert _smaps_value(cache.data_ptr(), "THPeligible") == 1  # advised (the OS's usual mode backs only that)
     small = backend.allocate_kv_cache(backend.get_kv_cache_shape(2, 16, 3, 64), torch.float32, torch.device("cpu"))
     assert not small.any()  # under a huge page: plain calloc
+
+
+_REFAULTS = """
+import resource, sys, torch
+import vllite_platform_cpu.platform as p
+on = p.keep_freed_memory()
+def touch(mib):  # an activation, written, then freed
+    torch.empty(mib << 18, dtype=torch.float32).fill_(1.0)
+touch(64)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+touch(56)
+print(on, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc thresholds")
+def test_freed_activations_are_reused_not_faulted_in_again(monkeypatch):
+    """init_device's keep_freed_memory: a 56 MiB block after a 64 MiB one was freed comes from malloc's heap, already
+    mapped, instead of 14,336 freshly zeroed pages (glibc maps blocks above 32 MiB afresh each time);
+    VLLITE_CPU_KEEP_FREED=0 keeps glibc's defaults. (Not the same size again: torch's 64-byte-aligned allocation
+    asks malloc for a little more than the block it freed, which then may not fit in it.)"""
+    import subprocess
+
+    faults = {}
+    for env in ("1", "0"):
+        monkeypatch.setenv("VLLITE_CPU_KEEP_FREED", env)
+        on, count = subprocess.run([sys.executable, "-c", _REFAULTS], capture_output=True, text=True,
+                                   check=True).stdout.split()
+        assert on == str(env == "1")
+        faults[env] = int(count)
+    # base pages: ~14,336 faults without, a few with; transparent huge pages fault ~28 times either way
+    assert faults["1"] < max(faults["0"] // 8, 64), faults

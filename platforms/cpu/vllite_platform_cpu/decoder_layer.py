@@ -22,6 +22,8 @@ thread it gives each thread its own share of the requests through every layer (c
 """
 from __future__ import annotations
 
+import functools
+import glob
 import logging
 from typing import Any
 
@@ -314,6 +316,12 @@ class NativeDecoderStack:
     # kernel (benchmarks/decode_forward.py --compare-split): 8 rows 2-40% slower (each thread reads every weight),
     # 12 rows 2-8% faster, 16 rows 3-17%, 64 rows 4-5% (docs/benchmarks-notebook.md, the eighth Zen 4 session).
     SPLIT_MIN_ROWS_PER_THREAD = 6
+    # The same where the GEMMs run on AMX tiles (~10x vdpbf16ps's rate) and the weights do not fit in the last-level
+    # cache: each thread then reads every weight from memory, and a thread's rows keep the tiles busy enough to hide
+    # that second read only from ~64 rows. The Llama-3.2-1B shape (2.1 GB of bf16 weights, 480 MiB of L3) on 2
+    # Xeon cores with AMX, a decode forward: 32 rows 158 ms split against 110 whole, 128 rows 275 against 270
+    # (docs/benchmarks-notebook.md, 2026-12-07); SmolLM2-135M on the same host (270 MB, in L3) stays faster split.
+    SPLIT_MIN_ROWS_FROM_MEMORY_AMX = 96
 
     def __init__(self, layers: list[NativeDecoderLayer]) -> None:
         self.layers = layers
@@ -323,6 +331,7 @@ class NativeDecoderStack:
         self.backend = layers[0].backend
         self.made: dict[bool, tuple[list, list]] = {}  # small -> (the layers' specs, the routes they were made for)
         self.splittable: dict[bool, bool] = {}  # small -> whether those routes allow the split by requests
+        self.amx_from_memory = False  # the GEMMs on AMX tiles, the weights larger than the last-level cache
 
     @classmethod
     def build(cls, layers: list[NativeDecoderLayer | None]) -> NativeDecoderStack | None:
@@ -363,7 +372,9 @@ class NativeDecoderStack:
                 tensors += (plan.kernel_slots, *plan.kernel_args)
                 num_tokens = plan.num_tokens
             of_layer.append(j)
-        split = self.SPLIT_MIN_ROWS_PER_THREAD if self.splittable[small] else 0
+        split = 0
+        if self.splittable[small]:
+            split = self.SPLIT_MIN_ROWS_FROM_MEMORY_AMX if self.amx_from_memory else self.SPLIT_MIN_ROWS_PER_THREAD
         return self.fn(x, specs, cos, sin, kv_caches, tensors, of_layer, num_tokens, self.TEAM_MAX_ROWS, split,
                        kernels.GGUF_GEMM_MIN_ROWS, kernels.GGUF_GRAIN_BYTES)
 
@@ -380,4 +391,32 @@ class NativeDecoderStack:
             return None
         self.made[small] = (specs, routes)
         self.splittable[small] = all(k in (_BF16, _INT8) for route in routes for k in route[0])
+        weight_bytes = sum(w.numel() * w.element_size() for layer in self.layers for lin in layer.linears
+                           if isinstance(w := lin._parameters["weight"], torch.Tensor))
+        self.amx_from_memory = amx_gemms() and weight_bytes > last_level_cache_bytes()
         return specs
+
+
+@functools.cache
+def last_level_cache_bytes() -> int:
+    """The size of this CPU's largest cache as Linux reports it (0 where it does not)."""
+    sizes = [0]
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        if text[:-1].isdigit() and text[-1] in units:
+            sizes.append(int(text[:-1]) * units[text[-1]])
+        elif text.isdigit():
+            sizes.append(int(text))
+    return max(sizes)
+
+
+def amx_gemms() -> bool:
+    """The bf16 and int8 GEMMs run on AMX tiles here (platform.use_amx, and the CPU and kernels have them)."""
+    from vllite_platform_cpu.platform import use_amx
+
+    return use_amx() and kernels.amx_available()

@@ -33,6 +33,7 @@ ONEDNN_ENV = "VLLITE_CPU_ONEDNN"  # 0: F.linear instead of oneDNN-prepacked weig
 AVX2_GEMM_ENV = "VLLITE_CPU_AVX2_GEMM"  # 0: oneDNN instead of the AVX2 GEMM on AVX2 hosts
 BF16_GEMM_ENV = "VLLITE_CPU_BF16_GEMM"  # 0: oneDNN instead of the bf16 GEMM on AVX512-BF16 hosts
 AMX_ENV = "VLLITE_CPU_AMX"  # 0: the bf16 / int8 GEMMs on vdpbf16ps / vpdpbusd instead of AMX tiles on AMX hosts
+KEEP_FREED_ENV = "VLLITE_CPU_KEEP_FREED"  # 0: glibc's default malloc thresholds (see keep_freed_memory)
 INT8_GEMM_ENV = "VLLITE_CPU_INT8_GEMM"  # 0: torch._int_mm (oneDNN) instead of the int8 GEMM on VNNI hosts
 MOE_ONE_CALL_ENV = "VLLITE_CPU_MOE_ONE_CALL"  # 0: the fused MoE op expert by expert in Python (moe_grouped)
 COMPILE_ENV = "VLLITE_CPU_COMPILE"  # 1: torch.compile the decode step (off by default: not faster here)
@@ -177,6 +178,35 @@ def peak_rss() -> int:
     return int(peak) if sys.platform == "darwin" else int(peak) * 1024
 
 
+# Largest block malloc takes from its heap (glibc's default: 128 KiB, adapting up to 32 MiB) and the free memory it
+# keeps at the heap's top (default 128 KiB, adapting likewise).
+MALLOC_MMAP_THRESHOLD = 256 << 20
+MALLOC_TRIM_THRESHOLD = 512 << 20
+
+
+@functools.cache
+def keep_freed_memory() -> bool:
+    """Let glibc's malloc reuse a step's large activations instead of handing them back to the OS (once per
+    process; ``VLLITE_CPU_KEEP_FREED=0``: the defaults). Above 32 MiB glibc maps every block afresh and unmaps it
+    on free, so each prefill step of a 1B model (gate_up's output alone 64 MiB at 2,048 rows) took its
+    activations as new zeroed pages: 5% of its profile in the kernel's page clearing and faults, and 4-13% of its
+    wall time against these thresholds (Llama-1B shape, 2 Xeon cores, docs/benchmarks-notebook.md 2026-12-07).
+    vLLM's CPU docs preload tcmalloc for the same reason. Returns whether the thresholds were set."""
+    if os.environ.get(KEEP_FREED_ENV, "1") == "0" or sys.platform != "linux":
+        return False
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
+    return bool(mallopt(m_mmap_threshold, MALLOC_MMAP_THRESHOLD)) and bool(
+        mallopt(m_trim_threshold, MALLOC_TRIM_THRESHOLD))
+
+
 def usable_cpus() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -316,6 +346,7 @@ class CpuPlatform(Platform):
 
         share = max(1, usable_cpus() // get_tp().local_world_size)
         torch.set_num_threads(config.device_config.num_threads or share)
+        keep_freed_memory()
 
     def capture_graphs(self, forward: Callable[..., Any], batch_sizes: list[int],
                        make_inputs: Callable[[int], dict[str, Any]],
