@@ -183,7 +183,7 @@ class AsyncLLM:
                 raise ConfigError(f"data_parallel_size: {data_parallel_size} needs the engine cores in their own "
                                   "processes (VLLITE_ENABLE_V1_MULTIPROCESSING=1)")
             return cls(LLMEngine.from_engine_args(args))
-        client = MPClient(args.create_config(), dp.size if dp is not None else data_parallel_size, dp)
+        client = MPClient(args.create_config(), dp.size if dp is not None else data_parallel_size, dp, restart)
         try:
             return cls(LLMEngine(client.info.config, core=client), restart)
         except BaseException:

@@ -11,6 +11,7 @@ lost node is seen by the link heartbeats. The API server kills its actors when i
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from typing import Any
@@ -48,15 +49,19 @@ class DataParallelRankActor:
 
 def front_end_address(layout: DataParallelLayout) -> DataParallelLayout:
     """The layout with the address the ranks connect to: --data-parallel-address, else this node's IP
-    as the Ray cluster knows it."""
+    as the Ray cluster knows it (a connection made only to ask is closed again, so that the one
+    ``RayDataParallelRanks`` makes is its own to close)."""
     if layout.address is not None:
         return layout
     from vllite_core.executor.ray_executor import _connect, _import_ray
 
     ray = _import_ray()
-    _connect(ray)
-    return DataParallelLayout(layout.size, layout.size_local, layout.start_rank, ray.util.get_node_ip_address(),
-                              layout.rpc_port, layout.headless, layout.backend)
+    connected = _connect(ray)
+    try:
+        return dataclasses.replace(layout, address=ray.util.get_node_ip_address())
+    finally:
+        if connected:
+            ray.shutdown()
 
 
 class RayDataParallelRanks:

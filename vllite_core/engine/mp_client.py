@@ -77,9 +77,10 @@ class MPClient(CoreProcesses):
     from one thread (the engine loop); sends are locked, so ``remove_lora`` may come from another."""
 
     def __init__(self, config: VlliteConfig, data_parallel_size: int = 1,
-                 dp: DataParallelLayout | None = None) -> None:
+                 dp: DataParallelLayout | None = None, restart: RestartPolicy | None = None) -> None:
         """``dp``: ranks on other nodes too (its ``size`` is the data-parallel size, ``size_local`` the
-        processes started here); without it ``data_parallel_size`` processes here."""
+        processes started here); without it ``data_parallel_size`` processes here. ``restart``: the server's
+        restart policy, which the ranks it places on a Ray cluster apply to their own engine cores (None: none)."""
         if data_parallel_size < 1:
             raise ConfigError(f"data_parallel_size: must be at least 1, got {data_parallel_size}")
         dp = dp or DataParallelLayout(data_parallel_size, data_parallel_size)
@@ -127,7 +128,7 @@ class MPClient(CoreProcesses):
                 if dp.backend == "ray":
                     from vllite_core.engine.dp_ray import RayDataParallelRanks
 
-                    self._ray_ranks = RayDataParallelRanks(config, dp, RestartPolicy())
+                    self._ray_ranks = RayDataParallelRanks(config, dp, restart or RestartPolicy(max_restarts=0))
             for e in self.engines:
                 if not e.remote:
                     self._spawn(e)
