@@ -322,13 +322,16 @@ def test_cpu_int4_linear_against_float64(m, n, k, group, asym, dtype):
 
 @pytest.mark.parametrize("m, n, k, group, asym", [(1, 5, 64, 32, True), (5, 37, 192, 96, True),
                                                   (3, 24, 256, 64, False), (8, 2048, 2048, 128, True),
-                                                  (1, 512, 2048, 128, False)])
+                                                  (1, 512, 2048, 128, False), (2, 9, 384, 32, True),
+                                                  (5, 17, 384, 96, False), (3, 11, 512, 256, True)])
 def test_cpu_int4_int8_linear_against_float64(m, n, k, group, asym):
     """csrc/wna16.cpp's int4 x int8 kernel (activations quantized per row, amax / 127), every variant this CPU
     runs: against the float64 product of its own quantized activations (float32 sums: 1e-5 of the magnitudes),
     and against x @ W.T in float64 within the int8 rounding's bound (each activation moves by at most half its
     row's step, so an output by at most step / 2 * sum |W[n, :]|); tile remainders (5 rows: 4 + 1), groups of
-    32 and 96 (a scale per half block of 64 columns), a zero row, the 1B model's shapes."""
+    32 and 96 (a scale per half block of 64 columns), a zero row, the 1B model's shapes; inner sizes that are
+    multiples of 128 take the AVX512-VNNI tiles where the variant has them (groups of 32, 96: a scale per four
+    lanes; 256: two blocks per group), the others the AVX2 ones."""
     from vllite_platform_cpu import kernels
 
     if not kernels.available():

@@ -129,7 +129,8 @@ void int4_linear(at::Tensor out, at::Tensor x, at::Tensor codes, at::Tensor scal
 // output over the groups. Rows are taken four at a time, each block's nibbles split once for the four.
 namespace {
 
-constexpr int64_t QB = 64;  // columns per block of codes (32 bytes)
+constexpr int64_t QB = 64;      // columns per block of codes (32 bytes)
+constexpr int64_t QB512 = 128;  // the same for the AVX512-VNNI tile (64 bytes)
 constexpr int64_t MT = 4;   // activation rows per tile
 
 struct QuantRows {
@@ -138,7 +139,8 @@ struct QuantRows {
   std::vector<float> qsum;     // [M, G] sum of q over each group (float: exact, |sum| < 2^24)
 };
 
-QuantRows quantize_rows(const float* x, int64_t M, int64_t K, int64_t group) {
+// qb: the columns per block of the layout (QB, or QB512 for the AVX512-VNNI tiles).
+QuantRows quantize_rows(const float* x, int64_t M, int64_t K, int64_t group, int64_t qb) {
   const int64_t G = K / group;
   QuantRows r{std::vector<int8_t>(M * K), std::vector<float>(M), std::vector<float>(M * G, 0.f)};
   for (int64_t m = 0; m < M; ++m) {
@@ -150,8 +152,8 @@ QuantRows quantize_rows(const float* x, int64_t M, int64_t K, int64_t group) {
     int8_t* qr = r.q.data() + m * K;
     for (int64_t k = 0; k < K; ++k) {
       const int v = static_cast<int>(std::nearbyint(xr[k] * inv));  // |v| <= 127 (round to nearest even)
-      const int64_t b = k / QB, j = k % QB;
-      qr[b * QB + (j & 1) * (QB / 2) + j / 2] = static_cast<int8_t>(v);
+      const int64_t b = k / qb, j = k % qb;
+      qr[b * qb + (j & 1) * (qb / 2) + j / 2] = static_cast<int8_t>(v);
       r.qsum[m * G + k / group] += static_cast<float>(v);
     }
   }
@@ -215,6 +217,58 @@ inline void row_tile(const uint8_t* codes, const float* s, const int8_t* q, int6
 }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define VLLITE_WNA16_VNNI512 1
+// The same as row_tile on 128-column blocks (64 bytes of codes: low nibbles the even columns, high nibbles the odd
+// ones), the rows' quantized blocks laid out [64 even columns | 64 odd columns]: vpdpbusd (unsigned codes x signed
+// activations, four products per int32 lane, no pair saturation) leaves in lane i the sums of columns 8i .. 8i + 7,
+// so a group that is a multiple of 128 columns takes its scale per block, and any multiple of 32 per four lanes.
+// Half of the AVX2 tile's instructions per weight (AVX-512 hosts with VNNI: Zen 4 and later, Xeons since Cascade
+// Lake).
+template <int R>
+inline void row_tile512(const uint8_t* codes, const float* s, const int8_t* q, int64_t m0, int64_t K, int64_t group,
+                        float* res) {
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+  const int8_t* qr[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm512_setzero_ps();
+    qr[r] = q + (m0 + r) * K;
+  }
+  auto dots = [&](int64_t b, __m512i* dot) {  // block b's int32 sums per row, added to dot
+    const __m512i c = _mm512_loadu_si512(codes + b * (QB512 / 2));
+    const __m512i lo = _mm512_and_si512(c, mask), hi = _mm512_and_si512(_mm512_srli_epi16(c, 4), mask);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* qb = qr[r] + b * QB512;
+      dot[r] = _mm512_dpbusd_epi32(dot[r], lo, _mm512_loadu_si512(qb));
+      dot[r] = _mm512_dpbusd_epi32(dot[r], hi, _mm512_loadu_si512(qb + QB512 / 2));
+    }
+  };
+  if (group % QB512 == 0) {
+    const int64_t per = group / QB512;
+    for (int64_t g = 0; g < K / group; ++g) {
+      __m512i dot[R];
+      for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+      for (int64_t b = g * per; b < (g + 1) * per; ++b) dots(b, dot);
+      const __m512 sg = _mm512_set1_ps(s[g]);
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), sg, acc[r]);
+    }
+  } else {  // group 32, 64, 96, ...: a scale per 32 columns (four lanes)
+    const __m512i quarter = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    for (int64_t b = 0; b < K / QB512; ++b) {
+      __m512i dot[R];
+      for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+      dots(b, dot);
+      const int64_t k = b * QB512;
+      const __m128 s4 = _mm_setr_ps(s[k / group], s[(k + 32) / group], s[(k + 64) / group], s[(k + 96) / group]);
+      const __m512 sv = _mm512_permutexvar_ps(quarter, _mm512_castps128_ps512(s4));
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), sv, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) res[r] = _mm512_reduce_add_ps(acc[r]);
+}
+#endif
+
 // The same sums without SIMD (the default variant), in the same order of groups.
 inline void row_scalar(const uint8_t* codes, const float* s, const int8_t* q, int64_t K, int64_t group, float* res) {
   float acc = 0.f;
@@ -251,7 +305,12 @@ void int4_linear_q8(at::Tensor out, at::Tensor x, at::Tensor codes, at::Tensor s
   }
   if (M == 0 || N == 0) return;
   const int64_t G = K / group;
-  const QuantRows qx = quantize_rows(x.data_ptr<float>(), M, K, group);
+#ifdef VLLITE_WNA16_VNNI512
+  const bool wide = K % QB512 == 0;  // the 128-column tiles (else the AVX2 ones, on 64-column blocks)
+#else
+  constexpr bool wide = false;
+#endif
+  const QuantRows qx = quantize_rows(x.data_ptr<float>(), M, K, group, wide ? QB512 : QB);
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -264,6 +323,16 @@ void int4_linear_q8(at::Tensor out, at::Tensor x, at::Tensor codes, at::Tensor s
       const float* zn = zp ? zp + n * G : nullptr;
       for (int64_t m0 = 0; m0 < M; m0 += MT) {
         const int64_t R = std::min(MT, M - m0);
+#ifdef VLLITE_WNA16_VNNI512
+        if (wide) {
+          switch (R) {
+            case 4: row_tile512<4>(cn, sn, qx.q.data(), m0, K, group, res); break;
+            case 3: row_tile512<3>(cn, sn, qx.q.data(), m0, K, group, res); break;
+            case 2: row_tile512<2>(cn, sn, qx.q.data(), m0, K, group, res); break;
+            default: row_tile512<1>(cn, sn, qx.q.data(), m0, K, group, res); break;
+          }
+        } else
+#endif
 #ifdef VLLITE_WNA16_AVX2
         switch (R) {
           case 4: row_tile<4>(cn, sn, qx.q.data(), m0, K, group, res); break;
