@@ -6,14 +6,15 @@
 //
 // Why: a decode step streams every weight once, and an fp8 weight is half of bf16's bytes, so the widening must
 // cost little beside the bytes saved: no dequantised copy, each code widened in registers on the way to its FMA.
-// AVX2 has no fp8 conversion. 32 codes are one load; in each int32 lane (codes 4i .. 4i + 3) each code in turn is
+// AVX2 has no fp8 conversion. 32 codes are one load (64 with AVX-512, groups permitting); in each int32 lane (codes 4i .. 4i + 3) each code in turn is
 // shifted to the top byte, then an arithmetic shift right by 4 and an AND with 0x87F00000 leave the sign at bit 31
 // and the 4 exponent and 3 mantissa bits at the top of the float's exponent and mantissa: the float whose value is
 // e4m3 * 2^-120 exactly, subnormals included (exponent 0 becomes a float subnormal of the same mantissa). So 8
 // weights cost 3 integer ops (2 for one of the four) and one FMA. To keep those tiny products normal floats, each
 // activation row is copied once per call scaled by a power of two that puts its largest value near 2^60 (and its
-// columns in the order the lanes produce: per 32-column block, column 4i + j at 8j + i); the result is scaled
-// back by 2^(120 - that power) in double: exact power-of-two scalings, the sums are those of the plain values.
+// columns in the order the lanes produce: per block of 32 (64) columns, column 4i + j at 8j + i (16j + i)); the
+// result is scaled back by 2^(120 - that power) in double: exact power-of-two scalings, the sums are those of the
+// plain values.
 // Scales are applied once per group to a float accumulator of that group's products. Activation rows are taken
 // four at a time (each group of codes widened once for the four; one row: four FMA chains), output columns in
 // chunks of 16 so a tile's activations stay in cache; N is split over threads (split_for), each computing
@@ -77,62 +78,111 @@ inline void dot_plain(const uint8_t* w, const float* x, int64_t K, int64_t k0, i
 }
 
 #ifdef VLLITE_FP8W_AVX2
-// 8 int32 lanes, each with an e4m3 code in its top byte -> 8 floats of value e4m3 * 2^-120 (see the top).
-inline __m256 widen_top(__m256i t) {
-  return _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(t, 4), _mm256_set1_epi32(0x87F00000)));
-}
+// The SIMD width the tiles run at: 8 float lanes (AVX2: a block of 32 codes per load) or 16 (AVX-512: 64 codes,
+// half the instructions per weight). In each int32 lane (codes 4i .. 4i + 3) each code in turn is shifted to the
+// top byte; widen() then leaves the float whose value is e4m3 * 2^-120 (see the top).
+struct Lanes8 {
+  using F = __m256;
+  using I = __m256i;
+  static constexpr int64_t B = 32;  // codes per load
+  static F zero() { return _mm256_setzero_ps(); }
+  static I codes(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  template <int S>
+  static F widen(I v) {
+    const I t = S ? _mm256_slli_epi32(v, S) : v;
+    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(t, 4), _mm256_set1_epi32(0x87F00000)));
+  }
+  static float sum(F v) { return hsum8(v); }
+};
+#if defined(__AVX512F__)
+struct Lanes16 {
+  using F = __m512;
+  using I = __m512i;
+  static constexpr int64_t B = 64;
+  static F zero() { return _mm512_setzero_ps(); }
+  static I codes(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  template <int S>
+  static F widen(I v) {
+    const I t = S ? _mm512_slli_epi32(v, S) : v;
+    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_srai_epi32(t, 4), _mm512_set1_epi32(0x87F00000)));
+  }
+  static float sum(F v) { return _mm512_reduce_add_ps(v); }
+};
+#endif
 
 // One output column (weight row w, scales s) for R activation rows: xq their prepared copies (stride K), x the
-// rows as given (a group's last columns short of 32), back[r] the factor that undoes row r's scaling; A chains of
-// FMAs per row (more independent sums where there are fewer rows). (Tiles of 4 columns at one row, 2 chains each,
+// rows as given (a group's last columns short of a block), back[r] the factor that undoes row r's scaling; A chains
+// of FMAs per row (more independent sums where there are fewer rows). (Tiles of 4 columns at one row, 2 chains each,
 // each column's codes prefetched, measured 7-20% slower on the Zen 3 host than this one column at a time.)
-template <int R, int A>
+template <typename V, int R, int A>
 inline void column_tile(const uint8_t* w, const float* s, const float* xq, const float* x, int64_t K, int64_t group,
                         const float* tab, const double* back, float* res) {
-  __m256 tot[R];
+  using F = typename V::F;
+  constexpr int64_t L = V::B / 4;  // lanes
+  F tot[R];
   float tail[R];
   for (int r = 0; r < R; ++r) {
-    tot[r] = _mm256_setzero_ps();
+    tot[r] = V::zero();
     tail[r] = 0.f;
   }
   for (int64_t k0 = 0, g = 0; k0 < K; k0 += group, ++g) {
     const int64_t k1 = std::min(K, k0 + group);
-    __m256 acc[R][A];
+    F acc[R][A];
     for (int r = 0; r < R; ++r)
-      for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
+      for (int a = 0; a < A; ++a) acc[r][a] = V::zero();
     int64_t k = k0;
-    for (; k + 32 <= k1; k += 32) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k));
-      const __m256 f0 = widen_top(_mm256_slli_epi32(v, 24)), f1 = widen_top(_mm256_slli_epi32(v, 16));
-      const __m256 f2 = widen_top(_mm256_slli_epi32(v, 8)), f3 = widen_top(v);
+    for (; k + V::B <= k1; k += V::B) {
+      const auto v = V::codes(w + k);
+      const F f0 = V::template widen<24>(v), f1 = V::template widen<16>(v);
+      const F f2 = V::template widen<8>(v), f3 = V::template widen<0>(v);
       for (int r = 0; r < R; ++r) {
         const float* xr = xq + r * K + k;
-        acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), f0, acc[r][0]);
-        acc[r][1 % A] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), f1, acc[r][1 % A]);
-        acc[r][2 % A] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), f2, acc[r][2 % A]);
-        acc[r][3 % A] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), f3, acc[r][3 % A]);
+        acc[r][0] = V::fma(V::load(xr), f0, acc[r][0]);
+        acc[r][1 % A] = V::fma(V::load(xr + L), f1, acc[r][1 % A]);
+        acc[r][2 % A] = V::fma(V::load(xr + 2 * L), f2, acc[r][2 % A]);
+        acc[r][3 % A] = V::fma(V::load(xr + 3 * L), f3, acc[r][3 % A]);
       }
     }
-    const __m256 sg = _mm256_set1_ps(s[g]);
+    const F sg = V::set1(s[g]);
     for (int r = 0; r < R; ++r) {
-      __m256 a = acc[r][0];
-      for (int i = 1; i < A; ++i) a = _mm256_add_ps(a, acc[r][i]);
-      tot[r] = _mm256_fmadd_ps(a, sg, tot[r]);
+      F a = acc[r][0];
+      for (int i = 1; i < A; ++i) a = V::add(a, acc[r][i]);
+      tot[r] = V::fma(a, sg, tot[r]);
     }
-    if (k < k1) {  // a group's last columns short of 32
+    if (k < k1) {  // a group's last columns short of a block
       float part[R];
       dot_plain<R>(w, x, K, k, k1, tab, part);
       for (int r = 0; r < R; ++r) tail[r] += part[r] * s[g];
     }
   }
-  for (int r = 0; r < R; ++r) res[r] = static_cast<float>(static_cast<double>(hsum8(tot[r])) * back[r]) + tail[r];
+  for (int r = 0; r < R; ++r) res[r] = static_cast<float>(static_cast<double>(V::sum(tot[r])) * back[r]) + tail[r];
 }
 
-// Each row's copy for the SIMD tiles: per 32-column block, column 4i + j at 8j + i (the order in which a block's
-// 32 codes come out of widen_top: lane i holds codes 4i .. 4i + 3), times 2^p with p chosen so that the row's
+// R rows (m0 ..) of output column n on the tiles of V: the tile for R (fewer rows, more chains).
+template <typename V>
+inline void column_tiles(int64_t R, const uint8_t* w, const float* s, const float* xq, const float* x, int64_t K,
+                         int64_t group, const float* tab, const double* back, float* res) {
+  switch (R) {
+    case 4: column_tile<V, 4, 1>(w, s, xq, x, K, group, tab, back, res); break;
+    case 3: column_tile<V, 3, 1>(w, s, xq, x, K, group, tab, back, res); break;
+    case 2: column_tile<V, 2, 2>(w, s, xq, x, K, group, tab, back, res); break;
+    default: column_tile<V, 1, 4>(w, s, xq, x, K, group, tab, back, res); break;
+  }
+}
+
+// Each row's copy for the SIMD tiles: per block of B columns, column 4i + j at (B / 4) j + i (the order in which a
+// block's codes come out of widen: lane i holds codes 4i .. 4i + 3), times 2^p with p chosen so that the row's
 // largest value is near 2^60: the products with weights of value e4m3 * 2^-120 stay normal floats. back[m]
 // = 2^(120 - p) undoes both. An exact power-of-two scaling: the sums are those of the unscaled values.
-void prepare_rows(const float* x, int64_t M, int64_t K, float* xq, double* back) {
+void prepare_rows(const float* x, int64_t M, int64_t K, int64_t B, float* xq, double* back) {
   for (int64_t m = 0; m < M; ++m) {
     const float* xr = x + m * K;
     float amax = 0.f;
@@ -140,9 +190,9 @@ void prepare_rows(const float* x, int64_t M, int64_t K, float* xq, double* back)
     const int p = amax > 0.f && std::isfinite(amax) ? 60 - std::ilogb(amax) : 0;  // up to 209: a double's
     const double f = std::ldexp(1.0, p);
     back[m] = std::ldexp(1.0, 120 - p);
-    for (int64_t b = 0; b + 32 <= K; b += 32)
-      for (int64_t i = 0; i < 8; ++i)
-        for (int64_t j = 0; j < 4; ++j) xq[m * K + b + 8 * j + i] = static_cast<float>(xr[b + 4 * i + j] * f);
+    for (int64_t b = 0; b + B <= K; b += B)
+      for (int64_t i = 0; i < B / 4; ++i)
+        for (int64_t j = 0; j < 4; ++j) xq[m * K + b + (B / 4) * j + i] = static_cast<float>(xr[b + 4 * i + j] * f);
   }
 }
 #endif
@@ -214,11 +264,17 @@ void fp8_linear_act(at::Tensor out, at::Tensor x, at::Tensor codes, at::Tensor s
   const float* tab = e4m3_values().data();
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(K, 1));  // >= 64 KiB of codes
 #ifdef VLLITE_FP8W_AVX2
-  // The SIMD tiles need every group to start on a 32-column block: groups of a multiple of 32, or one group.
+  // The SIMD tiles need every group to start on a block: groups of a multiple of the block, or one group; the
+  // 64-column blocks of AVX-512 where they do, else the 32-column ones.
   const bool simd = G == 1 || group % 32 == 0;
+#if defined(__AVX512F__)
+  const bool wide = G == 1 || group % 64 == 0;
+#else
+  constexpr bool wide = false;
+#endif
   std::vector<float> xq(simd ? M * K : 0);
   std::vector<double> back(simd ? M : 0);
-  if (simd) prepare_rows(xp, M, K, xq.data(), back.data());
+  if (simd) prepare_rows(xp, M, K, wide ? 64 : 32, xq.data(), back.data());
 #endif
   split_for(N, grain, [&](int64_t begin, int64_t end) {
     float res[FP8_MT];
@@ -234,12 +290,12 @@ void fp8_linear_act(at::Tensor out, at::Tensor x, at::Tensor codes, at::Tensor s
           if (simd) {
             const float* qm = xq.data() + m0 * K;
             const double* bm = back.data() + m0;
-            switch (R) {
-              case 4: column_tile<4, 1>(wn, sn, qm, xm, K, group, tab, bm, res); break;
-              case 3: column_tile<3, 1>(wn, sn, qm, xm, K, group, tab, bm, res); break;
-              case 2: column_tile<2, 2>(wn, sn, qm, xm, K, group, tab, bm, res); break;
-              default: column_tile<1, 4>(wn, sn, qm, xm, K, group, tab, bm, res); break;
-            }
+#if defined(__AVX512F__)
+            if (wide)
+              column_tiles<Lanes16>(R, wn, sn, qm, xm, K, group, tab, bm, res);
+            else
+#endif
+              column_tiles<Lanes8>(R, wn, sn, qm, xm, K, group, tab, bm, res);
             for (int64_t r = 0; r < R; ++r) op[(m0 + r) * N + n] = res[r];
             continue;
           }
