@@ -5,6 +5,9 @@
 // Scores and sums are float32 whatever the cache dtype; softmax is online across key chunks.
 // The cache may be float8 (e4m3fn or e5m2) under a float32 or bfloat16 query: its bytes are widened in
 // registers (cache_load), the per-layer k_scale is folded into the query and v_scale into the output.
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
 
@@ -720,6 +723,32 @@ static void run_heads(at::Tensor& out, const at::Tensor& query, const at::Tensor
                               scale, window, k_scale, v_scale, cap);
 }
 
+// Query rows from which a request's attention goes to ATen's CPU flash attention (a prefill chunk of a long prompt).
+// Its tiles multiply blocks of queries by blocks of keys as GEMMs (oneDNN's brgemm: AMX tiles where the CPU has
+// them), where run's 16-row tiles take one dot product per (row, key): on an AMX Xeon a 4,096-token prompt's attention
+// took 9.7 s of its 17.2 s prefill in run (Llama-1B shape, 2 cores), and SDPA does a layer's 2,048-row chunks in a
+// third of run's time (docs/benchmarks-notebook.md, 2026-12-07). Below this many rows run's tiles stay: the batched
+// workloads' 128-token prompts are what they were measured on.
+constexpr int64_t kFlashMinRows = 256;
+
+// Request r's rows [q0, q0 + qlen) of out: causal attention over its L cached positions (the rows are the last qlen
+// of them) through at::scaled_dot_product_attention, the keys and values gathered from the cache's blocks.
+static void flash_request(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                          const at::Tensor& value_cache, const at::Tensor& block_table, int64_t r, int64_t L,
+                          int64_t q0, int64_t qlen, double scale) {
+  const int64_t BS = key_cache.size(1), HKV = key_cache.size(2), D = key_cache.size(3), nb = (L + BS - 1) / BS;
+  const at::Tensor blocks = block_table.select(0, r).narrow(0, 0, nb).toType(at::kLong);
+  auto gather = [&](const at::Tensor& cache) {  // [1, HKV, L, D]
+    return cache.index_select(0, blocks).flatten(0, 1).narrow(0, 0, L).transpose(0, 1).unsqueeze(0);
+  };
+  const at::Tensor q = query.narrow(0, q0, qlen).transpose(0, 1).unsqueeze(0);  // [1, H, qlen, D]
+  std::optional<at::Tensor> mask;  // row i sees positions up to L - qlen + i
+  if (qlen < L) mask = at::ones({qlen, L}, query.options().dtype(at::kBool)).tril(L - qlen);
+  const at::Tensor o = at::scaled_dot_product_attention(q, gather(key_cache), gather(value_cache), mask, 0.0,
+                                                        qlen == L, scale, /*enable_gqa=*/true);
+  out.narrow(0, q0, qlen).copy_(o.squeeze(0).transpose(0, 1));
+}
+
 void paged_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                      at::Tensor block_table, at::Tensor seq_lens, at::Tensor query_start_loc, at::Tensor req_ids,
                      double scale, int64_t window, double k_scale, double v_scale, double soft_cap) {
@@ -738,6 +767,25 @@ void paged_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache, at:
   TORCH_CHECK(block_table.stride(1) == 1 && seq_lens.is_contiguous() && query_start_loc.is_contiguous()
                   && req_ids.is_contiguous(),
               "paged_attention: index tensors must be contiguous");
+  // Long prefill chunks through flash attention (the cache in the query's dtype, no window, soft-capping or scales:
+  // what SDPA computes); the other requests through run.
+  if (ct == query.scalar_type() && window <= 0 && soft_cap == 0.0 && k_scale == 1.0 && v_scale == 1.0) {
+    const int32_t* rid = req_ids.data_ptr<int32_t>();
+    const int32_t* sl = seq_lens.data_ptr<int32_t>();
+    const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+    std::vector<int32_t> rest;
+    for (int64_t j = 0; j < req_ids.size(0); ++j) {
+      const int32_t r = rid[j];
+      const int64_t qlen = qsl[r + 1] - qsl[r];
+      if (qlen >= kFlashMinRows)
+        flash_request(out, query, key_cache, value_cache, block_table, r, sl[r], qsl[r], qlen, scale);
+      else
+        rest.push_back(r);
+    }
+    if (rest.empty()) return;
+    if (static_cast<int64_t>(rest.size()) < req_ids.size(0))
+      req_ids = at::from_blob(rest.data(), {static_cast<int64_t>(rest.size())}, at::kInt).clone();
+  }
   const float ks = static_cast<float>(k_scale), vs = static_cast<float>(v_scale), cap = static_cast<float>(soft_cap);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, query.scalar_type(),
                                   "paged_attention", [&] {
