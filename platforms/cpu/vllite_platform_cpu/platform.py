@@ -189,8 +189,9 @@ def keep_freed_memory() -> bool:
     """Let glibc's malloc reuse a step's large activations instead of handing them back to the OS (once per
     process; ``VLLITE_CPU_KEEP_FREED=0``: the defaults). Above 32 MiB glibc maps every block afresh and unmaps it
     on free, so each prefill step of a 1B model (gate_up's output alone 64 MiB at 2,048 rows) took its
-    activations as new zeroed pages: 5% of its profile in the kernel's page clearing and faults, and 4-13% of its
-    wall time against these thresholds (Llama-1B shape, 2 Xeon cores, docs/benchmarks-notebook.md 2026-12-07).
+    activations as new zeroed pages: 5% of its profile in the kernel's page clearing and faults; with these
+    thresholds a quarter fewer faults and two prefill steps 6.7 -> 5.8 s (Llama-1B shape, 2 Xeon cores,
+    docs/benchmarks-notebook.md 2026-12-07).
     vLLM's CPU docs preload tcmalloc for the same reason. Returns whether the thresholds were set."""
     if os.environ.get(KEEP_FREED_ENV, "1") == "0" or sys.platform != "linux":
         return False
