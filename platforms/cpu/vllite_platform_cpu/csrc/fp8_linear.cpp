@@ -50,6 +50,10 @@ namespace {
 
 constexpr int64_t FP8_MT = 4;   // activation rows per tile
 constexpr int64_t FP8_NC = 16;  // output columns per chunk (one tile of rows runs over them before the next)
+// Bytes of codes fetched ahead of the tiles' loads: one thread's stream of weight rows runs at the hardware
+// prefetcher's pace otherwise (1B FP8-block decode on an AMX Xeon: 91 ms a token without, 81 at 1 KiB, 75 at 2 KiB,
+// 72 at 4 and 8 KiB).
+constexpr int64_t FP8_AHEAD = 4096;
 
 // Every e4m3fn byte's value (0x7F / 0xFF: NaN).
 const std::array<float, 256>& e4m3_values() {
@@ -140,6 +144,7 @@ inline void column_tile(const uint8_t* w, const float* s, const float* xq, const
       for (int a = 0; a < A; ++a) acc[r][a] = V::zero();
     int64_t k = k0;
     for (; k + V::B <= k1; k += V::B) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + k) + FP8_AHEAD, _MM_HINT_T0);
       const auto v = V::codes(w + k);
       const F f0 = V::template widen<24>(v), f1 = V::template widen<16>(v);
       const F f2 = V::template widen<8>(v), f3 = V::template widen<0>(v);
