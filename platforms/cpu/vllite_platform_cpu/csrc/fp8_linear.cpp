@@ -6,15 +6,15 @@
 //
 // Why: a decode step streams every weight once, and an fp8 weight is half of bf16's bytes, so the widening must
 // cost little beside the bytes saved: no dequantised copy, each code widened in registers on the way to its FMA.
-// AVX2 has no fp8 conversion. 32 codes are one load (64 with AVX-512, groups permitting); in each int32 lane (codes 4i .. 4i + 3) each code in turn is
-// shifted to the top byte, then an arithmetic shift right by 4 and an AND with 0x87F00000 leave the sign at bit 31
-// and the 4 exponent and 3 mantissa bits at the top of the float's exponent and mantissa: the float whose value is
-// e4m3 * 2^-120 exactly, subnormals included (exponent 0 becomes a float subnormal of the same mantissa). So 8
-// weights cost 3 integer ops (2 for one of the four) and one FMA. To keep those tiny products normal floats, each
-// activation row is copied once per call scaled by a power of two that puts its largest value near 2^60 (and its
-// columns in the order the lanes produce: per block of 32 (64) columns, column 4i + j at 8j + i (16j + i)); the
-// result is scaled back by 2^(120 - that power) in double: exact power-of-two scalings, the sums are those of the
-// plain values.
+// AVX2 has no fp8 conversion. 32 codes are one load (64 with AVX-512, groups permitting); in each int32 lane (codes
+// 4i .. 4i + 3) each code in turn is shifted to the top byte, then an arithmetic shift right by 4 and an AND with
+// 0x87F00000 leave the sign at bit 31 and the 4 exponent and 3 mantissa bits at the top of the float's exponent and
+// mantissa: the float whose value is e4m3 * 2^-120 exactly, subnormals included (exponent 0 becomes a float
+// subnormal of the same mantissa). So 8 (16) weights cost 3 integer ops (2 for one of the four) and one FMA. To
+// keep those tiny products normal floats, each activation row is copied once per call scaled by a power of two that
+// puts its largest value near 2^60 (and its columns in the order the lanes produce: per block of 32 (64) columns,
+// column 4i + j at 8j + i (16j + i)); the result is scaled back by 2^(120 - that power) in double: exact
+// power-of-two scalings, the sums are those of the plain values.
 // Scales are applied once per group to a float accumulator of that group's products. Activation rows are taken
 // four at a time (each group of codes widened once for the four; one row: four FMA chains), output columns in
 // chunks of 16 so a tile's activations stay in cache; N is split over threads (split_for), each computing
