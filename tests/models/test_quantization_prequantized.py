@@ -149,6 +149,22 @@ def test_missing_scale_tensor_is_named(tmp_path_factory, tokenizer_dir):
         LLM(model=str(folder), dtype="float32", num_threads=1)
 
 
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc/self/maps")
+@pytest.mark.parametrize("name", ["fp8_block", "w8a8_int8_dynamic"])
+def test_loaded_model_does_not_keep_the_checkpoint_mapped(name, tmp_path_factory, tokenizer_dir):
+    """Layers whose codes are the checkpoint's bytes as stored (fp8, int8) own a copy once loaded: safetensors
+    hands out views of the file's mapping, and a kept view kept the whole file mapped and resident (the process's
+    RSS then counted the file on top of the weights' copies)."""
+    from vllite_core import LLM, SamplingParams
+
+    folder = _folder(tmp_path_factory, tokenizer_dir, name)
+    llm = LLM(model=folder, dtype="float32", num_threads=1)
+    weights = str(Path(folder) / "model.safetensors")
+    assert not [line for line in Path("/proc/self/maps").read_text().splitlines() if line.endswith(weights)]
+    out = llm.generate([{"prompt_token_ids": [3, 40, 9]}], SamplingParams(temperature=0, max_tokens=2))
+    assert len(out[0].outputs[0].token_ids) == 2
+
+
 FP8_BLOCK = 32  # the fixture's block (Qwen3-FP8 and DeepSeek-V3 use 128x128; the tiny model is 64 wide)
 
 
@@ -268,11 +284,10 @@ def test_gptq_desc_act_layer_against_formula(bits):
     lin = ReplicatedLinear(k, n, bias=True, dtype=torch.float32)
     method = PrequantLinearMethod(GPTQFormat(bits, group), {None: "proj"}, "proj")
     method.create_weights(lin)
-    for suffix, t in parts.items():
+    for suffix, t in parts.items():  # the last one repacks the layer
         getattr(lin, suffix).weight_loader(None, t, None, f"proj.{suffix}")
     lin.bias.data.copy_(torch.randn(n, generator=g))
-    method.process_weights_after_loading(lin)
-    assert method.weight is not None and method.weight.perm is not None and method.weight.group == group
+    assert method.done and method.weight is not None and method.weight.perm is not None and method.weight.group == group
     gi = g_idx.long()
     w = (codes.double().T - (zeros.double().T[:, gi] + 1)) * scales.double().T[:, gi]
     x = torch.randn(5, k, generator=g)

@@ -11,6 +11,7 @@ import torch
 from vllite_core.attention.kv_quant import configure_kv_scales
 from vllite_core.config import ConfigError, VlliteConfig
 from vllite_core.core.sched_output import SchedulerOutput
+from vllite_core.engine.heap_trim import trim_heap
 from vllite_core.executor.wrapper import ModelFacts
 from vllite_core.platforms.interface import Platform
 from vllite_core.worker.model_runner import ModelRunner, ModelRunnerOutput
@@ -80,6 +81,9 @@ class Worker:
             model = load_model(source, hf_config, model_cls, backend, dtype, self.device,
                                quantization=self.config.model_config.quantization)
         model.eval()
+        # The loader's transient copies (checkpoint tensors, unpacked codes) are freed now; the C library keeps
+        # freed heap pages (the CPU platform raises its trim threshold for activations' sake) unless asked.
+        trim_heap()
         logger.info("loaded %s (%s, %s) in %.1fs, attention backend %s, model ops %s", architecture, dtype,
                     self.platform.name, time.perf_counter() - t0, backend.name, ops.name)
         from vllite_core.sample.logits_processor import load_logits_processors

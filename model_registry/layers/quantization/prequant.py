@@ -69,6 +69,7 @@ class PrequantLinearMethod(LinearMethod):
         self.checkpoint_names = checkpoint_names  # shard -> the checkpoint's layer name (for errors)
         self.parts: dict[str | None, dict[str, torch.Tensor]] = {}
         self.weight: QuantWeight | None = None
+        self.done = False  # repacked (process_weights_after_loading ran)
 
     # ---- before loading --------------------------------------------------------------------------------
 
@@ -77,16 +78,23 @@ class PrequantLinearMethod(LinearMethod):
         layer.register_parameter("weight", None)  # the repacked codes take its place after loading
         for suffix in self.fmt.tensors:
             p = nn.Parameter(torch.empty(0), requires_grad=False)
-            p.weight_loader = self._collector(suffix)  # type: ignore[attr-defined]
+            p.weight_loader = self._collector(suffix, layer)  # type: ignore[attr-defined]
             layer.register_parameter(suffix, p)
         layer.quant_method = self
 
-    def _collector(self, suffix: str) -> Callable[[torch.Tensor, torch.Tensor, str | None, str], None]:
+    def _collector(self, suffix: str,
+                   layer: LinearBase) -> Callable[[torch.Tensor, torch.Tensor, str | None, str], None]:
         def collect(param: torch.Tensor, src: torch.Tensor, shard: str | None, name: str) -> None:
             if shard is None and len(self.checkpoint_names) > 1:
                 raise ConfigError(f"weight {name}: a stacked pre-quantized tensor is not supported; the checkpoint "
                                   f"must hold {', '.join(str(s) for s in self.checkpoint_names)} separately")
+            if self.done:
+                raise ConfigError(f"weight {name}: the checkpoint gives it twice")
             self.parts.setdefault(shard, {})[suffix] = src
+            # Repacked as soon as its last tensor arrives: the checkpoint's copies of one layer at a time are
+            # held (the file's pages are let go as loading moves on), not the whole file's until the end.
+            if all(set(self.fmt.tensors) <= set(self.parts.get(s, ())) for s in self.checkpoint_names):
+                self.process_weights_after_loading(layer)
         return collect
 
     # ---- after loading ---------------------------------------------------------------------------------
@@ -112,16 +120,20 @@ class PrequantLinearMethod(LinearMethod):
         c = pieces[0] if len(pieces) == 1 else _stack(pieces, self.checkpoint_names)
         if isinstance(layer, RowParallelLinear) and layer.in_range != (0, layer.in_features):
             c = _columns(c, *layer.in_range, self.checkpoint_names[None])
+        sources = [t for shard in self.parts.values() for t in shard.values()]
         for suffix in self.fmt.tensors:
             delattr(layer, suffix)
         self.parts = {}
+        self.done = True
         if self.fmt.int8_rows():
             from model_registry.layers.quantization.int8 import Int8LinearMethod
 
-            layer.weight = nn.Parameter(c.codes.to(torch.int8).contiguous(), requires_grad=False)
-            layer.set_quant_method(Int8LinearMethod(c.scales.reshape(-1).float().contiguous()))
+            layer.weight = nn.Parameter(_owned(c.codes.to(torch.int8).contiguous(), sources), requires_grad=False)
+            layer.set_quant_method(Int8LinearMethod(_owned(c.scales.reshape(-1).float().contiguous(), sources)))
             return
-        self.weight = _repack(c, self.fmt)
+        w = _repack(c, self.fmt)
+        self.weight = replace(w, codes=_owned(w.codes, sources), scales=_owned(w.scales, sources),
+                              zeros=None if w.zeros is None else _owned(w.zeros, sources))
         layer.weight = nn.Parameter(self.weight.codes, requires_grad=False)
         layer.set_quant_method(self)
 
@@ -131,6 +143,13 @@ class PrequantLinearMethod(LinearMethod):
 
     def weight_bytes(self, layer: LinearLike) -> int:
         return 0 if self.weight is None else self.weight.nbytes()
+
+
+def _owned(t: torch.Tensor, sources: list[torch.Tensor]) -> torch.Tensor:
+    """``t``, copied when it shares memory with a checkpoint tensor: safetensors hands out views of the file's
+    mapping, and one kept view keeps the whole file mapped (resident pages the process's RSS counts)."""
+    ptr = t.untyped_storage().data_ptr()
+    return t.clone() if any(s.untyped_storage().data_ptr() == ptr for s in sources) else t
 
 
 def _check(c: Canonical, rows: int, cols: int, name: str) -> None:

@@ -6,7 +6,8 @@
 for with a checkpoint that was not quantized so.
 
 ``prepare`` runs before the weights stream in (each quantized linear layer gets its format's placeholders,
-``prequant.PrequantLinearMethod``), ``finish`` after (each repacks once). A layer is matched by its checkpoint
+``prequant.PrequantLinearMethod``, which repacks the layer once its last tensor has arrived), ``finish`` after
+(a layer still waiting for a tensor is an error naming it). A layer is matched by its checkpoint
 names: a fused layer (``qkv_proj``, ``gate_up_proj``) by its shards' names, which must share one scheme.
 """
 from __future__ import annotations
@@ -138,7 +139,8 @@ def finish(prepared: list[tuple[LinearBase, PrequantLinearMethod]], method: str)
     names of the weights that now hold the codes (loaded, for the loader's check)."""
     after, names = 0, set()
     for layer, m in prepared:
-        m.process_weights_after_loading(layer)
+        if not m.done:  # some tensor never arrived: named by process_weights_after_loading's error
+            m.process_weights_after_loading(layer)
         after += layer.quant_method.weight_bytes(layer)
         names.add(m.module_name + ".weight")
     logger.info("quantization %s (from the checkpoint): %d linear layers, weights %.1f MiB", method, len(prepared),
