@@ -225,9 +225,11 @@ def _ref_paged(q, kc, vc, table, seq, starts, scale, window):
     (64, 9, 3, [1, 17], [200, 40], 30),  # sliding window
     (64, 9, 3, [1] * 40, [100] * 40, 0),  # many tiles: all KV heads per task
     # rows >= kFlashMinRows (256): ATen's flash attention, a whole prompt (causal) and a chunk after 344 cached
-    # positions (the mask's offset) beside a decode row and a short prefill on run's tiles; with a window: run's
+    # positions (two calls merged by log-sum-exp) beside a decode row and a short prefill on run's tiles; a chunk
+    # after more positions than it has rows; with a window: run's
     (64, 8, 2, [1, 300, 256, 20], [900, 300, 600, 40], 0),
     (128, 8, 2, [260], [260], 0),
+    (128, 8, 2, [270], [1100], 0),
     (64, 9, 3, [300], [500], 64),
 ])
 def test_paged_attention(name, dtype, head_size, heads, kv_heads, q_lens, s_lens, window):

@@ -6,8 +6,8 @@
 // The cache may be float8 (e4m3fn or e5m2) under a float32 or bfloat16 query: its bytes are widened in
 // registers (cache_load), the per-layer k_scale is folded into the query and v_scale into the output.
 #include <ATen/ops/from_blob.h>
-#include <ATen/ops/ones.h>
-#include <ATen/ops/scaled_dot_product_attention.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
+#include <ATen/ops/logaddexp.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
 
@@ -732,20 +732,36 @@ static void run_heads(at::Tensor& out, const at::Tensor& query, const at::Tensor
 constexpr int64_t kFlashMinRows = 256;
 
 // Request r's rows [q0, q0 + qlen) of out: causal attention over its L cached positions (the rows are the last qlen
-// of them) through at::scaled_dot_product_attention, the keys and values gathered from the cache's blocks.
+// of them) through ATen's CPU flash attention, the keys and values gathered from the cache's blocks. A chunk after
+// cached positions is two calls: every row over the P = L - qlen earlier positions (no mask), and the chunk's own
+// positions causally (a square: the kernel skips the blocks above the diagonal); the two outputs are merged by their
+// log-sum-exps. One call with a [qlen, L] mask computed every masked block and read the mask in each: a 2,048-row
+// chunk after 2,048 positions took 128 ms a layer against 87 split (Llama-1B heads, 2 threads, AMX Xeon).
 static void flash_request(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                           const at::Tensor& value_cache, const at::Tensor& block_table, int64_t r, int64_t L,
                           int64_t q0, int64_t qlen, double scale) {
-  const int64_t BS = key_cache.size(1), HKV = key_cache.size(2), D = key_cache.size(3), nb = (L + BS - 1) / BS;
+  const int64_t BS = key_cache.size(1), nb = (L + BS - 1) / BS, P = L - qlen;
   const at::Tensor blocks = block_table.select(0, r).narrow(0, 0, nb).toType(at::kLong);
   auto gather = [&](const at::Tensor& cache) {  // [1, HKV, L, D]
     return cache.index_select(0, blocks).flatten(0, 1).narrow(0, 0, L).transpose(0, 1).unsqueeze(0);
   };
   const at::Tensor q = query.narrow(0, q0, qlen).transpose(0, 1).unsqueeze(0);  // [1, H, qlen, D]
-  std::optional<at::Tensor> mask;  // row i sees positions up to L - qlen + i
-  if (qlen < L) mask = at::ones({qlen, L}, query.options().dtype(at::kBool)).tril(L - qlen);
-  const at::Tensor o = at::scaled_dot_product_attention(q, gather(key_cache), gather(value_cache), mask, 0.0,
-                                                        qlen == L, scale, /*enable_gqa=*/true);
+  const at::Tensor k = gather(key_cache), v = gather(value_cache);
+  // Positions [from, from + n): (output [1, H, qlen, D], log-sum-exp [1, H, qlen] float32).
+  auto flash = [&](int64_t from, int64_t n, bool causal) {
+    return at::_scaled_dot_product_flash_attention_for_cpu(q, k.narrow(2, from, n), v.narrow(2, from, n), 0.0, causal,
+                                                           std::nullopt, scale);
+  };
+  at::Tensor o;
+  if (P == 0) {
+    o = std::get<0>(flash(0, L, true));
+  } else {
+    const auto [o1, l1] = flash(0, P, false);   // the earlier positions
+    const auto [o2, l2] = flash(P, qlen, true);  // the chunk's own, causally
+    const at::Tensor lse = at::logaddexp(l1, l2);
+    o = o1.to(at::kFloat).mul_(l1.sub(lse).exp_().unsqueeze(-1))
+            .add_(o2.to(at::kFloat).mul_(l2.sub(lse).exp_().unsqueeze(-1)));
+  }
   out.narrow(0, q0, qlen).copy_(o.squeeze(0).transpose(0, 1));
 }
 
