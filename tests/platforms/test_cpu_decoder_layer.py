@@ -287,22 +287,23 @@ def make_model(name: str, dtype: torch.dtype, quant: str, ops: ModelOps, layers:
     return model
 
 
-def make_model_step(model: LlamaModel, rows: int, seed: int = 1, reqs: list[tuple[int, int]] | None = None):
+def make_model_step(model: LlamaModel, rows: int, seed: int = 1, reqs: list[tuple[int, int]] | None = None,
+                    blocks: int = 64):
     """(input ids, positions, per-layer caches, per-layer metadata) of one step (STEPS[rows], or `reqs` of that
-    many rows). Layers 0 and 2 share one metadata object (one cache group), layer 1 has its own with other blocks
-    (a second group)."""
+    many rows; caches of `blocks` blocks, half of them free for each group). Layers 0 and 2 share one metadata
+    object (one cache group), layer 1 has its own with other blocks (a second group)."""
     g = torch.Generator().manual_seed(seed)
     reqs = reqs or STEPS[rows]
     mds = []
     for _ in range(2):
-        free = torch.randperm(64, generator=g)[:32].tolist()
+        free = torch.randperm(blocks, generator=g)[:blocks // 2].tolist()
         tables = [[free.pop() for _ in range(-(-s // BLOCK))] for _, s in reqs]
         mds.append(build_metadata([q for q, _ in reqs], [s for _, s in reqs], tables, BLOCK))
     positions = torch.cat([torch.arange(s - q, s) for q, s in reqs])
     ids = torch.randint(0, model.embed_tokens.weight.shape[0], (rows,), generator=g)
     attn = model.layers[0].self_attn
-    caches = [torch.randn(2, 64, BLOCK, attn.num_kv_heads, attn.head_size, generator=g).to(model.norm.weight.dtype)
-              for _ in model.layers]
+    caches = [torch.randn(2, blocks, BLOCK, attn.num_kv_heads, attn.head_size, generator=g)
+              .to(model.norm.weight.dtype) for _ in model.layers]
     return ids, positions, caches, [mds[0], mds[1], mds[0]][:len(model.layers)]
 
 
@@ -353,6 +354,31 @@ def test_native_stack_is_the_layers_one_by_one_bit_for_bit(variant, case, rows, 
     assert torch.equal(got, want), "hidden states differ"
     for i, (a, b) in enumerate(zip(got_caches, want_caches)):
         assert torch.equal(a, b), f"layer {i}'s cache differs"
+
+
+@pytest.mark.parametrize("case", [("llama", torch.bfloat16, "plain"), ("qwen2", torch.float32, "plain")],
+                         ids=lambda c: f"{c[0]}-{str(c[1])[6:]}")
+def test_native_stack_team_splits_long_attention_bit_for_bit(variant, case):
+    """A decode step of a few rows over a long context (query rows x positions x heads >= 32,768): inside the
+    stack's team the attention's tasks split over the threads too (csrc/attention.cpp), and each row's result is
+    the per-layer calls' (where attention ran under at::parallel_for)."""
+    name, dtype, quant = case
+    ops = platform_ops()
+    model = make_model(name, dtype, quant, ops)
+    if not takes_native(ops, model.layers[0], quant, dtype, 3):
+        return
+    step = make_model_step(model, 3, reqs=[(1, 8300), (2, 8250)], blocks=8448)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got, got_caches, calls = run_model(model, step, stack=True)
+        want, want_caches, _ = run_model(model, step, stack=False)
+    finally:
+        torch.set_num_threads(before)
+    assert calls == 1
+    assert torch.equal(got, want), "hidden states differ"
+    for a, b in zip(got_caches, want_caches):
+        assert torch.equal(a, b)
 
 
 def test_split_step_cuts_at_requests_into_shares_of_equal_work(variant):

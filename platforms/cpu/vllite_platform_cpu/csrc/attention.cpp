@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "common.h"
+#include "team.h"
 
 namespace vllite_cpu {
 namespace VLLITE_CPU_ISA {
@@ -578,7 +579,7 @@ static void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_
       }
   }
   const int64_t ntasks = static_cast<int64_t>(task_item.size());
-  at::parallel_for(0, ntasks, work < 32768 ? std::max<int64_t>(ntasks, 1) : 1, [&](int64_t begin, int64_t end) {
+  auto body = [&](int64_t begin, int64_t end) {
     std::vector<float> qf, acc, mx, total, scores;
     DecodeScratch dscratch;
     std::vector<const cache_t*> krow(KC * HG), vrow(KC * HG);           // [head][key] -> cache row
@@ -702,7 +703,14 @@ static void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_
             for (int64_t d = 0; d < D; ++d) op[d] = static_cast<scalar_t>(acc[st * D + d] * inv);
           }
     }
-  });
+  };
+  // Inside llama_decoder_stack's team (a decode step of 1-4 rows) the tasks split over it: at::parallel_for runs
+  // inline there, which left a long context's attention on one thread while the other spun (batch 1 at 4,000
+  // positions: 10% of the step on the master alone). Each task's output is its own, whoever computes it.
+  if (work >= 32768 && current_team != nullptr)
+    current_team->split(ntasks, body);
+  else
+    at::parallel_for(0, ntasks, work < 32768 ? std::max<int64_t>(ntasks, 1) : 1, body);
 }
 
 // One instantiation per head size with a vector path (64, 128) and the generic one.
