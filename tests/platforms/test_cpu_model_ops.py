@@ -317,13 +317,14 @@ def amx(request):
 
 @needs_bf16_gemm
 @pytest.mark.parametrize("rows", [1, 4, 11, 12, 13, 16, 17, 33, 64, 121, 250, 300])
-@pytest.mark.parametrize("shape", [(49, 78), (960, 576), (33, 2), (47, 96), (80, 64)])
+@pytest.mark.parametrize("shape", [(49, 78), (960, 576), (33, 2), (47, 96), (80, 64), (40, 8192)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_bf16_gemm_matches_float64(rows, shape, bias, threads, amx):
     # Every tile height (1-12 rows of vdpbf16ps, 1-32 of AMX tiles (one or two A tiles), their row blocks and
     # remainders), partial 32-column panels, K of one pair (vdpbf16ps only: AMX takes K in steps of 32); from 256
-    # rows the 64-column tiles (a partial second panel; 80 columns: a last panel alone). The
+    # rows the 64-column tiles (a partial second panel; 80 columns: a last panel alone); K = 8,192: AMX tasks of 64
+    # rows (amx::rows_per_task). The
     # reference is float64 arithmetic on the same bf16 values; the kernel's float32 sums (plus the float32 bias)
     # are rounded once to bf16, so each output is within a bf16 rounding of the exact value.
     n, k = shape

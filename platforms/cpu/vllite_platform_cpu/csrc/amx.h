@@ -39,6 +39,14 @@ constexpr int64_t MR = 32;            // rows per tile: two A tiles of 16
 constexpr int64_t kStepBytes = 2048;  // panel bytes per step of k: 16 rows of 128 bytes
 constexpr int64_t MC = 256;           // rows per task: a 256-row block of x stays in L2 (K = 1536 bf16: 768 KiB)
 
+// Rows per task for rows of x of `row_bytes` each: MC, fewer (a multiple of MR) where MC rows pass 1 MiB, so a
+// task's rows stay in L2 while it runs over the panels. Llama-1B's down_proj (K = 8,192 bf16: 256 rows are 4 MiB)
+// at 2,048 rows on an AMX Xeon: 1,451-1,471 GFLOP/s at 256 rows a task, 1,698-1,760 at 64, 1,517 at 128, 1,551 at
+// 32 (benchmarks/gemm_shapes.py). Each tile still sums over the whole of K: the results do not change.
+inline int64_t rows_per_task(int64_t row_bytes) {
+  return std::clamp<int64_t>((int64_t{1} << 20) / std::max<int64_t>(row_bytes, 1) / MR * MR, MR, MC);
+}
+
 enum class Dot { bf16, int8 };
 
 // This thread's tile configuration for tiles of `rows` rows (1-32), loaded when it changes, and released (the tile
@@ -78,8 +86,8 @@ void sums(Dot dot, const uint8_t* A, int64_t lda, int64_t rows, const uint8_t* B
 // f(m, rows, p, n0, ncols, stream) over an M x N GEMM's (row block, panel) tiles of up to 32 rows, split
 // over the threads (or the decode step's team) as for_panel_tiles does, each part with its own tile configuration.
 template <typename F>
-inline void for_tiles(int64_t M, int64_t N, const F& f) {
-  const PanelTasks tasks(M, N, NB, MC);
+inline void for_tiles(int64_t M, int64_t N, const F& f, int64_t mc = MC) {
+  const PanelTasks tasks(M, N, NB, mc);
   split_for(tasks.count, 1, [&](int64_t b, int64_t e) {
     Tiles tiles;
     for (int64_t t = b; t < e; ++t)

@@ -762,7 +762,7 @@ void bf16_gemm(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at
   if (use_amx(K)) {
     amx::for_tiles(M, N, [&](int64_t m, int64_t rows, int64_t p, int64_t n0, int64_t ncols, bool stream) {
       amx_tile(A + m * K, K, rows, B + p * Kp * NB * 2, C + m * N + n0, N, bp ? bp + n0 : nullptr, ncols, stream);
-    });
+    }, amx::rows_per_task(2 * K));
     return;
   }
 #endif
