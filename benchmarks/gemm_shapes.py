@@ -1,5 +1,6 @@
 """GFLOP/s of one bf16 GEMM per shape: the CPU platform's own (csrc/gemm.cpp: AMX tiles where the CPU has them, else
-vdpbf16ps) against oneDNN's through torch (``F.linear``, and its prepacked ``mkldnn._linear_pointwise``).
+vdpbf16ps) against oneDNN's through torch (``F.linear``, and its prepacked ``mkldnn._linear_pointwise``); and the
+platform's W8A8 int8 GEMM (csrc/quant.cpp: the rows quantized, int32 sums, scaled back) in GOP/s where built.
 
     .venv/bin/python benchmarks/gemm_shapes.py [--rows 2048] [--threads 2] [--shapes 16384x2048 2048x8192 ...]
 
@@ -40,8 +41,9 @@ def main() -> None:
 
     own = kernels.bf16_gemm_available()
     print(f"rows {a.rows}, threads {torch.get_num_threads()}; GFLOP/s")
-    print("| N x K | vllite bf16 GEMM | oneDNN F.linear | oneDNN prepacked |")
-    print("|---|---|---|---|")
+    int8 = kernels.int8_gemm_available()
+    print("| N x K | vllite bf16 GEMM | oneDNN F.linear | oneDNN prepacked | vllite int8 GEMM |")
+    print("|---|---|---|---|---|")
     for shape in a.shapes:
         n, k = (int(v) for v in shape.split("x"))
         g = torch.Generator().manual_seed(0)
@@ -59,6 +61,13 @@ def main() -> None:
         prepacked = torch.ops.mkldnn._reorder_linear_weight(w, a.rows)
         cells.append(flop / best_seconds(lambda: torch.ops.mkldnn._linear_pointwise(x, prepacked, None, "none", [], ""),
                                          a.rounds) / 1e9)
+        if int8:
+            packed8 = kernels.int8_gemm_pack(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g),
+                                             torch.rand(n, generator=g) * 0.01)
+            out = torch.empty(a.rows, n, dtype=torch.bfloat16)
+            cells.append(flop / best_seconds(lambda: kernels.int8_gemm(out, x, packed8, None), a.rounds) / 1e9)
+        else:
+            cells.append(float("nan"))
         print(f"| {shape} | " + " | ".join(f"{c:,.0f}" for c in cells) + " |", flush=True)
 
 

@@ -501,12 +501,13 @@ needs_int8_gemm = pytest.mark.skipif(not kernels.int8_gemm_available(), reason="
 
 @needs_int8_gemm
 @pytest.mark.parametrize("rows", [1, 4, 11, 12, 13, 16, 17, 33, 64, 121, 250, 300])
-@pytest.mark.parametrize("shape", [(49, 76), (960, 576), (33, 4), (47, 128)])
+@pytest.mark.parametrize("shape", [(49, 76), (960, 576), (33, 4), (47, 128), (40, 8192)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_int8_gemm_is_the_separate_passes_bit_for_bit(rows, shape, dtype, threads, amx):
     # Every tile height (1-12 rows of vpdpbusd, 1-32 of AMX tiles, their row blocks and remainders), partial
-    # 32-column panels, K of one quad (vpdpbusd only: AMX takes K in steps of 64); inputs large enough
+    # 32-column panels, K of one quad (vpdpbusd only: AMX takes K in steps of 64; K = 8,192: AMX tasks of 128 rows,
+    # amx::rows_per_task); inputs large enough
     # that the unsigned offset and its compensation matter (|q| up to 127). The
     # int32 sums are exact, the epilogue dequantize_int32's: equal bit for bit to the separate passes, and
     # within float32 rounding of the float64 formula.

@@ -42,7 +42,8 @@ constexpr int64_t MC = 256;           // rows per task: a 256-row block of x sta
 // Rows per task for rows of x of `row_bytes` each: MC, fewer (a multiple of MR) where MC rows pass 1 MiB, so a
 // task's rows stay in L2 while it runs over the panels. Llama-1B's down_proj (K = 8,192 bf16: 256 rows are 4 MiB)
 // at 2,048 rows on an AMX Xeon: 1,451-1,471 GFLOP/s at 256 rows a task, 1,698-1,760 at 64, 1,517 at 128, 1,551 at
-// 32 (benchmarks/gemm_shapes.py). Each tile still sums over the whole of K: the results do not change.
+// 32 (benchmarks/gemm_shapes.py); the int8 GEMM's quantized rows (K bytes) 3,198 -> 3,646-3,905 GOP/s at 128. Each
+// tile still sums over the whole of K: the results do not change.
 inline int64_t rows_per_task(int64_t row_bytes) {
   return std::clamp<int64_t>((int64_t{1} << 20) / std::max<int64_t>(row_bytes, 1) / MR * MR, MR, MC);
 }

@@ -380,7 +380,7 @@ void int8_gemm(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at
         const int8_t* panel = B + p * (K * NB + TAIL);
         amx::sums(amx::Dot::int8, A + m * K, K, rows, reinterpret_cast<const uint8_t*>(panel), K / 64, acc, stream);
         scale_back(acc, rows, panel, K4, xs + m, C + m * N + n0, N, bp ? bp + n0 : nullptr, ncols);
-      });
+      }, amx::rows_per_task(K));
       return;
     }
 #endif
