@@ -342,7 +342,11 @@ def test_native_stack_is_the_layers_one_by_one_bit_for_bit(variant, case, rows, 
     model = make_model(name, dtype, quant, ops)
     if not takes_native(ops, model.layers[0], quant, dtype, rows):
         return  # the layers decline here (test_native_layer_is_the_python_path_bit_for_bit)
-    step = make_model_step(model, rows)
+    assert_stack_is_the_layers(model, make_model_step(model, rows), threads)
+
+
+def assert_stack_is_the_layers(model: LlamaModel, step, threads: int) -> None:
+    """The step through the one-call stack on `threads` threads gives the layers' outputs and caches bit for bit."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -367,18 +371,7 @@ def test_native_stack_team_splits_long_attention_bit_for_bit(variant, case):
     model = make_model(name, dtype, quant, ops)
     if not takes_native(ops, model.layers[0], quant, dtype, 3):
         return
-    step = make_model_step(model, 3, reqs=[(1, 8300), (2, 8250)], blocks=8448)
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        got, got_caches, calls = run_model(model, step, stack=True)
-        want, want_caches, _ = run_model(model, step, stack=False)
-    finally:
-        torch.set_num_threads(before)
-    assert calls == 1
-    assert torch.equal(got, want), "hidden states differ"
-    for a, b in zip(got_caches, want_caches):
-        assert torch.equal(a, b)
+    assert_stack_is_the_layers(model, make_model_step(model, 3, reqs=[(1, 8300), (2, 8250)], blocks=8448), 2)
 
 
 def test_split_step_cuts_at_requests_into_shares_of_equal_work(variant):
