@@ -323,8 +323,8 @@ def amx(request):
 def test_bf16_gemm_matches_float64(rows, shape, bias, threads, amx):
     # Every tile height (1-12 rows of vdpbf16ps, 1-32 of AMX tiles (one or two A tiles), their row blocks and
     # remainders), partial 32-column panels, K of one pair (vdpbf16ps only: AMX takes K in steps of 32); from 256
-    # rows the 64-column tiles (a partial second panel; 80 columns: a last panel alone); K = 8,192: AMX tasks of 64
-    # rows (amx::rows_per_task). The
+    # rows the 64-column tiles (a partial second panel; 80 columns: a last panel alone); K = 8,192: AMX sums in
+    # blocks of K (over all of a row block's panels from 33 rows). The
     # reference is float64 arithmetic on the same bf16 values; the kernel's float32 sums (plus the float32 bias)
     # are rounded once to bf16, so each output is within a bf16 rounding of the exact value.
     n, k = shape
@@ -344,11 +344,13 @@ def test_bf16_gemm_matches_float64(rows, shape, bias, threads, amx):
 
 
 @needs_bf16_gemm
-def test_bf16_gemm_row_does_not_depend_on_the_batch(amx):
-    """A row's output is the same alone and among 299 others (its sums in the same order whatever the tile), so
-    a request's tokens do not depend on what it is batched with."""
+@pytest.mark.parametrize("k", [576, 8192])
+def test_bf16_gemm_row_does_not_depend_on_the_batch(amx, k):
+    """A row's output is the same alone and among 299 others (its sums in the same order whatever the tile; K =
+    8,192 on AMX: 300 rows take the blocks of K over all panels, one row each tile's blocks in turn), so a request's
+    tokens do not depend on what it is batched with."""
     g = torch.Generator().manual_seed(1)
-    x, w = torch.randn(300, 576, generator=g).bfloat16(), torch.randn(200, 576, generator=g).bfloat16()
+    x, w = torch.randn(300, k, generator=g).bfloat16(), torch.randn(200, k, generator=g).bfloat16()
     packed, b = kernels.bf16_gemm_pack(w), torch.randn(200, generator=g)
     whole = torch.empty(300, 200, dtype=torch.bfloat16)
     kernels.bf16_gemm(whole, x, packed, b)

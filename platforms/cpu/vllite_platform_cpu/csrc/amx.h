@@ -40,10 +40,10 @@ constexpr int64_t kStepBytes = 2048;  // panel bytes per step of k: 16 rows of 1
 constexpr int64_t MC = 256;           // rows per task: a 256-row block of x stays in L2 (K = 1536 bf16: 768 KiB)
 
 // Rows per task for rows of x of `row_bytes` each: MC, fewer (a multiple of MR) where MC rows pass 1 MiB, so a
-// task's rows stay in L2 while it runs over the panels. Llama-1B's down_proj (K = 8,192 bf16: 256 rows are 4 MiB)
-// at 2,048 rows on an AMX Xeon: 1,451-1,471 GFLOP/s at 256 rows a task, 1,698-1,760 at 64, 1,517 at 128, 1,551 at
-// 32 (benchmarks/gemm_shapes.py); the int8 GEMM's quantized rows (K bytes) 3,198 -> 3,646-3,905 GOP/s at 128. Each
-// tile still sums over the whole of K: the results do not change.
+// task's rows stay in L2 while it runs over the panels. The int8 GEMM's down_proj at Llama-1B's shape (K = 8,192
+// quantized bytes a row) at 2,048 rows on an AMX Xeon: 3,198 -> 3,646-3,905 GOP/s at 128 rows a task
+// (benchmarks/gemm_shapes.py); each tile still sums over the whole of K, so the results do not change. (The bf16
+// GEMM measured 1,451-1,497 -> 1,698-1,760 GFLOP/s at 64 rows; it now blocks K instead: gemm.cpp, kAmxKBlock.)
 inline int64_t rows_per_task(int64_t row_bytes) {
   return std::clamp<int64_t>((int64_t{1} << 20) / std::max<int64_t>(row_bytes, 1) / MR * MR, MR, MC);
 }

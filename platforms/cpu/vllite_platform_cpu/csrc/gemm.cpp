@@ -670,20 +670,78 @@ static inline bool use_amx(int64_t K) {
 }
 
 #ifdef VLLITE_AMX
-// C[0:rows, 0:ncols] (bfloat16, ldc apart) = A[0:rows, 0:K] @ one panel + bias through the tiles (configured for
-// `rows`): their float32 sums get the bias and are rounded once to bfloat16, as tile's are.
-static void amx_tile(const uint16_t* A, int64_t K, int64_t rows, const uint16_t* panel, uint16_t* C, int64_t ldc,
-                     const float* bias, int64_t ncols, bool stream) {
-  alignas(64) float sums[amx::MR][amx::NB];
-  amx::sums(amx::Dot::bf16, reinterpret_cast<const uint8_t*>(A), K * 2, rows,
-            reinterpret_cast<const uint8_t*>(panel), K / 32, sums, stream);
+// The tiles sum K in blocks of this many columns, each block's float32 sums added to the block before's in order:
+// the same numbers whatever the loop order, so bf16_gemm can run a task's blocks of K over all its panels while the
+// rows' block of x stays in L2 (amx_k_blocked) and a tile alone (amx_tile) gets the same result. Llama-1B's
+// down_proj (K = 8,192) at 2,048 rows on an AMX Xeon: 1,711-1,744 GFLOP/s panel by panel (64-row tasks), 2,207-2,239
+// in blocks of 2,048 (1,741-1,832 in blocks of 4,096; oneDNN 2,055-2,203), benchmarks/gemm_shapes.py.
+constexpr int64_t kAmxKBlock = 2048;
+
+// Rows [0, rows) x one panel's 32 columns of A[:, kb:kb + kc] @ panel, added to acc ([rows][32] float32; `first`:
+// stored instead, the first block's).
+static inline void amx_block_sums(const uint16_t* A, int64_t K, int64_t rows, const uint16_t* panel, int64_t kb,
+                                  int64_t kc, float* acc, bool first, bool stream) {
+  alignas(64) float part[amx::MR][amx::NB];
+  amx::sums(amx::Dot::bf16, reinterpret_cast<const uint8_t*>(A + kb), K * 2, rows,
+            reinterpret_cast<const uint8_t*>(panel + kb * amx::NB), kc / 32, first ? acc : &part[0][0], stream);
+  if (first) return;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < amx::NB; c += 16)
+      _mm512_storeu_ps(acc + r * amx::NB + c,
+                       _mm512_add_ps(_mm512_loadu_ps(acc + r * amx::NB + c), _mm512_load_ps(&part[r][c])));
+}
+
+// C[0:rows, 0:ncols] (bfloat16, ldc apart) = sums [rows][32] + bias, rounded once to bfloat16 (as tile's are).
+static inline void amx_store(const float* sums, int64_t rows, uint16_t* C, int64_t ldc, const float* bias,
+                             int64_t ncols) {
   const TileEdge32 e = tile_edge32(ncols, bias);
   for (int64_t r = 0; r < rows; ++r) {
-    const __m512 c0 = _mm512_add_ps(_mm512_load_ps(sums[r]), e.b0);
-    const __m512 c1 = _mm512_add_ps(_mm512_load_ps(sums[r] + 16), e.b1);
+    const __m512 c0 = _mm512_add_ps(_mm512_loadu_ps(sums + r * amx::NB), e.b0);
+    const __m512 c1 = _mm512_add_ps(_mm512_loadu_ps(sums + r * amx::NB + 16), e.b1);
     _mm256_mask_storeu_epi16(C + r * ldc, e.m0, (__m256i)_mm512_cvtneps_pbh(c0));
     _mm256_mask_storeu_epi16(C + r * ldc + 16, e.m1, (__m256i)_mm512_cvtneps_pbh(c1));
   }
+}
+
+// C[0:rows, 0:ncols] (bfloat16, ldc apart) = A[0:rows, 0:K] @ one panel + bias through the tiles (configured for
+// `rows`), K in blocks of kAmxKBlock.
+static void amx_tile(const uint16_t* A, int64_t K, int64_t rows, const uint16_t* panel, uint16_t* C, int64_t ldc,
+                     const float* bias, int64_t ncols, bool stream) {
+  alignas(64) float sums[amx::MR][amx::NB];
+  for (int64_t kb = 0; kb < K; kb += kAmxKBlock)
+    amx_block_sums(A, K, rows, panel, kb, std::min(kAmxKBlock, K - kb), &sums[0][0], kb == 0, stream);
+  amx_store(&sums[0][0], rows, C, ldc, bias, ncols);
+}
+
+// bf16_gemm's tasks (row block, panel) with K past one block: a thread takes its tasks a row block at a time, and
+// for each block of K runs over the block's panels, the rows' sums kept per panel until the last block.
+static void amx_k_blocked(const uint16_t* A, int64_t M, int64_t K, const uint16_t* B, uint16_t* C, int64_t N,
+                          const float* bias) {
+  const int64_t NB = amx::NB, panel_elems = K * NB;  // a panel: [K / 2][32][2]
+  const PanelTasks tasks(M, N, NB, amx::MC);
+  split_for(tasks.count, 1, [&](int64_t tb, int64_t te) {
+    amx::Tiles tiles;
+    std::vector<float> acc;
+    for (int64_t t0 = tb; t0 < te;) {
+      const int64_t t1 = std::min(te, (t0 / tasks.panels + 1) * tasks.panels);  // this row block's tasks
+      const int64_t m0 = tasks.first_row(t0), nr = tasks.block_rows(t0), p0 = tasks.panel(t0), np = t1 - t0;
+      acc.resize(np * nr * NB);
+      for (int64_t kb = 0; kb < K; kb += kAmxKBlock)
+        for (int64_t i = 0; i < np; ++i)
+          for (int64_t m = 0; m < nr; m += amx::MR) {
+            const int64_t rows = std::min(amx::MR, nr - m);
+            tiles.configure(rows);
+            amx_block_sums(A + (m0 + m) * K, K, rows, B + (p0 + i) * panel_elems, kb, std::min(kAmxKBlock, K - kb),
+                           acc.data() + (i * nr + m) * NB, kb == 0, m == 0);
+          }
+      for (int64_t i = 0; i < np; ++i) {
+        const int64_t n0 = (p0 + i) * NB;
+        amx_store(acc.data() + i * nr * NB, nr, C + m0 * N + n0, N, bias ? bias + n0 : nullptr,
+                  std::min(NB, N - n0));
+      }
+      t0 = t1;
+    }
+  });
 }
 #endif
 
@@ -759,10 +817,14 @@ void bf16_gemm(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at
   const auto* B = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   auto* C = reinterpret_cast<uint16_t*>(out.data_ptr());
 #ifdef VLLITE_AMX
+  if (use_amx(K) && K > kAmxKBlock && M > amx::MR) {
+    amx_k_blocked(A, M, K, B, C, N, bp);
+    return;
+  }
   if (use_amx(K)) {
     amx::for_tiles(M, N, [&](int64_t m, int64_t rows, int64_t p, int64_t n0, int64_t ncols, bool stream) {
       amx_tile(A + m * K, K, rows, B + p * Kp * NB * 2, C + m * N + n0, N, bp ? bp + n0 : nullptr, ncols, stream);
-    }, amx::rows_per_task(2 * K));
+    });
     return;
   }
 #endif
