@@ -291,3 +291,41 @@ def test_sync_delta_stream_matches_the_final_output(tiny_path):
     for c in final.outputs:
         assert texts[c.index] == c.text and toks[c.index] == c.token_ids and lps[c.index] == c.logprobs
     assert final.outputs[1].finish_reason == "stop" or len(text1) < 6
+
+
+def test_a_reader_away_gets_coalesced_news_and_the_stop_error_next(allm):
+    """The server's stream merge (serving_common.merged) while its client reads slowly: what was generated
+    meanwhile comes as one delta (outputs coalesce in the request's stream, as vLLM's output collector does,
+    instead of queueing one per step), and when the server stops waiting (shutdown's drain over) the error
+    comes next, not behind a backlog. Waits on the engine's state, not on time."""
+    from vllite_core.entrypoints.openai.errors import APIError
+    from vllite_core.entrypoints.openai.serving_common import _Limits, _merged
+
+    async def away_until(stream: RequestStream, tokens: int) -> None:
+        while stream.num_tokens_seen < tokens and not stream.finished:
+            await asyncio.sleep(0.005)
+
+    async def main() -> tuple[list[RequestOutput], int, APIError]:
+        stop = asyncio.Event()
+        limits = _Limits(None, None, stop, None, {})  # type: ignore[arg-type]  # the state is not read here
+        params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        stream = allm.add_request({"prompt_token_ids": prompts(2)[1]}, params, "slow-reader")
+        merge = _merged(allm, [stream], True, limits)
+        outs = [(await anext(merge))[1]]
+        await away_until(stream, 40)
+        outs += [out async for _, out in merge]
+
+        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        stream = allm.add_request({"prompt_token_ids": prompts(2)[1]}, params, "stopped")
+        merge = _merged(allm, [stream], True, limits)
+        await anext(merge)
+        await away_until(stream, 20)
+        stop.set()
+        with pytest.raises(APIError) as e:
+            await anext(merge)
+        return outs, stream.num_tokens_seen, e.value
+
+    outs, seen, err = asyncio.run(main())
+    assert len(outs) == 2 and sum(len(o.outputs[0].token_ids) for o in outs) == 40 and outs[-1].finished
+    assert 20 <= seen < 200 and err.status == 503 and err.code == "server_shutting_down"
+    assert allm.num_in_flight == 0  # the stopped request was aborted

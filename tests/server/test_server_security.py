@@ -284,6 +284,8 @@ def _stream_until_end(url: str, body: dict, out: list, started: threading.Event)
         out.append(("ok", events))
     except httpx.HTTPError as e:
         out.append(("cut", f"{type(e).__name__}: {e}", events))
+    except Exception as e:  # named in the test's failure, not lost with the thread
+        out.append(("error", repr(e), events))
     started.set()
 
 
@@ -363,9 +365,10 @@ def test_signal_drains_then_ends_streams_cleanly(servers, sig):
         t_short.start()
         short_started.wait(30)  # in flight (its first token streamed) before the signal: no timing guess
         srv.proc.send_signal(sig)
-        for t in [*threads, t_short]:
-            t.join(60)
         assert srv.proc.wait(60) == 0, srv.output
+        for t in [*threads, t_short]:  # what the server sent before it exited may still be being read
+            t.join(60)
+        assert not any(t.is_alive() for t in [*threads, t_short]), (results, short)
         # In flight at the signal and shorter than the drain: it finishes normally.
         assert short and short[0][0] == "ok" and short[0][1][-1] == "data: [DONE]", short
         assert json.loads(short[0][1][-2][6:])["choices"][0]["finish_reason"] == "length", short

@@ -4,6 +4,7 @@ server-sent events and usage."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import json
 import time
@@ -183,17 +184,26 @@ class _Limits:
 _LIMITS: contextvars.ContextVar[_Limits | None] = contextvars.ContextVar("vllite_request_limits", default=None)
 
 
-async def _watch(limits: _Limits, queue: asyncio.Queue) -> None:
-    """Put an APIError on ``queue`` when the request's deadline passes (504) or the server stops
-    waiting for in-flight requests (503): one task per request, nothing per output."""
-    timeout = None if limits.deadline is None else max(0.0, limits.deadline - time.monotonic())
-    try:
-        await asyncio.wait_for(limits.stop.wait(), timeout)
-        err = APIError(503, "the server is shutting down: request ended", code="server_shutting_down")
-    except asyncio.TimeoutError:
-        err = APIError(504, f"the request ran past the server's {limits.timeout:g} s request timeout and was "
+def _raise_if_ended(limits: _Limits | None) -> None:
+    """The APIError that ends the request now, if any: the server stopped waiting for in-flight
+    requests (503) or its deadline passed (504)."""
+    if limits is None:
+        return
+    if limits.stop.is_set():
+        raise APIError(503, "the server is shutting down: request ended", code="server_shutting_down")
+    if limits.deadline is not None and time.monotonic() >= limits.deadline:
+        raise APIError(504, f"the request ran past the server's {limits.timeout:g} s request timeout and was "
                        "aborted", code="request_timeout")
-    queue.put_nowait((-1, None, err))
+
+
+async def _until_ended(limits: _Limits | None) -> None:
+    """Returns when ``_raise_if_ended`` would raise (never without limits): one task per request."""
+    if limits is None:
+        await asyncio.get_running_loop().create_future()
+        return
+    timeout = None if limits.deadline is None else max(0.0, limits.deadline - time.monotonic())
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(limits.stop.wait(), timeout)
 
 
 def new_id(prefix: str) -> str:
@@ -356,32 +366,27 @@ async def _merged(engine: AsyncLLM, streams: list[RequestStream], delta: bool, l
             async for out in engine.iterate(streams[0], delta):
                 yield 0, out
             return
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i: int, s: RequestStream) -> None:
-            try:
-                async for out in engine.iterate(s, delta):
-                    queue.put_nowait((i, out, None))
-            except Exception as e:
-                queue.put_nowait((i, None, e))
-            queue.put_nowait((i, None, None))
-
-        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-        if limits is not None:
-            tasks.append(asyncio.create_task(_watch(limits, queue)))
+        # One pending read per stream, taken again only after its output was consumed: while the client is
+        # slow, a stream's outputs coalesce in it (each is cumulative) instead of queueing here, and the limits'
+        # error is raised as soon as the output being sent has gone, not behind a backlog.
+        readers = [engine.iterate(s, delta) for s in streams]
+        pending = {i: asyncio.ensure_future(anext(r)) for i, r in enumerate(readers)}
+        wake = asyncio.ensure_future(_until_ended(limits))
         try:
-            left = len(streams)
-            while left:
-                i, out, err = await queue.get()
-                if err is not None:
-                    raise err
-                if out is None:
-                    left -= 1
-                    continue
-                yield i, out
+            while pending:
+                await asyncio.wait([*pending.values(), wake], return_when=asyncio.FIRST_COMPLETED)
+                for i in [i for i, f in pending.items() if f.done()]:
+                    _raise_if_ended(limits)  # checked before each output: the error comes next, not behind them
+                    try:
+                        out = pending.pop(i).result()
+                    except StopAsyncIteration:
+                        continue
+                    yield i, out
+                    pending[i] = asyncio.ensure_future(anext(readers[i]))
+                _raise_if_ended(limits)
         finally:
-            for t in tasks:
-                t.cancel()
+            for f in [*pending.values(), wake]:
+                f.cancel()
     finally:
         for s in streams:
             engine.abort(s.request_id)  # no-op for finished ones
