@@ -147,6 +147,32 @@ def test_kernel_matches_float64(variant, qtype, shape):
 
 
 @pytest.mark.parametrize("qtype", KTYPES)
+def test_kernel_bf16_panels_are_the_dequantised_bf16_gemm(qtype):
+    """From gemm_min_rows on, with AVX512-BF16 (AMX tiles where the CPU has them): each panel dequantised from the
+    super-blocks and rounded to bfloat16 gives bit for bit the bf16 GEMM on gguf.quants' dequantised weight rounded
+    to bfloat16 (the dequantised bf16 model's linear): every value, scale, minimum and high bit of random records
+    decoded exactly. 70 columns (a partial group and panel), K of 768 (3 super-blocks), 1-40 rows."""
+    variants = [v for v in _variants() if v == "avx512_bf16"]
+    if not variants:
+        pytest.skip("no AVX512-BF16 CPU kernels here")
+    mod = _variant(variants[0])
+    n, k = 70, 768
+    raw = _random_blocks(qtype, n, k, seed=11)
+    w = repack_kquant(raw, qtype)
+    wbf = torch.from_numpy(_gguf_dequant(raw, qtype, n, k).astype(np.float32)).bfloat16()
+    packed = torch.zeros(-(-n // 32), k // 2, 32, 2, dtype=torch.bfloat16)
+    mod.bf16_gemm_pack(packed, wbf)
+    g = torch.Generator().manual_seed(3)
+    for rows in (1, 13, 40):
+        x = (torch.randn(rows, k, generator=g) * 2).bfloat16()
+        bias = torch.randn(n, generator=g) if rows % 2 else None
+        got, want = torch.empty(rows, n, dtype=torch.bfloat16), torch.empty(rows, n, dtype=torch.bfloat16)
+        mod.gguf_linear_x8(got, x, w.type_id, w.blocks, bias, 1, 1 << 30)
+        mod.bf16_gemm(want, x, packed, bias)
+        assert torch.equal(got, want), (qtype, rows)
+
+
+@pytest.mark.parametrize("qtype", KTYPES)
 def test_kernel_bfloat16_input_and_threads(qtype):
     """bfloat16 in and out: the float32 kernel on the widened input, rounded once (below gemm_min_rows, and at
     every row count on CPUs without AVX512-BF16); and the groups split over 2 threads give the one-thread result

@@ -379,13 +379,15 @@ def _gate_up_silu_fused_and_two_steps(fused_fn, gemm_fn, x, packed, bias, inter,
 
 @needs_bf16_gemm
 @pytest.mark.parametrize("rows", [1, 7, 33, 64, 65, 100, 121, 250])
-@pytest.mark.parametrize("shape", [(32, 2), (64, 78), (96, 576)])
+@pytest.mark.parametrize("shape", [(32, 2), (64, 78), (96, 576), (32, 2080)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_bf16_gemm_silu_is_gemm_then_silu_and_mul_bit_for_bit(rows, shape, bias, threads, amx):
     """The gate_up projection with SiLU-and-mul in its epilogue gives what the two kernels give one after the
-    other (from 64 rows the fused tiles: heights of 5-6 rows, the next-panel prefetch up to 120 rows, row blocks
-    past it; a bias on both halves; below 64 the two steps), and is near the float64 value of silu(gate) * up."""
+    other (vdpbf16ps: from 64 rows the fused tiles, heights of 5-6 rows, the next-panel prefetch up to 120 rows,
+    row blocks past it, below 64 the two steps; AMX: every row count fused, K = 2,080 in two blocks of K, which
+    bf16_gemm runs k-blocked from 33 rows; a bias on both halves), and is near the float64 value of
+    silu(gate) * up."""
     inter, k = shape
     g = torch.Generator().manual_seed(rows * 7 + inter + k)
     x, w = torch.randn(rows, k, generator=g).bfloat16(), torch.randn(2 * inter, k, generator=g).bfloat16()

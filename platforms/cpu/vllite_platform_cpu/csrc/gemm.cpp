@@ -743,6 +743,25 @@ static void amx_k_blocked(const uint16_t* A, int64_t M, int64_t K, const uint16_
     }
   });
 }
+
+// C[0:rows, 0:32] (bfloat16, ldc apart) = silu(A @ gate panel + bg) * (A @ up panel + bu), each product's sums and
+// bias rounded to bfloat16 as amx_tile stores them and then combined as silu_and_mul does: bit for bit bf16_gemm into
+// [rows, 2 I] then silu_and_mul, without writing that intermediate (64 MiB a layer at 2,048 rows of Llama-1B) and
+// reading it back in a second pass.
+static void amx_tile_silu(const uint16_t* A, int64_t K, int64_t rows, const uint16_t* gate_panel,
+                          const uint16_t* up_panel, c10::BFloat16* C, int64_t ldc, const float* bg, const float* bu,
+                          bool stream) {
+  alignas(64) float sums[2][amx::MR][amx::NB];
+  alignas(64) c10::BFloat16 rounded[2][amx::MR][amx::NB];
+  const uint16_t* panels[2] = {gate_panel, up_panel};
+  const float* biases[2] = {bg, bu};
+  for (int h = 0; h < 2; ++h) {
+    for (int64_t kb = 0; kb < K; kb += kAmxKBlock)
+      amx_block_sums(A, K, rows, panels[h], kb, std::min(kAmxKBlock, K - kb), &sums[h][0][0], kb == 0, stream);
+    amx_store(&sums[h][0][0], rows, reinterpret_cast<uint16_t*>(&rounded[h][0][0]), amx::NB, biases[h], amx::NB);
+  }
+  silu_mul_bf16_rows(&rounded[0][0][0], &rounded[1][0][0], amx::NB, C, ldc, rows, amx::NB);
+}
 #endif
 
 // C[M, ncols] (bfloat16, ldc apart) = A[M, K] (bfloat16) @ one packed panel ([K / 2][32][2]) + bias, on this
@@ -868,7 +887,8 @@ void bf16_gemm(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at
 // bf16_gemm_pack (bias float32 [2 I] or none), I a multiple of 32: bf16_gemm into [M, 2 I] then silu_and_mul, bit for
 // bit, without writing and reading back the [M, 2 I] intermediate (at 2,048 rows 12.6 MB a layer for SmolLM2) or a
 // second pass over it.
-// On AMX tiles (amx.h), and below kSiluMinRows rows, the two steps run as they are.
+// On AMX tiles (amx.h) each task's tiles take a gate panel and its up panel (amx_tile_silu); on vdpbf16ps, below
+// kSiluMinRows rows the two steps run as they are.
 void bf16_gemm_silu(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at::Tensor> bias) {
   using namespace bf16_gemm_impl;
   check_operands(out, x, packed, "bf16_gemm_silu");
@@ -877,19 +897,28 @@ void bf16_gemm_silu(at::Tensor out, at::Tensor x, at::Tensor packed, std::option
   const float* bp = float_bias(bias, 2 * I, "bf16_gemm_silu");
   if (M == 0 || I == 0) return;
 #ifdef VLLITE_BF16_GEMM
+  const auto* A = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const auto* B = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  auto* C = out.data_ptr<c10::BFloat16>();
+  const int64_t half = I / NB, ps = Kp * NB * 2;  // the up panels' offset, elements per panel
+#ifdef VLLITE_AMX
+  if (use_amx(K)) {  // tasks of (row block, gate panel p and up panel p + I / 32)
+    amx::for_tiles(M, I, [&](int64_t m, int64_t rows, int64_t p, int64_t n0, int64_t, bool stream) {
+      amx_tile_silu(A + m * K, K, rows, B + p * ps, B + (p + half) * ps, C + m * I + n0, I, bp ? bp + n0 : nullptr,
+                    bp ? bp + I + n0 : nullptr, stream);
+    }, amx::rows_per_task(K * 2));
+    return;
+  }
+#endif
   // Below kSiluMinRows rows the two steps: each 6-row tile reads the weights twice as often as tile's 12 rows,
   // and where a thread has 16-32 rows (a decode step split by requests) that cost 3-11% of the pair's time.
   constexpr int64_t kSiluMinRows = 64;
-  if (use_amx(K) || M < kSiluMinRows) {
+  if (M < kSiluMinRows) {
     at::Tensor both = at::empty({M, 2 * I}, x.options());
     bf16_gemm(both, x, packed, bias);
     silu_and_mul(out, both);
     return;
   }
-  const auto* A = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  const auto* B = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-  auto* C = out.data_ptr<c10::BFloat16>();
-  const int64_t half = I / NB, ps = Kp * NB * 2;  // the up panels' offset, elements per panel
   const bool pf = next_panel_tiles(M, MR2, MC);
   const PanelTasks tasks(M, I, NB, MC);  // (row block, 32 output columns: gate panel p, up panel p + I / 32)
   split_for(tasks.count, 1, [&](int64_t tb, int64_t te) {

@@ -211,26 +211,6 @@ static inline int32_t kq_min(int64_t type, const uint8_t* rec, int64_t r, int64_
   return rec[klayout(type).mn + 8 * j + r];
 }
 
-// A K-quant record's 256 x 8 weights as float32 (gguf.quants' values), k-major: out[k * ldo + r], r < 8.
-static void kq_dequant_record(int64_t type, const uint8_t* rec, float* out, int64_t ldo) {
-  const KLayout L = klayout(type);
-  for (int64_t r = 0; r < G; ++r) {
-    const float d = half_at(rec + L.d, r);
-    if (type == GGML_Q6_K) {
-      for (int64_t k = 0; k < QKK; ++k)
-        out[k * ldo + r] = (d * static_cast<float>(kq_scale(type, rec, r, k / 16)))
-                           * static_cast<float>(kq_value(type, rec, r, k) - 32);
-    } else {
-      const float dmin = half_at(rec + L.dmin, r);
-      for (int64_t k = 0; k < QKK; ++k) {
-        const float sc = d * static_cast<float>(kq_scale(type, rec, r, k / 32));
-        const float mn = dmin * static_cast<float>(kq_min(type, rec, r, k / 32));
-        out[k * ldo + r] = sc * static_cast<float>(kq_value(type, rec, r, k)) - mn;
-      }
-    }
-  }
-}
-
 // Plain C++ for K-quants: per super-block and row, sum over 32-blocks of xd * (integer sums times the integer
 // scales), minus dmin * sum(m * xs); Q6_K's -32 as 32 * sum(sc * sum(xq)) per 16.
 static void kgroup_scalar(const Weights& w, int64_t g, const Acts& a, int64_t r0, int64_t rows, float* out,
@@ -467,17 +447,73 @@ static void kgroup_rows(int rows, const Weights& w, int64_t g, const Acts& a, in
   }
 }
 
+// A chunk's 32 bytes (4 weights of 8 rows, byte 4r + i) reordered to 8 bytes (rows 0..7) per weight: the shuffle
+// makes each 128-bit lane's 4 rows x 4 bytes 4 bytes (rows) per weight, the permute puts the two lanes' rows side
+// by side. Stored to bytes[32]: bytes[8i + r] = row r's weight i.
+static inline void rows_by_weight(__m256i v, uint8_t* bytes) {
+  const __m256i tr = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,  //
+                                      0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const __m256i lanes = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(bytes), _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(v, tr), lanes));
+}
+
+static inline __m256 u8x8_ps(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Each byte's bits [shift, shift + width) moved to bits [4, 4 + width): a Q5_K / Q6_K value's high bits (klayout).
+static inline __m256i high_bits(__m256i v, int64_t shift, int width) {
+  const __m256i mask = _mm256_set1_epi8(static_cast<char>((1 << width) - 1));
+  return _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi64_si128(shift)), mask), 4);
+}
+
+// A K-quant record's 256 x 8 weights as float32, k-major (out[k * ldo + r]), 8 rows a vector: gguf.quants' values
+// and float32 operations in its order, (d * sc) * q - (dmin * m), or (d * sc) * (q - 32) for Q6_K.
+static void kq_dequant_record_avx2(int64_t type, const uint8_t* rec, float* out, int64_t ldo) {
+  const KLayout L = klayout(type);
+  const bool q6 = type == GGML_Q6_K;
+  const __m256i low = _mm256_set1_epi8(0x0f), v32 = _mm256_set1_epi32(32);
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + L.d)));
+  const __m256 dmin =
+      q6 ? _mm256_setzero_ps() : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + L.dmin)));
+  alignas(32) uint8_t bytes[32];
+  for (int64_t jj = 0; jj < 4; ++jj)
+    for (int64_t h = 0; h < 2; ++h) {  // weights 64jj + 32h .. + 31: one sub-block of 32 (two of 16 for Q6_K)
+      __m256 sc = _mm256_setzero_ps(), mn = _mm256_setzero_ps();
+      if (!q6) {
+        sc = _mm256_mul_ps(d, u8x8_ps(rec + L.sc + 8 * (2 * jj + h)));
+        mn = _mm256_mul_ps(dmin, u8x8_ps(rec + L.mn + 8 * (2 * jj + h)));
+      }
+      for (int64_t c = 0; c < 8; ++c) {  // weights 64jj + 32h + 4c + i, i < 4
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * (8 * jj + c)));
+        __m256i q = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, low);
+        if (type == GGML_Q5_K)
+          q = _mm256_or_si256(q, high_bits(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                               rec + 1024 + 32 * (2 * jj + h))), c, 1));
+        if (q6) {
+          q = _mm256_or_si256(q, high_bits(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                               rec + 1024 + 32 * (4 * jj + 2 * h + c / 4))), 2 * (c % 4), 2));
+          const __m128i s8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + L.sc + 8 * (4 * jj + 2 * h + c / 4)));
+          sc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8)));  // sub-block of 16: 4jj + 2h + c / 4
+        }
+        rows_by_weight(q, bytes);
+        for (int64_t i = 0; i < 4; ++i) {
+          const __m256i qi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8 * i)));
+          const __m256 x = q6 ? _mm256_mul_ps(sc, _mm256_cvtepi32_ps(_mm256_sub_epi32(qi, v32)))
+                              : _mm256_sub_ps(_mm256_mul_ps(sc, _mm256_cvtepi32_ps(qi)), mn);
+          _mm256_storeu_ps(out + (64 * jj + 32 * h + 4 * c + i) * ldo, x);
+        }
+      }
+    }
+}
+
 // A record's 32 x 8 weights as float32 (the dequantised load's values), k-major: out[k * ldo + r], r < 8.
 static inline void dequant_record(const Weights& w, const uint8_t* rec, float* out, int64_t ldo) {
   if (is_kquant(w.type)) {  // 256 weights
-    kq_dequant_record(w.type, rec, out, ldo);
+    kq_dequant_record_avx2(w.type, rec, out, ldo);
     return;
   }
-  // Each 128-bit lane of a chunk is 4 rows x 4 bytes; this shuffle makes it 4 bytes (rows) per weight, and the
-  // permute puts the two lanes' rows side by side: 8 bytes (rows 0..7) per weight.
-  const __m256i tr = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,  //
-                                      0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  const __m256i lanes = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7), low = _mm256_set1_epi8(0x0f);
+  const __m256i low = _mm256_set1_epi8(0x0f);
   const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + w.qbytes)));
   const __m256 m = w.type == GGML_Q4_1
                        ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + w.qbytes + 2 * G)))
@@ -485,8 +521,7 @@ static inline void dequant_record(const Weights& w, const uint8_t* rec, float* o
   const __m256 eight = _mm256_set1_ps(8.f);
   alignas(32) uint8_t bytes[32];
   auto emit = [&](__m256i v, int64_t k0, bool is_signed) {  // v: 4 weights k0.. of the 8 rows, as 4r + i
-    _mm256_store_si256(reinterpret_cast<__m256i*>(bytes),
-                       _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(v, tr), lanes));
+    rows_by_weight(v, bytes);
     for (int64_t i = 0; i < 4; ++i) {
       const __m128i b8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8 * i));
       const __m256 f = _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(b8) : _mm256_cvtepu8_epi32(b8));
