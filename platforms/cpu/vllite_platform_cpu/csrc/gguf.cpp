@@ -488,13 +488,14 @@ static void kq_dequant_record_avx2(int64_t type, const uint8_t* rec, float* out,
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * (8 * jj + c)));
         __m256i q = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, low);
         if (type == GGML_Q5_K)
-          q = _mm256_or_si256(q, high_bits(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                                               rec + 1024 + 32 * (2 * jj + h))), c, 1));
+          q = _mm256_or_si256(
+              q, high_bits(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 1024 + 32 * (2 * jj + h))), c, 1));
         if (q6) {
-          q = _mm256_or_si256(q, high_bits(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                                               rec + 1024 + 32 * (4 * jj + 2 * h + c / 4))), 2 * (c % 4), 2));
-          const __m128i s8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + L.sc + 8 * (4 * jj + 2 * h + c / 4)));
-          sc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8)));  // sub-block of 16: 4jj + 2h + c / 4
+          const int64_t sub16 = 4 * jj + 2 * h + c / 4;  // its high bits' vector and its scales (one per 16 weights)
+          const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 1024 + 32 * sub16));
+          q = _mm256_or_si256(q, high_bits(hb, 2 * (c % 4), 2));
+          const __m128i s8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + L.sc + 8 * sub16));
+          sc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8)));
         }
         rows_by_weight(q, bytes);
         for (int64_t i = 0; i < 4; ++i) {
