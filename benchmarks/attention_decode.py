@@ -1,6 +1,8 @@
 """The paged-attention kernel on one SmolLM2-135M decode step, caches streamed from memory.
 
     .venv/bin/python benchmarks/attention_decode.py --batch 64 --context 192
+    .venv/bin/python benchmarks/attention_decode.py --batch 8 --context 4096 --layers 16 --heads 32 --kv-heads 8 \
+        --dtype bfloat16    # the Llama-3.2-1B shape's long workload
 
 30 layers, each with its own float32 (or --dtype) KV cache, so every step reads the whole context
 from DRAM as the engine does: 9 query heads, 3 KV heads of 64, blocks of 16 tokens placed at
@@ -25,6 +27,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--heads", type=int, default=9, help="query heads (Llama-3.2-1B: 32)")
+    ap.add_argument("--kv-heads", type=int, default=3, help="KV heads (Llama-3.2-1B: 8)")
     ap.add_argument("--same-blocks", action="store_true",
                     help="every request reads the same blocks: the cache stays in L2, only compute is timed")
     ap.add_argument("--threads", type=int, default=None)
@@ -37,7 +41,7 @@ def main() -> None:
     from vllite_platform_cpu import kernels
 
     dt = getattr(torch, a.dtype)
-    B, L, H, HKV, D, BS = a.batch, a.context, 9, 3, 64, 16
+    B, L, H, HKV, D, BS = a.batch, a.context, a.heads, a.kv_heads, 64, 16
     g = torch.Generator().manual_seed(0)
     per_req = -(-L // BS)
     nblocks = B * per_req + 1

@@ -1,6 +1,7 @@
 """Each engine's memory at start beside its checkpoint's size, every engine in a fresh process of its own.
 
     python benchmarks/start_memory.py [--engine bf16=/tmp/peers/models/llama1b ...] [--output-json out.json]
+    python benchmarks/start_memory.py --engine q4km=/tmp/peers/models/llama1b-q4_k_m.gguf   # a GGUF file's blocks
 
 Default engines: prequant_decode.py's (the Llama-3.2-1B-shaped bf16 checkpoint and its W4A16 and FP8-block
 versions, loaded in a bfloat16 model with no ``quantization`` argument, 64 MiB of KV cache). A child process per
@@ -17,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -42,14 +44,23 @@ def child(name: str, folder: str) -> None:
     from vllite_core import LLM, SamplingParams
 
     logging.disable(logging.WARNING)
+    gguf = folder.endswith(".gguf")  # a GGUF file: its blocks (quantization="gguf")
     before = status()
+    t0 = time.perf_counter()
     llm = LLM(model=folder, dtype="bfloat16", max_model_len=64, max_num_seqs=1, enable_prefix_caching=False,
-              num_threads=2, kv_cache_memory=KV_BYTES)
+              num_threads=2, kv_cache_memory=KV_BYTES, quantization="gguf" if gguf else None)
+    start_s = time.perf_counter() - t0
     started = status()
     llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     stepped = status()
     model = llm.llm_engine.core.engine_core.worker.runner.model
-    row = {"engine": name, "files_mib": round(files_bytes(folder) / MIB), "held_mib": round(held_bytes(model) / MIB),
+    held = held_bytes(model)
+    for m in model.modules():  # GGUF blocks outside the parameters (an LM head's beside its float table)
+        w = getattr(getattr(m, "quant_method", None), "gguf_weight", None)
+        if w is not None and not any(p is w.blocks for p in m.parameters(recurse=False)):
+            held += w.nbytes()
+    files = os.path.getsize(folder) if gguf else files_bytes(folder)
+    row = {"engine": name, "start_s": round(start_s, 2), "files_mib": round(files / MIB), "held_mib": round(held / MIB),
            "kv_cache_mib": KV_BYTES // MIB, "start_growth_mib": started["VmRSS"] - before["VmRSS"],
            "start_file_pages_mib": started["RssFile"] - before["RssFile"],
            "peak_growth_mib": started["VmHWM"] - before["VmRSS"],
@@ -75,11 +86,11 @@ def main() -> None:
         out = subprocess.run([sys.executable, __file__, "--child", name, folder], capture_output=True, text=True,
                              check=True).stdout
         rows.append(json.loads(next(ln[2:] for ln in out.splitlines() if ln.startswith("@@"))))
-    print("| engine | files, MiB | tensors held | RSS growth at start (of it file pages) | peak while starting | "
-          "+ first step | (start - KV) / files |")
-    print("|---|---|---|---|---|---|---|")
+    print("| engine | start, s | files, MiB | tensors held | RSS growth at start (of it file pages) | "
+          "peak while starting | + first step | (start - KV) / files |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['engine']} | {r['files_mib']} | {r['held_mib']} | {r['start_growth_mib']} "
+        print(f"| {r['engine']} | {r['start_s']} | {r['files_mib']} | {r['held_mib']} | {r['start_growth_mib']} "
               f"({r['start_file_pages_mib']}) | {r['peak_growth_mib']} | +{r['first_step_growth_mib']} | "
               f"{r['start_over_files']} |")
     if a.output_json:

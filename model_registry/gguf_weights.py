@@ -9,12 +9,13 @@ permutation is undone here so the weights match the HF checkpoint layout.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Container, Iterator
 
 import numpy as np
 import torch
 
 from model_registry.gguf_file import GGUFFile
+from model_registry.layers.params import deferred
 from vllite_core.errors import ConfigError
 
 _GLOBAL_NAMES = {
@@ -73,14 +74,21 @@ def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, d, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_gguf_weights(gguf: GGUFFile, num_heads: int, num_kv_heads: int,
-                      dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) for every tensor of the file, dequantised to float32 and cast to ``dtype``."""
+def iter_gguf_weights(gguf: GGUFFile, num_heads: int, num_kv_heads: int, dtype: torch.dtype = torch.float32,
+                      defer: Callable[[str, str], bool] | None = None,
+                      only: Container[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every tensor of the file (of ``only``'s HF names, when given), dequantised to float32
+    and cast to ``dtype``; a tensor ``defer(HF name, ggml type name)`` picks is a ``params.deferred`` stand-in of its
+    shape instead (nothing dequantised)."""
     permute = gguf.architecture in _PERMUTED_ARCHS
     plus_one = gguf.architecture in _NORM_PLUS_ONE
     for name in gguf.tensors:
         target = hf_name(name, gguf.architecture)
-        if target is None:
+        if target is None or (only is not None and target not in only):
+            continue
+        info = gguf.tensors[name]
+        if defer is not None and defer(target, info.ggml_type.name):
+            yield target, deferred(info.shape)
             continue
         data = gguf.dequantize(name)
         if plus_one and name.endswith("norm.weight"):

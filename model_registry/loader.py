@@ -44,7 +44,20 @@ def load_model(source: ModelSource, hf_config: Any, model_cls: type, attn_backen
     prepared = None
     if quantization in prequantized.PREQUANTIZED:  # the checkpoint's own layout: placeholders before loading
         prepared = prequantized.prepare(model, quantization, hf_config)
-    loaded = model.load_weights(checkpoint_weights(source, hf_config, skip=getattr(model, "skips_weight", None)))
+    deferred: set[str] = set()  # GGUF projection weights read as blocks only (quantization="gguf")
+    if quantization == "gguf" and source.kind == "gguf":
+        from model_registry.layers.quantization.gguf import deferrable
+
+        def defer(name: str, qtype: str) -> bool:
+            if deferrable(name, qtype):
+                deferred.add(name)
+                return True
+            return False
+
+        weights = _gguf_weights(source, hf_config, defer=defer)
+    else:
+        weights = checkpoint_weights(source, hf_config, skip=getattr(model, "skips_weight", None))
+    loaded = model.load_weights(weights)
     if prepared is not None:  # repacked now: a missing quantized tensor is named by its checkpoint name
         loaded |= prequantized.finish(prepared, quantization)
     missing = sorted(name for name, _ in model.named_parameters(remove_duplicate=False) if name not in loaded)
@@ -55,6 +68,12 @@ def load_model(source: ModelSource, hf_config: Any, model_cls: type, attn_backen
         from model_registry.layers.quantization import quantize_model
 
         quantize_model(model, quantization, source)
+        if deferred:
+            from model_registry.layers.quantization.gguf import dense_deferred
+
+            dense = dense_deferred(model, deferred)
+            if dense:
+                model.load_weights(_gguf_weights(source, hf_config, only=dense))
     model.eval()
     report = report_fast_paths(model)
     if report.paths:
@@ -73,12 +92,13 @@ def checkpoint_weights(source: ModelSource, hf_config: Any, folder: str | None =
     return iter_hf_weights(source.path, skip)
 
 
-def _gguf_weights(source: ModelSource, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def _gguf_weights(source: ModelSource, hf_config: Any, defer: Callable[[str, str], bool] | None = None,
+                  only: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     from model_registry.gguf_weights import iter_gguf_weights
 
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    return iter_gguf_weights(open_gguf(source), heads, kv_heads)
+    return iter_gguf_weights(open_gguf(source), heads, kv_heads, defer=defer, only=only)
 
 
 def hf_weight_files(folder: str) -> list[Path]:

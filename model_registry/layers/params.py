@@ -19,13 +19,31 @@ def empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
+# The storage every deferred tensor views (``deferred``).
+_DEFERRED = torch.zeros(1)
+
+
+def deferred(shape: tuple[int, ...]) -> torch.Tensor:
+    """A stand-in of ``shape`` for a checkpoint tensor whose values are read later in another layout (a GGUF
+    tensor that ``quantization="gguf"`` keeps as blocks): loaders check its shape and record its name as for any
+    tensor, and ``copy_checked`` copies nothing, so the float weight it stands for is never computed or written.
+    Slices of it stay deferred (they view the same storage)."""
+    return _DEFERRED.expand(shape)
+
+
+def is_deferred(t: torch.Tensor) -> bool:
+    return t.untyped_storage().data_ptr() == _DEFERRED.untyped_storage().data_ptr()
+
+
 @torch.no_grad()
 def copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    """``dst.copy_(src)`` after checking the shapes agree (the error names the checkpoint tensor)."""
+    """``dst.copy_(src)`` after checking the shapes agree (the error names the checkpoint tensor); nothing for a
+    deferred ``src``."""
     if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"weight {name}: checkpoint shape {tuple(src.shape)} does not match the model's "
                          f"{tuple(dst.shape)}")
-    dst.copy_(src)
+    if not is_deferred(src):
+        dst.copy_(src)
 
 
 def check_full(src: torch.Tensor, dim: int, full: int, name: str) -> None:

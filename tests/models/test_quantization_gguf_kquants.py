@@ -13,6 +13,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize
+from gguf.quants import quantize as gguf_quantize
 
 from model_registry.layers.quantization.gguf import GGUF_GROUP, dequantize_gguf
 from model_registry.layers.quantization.kquants import (
@@ -269,9 +270,9 @@ _MIX = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q5_K", "attn_output": "Q4
         "ffn_up": "Q4_K", "ffn_down": "Q6_K", "output": "Q6_K"}
 
 
-def _write_kquant_gguf(path) -> None:
+def _write_kquant_gguf(path, mix: dict[str, str] = _MIX) -> None:
     """A random tiny Llama (hidden 256, intermediate 512: rows of whole super-blocks) exported as llama.cpp does
-    (q/k rows permuted), with ``_MIX``'s K-quant tensors."""
+    (q/k rows permuted), with ``mix``'s tensor types (K-quants in our quantizers, others in gguf.quants')."""
     import re
 
     shapes = {"self_attn.q_proj": (256, 256), "self_attn.k_proj": (128, 256), "self_attn.v_proj": (128, 256),
@@ -305,11 +306,13 @@ def _write_kquant_gguf(path) -> None:
         heads = {"attn_q": 4, "attn_k": 2}.get(part)
         if heads:  # llama.cpp's converter's row order for rotary
             data = data.reshape(heads, 2, data.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(data.shape)
-        qtype = _MIX.get(part)
+        qtype = mix.get(part)
         if qtype is None:
             w.add_tensor(gname, data)
         else:
-            w.add_tensor(gname, _quantize(data, qtype), raw_dtype=getattr(GGMLQuantizationType, qtype))
+            gtype = getattr(GGMLQuantizationType, qtype)
+            raw = _quantize(data, qtype) if qtype in KTYPES else gguf_quantize(np.ascontiguousarray(data), gtype)
+            w.add_tensor(gname, raw, raw_dtype=gtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -384,3 +387,49 @@ def test_engine_kquants_from_blocks_match_the_dequantised_model(kquant_gguf, tin
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for ref, got, t in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids):
             assert abs(ref[t].logprob - got[t].logprob) < 1e-3
+
+
+def test_load_reads_blocks_only_and_a_dense_layer_its_floats(tmp_path, tiny_path, monkeypatch):
+    """quantization="gguf" loads without dequantising the projection tensors it keeps as blocks: here only the
+    fused qkv layer, whose v tensor is Q5_0 (no kernel, so the layer stays dense), reads its q and k K-quants as
+    floats, after the blocks were chosen; every layer's weights are those of the same file dequantised at load,
+    bit for bit, and the greedy tokens through the dequantised float32 panels are the dense model's."""
+    from model_registry.gguf_file import GGUFFile
+    from vllite_core import LLM, SamplingParams
+
+    if not _variants():
+        pytest.skip("no CPU kernels")
+    path = tmp_path / "tiny-v-q5_0.gguf"
+    _write_kquant_gguf(path, {**_MIX, "attn_v": "Q5_0"})
+    args = dict(model=str(path), tokenizer=tiny_path, dtype="float32", num_threads=1, max_model_len=64,
+                enable_prefix_caching=False)
+    prompts = [{"prompt_token_ids": [1, 17 + 31 * i, 200 - 7 * i, 42]} for i in range(3)]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    dense = LLM(**args)
+    base = dense.generate(prompts, sp)
+    dense_model = dense.llm_engine.core.engine_core.worker.runner.model
+    dense_w = {n: m.weight.detach().clone() for n, m in dense_model.named_modules() if hasattr(m, "checkpoint_names")}
+    del dense, dense_model
+    read: list[str] = []
+    real = GGUFFile.dequantize
+    monkeypatch.setattr(GGUFFile, "dequantize", lambda self, name: read.append(name) or real(self, name))
+    llm = LLM(**args, quantization="gguf")
+    model = llm.llm_engine.core.engine_core.worker.runner.model
+    layers = {n: m for n, m in model.named_modules() if hasattr(m, "checkpoint_names")}
+    dense_layers = sorted(n for n, m in layers.items() if m.quant_method.name != "gguf")
+    assert dense_layers == ["model.layers.0.self_attn.qkv_proj", "model.layers.1.self_attn.qkv_proj"]
+    projections = [name for name in read if name.startswith("blk.")
+                   and not name.endswith("norm.weight")]
+    assert sorted(projections) == sorted(f"blk.{i}.attn_{p}.weight" for i in range(2) for p in "qkv"), read
+    assert read.index("blk.0.attn_q.weight") > read.index("blk.1.attn_v.weight")  # q, k: after the blocks
+    for n, m in layers.items():
+        if n in dense_layers:
+            assert torch.equal(m.weight, dense_w[n]), n
+        else:
+            w = getattr(m.quant_method, "parts", None) or [m.quant_method.gguf_weight]
+            assert torch.equal(torch.cat([dequantize_gguf(x) for x in w]), dense_w[n]), n
+    from vllite_platform_cpu import kernels
+
+    monkeypatch.setattr(kernels, "GGUF_GEMM_MIN_ROWS", 1)
+    for a, b in zip(base, llm.generate(prompts, sp)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids

@@ -8,9 +8,11 @@ keep their 256-weight super-blocks the same way (``kquants.py``: 0.58-0.82 bytes
 reference dequantises; the CPU platform's kernel quantizes the activations per block to int8 and sums integer
 products, as llama.cpp does). Other layers and tensor types stay as loaded. Only a GGUF checkpoint can use it.
 
-The model loads as always (dequantised, every check of the loader applies); then each linear layer whose
-checkpoint tensors (``checkpoint_names``, recorded by its weight loader) are all Q8_0, all Q4_0 or all Q4_1 gets
-the same rows from the file as blocks, in the layer's shard order and rotary row order, and drops its float copy.
+The model loads as always (every check of the loader applies), except that the projection weights of types with a
+kernel are not dequantised (``deferrable``: stand-ins of their shape, nothing written); then each linear layer
+whose checkpoint tensors (``checkpoint_names``, recorded by its weight loader) are all Q8_0, all Q4_0 or all Q4_1
+gets the same rows from the file as blocks, in the layer's shard order and rotary row order, and drops its float
+weight; a layer that stays dense reads its deferred tensors dequantised then (``dense_deferred``).
 Rows are whole blocks, so any row split is exact; a row-parallel rank's column range must fall on block
 boundaries, else that layer stays dense.
 
@@ -22,6 +24,7 @@ computes it too.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -268,6 +271,28 @@ def _head_blocks(head: ParallelLMHead, gguf: GGUFFile, by_hf: dict[str, str]) ->
     if qtype not in _BYTES or info.shape[0] != head.shard.padded:
         return None
     return repack(np.asarray(gguf.raw(name)).reshape(info.shape[0], -1), qtype)
+
+
+# A decoder layer's projection weight, as transformers names it (the tensors use_gguf_blocks reads as blocks).
+_PROJECTION = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.[a-z_]+_proj\.weight$")
+
+
+def deferrable(hf_name: str, qtype: str) -> bool:
+    """Whether loading may defer this GGUF tensor (``params.deferred``: not dequantised) because use_gguf_blocks
+    will read it as blocks: a decoder layer's projection weight of a type with a kernel. A layer that stays dense
+    after all (a shard of another type, a rank's columns cutting blocks) reads it then (``dense_deferred``)."""
+    return qtype in _BYTES and _PROJECTION.match(hf_name) is not None
+
+
+def dense_deferred(model: torch.nn.Module, deferred_names: set[str]) -> set[str]:
+    """The deferred checkpoint names whose layers use_gguf_blocks left dense: their float weights are still
+    unwritten."""
+    names: set[str] = set()
+    for layer in model.modules():
+        if isinstance(layer, LinearBase) and not isinstance(layer.quant_method,
+                                                              (GGUFLinearMethod, GGUFShardsLinearMethod)):
+            names |= set(layer.checkpoint_names.values()) & deferred_names
+    return names
 
 
 def use_gguf_blocks(model: torch.nn.Module, source: Any) -> int:
