@@ -55,10 +55,14 @@ def child(name: str, folder: str) -> None:
     stepped = status()
     model = llm.llm_engine.core.engine_core.worker.runner.model
     held = held_bytes(model)
-    for m in model.modules():  # GGUF blocks outside the parameters (an LM head's beside its float table)
-        w = getattr(getattr(m, "quant_method", None), "gguf_weight", None)
-        if w is not None and not any(p is w.blocks for p in m.parameters(recurse=False)):
-            held += w.nbytes()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    blocks: dict[int, int] = {}  # GGUF blocks outside the parameters (the vocabulary's, a fused layer's shards)
+    for m in model.modules():
+        method = getattr(m, "quant_method", None)
+        for w in getattr(method, "parts", None) or [getattr(method, "gguf_weight", None), getattr(m, "blocks", None)]:
+            if w is not None and w.blocks.untyped_storage().data_ptr() not in params:
+                blocks[w.blocks.untyped_storage().data_ptr()] = w.nbytes()
+    held += sum(blocks.values())
     files = os.path.getsize(folder) if gguf else files_bytes(folder)
     row = {"engine": name, "start_s": round(start_s, 2), "files_mib": round(files / MIB), "held_mib": round(held / MIB),
            "kv_cache_mib": KV_BYTES // MIB, "start_growth_mib": started["VmRSS"] - before["VmRSS"],

@@ -48,8 +48,10 @@ def load_model(source: ModelSource, hf_config: Any, model_cls: type, attn_backen
     if quantization == "gguf" and source.kind == "gguf":
         from model_registry.layers.quantization.gguf import deferrable
 
+        blocks = deferrable(model)
+
         def defer(name: str, qtype: str) -> bool:
-            if deferrable(name, qtype):
+            if blocks(name, qtype):
                 deferred.add(name)
                 return True
             return False

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -87,6 +88,16 @@ class ModelOps:
         reference): a platform's kernel computes from the blocks."""
         y = F.linear(x.float(), weight.dequantize(), None if bias is None else bias.float())
         return y.to(x.dtype)
+
+    def gguf_embedding(self, input_ids: torch.Tensor, weight: GGUFWeight, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``input_ids`` of the table W given by its GGUF blocks (an embedding kept as blocks), in ``dtype``:
+        the dequantised load's values. Here the groups of 8 rows holding them are dequantised (a reference); a
+        platform's kernel reads the rows alone."""
+        flat = input_ids.reshape(-1)
+        groups = torch.unique(flat // 8)
+        rows = dataclasses.replace(weight, blocks=weight.blocks[groups], rows=8 * len(groups)).dequantize()
+        at = torch.searchsorted(groups, flat // 8) * 8 + flat % 8
+        return rows[at].to(dtype).view(*input_ids.shape, -1)
 
     def quant_linear(self, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None,
                      state: dict) -> torch.Tensor:

@@ -3,9 +3,11 @@
 Each rank holds a block of token rows (``sharding.shard_vocab``; padded rows zero); lookups of other ranks'
 tokens give zeros and the all-reduce fills them in; the LM head's logits are gathered. The head may be tied
 to the embedding (the same parameter) and holds its own quantization (int8 rows, GGUF blocks) beside the float
-table the lookup keeps.
+table the lookup keeps; with GGUF blocks on one rank the lookup reads them too and the float table goes.
 """
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +18,9 @@ from model_registry.layers.quantization.base import UNQUANTIZED, LinearMethod
 from vllite_core.distributed import get_tp
 from vllite_core.distributed.sharding import VocabShard, shard_vocab
 from vllite_core.model_ops import ModelOps, current_model_ops
+
+if TYPE_CHECKING:
+    from model_registry.layers.quantization.gguf import GGUFWeight
 
 
 def vocab_parameter(vocab_size: int, hidden_size: int, dtype: torch.dtype) -> tuple[nn.Parameter, VocabShard]:
@@ -53,13 +58,25 @@ def gather_logits(local: torch.Tensor, shard: VocabShard) -> torch.Tensor:
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Token embedding, this rank's block of rows (the whole table on one rank)."""
+    """Token embedding, this rank's block of rows (the whole table on one rank); or, on one rank, the rows looked up
+    in a GGUF tensor's blocks (``use_blocks``)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight, self.shard = vocab_parameter(vocab_size, hidden_size, dtype)
+        self.dtype = dtype
+        self.blocks: GGUFWeight | None = None
+
+    def use_blocks(self, w: GGUFWeight) -> None:
+        """Look rows up in ``w`` (quantization="gguf": the table's GGUF blocks, which a tied LM head may share) and
+        drop the float table (``weight`` becomes an empty placeholder)."""
+        self.blocks = w
+        self.ops = current_model_ops()
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.dtype), requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.blocks is not None:
+            return self.ops.gguf_embedding(input_ids, self.blocks, self.dtype)
         return vocab_embedding(input_ids, self.weight, self.shard)
 
 

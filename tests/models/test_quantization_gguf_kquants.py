@@ -389,18 +389,50 @@ def test_engine_kquants_from_blocks_match_the_dequantised_model(kquant_gguf, tin
             assert abs(ref[t].logprob - got[t].logprob) < 1e-3
 
 
+@pytest.mark.parametrize("qtype", ("Q4_0", "Q4_1", "Q8_0", *KTYPES))
+def test_rows_of_blocks_are_the_dequantised_table_rows(qtype):
+    """An embedding looked up in its blocks: the CPU kernel's rows (float32: every bit; bfloat16: the float32 value
+    rounded as torch rounds it) and the reference op's are rows of gguf.quants' dequantised table, for ids in any
+    order, repeated, in the last group of 8 (N = 37: a partial group) and in every group."""
+    from model_registry.layers.quantization.gguf import repack
+    from vllite_core.model_ops import ModelOps
+
+    n, k = 37, 512
+    if qtype in KTYPES:
+        raw = _random_blocks(qtype, n, k, seed=5)
+    else:
+        x = np.random.default_rng(5).standard_normal((n, k)).astype(np.float32)
+        raw = gguf_quantize(x, getattr(GGMLQuantizationType, qtype))
+    w = repack(raw, qtype)
+    table = torch.from_numpy(_gguf_dequant(raw, qtype, n, k).astype(np.float32))
+    ids = torch.tensor([36, 0, 5, 5, 35, 8, 17, 36, 1] + list(range(0, n, 3)))
+    for dtype in (torch.float32, torch.bfloat16):
+        want = table[ids].to(dtype)
+        assert torch.equal(ModelOps().gguf_embedding(ids.view(2, -1), w, dtype), want.view(2, -1, k))
+        if _variants():
+            from vllite_platform_cpu import kernels
+
+            got = torch.empty(len(ids), k, dtype=dtype)
+            kernels.gguf_rows(got, ids, TYPE_ID.get(qtype, {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}.get(qtype)), w.blocks)
+            assert torch.equal(got, want), (qtype, dtype)
+    if _variants():
+        with pytest.raises(RuntimeError, match="outside the table"):
+            kernels.gguf_rows(torch.empty(1, k), torch.tensor([40]), w.type_id, w.blocks)
+
+
 def test_load_reads_blocks_only_and_a_dense_layer_its_floats(tmp_path, tiny_path, monkeypatch):
     """quantization="gguf" loads without dequantising the projection tensors it keeps as blocks: here only the
     fused qkv layer, whose v tensor is Q5_0 (no kernel, so the layer stays dense), reads its q and k K-quants as
-    floats, after the blocks were chosen; every layer's weights are those of the same file dequantised at load,
-    bit for bit, and the greedy tokens through the dequantised float32 panels are the dense model's."""
+    floats, after the blocks were chosen; the Q4_K embedding is looked up in its blocks (no float table); every
+    layer's weights and every embedding row are those of the same file dequantised at load, bit for bit, and the
+    greedy tokens through the dequantised float32 panels are the dense model's."""
     from model_registry.gguf_file import GGUFFile
     from vllite_core import LLM, SamplingParams
 
     if not _variants():
         pytest.skip("no CPU kernels")
     path = tmp_path / "tiny-v-q5_0.gguf"
-    _write_kquant_gguf(path, {**_MIX, "attn_v": "Q5_0"})
+    _write_kquant_gguf(path, {**_MIX, "attn_v": "Q5_0", "token_embd": "Q4_K"})
     args = dict(model=str(path), tokenizer=tiny_path, dtype="float32", num_threads=1, max_model_len=64,
                 enable_prefix_caching=False)
     prompts = [{"prompt_token_ids": [1, 17 + 31 * i, 200 - 7 * i, 42]} for i in range(3)]
@@ -409,6 +441,7 @@ def test_load_reads_blocks_only_and_a_dense_layer_its_floats(tmp_path, tiny_path
     base = dense.generate(prompts, sp)
     dense_model = dense.llm_engine.core.engine_core.worker.runner.model
     dense_w = {n: m.weight.detach().clone() for n, m in dense_model.named_modules() if hasattr(m, "checkpoint_names")}
+    dense_table = dense_model.model.embed_tokens.weight.detach().clone()
     del dense, dense_model
     read: list[str] = []
     real = GGUFFile.dequantize
@@ -422,6 +455,10 @@ def test_load_reads_blocks_only_and_a_dense_layer_its_floats(tmp_path, tiny_path
                    and not name.endswith("norm.weight")]
     assert sorted(projections) == sorted(f"blk.{i}.attn_{p}.weight" for i in range(2) for p in "qkv"), read
     assert read.index("blk.0.attn_q.weight") > read.index("blk.1.attn_v.weight")  # q, k: after the blocks
+    emb = model.model.embed_tokens
+    assert emb.blocks.qtype == "Q4_K" and emb.weight.numel() == 0 and "token_embd.weight" not in read
+    with torch.inference_mode():
+        assert torch.equal(emb(torch.arange(dense_table.shape[0])), dense_table)
     for n, m in layers.items():
         if n in dense_layers:
             assert torch.equal(m.weight, dense_w[n]), n

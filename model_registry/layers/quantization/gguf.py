@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -36,7 +37,8 @@ from model_registry.gguf_file import GGUFFile
 from model_registry.gguf_weights import _PERMUTED_ARCHS, hf_name, unpermute_rotary
 from model_registry.layers.linear import LinearBase, RowParallelLinear
 from model_registry.layers.quantization.base import LinearLike, LinearMethod
-from model_registry.layers.vocab import ParallelLMHead
+from model_registry.layers.vocab import ParallelLMHead, VocabParallelEmbedding
+from vllite_core.distributed.sharding import VocabShard
 from vllite_core.errors import ConfigError
 
 logger = logging.getLogger("vllite.quantization")
@@ -258,40 +260,62 @@ def _layer_blocks(layer: LinearBase, gguf: GGUFFile, by_hf: dict[str, str],
     return [repack(raw, qtype) for qtype, raw in parts]
 
 
-def _head_blocks(head: ParallelLMHead, gguf: GGUFFile, by_hf: dict[str, str]) -> GGUFWeight | None:
-    if not head.shard.is_whole:
-        return None
-    name = by_hf.get("lm_head.weight")
-    if name is None and head.tied:
-        name = by_hf.get("model.embed_tokens.weight")
-    if name is None:
+def _vocab_blocks(shard: VocabShard, gguf: GGUFFile, name: str | None) -> GGUFWeight | None:
+    """A whole vocabulary table's blocks (an LM head's or an embedding's), when its type has a kernel."""
+    if name is None or not shard.is_whole:
         return None
     info = gguf.tensors[name]
     qtype = info.ggml_type.name
-    if qtype not in _BYTES or info.shape[0] != head.shard.padded:
+    if qtype not in _BYTES or info.shape[0] != shard.padded:
         return None
     return repack(np.asarray(gguf.raw(name)).reshape(info.shape[0], -1), qtype)
 
 
-# A decoder layer's projection weight, as transformers names it (the tensors use_gguf_blocks reads as blocks).
-_PROJECTION = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.[a-z_]+_proj\.weight$")
+def _head_blocks(head: ParallelLMHead, gguf: GGUFFile, by_hf: dict[str, str]) -> GGUFWeight | None:
+    name = by_hf.get("lm_head.weight")
+    if name is None and head.tied:
+        name = by_hf.get("model.embed_tokens.weight")
+    return _vocab_blocks(head.shard, gguf, name)
 
 
-def deferrable(hf_name: str, qtype: str) -> bool:
-    """Whether loading may defer this GGUF tensor (``params.deferred``: not dequantised) because use_gguf_blocks
-    will read it as blocks: a decoder layer's projection weight of a type with a kernel. A layer that stays dense
-    after all (a shard of another type, a rank's columns cutting blocks) reads it then (``dense_deferred``)."""
-    return qtype in _BYTES and _PROJECTION.match(hf_name) is not None
+# The tensors use_gguf_blocks reads as blocks, as transformers names them: a decoder layer's projection weights,
+# the token embedding and the LM head.
+_AS_BLOCKS = re.compile(r"^(model\.layers\.\d+\.(self_attn|mlp)\.[a-z_]+_proj\.weight|model\.embed_tokens\.weight|"
+                        r"lm_head\.weight)$")
+
+
+def deferrable(model: torch.nn.Module) -> Callable[[str, str], bool]:
+    """Which GGUF tensors loading ``model`` may defer (``params.deferred``: not dequantised, as ``defer(HF name, ggml
+    type)`` says) because use_gguf_blocks will read them as blocks: the projection weights of a type with a kernel,
+    and the embedding and LM head too where one rank holds the whole vocabulary and every stage (no pipeline
+    split: a stage's tied head reads the embedding's tensor under another name). A layer that stays dense after all
+    (a shard of another type, a rank's columns cutting blocks) reads them then (``dense_deferred``)."""
+    stage = getattr(model, "stage", None)
+    vocab = (stage is None or (stage.is_first and stage.is_last)) and all(
+        m.shard.is_whole for m in model.modules() if isinstance(m, (VocabParallelEmbedding, ParallelLMHead)))
+
+    def defer(hf_name: str, qtype: str) -> bool:
+        m = _AS_BLOCKS.match(hf_name)
+        return qtype in _BYTES and m is not None and (vocab or m.group(2) is not None)
+
+    return defer
+
+
+def _is_blocks(method: LinearMethod) -> bool:
+    return isinstance(method, (GGUFLinearMethod, GGUFShardsLinearMethod))
 
 
 def dense_deferred(model: torch.nn.Module, deferred_names: set[str]) -> set[str]:
     """The deferred checkpoint names whose layers use_gguf_blocks left dense: their float weights are still
     unwritten."""
     names: set[str] = set()
-    for layer in model.modules():
-        if isinstance(layer, LinearBase) and not isinstance(layer.quant_method,
-                                                              (GGUFLinearMethod, GGUFShardsLinearMethod)):
+    for path, layer in model.named_modules():
+        if isinstance(layer, LinearBase) and not _is_blocks(layer.quant_method):
             names |= set(layer.checkpoint_names.values()) & deferred_names
+        elif isinstance(layer, VocabParallelEmbedding) and layer.blocks is None and path == "model.embed_tokens":
+            names |= {"model.embed_tokens.weight"} & deferred_names  # a tied head's table too
+        elif isinstance(layer, ParallelLMHead) and not layer.tied and not _is_blocks(layer.quant_method):
+            names |= {"lm_head.weight"} & deferred_names
     return names
 
 
@@ -312,12 +336,18 @@ def use_gguf_blocks(model: torch.nn.Module, source: Any) -> int:
     heads = {"attn_q": cfg.num_attention_heads,
              "attn_k": getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads}
     count, before, after, dense = 0, 0, 0, 0
+    tied: dict[int, GGUFWeight] = {}  # embedding module id -> the blocks its tied head took
     for layer in model.modules():
         if isinstance(layer, ParallelLMHead):
             head = _head_blocks(layer, gguf, by_hf)
             if head is not None:
                 layer.set_quant_method(GGUFLinearMethod(head))
                 count += 1
+                if layer.tied:
+                    tied.update({id(m): head for m in model.modules() if isinstance(m, VocabParallelEmbedding)
+                                 and m.weight is layer.weight})
+                else:  # its float table is not read: dropped
+                    layer.weight = nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)
             continue
         if not isinstance(layer, LinearBase):
             continue
@@ -332,6 +362,16 @@ def use_gguf_blocks(model: torch.nn.Module, source: Any) -> int:
             GGUFShardsLinearMethod.use_blocks(layer, parts)
         after += sum(w.nbytes() for w in parts)
         count += 1
+    for path, emb in [(n, m) for n, m in model.named_modules() if isinstance(m, VocabParallelEmbedding)]:
+        # The lookup from blocks too: a tied head's (one copy for both), or the token embedding's own tensor.
+        own = by_hf.get("model.embed_tokens.weight") if path == "model.embed_tokens" else None
+        blocks = tied.get(id(emb)) or _vocab_blocks(emb.shard, gguf, own)
+        if blocks is not None:
+            heads = [m for m in model.modules() if isinstance(m, ParallelLMHead) and m.weight is emb.weight]
+            emb.use_blocks(blocks)
+            for head in heads:  # a tied head computes from its blocks: the float table goes with the embedding's
+                head.weight = emb.weight
+            logger.info("quantization gguf: the embedding looked up in %s blocks", blocks.qtype)
     logger.info("quantization gguf: %d linear layers from their blocks (weights %.1f -> %.1f MiB), %d stay dense",
                 count, before / 2**20, after / 2**20, dense)
     return count

@@ -296,6 +296,14 @@ class CpuModelOps(ModelOps):
                             None if bias is None else bias.float())
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
+    def gguf_embedding(self, input_ids: torch.Tensor, weight, dtype: torch.dtype) -> torch.Tensor:
+        """An embedding's rows from its GGUF blocks through csrc/gguf.cpp (each row alone, no float table)."""
+        if not (self.fused and input_ids.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)):
+            return super().gguf_embedding(input_ids, weight, dtype)
+        out = torch.empty(input_ids.numel(), weight.shape[1], dtype=dtype)
+        kernels.gguf_rows(out, input_ids.reshape(-1).long().contiguous(), weight.type_id, weight.blocks)
+        return out.view(*input_ids.shape, -1)
+
     def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, state: dict | None = None) -> torch.Tensor:
         """Where ``linear`` runs on the AVX2 GEMM's panels, the whole layer in one C++ call (``moe_one_call``),

@@ -34,6 +34,7 @@
 #include <cstring>
 #include <vector>
 
+#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Half.h>
 
@@ -730,6 +731,75 @@ void gguf_linear_x8(at::Tensor out, at::Tensor x, int64_t type, at::Tensor block
             op[(r + i) * N + n0 + c] = bp ? v + bp[n0 + c] : v;
           }
       }
+    }
+  });
+}
+
+// out [T, K] (float32 or bfloat16) = rows ids[0:T] of the weight W [N, K] given by its GGUF blocks: an embedding
+// table kept as blocks (quantization="gguf"), looked up without its float copy. Each value is the dequantised
+// load's (gguf.quants' float32 operations in its order: Q8_0 d * q, Q4_0 d * (q - 8), Q4_1 d * q + m; K-quants
+// (d * sc) * q - (dmin * m), Q6_K (d * sc) * (q - 32)), then rounded to bfloat16 as .to(torch.bfloat16) rounds it.
+// Plain C++ per value: a prompt's rows are a few hundred thousand values, a decode step's a few thousand.
+void gguf_rows(at::Tensor out, at::Tensor ids, int64_t type, at::Tensor blocks) {
+  using namespace gguf_impl;
+  TORCH_CHECK(type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q8_0 || is_kquant(type),
+              "gguf_rows: type must be Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K");
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous()
+                  && (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16) && ids.dim() == 1
+                  && ids.is_contiguous() && ids.scalar_type() == at::kLong && ids.size(0) == out.size(0)
+                  && blocks.dim() == 2 && blocks.is_contiguous() && blocks.scalar_type() == at::kByte,
+              "gguf_rows: contiguous out [T, K] float32 or bfloat16, int64 ids [T], uint8 blocks");
+  const int64_t T = out.size(0), K = out.size(1);
+  const bool kq = is_kquant(type);
+  const int64_t qbytes = type == GGML_Q8_0 ? 256 : 128, per = kq ? QKK : QK;
+  const int64_t rec = kq ? klayout(type).rec : qbytes + 2 * G * (type == GGML_Q4_1 ? 2 : 1);
+  const int64_t nrec = K / per, groups = blocks.size(0);
+  TORCH_CHECK(K % per == 0 && blocks.size(1) == nrec * rec,
+              "gguf_rows: blocks [groups, K / (32 or 256) * record bytes]");
+  const Weights w{type, blocks.data_ptr<uint8_t>(), nrec, rec, qbytes, per};
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(ip[t] >= 0 && ip[t] < groups * G, "gguf_rows: id ", ip[t], " outside the table's ", groups * G,
+                " rows");
+  const bool bf16 = out.scalar_type() == at::kBFloat16;
+  float* of = bf16 ? nullptr : out.data_ptr<float>();
+  auto* ob = bf16 ? reinterpret_cast<c10::BFloat16*>(out.data_ptr()) : nullptr;
+  at::parallel_for(0, T, std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1)), [&](int64_t tb, int64_t te) {
+    std::vector<float> row(K);
+    for (int64_t t = tb; t < te; ++t) {
+      const int64_t g = ip[t] / G, r = ip[t] % G;
+      for (int64_t b = 0; b < nrec; ++b) {
+        const uint8_t* p = w.record(g, b);
+        float* o = row.data() + b * per;
+        if (kq) {
+          const KLayout L = klayout(type);
+          const float d = half_at(p + L.d, r);
+          const int64_t sub = type == GGML_Q6_K ? 16 : 32;
+          for (int64_t j = 0; j < per / sub; ++j) {
+            const float ds = d * static_cast<float>(kq_scale(type, p, r, j));
+            if (type == GGML_Q6_K) {
+              for (int64_t k = j * sub; k < (j + 1) * sub; ++k)
+                o[k] = ds * (static_cast<float>(kq_value(type, p, r, k)) - 32.f);
+            } else {
+              const float dm = half_at(p + L.dmin, r) * static_cast<float>(kq_min(type, p, r, j));
+              for (int64_t k = j * sub; k < (j + 1) * sub; ++k)
+                o[k] = ds * static_cast<float>(kq_value(type, p, r, k)) - dm;
+            }
+          }
+        } else {
+          const float d = half_at(p + qbytes, r);
+          for (int64_t k = 0; k < QK; ++k) {
+            const float q = static_cast<float>(weight_at(w, p, r, k));
+            o[k] = type == GGML_Q4_0   ? d * (q - 8.f)
+                   : type == GGML_Q4_1 ? d * q + half_at(p + qbytes + 2 * G, r)
+                                       : d * q;
+          }
+        }
+      }
+      if (bf16)
+        for (int64_t k = 0; k < K; ++k) ob[t * K + k] = static_cast<c10::BFloat16>(row[k]);
+      else
+        std::memcpy(of + t * K, row.data(), K * sizeof(float));
     }
   });
 }

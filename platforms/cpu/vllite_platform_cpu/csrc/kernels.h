@@ -73,6 +73,7 @@
   void int8_gemm_silu(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at::Tensor> bias);             \
   void gguf_linear_x8(at::Tensor out, at::Tensor x, int64_t type, at::Tensor blocks, std::optional<at::Tensor> bias, \
                       int64_t gemm_min_rows, int64_t grain_bytes);                                                  \
+  void gguf_rows(at::Tensor out, at::Tensor ids, int64_t type, at::Tensor blocks);                                  \
   void int4_linear(at::Tensor out, at::Tensor x, at::Tensor codes, at::Tensor scales,                              \
                    std::optional<at::Tensor> zeros, int64_t zero, int64_t group);                                   \
   void int4_linear_q8(at::Tensor out, at::Tensor x, at::Tensor codes, at::Tensor scales,                           \
