@@ -24,7 +24,10 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
+# llama.cpp files Mixtral as a "llama" with an expert count.
+GGUF_EXPERT_ARCHITECTURES: dict[str, tuple[str, str]] = {"llama": ("mixtral", "MixtralForCausalLM")}
 # llama.cpp scales Gemma's attention by 1/sqrt(hidden / heads) for the 27B models (46 layers for Gemma 2, 62 for
 # Gemma 3) and by 1/sqrt(head_dim) otherwise: the query_pre_attn_scalar the checkpoints had.
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -35,11 +38,14 @@ class UnsupportedGGUFError(ValueError):
 
 
 def gguf_model_type(gguf: GGUFFile) -> tuple[str, str]:
-    """(model_type, architecture) for a GGUF file; llama.cpp files Mistral models under "llama"."""
+    """(model_type, architecture) for a GGUF file; llama.cpp files Mistral models, and Mixtral's (with an expert
+    count), under "llama"."""
     arch = gguf.architecture
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedGGUFError(
             f"{gguf.path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}")
+    if int(gguf.metadata.get(f"{arch}.expert_count", 0) or 0) > 0 and arch in GGUF_EXPERT_ARCHITECTURES:
+        return GGUF_EXPERT_ARCHITECTURES[arch]
     name = str(gguf.metadata.get("general.name", "")).lower()
     if arch == "llama" and "mistral" in name:
         return GGUF_ARCHITECTURES["mistral"]
@@ -47,7 +53,7 @@ def gguf_model_type(gguf: GGUFFile) -> tuple[str, str]:
 
 
 def config_from_gguf(gguf: GGUFFile) -> Any:
-    """A ``PretrainedConfig`` (LlamaConfig, MistralConfig or Qwen2Config) for the model in ``gguf``."""
+    """A ``PretrainedConfig`` for the model in ``gguf`` (``GGUF_ARCHITECTURES``' families, Mixtral)."""
     from transformers import AutoConfig
 
     arch = gguf.architecture
@@ -110,8 +116,16 @@ def config_from_gguf(gguf: GGUFFile) -> Any:
 
 
 def _family_fields(gguf: GGUFFile, arch: str, get: Any, need: Any, kw: dict[str, Any]) -> dict[str, Any]:
-    """What the Gemma and Phi-3 configs take beyond the Llama fields, from llama.cpp's keys."""
+    """What the Gemma, Phi-3 and mixture-of-experts configs take beyond the Llama fields, from llama.cpp's keys."""
     out: dict[str, Any] = {}
+    experts = get("expert_count")
+    if experts:  # Mixtral ("llama" with experts), Qwen3-MoE (whose top-k weights llama.cpp renormalises)
+        out["num_experts_per_tok"] = int(need("expert_used_count"))
+        if arch == "qwen3moe":
+            out.update(num_experts=int(experts), moe_intermediate_size=int(need("expert_feed_forward_length")),
+                       norm_topk_prob=True)
+        else:
+            out["num_local_experts"] = int(experts)
     head_dim = kw.get("head_dim") or kw["hidden_size"] // kw["num_attention_heads"]
     if arch in ("gemma2", "gemma3"):
         big = kw["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch]

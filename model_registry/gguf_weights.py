@@ -40,8 +40,15 @@ _GEMMA_NAMES = {"attn_norm": "input_layernorm", "post_attention_norm": "post_att
                 "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 # Where an architecture's names differ from the llama scheme: Gemma's four norms; Phi-3's stacked q/k/v and
 # gate/up (llama.cpp keeps Phi-3's gate_up_proj, gate rows first, as ffn_up).
+# Mixtures of experts: the router and the experts' tensors, stacked [experts, rows, columns] in the file, whose HF
+# names hold "{}" for the expert's index (iter_gguf_weights yields one tensor per expert).
+_MIXTRAL_NAMES = {"ffn_gate_inp": "block_sparse_moe.gate", "ffn_gate_exps": "block_sparse_moe.experts.{}.w1",
+                  "ffn_up_exps": "block_sparse_moe.experts.{}.w3", "ffn_down_exps": "block_sparse_moe.experts.{}.w2"}
+_QWEN_MOE_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.{}.gate_proj",
+                   "ffn_up_exps": "mlp.experts.{}.up_proj", "ffn_down_exps": "mlp.experts.{}.down_proj"}
 _ARCH_BLOCK_NAMES = {"gemma2": _GEMMA_NAMES, "gemma3": _GEMMA_NAMES,
-                     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
+                     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+                     "mixtral": _MIXTRAL_NAMES, "qwen3moe": _QWEN_MOE_NAMES}
 # llama.cpp's Gemma converters store every RMSNorm weight as 1 + w (its norm multiplies by the weight alone);
 # transformers' Gemma norms multiply by 1 + w: the 1 is taken off again here.
 _NORM_PLUS_ONE = {"gemma", "gemma2", "gemma3"}
@@ -53,9 +60,16 @@ _SKIPPED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short
 _PERMUTED_ARCHS = {"llama"}
 
 
+def family(gguf: GGUFFile) -> str:
+    """The naming scheme of a file's tensors: its architecture, or "mixtral" for llama.cpp's Llama with experts."""
+    experts = gguf.metadata.get(f"{gguf.architecture}.expert_count", 0)
+    return "mixtral" if gguf.architecture == "llama" and int(experts or 0) > 0 else gguf.architecture
+
+
 def hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
-    """The transformers parameter name for a llama.cpp tensor name (None: no counterpart); ConfigError for a
-    tensor the mapping does not know (loading it as something else would give wrong answers)."""
+    """The transformers parameter name for a llama.cpp tensor name (None: no counterpart; "{}" in it: a stack of
+    experts, one name per index) under ``architecture`` (``family``); ConfigError for a tensor the mapping does
+    not know (loading it as something else would give wrong answers)."""
     if gguf_name in _SKIPPED:
         return None
     base, _, kind = gguf_name.rpartition(".")
@@ -82,8 +96,9 @@ def iter_gguf_weights(gguf: GGUFFile, num_heads: int, num_kv_heads: int, dtype: 
     shape instead (nothing dequantised)."""
     permute = gguf.architecture in _PERMUTED_ARCHS
     plus_one = gguf.architecture in _NORM_PLUS_ONE
+    names = family(gguf)
     for name in gguf.tensors:
-        target = hf_name(name, gguf.architecture)
+        target = hf_name(name, names)
         if target is None or (only is not None and target not in only):
             continue
         info = gguf.tensors[name]
@@ -98,4 +113,9 @@ def iter_gguf_weights(gguf: GGUFFile, num_heads: int, num_kv_heads: int, dtype: 
         elif permute and ".attn_k." in name:
             data = unpermute_rotary(data, num_kv_heads)
         tensor = torch.from_numpy(np.ascontiguousarray(data))
-        yield target, tensor if tensor.dtype == dtype else tensor.to(dtype)
+        tensor = tensor if tensor.dtype == dtype else tensor.to(dtype)
+        if "{}" in target:  # [experts, rows, columns]: each expert's matrix under its own name
+            for e in range(tensor.shape[0]):
+                yield target.format(e), tensor[e]
+        else:
+            yield target, tensor

@@ -77,7 +77,7 @@ def _fallback(arch: str) -> tuple[type | None, str]:
 
 def support_rows() -> list[SupportRow]:
     from model_registry.builtin import vllite_register_models
-    from model_registry.gguf_config import GGUF_ARCHITECTURES
+    from model_registry.gguf_config import GGUF_ARCHITECTURES, GGUF_EXPERT_ARCHITECTURES
     from model_registry.registry import ModelRegistry
     from vllite_core.model_interfaces import SupportsLoRA, SupportsTensorParallel
 
@@ -86,7 +86,8 @@ def support_rows() -> list[SupportRow]:
     rows = []
     for arch in registry.architectures():
         cls = registry.resolve(arch)
-        gguf = tuple(sorted(g for g, (_, a) in GGUF_ARCHITECTURES.items() if a == arch))
+        gguf = tuple(sorted([g for g, (_, a) in GGUF_ARCHITECTURES.items() if a == arch]
+                            + [f"{g} (experts)" for g, (_, a) in GGUF_EXPERT_ARCHITECTURES.items() if a == arch]))
         fused = "-"
         probe = getattr(cls, "fused_cpu_path", None)
         config = _default_config(arch) if probe is not None else None

@@ -1,6 +1,7 @@
-"""GGUF files of the qwen3, gemma2, gemma3 and phi3 architectures, written with the ``gguf`` package's own writer
-from a tiny random model the way llama.cpp's converter lays them out (its tensor names, Gemma's norms stored as
-1 + w, Phi-3's stacked q/k/v and gate/up, its LongRoPE factors as tensors), against the safetensors run of the
+"""GGUF files of the qwen3, gemma2, gemma3, phi3 and qwen3moe architectures and Mixtral's (a "llama" with experts),
+written with the ``gguf`` package's own writer from a tiny random model the way llama.cpp's converter lays them out
+(its tensor names, Gemma's norms stored as 1 + w, Phi-3's stacked q/k/v and gate/up, its LongRoPE factors as
+tensors, the experts stacked per layer, Llama's q/k rows in its rotary order), against the safetensors run of the
 same weights and against transformers; and the bad input a GGUF can bring."""
 from __future__ import annotations
 
@@ -30,7 +31,11 @@ _LLAMA = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn
 _GEMMA = {**_LLAMA, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
           "post_feedforward_layernorm": "post_ffw_norm"}
 _PHI3 = {**_LLAMA, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
-NAMES = {"qwen3": _LLAMA, "gemma2": _GEMMA, "gemma3": _GEMMA, "phi3": _PHI3}
+# Mixtures of experts: the router; transformers' stacked experts (gate_up_proj: the gate rows, then up) become
+# llama.cpp's three stacks, [experts, rows, columns].
+_MOE = {**_LLAMA, "mlp.gate": "ffn_gate_inp"}
+NAMES = {"qwen3": _LLAMA, "gemma2": _GEMMA, "gemma3": _GEMMA, "phi3": _PHI3, "mixtral": _MOE, "qwen3moe": _MOE}
+GGUF_ARCH = {"mixtral": "llama"}  # llama.cpp files Mixtral as a Llama with experts
 
 
 def _config(arch):
@@ -38,6 +43,11 @@ def _config(arch):
 
     if arch == "qwen3":
         return t.Qwen3Config(**TINY, head_dim=16)
+    if arch == "mixtral":
+        return t.MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2)
+    if arch == "qwen3moe":
+        return t.Qwen3MoeConfig(**TINY, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                                norm_topk_prob=True)
     if arch == "gemma2":
         return t.Gemma2Config(**TINY, head_dim=16, sliding_window=5, query_pre_attn_scalar=16,
                               attn_logit_softcapping=4.0, final_logit_softcapping=6.0)
@@ -65,8 +75,10 @@ def _random(config, seed):
 
 
 def _write(path, arch, hf, extra_tensor=None):
-    """The model as llama.cpp's converter writes it (metadata keys, tensor names, layouts)."""
+    """The model as llama.cpp's converter writes it (metadata keys, tensor names, layouts; a "llama" file's q and k
+    rows in its rotary order)."""
     c = hf.config
+    model_arch, arch = arch, GGUF_ARCH.get(arch, arch)
     w = GGUFWriter(str(path), arch)
     w.add_name("tiny " + arch)
     for key, value in (("context_length", c.max_position_embeddings), ("embedding_length", c.hidden_size),
@@ -75,11 +87,18 @@ def _write(path, arch, hf, extra_tensor=None):
                        ("attention.head_count_kv", c.num_key_value_heads), ("vocab_size", c.vocab_size)):
         w.add_uint32(f"{arch}.{key}", value)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
+    experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None)
+    if experts:
+        w.add_uint32(f"{arch}.expert_count", experts)
+        w.add_uint32(f"{arch}.expert_used_count", c.num_experts_per_tok)
+        if getattr(c, "moe_intermediate_size", None):
+            w.add_uint32(f"{arch}.expert_feed_forward_length", c.moe_intermediate_size)
     rope = c.rope_parameters.get("full_attention", c.rope_parameters)
     w.add_float32(f"{arch}.rope.freq_base", rope["rope_theta"])
     if arch != "phi3":
-        w.add_uint32(f"{arch}.attention.key_length", c.head_dim)
-        w.add_uint32(f"{arch}.attention.value_length", c.head_dim)
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        w.add_uint32(f"{arch}.attention.key_length", head_dim)
+        w.add_uint32(f"{arch}.attention.value_length", head_dim)
     if getattr(c, "sliding_window", None):
         w.add_uint32(f"{arch}.attention.sliding_window", c.sliding_window)
     if arch == "gemma2":
@@ -99,9 +118,20 @@ def _write(path, arch, hf, extra_tensor=None):
         if tied and name == "lm_head.weight":
             continue
         data = t.numpy().astype(np.float32)
+        stacked = re.match(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$", name)
+        if stacked:
+            parts = (("ffn_gate_exps", data[:, :data.shape[1] // 2]), ("ffn_up_exps", data[:, data.shape[1] // 2:])) \
+                if stacked.group(2) == "gate_up_proj" else (("ffn_down_exps", data),)
+            for part, x in parts:
+                w.add_tensor(f"blk.{stacked.group(1)}.{part}.weight", np.ascontiguousarray(x),
+                             raw_dtype=GGMLQuantizationType.F32)
+            continue
         m = re.match(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$", name)
         if m:
-            gname = f"blk.{m.group(1)}.{NAMES[arch][m.group(2)]}.{m.group(3)}"
+            gname = f"blk.{m.group(1)}.{NAMES[model_arch][m.group(2)]}.{m.group(3)}"
+            heads = {"attn_q": c.num_attention_heads, "attn_k": c.num_key_value_heads}.get(gname.split(".")[2])
+            if arch == "llama" and heads:  # llama.cpp's converter's row order for its rotary kernel
+                data = data.reshape(heads, 2, data.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(data.shape)
         else:
             gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                      "lm_head.weight": "output.weight"}[name]
@@ -148,6 +178,33 @@ def test_gguf_equals_the_safetensors_run(tmp_path, arch):
         assert ours.tokens(rid) == theirs.tokens(rid)
         torch.testing.assert_close(ours.logits(rid), theirs.logits(rid), atol=1e-5, rtol=1e-5)
     assert_matches_hf(ours, hf, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3moe"])
+def test_moe_gguf_against_transformers(tmp_path, tiny_path, arch):
+    """A mixture of experts from GGUF (each layer's experts stacked, Mixtral filed as a "llama" with an expert count
+    and its q/k rows permuted) on the engine: the config read from the file's keys, greedy tokens identical to
+    transformers' on the same weights in float32, each token's logprob within 1e-4 of HF's log-softmax."""
+    from hf_reference import hf_greedy
+
+    from vllite_core import LLM, SamplingParams
+
+    hf = _random(_config(arch), seed=len(arch))
+    _write(tmp_path / "tiny.gguf", arch, hf)
+    config = load_hf_config(resolve_model_source(str(tmp_path / "tiny.gguf")))
+    assert config.architectures == [type(hf).__name__] and config.num_experts_per_tok == 2
+    llm = LLM(model=str(tmp_path / "tiny.gguf"), tokenizer=tiny_path, dtype="float32", num_threads=1,
+              max_model_len=64, enable_prefix_caching=False)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 13)]
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    for prompt, out in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], sp)):
+        tokens = out.outputs[0].token_ids
+        assert tokens == hf_greedy(hf, prompt, 6)
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(input_ids=torch.tensor([prompt + tokens])).logits[0].double(), dim=-1)
+        for i, t in enumerate(tokens):
+            assert abs(out.outputs[0].logprobs[i][t].logprob - ref[len(prompt) - 1 + i, t].item()) < 1e-4
 
 
 def test_unknown_gguf_tensor_is_a_config_error(tmp_path):

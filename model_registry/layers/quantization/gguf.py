@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from model_registry.gguf_file import GGUFFile
-from model_registry.gguf_weights import _PERMUTED_ARCHS, hf_name, unpermute_rotary
+from model_registry.gguf_weights import _PERMUTED_ARCHS, family, hf_name, unpermute_rotary
 from model_registry.layers.linear import LinearBase, RowParallelLinear
 from model_registry.layers.quantization.base import LinearLike, LinearMethod
 from model_registry.layers.vocab import ParallelLMHead, VocabParallelEmbedding
@@ -329,7 +329,7 @@ def use_gguf_blocks(model: torch.nn.Module, source: Any) -> int:
     gguf = open_gguf(source)
     by_hf = {}
     for name in gguf.tensors:
-        target = hf_name(name, gguf.architecture)
+        target = hf_name(name, family(gguf))
         if target is not None:
             by_hf[target] = name
     cfg = model.config
