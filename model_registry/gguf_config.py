@@ -24,6 +24,7 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 # llama.cpp files Mixtral as a "llama" with an expert count.
@@ -119,13 +120,15 @@ def _family_fields(gguf: GGUFFile, arch: str, get: Any, need: Any, kw: dict[str,
     """What the Gemma, Phi-3 and mixture-of-experts configs take beyond the Llama fields, from llama.cpp's keys."""
     out: dict[str, Any] = {}
     experts = get("expert_count")
-    if experts:  # Mixtral ("llama" with experts), Qwen3-MoE (whose top-k weights llama.cpp renormalises)
+    if experts:  # Mixtral ("llama" with experts), Qwen2/3-MoE (llama.cpp renormalises Qwen3-MoE's top-k weights)
         out["num_experts_per_tok"] = int(need("expert_used_count"))
-        if arch == "qwen3moe":
+        if arch in ("qwen2moe", "qwen3moe"):
             out.update(num_experts=int(experts), moe_intermediate_size=int(need("expert_feed_forward_length")),
-                       norm_topk_prob=True)
+                       norm_topk_prob=arch == "qwen3moe")
         else:
             out["num_local_experts"] = int(experts)
+        if arch == "qwen2moe":
+            out["shared_expert_intermediate_size"] = int(get("expert_shared_feed_forward_length", 0))
     head_dim = kw.get("head_dim") or kw["hidden_size"] // kw["num_attention_heads"]
     if arch in ("gemma2", "gemma3"):
         big = kw["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch]

@@ -46,9 +46,13 @@ _MIXTRAL_NAMES = {"ffn_gate_inp": "block_sparse_moe.gate", "ffn_gate_exps": "blo
                   "ffn_up_exps": "block_sparse_moe.experts.{}.w3", "ffn_down_exps": "block_sparse_moe.experts.{}.w2"}
 _QWEN_MOE_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.{}.gate_proj",
                    "ffn_up_exps": "mlp.experts.{}.up_proj", "ffn_down_exps": "mlp.experts.{}.down_proj"}
+# Qwen2-MoE's shared expert and its sigmoid gate.
+_QWEN2_MOE_NAMES = {**_QWEN_MOE_NAMES, "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+                    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                    "ffn_down_shexp": "mlp.shared_expert.down_proj"}
 _ARCH_BLOCK_NAMES = {"gemma2": _GEMMA_NAMES, "gemma3": _GEMMA_NAMES,
                      "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
-                     "mixtral": _MIXTRAL_NAMES, "qwen3moe": _QWEN_MOE_NAMES}
+                     "mixtral": _MIXTRAL_NAMES, "qwen2moe": _QWEN2_MOE_NAMES, "qwen3moe": _QWEN_MOE_NAMES}
 # llama.cpp's Gemma converters store every RMSNorm weight as 1 + w (its norm multiplies by the weight alone);
 # transformers' Gemma norms multiply by 1 + w: the 1 is taken off again here.
 _NORM_PLUS_ONE = {"gemma", "gemma2", "gemma3"}

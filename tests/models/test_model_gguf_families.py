@@ -1,8 +1,8 @@
-"""GGUF files of the qwen3, gemma2, gemma3, phi3 and qwen3moe architectures and Mixtral's (a "llama" with experts),
-written with the ``gguf`` package's own writer from a tiny random model the way llama.cpp's converter lays them out
-(its tensor names, Gemma's norms stored as 1 + w, Phi-3's stacked q/k/v and gate/up, its LongRoPE factors as
-tensors, the experts stacked per layer, Llama's q/k rows in its rotary order), against the safetensors run of the
-same weights and against transformers; and the bad input a GGUF can bring."""
+"""GGUF files of the qwen3, gemma2, gemma3, phi3, qwen2moe and qwen3moe architectures and Mixtral's (a "llama"
+with experts), written with the ``gguf`` package's own writer from a tiny random model the way llama.cpp's converter
+lays them out (its tensor names, Gemma's norms stored as 1 + w, Phi-3's stacked q/k/v and gate/up, its LongRoPE
+factors as tensors, the experts stacked per layer, Llama's q/k rows in its rotary order), against the safetensors
+run of the same weights and against transformers; and the bad input a GGUF can bring."""
 from __future__ import annotations
 
 import importlib
@@ -33,8 +33,11 @@ _GEMMA = {**_LLAMA, "post_attention_layernorm": "post_attention_norm", "pre_feed
 _PHI3 = {**_LLAMA, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 # Mixtures of experts: the router; transformers' stacked experts (gate_up_proj: the gate rows, then up) become
 # llama.cpp's three stacks, [experts, rows, columns].
-_MOE = {**_LLAMA, "mlp.gate": "ffn_gate_inp"}
-NAMES = {"qwen3": _LLAMA, "gemma2": _GEMMA, "gemma3": _GEMMA, "phi3": _PHI3, "mixtral": _MOE, "qwen3moe": _MOE}
+_MOE = {**_LLAMA, "mlp.gate": "ffn_gate_inp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+        "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+        "mlp.shared_expert.down_proj": "ffn_down_shexp"}
+NAMES = {"qwen3": _LLAMA, "gemma2": _GEMMA, "gemma3": _GEMMA, "phi3": _PHI3, "mixtral": _MOE, "qwen2moe": _MOE,
+         "qwen3moe": _MOE}
 GGUF_ARCH = {"mixtral": "llama"}  # llama.cpp files Mixtral as a Llama with experts
 
 
@@ -45,6 +48,9 @@ def _config(arch):
         return t.Qwen3Config(**TINY, head_dim=16)
     if arch == "mixtral":
         return t.MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2)
+    if arch == "qwen2moe":  # a shared expert with its sigmoid gate, q/k/v biases, the top-k weights as routed
+        return t.Qwen2MoeConfig(**TINY, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4,
+                                num_experts_per_tok=2)
     if arch == "qwen3moe":
         return t.Qwen3MoeConfig(**TINY, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
                                 norm_topk_prob=True)
@@ -93,6 +99,8 @@ def _write(path, arch, hf, extra_tensor=None):
         w.add_uint32(f"{arch}.expert_used_count", c.num_experts_per_tok)
         if getattr(c, "moe_intermediate_size", None):
             w.add_uint32(f"{arch}.expert_feed_forward_length", c.moe_intermediate_size)
+        if getattr(c, "shared_expert_intermediate_size", None):
+            w.add_uint32(f"{arch}.expert_shared_feed_forward_length", c.shared_expert_intermediate_size)
     rope = c.rope_parameters.get("full_attention", c.rope_parameters)
     w.add_float32(f"{arch}.rope.freq_base", rope["rope_theta"])
     if arch != "phi3":
@@ -180,7 +188,7 @@ def test_gguf_equals_the_safetensors_run(tmp_path, arch):
     assert_matches_hf(ours, hf, atol=1e-4)
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2moe", "qwen3moe"])
 def test_moe_gguf_against_transformers(tmp_path, tiny_path, arch):
     """A mixture of experts from GGUF (each layer's experts stacked, Mixtral filed as a "llama" with an expert count
     and its q/k rows permuted) on the engine: the config read from the file's keys, greedy tokens identical to
