@@ -107,7 +107,11 @@ def iter_gguf_weights(gguf: GGUFFile, num_heads: int, num_kv_heads: int, dtype: 
             continue
         info = gguf.tensors[name]
         if defer is not None and defer(target, info.ggml_type.name):
-            yield target, deferred(info.shape)
+            if "{}" in target:
+                for e in range(info.shape[0]):
+                    yield target.format(e), deferred(info.shape[1:])
+            else:
+                yield target, deferred(info.shape)
             continue
         data = gguf.dequantize(name)
         if plus_one and name.endswith("norm.weight"):

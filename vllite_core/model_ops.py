@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -265,6 +265,20 @@ class ModelOps:
             tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
             h = self.silu_and_mul(F.linear(x[tok], w13[e]))
             h = F.linear(h, w2[e]) * topk_weights[tok, slot, None]
+            out.index_add_(0, tok, h.to(out.dtype))
+        return out
+
+    def gguf_fused_moe(self, x: torch.Tensor, experts: Sequence[tuple[Sequence[GGUFWeight], GGUFWeight]],
+                       topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """``fused_moe`` with each expert's weights as GGUF blocks (``quantization="gguf"``): ``experts[e]`` is
+        (w13 as one or two blocks weights, gate rows then up; w2), each product through ``gguf_linear``."""
+        out = torch.zeros_like(x)
+        for e in torch.unique(topk_ids).tolist():
+            tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+            w13, w2 = experts[e]
+            xe = x[tok]
+            gate_up = torch.cat([self.gguf_linear(xe, w, None, {}) for w in w13], dim=-1)
+            h = self.gguf_linear(self.silu_and_mul(gate_up), w2, None, {}) * topk_weights[tok, slot, None]
             out.index_add_(0, tok, h.to(out.dtype))
         return out
 

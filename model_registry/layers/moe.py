@@ -8,7 +8,7 @@ that steers the choice but not the weights (DeepSeek-V3), and a routed scaling f
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,9 @@ from vllite_core.distributed import get_tp
 from vllite_core.distributed.sharding import shard_experts, split
 from vllite_core.errors import ConfigError
 from vllite_core.model_ops import current_model_ops
+
+if TYPE_CHECKING:
+    from model_registry.layers.quantization.gguf import GGUFWeight
 
 ExpertShard = Literal["w1", "w2", "w3"]  # vLLM's names: gate, down, up
 
@@ -132,6 +135,14 @@ class FusedMoE(nn.Module):
         self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, False, dtype) if shared_expert_gate else None
         self.ops = current_model_ops()
         self.state: dict = {}  # what the platform's fused_moe caches for these weights (packed panels)
+        self.gguf: list[tuple[list[GGUFWeight], GGUFWeight]] | None = None  # use_gguf_blocks
+
+    def use_gguf_blocks(self, experts: list[tuple[list[GGUFWeight], GGUFWeight]]) -> None:
+        """Compute every expert from its GGUF blocks (w13 as one or two weights, w2), the stacked float weights
+        dropped (quantization="gguf"; one rank holding every expert whole)."""
+        self.gguf = experts
+        self.w13_weight = nn.Parameter(torch.empty(0, dtype=self.w13_weight.dtype), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(0, dtype=self.w2_weight.dtype), requires_grad=False)
 
     @torch.no_grad()
     def load_expert(self, src: torch.Tensor, expert: int, shard: ExpertShard, name: str) -> None:
@@ -164,7 +175,9 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.router(x)
-        if self.expert_parallel:
+        if self.gguf is not None:
+            out = self.ops.gguf_fused_moe(x, self.gguf, weights.to(x.dtype), ids)
+        elif self.expert_parallel:
             out = self._held_experts(x, weights.to(x.dtype), ids)
         else:
             out = self.ops.fused_moe(x, self.w13_weight, self.w2_weight, weights.to(x.dtype), ids, self.state)

@@ -190,7 +190,10 @@ class MoeForCausalLM(nn.Module, ShardsByHeads, SupportsExpertParallel):
     """Embedding, ``MoeDecoderLayer``s, final norm and LM head; a family's file supplies ``family(config)``.
     Over tensor-parallel ranks the attention heads split as Llama's do and every expert's intermediate
     dimension splits (``FusedMoE``), or with expert parallelism the experts are placed whole by rank; a family
-    whose layers cannot split refuses in ``check_tensor_parallel``."""
+    whose layers cannot split refuses in ``check_tensor_parallel``. ``quantization="gguf"``: a GGUF file's
+    projections and experts computed from their blocks."""
+
+    supported_quantization = ("gguf",)
 
     @classmethod
     def check_expert_parallel(cls, hf_config: Any, tensor_parallel_size: int) -> None:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import quantize
 from paged_harness import PagedHarness, assert_matches_hf, run_standard_schedule
 from vllite_platform_cpu.attention import TorchPagedAttention
 
@@ -49,7 +50,7 @@ def _config(arch):
     if arch == "mixtral":
         return t.MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2)
     if arch == "qwen2moe":  # a shared expert with its sigmoid gate, q/k/v biases, the top-k weights as routed
-        return t.Qwen2MoeConfig(**TINY, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4,
+        return t.Qwen2MoeConfig(**TINY, moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4,
                                 num_experts_per_tok=2)
     if arch == "qwen3moe":
         return t.Qwen3MoeConfig(**TINY, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
@@ -80,7 +81,7 @@ def _random(config, seed):
     return model.eval()
 
 
-def _write(path, arch, hf, extra_tensor=None):
+def _write(path, arch, hf, extra_tensor=None, qtype=None):
     """The model as llama.cpp's converter writes it (metadata keys, tensor names, layouts; a "llama" file's q and k
     rows in its rotary order)."""
     c = hf.config
@@ -131,8 +132,7 @@ def _write(path, arch, hf, extra_tensor=None):
             parts = (("ffn_gate_exps", data[:, :data.shape[1] // 2]), ("ffn_up_exps", data[:, data.shape[1] // 2:])) \
                 if stacked.group(2) == "gate_up_proj" else (("ffn_down_exps", data),)
             for part, x in parts:
-                w.add_tensor(f"blk.{stacked.group(1)}.{part}.weight", np.ascontiguousarray(x),
-                             raw_dtype=GGMLQuantizationType.F32)
+                _add(w, f"blk.{stacked.group(1)}.{part}.weight", np.ascontiguousarray(x), qtype)
             continue
         m = re.match(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$", name)
         if m:
@@ -145,13 +145,22 @@ def _write(path, arch, hf, extra_tensor=None):
                      "lm_head.weight": "output.weight"}[name]
         if arch.startswith("gemma") and gname.endswith("norm.weight"):
             data = data + np.float32(1.0)
-        w.add_tensor(gname, data, raw_dtype=GGMLQuantizationType.F32)
+        _add(w, gname, data, qtype if re.search(r"\.(attn_[qkvo]\w*|ffn_\w+_shexp)\.weight$", gname) else None)
     if extra_tensor:
         w.add_tensor(extra_tensor, np.zeros((4, 64), dtype=np.float32), raw_dtype=GGMLQuantizationType.F32)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _add(w, name, data, qtype):
+    """A tensor in float32, or quantized by the gguf package to ``qtype``."""
+    if qtype is None:
+        w.add_tensor(name, data, raw_dtype=GGMLQuantizationType.F32)
+    else:
+        gtype = getattr(GGMLQuantizationType, qtype)
+        w.add_tensor(name, quantize(np.ascontiguousarray(data, dtype=np.float32), gtype), raw_dtype=gtype)
 
 
 def _load(folder):
@@ -213,6 +222,47 @@ def test_moe_gguf_against_transformers(tmp_path, tiny_path, arch):
             ref = torch.log_softmax(hf(input_ids=torch.tensor([prompt + tokens])).logits[0].double(), dim=-1)
         for i, t in enumerate(tokens):
             assert abs(out.outputs[0].logprobs[i][t].logprob - ref[len(prompt) - 1 + i, t].item()) < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2moe"])
+def test_moe_gguf_experts_from_blocks(tmp_path, tiny_path, arch, monkeypatch):
+    """quantization="gguf" on a mixture of experts whose experts and attention are Q8_0: every expert computed from
+    its blocks (none dequantised at load: ``GGUFFile.dequantize`` counted), each expert's weights the dequantised
+    load's bit for bit, the stacked float weights dropped; through the dequantised float32 panels
+    (GGUF_GEMM_MIN_ROWS = 1) the greedy tokens and logprobs of the same file dequantised at load."""
+    from model_registry.gguf_file import GGUFFile
+    from model_registry.layers.moe import FusedMoE
+    from vllite_core import LLM, SamplingParams
+
+    kernels = pytest.importorskip("vllite_platform_cpu.kernels")
+    hf = _random(_config(arch), seed=len(arch) + 1)
+    _write(tmp_path / "tiny.gguf", arch, hf, qtype="Q8_0")
+    args = dict(model=str(tmp_path / "tiny.gguf"), tokenizer=tiny_path, dtype="float32", num_threads=1,
+                max_model_len=64, enable_prefix_caching=False)
+    gen = torch.Generator().manual_seed(9)
+    prompts = [{"prompt_token_ids": torch.randint(0, 256, (n,), generator=gen).tolist()} for n in (4, 11)]
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    dense = LLM(**args)
+    base = dense.generate(prompts, sp)
+    dense_moes = [m for m in dense.llm_engine.core.engine_core.worker.runner.model.modules() if isinstance(m, FusedMoE)]
+    want = [(m.w13_weight.detach().clone(), m.w2_weight.detach().clone()) for m in dense_moes]
+    del dense, dense_moes
+    read: list[str] = []
+    real = GGUFFile.dequantize
+    monkeypatch.setattr(GGUFFile, "dequantize", lambda self, name: read.append(name) or real(self, name))
+    monkeypatch.setattr(kernels, "GGUF_GEMM_MIN_ROWS", 1)
+    llm = LLM(**args, quantization="gguf")
+    assert not [n for n in read if re.search(r"\.(ffn_(gate|up|down)_(exps|shexp)|attn_(q|k|v|output))\.weight", n)]
+    moes = [m for m in llm.llm_engine.core.engine_core.worker.runner.model.modules() if isinstance(m, FusedMoE)]
+    assert len(moes) == 2 and all(m.gguf is not None and m.w13_weight.numel() == 0 for m in moes)
+    for m, (w13, w2) in zip(moes, want):
+        for e, (gate_up, down) in enumerate(m.gguf):
+            assert torch.equal(torch.cat([w.dequantize() for w in gate_up]), w13[e])
+            assert torch.equal(down.dequantize(), w2[e])
+    for a, b in zip(base, llm.generate(prompts, sp)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for ref, got, t in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids):
+            assert abs(ref[t].logprob - got[t].logprob) < 1e-4
 
 
 def test_unknown_gguf_tensor_is_a_config_error(tmp_path):

@@ -36,6 +36,7 @@ from torch import nn
 from model_registry.gguf_file import GGUFFile
 from model_registry.gguf_weights import _PERMUTED_ARCHS, family, hf_name, unpermute_rotary
 from model_registry.layers.linear import LinearBase, RowParallelLinear
+from model_registry.layers.moe import FusedMoE
 from model_registry.layers.quantization.base import LinearLike, LinearMethod
 from model_registry.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from vllite_core.distributed.sharding import VocabShard
@@ -271,6 +272,30 @@ def _vocab_blocks(shard: VocabShard, gguf: GGUFFile, name: str | None) -> GGUFWe
     return repack(np.asarray(gguf.raw(name)).reshape(info.shape[0], -1), qtype)
 
 
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _expert_blocks(moe: FusedMoE, path: str, gguf: GGUFFile) -> list[tuple[list[GGUFWeight], GGUFWeight]] | None:
+    """A mixture's experts as blocks: per expert (gate and up, as one weight when their types agree; down), from
+    the layer's stacked ``ffn_{gate,up,down}_exps``; None when a rank holds part of them or a type has no kernel."""
+    m = _LAYER.search(path)
+    names = [f"blk.{m.group(1)}.ffn_{p}_exps.weight" for p in ("gate", "up", "down")] if m else []
+    if not names or not _whole(moe) or any(n not in gguf.tensors for n in names):
+        return None
+    types = [gguf.tensors[n].ggml_type.name for n in names]
+    if any(t not in _BYTES for t in types):
+        logger.info("quantization gguf: layer %s's experts are %s: dequantised at load", m.group(1), "/".join(types))
+        return None
+    gate, up, down = (np.asarray(gguf.raw(n)).reshape(gguf.tensors[n].shape[0], gguf.tensors[n].shape[1], -1)
+                      for n in names)
+    experts = []
+    for e in range(moe.num_experts):
+        w13 = [repack(np.concatenate((gate[e], up[e])), types[0])] if types[0] == types[1] else \
+            [repack(gate[e], types[0]), repack(up[e], types[1])]
+        experts.append((w13, repack(down[e], types[2])))
+    return experts
+
+
 def _head_blocks(head: ParallelLMHead, gguf: GGUFFile, by_hf: dict[str, str]) -> GGUFWeight | None:
     name = by_hf.get("lm_head.weight")
     if name is None and head.tied:
@@ -278,10 +303,10 @@ def _head_blocks(head: ParallelLMHead, gguf: GGUFFile, by_hf: dict[str, str]) ->
     return _vocab_blocks(head.shard, gguf, name)
 
 
-# The tensors use_gguf_blocks reads as blocks, as transformers names them: a decoder layer's projection weights,
-# the token embedding and the LM head.
-_AS_BLOCKS = re.compile(r"^(model\.layers\.\d+\.(self_attn|mlp)\.[a-z_]+_proj\.weight|model\.embed_tokens\.weight|"
-                        r"lm_head\.weight)$")
+# The tensors use_gguf_blocks reads as blocks, as transformers names them: a decoder layer's projection weights
+# (a shared expert's too), the token embedding and the LM head.
+_AS_BLOCKS = re.compile(r"^(model\.layers\.\d+\.(self_attn|mlp)\.([a-z_]+\.)?[a-z_]+_proj\.weight|"
+                        r"model\.embed_tokens\.weight|lm_head\.weight)$")
 
 
 def deferrable(model: torch.nn.Module) -> Callable[[str, str], bool]:
@@ -293,12 +318,20 @@ def deferrable(model: torch.nn.Module) -> Callable[[str, str], bool]:
     stage = getattr(model, "stage", None)
     vocab = (stage is None or (stage.is_first and stage.is_last)) and all(
         m.shard.is_whole for m in model.modules() if isinstance(m, (VocabParallelEmbedding, ParallelLMHead)))
+    experts = all(_whole(m) for m in model.modules() if isinstance(m, FusedMoE))
 
     def defer(hf_name: str, qtype: str) -> bool:
+        if "{}" in hf_name:  # a stack of experts
+            return experts and qtype in _BYTES
         m = _AS_BLOCKS.match(hf_name)
         return qtype in _BYTES and m is not None and (vocab or m.group(2) is not None)
 
     return defer
+
+
+def _whole(moe: FusedMoE) -> bool:
+    """Every expert whole on this rank (no tensor- or expert-parallel split): its blocks can serve it."""
+    return moe.experts == (0, moe.num_experts) and moe.local == (0, moe.intermediate_size)
 
 
 def _is_blocks(method: LinearMethod) -> bool:
@@ -316,6 +349,8 @@ def dense_deferred(model: torch.nn.Module, deferred_names: set[str]) -> set[str]
             names |= {"model.embed_tokens.weight"} & deferred_names  # a tied head's table too
         elif isinstance(layer, ParallelLMHead) and not layer.tied and not _is_blocks(layer.quant_method):
             names |= {"lm_head.weight"} & deferred_names
+        elif isinstance(layer, FusedMoE) and layer.gguf is None and (m := _LAYER.search(path)):
+            names |= {n for n in deferred_names if "{}" in n and n.startswith(f"model.layers.{m.group(1)}.")}
     return names
 
 
@@ -362,6 +397,11 @@ def use_gguf_blocks(model: torch.nn.Module, source: Any) -> int:
             GGUFShardsLinearMethod.use_blocks(layer, parts)
         after += sum(w.nbytes() for w in parts)
         count += 1
+    for path, moe in [(n, m) for n, m in model.named_modules() if isinstance(m, FusedMoE)]:
+        experts = _expert_blocks(moe, path, gguf)
+        if experts is not None:
+            moe.use_gguf_blocks(experts)
+            count += 1
     for path, emb in [(n, m) for n, m in model.named_modules() if isinstance(m, VocabParallelEmbedding)]:
         # The lookup from blocks too: a tied head's (one copy for both), or the token embedding's own tensor.
         own = by_hf.get("model.embed_tokens.weight") if path == "model.embed_tokens" else None
