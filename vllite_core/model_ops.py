@@ -89,6 +89,11 @@ class ModelOps:
         y = F.linear(x.float(), weight.dequantize(), None if bias is None else bias.float())
         return y.to(x.dtype)
 
+    def gguf_repack(self, raw: torch.Tensor, type_id: int) -> torch.Tensor | None:
+        """GGUF blocks ``raw`` (uint8 [N, block bytes per row], ggml's ``type_id``) in ``GGUFWeight.blocks``' layout,
+        made at load by a platform's kernel; None: the reference repack (numpy) makes it."""
+        return None
+
     def gguf_embedding(self, input_ids: torch.Tensor, weight: GGUFWeight, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``input_ids`` of the table W given by its GGUF blocks (an embedding kept as blocks), in ``dtype``:
         the dequantised load's values. Here the groups of 8 rows holding them are dequantised (a reference); a

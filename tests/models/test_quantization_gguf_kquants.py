@@ -95,6 +95,19 @@ def test_repack_matches_gguf_quants(qtype):
     assert np.array_equal(dequantize_gguf(pack_kquant(a)).numpy(), dequantize_gguf(w).numpy()) and pad.any()
 
 
+@pytest.mark.parametrize("qtype", KTYPES)
+def test_kernel_repack_is_the_numpy_repack(qtype):
+    """The CPU kernels' repack at load (``ModelOps.gguf_repack``): byte for byte the numpy reference's records, for
+    random blocks (every value, scale, minimum and high bit; 21 rows: a partial last group; 2 super-blocks)."""
+    if not _variants():
+        pytest.skip("no CPU kernels")
+    from vllite_platform_cpu.model_ops import CpuModelOps
+
+    raw = _random_blocks(qtype, 21, 512, seed=3)
+    got = CpuModelOps(fused=True, packed_linear=True).gguf_repack(torch.from_numpy(raw), TYPE_ID[qtype])
+    assert torch.equal(got, pack_kquant(decode_blocks(raw, qtype)).blocks)
+
+
 def test_k_not_a_multiple_of_256_is_refused():
     f = decode_blocks(_random_blocks("Q4_K", 8, 256, seed=2), "Q4_K")
     bad = type(f)(f.qtype, np.zeros((8, 288), np.uint8), f.sc, f.mn, f.d, f.dmin)

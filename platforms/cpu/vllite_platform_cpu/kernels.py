@@ -65,7 +65,7 @@ ENTRY_POINTS = ("paged_attention", "avx2_gemm_available", "avx2_gemm_dtypes", "a
                 "bf16_gemm_available", "bf16_gemm_pack", "bf16_gemm", "bf16_gemm_silu", "int8_gemm_available",
                 "int8_gemm_pack", "int8_gemm", "int8_gemm_silu", "argmax_rows", "amx_available", "set_amx",
                 "decoder_split_step", "int4_linear", "int4_linear_q8", "moe_experts", "fp8_linear",
-                "fp8_linear_act", "gguf_rows")
+                "fp8_linear_act", "gguf_rows", "gguf_repack_kquant")
 KERNEL_ENV = "VLLITE_CPU_ATTENTION_KERNEL"  # 0: no C++ kernels (torch ops)
 ISA_ENV = "VLLITE_CPU_ISA"  # the highest variant to use: default, avx2, avx512 or avx512_bf16
 
@@ -505,6 +505,13 @@ def gguf_rows(out: torch.Tensor, ids: torch.Tensor, type_id: int, blocks: torch.
     """``out [T, K]`` (float32 or bfloat16) = rows ``ids`` (int64 [T]) of the weight given by GGUF blocks (as
     ``gguf_linear``'s): an embedding table kept as blocks, each value the dequantised load's (csrc/gguf.cpp)."""
     load().gguf_rows(out, ids, int(type_id), blocks)
+
+
+def gguf_repack_kquant(out: torch.Tensor, raw: torch.Tensor, type_id: int) -> None:
+    """``out`` (uint8 zeros [ceil(N / 8), super-blocks * record]) = GGUF K-quant blocks ``raw`` (uint8 [N,
+    super-blocks * block bytes]) as ``GGUFWeight`` records (csrc/gguf.cpp; kquants.py's numpy repack byte for
+    byte)."""
+    load().gguf_repack_kquant(out, raw, int(type_id))
 
 
 def gguf_linear(out: torch.Tensor, x: torch.Tensor, type_id: int, blocks: torch.Tensor, bias: torch.Tensor | None,

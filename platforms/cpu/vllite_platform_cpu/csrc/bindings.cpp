@@ -128,6 +128,7 @@ void bind_layer_spec(pybind11::module_& s) {
     s.def("dequantize_int32", &vllite_cpu::ns::dequantize_int32);                        \
     s.def("gguf_linear_x8", &vllite_cpu::ns::gguf_linear_x8);                            \
     s.def("gguf_rows", &vllite_cpu::ns::gguf_rows);                                      \
+    s.def("gguf_repack_kquant", &vllite_cpu::ns::gguf_repack_kquant);                    \
     s.def("int4_linear", &vllite_cpu::ns::int4_linear);                                  \
     s.def("int4_linear_q8", &vllite_cpu::ns::int4_linear_q8);                            \
     s.def("fp8_linear", &vllite_cpu::ns::fp8_linear);                                    \

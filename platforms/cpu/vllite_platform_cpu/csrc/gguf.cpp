@@ -804,5 +804,77 @@ void gguf_rows(at::Tensor out, at::Tensor ids, int64_t type, at::Tensor blocks) 
   });
 }
 
+// out [ceil(N / 8), N_sb * record] (uint8, zeros) = GGUF K-quant blocks raw [N, N_sb * block bytes] (Q4_K 144, Q5_K
+// 176, Q6_K 210 bytes a super-block) as the records described at klayout: model_registry/layers/quantization/
+// kquants.py's pack_kquant(decode_blocks(raw)) byte for byte, without numpy's passes over [N, K] arrays (a
+// Llama-1B Q4_K_M file's tensors: ~3.7 s of the start). Rows past N stay zero.
+void gguf_repack_kquant(at::Tensor out, at::Tensor raw, int64_t type) {
+  using namespace gguf_impl;
+  TORCH_CHECK(is_kquant(type), "gguf_repack_kquant: type must be Q4_K, Q5_K or Q6_K");
+  const int64_t bb = type == GGML_Q4_K ? 144 : type == GGML_Q5_K ? 176 : 210;
+  const KLayout L = klayout(type);
+  TORCH_CHECK(raw.dim() == 2 && raw.is_contiguous() && raw.scalar_type() == at::kByte && raw.size(1) % bb == 0
+                  && out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kByte,
+              "gguf_repack_kquant: contiguous uint8 raw [N, super-blocks * block bytes] and out");
+  const int64_t N = raw.size(0), nsb = raw.size(1) / bb, groups = (N + G - 1) / G;
+  TORCH_CHECK(out.size(0) == groups && out.size(1) == nsb * L.rec, "gguf_repack_kquant: out [ceil(N / 8), "
+              "super-blocks * record bytes]");
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 1, [&](int64_t gb, int64_t ge) {
+    uint8_t q[QKK], sc[16], mn[8];
+    for (int64_t g = gb; g < ge; ++g)
+      for (int64_t r = 0; r < G && g * G + r < N; ++r)
+        for (int64_t s = 0; s < nsb; ++s) {
+          const uint8_t* b = src + (g * G + r) * nsb * bb + s * bb;
+          uint8_t* rec = dst + (g * nsb + s) * L.rec;
+          int64_t nsub = 8;
+          if (type == GGML_Q6_K) {  // ql 128, qh 64, 16 int8 scales, fp16 d
+            for (int64_t h2 = 0; h2 < 2; ++h2)
+              for (int64_t i = 0; i < 64; ++i) {
+                const uint8_t lo = b[64 * h2 + i];
+                q[128 * h2 + i] = lo & 15;
+                q[128 * h2 + 64 + i] = lo >> 4;
+              }
+            for (int64_t h2 = 0; h2 < 2; ++h2)
+              for (int64_t t = 0; t < 4; ++t)
+                for (int64_t i = 0; i < 32; ++i)
+                  q[128 * h2 + 32 * t + i] |= ((b[128 + 32 * h2 + i] >> (2 * t)) & 3) << 4;
+            nsub = 16;
+            for (int64_t j = 0; j < 16; ++j) sc[j] = b[192 + j];
+            std::memcpy(rec + L.d + 2 * r, b + 208, 2);
+          } else {  // fp16 d, fp16 dmin, 12 bytes of 6-bit scales and minimums, (Q5_K: 32 bytes of 5th bits), 128 of nibbles
+            const uint8_t* s6 = b + 4;
+            for (int64_t j = 0; j < 4; ++j) {
+              sc[j] = s6[j] & 63;
+              mn[j] = s6[4 + j] & 63;
+              sc[4 + j] = (s6[8 + j] & 15) | ((s6[j] >> 6) << 4);
+              mn[4 + j] = (s6[8 + j] >> 4) | ((s6[4 + j] >> 6) << 4);
+            }
+            const uint8_t* qs = b + bb - 128;
+            for (int64_t c4 = 0; c4 < 4; ++c4)
+              for (int64_t i = 0; i < 32; ++i) {
+                q[64 * c4 + i] = qs[32 * c4 + i] & 15;
+                q[64 * c4 + 32 + i] = qs[32 * c4 + i] >> 4;
+              }
+            if (type == GGML_Q5_K)
+              for (int64_t j = 0; j < 8; ++j)
+                for (int64_t i = 0; i < 32; ++i) q[32 * j + i] |= ((b[16 + i] >> j) & 1) << 4;
+            for (int64_t j = 0; j < 8; ++j) rec[L.mn + 8 * j + r] = mn[j];
+            std::memcpy(rec + L.d + 2 * r, b, 2);
+            std::memcpy(rec + L.dmin + 2 * r, b + 2, 2);
+          }
+          for (int64_t j = 0; j < nsub; ++j) rec[L.sc + 8 * j + r] = sc[j];
+          for (int64_t k = 0; k < QKK; ++k) {
+            const int64_t jj = k / 64, h = (k % 64) / 32, c = (k % 32) / 4, byte = 4 * r + k % 4;
+            rec[32 * (8 * jj + c) + byte] |= static_cast<uint8_t>((q[k] & 15) << (4 * h));
+            if (type == GGML_Q5_K) rec[1024 + 32 * (2 * jj + h) + byte] |= static_cast<uint8_t>(((q[k] >> 4) & 1) << c);
+            if (type == GGML_Q6_K)
+              rec[1024 + 32 * (4 * jj + 2 * h + c / 4) + byte] |= static_cast<uint8_t>(((q[k] >> 4) & 3) << (2 * (c % 4)));
+          }
+        }
+  });
+}
+
 }  // namespace VLLITE_CPU_ISA
 }  // namespace vllite_cpu

@@ -74,6 +74,7 @@
   void gguf_linear_x8(at::Tensor out, at::Tensor x, int64_t type, at::Tensor blocks, std::optional<at::Tensor> bias, \
                       int64_t gemm_min_rows, int64_t grain_bytes);                                                  \
   void gguf_rows(at::Tensor out, at::Tensor ids, int64_t type, at::Tensor blocks);                                  \
+  void gguf_repack_kquant(at::Tensor out, at::Tensor raw, int64_t type);                                            \
   void int4_linear(at::Tensor out, at::Tensor x, at::Tensor codes, at::Tensor scales,                              \
                    std::optional<at::Tensor> zeros, int64_t zero, int64_t group);                                   \
   void int4_linear_q8(at::Tensor out, at::Tensor x, at::Tensor codes, at::Tensor scales,                           \
