@@ -89,8 +89,8 @@ class ModelOps:
         y = F.linear(x.float(), weight.dequantize(), None if bias is None else bias.float())
         return y.to(x.dtype)
 
-    def gguf_repack(self, raw: torch.Tensor, type_id: int) -> torch.Tensor | None:
-        """GGUF blocks ``raw`` (uint8 [N, block bytes per row], ggml's ``type_id``) in ``GGUFWeight.blocks``' layout,
+    def gguf_repack(self, raw: torch.Tensor, qtype: str) -> torch.Tensor | None:
+        """GGUF blocks ``raw`` (uint8 [N, block bytes per row] of type ``qtype``) in ``GGUFWeight.blocks``' layout,
         made at load by a platform's kernel; None: the reference repack (numpy) makes it."""
         return None
 
@@ -265,27 +265,30 @@ class ModelOps:
         ``topk_weights`` [T, k] (routing is the router's: ``model_registry.layers.moe``). Returns [T, H]. Only
         the experts some token chose are computed. ``state``: a per-layer dict a platform may cache repacked
         expert weights in (as ``linear``'s)."""
-        out = torch.zeros_like(x)
-        for e in torch.unique(topk_ids).tolist():
-            tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
-            h = self.silu_and_mul(F.linear(x[tok], w13[e]))
-            h = F.linear(h, w2[e]) * topk_weights[tok, slot, None]
-            out.index_add_(0, tok, h.to(out.dtype))
-        return out
+        return _routed(x, topk_weights, topk_ids,
+                       lambda e, xe: F.linear(self.silu_and_mul(F.linear(xe, w13[e])), w2[e]))
 
     def gguf_fused_moe(self, x: torch.Tensor, experts: Sequence[tuple[Sequence[GGUFWeight], GGUFWeight]],
                        topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """``fused_moe`` with each expert's weights as GGUF blocks (``quantization="gguf"``): ``experts[e]`` is
         (w13 as one or two blocks weights, gate rows then up; w2), each product through ``gguf_linear``."""
-        out = torch.zeros_like(x)
-        for e in torch.unique(topk_ids).tolist():
-            tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+        def expert(e: int, xe: torch.Tensor) -> torch.Tensor:
             w13, w2 = experts[e]
-            xe = x[tok]
             gate_up = torch.cat([self.gguf_linear(xe, w, None, {}) for w in w13], dim=-1)
-            h = self.gguf_linear(self.silu_and_mul(gate_up), w2, None, {}) * topk_weights[tok, slot, None]
-            out.index_add_(0, tok, h.to(out.dtype))
-        return out
+            return self.gguf_linear(self.silu_and_mul(gate_up), w2, None, {})
+
+        return _routed(x, topk_weights, topk_ids, expert)
+
+
+def _routed(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+            expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Each chosen expert's ``expert(e, its tokens' rows)`` weighted by the routing and summed into its tokens (only
+    the experts some token chose run)."""
+    out = torch.zeros_like(x)
+    for e in torch.unique(topk_ids).tolist():
+        tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+        out.index_add_(0, tok, (expert(e, x[tok]) * topk_weights[tok, slot, None]).to(out.dtype))
+    return out
 
 
 def _activate(x: torch.Tensor, activation: str | None) -> torch.Tensor:

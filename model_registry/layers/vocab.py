@@ -64,7 +64,6 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight, self.shard = vocab_parameter(vocab_size, hidden_size, dtype)
-        self.dtype = dtype
         self.blocks: GGUFWeight | None = None
 
     def use_blocks(self, w: GGUFWeight) -> None:
@@ -72,11 +71,11 @@ class VocabParallelEmbedding(nn.Module):
         drop the float table (``weight`` becomes an empty placeholder)."""
         self.blocks = w
         self.ops = current_model_ops()
-        self.weight = nn.Parameter(torch.empty(0, dtype=self.dtype), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.blocks is not None:
-            return self.ops.gguf_embedding(input_ids, self.blocks, self.dtype)
+        if self.blocks is not None:  # the placeholder keeps the model dtype
+            return self.ops.gguf_embedding(input_ids, self.blocks, self.weight.dtype)
         return vocab_embedding(input_ids, self.weight, self.shard)
 
 

@@ -104,7 +104,7 @@ def test_kernel_repack_is_the_numpy_repack(qtype):
     from vllite_platform_cpu.model_ops import CpuModelOps
 
     raw = _random_blocks(qtype, 21, 512, seed=3)
-    got = CpuModelOps(fused=True, packed_linear=True).gguf_repack(torch.from_numpy(raw), TYPE_ID[qtype])
+    got = CpuModelOps(fused=True, packed_linear=True).gguf_repack(torch.from_numpy(raw), qtype)
     assert torch.equal(got, pack_kquant(decode_blocks(raw, qtype)).blocks)
 
 

@@ -177,17 +177,16 @@ def repack_kquant(raw: np.ndarray, qtype: str) -> GGUFWeight:
     one (``ModelOps.gguf_repack``), else here a few hundred rows at a time (whole groups of 8), so numpy's
     intermediate arrays stay in the cache (Llama-1B's Q4_K_M tensors: 2.5-4.0 s -> 1.2 s for twelve of them, the
     same records)."""
-    from model_registry.layers.quantization.gguf import GGUF_TYPE_IDS
     from vllite_core.model_ops import current_model_ops
 
     if qtype not in KQUANTS:
         raise ConfigError(f"gguf: {qtype} is not a K-quant this kernel computes ({', '.join(KQUANTS)})")
     n, k = raw.shape[0], raw.shape[1] // BLOCK_BYTES[qtype] * KQ_BLOCK
-    if k % KQ_BLOCK == 0 and raw.shape[1] % BLOCK_BYTES[qtype] == 0:
+    if raw.shape[1] % BLOCK_BYTES[qtype] == 0:  # else decode_blocks names the bad shape
         with warnings.catch_warnings():  # the file's read-only pages, which the kernel only reads
             warnings.simplefilter("ignore", UserWarning)
             src = torch.from_numpy(np.ascontiguousarray(raw, dtype=np.uint8))
-        blocks = current_model_ops().gguf_repack(src, GGUF_TYPE_IDS[qtype])
+        blocks = current_model_ops().gguf_repack(src, qtype)
         if blocks is not None:
             return GGUFWeight(qtype, blocks, n)
     rows = max(GGUF_GROUP, (1 << 19) // max(k, 1) // GGUF_GROUP * GGUF_GROUP)

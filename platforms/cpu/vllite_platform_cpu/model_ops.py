@@ -296,14 +296,16 @@ class CpuModelOps(ModelOps):
                             None if bias is None else bias.float())
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
-    def gguf_repack(self, raw: torch.Tensor, type_id: int) -> torch.Tensor | None:
+    def gguf_repack(self, raw: torch.Tensor, qtype: str) -> torch.Tensor | None:
         """K-quant super-blocks into their records through csrc/gguf.cpp (the numpy reference's bytes)."""
-        record = {12: 1184, 13: 1440, 14: 1680}.get(int(type_id))  # Q4_K, Q5_K, Q6_K: GGUF_RECORD
-        block = {12: 144, 13: 176, 14: 210}.get(int(type_id))
-        if not self.fused or record is None:
+        from model_registry.layers.quantization.gguf import GGUF_GROUP, GGUF_RECORD, GGUF_TYPE_IDS, KQUANTS
+        from model_registry.layers.quantization.kquants import BLOCK_BYTES
+
+        if not self.fused or qtype not in KQUANTS:
             return None
-        out = torch.zeros(-(-raw.shape[0] // 8), raw.shape[1] // block * record, dtype=torch.uint8)
-        kernels.gguf_repack_kquant(out, raw.contiguous(), int(type_id))
+        out = torch.zeros(-(-raw.shape[0] // GGUF_GROUP), raw.shape[1] // BLOCK_BYTES[qtype] * GGUF_RECORD[qtype],
+                          dtype=torch.uint8)
+        kernels.gguf_repack_kquant(out, raw.contiguous(), GGUF_TYPE_IDS[qtype])
         return out
 
     def gguf_embedding(self, input_ids: torch.Tensor, weight, dtype: torch.dtype) -> torch.Tensor:

@@ -110,6 +110,14 @@ struct Weights {
   const uint8_t* record(int64_t g, int64_t b) const { return p + (g * nb + b) * rec; }
 };
 
+// The record layout of a [N, K] weight of ggml ``type`` over its blocks ``p`` (nb: records per group of 8 rows).
+static inline Weights weights_of(int64_t type, int64_t K, const uint8_t* p) {
+  const bool kq = is_kquant(type);
+  const int64_t qbytes = type == GGML_Q8_0 ? 256 : 128, per = kq ? QKK : QK;
+  const int64_t rec = kq ? klayout(type).rec : qbytes + 2 * G * (type == GGML_Q4_1 ? 2 : 1);
+  return Weights{type, p, K / per, rec, qbytes, per};
+}
+
 struct Acts {
   const int8_t* q;    // [M, K]
   const float* d;     // [M, nb]
@@ -619,10 +627,9 @@ void gguf_linear_x8(at::Tensor out, at::Tensor x, int64_t type, at::Tensor block
               "gguf_linear: contiguous x [M, K] and out [M, N], both float32 or both bfloat16; contiguous uint8 blocks");
   const int64_t M = x.size(0), K = x.size(1), N = out.size(0) == M ? out.size(1) : -1;
   const bool kq = is_kquant(type);
-  const int64_t qbytes = type == GGML_Q8_0 ? 256 : 128, per = kq ? QKK : QK;
-  const int64_t rec = kq ? klayout(type).rec : qbytes + 2 * G * (type == GGML_Q4_1 ? 2 : 1);
-  const int64_t nb = K / QK, nrec = K / per, groups = (N + G - 1) / G;
-  TORCH_CHECK(N >= 0 && K % per == 0 && blocks.size(0) == groups && blocks.size(1) == nrec * rec,
+  const Weights w = weights_of(type, K, blocks.data_ptr<uint8_t>());
+  const int64_t nb = K / QK, groups = (N + G - 1) / G;
+  TORCH_CHECK(N >= 0 && K % w.per == 0 && blocks.size(0) == groups && blocks.size(1) == w.nb * w.rec,
               "gguf_linear: shapes (K a multiple of 32, of 256 for K-quants; blocks [ceil(N / 8), K / (32 or 256) * "
               "record bytes])");
   const float* bp = nullptr;
@@ -631,7 +638,6 @@ void gguf_linear_x8(at::Tensor out, at::Tensor x, int64_t type, at::Tensor block
     bp = bias->data_ptr<float>();
   }
   if (M == 0 || N == 0) return;
-  const Weights w{type, blocks.data_ptr<uint8_t>(), nrec, rec, qbytes, per};
   if (bf16) {
 #ifdef VLLITE_GGUF_BF16
     if (M >= gemm_min_rows) {
@@ -695,7 +701,7 @@ void gguf_linear_x8(at::Tensor out, at::Tensor x, int64_t type, at::Tensor block
   const Acts a{xq.data(), xd.data(), xs.data(), bs.data(), K, nb};
 
   // Each thread a contiguous run of groups (one stream), all input rows; small calls on this thread alone.
-  const int64_t group_bytes = nrec * rec * ((M + RM - 1) / RM);
+  const int64_t group_bytes = w.nb * w.rec * ((M + RM - 1) / RM);
   const int64_t grain = std::max<int64_t>(1, (grain_bytes + group_bytes - 1) / group_bytes);
   split_for(groups, grain, [&](int64_t gb, int64_t ge) {
     alignas(32) float tmp[RM * G];
@@ -749,14 +755,11 @@ void gguf_rows(at::Tensor out, at::Tensor ids, int64_t type, at::Tensor blocks) 
                   && ids.is_contiguous() && ids.scalar_type() == at::kLong && ids.size(0) == out.size(0)
                   && blocks.dim() == 2 && blocks.is_contiguous() && blocks.scalar_type() == at::kByte,
               "gguf_rows: contiguous out [T, K] float32 or bfloat16, int64 ids [T], uint8 blocks");
-  const int64_t T = out.size(0), K = out.size(1);
+  const int64_t T = out.size(0), K = out.size(1), groups = blocks.size(0);
   const bool kq = is_kquant(type);
-  const int64_t qbytes = type == GGML_Q8_0 ? 256 : 128, per = kq ? QKK : QK;
-  const int64_t rec = kq ? klayout(type).rec : qbytes + 2 * G * (type == GGML_Q4_1 ? 2 : 1);
-  const int64_t nrec = K / per, groups = blocks.size(0);
-  TORCH_CHECK(K % per == 0 && blocks.size(1) == nrec * rec,
+  const Weights w = weights_of(type, K, blocks.data_ptr<uint8_t>());
+  TORCH_CHECK(K % w.per == 0 && blocks.size(1) == w.nb * w.rec,
               "gguf_rows: blocks [groups, K / (32 or 256) * record bytes]");
-  const Weights w{type, blocks.data_ptr<uint8_t>(), nrec, rec, qbytes, per};
   const int64_t* ip = ids.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(ip[t] >= 0 && ip[t] < groups * G, "gguf_rows: id ", ip[t], " outside the table's ", groups * G,
@@ -768,14 +771,14 @@ void gguf_rows(at::Tensor out, at::Tensor ids, int64_t type, at::Tensor blocks) 
     std::vector<float> row(K);
     for (int64_t t = tb; t < te; ++t) {
       const int64_t g = ip[t] / G, r = ip[t] % G;
-      for (int64_t b = 0; b < nrec; ++b) {
+      for (int64_t b = 0; b < w.nb; ++b) {
         const uint8_t* p = w.record(g, b);
-        float* o = row.data() + b * per;
+        float* o = row.data() + b * w.per;
         if (kq) {
           const KLayout L = klayout(type);
           const float d = half_at(p + L.d, r);
           const int64_t sub = type == GGML_Q6_K ? 16 : 32;
-          for (int64_t j = 0; j < per / sub; ++j) {
+          for (int64_t j = 0; j < w.per / sub; ++j) {
             const float ds = d * static_cast<float>(kq_scale(type, p, r, j));
             if (type == GGML_Q6_K) {
               for (int64_t k = j * sub; k < (j + 1) * sub; ++k)
@@ -787,11 +790,11 @@ void gguf_rows(at::Tensor out, at::Tensor ids, int64_t type, at::Tensor blocks) 
             }
           }
         } else {
-          const float d = half_at(p + qbytes, r);
+          const float d = half_at(p + w.qbytes, r);
           for (int64_t k = 0; k < QK; ++k) {
             const float q = static_cast<float>(weight_at(w, p, r, k));
             o[k] = type == GGML_Q4_0   ? d * (q - 8.f)
-                   : type == GGML_Q4_1 ? d * q + half_at(p + qbytes + 2 * G, r)
+                   : type == GGML_Q4_1 ? d * q + half_at(p + w.qbytes + 2 * G, r)
                                        : d * q;
           }
         }
@@ -843,7 +846,7 @@ void gguf_repack_kquant(at::Tensor out, at::Tensor raw, int64_t type) {
             nsub = 16;
             for (int64_t j = 0; j < 16; ++j) sc[j] = b[192 + j];
             std::memcpy(rec + L.d + 2 * r, b + 208, 2);
-          } else {  // fp16 d, fp16 dmin, 12 bytes of 6-bit scales and minimums, (Q5_K: 32 bytes of 5th bits), 128 of nibbles
+          } else {  // fp16 d and dmin, 12 bytes of 6-bit scales and minimums, (Q5_K: 32 of 5th bits), 128 of nibbles
             const uint8_t* s6 = b + 4;
             for (int64_t j = 0; j < 4; ++j) {
               sc[j] = s6[j] & 63;
@@ -868,9 +871,10 @@ void gguf_repack_kquant(at::Tensor out, at::Tensor raw, int64_t type) {
           for (int64_t k = 0; k < QKK; ++k) {
             const int64_t jj = k / 64, h = (k % 64) / 32, c = (k % 32) / 4, byte = 4 * r + k % 4;
             rec[32 * (8 * jj + c) + byte] |= static_cast<uint8_t>((q[k] & 15) << (4 * h));
-            if (type == GGML_Q5_K) rec[1024 + 32 * (2 * jj + h) + byte] |= static_cast<uint8_t>(((q[k] >> 4) & 1) << c);
+            const int high = q[k] >> 4;
+            if (type == GGML_Q5_K) rec[1024 + 32 * (2 * jj + h) + byte] |= static_cast<uint8_t>((high & 1) << c);
             if (type == GGML_Q6_K)
-              rec[1024 + 32 * (4 * jj + 2 * h + c / 4) + byte] |= static_cast<uint8_t>(((q[k] >> 4) & 3) << (2 * (c % 4)));
+              rec[1024 + 32 * (4 * jj + 2 * h + c / 4) + byte] |= static_cast<uint8_t>((high & 3) << (2 * (c % 4)));
           }
         }
   });
